@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Thin wrapper over `fa3gen build`: python build.py --spec specs/h100.yaml [-j N] [--check]
+
+--check: after a successful build, run fa3gen.bench.quick_check() on the new library when
+a CUDA device is present (skipped with a message otherwise).
+"""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # usable without `pip install -e .`
+
+from fa3gen.cli import main  # noqa: E402
+
+
+def quick_check(spec: str) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("build.py: --check skipped: torch is not installed")
+        return 0
+    if not torch.cuda.is_available():
+        print("build.py: --check skipped: no CUDA device")
+        return 0
+    from generator.build import plan
+    from generator.ninja import library_name
+    p = plan(spec)
+    # Point the runtime at the library just built (it defaults to the h100 spec).
+    os.environ.setdefault("FA3GEN_LIB", str(p.out_dir / library_name(p.spec.name)))
+    try:
+        from fa3gen import bench
+    except ImportError as e:
+        print(f"build.py: --check skipped: fa3gen.bench unavailable ({e})")
+        return 0
+    if not hasattr(bench, "quick_check"):
+        print("build.py: --check skipped: fa3gen.bench has no quick_check()")
+        return 0
+    bench.quick_check(spec=p.spec.name)
+    return 0
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    check = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    rc = main(["build", *argv])
+    if rc == 0 and check and "--dry-run" not in argv:
+        spec = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--spec"),
+                    next((a.split("=", 1)[1] for a in argv if a.startswith("--spec=")), None))
+        rc = quick_check(spec)
+    sys.exit(rc)

@@ -1,0 +1,42 @@
+"""fa3gen: generated FlashAttention-3-style attention kernels for Hopper.
+
+Kept light on purpose: `import fa3gen` imports neither torch nor the generated library (the CLI
+runs on machines without torch); flash_attn_func and the torch-side modules load on first use.
+"""
+
+import importlib
+
+from fa3gen.errors import (
+    AbiMismatchError,
+    Fa3genError,
+    InvalidInputError,
+    LibraryNotBuiltError,
+    VariantNotBuiltError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "flash_attn_func",
+    "Fa3genError",
+    "InvalidInputError",
+    "LibraryNotBuiltError",
+    "VariantNotBuiltError",
+    "AbiMismatchError",
+    "__version__",
+]
+
+_LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops"}
+_LAZY_MODULES = {"ops", "runtime", "reference", "bench"}
+
+
+def __getattr__(name):
+    if name in _LAZY_ATTRS:
+        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"fa3gen.{name}")
+    raise AttributeError(f"module 'fa3gen' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_ATTRS) | _LAZY_MODULES)

@@ -1,0 +1,408 @@
+"""`fa3gen bench`: fa3gen vs PyTorch SDPA (cuDNN, FA2) on the FA3 paper grid, plus the GEMM ceiling.
+
+Pure parts (grid, FLOPs, report/markdown rendering, plot) take plain dicts and run on CPU;
+torch is imported only inside the GPU functions so fa3gen/cli.py stays torch-free.
+
+Report (JSON) = {"header": {...}, "rows": [row, ...]}, row = {direction, dtype, head_dim, causal,
+batch, seqlen, heads, variant, flops, ms: {backend: float|None}, tflops: {backend: float|None}}.
+Backends: "fa3gen", "cudnn", "flash". Backward rows later: direction "bwd", FLOPs 2.5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from fa3gen.errors import Fa3genError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TOTAL_TOKENS = 16384  # batch * seqlen (FA3 paper grid)
+HIDDEN = 2048  # heads * head_dim
+BACKENDS = ("fa3gen", "cudnn", "flash")
+LABELS = {"fa3gen": "fa3gen", "cudnn": "cuDNN", "flash": "FA2"}
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+GEMM_N = 8192
+
+# ---------------------------------------------------------------------------------------------
+# Pure parts.
+
+
+def grid(seqlens, head_dims, total_tokens=TOTAL_TOKENS, hidden=HIDDEN) -> list[dict]:
+    """Shapes of the paper grid: batch = total_tokens // seqlen, heads = hidden // head_dim."""
+    shapes = []
+    for d in head_dims:
+        for s in seqlens:
+            shapes.append(
+                {"head_dim": d, "seqlen": s, "batch": max(1, total_tokens // s),
+                 "heads": max(1, hidden // d)}
+            )
+    return shapes
+
+
+def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, direction="fwd") -> float:
+    """4*b*h*sq*sk*d (two GEMMs of 2 FLOPs per MAC), halved when causal, 2.5x for backward."""
+    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        f /= 2
+    if direction == "bwd":
+        f *= 2.5
+    return f
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
+def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, ms: dict) -> dict:
+    flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
+                            shape["head_dim"], causal, direction)
+    return {
+        "direction": direction, "dtype": dtype, "head_dim": shape["head_dim"], "causal": causal,
+        "batch": shape["batch"], "seqlen": shape["seqlen"], "heads": shape["heads"],
+        "variant": variant, "flops": flops,
+        "ms": {b: ms.get(b) for b in BACKENDS},
+        "tflops": {b: tflops(flops, ms.get(b)) for b in BACKENDS},
+    }
+
+
+def _groups(rows):
+    """(direction, dtype, causal) -> rows, in a stable order (fwd before bwd, non-causal first)."""
+    out: dict[tuple, list] = {}
+    for r in sorted(rows, key=lambda r: (r["direction"] != "fwd", r["direction"], r["dtype"],
+                                         r["causal"], r["head_dim"], r["seqlen"])):
+        out.setdefault((r["direction"], r["dtype"], r["causal"]), []).append(r)
+    return out
+
+
+def _fmt(x, spec=".0f"):
+    return "—" if x is None else format(x, spec)
+
+
+def render_markdown(report: dict) -> str:
+    """The block between the bench markers: provenance header and one table per group."""
+    h = report["header"]
+    lines = [
+        BEGIN,
+        "## Attention throughput (TFLOP/s)",
+        "",
+        f"- Date: {h.get('date')}; GPU: {h.get('gpu')}; commit: `{h.get('commit')}`",
+        f"- torch {h.get('torch')}, CUDA {h.get('cuda')}, cuDNN {h.get('cudnn')}; "
+        f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(h.get('gemm_tflops'))} TFLOP/s",
+        f"- fa3gen library: {h.get('library')}",
+        f"- Reproduce: `{h.get('command') or 'fa3gen bench'}`",
+        "- Grid: batch*seqlen = 16384, heads*head_dim = 2048; FLOPs = 4*b*h*s^2*d, halved when "
+        "causal (backward 2.5x). Median of timed launches (CUDA events); — = backend failed or "
+        "not built. FA2 = PyTorch SDPA flash backend, cuDNN = SDPA cuDNN backend.",
+    ]
+    for (direction, dtype, causal), rows in _groups(report["rows"]).items():
+        lines += [
+            "",
+            f"### {direction}, {dtype}, causal={causal}",
+            "",
+            "| head_dim | seqlen | fa3gen | cuDNN | FA2 | fa3gen/cuDNN | variant |",
+            "|---:|---:|---:|---:|---:|---:|:---|",
+        ]
+        for r in rows:
+            t = r["tflops"]
+            ratio = t["fa3gen"] / t["cudnn"] if t.get("fa3gen") and t.get("cudnn") else None
+            lines.append(
+                f"| {r['head_dim']} | {r['seqlen']} | {_fmt(t.get('fa3gen'))} | "
+                f"{_fmt(t.get('cudnn'))} | {_fmt(t.get('flash'))} | {_fmt(ratio, '.2f')} | "
+                f"{r.get('variant') or '—'} |"
+            )
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def update_markdown(path: Path, block: str) -> None:
+    """Rewrite only the text between the bench markers; hand-written text elsewhere stays."""
+    path = Path(path)
+    old = path.read_text() if path.exists() else "# fa3gen benchmarks\n\n"
+    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    if pat.search(old):
+        new = pat.sub(lambda _: block, old, count=1)
+    else:
+        new = old + ("" if old.endswith("\n") else "\n") + "\n" + block
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(new)
+
+
+def write_json(report: dict, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def plot(report: dict, path: Path) -> None:
+    """One subplot per (head_dim, causal) [and direction], TFLOP/s vs seqlen, GEMM dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    head_dims = sorted({r["head_dim"] for r in rows})
+    kinds = sorted({(r["direction"], r["dtype"], r["causal"]) for r in rows},
+                   key=lambda k: (k[0] != "fwd", k))
+    if not rows:
+        kinds, head_dims = [("fwd", "bf16", False)], [0]
+    fig, axes = plt.subplots(len(kinds), len(head_dims), squeeze=False,
+                             figsize=(4.2 * len(head_dims), 3.4 * len(kinds)))
+    gemm = report["header"].get("gemm_tflops")
+    for i, kind in enumerate(kinds):
+        for j, d in enumerate(head_dims):
+            ax = axes[i][j]
+            sel = sorted((r for r in rows if (r["direction"], r["dtype"], r["causal"]) == kind
+                          and r["head_dim"] == d), key=lambda r: r["seqlen"])
+            for b in BACKENDS:
+                pts = [(r["seqlen"], r["tflops"].get(b)) for r in sel]
+                pts = [(s, t) for s, t in pts if t is not None]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=LABELS[b])
+            if gemm:
+                ax.axhline(gemm, ls="--", color="gray", label="cuBLAS GEMM")
+            ax.set_xscale("log", base=2)
+            if sel:
+                ax.set_xticks([r["seqlen"] for r in sel], [str(r["seqlen"]) for r in sel])
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{kind[0]} {kind[1]} d={d} causal={kind[2]}", fontsize=9)
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    h = report["header"]
+    fig.suptitle(f"{h.get('gpu')}  commit {str(h.get('commit'))[:10]}  {h.get('date')}",
+                 fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def git_commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                   cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+            return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("FA3GEN_COMMIT")
+
+
+def _int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="benchmark fa3gen vs cuDNN/FA2 on the FA3 paper grid")
+    p.add_argument("--spec", default=None,
+                   help="spec name, specs/<name>.yaml or a .so (default: FA3GEN_LIB, else h100)")
+    p.add_argument("--seqlens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "docs/BENCHMARKS.md")
+    p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/results/bench.png")
+    p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    from fa3gen import runtime
+
+    if not torch.cuda.is_available():
+        raise Fa3genError("fa3gen bench needs a CUDA GPU (Hopper sm_90)")
+    lib = runtime.use_spec(args.spec) if args.spec else runtime.get_library()
+    causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+
+    header = {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "library": str(lib.path),
+        "build_info": lib.build_info,
+        "gemm_tflops": None,
+        "command": shlex.join(["fa3gen", *sys.argv[1:]]),
+    }
+    header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
+    print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
+
+    rows = []
+    for causal in causals:
+        for shape in grid(args.seqlens, args.head_dims):
+            row = bench_fwd_shape(lib, shape, causal, dtype, args)
+            rows.append(row)
+            t = row["tflops"]
+            print(f"fwd {args.dtype} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
+                  f"causal={causal!s:<5} fa3gen {_fmt(t['fa3gen']):>4}  cuDNN "
+                  f"{_fmt(t['cudnn']):>4}  FA2 {_fmt(t['flash']):>4}  TFLOP/s  "
+                  f"[{row['variant']}]", flush=True)
+
+    report = {"header": header, "rows": rows}
+    write_json(report, args.out)
+    update_markdown(args.markdown, render_markdown(report))
+    plot(report, args.plot)
+    print(f"wrote {args.out}, {args.markdown}, {args.plot}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU measurement.
+
+# Spin the GPU this many cycles before a timed batch so the CPU enqueues every launch while
+# the GPU is busy: per-launch event times then measure the kernels, not Python overhead.
+_SLEEP_CYCLES = 100_000_000
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of `iters` launches of fn, each between its own CUDA events."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def gemm_tflops(warmup: int, iters: int) -> float | None:
+    import torch
+
+    try:
+        a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        ms = time_ms(lambda: torch.matmul(a, b), warmup, iters)
+    except Exception as e:  # noqa: BLE001 - the ceiling is optional in the report
+        print(f"GEMM benchmark failed: {e}", file=sys.stderr)
+        return None
+    return tflops(2.0 * GEMM_N**3, ms)
+
+
+def _try(label, fn, warmup, iters):
+    """Time fn; a backend that fails on a shape gives None in the report, not a crash."""
+    import torch
+
+    try:
+        return time_ms(fn, warmup, iters)
+    except Exception as e:  # noqa: BLE001 - any backend failure is reported, not fatal
+        torch.cuda.synchronize()
+        print(f"  {label} failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return None
+
+
+def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa3gen.ops import flash_attn_func
+
+    b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
+    dt_name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
+               for _ in range(3))
+    ms: dict = {}
+    try:
+        variant = lib.find("fwd", dt_name, d, causal).name
+    except Fa3genError as e:
+        print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
+        variant = None
+    if variant is not None:
+        ms["fa3gen"] = _try("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal,
+                                                              variant=variant),
+                            args.warmup, args.iters)
+    if not args.no_baselines:
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
+
+        def sdpa(backend):
+            def fn():
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return fn
+
+        ms["cudnn"] = _try("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION), args.warmup, args.iters)
+        ms["flash"] = _try("FA2", sdpa(SDPBackend.FLASH_ATTENTION), args.warmup, args.iters)
+    del q, k, v
+    torch.cuda.empty_cache()
+    return make_row("fwd", dt_name, shape, causal, variant, ms)
+
+
+def quick_check(spec=None, verbose: bool = True) -> list[dict]:
+    """One small random problem per default forward variant of the library, against the fp32
+    reference under the tolerance rule. Raises Fa3genError listing the failures."""
+    import torch
+
+    from fa3gen import ops, reference, runtime
+
+    if not torch.cuda.is_available():
+        raise Fa3genError("quick_check needs a CUDA GPU (Hopper sm_90)")
+    lib = runtime.get_library(spec)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results, failed = [], []
+    # Odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises the causal alignment).
+    b, sq, sk, hq, hkv = 2, 200, 333, 4, 2
+    for info in lib.defaults("fwd"):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
+        d = info.head_dim
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
+        out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dtype)
+        lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+        scale = d**-0.5
+        try:
+            ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
+            torch.cuda.synchronize()
+            res = reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
+        except (RuntimeError, Fa3genError) as e:
+            res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+        res["variant"] = info.name
+        results.append(res)
+        if verbose:
+            status = "ok  " if res["ok"] else "FAIL"
+            errs = (f"max|out-ref| {res['out_err']:.2e} (tol {res['out_tol']:.2e}), "
+                    f"max|lse-ref| {res['lse_err']:.2e}") if "out_err" in res else ""
+            print(f"{status} {info.name}: {errs} {'' if res['ok'] else res['why']}", flush=True)
+        if not res["ok"]:
+            failed.append(f"{info.name}: {res['why']}")
+    if not results:
+        raise Fa3genError(f"{lib.path} has no default forward variant to check")
+    if failed:
+        raise Fa3genError("quick_check failed:\n  " + "\n  ".join(failed))
+    return results

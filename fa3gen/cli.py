@@ -1,0 +1,159 @@
+"""The `fa3gen` command line: build, list, clean (+ commands from other modules).
+
+Only generator.* (pure Python) is imported at module level: no torch, so the CLI starts
+fast and runs on build machines without a GPU or a CUDA torch.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import sys
+from pathlib import Path
+
+from generator.errors import BuildError, GeneratorError
+from generator.paths import generated_root, resolve_spec_path
+
+# Modules that add subcommands through `register(subparsers)` (each sets `func`).
+# Imported only when the command line asks for something that is not built in.
+COMMAND_MODULES = ("fa3gen.bench",)
+BUILTIN_COMMANDS = ("build", "list", "clean")
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from generator.build import build
+    build(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs,
+          dry_run=args.dry_run, compiler_launcher=args.launcher,
+          allow_spills=args.allow_spills, debug=args.debug, lineinfo=args.lineinfo)
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from generator.build import plan
+    p = plan(args.spec, args.only, args.exclude)
+    defaults = {v.name for v in p.defaults.values()}
+    for v in p.variants:
+        print(f"{'*' if v.name in defaults else ' '} {v.name}")
+    if args.explain:
+        for x in p.enumeration.pruned:
+            print(f"- {x.variant.name}  pruned by {x.constraint}: {x.reason}")
+        print(f"# {len(p.variants)} variant(s), {len(p.enumeration.pruned)} pruned; "
+              "* = dispatch default", file=sys.stderr)
+    return 0
+
+
+def _spec_name(spec: str) -> str:
+    """Name of the generated/ subdirectory for --spec (a path, or a bare spec name)."""
+    path = resolve_spec_path(spec)
+    if path.is_file():
+        from generator.spec import load_spec
+        try:
+            return load_spec(path).name
+        except GeneratorError:
+            return path.stem  # a broken spec can still be cleaned
+    return Path(spec).stem
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    root = generated_root()
+    target = root / _spec_name(args.spec) if args.spec else root
+    if target.resolve().parent != root.resolve() and target != root:
+        raise GeneratorError(f"refusing to remove {target}: not inside {root}")
+    if not target.exists():
+        print(f"fa3gen: nothing to clean at {target}")
+        return 0
+    shutil.rmtree(target)
+    print(f"fa3gen: removed {target}")
+    return 0
+
+
+def _add_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--only", action="append", default=[], metavar="GLOB",
+                   help="keep only variants whose name matches (repeatable)")
+    p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="drop variants whose name matches (repeatable)")
+
+
+def _register_extra(sub) -> None:
+    for name in COMMAND_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue  # not written yet: fine
+            print(f"fa3gen: warning: commands of {name} unavailable: {e}", file=sys.stderr)
+            continue
+        except Exception as e:  # a broken extra must not break build/list/clean
+            print(f"fa3gen: warning: commands of {name} unavailable: {e}", file=sys.stderr)
+            continue
+        if hasattr(mod, "register"):
+            mod.register(sub)
+
+
+def build_parser(extra: bool = True) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="fa3gen", description="FlashAttention-3-style kernel "
+                                 "generator for Hopper (sm_90a)")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    b = sub.add_parser("build", help="render and compile a spec into a shared library")
+    b.add_argument("--spec", required=True, help="spec YAML path or name in specs/ (e.g. h100)")
+    _add_filters(b)
+    b.add_argument("-j", "--jobs", type=int, default=None,
+                   help="parallel compiles (default: min(cores, free GiB / 4))")
+    b.add_argument("--dry-run", action="store_true", help="show what would be rebuilt")
+    b.add_argument("--allow-spills", action="store_true",
+                   help="accept variants that spill or lose setmaxnreg (FA3GEN_ALLOW_SPILLS=1)")
+    b.add_argument("--launcher", default=None,
+                   help="compiler launcher, e.g. ccache (default: $FA3GEN_COMPILER_LAUNCHER)")
+    b.add_argument("--debug", action="store_true", help="device asserts on, -lineinfo")
+    b.add_argument("--lineinfo", action="store_true", help="add -lineinfo")
+    b.set_defaults(func=cmd_build)
+
+    ls = sub.add_parser("list", help="list the variants a spec builds (* = dispatch default)")
+    ls.add_argument("--spec", required=True, help="spec YAML path or name in specs/")
+    _add_filters(ls)
+    ls.add_argument("--explain", action="store_true",
+                    help="also list pruned variants and the constraint that dropped each")
+    ls.set_defaults(func=cmd_list)
+
+    c = sub.add_parser("clean", help="remove generated/<spec> (or all of generated/)")
+    c.add_argument("--spec", default=None, help="spec YAML path or name")
+    c.set_defaults(func=cmd_clean)
+
+    if extra:
+        _register_extra(sub)
+    return ap
+
+
+def _error(message: str) -> None:
+    print(f"fa3gen: error: {message}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    # Built-in commands skip importing the extra modules (they may import torch).
+    parser = build_parser(extra=first not in BUILTIN_COMMANDS)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except BuildError as e:
+        _error(str(e))
+        return 1
+    except GeneratorError as e:
+        _error(str(e))
+        return 2
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+    except Exception as e:
+        # Errors of the runtime side (fa3gen.errors) are user-facing too: no traceback.
+        if type(e).__module__ == "fa3gen.errors":
+            _error(str(e))
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Exceptions raised by the fa3gen runtime.
+
+No torch or ctypes imports here: the CLI and the error tests import this module alone.
+Every message says what went wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Long variant lists (the ablation library has hundreds) are cut so messages stay readable.
+_MAX_LISTED = 40
+
+
+class Fa3genError(Exception):
+    """Base class of every fa3gen error."""
+
+
+class InvalidInputError(Fa3genError, ValueError):
+    """The tensors passed to an fa3gen op break a documented requirement (shape, dtype, stride)."""
+
+
+class LibraryNotBuiltError(Fa3genError):
+    """The generated shared library is not where the runtime looks for it."""
+
+    def __init__(self, path, spec_name: str | None = None):
+        self.path = str(path)
+        self.spec_name = spec_name
+        build = build_command(spec_name)
+        super().__init__(
+            f"fa3gen library not found: {self.path}\n"
+            f"Build it with: {build}\n"
+            "(or point FA3GEN_LIB at a built libfa3gen_<spec>.so, "
+            "or FA3GEN_GENERATED at the generated/ root that holds it)"
+        )
+
+
+class AbiMismatchError(Fa3genError):
+    """The library was built against another version of templates/kernels/fa3gen_abi.h."""
+
+    def __init__(self, path, found, expected: int, spec_name: str | None = None):
+        self.path, self.found, self.expected = str(path), found, expected
+        super().__init__(
+            f"fa3gen library {self.path} has C ABI version {found}, this fa3gen package expects "
+            f"{expected}. Rebuild it with: {build_command(spec_name)}"
+        )
+
+
+class VariantNotBuiltError(Fa3genError):
+    """No variant of the loaded library serves the call (never silently fall back)."""
+
+    def __init__(self, requested: str, available: Sequence[str], hint: str, library: str = ""):
+        self.requested = requested
+        self.available = list(available)
+        self.hint = hint
+        where = f" in {library}" if library else ""
+        super().__init__(
+            f"no fa3gen variant built for {requested}{where}.\n"
+            f"{format_variant_list(self.available)}\n"
+            f"To build it: {hint}"
+        )
+
+
+def build_command(spec_name: str | None) -> str:
+    spec = spec_name or "<spec>"
+    return f"fa3gen build --spec specs/{spec}.yaml"
+
+
+def format_variant_list(names: Sequence[str]) -> str:
+    if not names:
+        return "The loaded library has no variants."
+    shown = list(names[:_MAX_LISTED])
+    more = len(names) - len(shown)
+    lines = [f"The loaded library has {len(names)} variant(s):"]
+    lines += [f"  {n}" for n in shown]
+    if more:
+        lines.append(f"  ... and {more} more (fa3gen list shows all)")
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Plain PyTorch attention: the ground truth of the GPU tests and of quick_check.
+
+Layout (batch, seqlen, heads, head_dim) like the kernels. Semantics the kernels must match:
+- GQA/MQA: query head i reads kv head i // (heads_q // heads_kv).
+- causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
+  (the last query sees every key; with seqlen_q > seqlen_k the first queries see none).
+- a row with no visible key gives output 0 and LSE -inf (not NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
+    """Bool (seqlen_q, seqlen_k), True where query i may see key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse). out is fp32 when upcast (the reference), else in the input dtype (the
+    "plain PyTorch in low precision" baseline of the tolerance rule). lse is fp32
+    (batch, heads_q, seqlen_q) in both cases."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={hkv}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    dt = torch.float32 if upcast else q.dtype
+
+    qt = q.to(dt).transpose(1, 2)  # (b, hq, sq, d)
+    kt = k.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    vt = v.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale  # (b, hq, sq, sk) in dt
+    if causal:
+        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+
+    # LSE in fp32 either way (low-precision logsumexp would only add noise to the baseline).
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    visible = torch.isfinite(lse).unsqueeze(-1)  # False for rows with no visible key
+    if upcast:
+        p = torch.exp(scores - torch.where(visible, lse.unsqueeze(-1), 0.0))
+    else:
+        p = torch.softmax(scores, dim=-1)  # in dt, as a naive low-precision implementation
+    p = torch.where(visible, p, torch.zeros((), dtype=p.dtype, device=p.device))
+    out = torch.matmul(p.to(dt), vt).transpose(1, 2).contiguous()  # (b, sq, hq, d)
+    return out, lse.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tolerance rule shared by the GPU tests and bench.quick_check (as in the FA3 test suite):
+# the kernel may be at most twice as wrong as plain PyTorch in the same low precision, + atol.
+
+OUT_ATOL = 1e-3
+LSE_ATOL = 1e-3
+LSE_RTOL = 1e-3
+
+
+def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None) -> dict:
+    """Check a kernel's (out, lse) against the fp32 reference; returns errors, tolerances and
+    ok/why. NaN anywhere fails (outputs are poisoned with NaN before the tests launch)."""
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale, upcast=True)
+    low_out, _ = attention_reference(q, k, v, causal, softmax_scale, upcast=False)
+    out_f, lse_f = out.float(), lse.float()
+    res = {"ok": True, "why": []}
+
+    def fail(msg):
+        res["ok"] = False
+        res["why"].append(msg)
+
+    n_nan_o, n_nan_l = int(torch.isnan(out_f).sum()), int(torch.isnan(lse_f).sum())
+    if n_nan_o or n_nan_l:
+        fail(f"NaN in out ({n_nan_o}) / lse ({n_nan_l}): elements not written or NaN math")
+    res["out_err"] = _max_abs(out_f - ref_out)
+    res["lowprec_err"] = _max_abs(low_out.float() - ref_out)
+    res["out_tol"] = 2 * res["lowprec_err"] + OUT_ATOL
+    if not res["out_err"] <= res["out_tol"]:
+        fail(f"max |out - ref| = {res['out_err']:.3g} > tolerance {res['out_tol']:.3g}")
+
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isneginf(lse_f), ~finite):
+        fail("lse -inf positions differ from the reference "
+             "(must be -inf exactly where a row sees no key)")
+    diff = (lse_f - ref_lse).abs()[finite]
+    res["lse_err"] = _max_abs(diff)
+    bound = LSE_ATOL + LSE_RTOL * ref_lse.abs()[finite]
+    if diff.numel() and not bool((diff <= bound).all()):
+        fail(f"max |lse - ref| = {res['lse_err']:.3g} beyond atol {LSE_ATOL} + rtol {LSE_RTOL}")
+    res["why"] = "; ".join(res["why"])
+    return res
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    # NaN-propagating max; 0 for empty tensors.
+    return float(t.abs().max()) if t.numel() else 0.0

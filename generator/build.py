@@ -1,0 +1,200 @@
+"""The build pipeline: spec -> variants -> filter -> render -> ninja -> manifest.json."""
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+from . import __version__
+from .errors import BuildError, FilterError
+from .ninja import library_name, planned_edges, render_build_ninja, run_ninja, write_build_ninja
+from .paths import KERNELS_DIR, resolve_spec_path, spec_out_dir
+from .render import environment, render_sources
+from .spec import Spec, load_spec
+from .toolchain import Toolchain, detect
+from .variants import (Enumeration, Variant, enumerate_variants, key_str, resolve_dispatch,
+                       smem_bytes)
+
+GIB_PER_JOB = 4  # an nvcc of a CuTe attention kernel can take several GB
+
+
+def default_jobs() -> int:
+    """min(cores, free GiB // 4), at least 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        kib = int(re.search(r"^MemAvailable:\s+(\d+)", meminfo, re.M).group(1))
+        by_mem = kib // (1024 * 1024) // GIB_PER_JOB
+    except (OSError, AttributeError, ValueError):
+        by_mem = cpus
+    return max(1, min(cpus, by_mem))
+
+
+def abi_version(kernels_dir: Path = KERNELS_DIR) -> Optional[int]:
+    try:
+        m = re.search(r"#define\s+FA3GEN_ABI_VERSION\s+(\d+)",
+                      (kernels_dir / "fa3gen_abi.h").read_text())
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def select(en: Enumeration, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> list[Variant]:
+    """Apply --only / --exclude globs to variant names. A glob that matches nothing is an
+    error (a typo would otherwise build the wrong set), as is an empty result."""
+    only, exclude = list(only), list(exclude)
+    names = [v.name for v in en.kept]
+
+    def check(glob: str, flag: str) -> None:
+        if fnmatch.filter(names, glob):
+            return
+        pruned = [p for p in en.pruned if fnmatch.fnmatch(p.variant.name, glob)]
+        if pruned:
+            why = "; ".join(f"{p.variant.name} pruned by {p.constraint}: {p.reason}"
+                            for p in pruned[:5])
+            more = f" (+{len(pruned) - 5} more)" if len(pruned) > 5 else ""
+            raise FilterError(f"{flag} {glob!r} matches only pruned variants: {why}{more}")
+        raise FilterError(f"{flag} {glob!r} matches no variant; available: "
+                          f"{', '.join(names) or 'none'}")
+
+    for g in only:
+        check(g, "--only")
+    for g in exclude:
+        check(g, "--exclude")
+    out = [v for v in en.kept
+           if (not only or any(fnmatch.fnmatch(v.name, g) for g in only))
+           and not any(fnmatch.fnmatch(v.name, g) for g in exclude)]
+    if not out:
+        raise FilterError("nothing left to build after filtering"
+                          if en.kept else "the spec leaves no variant (all pruned; see "
+                          "`fa3gen list --explain`)")
+    return out
+
+
+@dataclass
+class Plan:
+    """What a build would produce, before running ninja."""
+    spec: Spec
+    enumeration: Enumeration
+    variants: list[Variant]
+    defaults: dict[tuple, Variant]        # over the whole spec, before filtering
+    out_dir: Path
+
+    @property
+    def default_names(self) -> set[str]:
+        built = {v.name for v in self.variants}
+        return {v.name for v in self.defaults.values() if v.name in built}
+
+
+def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Plan:
+    spec = load_spec(resolve_spec_path(str(spec_path)))
+    en = enumerate_variants(spec)
+    # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
+    defaults = resolve_dispatch(spec, en.kept)
+    variants = select(en, only, exclude)
+    return Plan(spec, en, variants, defaults, spec_out_dir(spec.name))
+
+
+@dataclass
+class BuildResult:
+    plan: Plan
+    library: Path
+    manifest: Optional[Path] = None
+    planned: list[str] = field(default_factory=list)   # dry run: edges ninja would run
+
+
+def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
+          jobs: Optional[int] = None, dry_run: bool = False,
+          compiler_launcher: Optional[str] = None, allow_spills: bool = False,
+          debug: bool = False, lineinfo: bool = False, toolchain: Optional[Toolchain] = None,
+          log: Callable[[str], None] = print) -> BuildResult:
+    only, exclude = list(only), list(exclude)
+    p = plan(spec_path, only, exclude)
+    tc = toolchain or detect(debug=debug, lineinfo=lineinfo)
+    fp = tc.fingerprint()
+    launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
+    jobs = jobs or default_jobs()
+    out = p.out_dir
+    env = environment(tc.templates_dir)
+
+    for key, v in p.defaults.items():
+        if v not in p.variants and any(x.key == key for x in p.variants):
+            log(f"fa3gen: note: {key_str(key)} has no default in this build "
+                f"({v.name} was filtered out)")
+    info = {"spec": p.spec.name, "fingerprint": fp, "generator_version": __version__,
+            "num_variants": len(p.variants)}
+    rendered = render_sources(out, p.spec.name, p.variants, p.default_names, fp, info, env)
+    write_build_ninja(out, render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env))
+    lib = out / library_name(p.spec.name)
+    log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s), "
+        f"{len(p.defaults)} dispatch default(s), {len(p.enumeration.pruned)} pruned; "
+        f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}"
+        + (f"; removed {len(rendered.removed)} stale file(s)" if rendered.removed else ""))
+
+    if dry_run:
+        proc = run_ninja(out, jobs, dry_run=True, capture=True)
+        if proc.returncode != 0:
+            raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
+        edges = planned_edges(proc.stdout)
+        for e in edges:
+            log(f"  would run: {e}")
+        log(f"fa3gen: {len(edges)} edge(s) out of date" if edges else "fa3gen: up to date")
+        return BuildResult(p, lib, planned=edges)
+
+    proc = run_ninja(out, jobs, allow_spills=allow_spills)
+    if proc.returncode != 0:
+        raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
+                         f"see the messages above and {out}/obj/*.log")
+    manifest = write_manifest(p, tc, fp, lib, only, exclude)
+    log(f"fa3gen: built {lib}")
+    return BuildResult(p, lib, manifest)
+
+
+def _resources(out: Path, name: str) -> Optional[dict]:
+    try:
+        data = json.loads((out / "obj" / f"{name}.resources.json").read_text())
+    except (OSError, ValueError):
+        return None
+    data.pop("entries", None)
+    data.pop("name", None)
+    return data
+
+
+def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
+                   only: list[str], exclude: list[str]) -> Path:
+    defaults = p.default_names
+    variants = []
+    for v in p.variants:
+        row = {"name": v.name, "direction": v.direction, "dtype": v.dtype,
+               "head_dim": v.head_dim, "causal": v.causal, "tile_m": v.tile_m,
+               "tile_n": v.tile_n, "stages": v.stages, "warp_specialized": v.warp_specialized,
+               "pingpong": v.pingpong, "intra_wg_overlap": v.intra_wg_overlap,
+               "key": list(v.key), "is_default": v.name in defaults,
+               "smem_bytes_estimate": smem_bytes(v),
+               "resources": _resources(p.out_dir, v.name)}
+        variants.append(row)
+    data = {
+        "spec": p.spec.name,
+        "spec_path": str(Path(p.spec.path).resolve()),
+        "fingerprint": fp,
+        "generator_version": __version__,
+        "abi_version": abi_version(),
+        "library": str(lib.relative_to(p.out_dir)),
+        "toolchain": tc.describe(),
+        "filters": {"only": only, "exclude": exclude},
+        "variants": variants,
+        "pruned": [{"name": x.variant.name, "constraint": x.constraint, "reason": x.reason}
+                   for x in p.enumeration.pruned],
+    }
+    path = p.out_dir / "manifest.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path

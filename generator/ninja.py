@@ -1,0 +1,102 @@
+"""Write build.ninja and run ninja.
+
+One compile edge per translation unit (through generator/compile_one.py, which checks
+ptxas resources) plus one link edge. Every edge depends on fingerprint.txt and the kernel
+headers, so a toolchain or template change rebuilds everything.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+
+from .errors import ToolchainError
+from .paths import KERNELS_DIR, REPO_ROOT
+from .render import environment, write_if_changed
+from .toolchain import Toolchain
+from .variants import Variant
+
+
+def find_ninja() -> str:
+    """The ninja from the `ninja` pip package, else one on PATH."""
+    try:
+        import ninja as ninja_pkg  # the pip package: a binary in ninja.BIN_DIR
+        cand = Path(ninja_pkg.BIN_DIR) / "ninja"
+        if cand.is_file():
+            return str(cand)
+    except ImportError:
+        pass
+    found = shutil.which("ninja")
+    if not found:
+        raise ToolchainError("ninja not found: pip install ninja")
+    return found
+
+
+def library_name(spec_name: str) -> str:
+    return f"lib/libfa3gen_{spec_name}.so"
+
+
+def _path(p) -> str:
+    """Escape a path for a ninja build line."""
+    return re.sub(r"([$ :])", r"$\1", str(p))
+
+
+def _cmd(args) -> str:
+    """Shell-quote arguments and escape them for a ninja variable."""
+    return " ".join(shlex.quote(str(a)) for a in args).replace("$", "$$")
+
+
+def _without_ptxas_v(flags) -> list[str]:
+    """The dispatch TU has no kernel: its ptxas report would only be noise."""
+    out, flags = [], list(flags)
+    for i, f in enumerate(flags):
+        if f == "-v" and i and flags[i - 1] == "-Xptxas":
+            out.pop()
+            continue
+        out.append(f)
+    return out
+
+
+def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
+                       launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
+                       env: jinja2.Environment | None = None) -> str:
+    env = env or environment()
+    headers = sorted(p for p in Path(kernels_dir).glob("*") if p.is_file())
+    implicit = " ".join(["fingerprint.txt", *(_path(h) for h in headers)])
+    return env.get_template("build.ninja.j2").render(
+        spec_name=spec_name, variants=variants,
+        repo_root=_cmd([REPO_ROOT]), python=_cmd([sys.executable]), nvcc=_cmd([tc.nvcc]),
+        launcher=_cmd(shlex.split(launcher)) if launcher else "",
+        cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
+        ldflags=_cmd(tc.link_flags),
+        implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
+        library=library_name(spec_name))
+
+
+def write_build_ninja(out_dir: Path, text: str) -> bool:
+    return write_if_changed(Path(out_dir) / "build.ninja", text)
+
+
+def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
+              capture: bool = False) -> subprocess.CompletedProcess:
+    """Run ninja in out_dir. Output streams to the terminal unless `capture`."""
+    cmd = [find_ninja(), "-C", str(out_dir), "-j", str(jobs)]
+    if dry_run:
+        cmd.append("-n")
+    env = dict(os.environ)
+    if allow_spills:
+        env["FA3GEN_ALLOW_SPILLS"] = "1"
+    env.setdefault("NINJA_STATUS", "[%f/%t %es] ")  # finished/total and elapsed seconds
+    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}
+    return subprocess.run(cmd, env=env, **kw)
+
+
+def planned_edges(ninja_output: str) -> list[str]:
+    """Descriptions of the edges in `ninja -n` output (e.g. 'NVCC fwd_bf16_...')."""
+    return [m.group(1) for m in re.finditer(r"^\[[^\]]*\]\s*(.+)$", ninja_output, re.M)]

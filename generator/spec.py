@@ -1,0 +1,286 @@
+"""Load a YAML spec and validate it into a frozen `Spec`.
+
+Validation is strict (unknown keys and wrong types are errors) because a typo in a spec
+would otherwise silently build the wrong set of kernels. Every error names the file, the
+key path and the bad value. Whether a variant can *work* is not decided here: that is the
+job of the named constraints in generator/variants.py.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from .errors import SpecError
+from .paths import SPECS_DIR
+
+# Axis order is the order of the canonical variant name and of the cartesian product.
+AXES = ("direction", "dtype", "head_dim", "causal", "tile", "stages",
+        "warp_specialized", "pingpong", "intra_wg_overlap")
+KEY_AXES = AXES[:4]    # the dispatch key: what a caller asks for
+KNOB_AXES = AXES[4:]   # how a variant realizes it
+CHOICES = {"direction": ("fwd", "bwd"), "dtype": ("bf16", "fp16")}
+INT_AXES = ("head_dim", "stages")
+BOOL_AXES = ("causal", "warp_specialized", "pingpong", "intra_wg_overlap")
+
+TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required")
+GROUP_KEYS = ("name", "axes")
+DISPATCH_KEYS = ("when", "use")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+AxisValues = tuple  # tuple of allowed values for one axis
+
+
+def fmt_value(value: Any) -> str:
+    """Render a value the way it would be written in YAML flow style (for messages)."""
+    if isinstance(value, tuple):
+        value = list(value)
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+@dataclass(frozen=True)
+class Match:
+    """A set of axis -> allowed values; a variant matches when every listed axis matches.
+
+    Used for `exclude` entries and for the `when`/`use` halves of dispatch entries."""
+    where: str                                   # key path, e.g. "exclude[0]"
+    items: tuple[tuple[str, AxisValues], ...]
+
+    def matches(self, axes: Mapping[str, Any]) -> bool:
+        return all(axes[k] in vals for k, vals in self.items)
+
+    def describe(self) -> str:
+        parts = [f"{k}: {fmt_value(v[0] if len(v) == 1 else list(v))}" for k, v in self.items]
+        return "{" + ", ".join(parts) + "}"
+
+
+@dataclass(frozen=True)
+class DispatchEntry:
+    where: str      # "dispatch[i]"
+    when: Match     # over KEY_AXES
+    use: Match      # over KNOB_AXES
+
+    def describe(self) -> str:
+        return f"{self.where} (when {self.when.describe()} use {self.use.describe()})"
+
+
+@dataclass(frozen=True)
+class Group:
+    """One block of the cartesian product: every axis has its (merged) list of values."""
+    name: str
+    axes: tuple[tuple[str, AxisValues], ...]
+
+    def values(self, axis: str) -> AxisValues:
+        return dict(self.axes)[axis]
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    path: str                      # as given, for error messages
+    groups: tuple[Group, ...]
+    exclude: tuple[Match, ...] = ()
+    dispatch: tuple[DispatchEntry, ...] = ()
+    dispatch_required: bool = True  # false: keys with several variants may have no default
+
+    def error(self, message: str) -> SpecError:
+        return SpecError(f"{self.path}: {message}")
+
+
+# --------------------------------------------------------------------------- loading
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
+    loader.flatten_mapping(node)
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            dup = key in seen
+            seen.add(key)
+        except TypeError:  # unhashable key: let validation report it
+            continue
+        if dup:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        known = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.yaml")))
+        raise SpecError(f"spec file not found: {path} (specs in {SPECS_DIR}: {known or 'none'})")
+    except OSError as e:
+        raise SpecError(f"cannot read spec {path}: {e.strerror}")
+    return parse_spec(text, str(path), default_name=path.stem)
+
+
+def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") -> Spec:
+    try:
+        data = yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise SpecError(f"{source}{where}: invalid YAML: {e.problem or e.context}")
+    except yaml.YAMLError as e:
+        raise SpecError(f"{source}: invalid YAML: {e}")
+    return _Validator(source).spec(data, default_name)
+
+
+# --------------------------------------------------------------------------- validation
+
+class _Validator:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, message: str, value: Any = ...) -> SpecError:
+        got = "" if value is ... else f", got {fmt_value(value)}"
+        return SpecError(f"{self.source}: {path}: {message}{got}")
+
+    def mapping(self, data: Any, path: str, allowed: tuple[str, ...], hint: str = "") -> dict:
+        if not isinstance(data, dict):
+            raise self.fail(path, "expected a mapping", data)
+        for key in data:
+            if not isinstance(key, str):
+                raise self.fail(path, "keys must be strings", key)
+            if key not in allowed:
+                close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.5)
+                why = f" (did you mean '{close[0]}'?)" if close else ""
+                extra = hint if key in AXES and hint else ""
+                raise self.fail(f"{path}.{key}" if path else key, f"unknown key{why}{extra}; "
+                                f"known keys: {', '.join(allowed)}")
+        return data
+
+    # ---- scalar values of one axis
+    def scalar(self, axis: str, value: Any, path: str) -> Any:
+        if axis in CHOICES:
+            if not isinstance(value, str) or value not in CHOICES[axis]:
+                raise self.fail(path, f"expected one of {', '.join(CHOICES[axis])}", value)
+        elif axis in INT_AXES:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise self.fail(path, "expected a positive integer", value)
+        elif axis in BOOL_AXES:
+            if not isinstance(value, bool):
+                raise self.fail(path, "expected true or false", value)
+        elif axis == "tile":
+            ok = (isinstance(value, list) and len(value) == 2 and
+                  all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value))
+            if not ok:
+                raise self.fail(path, "expected a tile [M, N] of two positive integers", value)
+            return (value[0], value[1])
+        return value
+
+    def values(self, axis: str, raw: Any, path: str) -> AxisValues:
+        """A scalar or a list of scalars -> tuple of distinct values (order kept)."""
+        if axis == "tile":
+            # One pair [M, N], or a list of pairs [[M, N], ...].
+            is_list_of_pairs = isinstance(raw, list) and raw and isinstance(raw[0], list)
+            items = raw if is_list_of_pairs else [raw]
+            paths = [f"{path}[{i}]" for i in range(len(items))] if is_list_of_pairs else [path]
+        elif isinstance(raw, list):
+            items, paths = raw, [f"{path}[{i}]" for i in range(len(raw))]
+        else:
+            items, paths = [raw], [path]
+        if not items:
+            raise self.fail(path, "empty list", raw)
+        out: list = []
+        for item, p in zip(items, paths):
+            v = self.scalar(axis, item, p)
+            if v not in out:
+                out.append(v)
+        return tuple(out)
+
+    def axes(self, data: Any, path: str, allowed: tuple[str, ...] = AXES, hint: str = "") -> dict:
+        data = self.mapping({} if data is None else data, path, allowed, hint)
+        return {k: self.values(k, v, f"{path}.{k}") for k, v in data.items()}
+
+    def match(self, data: Any, path: str, allowed: tuple[str, ...], hint: str = "") -> Match:
+        vals = self.axes(data, path, allowed, hint)
+        return Match(path, tuple((k, vals[k]) for k in AXES if k in vals))
+
+    # ---- the whole document
+    def spec(self, data: Any, default_name: str) -> Spec:
+        if data is None:
+            raise SpecError(f"{self.source}: empty spec")
+        data = self.mapping(data, "", TOP_KEYS)
+        name = data.get("name", default_name)
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise self.fail("name", "expected a name of letters, digits, '_', '-' or '.'", name)
+        top = self.axes(data.get("axes"), "axes")
+        groups = self.groups(data, top)
+        exclude = []
+        for i, raw in enumerate(self.list_of(data.get("exclude"), "exclude")):
+            m = self.match(raw, f"exclude[{i}]", AXES)
+            if not m.items:
+                raise self.fail(f"exclude[{i}]", "empty exclude entry would drop everything", raw)
+            exclude.append(m)
+        dispatch = [self.dispatch_entry(raw, f"dispatch[{i}]")
+                    for i, raw in enumerate(self.list_of(data.get("dispatch"), "dispatch"))]
+        required = data.get("dispatch_required", True)
+        if not isinstance(required, bool):
+            raise self.fail("dispatch_required", "expected true or false", required)
+        return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required)
+
+    def list_of(self, raw: Any, path: str) -> list:
+        if raw is None:
+            return []
+        if not isinstance(raw, list):
+            raise self.fail(path, "expected a list", raw)
+        return raw
+
+    def groups(self, data: dict, top: dict) -> tuple[Group, ...]:
+        if "groups" not in data:
+            raws = [("default", {}, "axes")]
+        else:
+            items = self.list_of(data["groups"], "groups")
+            if not items:
+                raise self.fail("groups", "empty list (omit `groups` to use the top-level axes)")
+            raws = []
+            for i, raw in enumerate(items):
+                g = self.mapping(raw, f"groups[{i}]", GROUP_KEYS)
+                gname = g.get("name", f"groups[{i}]")
+                if not isinstance(gname, str) or not gname:
+                    raise self.fail(f"groups[{i}].name", "expected a string", gname)
+                raws.append((gname, self.axes(g.get("axes"), f"groups[{i}].axes"),
+                             f"groups[{i}].axes"))
+        out, seen = [], set()
+        for gname, own, path in raws:
+            if gname in seen:
+                raise self.fail(path.rsplit(".", 1)[0] + ".name", "duplicate group name", gname)
+            seen.add(gname)
+            merged = {**top, **own}  # group values replace top-level defaults per axis
+            for axis in AXES:
+                if axis not in merged:
+                    raise self.fail(f"{path}.{axis}", "missing: no value at top level "
+                                    "(axes) or in the group")
+            out.append(Group(gname, tuple((a, merged[a]) for a in AXES)))
+        return tuple(out)
+
+    def dispatch_entry(self, raw: Any, path: str) -> DispatchEntry:
+        d = self.mapping(raw, path, DISPATCH_KEYS)
+        when = self.match(d.get("when"), f"{path}.when", KEY_AXES,
+                          hint=f" (knobs {', '.join(KNOB_AXES)} go under `use`)")
+        if "use" not in d:
+            raise self.fail(f"{path}.use", "missing: say which knobs pick the default variant")
+        use = self.match(d["use"], f"{path}.use", KNOB_AXES,
+                         hint=f" (key axes {', '.join(KEY_AXES)} go under `when`)")
+        if not use.items:
+            raise self.fail(f"{path}.use", "empty: name at least one knob", d["use"])
+        return DispatchEntry(path, when, use)

@@ -1,0 +1,268 @@
+"""Variants: enumerate a spec's cartesian product, prune what cannot work, pick defaults.
+
+A variant that cannot work on sm_90a (or that the templates cannot realize yet) is not
+an error: it is pruned by a named constraint so `fa3gen list --explain` can say why.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+from .spec import AXES, KEY_AXES, Spec, fmt_value
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    direction: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    tile_m: int
+    tile_n: int
+    stages: int
+    warp_specialized: bool
+    pingpong: bool
+    intra_wg_overlap: bool
+
+    @property
+    def name(self) -> str:
+        return (f"{self.direction}_{self.dtype}_d{self.head_dim}_"
+                f"{'causal' if self.causal else 'nocausal'}_m{self.tile_m}n{self.tile_n}_"
+                f"s{self.stages}_ws{int(self.warp_specialized)}_pp{int(self.pingpong)}_"
+                f"ov{int(self.intra_wg_overlap)}")
+
+    @property
+    def key(self) -> tuple:
+        """Dispatch key: what a caller asks for."""
+        return (self.direction, self.dtype, self.head_dim, self.causal)
+
+    @property
+    def consumer_warpgroups(self) -> int:
+        return self.tile_m // 64
+
+    def axes(self) -> dict:
+        """Values by spec axis name (tile as an (M, N) tuple), for matching spec rules."""
+        return {"direction": self.direction, "dtype": self.dtype, "head_dim": self.head_dim,
+                "causal": self.causal, "tile": (self.tile_m, self.tile_n),
+                "stages": self.stages, "warp_specialized": self.warp_specialized,
+                "pingpong": self.pingpong, "intra_wg_overlap": self.intra_wg_overlap}
+
+    @classmethod
+    def from_axes(cls, axes: dict) -> "Variant":
+        m, n = axes["tile"]
+        return cls(axes["direction"], axes["dtype"], axes["head_dim"], axes["causal"], m, n,
+                   axes["stages"], axes["warp_specialized"], axes["pingpong"],
+                   axes["intra_wg_overlap"])
+
+
+_NAME_RE = re.compile(r"^(fwd|bwd)_(bf16|fp16)_d(\d+)_(causal|nocausal)_m(\d+)n(\d+)_s(\d+)_"
+                      r"ws([01])_pp([01])_ov([01])$")
+
+
+def parse_name(name: str) -> Variant:
+    m = _NAME_RE.match(name)
+    if not m:
+        raise ValueError(f"not a canonical variant name: {name!r} (expected e.g. "
+                         "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov0)")
+    d, t, hd, c, tm, tn, s, ws, pp, ov = m.groups()
+    return Variant(d, t, int(hd), c == "causal", int(tm), int(tn), int(s),
+                   ws == "1", pp == "1", ov == "1")
+
+
+def key_str(key: tuple) -> str:
+    direction, dtype, head_dim, causal = key
+    return f"({direction}, {dtype}, d{head_dim}, {'causal' if causal else 'nocausal'})"
+
+
+# --------------------------------------------------------------------------- constraints
+# Each returns None when the variant is fine, else a short reason.
+
+# (knob, value) pairs the kernel templates implement today. The lead flips a knob on by
+# adding its pair here once the feature lands in templates/kernels/.
+REALIZED_KNOBS = {
+    ("warp_specialized", True),
+    ("pingpong", False),
+    ("intra_wg_overlap", False),
+}
+_CHECKED_KNOBS = ("warp_specialized", "pingpong", "intra_wg_overlap")
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+ELEM_BYTES = 2                   # bf16 / fp16
+SMEM_LIMIT = 232448              # 227 KiB: sm_90 max dynamic shared memory per block
+SMEM_RESERVED = 1024             # barriers, alignment slack
+REG_OVERHEAD = 24                # addresses, loop state, softmax stats per consumer thread
+
+
+def smem_bytes(v: Variant) -> int:
+    """Q tile once + K and V tiles per pipeline stage."""
+    return ELEM_BYTES * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
+        + SMEM_RESERVED
+
+
+def consumer_registers(v: Variant) -> tuple[int, int]:
+    """(needed, cap) fp32 registers per consumer thread.
+
+    A consumer warpgroup (128 threads) owns 64 rows: S = 64 x tile_n and O = 64 x head_dim
+    accumulators, i.e. tile_n/2 + head_dim/2 per thread. setmaxnreg gives consumers 240
+    with two consumer warpgroups but only 160 with three."""
+    need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
+    cap = 240 if v.consumer_warpgroups <= 2 else 160
+    return need, cap
+
+
+def head_dim_supported(v: Variant) -> Optional[str]:
+    if v.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {v.head_dim} not in {list(SUPPORTED_HEAD_DIMS)}"
+    return None
+
+
+def direction_realized(v: Variant) -> Optional[str]:
+    if v.direction != "fwd":
+        return "the templates cannot realize the backward pass yet"
+    return None
+
+
+def mma_m_shape(v: Variant) -> Optional[str]:
+    # One consumer warpgroup per 64 rows (WGMMA M = 64), at most 3 consumers.
+    if v.tile_m % 64 or not 1 <= v.tile_m // 64 <= 3:
+        return f"tile_m {v.tile_m} must be 64, 128 or 192 (one consumer warpgroup per 64 rows)"
+    return None
+
+
+def mma_n_shape(v: Variant) -> Optional[str]:
+    if v.tile_n % 16 or not 16 <= v.tile_n <= 256:
+        return f"tile_n {v.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N)"
+    return None
+
+
+def stages_range(v: Variant) -> Optional[str]:
+    if not 1 <= v.stages <= 4:
+        return f"stages {v.stages} not in [1, 4]"
+    return None
+
+
+def smem_budget(v: Variant) -> Optional[str]:
+    need = smem_bytes(v)
+    if need > SMEM_LIMIT:
+        return f"needs {need} bytes of shared memory > {SMEM_LIMIT} (227 KiB)"
+    return None
+
+
+def register_budget(v: Variant) -> Optional[str]:
+    need, cap = consumer_registers(v)
+    if need > cap:
+        return (f"needs ~{need} registers per consumer thread > {cap} "
+                f"({v.consumer_warpgroups} consumer warpgroups)")
+    return None
+
+
+def pingpong_needs_two_consumers(v: Variant) -> Optional[str]:
+    if v.pingpong and (v.consumer_warpgroups < 2 or not v.warp_specialized):
+        return "pingpong needs warp specialization and at least 2 consumer warpgroups"
+    return None
+
+
+def knob_realized(v: Variant) -> Optional[str]:
+    for knob in _CHECKED_KNOBS:
+        value = getattr(v, knob)
+        if (knob, value) not in REALIZED_KNOBS:
+            return f"{knob}={fmt_value(value)} is not realized by the templates yet"
+    return None
+
+
+# Order matters: the first failing constraint is the one reported.
+CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
+    ("head_dim_supported", head_dim_supported),
+    ("direction_realized", direction_realized),
+    ("mma_m_shape", mma_m_shape),
+    ("mma_n_shape", mma_n_shape),
+    ("stages_range", stages_range),
+    ("smem_budget", smem_budget),
+    ("register_budget", register_budget),
+    ("pingpong_needs_two_consumers", pingpong_needs_two_consumers),
+    ("knob_realized", knob_realized),
+)
+
+
+def check(v: Variant) -> Optional[tuple[str, str]]:
+    """(constraint name, reason) of the first constraint the variant fails, else None."""
+    for cname, fn in CONSTRAINTS:
+        reason = fn(v)
+        if reason:
+            return cname, reason
+    return None
+
+
+# --------------------------------------------------------------------------- enumeration
+
+class Pruned(NamedTuple):
+    variant: Variant
+    constraint: str   # a CONSTRAINTS name, or "exclude[i]" for a spec exclude entry
+    reason: str
+
+
+@dataclass
+class Enumeration:
+    kept: list[Variant]
+    pruned: list[Pruned]
+
+
+def enumerate_variants(spec: Spec) -> Enumeration:
+    seen: set[Variant] = set()
+    for group in spec.groups:
+        for combo in itertools.product(*(group.values(a) for a in AXES)):
+            seen.add(Variant.from_axes(dict(zip(AXES, combo))))
+    kept, pruned = [], []
+    for v in sorted(seen, key=lambda v: v.name):
+        axes = v.axes()
+        rule = next((r for r in spec.exclude if r.matches(axes)), None)
+        if rule is not None:
+            pruned.append(Pruned(v, rule.where, f"excluded by the spec: {rule.describe()}"))
+            continue
+        failed = check(v)
+        if failed:
+            pruned.append(Pruned(v, *failed))
+        else:
+            kept.append(v)
+    return Enumeration(kept, pruned)
+
+
+# --------------------------------------------------------------------------- dispatch
+
+def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
+    """Default variant per dispatch key (direction, dtype, head_dim, causal).
+
+    All dispatch entries whose `when` matches a key apply together (their `use` rules
+    intersect); exactly one variant of the key must survive them. A key that no entry
+    covers defaults to its only variant; with several, that is an error unless the spec
+    says `dispatch_required: false` (then the key simply has no default)."""
+    by_key: dict[tuple, list[Variant]] = {}
+    for v in sorted(kept, key=lambda v: v.name):
+        by_key.setdefault(v.key, []).append(v)
+    used: set[str] = set()
+    defaults: dict[tuple, Variant] = {}
+    for key, cands in sorted(by_key.items(), key=lambda kv: kv[1][0].name):
+        key_axes = dict(zip(KEY_AXES, key))
+        entries = [e for e in spec.dispatch if e.when.matches(key_axes)]
+        names = ", ".join(v.name for v in cands)
+        if entries:
+            used.update(e.where for e in entries)
+            left = [v for v in cands if all(e.use.matches(v.axes()) for e in entries)]
+            if len(left) != 1:
+                what = "; ".join(e.describe() for e in entries)
+                picked = ", ".join(v.name for v in left) or "none"
+                raise spec.error(f"{what}: must leave exactly one variant for {key_str(key)}, "
+                                 f"leaves {len(left)} ({picked}); candidates: {names}")
+            defaults[key] = left[0]
+        elif len(cands) == 1:
+            defaults[key] = cands[0]
+        elif spec.dispatch_required:
+            raise spec.error(f"ambiguous default for {key_str(key)}: candidates {names}; "
+                             "add a dispatch entry (or set dispatch_required: false)")
+    for e in spec.dispatch:
+        if e.where not in used:
+            keys = ", ".join(key_str(k) for k in sorted(by_key)) or "none"
+            raise spec.error(f"{e.describe()} matches no kept variant key (kept keys: {keys})")
+    return defaults

@@ -1,0 +1,54 @@
+// fa3gen C ABI: the only interface between the generated library and Python (ctypes).
+// Plain C so that the library needs no torch headers and loads under any torch version.
+// Bump FA3GEN_ABI_VERSION whenever a struct below changes; fa3gen/runtime.py checks it.
+#pragma once
+#include <stdint.h>
+
+#define FA3GEN_ABI_VERSION 1
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Forward attention. Layout (batch, seqlen, heads, head_dim); strides in elements; the
+// head_dim stride is 1. LSE is fp32, contiguous (batch, heads_q, seqlen_q).
+typedef struct fa3gen_fwd_params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  float softmax_scale;
+  int32_t num_sms;  // multiprocessors of the launch device (persistent scheduling)
+} fa3gen_fwd_params;
+
+// Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
+typedef int (*fa3gen_fwd_launch_fn)(const fa3gen_fwd_params* params, void* cuda_stream);
+
+typedef struct fa3gen_variant_info {
+  const char* name;       // canonical variant name, e.g. fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1
+  const char* direction;  // "fwd" (later "bwd")
+  const char* dtype;      // "bf16" | "fp16"
+  int32_t head_dim;
+  int32_t causal;
+  int32_t tile_m, tile_n, stages;
+  int32_t warp_specialized, pingpong, intra_wg_overlap;
+  int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
+  fa3gen_fwd_launch_fn launch_fwd;
+} fa3gen_variant_info;
+
+int32_t fa3gen_abi_version(void);
+int32_t fa3gen_num_variants(void);
+const fa3gen_variant_info* fa3gen_variant(int32_t index);
+const char* fa3gen_build_info(void);   // JSON: spec name, fingerprint
+const char* fa3gen_last_error(void);   // thread-local message of the last failed call
+void fa3gen_set_error(const char* message);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,64 @@
+// Host entry point of the forward kernel: the per-variant translation unit instantiates
+// launch_fwd<...> and exports it through the C ABI (see fa3gen_abi.h).
+#pragma once
+#include <cstdio>
+#include <cuda_runtime.h>
+#include "fa3gen_abi.h"
+#include "fwd_kernel.cuh"
+
+namespace fa3gen {
+
+inline int report(const char* what, cudaError_t err) {
+  char buf[512];
+  std::snprintf(buf, sizeof(buf), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
+  fa3gen_set_error(buf);
+  return int(err) == 0 ? 1 : int(err);
+}
+
+template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
+          bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
+int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
+  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, WarpSpecialized, Pingpong, IntraWgOverlap>;
+  if (a.head_dim != HeadDim) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "variant built for head_dim %d called with head_dim %d", HeadDim, a.head_dim);
+    fa3gen_set_error(buf);
+    return 1;
+  }
+  if (a.batch < 1 || a.seqlen_q < 1 || a.seqlen_k < 1 || a.heads_kv < 1 || a.heads_q % a.heads_kv != 0 ||
+      a.heads_q > 65535 || a.batch > 65535) {
+    fa3gen_set_error("invalid sizes: need batch, seqlens, heads >= 1, heads_q % heads_kv == 0, heads and batch <= 65535");
+    return 1;
+  }
+  using E = Element;
+  auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
+    return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
+                       make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
+  };
+  auto q = rows(a.q, a.seqlen_q, a.heads_q, a.batch, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
+  auto k = rows(a.k, a.seqlen_k, a.heads_kv, a.batch, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
+                        make_layout(make_shape(Int<HeadDim>{}, a.seqlen_k, a.heads_kv, a.batch),
+                                    make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
+
+  FwdParams<Traits> p{
+      make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQ{}),
+      make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{})),
+      make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{})),
+      static_cast<E*>(a.o), a.lse,
+      a.o_batch_stride, a.o_row_stride, a.o_head_stride,
+      a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
+      a.softmax_scale, a.softmax_scale * 1.4426950408889634f};
+
+  auto kernel = fwd_kernel<Traits>;
+  constexpr int smem_bytes = Traits::kSmemBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
+  dim3 grid((a.seqlen_q + TileM - 1) / TileM, a.heads_q, a.batch);
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return report("kernel launch", err);
+  return 0;
+}
+
+}  // namespace fa3gen

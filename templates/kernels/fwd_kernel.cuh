@@ -1,0 +1,287 @@
+// The forward kernel, FlashAttention-3 style: TMA loads into a `Stages`-deep ring of K and V
+// buffers, S = Q K^T and O += P V on WGMMA, online softmax in registers.
+//   WarpSpecialized: warpgroup 0 only issues TMA (and gives registers away); the others compute.
+//                    Otherwise thread 0 of the first consumer issues the loads in between its math.
+//   Pingpong:        named barriers make consumer warpgroups take turns issuing GEMMs, so one
+//                    warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
+//   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
+//                    of block j+1 runs while the PV GEMM of block j finishes.
+#pragma once
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include "fwd_softmax.cuh"
+#include "fwd_traits.cuh"
+
+namespace fa3gen {
+
+// Consumer warpgroups take turns issuing GEMMs (round robin). Barrier w is the turn of
+// warpgroup w: it syncs on it, and the previous warpgroup arrives on it.
+template <class Traits>
+struct GemmTurns {
+  static constexpr int kFirstBarrier = 0;  // user named barriers (CUTLASS offsets past its own)
+  int wg;                                   // consumer warpgroup index
+  __device__ void start(bool any_work) const {
+    if constexpr (Traits::kPingpong) {
+      if (any_work && wg == Traits::kConsumerWGs - 1) {
+        cutlass::arch::NamedBarrier::arrive(256, kFirstBarrier + 0);
+      }
+    }
+  }
+  __device__ void wait_turn() const {
+    if constexpr (Traits::kPingpong) { cutlass::arch::NamedBarrier::sync(256, kFirstBarrier + wg); }
+  }
+  // The last warpgroup skips its final hand-over so arrivals and syncs balance exactly.
+  __device__ void pass_turn(bool last_group) const {
+    if constexpr (Traits::kPingpong) {
+      if (!(last_group && wg == Traits::kConsumerWGs - 1)) {
+        cutlass::arch::NamedBarrier::arrive(256, kFirstBarrier + (wg + 1) % Traits::kConsumerWGs);
+      }
+    }
+  }
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+  constexpr bool kCausal = Traits::kCausal;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  // Causal: heavy (late) query tiles first so the tail of the grid is short.
+  const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int head_kv = head / p.heads_per_kv;
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
+
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = Traits::kBytesKV;
+  pipe_params.role = Traits::kWarpSpecialized
+                         ? (warp_idx < 4 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer)
+                         : Pipeline::ThreadCategory::ProducerConsumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kConsumerThreads;
+  Pipeline pipe_k(smem.pipeline_k, pipe_params, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();  // barrier initialisation visible to every thread before first use
+
+  // ---- TMA views (only the loading thread uses them) ----
+  auto load_q = [&]() {
+    Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch));
+    Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
+    copy(p.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
+  };
+  // Block i of the visiting order is key block n_blocks - 1 - i (diagonal blocks first).
+  auto load_k = [&](int i, PipelineState& st) {
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch));
+    Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    pipe_k.producer_acquire(st);
+    copy(p.tma_k.with(*pipe_k.producer_get_barrier(st), 0), tKgK(_, n_blocks - 1 - i), tKsK(_, st.index()));
+    ++st;
+  };
+  auto load_v = [&](int i, PipelineState& st) {
+    Tensor mVt = p.tma_v.get_tma_tensor(make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch));
+    Tensor gVt = local_tile(mVt(_, _, head_kv, batch), Shape<Int<kHeadDim>, Int<kTileN>>{}, make_coord(_0{}, _));
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+    pipe_v.producer_acquire(st);
+    copy(p.tma_v.with(*pipe_v.producer_get_barrier(st), 0), tVgV(_, n_blocks - 1 - i), tVsV(_, st.index()));
+    ++st;
+  };
+
+  if constexpr (Traits::kWarpSpecialized) {
+    if (warp_idx < 4) {  // producer warpgroup
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+      if (threadIdx.x == 0 && n_blocks > 0) {
+        PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
+        PipelineState st_v = st_k;
+        load_q();
+        for (int i = 0; i < n_blocks; ++i) {
+          load_k(i, st_k);
+          load_v(i, st_v);
+        }
+      }
+      return;
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    }
+  }
+
+  // ---------------- consumers ----------------
+  const int tid = Traits::kWarpSpecialized ? int(threadIdx.x) - 128 : int(threadIdx.x);
+  const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
+  PipelineState st_load_k = cutlass::make_producer_start_state<Pipeline>();
+  PipelineState st_load_v = st_load_k;
+  if (inline_loader && n_blocks > 0) {
+    load_q();
+    for (int i = 0; i < min(kStages, n_blocks); ++i) { load_k(i, st_load_k); load_v(i, st_load_v); }
+  }
+  __syncwarp();
+  // Without a producer warpgroup, the loader refills a slot as soon as every consumer freed it.
+  auto refill_k = [&](int i) {
+    if (inline_loader && i + kStages < n_blocks) { load_k(i + kStages, st_load_k); }
+    __syncwarp();
+  };
+  auto refill_v = [&](int i) {
+    if (inline_loader && i + kStages < n_blocks) { load_v(i + kStages, st_load_v); }
+    __syncwarp();
+  };
+
+  typename Traits::TiledMmaQK mma_qk;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kTileM>, Int<kHeadDim>>{});
+  Tensor rP = make_tensor<Element>(tSrS.layout());
+  Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+  Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
+  Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
+  Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(S))::value;
+
+  OnlineSoftmax<kRows> softmax(p.scale_log2);
+  float rescale[kRows];
+  clear(tOrO);
+  GemmTurns<Traits> turns{tid / 128};
+  turns.start(n_blocks > 0);
+
+  auto softmax_block = [&](int i) {
+    const int n_block = n_blocks - 1 - i;
+    if (block_needs_mask<kCausal, kTileM, kTileN>(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+      apply_mask<kCausal>(S, coordS, m_block * kTileM, n_block * kTileN, p.seqlen_q, p.seqlen_k);
+    }
+    softmax.step(S, rescale);
+  };
+  auto to_p = [&]() {
+    Tensor converted = convert_fragment<Element>(tSrS);
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
+  };
+
+  if (n_blocks > 0) { cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0); }
+  PipelineState st;  // consumer read position, shared by K and V
+
+  if constexpr (!Traits::kOverlap) {
+    for (int i = 0; i < n_blocks; ++i) {
+      pipe_k.consumer_wait(st);
+      turns.wait_turn();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+      turns.pass_turn(false);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(st);
+      refill_k(i);
+      softmax_block(i);
+      scale_rows(O, rescale);
+      to_p();
+      pipe_v.consumer_wait(st);
+      turns.wait_turn();
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
+      turns.pass_turn(i == n_blocks - 1);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(st);
+      refill_v(i);
+      ++st;
+    }
+  } else if (n_blocks > 0) {
+    // Prologue: S(0) and its softmax alone.
+    pipe_k.consumer_wait(st);
+    turns.wait_turn();
+    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+    turns.pass_turn(false);
+    warpgroup_wait<0>();
+    pipe_k.consumer_release(st);
+    refill_k(0);
+    softmax_block(0);
+    to_p();
+    PipelineState st_v = st;  // V slot of the block whose P is in rP
+    ++st;
+    for (int i = 1; i < n_blocks; ++i) {
+      pipe_k.consumer_wait(st);
+      turns.wait_turn();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+      pipe_v.consumer_wait(st_v);
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
+      turns.pass_turn(false);
+      warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
+      pipe_k.consumer_release(st);
+      refill_k(i);
+      softmax_block(i);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(st_v);
+      refill_v(i - 1);
+      scale_rows(O, rescale);
+      to_p();
+      st_v = st;
+      ++st;
+    }
+    pipe_v.consumer_wait(st_v);
+    turns.wait_turn();
+    wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
+    turns.pass_turn(true);
+    warpgroup_wait<0>();
+    pipe_v.consumer_release(st_v);
+    refill_v(n_blocks - 1);
+  }
+
+  // ---------------- epilogue: O / rowsum and LSE ----------------
+  float inv_sum[kRows], lse[kRows];
+  softmax.finalize(p.softmax_scale, inv_sum, lse);
+  scale_rows(O, inv_sum);
+  Tensor rO = convert_fragment<Element>(tOrO);
+  Tensor mO = make_tensor(make_gmem_ptr(p.o + batch * p.o_batch_stride + head * p.o_head_stride),
+                          make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+  Tensor gO = local_tile(mO, Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+  Tensor tOgO = thr_pv.partition_C(gO);
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHeadDim>>{}));
+  Tensor rO_rc = make_tensor(rO.data(), acc_as_rowcol(rO.layout()));
+  Tensor gO_rc = make_tensor(tOgO.data(), acc_as_rowcol(tOgO.layout()));
+  Tensor cO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
+  const int row_end = p.seqlen_q - m_block * kTileM;
+  // Columns 2c and 2c+1 of a row are adjacent in the accumulator and in memory: one 32-bit store.
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(rO_rc); ++r) {
+    if (get<0>(cO_rc(r, 0)) < row_end) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(rO_rc); c += 2) {
+        Element pair[2] = {rO_rc(r, c), rO_rc(r, c + 1)};
+        *reinterpret_cast<uint32_t*>(&gO_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
+      }
+    }
+  }
+  if (tid % 4 == 0) {
+    float* lse_row = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q + m_block * kTileM;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      int row = get<0>(coordS(r, 0));
+      if (row < row_end) { lse_row[row] = lse[r]; }
+    }
+  }
+}
+
+}  // namespace fa3gen

@@ -1,0 +1,109 @@
+// Online softmax and masking on the (rows, cols) view of a WGMMA accumulator.
+// Works in the log2 domain (exp2 is one MUFU op); the row sum is kept per thread and
+// reduced across the quad only once, at the end.
+#pragma once
+#include <cmath>
+#include "fwd_utils.cuh"
+
+namespace fa3gen {
+
+// Key blocks a query tile must visit: [0, n_block_max). Causal attention is aligned to the
+// bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+template <bool Causal, int TileM, int TileN>
+__device__ __forceinline__ int key_block_count(int m_block, int seqlen_q, int seqlen_k) {
+  int n_blocks = (seqlen_k + TileN - 1) / TileN;
+  if constexpr (Causal) {
+    int last_visible_plus_one = (m_block + 1) * TileM + seqlen_k - seqlen_q;  // exclusive column bound
+    if (last_visible_plus_one <= 0) return 0;
+    n_blocks = min(n_blocks, (last_visible_plus_one + TileN - 1) / TileN);
+  }
+  return n_blocks;
+}
+
+// Only blocks crossing the end of the keys or the causal diagonal need masking.
+template <bool Causal, int TileM, int TileN>
+__device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int seqlen_q, int seqlen_k) {
+  int last_col = (n_block + 1) * TileN - 1;
+  bool tail = last_col >= seqlen_k;
+  if constexpr (Causal) {
+    return tail || last_col > m_block * TileM + seqlen_k - seqlen_q;
+  } else {
+    return tail;
+  }
+}
+
+// S and coords are (rows, cols) views; coords holds tile-local (m, n) coordinates.
+template <bool Causal, class TS, class TC>
+__device__ __forceinline__ void apply_mask(TS& S, TC const& coords, int row0, int col0,
+                                           int seqlen_q, int seqlen_k) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(S); ++r) {
+    int row = row0 + get<0>(coords(r, 0));
+    int col_end = seqlen_k;
+    if constexpr (Causal) { col_end = min(seqlen_k, row + 1 + seqlen_k - seqlen_q); }
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      if (col0 + get<1>(coords(r, c)) >= col_end) { S(r, c) = -INFINITY; }
+    }
+  }
+}
+
+template <int Rows>
+struct OnlineSoftmax {
+  float row_max[Rows];
+  float row_sum[Rows];
+  float scale_log2;
+
+  __device__ explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
+  }
+
+  // Turns scores S into unnormalized probabilities in place; rescale[r] is the factor the
+  // running output row r must be multiplied by (0 on the first block, where O is still 0).
+  template <class TS>
+  __device__ __forceinline__ void step(TS& S, float (&rescale)[Rows]) {
+    static_assert(decltype(size<0>(S))::value == Rows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) {
+      float m = row_max[r];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) { m = fmaxf(m, S(r, c)); }
+      m = quad_allreduce_max<4>(m);
+      // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+      float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+      rescale[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        float p = exp2f(fmaf(S(r, c), scale_log2, -m_scaled));
+        S(r, c) = p;
+        sum += p;
+      }
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+    }
+  }
+
+  // 1/rowsum (0 for a row with no visible key) and the natural-log LSE (-inf for such rows).
+  __device__ __forceinline__ void finalize(float softmax_scale, float (&inv_sum)[Rows], float (&lse)[Rows]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) {
+      float sum = quad_allreduce_sum<4>(row_sum[r]);
+      bool empty = !(sum > 0.f);
+      inv_sum[r] = empty ? 0.f : 1.f / sum;
+      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
+    }
+  }
+};
+
+template <class TO, int Rows>
+__device__ __forceinline__ void scale_rows(TO& O, float const (&factor)[Rows]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < Rows; ++r) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(O); ++c) { O(r, c) *= factor[r]; }
+  }
+}
+
+}  // namespace fa3gen

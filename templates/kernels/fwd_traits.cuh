@@ -1,0 +1,112 @@
+// Compile-time description of one forward variant: thread roles, register split,
+// shared-memory layouts, tiled MMAs and the TMA copy types. Every spec knob is a parameter.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace fa3gen {
+using namespace cute;
+
+// Widest swizzle whose atom divides the contiguous extent (128B rows need 64 16-bit elements).
+template <class Element, int ContiguousExtent, bool KMajor>
+constexpr auto smem_atom() {
+  if constexpr (KMajor) {
+    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
+    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
+    else return GMMA::Layout_K_SW32_Atom<Element>{};
+  } else {
+    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
+    else return GMMA::Layout_MN_SW32_Atom<Element>{};
+  }
+}
+
+template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
+          bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
+struct FwdTraits {
+  using Element = Element_;
+  static_assert(sizeof(Element) == 2, "bf16/fp16 only");
+  static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
+  static constexpr bool kCausal = Causal, kWarpSpecialized = WarpSpecialized;
+  static constexpr bool kPingpong = Pingpong, kOverlap = IntraWgOverlap;
+
+  // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
+  static constexpr int kConsumerWGs = TileM / 64;
+  static constexpr int kConsumerThreads = kConsumerWGs * 128;
+  static constexpr int kThreads = kConsumerThreads + (WarpSpecialized ? 128 : 0);
+  // setmaxnreg split: the producer keeps few registers so consumers can hold S, P and O.
+  static constexpr int kProducerRegs = 32;  // 24 spilled the TMA address math (d256)
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
+
+  static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
+  static_assert(TileN % 16 == 0 && TileN <= 256);
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
+  static_assert(Stages >= 1 && Stages <= 4);
+  static_assert(!Pingpong || (WarpSpecialized && kConsumerWGs >= 2),
+                "pingpong orders two or more consumer warpgroups of a warp-specialized kernel");
+
+  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+                                             Shape<Int<TileM>, Int<HeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+                                             Shape<Int<TileN>, Int<HeadDim>, Int<Stages>>{}));
+  // V is read as the B operand of O = P V with N = head_dim, K = key: head_dim is contiguous
+  // in memory, so the MN-major layout loads V straight from global memory, no transpose.
+  using SmemLayoutVt = decltype(tile_to_shape(smem_atom<Element, HeadDim, false>(),
+                                              Shape<Int<HeadDim>, Int<TileN>, Int<Stages>>{}));
+
+  using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<HeadDim>>>(),
+      AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      AtomLayout{}));
+
+  // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch), head_dim contiguous.
+  // The seqlen mode is its own TMA dimension, so out-of-range rows are zero-filled per head.
+  using GmemLayoutRows = Layout<Shape<int, Int<HeadDim>, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using GmemLayoutVt = Layout<Shape<Int<HeadDim>, int, int, int>, Stride<_1, int64_t, int64_t, int64_t>>;
+  using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
+  using GmemTensorVt = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutVt{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutQ{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{})));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{})));
+
+  static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = TileN * HeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<Stages>;
+  using PipelineState = typename cutlass::PipelineState<Stages>;
+
+  struct SharedStorage {
+    // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
+    // and WGMMA derive it from address bits.
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
+    typename Pipeline::SharedStorage pipeline_k;
+    typename Pipeline::SharedStorage pipeline_v;
+    alignas(8) uint64_t barrier_q;
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
+};
+
+template <class Traits>
+struct FwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaV tma_v;
+  typename Traits::Element* o;
+  float* lse;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
+  float softmax_scale, scale_log2;
+};
+
+}  // namespace fa3gen

@@ -1,0 +1,79 @@
+// Small device helpers shared by the forward kernel: WGMMA issue, fragment layout views,
+// dtype conversion. Everything here is a building block; the schedule lives in fwd_kernel.cuh.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace fa3gen {
+using namespace cute;
+
+// Issue one warpgroup GEMM (all k-blocks) asynchronously and commit it as one batch.
+// The caller decides when to wait (warpgroup_wait<N>), which is what makes overlap possible.
+// A is either smem descriptors (SS) or a register fragment of 16-bit values (RS); only
+// register operands need fencing against reordering around the asynchronous WGMMA.
+template <bool ZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  constexpr bool kARegs = !is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (ZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
+}
+
+// A WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): (column pair,
+// row half, 8-column block). View it as (rows, cols) so that softmax can reduce along rows.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_rowcol(Layout const& acc) {
+  static_assert(rank(Layout{}) == 3);
+  auto v = get<0>(acc);
+  return make_layout(make_layout(get<1>(v), get<1>(acc)),
+                     make_layout(get<0>(v), get<2>(v), get<2>(acc)));
+}
+
+// Reinterpret a 16-bit accumulator-shaped fragment as the A operand of an RS WGMMA
+// (K-major, k16 per instruction): the A fragment's third mode is "column + 8", i.e.
+// pairs of consecutive 8-column blocks of the accumulator. No data moves.
+template <class Layout>
+__device__ __forceinline__ constexpr auto acc_as_operand_a(Layout const& acc) {
+  auto v = get<0>(acc);                                             // (2, 2, N/8)
+  auto split = logical_divide(v, make_tile(Underscore{}, Underscore{}, _2{}));  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(split), get<1>(split), get<2, 0>(split)),
+                     get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(split), get<2>(acc))));
+}
+
+// Convert a register fragment elementwise (packed conversions where the types allow).
+template <class To, class Engine, class Layout>
+__device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  Tensor dst = make_tensor<To>(src.layout());
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
+  return dst;
+}
+
+template <int N>
+__device__ __forceinline__ float quad_allreduce_max(float x) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int offset = N / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, offset));
+  return x;
+}
+
+template <int N>
+__device__ __forceinline__ float quad_allreduce_sum(float x) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int offset = N / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffff, x, offset);
+  return x;
+}
+
+}  // namespace fa3gen

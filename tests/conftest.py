@@ -1,0 +1,47 @@
+"""Shared pytest setup: markers, and skipping `gpu` tests where they cannot run.
+
+gpu tests need a CUDA device of compute capability 9.0 (H100/H200) and a built fa3gen library;
+anywhere else they are skipped with the reason, never errored.
+"""
+
+import functools
+
+import pytest
+
+
+def pytest_configure(config):
+    # Registered here too so the markers work before/without pyproject.toml's list.
+    config.addinivalue_line("markers", "gpu: needs an sm_90 GPU and a built fa3gen library")
+    config.addinivalue_line("markers", "compile: runs nvcc (slow)")
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_skip_reason():
+    """None when gpu tests can run here, else why not."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device (fa3gen kernels need an sm_90 GPU)"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"fa3gen kernels need compute capability 9.0 (H100/H200), found {cap[0]}.{cap[1]}"
+    from fa3gen import runtime
+    from fa3gen.errors import Fa3genError
+
+    try:
+        runtime.get_library()
+    except Fa3genError as e:
+        return f"fa3gen library not available: {str(e).splitlines()[0]}"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [it for it in items if it.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = gpu_skip_reason()
+    if reason:
+        for it in gpu_items:
+            it.add_marker(pytest.mark.skip(reason=reason))

@@ -1,0 +1,34 @@
+"""A stand-in for nvcc in CPU tests: writes the -o file and prints ptxas -v style output.
+
+FAKE_NVCC_SPILL=<substring>: sources whose path contains it report spills.
+FAKE_NVCC_CALLS=<file>: append one line per call (to count compiles).
+"""
+import os
+import sys
+
+
+def main(argv):
+    out = argv[argv.index("-o") + 1]
+    src = next((a for a in argv if a.endswith(".cu")), "")
+    calls = os.environ.get("FAKE_NVCC_CALLS")
+    if calls:
+        with open(calls, "a") as f:
+            f.write(f"{'link' if '-shared' in argv else os.path.basename(src)}\n")
+    with open(out, "w") as f:
+        f.write("fake object\n")
+    if "-shared" in argv or "-v" not in argv:
+        return 0
+    spill = os.environ.get("FAKE_NVCC_SPILL")
+    n = 8 if spill and spill in src else 0
+    fn = "_ZN6fa3gen6detail10fwd_kernelEv"
+    sys.stderr.write(
+        "ptxas info    : 0 bytes gmem\n"
+        f"ptxas info    : Compiling entry function '{fn}' for 'sm_90a'\n"
+        f"ptxas info    : Function properties for {fn}\n"
+        f"    0 bytes stack frame, {n} bytes spill stores, {n} bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 2 barriers, 400 bytes cmem[0]\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

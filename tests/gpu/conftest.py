@@ -1,0 +1,47 @@
+"""GPU test setup: parametrize over the variants of the loaded fa3gen library.
+
+Names are read from the library's variant table at collection time, so every built forward
+variant gets its own test ids. If the library cannot be loaded, a single skipped parameter
+stands in (tests/conftest.py then skips the gpu-marked tests with the reason).
+"""
+
+import pytest
+
+
+def _library():
+    from fa3gen import runtime
+    from fa3gen.errors import Fa3genError
+
+    try:
+        return runtime.get_library(), None
+    except Fa3genError as e:
+        return None, str(e).splitlines()[0]
+
+
+def pytest_generate_tests(metafunc):
+    if "fwd_variant" in metafunc.fixturenames:
+        lib, why = _library()
+        names = lib.names("fwd") if lib else []
+        params = names or [pytest.param(None, marks=pytest.mark.skip(
+            reason=why or "the library has no forward variants"))]
+        metafunc.parametrize("fwd_variant", params)
+    if "fwd_default_key" in metafunc.fixturenames:
+        lib, why = _library()
+        keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults("fwd")] if lib else []
+        params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
+                  for k in keys]
+        params = params or [pytest.param(None, marks=pytest.mark.skip(
+            reason=why or "the library has no default forward variants"))]
+        metafunc.parametrize("fwd_default_key", params)
+
+
+@pytest.fixture(scope="session")
+def lib():
+    import torch
+
+    # The reference must be true fp32: no TF32 in its matmuls.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from fa3gen import runtime
+
+    return runtime.get_library()

@@ -1,0 +1,183 @@
+"""Forward kernels on the GPU: every built variant against the fp32 reference.
+
+Outputs are poisoned with NaN before each launch (and sit inside a NaN guard region), so an
+element the kernel forgot to write, or a write past the end, fails the test.
+Tolerance rule (fa3gen.reference.compare_to_reference): max|out - ref| <= 2 * max|plain
+PyTorch in the same low precision - ref| + 1e-3; LSE within 1e-3 (+1e-3 relative), -inf
+exactly where a row sees no key.
+"""
+
+import math
+
+import pytest
+import torch
+
+from fa3gen import ops
+from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
+from fa3gen.ops import flash_attn_func
+from fa3gen.reference import attention_reference, compare_to_reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, softmax_scale or None for 1/sqrt(d))
+SHAPES = [
+    (1, 1, 1, 1, 1, None),
+    (2, 7, 7, 4, 4, None),
+    (1, 113, 257, 8, 2, None),  # GQA, seqlen_q < seqlen_k
+    (2, 257, 113, 8, 2, None),  # seqlen_q > seqlen_k: causal rows with no visible key
+    (1, 1000, 1000, 4, 1, None),  # MQA, not a tile multiple
+    (3, 128, 256, 2, 2, 0.5),  # tile multiples, explicit scale
+    (1, 1, 1000, 8, 8, None),  # one query (decode-like)
+    (2, 1000, 7, 3, 1, None),  # MQA, few keys, mostly masked when causal
+]
+
+
+def _sid(s):
+    return "b{}_sq{}_sk{}_h{}x{}".format(*s[:5]) + ("" if s[5] is None else f"_scale{s[5]}")
+
+
+def make_qkv(batch, sq, sk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(batch, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(batch, sk, hkv, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+GUARD = 4096  # NaN elements after each output: catches writes past the end
+
+
+def poisoned(shape, dtype):
+    n = math.prod(shape)
+    buf = torch.full((n + GUARD,), float("nan"), device="cuda", dtype=dtype)
+    return buf, buf[:n].view(shape)
+
+
+def run_poisoned(q, k, v, causal, scale, name):
+    b, sq, hq, d = q.shape
+    obuf, out = poisoned((b, sq, hq, d), q.dtype)
+    lbuf, lse = poisoned((b, hq, sq), torch.float32)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, name)
+    torch.cuda.synchronize()
+    assert torch.isnan(obuf[-GUARD:]).all(), "kernel wrote past the end of out"
+    assert torch.isnan(lbuf[-GUARD:]).all(), "kernel wrote past the end of lse"
+    return out, lse
+
+
+def check(out, lse, q, k, v, causal, scale, what):
+    res = compare_to_reference(out, lse, q, k, v, causal, scale)
+    assert res["ok"], f"{what}: {res['why']} (out err {res.get('out_err')}, " \
+        f"tol {res.get('out_tol')}, lse err {res.get('lse_err')})"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+def test_variant_matches_reference(lib, fwd_variant, shape):
+    info = lib.get(fwd_variant)
+    b, sq, sk, hq, hkv, scale = shape
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, info.head_dim, DTYPES[info.dtype])
+    scale = scale if scale is not None else info.head_dim**-0.5
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} {_sid(shape)}")
+    if info.causal and sq > sk:  # first sq - sk queries see no key: exactly 0 and -inf
+        assert (out[:, : sq - sk] == 0).all()
+        assert torch.isneginf(lse[:, :, : sq - sk]).all()
+
+
+def test_variant_strided_output(lib, fwd_variant):
+    """o strides are honoured: out is a view with padded heads (head stride d + 8)."""
+    info = lib.get(fwd_variant)
+    d, dtype = info.head_dim, DTYPES[info.dtype]
+    q, k, v = make_qkv(2, 150, 190, 4, 2, d, dtype, seed=1)
+    buf = torch.full((2, 150, 4, d + 8), float("nan"), device="cuda", dtype=dtype)
+    out = buf[..., :d]
+    lse = torch.full((2, 4, 150), float("nan"), device="cuda")
+    ops._fwd_into(q, k, v, out, lse, info.causal, d**-0.5, info.name)
+    torch.cuda.synchronize()
+    assert torch.isnan(buf[..., d:]).all(), "kernel wrote into the padding between heads"
+    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out")
+
+
+def test_variant_deterministic(lib, fwd_variant):
+    info = lib.get(fwd_variant)
+    q, k, v = make_qkv(2, 300, 300, 4, 2, info.head_dim, DTYPES[info.dtype], seed=2)
+    scale = info.head_dim**-0.5
+    o1, l1 = run_poisoned(q, k, v, info.causal, scale, info.name)
+    o2, l2 = run_poisoned(q, k, v, info.causal, scale, info.name)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2), f"{info.name} is not deterministic"
+
+
+def test_default_dispatch(lib, fwd_default_key):
+    """flash_attn_func with no variant picks the spec's default and returns correct results."""
+    dtype_name, d, causal = fwd_default_key
+    q, k, v = make_qkv(2, 200, 333, 8, 2, d, DTYPES[dtype_name], seed=3)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.is_contiguous() and out.dtype == q.dtype
+    assert lse.shape == (2, 8, 200) and lse.dtype == torch.float32 and lse.is_contiguous()
+    check(out, lse, q, k, v, causal, d**-0.5, f"default {fwd_default_key}")
+    default = lib.find("fwd", dtype_name, d, causal)
+    assert default.is_default
+    out2 = flash_attn_func(q, k, v, causal=causal, variant=default.name)
+    assert torch.equal(out, out2)
+
+
+def test_packed_qkv_views(lib, fwd_default_key):
+    """q, k, v as strided views of one packed (b, s, 3, h, d) tensor: legal without a copy."""
+    dtype_name, d, causal = fwd_default_key
+    g = torch.Generator(device="cuda").manual_seed(4)
+    qkv = torch.randn(2, 177, 3, 4, d, device="cuda", dtype=DTYPES[dtype_name], generator=g)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    check(out, lse, q, k, v, causal, d**-0.5, f"packed qkv {fwd_default_key}")
+
+
+def test_empty_and_keyless(lib, fwd_default_key):
+    dtype_name, d, causal = fwd_default_key
+    dtype = DTYPES[dtype_name]
+    q, k, v = make_qkv(2, 0, 5, 4, 2, d, dtype)
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == (2, 0, 4, d) and lse.shape == (2, 4, 0)
+    q, k, v = make_qkv(2, 5, 0, 4, 2, d, dtype)  # no keys: every row is "fully masked"
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_opcheck(lib, fwd_default_key):
+    dtype_name, d, causal = fwd_default_key
+    if d != max(v.head_dim for v in lib.defaults("fwd") if v.dtype == dtype_name):
+        pytest.skip("opcheck once per dtype/causal (largest head_dim) keeps the suite short")
+    q, k, v = make_qkv(1, 64, 80, 2, 1, d, DTYPES[dtype_name], seed=5)
+    name = lib.find("fwd", dtype_name, d, causal).name
+    torch.library.opcheck(torch.ops.fa3gen.fwd.default, (q, k, v, causal, d**-0.5, name))
+
+
+def test_gpu_input_errors(lib, fwd_default_key):
+    dtype_name, d, causal = fwd_default_key
+    dtype = DTYPES[dtype_name]
+    q, k, v = make_qkv(1, 16, 16, 2, 2, d, dtype)
+    flat = torch.randn(q.numel() + 1, device="cuda", dtype=dtype)
+    misaligned = flat[1:].view(q.shape)  # 2-byte offset: breaks TMA's 16-byte alignment
+    with pytest.raises(InvalidInputError, match="16-byte aligned"):
+        flash_attn_func(misaligned, k, v, causal=causal)
+    with pytest.raises(VariantNotBuiltError, match="no_such_variant"):
+        flash_attn_func(q, k, v, causal=causal, variant="no_such_variant")
+    other = next((x for x in lib.variants if x.direction == "fwd" and x.causal != causal), None)
+    if other is not None:
+        with pytest.raises(Fa3genError, match="serves"):
+            flash_attn_func(q, k, v, causal=causal, variant=other.name)
+    built = {x.head_dim for x in lib.variants}
+    hd = next(h for h in (40, 72, 200, 48, 24) if h not in built)
+    q2, k2, v2 = make_qkv(1, 16, 16, 2, 2, hd, dtype)
+    with pytest.raises(VariantNotBuiltError, match=f"head_dim={hd}"):
+        flash_attn_func(q2, k2, v2, causal=causal)
+
+
+def test_reference_self_consistency():
+    """The reference itself, on GPU: fp32 path vs an fp64 computation with the same mask."""
+    q, k, v = make_qkv(1, 37, 50, 4, 2, 64, torch.bfloat16, seed=6)
+    out, lse = attention_reference(q, k, v, causal=True)
+    o64, l64 = attention_reference(q.double(), k.double(), v.double(), causal=True, upcast=False)
+    torch.testing.assert_close(out, o64.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, l64.float(), atol=1e-5, rtol=1e-5)

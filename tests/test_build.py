@@ -1,0 +1,155 @@
+"""The build pipeline end to end with a fake nvcc: ninja, incrementality, manifest, filters."""
+import json
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from generator import build as B
+from generator.errors import BuildError, FilterError
+from generator.toolchain import Toolchain, compile_flags
+
+FAKE = Path(__file__).parent / "fake_nvcc.py"
+
+SPEC = """\
+name: t
+axes: {direction: fwd, dtype: bf16, head_dim: 128, stages: 2, warp_specialized: true,
+       pingpong: false, intra_wg_overlap: false}
+groups:
+  - name: a
+    axes: {causal: false, tile: [128, 128]}
+  - name: b
+    axes: {causal: true, tile: [128, 128]}
+"""
+A = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0"
+B_ = "fwd_bf16_d128_causal_m128n128_s2_ws1_pp0_ov0"
+B2 = "fwd_bf16_d128_causal_m128n176_s2_ws1_pp0_ov0"
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """(spec path, toolchain, calls file) with outputs under tmp_path/gen."""
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
+    monkeypatch.delenv("FA3GEN_COMPILER_LAUNCHER", raising=False)
+    monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(f"#!{sys.executable}\n" + FAKE.read_text())
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
+    calls = tmp_path / "calls.txt"
+    monkeypatch.setenv("FAKE_NVCC_CALLS", str(calls))
+    inc = Path("/opt/cutlass/include")
+    tc = Toolchain(nvcc, "fake nvcc 1", inc, "4.2.0", tuple(compile_flags(inc)))
+    spec = tmp_path / "t.yaml"
+    spec.write_text(SPEC)
+    return spec, tc, calls
+
+
+def take_calls(calls: Path) -> list[str]:
+    if not calls.exists():
+        return []
+    out = sorted(calls.read_text().split())
+    calls.unlink()
+    return out
+
+
+def quiet(*_):
+    pass
+
+
+def test_build_then_noop_then_one_change(fake, capfd):
+    spec, tc, calls = fake
+    res = B.build(spec, toolchain=tc, jobs=2, log=quiet)
+    out = res.plan.out_dir
+    assert res.library == out / "lib" / "libfa3gen_t.so" and res.library.exists()
+    assert take_calls(calls) == sorted([f"{A}.cu", f"{B_}.cu", "dispatch.cu", "link"])
+    assert (out / "obj" / f"{A}.log").exists()
+
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["spec"] == "t" and m["fingerprint"] == tc.fingerprint()
+    assert m["library"] == "lib/libfa3gen_t.so" and m["abi_version"] == 1
+    rows = {r["name"]: r for r in m["variants"]}
+    assert set(rows) == {A, B_}
+    assert rows[A]["is_default"] and rows[A]["key"] == ["fwd", "bf16", 128, False]
+    r = rows[A]["resources"]
+    assert r["registers"] == 168 and r["spill_stores"] == 0 and r["ok"] is True
+    assert "compile_seconds" in r
+
+    # Nothing changed: ninja has nothing to do.
+    assert B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned == []
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == []
+
+    # One variant changes: one TU, the dispatch table and the link.
+    spec.write_text(SPEC.replace("causal: true, tile: [128, 128]", "causal: true, tile: [128, 176]"))
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+    assert sorted(planned) == sorted([f"NVCC {B2}", "NVCC obj/dispatch.o", "LINK lib/libfa3gen_t.so"])
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == sorted([f"{B2}.cu", "dispatch.cu", "link"])
+    assert not (out / "src" / f"{B_}.cu").exists()  # stale source removed
+    assert not (out / "obj" / f"{B_}.o").exists()
+
+
+def test_fingerprint_change_rebuilds_everything(fake):
+    spec, tc, calls = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    take_calls(calls)
+    tc2 = Toolchain(tc.nvcc, "fake nvcc 2", tc.cutlass_include, tc.cutlass_version, tc.flags)
+    planned = B.build(spec, toolchain=tc2, dry_run=True, log=quiet).planned
+    assert len(planned) == 4
+
+
+def test_spilling_variant_fails_unless_allowed(fake, monkeypatch, capfd):
+    spec, tc, calls = fake
+    monkeypatch.setenv("FAKE_NVCC_SPILL", "_causal_")
+    with pytest.raises(BuildError, match="failed"):
+        B.build(spec, toolchain=tc, log=quiet)
+    err = capfd.readouterr()
+    assert f"variant {B_} failed the resource check" in err.out + err.err
+    out = spec.parent / "gen" / "t"
+    assert not (out / "obj" / f"{B_}.o").exists()
+    assert json.loads((out / "obj" / f"{B_}.resources.json").read_text())["ok"] is False
+
+    res = B.build(spec, toolchain=tc, allow_spills=True, log=quiet)
+    m = json.loads(res.manifest.read_text())
+    row = next(r for r in m["variants"] if r["name"] == B_)
+    assert row["resources"]["spill_stores"] == 8
+
+
+def test_compiler_launcher(fake, monkeypatch):
+    spec, tc, calls = fake
+    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "env")
+    res = B.build(spec, toolchain=tc, log=quiet)
+    assert "launcher = env" in (res.plan.out_dir / "build.ninja").read_text()
+    assert res.library.exists()
+
+
+def test_filters(fake):
+    spec, tc, calls = fake
+    res = B.build(spec, only=["*_causal_*"], toolchain=tc, dry_run=True, log=quiet)
+    assert [v.name for v in res.plan.variants] == [B_]
+    res = B.build(spec, exclude=["*_causal_*"], toolchain=tc, dry_run=True, log=quiet)
+    assert [v.name for v in res.plan.variants] == [A]
+
+
+def test_filter_matching_nothing_lists_names(fake):
+    spec, tc, _ = fake
+    with pytest.raises(FilterError, match=rf"--only '\*d99\*' matches no variant; available: .*{A}"):
+        B.plan(spec, only=["*d99*"])
+    with pytest.raises(FilterError, match="--exclude 'nope'"):
+        B.plan(spec, exclude=["nope"])
+    with pytest.raises(FilterError, match="nothing left"):
+        B.plan(spec, exclude=["*"])
+
+
+def test_filter_matching_only_pruned_says_why(tmp_path):
+    spec = tmp_path / "p.yaml"
+    spec.write_text(SPEC.replace("pingpong: false", "pingpong: [false, true]"))
+    with pytest.raises(FilterError, match="matches only pruned variants: .*pruned by knob_realized"):
+        B.plan(spec, only=["*pp1*"])
+
+
+def test_default_jobs_positive():
+    assert B.default_jobs() >= 1

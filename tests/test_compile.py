@@ -1,0 +1,48 @@
+"""Compile specs/tiny.yaml with the real nvcc (no GPU needed): the generated C++ builds.
+
+    .venv/bin/python -m pytest -m compile tests/test_compile.py
+"""
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from generator.errors import ToolchainError
+from generator.paths import KERNELS_DIR, SPECS_DIR
+from generator.toolchain import find_nvcc
+
+pytestmark = pytest.mark.compile
+
+
+def test_tiny_spec_compiles(tmp_path, monkeypatch):
+    try:
+        find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    if not (KERNELS_DIR / "fa3gen_fwd.cuh").is_file():
+        pytest.skip("templates/kernels/fa3gen_fwd.cuh not written yet")
+    from generator.build import build
+
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
+    res = build(SPECS_DIR / "tiny.yaml")
+    name = "fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"
+    lib = tmp_path / "tiny" / "lib" / "libfa3gen_tiny.so"
+    assert res.library == lib and lib.is_file()
+
+    nm = shutil.which("nm")
+    if nm:
+        syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True,
+                              text=True, check=True).stdout
+        for sym in (f"fa3gen_launch_{name}", "fa3gen_variant", "fa3gen_num_variants",
+                    "fa3gen_build_info", "fa3gen_last_error", "fa3gen_abi_version"):
+            assert any(line.split()[-1] == sym for line in syms.splitlines()), sym
+
+    m = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
+    (row,) = m["variants"]
+    assert row["name"] == name and row["is_default"]
+    r = row["resources"]
+    assert r["registers"] and r["registers"] > 0
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+    assert not r["setmaxnreg_ignored"]

@@ -1,0 +1,125 @@
+"""Rendering of the variant TUs, the dispatch table and build.ninja (generator/render.py)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from generator.ninja import render_build_ninja
+from generator.render import c_string, render_dispatch, render_sources, render_variant, write_if_changed
+from generator.toolchain import Toolchain, compile_flags
+from generator.variants import Variant, parse_name
+
+V1 = parse_name("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1")
+V2 = parse_name("fwd_fp16_d64_causal_m192n128_s3_ws0_pp0_ov0")
+
+
+def fake_toolchain() -> Toolchain:
+    inc = Path("/opt/cutlass/include")
+    return Toolchain(Path("/opt/cuda/bin/nvcc"), "release 13.0, V13.0.88", inc, "4.2.0",
+                     tuple(compile_flags(inc)))
+
+
+def test_variant_tu():
+    text = render_variant(V1)
+    assert '#include "fa3gen_fwd.cuh"' in text
+    assert ('extern "C" int fa3gen_launch_fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1('
+            'const fa3gen_fwd_params* p, void* stream)') in text
+    assert ("fa3gen::launch_fwd<cutlass::bfloat16_t, 128, 128, 176, 2, false, true, true, true>"
+            "(*p, static_cast<cudaStream_t>(stream))") in text
+    text2 = render_variant(V2)
+    assert "launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false>" in text2
+
+
+def test_backward_not_rendered():
+    with pytest.raises(ValueError):
+        render_variant(Variant("bwd", "bf16", 128, False, 128, 128, 2, True, False, False))
+
+
+def test_dispatch_table():
+    text = render_dispatch("h100", [V1, V2], {V2.name}, {"spec": "h100", "fingerprint": "ab"})
+    assert '#include "fa3gen_abi.h"' in text and "fa3gen_fwd.cuh\"" not in text
+    assert f"int fa3gen_launch_{V1.name}(const fa3gen_fwd_params* p, void* stream);" in text
+    assert (f'{{"{V1.name}", "fwd", "bf16", 128, 0, 128, 176, 2, 1, 1, 1, 0, '
+            f'&fa3gen_launch_{V1.name}}}') in text
+    assert (f'{{"{V2.name}", "fwd", "fp16", 64, 1, 192, 128, 3, 0, 0, 0, 1, '
+            f'&fa3gen_launch_{V2.name}}}') in text
+    assert "kNumVariants = 2;" in text
+    assert "? &kVariants[index] : nullptr" in text
+    assert "thread_local std::string" in text
+    for fn in ("fa3gen_abi_version", "fa3gen_num_variants", "fa3gen_variant",
+               "fa3gen_build_info", "fa3gen_last_error", "fa3gen_set_error"):
+        assert fn + "(" in text
+    assert r'"{\"fingerprint\": \"ab\", \"spec\": \"h100\"}"' in text
+
+
+def test_empty_dispatch_table_still_valid_cpp():
+    text = render_dispatch("e", [], set(), {"spec": "e"})
+    assert "kNumVariants = 0;" in text and "placeholder" in text
+
+
+def test_c_string_escapes():
+    assert c_string('a"b\\c') == r'"a\"b\\c"'
+    assert c_string("é\n") == r'"\303\251\012"'
+
+
+def test_write_if_changed_keeps_mtime(tmp_path):
+    p = tmp_path / "sub" / "f.cu"
+    assert write_if_changed(p, "x") is True
+    os.utime(p, (1_000_000, 1_000_000))
+    assert write_if_changed(p, "x") is False
+    assert p.stat().st_mtime == 1_000_000
+    assert write_if_changed(p, "y") is True and p.read_text() == "y"
+
+
+def test_render_sources_incremental(tmp_path):
+    a = parse_name("fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0")
+    b = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp0_ov0")
+    c = parse_name("fwd_bf16_d128_causal_m128n176_s2_ws1_pp0_ov0")
+    info = {"spec": "t", "fingerprint": "f"}
+    r1 = render_sources(tmp_path, "t", [a, b], {a.name}, "f", info)
+    assert len(r1.written) == 4  # 2 variants + dispatch + fingerprint
+    r2 = render_sources(tmp_path, "t", [a, b], {a.name}, "f", info)
+    assert r2.written == [] and not r2.removed  # rendering twice changes nothing
+    (tmp_path / "obj").mkdir()
+    (tmp_path / "obj" / f"{b.name}.o").write_text("o")
+    r3 = render_sources(tmp_path, "t", [a, c], {a.name}, "f", info)
+    names = sorted(p.name for p in r3.written)
+    # exactly one variant TU is new; the dispatch table changes with the set
+    assert names == sorted([f"{c.name}.cu", "dispatch.cu"])
+    assert sorted(p.name for p in r3.removed) == [f"{b.name}.cu", f"{b.name}.o"]
+    assert not (tmp_path / "src" / f"{b.name}.cu").exists()
+    assert (tmp_path / "fingerprint.txt").read_text() == "f\n"
+
+
+def test_build_ninja_content():
+    tc = fake_toolchain()
+    text = render_build_ninja("h100", [V1, V2], tc, launcher="ccache")
+    assert f"build obj/{V1.name}.o | obj/{V1.name}.resources.json: nvcc_variant src/{V1.name}.cu" \
+        " | fingerprint.txt " in text
+    assert "fa3gen_fwd.cuh" in text  # kernel headers are implicit deps
+    assert "-m generator.compile_one --name $name --out $out --resources $resources --" in text
+    assert f"build lib/libfa3gen_h100.so: link obj/{V1.name}.o obj/{V2.name}.o obj/dispatch.o" \
+        " | fingerprint.txt" in text
+    assert "build obj/dispatch.o: nvcc_plain src/dispatch.cu | fingerprint.txt" in text
+    assert "launcher = ccache" in text
+    assert "ldflags = -shared -cudart static -gencode arch=compute_90a,code=sm_90a" in text
+    assert f"python = {sys.executable}" in text
+    cflags = next(l for l in text.splitlines() if l.startswith("cflags ="))
+    plain = next(l for l in text.splitlines() if l.startswith("cflags_plain ="))
+    assert "-Xptxas -v" in cflags and "-Xptxas" not in plain
+    assert "default lib/libfa3gen_h100.so" in text
+
+
+def test_flags():
+    inc = Path("/x/include")
+    f = compile_flags(inc)
+    s = " ".join(f)
+    assert s.startswith("-std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a "
+                        "--expt-relaxed-constexpr --use_fast_math -DNDEBUG "
+                        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -Xcompiler -fPIC -Xptxas -v")
+    assert f[-1] == "-I/x/include" and f[-2].endswith("templates/kernels")
+    d = compile_flags(inc, debug=True)
+    assert "-DNDEBUG" not in d and "-lineinfo" in d
+    assert "-lineinfo" in compile_flags(inc, lineinfo=True)

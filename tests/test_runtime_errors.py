@@ -1,0 +1,495 @@
+"""CPU tests of the runtime half: input validation messages, library lookup errors, variant
+selection, the reference's masking, and the pure parts of bench. No GPU, no built library."""
+
+import ctypes
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fa3gen
+from fa3gen import bench, runtime
+from fa3gen.errors import (
+    Fa3genError,
+    InvalidInputError,
+    LibraryNotBuiltError,
+    VariantNotBuiltError,
+)
+from fa3gen.ops import check_device, check_inputs, check_layout
+from fa3gen.reference import attention_reference, causal_mask
+from fa3gen.runtime import VariantInfo, select_variant
+
+
+def qkv(b=2, sq=16, sk=16, hq=4, hkv=4, d=64, dtype=torch.bfloat16, device="cpu"):
+    return (torch.randn(b, sq, hq, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hkv, d, dtype=dtype, device=device),
+            torch.randn(b, sk, hkv, d, dtype=dtype, device=device))
+
+
+# ---- input validation ------------------------------------------------------------------------
+
+
+def test_cpu_tensors_rejected_with_hint():
+    q, k, v = qkv()
+    with pytest.raises(Fa3genError, match="CUDA Hopper"):
+        check_device(q, k, v)
+    with pytest.raises(Fa3genError, match="q is on device 'cpu'"):
+        fa3gen.flash_attn_func(q, k, v)
+
+
+def test_not_a_tensor():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="k must be a torch.Tensor, got NoneType"):
+        check_inputs(q, None, v)
+
+
+def test_dtype_mismatch_and_unsupported():
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match="one dtype.*k: torch.float16"):
+        check_inputs(q, k.half(), v)
+    with pytest.raises(InvalidInputError, match="unsupported dtype torch.float32"):
+        check_inputs(q.float(), k.float(), v.float())
+
+
+def test_wrong_rank():
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match=r"q must have 4 dims .* got shape \(2, 16, 256\)"):
+        check_inputs(q.flatten(2), k, v)
+
+
+def test_shape_mismatches():
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match="k and v must have the same shape"):
+        check_inputs(q, k, v[:, :8])
+    q2, _, _ = qkv(b=3)
+    with pytest.raises(InvalidInputError, match="batch differs"):
+        check_inputs(q2, k, v)
+    q3, _, _ = qkv(d=128)
+    with pytest.raises(InvalidInputError, match="head_dim differs"):
+        check_inputs(q3, k, v)
+
+
+def test_gqa_head_mismatch():
+    q, k, v = qkv(hq=6, hkv=4)
+    with pytest.raises(InvalidInputError, match=r"heads_q \(6\) must be a multiple of heads_kv"):
+        check_inputs(q, k, v)
+    dims = check_inputs(*qkv(hq=8, hkv=2, sq=5, sk=9))  # GQA is fine
+    assert (dims.batch, dims.seqlen_q, dims.seqlen_k, dims.heads_q, dims.heads_kv,
+            dims.head_dim, dims.dtype) == (2, 5, 9, 8, 2, 64, "bf16")
+    assert check_inputs(*qkv(hq=8, hkv=1)).heads_kv == 1  # MQA
+
+
+def test_bad_strides():
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match=r"q.stride\(-1\) is 2.*contiguous"):
+        check_layout(q=q[..., ::2])  # head_dim stride 2
+    # (b, s, h, d) made from a transposed (b, h, s, d) tensor is legal: strides stay 8-multiples
+    check_layout(k=torch.randn(2, 4, 16, 64, dtype=torch.bfloat16).transpose(1, 2))
+    # heads stride 60 elements: not a multiple of 8
+    wide = torch.randn(2, 16, 4, 60, dtype=torch.bfloat16)[..., :56]
+    with pytest.raises(InvalidInputError, match=r"v.stride\(2\) \(heads\) is 60.*v.contiguous\(\)"):
+        check_layout(v=wide)
+    flat = torch.randn(q.numel() + 1, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match="16-byte aligned"):
+        check_layout(q=flat[1:].view(q.shape))
+
+
+def test_size_one_dims_exempt_from_stride_rules():
+    x = torch.randn(1, 1, 1, 64, dtype=torch.bfloat16)
+    check_layout(q=x.as_strided(x.shape, (3, 5, 7, 1)))
+    check_layout(q=torch.empty(2, 16, 4, 64, dtype=torch.bfloat16, device="meta"))
+
+
+def test_size_one_dims_get_legal_strides():
+    from fa3gen.ops import _strides
+
+    x = torch.randn(1, 1, 1, 64, dtype=torch.bfloat16).as_strided((1, 1, 1, 64), (3, 5, 7, 1))
+    assert all(s % 8 == 0 for s in _strides(x))
+    y = torch.randn(2, 16, 4, 64, dtype=torch.bfloat16)
+    assert _strides(y) == (16 * 4 * 64, 4 * 64, 64)
+
+
+# ---- library location and variant lookup -----------------------------------------------------
+
+
+@pytest.fixture
+def clean_runtime(monkeypatch, tmp_path):
+    monkeypatch.delenv("FA3GEN_LIB", raising=False)
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    monkeypatch.setattr(runtime, "_selected", None)
+    monkeypatch.setattr(runtime, "_libraries", {})
+    return tmp_path
+
+
+def test_library_not_built_message(clean_runtime):
+    with pytest.raises(LibraryNotBuiltError) as e:
+        runtime.get_library()
+    msg = str(e.value)
+    assert str(clean_runtime / "h100" / "lib" / "libfa3gen_h100.so") in msg
+    assert "fa3gen build --spec specs/h100.yaml" in msg
+
+
+def test_library_paths(clean_runtime, monkeypatch):
+    root = clean_runtime
+    assert runtime.resolve_library("ablation") == (
+        root / "ablation/lib/libfa3gen_ablation.so", "ablation")
+    assert runtime.resolve_library("specs/tiny.yaml")[0] == root / "tiny/lib/libfa3gen_tiny.so"
+    monkeypatch.setenv("FA3GEN_LIB", "/x/libfa3gen_mine.so")
+    assert runtime.resolve_library() == (runtime.Path("/x/libfa3gen_mine.so"), "mine")
+    assert runtime.resolve_library("tiny")[1] == "tiny"  # an explicit spec beats the env
+    with pytest.raises(LibraryNotBuiltError, match="specs/ablation.yaml"):
+        runtime.use_spec("ablation")
+    assert runtime._selected is None  # a failed use_spec changes nothing
+
+
+def test_not_a_fa3gen_library(clean_runtime):
+    # Any shared library without the fa3gen symbols: a clear error, not an AttributeError.
+    import ctypes.util
+
+    name = ctypes.util.find_library("m")  # e.g. "libm.so.6"; resolve it in the usual dirs only
+    dirs = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib/aarch64-linux-gnu",
+            "/usr/lib/aarch64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib")
+    libm = [f"{d}/{name}" for d in dirs if name and runtime.Path(d, name).is_file()]
+    if not libm:
+        pytest.skip("no libm found to load")
+    with pytest.raises(fa3gen.AbiMismatchError, match="no fa3gen_abi_version symbol"):
+        runtime.Library(libm[0])
+
+
+def _v(name, dtype="bf16", d=128, causal=False, default=True, direction="fwd"):
+    return VariantInfo(name, direction, dtype, d, causal, 128, 128, 2, True, True, True, default)
+
+
+TABLE = [
+    _v("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"),
+    _v("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1", causal=True),
+    _v("fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp1_ov1", d=64),
+    _v("fwd_bf16_d64_nocausal_m128n128_s2_ws0_pp0_ov0", d=64, default=False),
+    _v("fwd_fp16_d256_causal_m128n80_s2_ws1_pp0_ov1", dtype="fp16", d=256, causal=True,
+       default=False),
+]
+
+
+def test_select_default_and_named():
+    assert select_variant(TABLE, "fwd", "bf16", 64, False).name == TABLE[2].name
+    assert select_variant(TABLE, "fwd", "bf16", 128, True).name == TABLE[1].name
+    named = select_variant(TABLE, "fwd", "bf16", 64, False, TABLE[3].name)
+    assert named is TABLE[3]
+
+
+def test_variant_not_built_lists_variants_and_build_hint():
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "bf16", 96, True, spec_name="h100")
+    msg = str(e.value)
+    assert "direction=fwd dtype=bf16 head_dim=96 causal=True" in msg
+    for v in TABLE:
+        assert v.name in msg
+    assert "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1 (default)" in msg
+    assert ("add head_dim: 96 (dtype bf16, causal: true) to a group of specs/h100.yaml "
+            "and run: fa3gen build --spec specs/h100.yaml") in msg
+    assert e.value.available and e.value.requested
+
+
+def test_variant_not_built_never_falls_back_to_non_default():
+    with pytest.raises(VariantNotBuiltError, match="non-default variants for this key.*d256"):
+        select_variant(TABLE, "fwd", "fp16", 256, True, spec_name="h100")
+
+
+def test_unknown_and_mismatched_variant_names():
+    with pytest.raises(VariantNotBuiltError, match="variant name 'fwd_bogus'"):
+        select_variant(TABLE, "fwd", "bf16", 64, False, "fwd_bogus", spec_name="ablation")
+    with pytest.raises(Fa3genError, match="serves direction=fwd dtype=bf16 head_dim=128"):
+        select_variant(TABLE, "fwd", "bf16", 64, False, TABLE[0].name)
+
+
+def test_long_variant_lists_are_cut():
+    many = [_v(f"fwd_bf16_d128_nocausal_m128n{i}_s2_ws1_pp1_ov1", default=False)
+            for i in range(100)]
+    with pytest.raises(VariantNotBuiltError, match="and 60 more"):
+        select_variant(many, "fwd", "bf16", 64, False)
+
+
+def test_ctypes_mirror_layout():
+    # Offsets as the C compiler lays out fa3gen_abi.h on x86-64 / aarch64 (LP64).
+    P = runtime.FwdParams
+    assert P.q_batch_stride.offset == 40 and P.batch.offset == 40 + 12 * 8
+    assert P.softmax_scale.offset == 136 + 24 and P.num_sms.offset == 164
+    assert ctypes.sizeof(P) == 168
+    V = runtime.VariantInfoC
+    assert V.head_dim.offset == 24 and V.is_default.offset == 24 + 8 * 4
+    assert V.launch_fwd.offset == 64 and ctypes.sizeof(V) == 72
+
+
+def test_custom_op_fake_shapes():
+    import fa3gen.ops  # noqa: F401  (registers fa3gen::fwd)
+
+    # non-contiguous q (b, s, h, d) from a (b, h, s, d) tensor: outputs are contiguous anyway
+    q = torch.empty(2, 8, 7, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    assert not q.is_contiguous()
+    k = torch.empty(2, 9, 2, 128, dtype=torch.bfloat16, device="meta")
+    out, lse = torch.ops.fa3gen.fwd(q, k, k, True, 0.1, "any")
+    assert out.shape == (2, 7, 8, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert lse.shape == (2, 8, 7) and lse.dtype == torch.float32 and lse.is_contiguous()
+    schema = str(torch.ops.fa3gen.fwd.default._schema)
+    assert "bool causal, float softmax_scale, str variant) -> (Tensor, Tensor)" in schema
+
+
+def test_import_is_light():
+    code = ("import sys, fa3gen; fa3gen.__version__; "
+            "assert 'torch' not in sys.modules and 'fa3gen.runtime' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.startswith(('torch', 'fa3gen')))")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert fa3gen.__version__ == "0.1.0"
+
+
+# ---- reference -------------------------------------------------------------------------------
+
+
+def test_causal_mask_bottom_right():
+    # seqlen_q=2, seqlen_k=4: query 0 sees keys 0..2, query 1 sees 0..3
+    assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
+    # seqlen_q=4, seqlen_k=2: queries 0, 1 see nothing; query 2 sees key 0; query 3 sees both
+    assert causal_mask(4, 2).tolist() == [[False, False], [False, False],
+                                          [True, False], [True, True]]
+
+
+def test_reference_hand_example():
+    # One head, d=1, scale 1: q=[0, 0, 0], k=[0, 0], v=[1, 3] -> uniform weights over visible keys.
+    q = torch.zeros(1, 3, 1, 1)
+    k = torch.zeros(1, 2, 1, 1)
+    v = torch.tensor([1.0, 3.0]).view(1, 2, 1, 1)
+    out, lse = attention_reference(q, k, v, causal=True, softmax_scale=1.0)
+    assert out.flatten().tolist() == [0.0, 1.0, 2.0]  # row 0 sees no key, row 1 key 0, row 2 both
+    assert lse[0, 0, 0] == float("-inf")
+    assert lse[0, 0, 1].item() == 0.0 and lse[0, 0, 2].item() == pytest.approx(math.log(2))
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+@pytest.mark.parametrize("upcast", [True, False])
+def test_reference_fully_masked_rows(upcast):
+    q, k, v = qkv(b=1, sq=7, sk=3, hq=4, hkv=2, d=16)
+    out, lse = attention_reference(q, k, v, causal=True, upcast=upcast)
+    assert out.dtype == (torch.float32 if upcast else torch.bfloat16)
+    assert (out[:, :4] == 0).all() and torch.isneginf(lse[:, :, :4]).all()
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 4:]).all()
+
+
+def test_reference_gqa_matches_repeated_heads():
+    q, k, v = qkv(b=1, sq=5, sk=6, hq=4, hkv=2, d=8, dtype=torch.float32)
+    out, lse = attention_reference(q, k, v)
+    out2, lse2 = attention_reference(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2))
+    torch.testing.assert_close(out, out2)
+    # query head 1 uses kv head 0, query head 2 uses kv head 1
+    o_h1, _ = attention_reference(q[:, :, 1:2], k[:, :, 0:1], v[:, :, 0:1])
+    torch.testing.assert_close(out[:, :, 1:2], o_h1)
+
+
+def test_reference_matches_sdpa():
+    q, k, v = qkv(b=2, sq=9, sk=9, hq=2, hkv=2, d=16, dtype=torch.float32)
+    out, _ = attention_reference(q, k, v, causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_compare_to_reference_catches_nan_and_errors():
+    from fa3gen.reference import compare_to_reference
+
+    q, k, v = qkv(b=1, sq=6, sk=3, hq=2, hkv=1, d=16)
+    ref_o, ref_l = attention_reference(q, k, v, causal=True)
+    good = compare_to_reference(ref_o.to(q.dtype), ref_l, q, k, v, causal=True)
+    assert good["ok"], good["why"]
+    bad_o = ref_o.to(q.dtype).clone()
+    bad_o[0, 5, 0, 0] = float("nan")
+    assert "NaN" in compare_to_reference(bad_o, ref_l, q, k, v, causal=True)["why"]
+    bad_l = ref_l.clone()
+    bad_l[0, 0, 0] = 0.0  # should be -inf (row sees no key)
+    assert "-inf" in compare_to_reference(ref_o, bad_l, q, k, v, causal=True)["why"]
+    assert not compare_to_reference(ref_o + 0.1, ref_l, q, k, v, causal=True)["ok"]
+
+
+# ---- bench (pure parts) ----------------------------------------------------------------------
+
+
+def test_grid_and_flops():
+    g = bench.grid([512, 16384], [64, 256])
+    assert g[0] == {"head_dim": 64, "seqlen": 512, "batch": 32, "heads": 32}
+    assert g[-1] == {"head_dim": 256, "seqlen": 16384, "batch": 1, "heads": 8}
+    assert all(s["batch"] * s["seqlen"] == 16384 and s["heads"] * s["head_dim"] == 2048 for s in g)
+    f = bench.attention_flops(32, 32, 512, 512, 64, causal=False)
+    assert f == 4 * 32 * 32 * 512**2 * 64
+    assert bench.attention_flops(32, 32, 512, 512, 64, causal=True) == f / 2
+    assert bench.attention_flops(32, 32, 512, 512, 64, causal=False, direction="bwd") == 2.5 * f
+    assert bench.tflops(1e12, 1000.0) == 1.0 and bench.tflops(1e12, None) is None
+
+
+def fabricated_report():
+    rows = []
+    for causal in (False, True):
+        for shape in bench.grid([512, 1024], [64, 128]):
+            ms = {"fa3gen": 0.5, "cudnn": 0.6, "flash": None if shape["head_dim"] == 128 else 0.8}
+            rows.append(bench.make_row("fwd", "bf16", shape, causal, "fwd_bf16_x", ms))
+    header = {"gpu": "NVIDIA H200", "commit": "abc123", "date": "2026-11-30 00:00 UTC",
+              "torch": "2.11", "cuda": "13.0", "cudnn": 91000, "gemm_tflops": 700.0,
+              "library": "generated/h100/lib/libfa3gen_h100.so", "command": "fa3gen bench"}
+    return {"header": header, "rows": rows}
+
+
+def test_rows_json_roundtrip(tmp_path):
+    rep = fabricated_report()
+    r = rep["rows"][0]
+    assert set(r) >= {"direction", "dtype", "head_dim", "causal", "batch", "seqlen", "heads",
+                      "variant", "ms", "tflops"}
+    assert r["tflops"]["fa3gen"] == pytest.approx(r["flops"] / 0.5e-3 / 1e12)
+    assert rep["rows"][-1]["tflops"]["flash"] is None
+    bench.write_json(rep, tmp_path / "r/bench.json")
+    assert json.loads((tmp_path / "r/bench.json").read_text()) == rep
+
+
+def test_markdown_tables_and_markers(tmp_path):
+    rep = fabricated_report()
+    block = bench.render_markdown(rep)
+    assert block.startswith(bench.BEGIN) and block.rstrip().endswith(bench.END)
+    assert "### fwd, bf16, causal=False" in block and "### fwd, bf16, causal=True" in block
+    assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | fa3gen/cuDNN |" in block
+    assert "NVIDIA H200" in block and "abc123" in block and "`fa3gen bench`" in block
+    assert "| 128 | 512 |" in block and "| — |" in block  # missing FA2 -> dash
+    assert "1.20" in block  # ratio 0.6/0.5
+
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text(f"# Benchmarks\n\nHand notes above.\n\n{bench.BEGIN}\nold\n{bench.END}\n\n"
+                  "Hand notes below.\n")
+    bench.update_markdown(md, block)
+    text = md.read_text()
+    assert "Hand notes above." in text and "Hand notes below." in text
+    assert "old" not in text and text.count(bench.BEGIN) == 1
+    bench.update_markdown(md, block)  # idempotent
+    assert md.read_text() == text
+    fresh = tmp_path / "new.md"
+    bench.update_markdown(fresh, block)
+    assert bench.BEGIN in fresh.read_text()
+
+
+def test_plot_writes_png(tmp_path):
+    bench.plot(fabricated_report(), tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_cli_options():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    bench.register(sub)
+    a = parser.parse_args(["bench"])
+    assert a.func is bench.run and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
+    assert a.head_dims == [64, 128, 256] and a.causal == "both" and a.dtype == "bf16"
+    assert (a.warmup, a.iters, a.no_baselines) == (5, 30, False)
+    assert a.out.name == "bench.json" and a.markdown.name == "BENCHMARKS.md"
+    a = parser.parse_args(["bench", "--seqlens", "1024,2048", "--head-dims", "128",
+                           "--causal", "true", "--no-baselines"])
+    assert a.seqlens == [1024, 2048] and a.head_dims == [128] and a.no_baselines
+
+
+# ---- a fake library built with the host C compiler: the ctypes path end to end ---------------
+
+FAKE_LIB_C = r"""
+#include <string.h>
+#include "fa3gen_abi.h"
+static __thread char err[256];
+fa3gen_fwd_params fake_last_params;
+void* fake_last_stream;
+static int launch(const fa3gen_fwd_params* p, void* stream) {
+  fake_last_params = *p;
+  fake_last_stream = stream;
+  if (p->batch == 13) { fa3gen_set_error("unlucky batch"); return 7; }
+  return 0;
+}
+static const fa3gen_variant_info table[] = {
+  {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 128, 176, 2, 1, 1, 1,
+   1, launch},
+  {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 128, 128, 2, 0, 0, 0,
+   0, launch},
+  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 64, 128, 2, 1, 0, 0,
+   1, 0},
+};
+int32_t fa3gen_abi_version(void) { return ABI; }
+int32_t fa3gen_num_variants(void) { return 3; }
+const fa3gen_variant_info* fa3gen_variant(int32_t i) { return (i >= 0 && i < 3) ? &table[i] : 0; }
+const char* fa3gen_build_info(void) { return "{\"spec\": \"fake\", \"fingerprint\": \"x\"}"; }
+const char* fa3gen_last_error(void) { return err; }
+void fa3gen_set_error(const char* m) { strncpy(err, m, sizeof err - 1); }
+"""
+
+
+def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION):
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = tmp_path / "fake.c"
+    src.write_text(FAKE_LIB_C)
+    so = tmp_path / f"libfa3gen_fake{abi}.so"
+    subprocess.run([cc, "-shared", "-fPIC", f"-DABI={abi}", "-I",
+                    str(runtime.REPO_ROOT / "templates/kernels"), str(src), "-o", str(so)],
+                   check=True)
+    return so
+
+
+def test_fake_library_table_and_launch(tmp_path):
+    from fa3gen.ops import Dims, _make_params
+
+    lib = runtime.Library(build_fake_lib(tmp_path))
+    assert lib.spec_name == "fake" and lib.build_info["fingerprint"] == "x"
+    assert lib.names("fwd") == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
+                                "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"]
+    v0 = lib.variants[0]
+    assert (v0.tile_m, v0.tile_n, v0.stages, v0.warp_specialized, v0.is_default) == (
+        128, 176, 2, True, True)
+    assert lib.variants[2].launch is None and lib.variants[2].direction == "bwd"
+    assert lib.find("fwd", "bf16", 128, False) is v0
+    assert lib.find("fwd", "bf16", 128, False, lib.variants[1].name) is lib.variants[1]
+    with pytest.raises(VariantNotBuiltError, match="specs/fake.yaml"):
+        lib.find("fwd", "fp16", 128, False)
+
+    # Params marshalling: strides of a packed-qkv view and a GQA k/v, read back from C.
+    qkv_t = torch.randn(2, 5, 3, 4, 128, dtype=torch.bfloat16)
+    q = qkv_t[:, :, 0]
+    k, v = (torch.randn(2, 9, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = torch.empty(2, 5, 4, 128, dtype=torch.bfloat16), torch.empty(2, 4, 5)
+    dims = Dims(2, 5, 9, 4, 2, 128, "bf16")
+    params = _make_params(q, k, v, out, lse, dims, 0.125, 132)
+    lib.launch_fwd(v0, params, 0xABC0)
+    got = runtime.FwdParams.in_dll(lib._dll, "fake_last_params")
+    assert ctypes.c_void_p.in_dll(lib._dll, "fake_last_stream").value == 0xABC0
+    assert (got.q, got.k, got.o, got.lse) == (q.data_ptr(), k.data_ptr(), out.data_ptr(),
+                                              lse.data_ptr())
+    assert (got.q_batch_stride, got.q_row_stride, got.q_head_stride) == (5 * 3 * 4 * 128,
+                                                                        3 * 4 * 128, 128)
+    assert (got.k_batch_stride, got.k_row_stride, got.k_head_stride) == (9 * 256, 256, 128)
+    assert (got.batch, got.seqlen_q, got.seqlen_k, got.heads_q, got.heads_kv, got.head_dim) == (
+        2, 5, 9, 4, 2, 128)
+    assert got.softmax_scale == 0.125 and got.num_sms == 132
+
+    params.batch = 13  # the fake launcher fails: the C error text reaches Python
+    with pytest.raises(Fa3genError, match=r"fwd_bf16_d128.*failed \(code 7\): unlucky batch"):
+        lib.launch_fwd(v0, params, 0)
+    with pytest.raises(Fa3genError, match="no forward launcher"):
+        lib.launch_fwd(lib.variants[2], params, 0)
+
+
+def test_fake_library_abi_mismatch(tmp_path):
+    with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99, this fa3gen package "
+                                                      "expects 1"):
+        runtime.Library(build_fake_lib(tmp_path, abi=99))
+
+
+def test_get_library_via_env_and_cache(tmp_path, clean_runtime, monkeypatch):
+    so = build_fake_lib(tmp_path)
+    monkeypatch.setenv("FA3GEN_LIB", str(so))
+    lib = runtime.get_library()
+    assert lib is runtime.get_library() and lib.path == so

@@ -1,0 +1,216 @@
+"""Spec loading and validation (generator/spec.py)."""
+import textwrap
+
+import pytest
+
+from generator.errors import SpecError
+from generator.paths import SPECS_DIR
+from generator.spec import load_spec, parse_spec
+
+FULL_AXES = """\
+axes:
+  direction: fwd
+  dtype: bf16
+  head_dim: 128
+  causal: false
+  tile: [128, 128]
+  stages: 2
+  warp_specialized: true
+  pingpong: false
+  intra_wg_overlap: false
+"""
+
+
+def write(tmp_path, text, name="s.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def error_of(tmp_path, text) -> str:
+    p = write(tmp_path, text)
+    with pytest.raises(SpecError) as ei:
+        load_spec(p)
+    msg = str(ei.value)
+    assert str(p) in msg, msg  # every error names the file
+    return msg
+
+
+def test_minimal_spec_single_group(tmp_path):
+    spec = load_spec(write(tmp_path, FULL_AXES, "mini.yaml"))
+    assert spec.name == "mini"  # defaults to the file stem
+    assert len(spec.groups) == 1
+    g = spec.groups[0]
+    assert g.values("tile") == ((128, 128),)
+    assert g.values("causal") == (False,)
+    assert spec.dispatch_required is True
+
+
+def test_groups_merge_top_level_and_lists(tmp_path):
+    spec = load_spec(write(tmp_path, """\
+        name: x
+        axes: {direction: fwd, stages: 2, warp_specialized: true, pingpong: false,
+               intra_wg_overlap: false, causal: false}
+        groups:
+          - name: a
+            axes: {dtype: [bf16, fp16], head_dim: 128, tile: [[128, 128], [128, 176]],
+                   causal: [false, true]}
+          - axes: {dtype: bf16, head_dim: 64, tile: [192, 128], stages: [1, 2, 2]}
+        """))
+    a, b = spec.groups
+    assert a.name == "a" and b.name == "groups[1]"
+    assert a.values("causal") == (False, True)  # group overrides top level
+    assert a.values("tile") == ((128, 128), (128, 176))
+    assert b.values("causal") == (False,)       # inherited
+    assert b.values("stages") == (1, 2)         # duplicates dropped
+
+
+def test_shipped_specs_load():
+    for name in ("tiny", "h100", "ablation"):
+        spec = load_spec(SPECS_DIR / f"{name}.yaml")
+        assert spec.name == name
+    assert load_spec(SPECS_DIR / "ablation.yaml").dispatch_required is False
+
+
+def test_unknown_top_level_key_suggests(tmp_path):
+    msg = error_of(tmp_path, "nmae: x\n" + FULL_AXES)
+    assert "nmae" in msg and "did you mean 'name'" in msg
+
+
+def test_unknown_axis_key_suggests_with_path(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("groups", "") + """\
+groups:
+  - name: g
+    axes:
+      tyle: [128, 128]
+""")
+    assert "groups[0].axes.tyle" in msg and "did you mean 'tile'" in msg
+
+
+def test_bad_bool_type(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("causal: false", 'causal: "yes"'))
+    assert "axes.causal" in msg and '"yes"' in msg and "true or false" in msg
+
+
+def test_bad_int_type(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("head_dim: 128", "head_dim: 12.5"))
+    assert "axes.head_dim" in msg and "12.5" in msg
+
+
+def test_bool_is_not_an_int(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("stages: 2", "stages: true"))
+    assert "axes.stages" in msg and "true" in msg
+
+
+def test_bad_choice(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("dtype: bf16", "dtype: fp32"))
+    assert "axes.dtype" in msg and '"fp32"' in msg and "bf16" in msg
+
+
+def test_bad_tile_in_group_list(tmp_path):
+    text = FULL_AXES.replace("  tile: [128, 128]\n", "") + """\
+groups:
+  - name: a
+    axes: {tile: [[128, 128]]}
+  - name: b
+    axes:
+      tile: [[128], [128, 176]]
+"""
+    msg = error_of(tmp_path, text)
+    assert "groups[1].axes.tile[0]" in msg and "[128]" in msg
+
+
+def test_bad_single_tile(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("tile: [128, 128]", "tile: [128, 128, 64]"))
+    assert "axes.tile" in msg and "[128, 128, 64]" in msg
+
+
+def test_missing_axis(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("  stages: 2\n", ""))
+    assert "axes.stages" in msg and "missing" in msg
+
+
+def test_missing_axis_in_group(tmp_path):
+    text = FULL_AXES.replace("  stages: 2\n", "") + """\
+groups:
+  - name: a
+    axes: {stages: 2}
+  - name: b
+    axes: {head_dim: 64}
+"""
+    msg = error_of(tmp_path, text)
+    assert "groups[1].axes.stages" in msg
+
+
+def test_empty_list(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES.replace("dtype: bf16", "dtype: []"))
+    assert "axes.dtype" in msg and "empty" in msg
+
+
+def test_duplicate_yaml_key(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES + "  stages: 3\n")
+    assert "duplicate key 'stages'" in msg
+
+
+def test_invalid_yaml(tmp_path):
+    msg = error_of(tmp_path, "axes: [unclosed\n")
+    assert "invalid YAML" in msg
+
+
+def test_exclude_and_dispatch_parse(tmp_path):
+    spec = load_spec(write(tmp_path, FULL_AXES + """\
+exclude:
+  - {head_dim: 128, tile: [128, 176]}
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 128]}
+dispatch_required: false
+"""))
+    assert spec.exclude[0].items == (("head_dim", (128,)), ("tile", ((128, 176),)))
+    assert spec.exclude[0].where == "exclude[0]"
+    e = spec.dispatch[0]
+    assert e.where == "dispatch[0]" and e.when.items == (("head_dim", (128,)),)
+    assert e.use.describe() == "{tile: [128, 128]}"
+    assert spec.dispatch_required is False
+
+
+def test_dispatch_knob_in_when_is_error(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES + """\
+dispatch:
+  - when: {tile: [128, 128]}
+    use: {stages: 2}
+""")
+    assert "dispatch[0].when.tile" in msg and "use" in msg
+
+
+def test_dispatch_key_in_use_is_error(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES + """\
+dispatch:
+  - when: {head_dim: 128}
+    use: {causal: true}
+""")
+    assert "dispatch[0].use.causal" in msg
+
+
+def test_dispatch_bad_value_path(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES + """\
+dispatch:
+  - when: {head_dim: 128}
+    use: {pingpong: maybe}
+""")
+    assert "dispatch[0].use.pingpong" in msg and '"maybe"' in msg
+
+
+def test_exclude_unknown_key(tmp_path):
+    msg = error_of(tmp_path, FULL_AXES + "exclude:\n  - {head_dimm: 128}\n")
+    assert "exclude[0].head_dimm" in msg and "head_dim" in msg
+
+
+def test_missing_file():
+    with pytest.raises(SpecError, match="not found"):
+        load_spec("/nonexistent/spec.yaml")
+
+
+def test_parse_spec_from_text():
+    spec = parse_spec(FULL_AXES, "inline.yaml", default_name="inline")
+    assert spec.name == "inline" and spec.path == "inline.yaml"

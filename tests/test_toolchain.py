@@ -1,0 +1,71 @@
+"""Toolchain discovery and the build fingerprint (generator/toolchain.py)."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from generator import toolchain as T
+from generator.errors import ToolchainError
+from generator.paths import TEMPLATES_DIR
+
+
+def fp(templates: Path, **kw) -> str:
+    args = dict(nvcc_version="13.0", flags=["-O3"], link_flags=["-shared"], cutlass_version="4.2.0")
+    args.update(kw)
+    return T.fingerprint(templates_dir=templates, **args)
+
+
+def test_fingerprint_tracks_templates_and_toolchain(tmp_path):
+    tpl = tmp_path / "templates"
+    shutil.copytree(TEMPLATES_DIR, tpl)
+    base = fp(tpl)
+    assert fp(tpl) == base  # deterministic
+    assert fp(tpl, nvcc_version="13.1") != base
+    assert fp(tpl, flags=["-O2"]) != base
+    assert fp(tpl, cutlass_version="4.3.0") != base
+    header = tpl / "kernels" / "fa3gen_abi.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    changed = fp(tpl)
+    assert changed != base
+    (tpl / "kernels" / "new_header.cuh").write_text("#pragma once\n")
+    assert fp(tpl) != changed
+
+
+def test_template_hashes_cover_kernel_headers():
+    rels = [r for r, _ in T.template_hashes()]
+    assert "kernels/fa3gen_abi.h" in rels and "variant.cu.j2" in rels
+
+
+def test_find_cutlass_from_wheel(monkeypatch):
+    monkeypatch.delenv("CUTLASS_DIR", raising=False)
+    inc = T.find_cutlass_include()
+    assert (inc / "cute" / "tensor.hpp").is_file()
+    assert T.cutlass_version(inc) == "4.2.0"
+
+
+def test_cutlass_dir_override(tmp_path, monkeypatch):
+    (tmp_path / "include" / "cute").mkdir(parents=True)
+    (tmp_path / "include" / "cute" / "tensor.hpp").write_text("")
+    monkeypatch.setenv("CUTLASS_DIR", str(tmp_path))
+    assert T.find_cutlass_include() == tmp_path / "include"
+    monkeypatch.setenv("CUTLASS_DIR", str(tmp_path / "nope"))
+    with pytest.raises(ToolchainError, match="CUTLASS_DIR"):
+        T.find_cutlass_include()
+
+
+def test_nvcc_env_override(tmp_path, monkeypatch):
+    fake = tmp_path / "nvcc"
+    fake.write_text("")
+    monkeypatch.setenv("NVCC", str(fake))
+    assert T.find_nvcc() == fake
+    monkeypatch.setenv("NVCC", str(tmp_path / "missing"))
+    with pytest.raises(ToolchainError, match="NVCC"):
+        T.find_nvcc()
+
+
+def test_cutlass_not_imported(monkeypatch):
+    import sys
+    monkeypatch.delenv("CUTLASS_DIR", raising=False)
+    sys.modules.pop("cutlass_library", None)
+    T.find_cutlass_include()
+    assert "cutlass_library" not in sys.modules

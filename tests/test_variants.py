@@ -1,0 +1,213 @@
+"""Enumeration, pruning constraints, names and dispatch (generator/variants.py)."""
+import dataclasses
+import textwrap
+
+import pytest
+
+from generator import variants as V
+from generator.errors import SpecError
+from generator.paths import SPECS_DIR
+from generator.spec import load_spec, parse_spec
+from generator.variants import (CONSTRAINTS, Variant, check, enumerate_variants, parse_name,
+                                resolve_dispatch)
+
+BASE = Variant("fwd", "bf16", 128, False, 128, 128, 2, True, False, False)
+
+
+def spec_of(text, name="t.yaml"):
+    return parse_spec(textwrap.dedent(text), name, default_name=name.split(".")[0])
+
+
+AXES = """\
+axes:
+  direction: fwd
+  dtype: [bf16, fp16]
+  head_dim: 128
+  causal: [false, true]
+  tile: [[128, 128], [128, 176]]
+  stages: 2
+  warp_specialized: true
+  pingpong: false
+  intra_wg_overlap: false
+"""
+
+
+def test_name_format_and_round_trip():
+    v = Variant("fwd", "bf16", 128, False, 128, 176, 2, True, True, True)
+    assert v.name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    assert parse_name(v.name) == v
+    for v in enumerate_variants(load_spec(SPECS_DIR / "ablation.yaml")).kept:
+        assert parse_name(v.name) == v
+
+
+def test_parse_name_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse_name("fwd_bf16_d128_causal_m128n176_s2_ws1_pp1")
+
+
+def test_cartesian_expansion_sorted():
+    en = enumerate_variants(spec_of(AXES))
+    assert len(en.kept) == 2 * 2 * 2 and not en.pruned
+    assert [v.name for v in en.kept] == sorted(v.name for v in en.kept)
+
+
+def test_groups_dedupe_and_exclude():
+    spec = spec_of(AXES + """\
+groups:
+  - name: a
+    axes: {dtype: bf16}
+  - name: b
+    axes: {dtype: [bf16, fp16]}
+exclude:
+  - {causal: true, tile: [128, 176]}
+""")
+    en = enumerate_variants(spec)
+    names = [v.name for v in en.kept]
+    assert len(names) == len(set(names)) == 2 * 3  # bf16 from both groups counted once
+    assert not any(v.causal and v.tile_n == 176 for v in en.kept)
+    assert {p.constraint for p in en.pruned} == {"exclude[0]"}
+    assert len(en.pruned) == 2
+
+
+@pytest.mark.parametrize("change,constraint", [
+    (dict(head_dim=80), "head_dim_supported"),
+    (dict(direction="bwd"), "direction_realized"),
+    (dict(tile_m=96), "mma_m_shape"),
+    (dict(tile_m=256), "mma_m_shape"),
+    (dict(tile_n=120), "mma_n_shape"),
+    (dict(tile_n=272), "mma_n_shape"),
+    (dict(stages=5), "stages_range"),
+    (dict(head_dim=256, tile_n=128), "smem_budget"),
+    (dict(head_dim=256, tile_m=192, tile_n=64, stages=1), "register_budget"),
+    (dict(tile_m=64, pingpong=True), "pingpong_needs_two_consumers"),
+    (dict(warp_specialized=False, pingpong=True), "pingpong_needs_two_consumers"),
+    (dict(warp_specialized=False), "knob_realized"),
+    (dict(pingpong=True), "knob_realized"),
+    (dict(intra_wg_overlap=True), "knob_realized"),
+])
+def test_each_constraint_prunes(change, constraint):
+    v = dataclasses.replace(BASE, **change)
+    failed = check(v)
+    assert failed is not None and failed[0] == constraint, failed
+
+
+def test_constraint_table_order():
+    assert [n for n, _ in CONSTRAINTS] == [
+        "head_dim_supported", "direction_realized", "mma_m_shape", "mma_n_shape",
+        "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
+        "knob_realized"]
+
+
+def test_first_failing_constraint_reported():
+    v = dataclasses.replace(BASE, direction="bwd", head_dim=80, tile_n=120)
+    assert check(v)[0] == "head_dim_supported"
+
+
+def test_reasons():
+    assert check(dataclasses.replace(BASE, direction="bwd"))[1] == \
+        "the templates cannot realize the backward pass yet"
+    assert check(dataclasses.replace(BASE, pingpong=True))[1] == \
+        "pingpong=true is not realized by the templates yet"
+    assert check(dataclasses.replace(BASE, warp_specialized=False))[1] == \
+        "warp_specialized=false is not realized by the templates yet"
+
+
+def test_budgets_at_the_edges():
+    # d256 128x80 s2: 230400 bytes <= 232448; registers 40 + 128 + 24 = 192 <= 240
+    assert check(dataclasses.replace(BASE, head_dim=256, tile_n=80)) is None
+    # d64 with three consumers: 64 + 32 + 24 = 120 <= 160
+    assert check(dataclasses.replace(BASE, head_dim=64, tile_m=192)) is None
+    assert V.smem_bytes(dataclasses.replace(BASE, head_dim=256, tile_n=80)) == 230400
+
+
+def test_realized_knobs_are_one_table(monkeypatch):
+    monkeypatch.setattr(V, "REALIZED_KNOBS", V.REALIZED_KNOBS | {("pingpong", True)})
+    assert check(dataclasses.replace(BASE, pingpong=True)) is None
+
+
+def test_h100_dispatch_resolves():
+    spec = load_spec(SPECS_DIR / "h100.yaml")
+    en = enumerate_variants(spec)
+    d = resolve_dispatch(spec, en.kept)
+    assert d[("fwd", "bf16", 128, False)].name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov0"
+    assert d[("fwd", "fp16", 128, True)].name == "fwd_fp16_d128_causal_m128n128_s2_ws1_pp0_ov0"
+    assert d[("fwd", "bf16", 64, True)].tile_m == 192
+    assert len(d) == len({v.key for v in en.kept}) == 12
+
+
+def test_tiny_is_one_variant():
+    en = enumerate_variants(load_spec(SPECS_DIR / "tiny.yaml"))
+    assert [v.name for v in en.kept] == ["fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
+
+
+def test_ablation_has_no_defaults_for_ambiguous_keys():
+    spec = load_spec(SPECS_DIR / "ablation.yaml")
+    en = enumerate_variants(spec)
+    assert resolve_dispatch(spec, en.kept) == {}
+    assert len(en.kept) > 4
+
+
+def test_dispatch_ambiguous_default_is_error():
+    spec = spec_of(AXES)
+    with pytest.raises(SpecError, match=r"t\.yaml: ambiguous default for \(fwd, bf16, d128, "
+                                        r"causal\): candidates .*m128n128.*m128n176"):
+        resolve_dispatch(spec, enumerate_variants(spec).kept)
+
+
+def test_dispatch_entry_leaving_several_is_error():
+    spec = spec_of(AXES + """\
+dispatch:
+  - when: {head_dim: 128}
+    use: {stages: 2}
+""")
+    with pytest.raises(SpecError, match=r"dispatch\[0\].*leaves 2"):
+        resolve_dispatch(spec, enumerate_variants(spec).kept)
+
+
+def test_dispatch_entry_leaving_none_is_error():
+    spec = spec_of(AXES + """\
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 64]}
+""")
+    with pytest.raises(SpecError, match=r"dispatch\[0\].*leaves 0 \(none\); candidates"):
+        resolve_dispatch(spec, enumerate_variants(spec).kept)
+
+
+def test_dispatch_entry_matching_no_key_is_error():
+    spec = spec_of(AXES + """\
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 176]}
+  - when: {head_dim: 64}
+    use: {tile: [128, 128]}
+""")
+    with pytest.raises(SpecError, match=r"dispatch\[1\].*matches no kept variant key"):
+        resolve_dispatch(spec, enumerate_variants(spec).kept)
+
+
+def test_dispatch_entries_intersect():
+    spec = spec_of(AXES.replace("stages: 2", "stages: [1, 2]") + """\
+dispatch:
+  - when: {}
+    use: {stages: 2}
+  - when: {causal: true}
+    use: {tile: [128, 128]}
+  - when: {causal: false}
+    use: {tile: [128, 176]}
+""")
+    d = resolve_dispatch(spec, enumerate_variants(spec).kept)
+    assert d[("fwd", "fp16", 128, True)].name == "fwd_fp16_d128_causal_m128n128_s2_ws1_pp0_ov0"
+    assert all(v.stages == 2 for v in d.values()) and len(d) == 4
+
+
+def test_dispatch_not_required_leaves_ambiguous_keys_without_default():
+    spec = spec_of(AXES.replace("causal: [false, true]", "causal: false")
+                   .replace("dtype: [bf16, fp16]", "dtype: bf16") + """\
+dispatch_required: false
+groups:
+  - axes: {}
+  - axes: {head_dim: 64, tile: [128, 128]}
+""")
+    d = resolve_dispatch(spec, enumerate_variants(spec).kept)
+    assert list(d) == [("fwd", "bf16", 64, False)]  # the single-variant key still defaults
