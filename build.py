@@ -10,7 +10,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # usable without `pip install -e .`
 
-from fa3gen.cli import main  # noqa: E402
+from fa3gen.cli import main as cli_main  # noqa: E402
+from fa3gen.errors import Fa3genError  # noqa: E402
+from generator.errors import GeneratorError  # noqa: E402
 
 
 def quick_check(spec: str) -> int:
@@ -39,13 +41,21 @@ def quick_check(spec: str) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    argv = sys.argv[1:]
+def main(argv: list[str]) -> int:
     check = "--check" in argv
     argv = [a for a in argv if a != "--check"]
-    rc = main(["build", *argv])
+    rc = cli_main(["build", *argv])
     if rc == 0 and check and "--dry-run" not in argv:
         spec = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--spec"),
                     next((a.split("=", 1)[1] for a in argv if a.startswith("--spec=")), None))
-        rc = quick_check(spec)
-    sys.exit(rc)
+        try:
+            rc = quick_check(spec)
+        except (Fa3genError, GeneratorError) as e:
+            # A failing check or a missing library: the message says what to do, no traceback.
+            print(f"build.py: error: {e}", file=sys.stderr)
+            rc = 1
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

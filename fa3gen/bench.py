@@ -11,6 +11,7 @@ Backends: "fa3gen", "cudnn", "flash". Backward rows later: direction "bwd", FLOP
 from __future__ import annotations
 
 import argparse
+import math
 import datetime as _dt
 import json
 import os
@@ -118,15 +119,57 @@ def render_markdown(report: dict) -> str:
                 f"{_fmt(t.get('cudnn'))} | {_fmt(t.get('flash'))} | {_fmt(ratio, '.2f')} | "
                 f"{r.get('variant') or '—'} |"
             )
+    lines += _candidates_markdown(report["rows"])
     lines.append(END)
     return "\n".join(lines) + "\n"
 
 
-def update_markdown(path: Path, block: str) -> None:
-    """Rewrite only the text between the bench markers; hand-written text elsewhere stays."""
+# Defaults are judged on the seqlens that the targets name (1k..16k): short sequences are
+# launch-bound and would reward whichever variant has the cheapest prologue.
+PICK_MIN_SEQLEN = 1024
+
+
+def pick_defaults(rows) -> dict:
+    """Best candidate per dispatch key: highest geometric mean TFLOP/s over seqlens >= 1k.
+
+    Returns {key string: {"variant": name, "geomean": {name: tflops}}} for rows carrying a
+    'candidates' map (bench --all-variants)."""
+    scores: dict = {}
+    for r in rows:
+        if not r.get("candidates") or r["seqlen"] < PICK_MIN_SEQLEN:
+            continue
+        key = f"{r['direction']}_{r['dtype']}_d{r['head_dim']}_{'causal' if r['causal'] else 'nocausal'}"
+        for name, t in r["candidates"].items():
+            scores.setdefault(key, {}).setdefault(name, []).append(t)
+    picked = {}
+    for key, by_name in sorted(scores.items()):
+        geo = {n: (math.exp(sum(math.log(x) for x in ts) / len(ts)) if all(ts) else None)
+               for n, ts in by_name.items()}
+        valid = {n: g for n, g in geo.items() if g}
+        picked[key] = {"variant": max(valid, key=valid.get) if valid else None, "geomean": geo}
+    return picked
+
+
+def _candidates_markdown(rows) -> list[str]:
+    picked = pick_defaults(rows)
+    if not picked:
+        return []
+    lines = ["", "### Candidates per dispatch key (geometric mean TFLOP/s, seqlen >= "
+             f"{PICK_MIN_SEQLEN}; best first)", "", "| key | candidate | TFLOP/s | picked |",
+             "|:---|:---|---:|:---:|"]
+    for key, p in picked.items():
+        for name, g in sorted(p["geomean"].items(), key=lambda kv: -(kv[1] or 0)):
+            lines.append(f"| {key} | {name} | {_fmt(g)} | {'*' if name == p['variant'] else ''} |")
+    return lines
+
+
+def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
+                    title: str = "# fa3gen benchmarks\n\n") -> None:
+    """Rewrite only the text between the markers (bench's by default); hand-written text
+    elsewhere stays. A missing file starts as `title`."""
     path = Path(path)
-    old = path.read_text() if path.exists() else "# fa3gen benchmarks\n\n"
-    pat = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END) + r"\n?", re.S)
+    old = path.read_text() if path.exists() else title
+    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     if pat.search(old):
         new = pat.sub(lambda _: block, old, count=1)
     else:
@@ -224,8 +267,28 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--markdown", type=Path, default=REPO_ROOT / "docs/BENCHMARKS.md")
     p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/results/bench.png")
     p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
+    p.add_argument("--all-variants", action="store_true",
+                   help="also time every built variant of each shape's key (rows gain a "
+                        "'candidates' map): the measurement that picks dispatch defaults")
     p.set_defaults(func=run)
     return p
+
+
+def provenance(lib) -> dict:
+    """Report header shared by bench and ablate: where, when and how the numbers were taken."""
+    import torch
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "commit": git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "library": str(lib.path),
+        "build_info": lib.build_info,
+        "command": shlex.join(["fa3gen", *sys.argv[1:]]),
+    }
 
 
 def run(args) -> int:
@@ -239,18 +302,7 @@ def run(args) -> int:
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
-    header = {
-        "gpu": torch.cuda.get_device_name(),
-        "commit": git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "library": str(lib.path),
-        "build_info": lib.build_info,
-        "gemm_tflops": None,
-        "command": shlex.join(["fa3gen", *sys.argv[1:]]),
-    }
+    header = provenance(lib)
     header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
@@ -266,6 +318,10 @@ def run(args) -> int:
                   f"[{row['variant']}]", flush=True)
 
     report = {"header": header, "rows": rows}
+    if args.all_variants:
+        report["picked_defaults"] = pick_defaults(rows)
+        for key, p in report["picked_defaults"].items():
+            print(f"best for {key}: {p['variant']}")
     write_json(report, args.out)
     update_markdown(args.markdown, render_markdown(report))
     plot(report, args.plot)
@@ -347,6 +403,15 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         ms["fa3gen"] = _try("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal,
                                                               variant=variant),
                             args.warmup, args.iters)
+    candidates = {}
+    if getattr(args, "all_variants", False):
+        flops = attention_flops(b, h, s, s, d, causal)
+        for info in lib.variants:
+            if info.key == ("fwd", dt_name, d, causal):
+                t = _try(info.name, lambda: flash_attn_func(q, k, v, causal=causal,
+                                                           variant=info.name),
+                         args.warmup, args.iters)
+                candidates[info.name] = tflops(flops, t)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
 
@@ -360,7 +425,10 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         ms["flash"] = _try("FA2", sdpa(SDPBackend.FLASH_ATTENTION), args.warmup, args.iters)
     del q, k, v
     torch.cuda.empty_cache()
-    return make_row("fwd", dt_name, shape, causal, variant, ms)
+    row = make_row("fwd", dt_name, shape, causal, variant, ms)
+    if candidates:
+        row["candidates"] = candidates
+    return row
 
 
 def quick_check(spec=None, verbose: bool = True) -> list[dict]:

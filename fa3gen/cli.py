@@ -16,7 +16,7 @@ from generator.paths import generated_root, resolve_spec_path
 
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
 # Imported only when the command line asks for something that is not built in.
-COMMAND_MODULES = ("fa3gen.bench",)
+COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate")
 BUILTIN_COMMANDS = ("build", "list", "clean")
 
 

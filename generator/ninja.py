@@ -86,7 +86,8 @@ def write_build_ninja(out_dir: Path, text: str) -> bool:
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
               capture: bool = False) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Output streams to the terminal unless `capture`."""
-    cmd = [find_ninja(), "-C", str(out_dir), "-j", str(jobs)]
+    # -k 0: keep going, so one build reports every failing variant, not just the first.
+    cmd = [find_ninja(), "-C", str(out_dir), "-j", str(jobs), "-k", "0"]
     if dry_run:
         cmd.append("-n")
     env = dict(os.environ)

@@ -82,9 +82,9 @@ def key_str(key: tuple) -> str:
 # (knob, value) pairs the kernel templates implement today. The lead flips a knob on by
 # adding its pair here once the feature lands in templates/kernels/.
 REALIZED_KNOBS = {
-    ("warp_specialized", True),
-    ("pingpong", False),
-    ("intra_wg_overlap", False),
+    ("warp_specialized", True), ("warp_specialized", False),
+    ("pingpong", False), ("pingpong", True),
+    ("intra_wg_overlap", False), ("intra_wg_overlap", True),
 }
 _CHECKED_KNOBS = ("warp_specialized", "pingpong", "intra_wg_overlap")
 

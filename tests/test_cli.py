@@ -3,8 +3,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fnmatch
+
 from fa3gen import cli
+from generator import variants as V
 from generator.paths import REPO_ROOT, SPECS_DIR
+from generator.spec import load_spec
+from generator.variants import enumerate_variants, resolve_dispatch
 
 
 def run(argv, capsys):
@@ -13,25 +18,53 @@ def run(argv, capsys):
     return rc, out.out, out.err
 
 
+def h100():
+    """(enumeration, default names) of specs/h100.yaml: expectations follow the spec."""
+    spec = load_spec(SPECS_DIR / "h100.yaml")
+    en = enumerate_variants(spec)
+    return en, {v.name for v in resolve_dispatch(spec, en.kept).values()}
+
+
 def test_list_marks_defaults(capsys):
     rc, out, _ = run(["list", "--spec", str(SPECS_DIR / "h100.yaml")], capsys)
     assert rc == 0
-    lines = out.splitlines()
-    assert "* fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov0" in lines
-    assert "  fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0" in lines
-    assert len(lines) == 16 and not any("pruned" in l for l in lines)
+    en, defaults = h100()
+    assert out.splitlines() == [f"{'*' if v.name in defaults else ' '} {v.name}"
+                                for v in en.kept]
+    assert defaults and len(defaults) < len(en.kept)   # both marks are exercised
 
 
 def test_list_by_bare_name_and_explain(capsys):
-    rc, out, _ = run(["list", "--spec", "h100", "--explain"], capsys)
+    rc, out, err = run(["list", "--spec", "h100", "--explain"], capsys)
     assert rc == 0
-    assert ("- fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov0  pruned by knob_realized: "
-            "pingpong=true is not realized by the templates yet") in out.splitlines()
+    en, _ = h100()
+    lines = out.splitlines()
+    assert len(lines) == len(en.kept) + len(en.pruned)
+    assert lines[len(en.kept):] == [f"- {p.variant.name}  pruned by {p.constraint}: {p.reason}"
+                                    for p in en.pruned]
+    assert f"# {len(en.kept)} variant(s), {len(en.pruned)} pruned" in err
+
+
+def test_list_explain_says_which_knob_is_unrealized(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(V, "REALIZED_KNOBS", {("warp_specialized", True),
+                                              ("pingpong", False), ("intra_wg_overlap", False)})
+    spec = tmp_path / "k.yaml"
+    spec.write_text("axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: true, "
+                    "tile: [128, 128], stages: 2, warp_specialized: true, "
+                    "pingpong: [false, true], intra_wg_overlap: false}\n")
+    rc, out, _ = run(["list", "--spec", str(spec), "--explain"], capsys)
+    assert rc == 0
+    assert out.splitlines() == [
+        "* fwd_bf16_d128_causal_m128n128_s2_ws1_pp0_ov0",
+        "- fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov0  pruned by knob_realized: "
+        "pingpong=true is not realized by the templates yet"]
 
 
 def test_list_with_filter(capsys):
     rc, out, _ = run(["list", "--spec", "h100", "--only", "*fp16_d64*"], capsys)
-    assert rc == 0 and len(out.splitlines()) == 2
+    en, _ = h100()
+    want = [v.name for v in en.kept if fnmatch.fnmatchcase(v.name, "*fp16_d64*")]
+    assert rc == 0 and want and [l[2:] for l in out.splitlines()] == want
 
 
 def test_spec_error_is_one_line(tmp_path, capsys):
@@ -81,3 +114,37 @@ def test_entry_point_via_python_m(tmp_path):
                        cwd=REPO_ROOT)
     assert p.returncode == 2
     assert p.stderr.startswith("fa3gen: error: spec file not found")
+
+
+def load_build_py():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fa3gen_build_py", REPO_ROOT / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_build_py_check_error_is_one_message_no_traceback(monkeypatch, capsys):
+    from fa3gen.errors import Fa3genError, LibraryNotBuiltError
+    build_py = load_build_py()
+    calls = []
+    monkeypatch.setattr(build_py, "cli_main", lambda argv: calls.append(argv) or 0)
+
+    def failing(spec):
+        raise Fa3genError(f"quick_check failed: {spec}")
+    monkeypatch.setattr(build_py, "quick_check", failing)
+    assert build_py.main(["--spec", "tiny", "--check"]) == 1
+    assert calls == [["build", "--spec", "tiny"]]
+    err = capsys.readouterr().err
+    assert err == "build.py: error: quick_check failed: tiny\n"
+
+    def missing(spec):
+        raise LibraryNotBuiltError("/nowhere/libfa3gen_tiny.so", "tiny")
+    monkeypatch.setattr(build_py, "quick_check", missing)
+    assert build_py.main(["--spec=tiny", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("build.py: error: fa3gen library not found: /nowhere/")
+    assert "Traceback" not in err
+    # No --check, or a dry run: the check does not run.
+    assert build_py.main(["--spec", "tiny"]) == 0
+    assert build_py.main(["--spec", "tiny", "--check", "--dry-run"]) == 0

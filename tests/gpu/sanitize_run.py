@@ -1,0 +1,36 @@
+"""One small launch per default forward variant, meant to run under compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python3 tests/gpu/sanitize_run.py
+    compute-sanitizer --tool racecheck python3 tests/gpu/sanitize_run.py
+
+Not a pytest module (the sanitizer wraps the whole process). Shapes are small and not tile
+multiples, with GQA, so masked tails and partial tiles are exercised.
+"""
+
+import sys
+
+import torch
+
+from fa3gen import runtime
+from fa3gen.ops import flash_attn_func
+
+
+def main() -> int:
+    lib = runtime.get_library()
+    only = sys.argv[1:]  # optional head dims
+    for info in lib.defaults("fwd"):
+        if only and str(info.head_dim) not in only:
+            continue
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(1, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        k = torch.randn(1, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(1, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name)
+        torch.cuda.synchronize()
+        print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

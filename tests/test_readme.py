@@ -1,0 +1,45 @@
+"""README.md's two commands stay true: CI runs the test command verbatim, and the pieces the
+main command names exist (build.py --check, specs/h100.yaml, the `test` extra)."""
+import os
+import re
+
+from generator.paths import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
+CI = REPO_ROOT / ".ci" / "run"
+
+
+def command_after(marker: str) -> str:
+    """The one-line command in the fenced block right after `<!-- marker -->`."""
+    text = README.read_text()
+    m = re.search(rf"^<!-- {re.escape(marker)} -->\n```\w*\n(.+?)\n```$", text, re.M | re.S)
+    assert m, f"README.md has no fenced block right after <!-- {marker} -->"
+    cmd = m.group(1).strip()
+    assert "\n" not in cmd, f"{marker} must be one line, got {cmd!r}"
+    return cmd
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    cmd = command_after("test-command")
+    assert "pytest" in cmd
+    lines = [ln.strip() for ln in CI.read_text().splitlines()]
+    assert cmd in lines, f".ci/run must contain the README's test command as a line: {cmd}"
+    assert os.access(CI, os.X_OK), ".ci/run must be executable"
+    assert "set -euo pipefail" in lines
+
+
+def test_main_command_pieces_exist():
+    cmd = command_after("main-command")
+    assert "build.py --spec specs/h100.yaml --check" in cmd
+    assert (REPO_ROOT / "specs" / "h100.yaml").is_file()
+    build_py = (REPO_ROOT / "build.py").read_text()
+    assert '"--check"' in build_py and "quick_check" in build_py
+
+
+def test_install_part_is_shared_and_extra_exists():
+    main, test = command_after("main-command"), command_after("test-command")
+    install = "python3 -m pip install torch==2.13.0 -e '.[test]'"
+    assert main.startswith(install + " && ") and test.startswith(install + " && ")
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 too
+    assert re.search(r'^test = \[[^\]]*"pytest"', pyproject, re.M)
+    assert 'testpaths = ["tests"]' in pyproject
