@@ -1,6 +1,8 @@
 // Host entry point of the forward kernel: the per-variant translation unit instantiates
 // launch_fwd<...> and exports it through the C ABI (see fa3gen_abi.h).
 #pragma once
+#include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cuda_runtime.h>
 #include "fa3gen_abi.h"
@@ -25,9 +27,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     fa3gen_set_error(buf);
     return 1;
   }
-  if (a.batch < 1 || a.seqlen_q < 1 || a.seqlen_k < 1 || a.heads_kv < 1 || a.heads_q % a.heads_kv != 0 ||
-      a.heads_q > 65535 || a.batch > 65535) {
-    fa3gen_set_error("invalid sizes: need batch, seqlens, heads >= 1, heads_q % heads_kv == 0, heads and batch <= 65535");
+  if (a.batch < 1 || a.seqlen_q < 1 || a.seqlen_k < 1 || a.heads_kv < 1 || a.heads_q % a.heads_kv != 0) {
+    fa3gen_set_error("invalid sizes: need batch, seqlens, heads >= 1 and heads_q % heads_kv == 0");
     return 1;
   }
   using E = Element;
@@ -54,7 +55,13 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
-  dim3 grid((a.seqlen_q + TileM - 1) / TileM, a.heads_q, a.batch);
+  // Persistent grid: one CTA per multiprocessor (shared memory allows one), or fewer tiles.
+  const int64_t tiles = int64_t((a.seqlen_q + TileM - 1) / TileM) * a.heads_q * a.batch;
+  if (tiles > INT32_MAX) {
+    fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^31)");
+    return 1;
+  }
+  dim3 grid(unsigned(std::min<int64_t>(tiles, a.num_sms > 0 ? a.num_sms : 132)));
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("kernel launch", err);

@@ -15,28 +15,56 @@
 namespace fa3gen {
 
 // Consumer warpgroups take turns issuing GEMMs (round robin). Barrier w is the turn of
-// warpgroup w: it syncs on it, and the previous warpgroup arrives on it.
+// warpgroup w: it syncs on it, and the previous warpgroup arrives on it. Barrier ids are
+// compile-time immediates (a runtime id costs a register and makes ptxas reserve all 16).
 template <class Traits>
 struct GemmTurns {
-  static constexpr int kFirstBarrier = 0;  // user named barriers (CUTLASS offsets past its own)
-  int wg;                                   // consumer warpgroup index
+  static constexpr int kThreads = 256;  // the waiting warpgroup + the one handing over
+  int wg;                               // consumer warpgroup index
+  template <bool Arrive>
+  __device__ static void barrier(int id) {
+    auto op = [](auto bar_id) {
+      if constexpr (Arrive) cutlass::arch::NamedBarrier::arrive(kThreads, decltype(bar_id)::value);
+      else cutlass::arch::NamedBarrier::sync(kThreads, decltype(bar_id)::value);
+    };
+    if (id == 0) op(Int<0>{});
+    else if (id == 1) op(Int<1>{});
+    else op(Int<2>{});
+  }
   __device__ void start(bool any_work) const {
     if constexpr (Traits::kPingpong) {
-      if (any_work && wg == Traits::kConsumerWGs - 1) {
-        cutlass::arch::NamedBarrier::arrive(256, kFirstBarrier + 0);
-      }
+      if (any_work && wg == Traits::kConsumerWGs - 1) barrier<true>(0);
     }
   }
   __device__ void wait_turn() const {
-    if constexpr (Traits::kPingpong) { cutlass::arch::NamedBarrier::sync(256, kFirstBarrier + wg); }
+    if constexpr (Traits::kPingpong) barrier<false>(wg);
   }
   // The last warpgroup skips its final hand-over so arrivals and syncs balance exactly.
   __device__ void pass_turn(bool last_group) const {
     if constexpr (Traits::kPingpong) {
       if (!(last_group && wg == Traits::kConsumerWGs - 1)) {
-        cutlass::arch::NamedBarrier::arrive(256, kFirstBarrier + (wg + 1) % Traits::kConsumerWGs);
+        barrier<true>(wg + 1 == Traits::kConsumerWGs ? 0 : wg + 1);
       }
     }
+  }
+};
+// Named barrier (user id) that consumers without a producer warpgroup use to agree that the
+// previous tile's Q is no longer read.
+constexpr int kQFreeBarrier = 3;
+
+// Persistent schedule: CTA b takes tiles b, b + gridDim.x, ... Tiles are ordered head-major so
+// that CTAs running together share one head's K and V in L2; within a head, causal attention
+// takes the longest (last) query tiles first so the tail of the schedule is short.
+template <class Traits>
+struct TileScheduler {
+  int m_blocks, heads, batch;
+  __device__ int count() const { return m_blocks * heads * batch; }
+  __device__ void decode(int t, int& m_block, int& head, int& b) const {
+    int m = t % m_blocks;
+    int hb = t / m_blocks;
+    m_block = Traits::kCausal ? m_blocks - 1 - m : m;
+    head = hb % heads;
+    b = hb / heads;
   }
 };
 
@@ -47,25 +75,22 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   using SharedStorage = typename Traits::SharedStorage;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   constexpr bool kCausal = Traits::kCausal;
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
-
-  // Causal: heavy (late) query tiles first so the tail of the grid is short.
-  const int m_block = kCausal ? int(gridDim.x) - 1 - int(blockIdx.x) : int(blockIdx.x);
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const int head_kv = head / p.heads_per_kv;
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
+  const TileScheduler<Traits> sched{(p.seqlen_q + kTileM - 1) / kTileM, p.heads_q, p.batch};
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+    Barrier::init(&smem.barrier_q, 1);
+    Barrier::init(&smem.barrier_q_free, Traits::kConsumerThreads);
   }
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kBytesKV;
@@ -78,45 +103,55 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   Pipeline pipe_v(smem.pipeline_v, pipe_params, Shape<_1, _1, _1>{});
   __syncthreads();  // barrier initialisation visible to every thread before first use
 
-  // ---- TMA views (only the loading thread uses them) ----
-  auto load_q = [&]() {
+  // ---- TMA loads (issued by one thread). Block i of a tile's visiting order is key block
+  // n_blocks - 1 - i: the diagonal (masked) blocks come first. ----
+  auto load_q = [&](int m_block, int head, int b) {
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch));
-    Tensor gQ = local_tile(mQ(_, _, head, batch), Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    Tensor gQ = local_tile(mQ(_, _, head, b), Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
+    Barrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
     copy(p.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
   };
-  // Block i of the visiting order is key block n_blocks - 1 - i (diagonal blocks first).
-  auto load_k = [&](int i, PipelineState& st) {
+  auto load_k = [&](int n_block, int head_kv, int b, PipelineState& st) {
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch));
-    Tensor gK = local_tile(mK(_, _, head_kv, batch), Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gK = local_tile(mK(_, _, head_kv, b), Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     auto [tKgK, tKsK] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     pipe_k.producer_acquire(st);
-    copy(p.tma_k.with(*pipe_k.producer_get_barrier(st), 0), tKgK(_, n_blocks - 1 - i), tKsK(_, st.index()));
+    copy(p.tma_k.with(*pipe_k.producer_get_barrier(st), 0), tKgK(_, n_block), tKsK(_, st.index()));
     ++st;
   };
-  auto load_v = [&](int i, PipelineState& st) {
+  auto load_v = [&](int n_block, int head_kv, int b, PipelineState& st) {
     Tensor mVt = p.tma_v.get_tma_tensor(make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch));
-    Tensor gVt = local_tile(mVt(_, _, head_kv, batch), Shape<Int<kHeadDim>, Int<kTileN>>{}, make_coord(_0{}, _));
+    Tensor gVt = local_tile(mVt(_, _, head_kv, b), Shape<Int<kHeadDim>, Int<kTileN>>{}, make_coord(_0{}, _));
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
     auto [tVgV, tVsV] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
     pipe_v.producer_acquire(st);
-    copy(p.tma_v.with(*pipe_v.producer_get_barrier(st), 0), tVgV(_, n_blocks - 1 - i), tVsV(_, st.index()));
+    copy(p.tma_v.with(*pipe_v.producer_get_barrier(st), 0), tVgV(_, n_block), tVsV(_, st.index()));
     ++st;
   };
 
   if constexpr (Traits::kWarpSpecialized) {
     if (warp_idx < 4) {  // producer warpgroup
       cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-      if (threadIdx.x == 0 && n_blocks > 0) {
+      if (threadIdx.x == 0) {
         PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
         PipelineState st_v = st_k;
-        load_q();
-        for (int i = 0; i < n_blocks; ++i) {
-          load_k(i, st_k);
-          load_v(i, st_v);
+        int q_iter = 0;  // tiles with work so far: the phase of the Q barriers
+        for (int t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+          int m_block, head, b;
+          sched.decode(t, m_block, head, b);
+          const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
+          if (n_blocks == 0) continue;
+          const int head_kv = head / p.heads_per_kv;
+          if (q_iter > 0) Barrier::wait(&smem.barrier_q_free, (q_iter - 1) & 1);
+          load_q(m_block, head, b);
+          for (int i = 0; i < n_blocks; ++i) {
+            load_k(n_blocks - 1 - i, head_kv, b, st_k);
+            load_v(n_blocks - 1 - i, head_kv, b, st_v);
+          }
+          ++q_iter;
         }
       }
       return;
@@ -130,20 +165,6 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
   PipelineState st_load_k = cutlass::make_producer_start_state<Pipeline>();
   PipelineState st_load_v = st_load_k;
-  if (inline_loader && n_blocks > 0) {
-    load_q();
-    for (int i = 0; i < min(kStages, n_blocks); ++i) { load_k(i, st_load_k); load_v(i, st_load_v); }
-  }
-  __syncwarp();
-  // Without a producer warpgroup, the loader refills a slot as soon as every consumer freed it.
-  auto refill_k = [&](int i) {
-    if (inline_loader && i + kStages < n_blocks) { load_k(i + kStages, st_load_k); }
-    __syncwarp();
-  };
-  auto refill_v = [&](int i) {
-    if (inline_loader && i + kStages < n_blocks) { load_v(i + kStages, st_load_v); }
-    __syncwarp();
-  };
 
   typename Traits::TiledMmaQK mma_qk;
   typename Traits::TiledMmaPV mma_pv;
@@ -164,123 +185,160 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;
+  const GemmTurns<Traits> turns{tid / 128};
 
-  OnlineSoftmax<kRows> softmax(p.scale_log2);
-  float rescale[kRows];
-  clear(tOrO);
-  GemmTurns<Traits> turns{tid / 128};
-  turns.start(n_blocks > 0);
+  PipelineState st;  // consumer read position, shared by K and V, continues across tiles
+  int q_iter = 0;
+  for (int t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+    int m_block, head, b;
+    sched.decode(t, m_block, head, b);
+    const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
+    const int head_kv = head / p.heads_per_kv;
 
-  auto softmax_block = [&](int i) {
-    const int n_block = n_blocks - 1 - i;
-    if (block_needs_mask<kCausal, kTileM, kTileN>(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
-      apply_mask<kCausal>(S, coordS, m_block * kTileM, n_block * kTileN, p.seqlen_q, p.seqlen_k);
+    if (!Traits::kWarpSpecialized && n_blocks > 0) {
+      // Without a producer warpgroup, thread 0 loads Q once every consumer is done with the
+      // previous tile's Q, then fills the ring; later it refills a slot as soon as it is free.
+      if (q_iter > 0) cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kQFreeBarrier);
+      if (inline_loader) {
+        load_q(m_block, head, b);
+        for (int i = 0; i < min(kStages, n_blocks); ++i) {
+          load_k(n_blocks - 1 - i, head_kv, b, st_load_k);
+          load_v(n_blocks - 1 - i, head_kv, b, st_load_v);
+        }
+      }
+      __syncwarp();
     }
-    softmax.step(S, rescale);
-  };
-  auto to_p = [&]() {
-    Tensor converted = convert_fragment<Element>(tSrS);
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
-  };
+    auto refill_k = [&](int i) {
+      if (inline_loader && i + kStages < n_blocks) load_k(n_blocks - 1 - i - kStages, head_kv, b, st_load_k);
+      __syncwarp();
+    };
+    auto refill_v = [&](int i) {
+      if (inline_loader && i + kStages < n_blocks) load_v(n_blocks - 1 - i - kStages, head_kv, b, st_load_v);
+      __syncwarp();
+    };
+    // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
+    auto release_q_if_last = [&](int i) {
+      if (Traits::kWarpSpecialized && i == n_blocks - 1) Barrier::arrive(&smem.barrier_q_free);
+    };
 
-  if (n_blocks > 0) { cutlass::arch::ClusterTransactionBarrier::wait(&smem.barrier_q, 0); }
-  PipelineState st;  // consumer read position, shared by K and V
+    OnlineSoftmax<kRows> softmax(p.scale_log2);
+    float rescale[kRows];
+    clear(tOrO);
+    turns.start(n_blocks > 0);
+    auto softmax_block = [&](int i) {
+      const int n_block = n_blocks - 1 - i;
+      if (block_needs_mask<kCausal, kTileM, kTileN>(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+        apply_mask<kCausal>(S, coordS, m_block * kTileM, n_block * kTileN, p.seqlen_q, p.seqlen_k);
+      }
+      softmax.step(S, rescale);
+    };
+    auto to_p = [&]() {
+      Tensor converted = convert_fragment<Element>(tSrS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
+    };
 
-  if constexpr (!Traits::kOverlap) {
-    for (int i = 0; i < n_blocks; ++i) {
+    if (n_blocks > 0) Barrier::wait(&smem.barrier_q, q_iter & 1);
+
+    if constexpr (!Traits::kOverlap) {
+      for (int i = 0; i < n_blocks; ++i) {
+        pipe_k.consumer_wait(st);
+        turns.wait_turn();
+        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+        turns.pass_turn(false);
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(st);
+        release_q_if_last(i);
+        refill_k(i);
+        softmax_block(i);
+        scale_rows(O, rescale);
+        to_p();
+        pipe_v.consumer_wait(st);
+        turns.wait_turn();
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
+        turns.pass_turn(i == n_blocks - 1);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(st);
+        refill_v(i);
+        ++st;
+      }
+    } else if (n_blocks > 0) {
+      // Prologue: S(0) and its softmax alone.
       pipe_k.consumer_wait(st);
       turns.wait_turn();
       wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
       turns.pass_turn(false);
       warpgroup_wait<0>();
       pipe_k.consumer_release(st);
-      refill_k(i);
-      softmax_block(i);
-      scale_rows(O, rescale);
+      release_q_if_last(0);
+      refill_k(0);
+      softmax_block(0);
       to_p();
-      pipe_v.consumer_wait(st);
-      turns.wait_turn();
-      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
-      turns.pass_turn(i == n_blocks - 1);
-      warpgroup_wait<0>();
-      pipe_v.consumer_release(st);
-      refill_v(i);
+      PipelineState st_v = st;  // V slot of the block whose P is in rP
       ++st;
-    }
-  } else if (n_blocks > 0) {
-    // Prologue: S(0) and its softmax alone.
-    pipe_k.consumer_wait(st);
-    turns.wait_turn();
-    wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
-    turns.pass_turn(false);
-    warpgroup_wait<0>();
-    pipe_k.consumer_release(st);
-    refill_k(0);
-    softmax_block(0);
-    to_p();
-    PipelineState st_v = st;  // V slot of the block whose P is in rP
-    ++st;
-    for (int i = 1; i < n_blocks; ++i) {
-      pipe_k.consumer_wait(st);
-      turns.wait_turn();
-      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+      for (int i = 1; i < n_blocks; ++i) {
+        pipe_k.consumer_wait(st);
+        turns.wait_turn();
+        wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
+        pipe_v.consumer_wait(st_v);
+        wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
+        turns.pass_turn(false);
+        warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
+        pipe_k.consumer_release(st);
+        release_q_if_last(i);
+        refill_k(i);
+        softmax_block(i);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(st_v);
+        refill_v(i - 1);
+        scale_rows(O, rescale);
+        to_p();
+        st_v = st;
+        ++st;
+      }
       pipe_v.consumer_wait(st_v);
+      turns.wait_turn();
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
-      turns.pass_turn(false);
-      warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
-      pipe_k.consumer_release(st);
-      refill_k(i);
-      softmax_block(i);
+      turns.pass_turn(true);
       warpgroup_wait<0>();
       pipe_v.consumer_release(st_v);
-      refill_v(i - 1);
-      scale_rows(O, rescale);
-      to_p();
-      st_v = st;
-      ++st;
+      refill_v(n_blocks - 1);
     }
-    pipe_v.consumer_wait(st_v);
-    turns.wait_turn();
-    wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
-    turns.pass_turn(true);
-    warpgroup_wait<0>();
-    pipe_v.consumer_release(st_v);
-    refill_v(n_blocks - 1);
-  }
 
-  // ---------------- epilogue: O / rowsum and LSE ----------------
-  float inv_sum[kRows], lse[kRows];
-  softmax.finalize(p.softmax_scale, inv_sum, lse);
-  scale_rows(O, inv_sum);
-  Tensor rO = convert_fragment<Element>(tOrO);
-  Tensor mO = make_tensor(make_gmem_ptr(p.o + batch * p.o_batch_stride + head * p.o_head_stride),
-                          make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
-  Tensor gO = local_tile(mO, Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-  Tensor tOgO = thr_pv.partition_C(gO);
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHeadDim>>{}));
-  Tensor rO_rc = make_tensor(rO.data(), acc_as_rowcol(rO.layout()));
-  Tensor gO_rc = make_tensor(tOgO.data(), acc_as_rowcol(tOgO.layout()));
-  Tensor cO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
-  const int row_end = p.seqlen_q - m_block * kTileM;
-  // Columns 2c and 2c+1 of a row are adjacent in the accumulator and in memory: one 32-bit store.
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < size<0>(rO_rc); ++r) {
-    if (get<0>(cO_rc(r, 0)) < row_end) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(rO_rc); c += 2) {
-        Element pair[2] = {rO_rc(r, c), rO_rc(r, c + 1)};
-        *reinterpret_cast<uint32_t*>(&gO_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
+    // ---------------- epilogue: O / rowsum and LSE, straight from registers ----------------
+    float inv_sum[kRows], lse[kRows];
+    softmax.finalize(p.softmax_scale, inv_sum, lse);
+    scale_rows(O, inv_sum);
+    Tensor rO = convert_fragment<Element>(tOrO);
+    Tensor mO = make_tensor(make_gmem_ptr(p.o + b * p.o_batch_stride + head * p.o_head_stride),
+                            make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
+    Tensor gO = local_tile(mO, Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
+    Tensor tOgO = thr_pv.partition_C(gO);
+    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHeadDim>>{}));
+    Tensor rO_rc = make_tensor(rO.data(), acc_as_rowcol(rO.layout()));
+    Tensor gO_rc = make_tensor(tOgO.data(), acc_as_rowcol(tOgO.layout()));
+    Tensor cO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
+    const int row_end = p.seqlen_q - m_block * kTileM;
+    // Columns 2c and 2c+1 of a row are adjacent in the accumulator and in memory: one 32-bit store.
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(rO_rc); ++r) {
+      if (get<0>(cO_rc(r, 0)) < row_end) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(rO_rc); c += 2) {
+          Element pair[2] = {rO_rc(r, c), rO_rc(r, c + 1)};
+          *reinterpret_cast<uint32_t*>(&gO_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
+        }
       }
     }
-  }
-  if (tid % 4 == 0) {
-    float* lse_row = p.lse + (int64_t(batch) * p.heads_q + head) * p.seqlen_q + m_block * kTileM;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kRows; ++r) {
-      int row = get<0>(coordS(r, 0));
-      if (row < row_end) { lse_row[row] = lse[r]; }
+    if (tid % 4 == 0) {
+      float* lse_row = p.lse + (int64_t(b) * p.heads_q + head) * p.seqlen_q + m_block * kTileM;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        int row = get<0>(coordS(r, 0));
+        if (row < row_end) { lse_row[row] = lse[r]; }
+      }
     }
+    if (n_blocks > 0) ++q_iter;
   }
 }
 

@@ -39,8 +39,15 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + (WarpSpecialized ? 128 : 0);
   // setmaxnreg split: the producer keeps few registers so consumers can hold S, P and O.
-  static constexpr int kProducerRegs = 32;  // 24 spilled the TMA address math (d256)
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
+  // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap
+  // from __launch_bounds__, rounded down to 8, times the threads): asking for more makes the
+  // consumers' increase wait forever. 24/240 and 32/160 use exactly the whole pool.
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(!WarpSpecialized ||
+                kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+                "setmaxnreg split exceeds the CTA's register allocation (the kernel would hang)");
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
@@ -91,7 +98,8 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    alignas(8) uint64_t barrier_q;
+    alignas(8) uint64_t barrier_q;       // Q landed (TMA transaction barrier)
+    alignas(8) uint64_t barrier_q_free;  // consumers done with Q: the next tile may load it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
