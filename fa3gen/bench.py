@@ -245,6 +245,14 @@ def git_commit() -> str | None:
     return os.environ.get("FA3GEN_COMMIT")
 
 
+def _dtype_list(s: str) -> list[str]:
+    names = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in names if x not in ("bf16", "fp16")]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected bf16, fp16 or bf16,fp16, got {s!r}")
+    return names
+
+
 def _int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
@@ -260,7 +268,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seqlens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", type=_dtype_list, default=["bf16"],
+                   help="bf16, fp16 or both comma-separated (default bf16)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json")
@@ -300,19 +309,19 @@ def run(args) -> int:
         raise Fa3genError("fa3gen bench needs a CUDA GPU (Hopper sm_90)")
     lib = runtime.use_spec(args.spec) if args.spec else runtime.get_library()
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
     header = provenance(lib)
     header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
-    for causal in causals:
+    for dt_name, causal in ((d, c) for d in args.dtype for c in causals):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt_name]
         for shape in grid(args.seqlens, args.head_dims):
             row = bench_fwd_shape(lib, shape, causal, dtype, args)
             rows.append(row)
             t = row["tflops"]
-            print(f"fwd {args.dtype} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
+            print(f"fwd {dt_name} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
                   f"causal={causal!s:<5} fa3gen {_fmt(t['fa3gen']):>4}  cuDNN "
                   f"{_fmt(t['cudnn']):>4}  FA2 {_fmt(t['flash']):>4}  TFLOP/s  "
                   f"[{row['variant']}]", flush=True)

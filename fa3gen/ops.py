@@ -12,6 +12,7 @@ Edge cases (decided here, documented in the docstring of flash_attn_func):
 """
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -154,8 +155,26 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=None)
+@lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+# The params field num_sms is the number of persistent CTAs the launcher starts (it launches
+# min(query tiles, num_sms)). Causal tiles differ in work by up to seqlen / tile_n times, and
+# the kernel deals tiles round robin: on the H200 that left d128 causal at seqlen 16k at 390
+# TFLOP/s (544 at 8k). So causal launches one CTA per tile and lets the hardware block
+# scheduler balance them (the kernel orders each head's tiles longest first); non-causal
+# tiles are equal and run persistent. FA3GEN_GRID=persistent|tiles overrides (measurements).
+_ONE_CTA_PER_TILE = 2**31 - 1
+
+
+def _launch_ctas(device_index: int, causal: bool) -> int:
+    mode = os.environ.get("FA3GEN_GRID", "auto")
+    if mode not in ("auto", "persistent", "tiles"):
+        raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
+    tiles = mode == "tiles" or (mode == "auto" and causal)
+    return _ONE_CTA_PER_TILE if tiles else _num_sms(device_index)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -204,7 +223,7 @@ def _fwd_into(
         lse.fill_(float("-inf"))
         return
     with torch.cuda.device(q.device):
-        num_sms = _num_sms(q.device.index)
+        num_sms = _launch_ctas(q.device.index, causal)
         params = _make_params(q, k, v, out, lse, dims, float(softmax_scale), num_sms)
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib.launch_fwd(info, params, stream)

@@ -386,12 +386,15 @@ def test_bench_cli_options():
     bench.register(sub)
     a = parser.parse_args(["bench"])
     assert a.func is bench.run and a.seqlens == [512, 1024, 2048, 4096, 8192, 16384]
-    assert a.head_dims == [64, 128, 256] and a.causal == "both" and a.dtype == "bf16"
+    assert a.head_dims == [64, 128, 256] and a.causal == "both" and a.dtype == ["bf16"]
     assert (a.warmup, a.iters, a.no_baselines) == (5, 30, False)
     assert a.out.name == "bench.json" and a.markdown.name == "BENCHMARKS.md"
     a = parser.parse_args(["bench", "--seqlens", "1024,2048", "--head-dims", "128",
                            "--causal", "true", "--no-baselines"])
     assert a.seqlens == [1024, 2048] and a.head_dims == [128] and a.no_baselines
+    assert parser.parse_args(["bench", "--dtype", "bf16,fp16"]).dtype == ["bf16", "fp16"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "--dtype", "fp8"])
 
 
 # ---- a fake library built with the host C compiler: the ctypes path end to end ---------------
