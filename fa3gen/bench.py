@@ -344,14 +344,25 @@ def run(args) -> int:
 # Spin the GPU this many cycles before a timed batch so the CPU enqueues every launch while
 # the GPU is busy: per-launch event times then measure the kernels, not Python overhead.
 _SLEEP_CYCLES = 100_000_000
+WARMUP_SECONDS = 0.3
 
 
 def time_ms(fn, warmup: int, iters: int) -> float:
     """Median milliseconds of `iters` launches of fn, each between its own CUDA events."""
     import torch
 
-    for _ in range(warmup):
+    # Warm up by time as well as by count: an idle H200 sits at 345 MHz and needs a sustained
+    # load to reach its 1980 MHz clock. With only a few launches of warm-up, ablation cells
+    # timed after an idle gap (their correctness check) came out 2-4x slow at random.
+    import time
+
+    deadline = time.perf_counter() + WARMUP_SECONDS
+    n = 0
+    while n < warmup or time.perf_counter() < deadline:
         fn()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()  # keep the queue short so the deadline means GPU time
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
