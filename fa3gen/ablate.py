@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import (REPO_ROOT, _fmt, attention_flops, provenance, tflops, time_ms,
-                          update_markdown, write_json)
+from fa3gen.bench import (REPO_ROOT, WARMUP_SECONDS, _fmt, attention_flops, provenance, tflops,
+                          time_ms, update_markdown, write_json)
 from fa3gen.errors import Fa3genError
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
@@ -299,7 +299,8 @@ def render_markdown(report: dict) -> str:
         f"- torch {h.get('torch')}, CUDA {h.get('cuda')}; library: {h.get('library')}",
         f"- Reproduce: `{h.get('command') or 'fa3gen ablate'}`",
         f"- Shapes (batch,seqlen,heads,head_dim): {', '.join(shapes) or '—'}; median of "
-        f"{h.get('iters')} timed launches after {h.get('warmup')} warmup (CUDA events); "
+        f"{TIMED_BATCHES} batches, each the median of {h.get('iters')} CUDA-event-timed "
+        f"launches after at least {h.get('warmup')} launches and {WARMUP_SECONDS} s of warm-up; "
         "FLOPs = 4*b*h*s^2*d, halved when causal.",
         f"- Every cell was first checked against the fp32 reference on {h.get('check')}; "
         "a wrong cell is listed, never timed.",
