@@ -548,7 +548,7 @@ def check_cell(lib, cell, seed: int = 0) -> dict:
     if lib.get(cell.name) is None:
         return {"status": "error", "max_err": None,
                 "detail": f"not built in {lib.path} (build the spec, or drop --no-build)"}
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cell.dtype]
+    dtype = ops.TORCH_DTYPES[cell.dtype]
     d, b, h = cell.head_dim, CHECK_BATCH, CHECK_HEADS
     scale = d**-0.5
     worst = 0.0
@@ -576,7 +576,7 @@ def make_timer(warmup: int, iters: int) -> Callable[[object, dict], float]:
     Inputs are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
     import torch
 
-    from fa3gen.ops import flash_attn_func
+    from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
     cache: dict = {}
 
@@ -585,7 +585,7 @@ def make_timer(warmup: int, iters: int) -> Callable[[object, dict], float]:
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache()
-            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cell.dtype]
+            dtype = TORCH_DTYPES[cell.dtype]
             gen = torch.Generator(device="cuda").manual_seed(0)
             cache[key] = [torch.randn(shape["batch"], shape["seqlen"], shape["heads"],
                                       shape["head_dim"], device="cuda", dtype=dtype,

@@ -11,8 +11,8 @@ Backends: "fa3gen", "cudnn", "flash". Backward rows later: direction "bwd", FLOP
 from __future__ import annotations
 
 import argparse
-import math
 import datetime as _dt
+import math
 import json
 import os
 import re
@@ -304,6 +304,7 @@ def run(args) -> int:
     import torch
 
     from fa3gen import runtime
+    from fa3gen.ops import TORCH_DTYPES
 
     if not torch.cuda.is_available():
         raise Fa3genError("fa3gen bench needs a CUDA GPU (Hopper sm_90)")
@@ -316,7 +317,7 @@ def run(args) -> int:
 
     rows = []
     for dt_name, causal in ((d, c) for d in args.dtype for c in causals):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dt_name]
+        dtype = TORCH_DTYPES[dt_name]
         for shape in grid(args.seqlens, args.head_dims):
             row = bench_fwd_shape(lib, shape, causal, dtype, args)
             rows.append(row)
@@ -466,7 +467,7 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     # Odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises the causal alignment).
     b, sq, sk, hq, hkv = 2, 200, 333, 4, 2
     for info in lib.defaults("fwd"):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
+        dtype = ops.TORCH_DTYPES[info.dtype]
         d = info.head_dim
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
         k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)

@@ -22,6 +22,7 @@ from fa3gen import runtime
 from fa3gen.errors import Fa3genError, InvalidInputError
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+TORCH_DTYPES = {name: dt for dt, name in _DTYPES.items()}  # "bf16" -> torch.bfloat16
 _TMA_ALIGN_BYTES = 16  # TMA: base addresses and non-unit strides must be 16-byte multiples
 
 
@@ -154,7 +155,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@lru_cache(maxsize=None)
 @lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

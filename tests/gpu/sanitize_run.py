@@ -12,7 +12,7 @@ import sys
 import torch
 
 from fa3gen import runtime
-from fa3gen.ops import flash_attn_func
+from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
 
 def main() -> int:
@@ -21,7 +21,7 @@ def main() -> int:
     for info in lib.defaults("fwd"):
         if only and str(info.head_dim) not in only:
             continue
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[info.dtype]
+        dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(1, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
         k = torch.randn(1, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)

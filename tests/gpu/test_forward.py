@@ -19,7 +19,7 @@ from fa3gen.reference import attention_reference, compare_to_reference
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ops.TORCH_DTYPES
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, softmax_scale or None for 1/sqrt(d))
 SHAPES = [
