@@ -5,7 +5,8 @@ torch is imported only inside the GPU functions so fa3gen/cli.py stays torch-fre
 
 Report (JSON) = {"header": {...}, "rows": [row, ...]}, row = {direction, dtype, head_dim, causal,
 batch, seqlen, heads, variant, flops, ms: {backend: float|None}, tflops: {backend: float|None}}.
-Backends: "fa3gen", "cudnn", "flash". Backward rows later: direction "bwd", FLOPs 2.5x.
+Backends: "fa3gen", "cudnn", "flash". Backward rows: direction "bwd", FLOPs 2.5x the forward's,
+time of the backward alone (autograd.grad of a recorded forward) for every backend.
 """
 
 from __future__ import annotations
@@ -268,6 +269,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seqlens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
     p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
+                   help="forward rows, backward rows or both (default)")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"],
                    help="bf16, fp16 or both comma-separated (default bf16)")
     p.add_argument("--warmup", type=int, default=5)
@@ -316,13 +319,16 @@ def run(args) -> int:
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
-    for dt_name, causal in ((d, c) for d in args.dtype for c in causals):
+    directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
+    runs = ((dr, d, c) for dr in directions for d in args.dtype for c in causals)
+    for direction, dt_name, causal in runs:
         dtype = TORCH_DTYPES[dt_name]
+        bench_shape = bench_fwd_shape if direction == "fwd" else bench_bwd_shape
         for shape in grid(args.seqlens, args.head_dims):
-            row = bench_fwd_shape(lib, shape, causal, dtype, args)
+            row = bench_shape(lib, shape, causal, dtype, args)
             rows.append(row)
             t = row["tflops"]
-            print(f"fwd {dt_name} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
+            print(f"{direction} {dt_name} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
                   f"causal={causal!s:<5} fa3gen {_fmt(t['fa3gen']):>4}  cuDNN "
                   f"{_fmt(t['cudnn']):>4}  FA2 {_fmt(t['flash']):>4}  TFLOP/s  "
                   f"[{row['variant']}]", flush=True)
@@ -452,9 +458,63 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     return row
 
 
+def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
+    try:
+        return lib.find(direction, dt_name, d, causal).name
+    except Fa3genError as e:
+        print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
+def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
+    """Backward alone: each backend records one forward, then autograd.grad is timed."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fa3gen.ops import flash_attn_func
+
+    b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
+    dt_name = "bf16" if dtype == torch.bfloat16 else "fp16"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
+                     for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    ms: dict = {}
+
+    def timed_grad(label, forward):
+        try:
+            out = forward()
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            print(f"  {label} forward failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+            return None
+        return _try(label, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+                    args.warmup, args.iters)
+
+    variant = _find_variant(lib, "bwd", dt_name, d, causal)
+    if variant is not None and _find_variant(lib, "fwd", dt_name, d, causal) is not None:
+        ms["fa3gen"] = timed_grad("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
+    if not args.no_baselines:
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def sdpa(backend):
+            def fn():
+                with sdpa_kernel([backend]):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return out.transpose(1, 2)  # the grad of the transposed view is dout
+            return fn
+
+        ms["cudnn"] = timed_grad("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION))
+        ms["flash"] = timed_grad("FA2", sdpa(SDPBackend.FLASH_ATTENTION))
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    return make_row("bwd", dt_name, shape, causal, variant, ms)
+
+
 def quick_check(spec=None, verbose: bool = True) -> list[dict]:
-    """One small random problem per default forward variant of the library, against the fp32
-    reference under the tolerance rule. Raises Fa3genError listing the failures."""
+    """One small random problem per default forward and backward variant of the library,
+    against the fp32 references under the tolerance rule. Raises Fa3genError listing the failures."""
     import torch
 
     from fa3gen import ops, reference, runtime
@@ -490,8 +550,45 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
             print(f"{status} {info.name}: {errs} {'' if res['ok'] else res['why']}", flush=True)
         if not res["ok"]:
             failed.append(f"{info.name}: {res['why']}")
+    for info in lib.defaults("bwd"):
+        res = _check_backward(lib, info, gen)
+        results.append(res)
+        if verbose:
+            status = "ok  " if res["ok"] else "FAIL"
+            errs = ", ".join(f"max|{g}-ref| {res[g + '_err']:.2e} (tol {res[g + '_tol']:.2e})"
+                             for g in ("dq", "dk", "dv") if g + "_err" in res)
+            print(f"{status} {info.name}: {errs} {'' if res['ok'] else res['why']}", flush=True)
+        if not res["ok"]:
+            failed.append(f"{info.name}: {res['why']}")
     if not results:
         raise Fa3genError(f"{lib.path} has no default forward variant to check")
     if failed:
         raise Fa3genError("quick_check failed:\n  " + "\n  ".join(failed))
     return results
+
+
+def _check_backward(lib, info, gen) -> dict:
+    """dq, dk, dv of one small odd-sized GQA problem against the fp32 gradient reference."""
+    import torch
+
+    from fa3gen import ops, reference
+
+    b, sq, sk, hq, hkv, d = 2, 200, 333, 4, 2, info.head_dim
+    dtype = ops.TORCH_DTYPES[info.dtype]
+    q, dout = (torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+               for _ in range(2))
+    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
+            for _ in range(2))
+    scale = d**-0.5
+    try:
+        fwd = lib.find("fwd", info.dtype, d, info.causal)
+        out, lse = ops._empty_outputs(q)
+        ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=lib)
+        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+        ops._bwd_into(dout, q, k, v, out, lse, *grads, info.causal, scale, info.name, lib=lib)
+        torch.cuda.synchronize()
+        res = reference.compare_grads_to_reference(grads, q, k, v, dout, info.causal, scale)
+    except (RuntimeError, Fa3genError) as e:
+        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+    res["variant"] = info.name
+    return res

@@ -1,10 +1,11 @@
 """torch entry points: input checks, variant dispatch, and the fa3gen::fwd custom op.
 
-Layers, so that each is testable alone and backward can be added later:
+Layers, so that each is testable alone:
   flash_attn_func  - public wrapper: validates, resolves the variant name, calls the op
-  fa3gen::fwd      - torch custom op (+ fake impl) taking a concrete variant name;
-                     register_autograd goes on it when the backward kernels exist
-  _fwd_into        - writes into caller-provided out/lse (tests poison those first)
+  fa3gen::fwd      - torch custom op (+ fake impl) taking a concrete variant name; its
+                     autograd formula calls fa3gen::bwd with the default backward variant
+  fa3gen::bwd      - torch custom op (+ fake impl): dq, dk, dv
+  _fwd_into, _bwd_into - write into caller-provided tensors (tests poison those first)
 
 Edge cases (decided here, documented in the docstring of flash_attn_func):
   batch, seqlen_q or heads_q == 0 -> empty outputs, no launch;
@@ -121,11 +122,22 @@ def check_layout(**tensors: torch.Tensor) -> None:
                     f"{name}.stride({dim}) ({what}) is {t.stride(dim)} elements, not a multiple "
                     f"of {per} (TMA needs 16-byte strides); {hint}"
                 )
-        if t.device.type != "meta" and t.data_ptr() % _TMA_ALIGN_BYTES:
+        if _data_ptr(t) % _TMA_ALIGN_BYTES:
             raise InvalidInputError(
                 f"{name}.data_ptr() is not 16-byte aligned (TMA requirement), e.g. a view at an "
                 f"odd offset; {hint}"
             )
+
+
+def _data_ptr(t: torch.Tensor) -> int:
+    """t's address, or 0 for tensors without storage (meta, fake tensors while torch.compile
+    traces): the op re-checks the real tensors when it runs."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return 0
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, dims: Dims) -> None:
@@ -160,21 +172,14 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-# The params field num_sms is the number of persistent CTAs the launcher starts (it launches
-# min(query tiles, num_sms)). Causal tiles differ in work by up to seqlen / tile_n times, and
-# the kernel deals tiles round robin: on the H200 that left d128 causal at seqlen 16k at 390
-# TFLOP/s (544 at 8k). So causal launches one CTA per tile and lets the hardware block
-# scheduler balance them (the kernel orders each head's tiles longest first); non-causal
-# tiles are equal and run persistent. FA3GEN_GRID=persistent|tiles overrides (measurements).
-_ONE_CTA_PER_TILE = 2**31 - 1
-
-
-def _launch_ctas(device_index: int, causal: bool) -> int:
+def _grid_mode() -> int:
+    """FA3GEN_GRID: the forward's CTA count. auto (default): persistent without a causal mask,
+    one CTA per query tile with it (the policy lives in launch_fwd); persistent | tiles force
+    one policy, for measurements."""
     mode = os.environ.get("FA3GEN_GRID", "auto")
-    if mode not in ("auto", "persistent", "tiles"):
+    if mode not in runtime.GRID_MODES:
         raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
-    tiles = mode == "tiles" or (mode == "auto" and causal)
-    return _ONE_CTA_PER_TILE if tiles else _num_sms(device_index)
+    return runtime.GRID_MODES[mode]
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -189,7 +194,7 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(out)
 
 
-def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int):
+def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int, grid_mode: int):
     p = runtime.FwdParams()
     p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o, p.lse = out.data_ptr(), lse.data_ptr()
@@ -201,6 +206,7 @@ def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int):
     p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
     p.softmax_scale = scale
     p.num_sms = num_sms
+    p.grid_mode = grid_mode
     return p
 
 
@@ -223,10 +229,10 @@ def _fwd_into(
         lse.fill_(float("-inf"))
         return
     with torch.cuda.device(q.device):
-        num_sms = _launch_ctas(q.device.index, causal)
-        params = _make_params(q, k, v, out, lse, dims, float(softmax_scale), num_sms)
+        params = _make_params(q, k, v, out, lse, dims, float(softmax_scale),
+                              _num_sms(q.device.index), _grid_mode())
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        lib.launch_fwd(info, params, stream)
+        lib.launch(info, params, stream)
 
 
 def _empty_outputs(q: torch.Tensor):
@@ -244,28 +250,176 @@ def _fwd_op(
     causal: bool,
     softmax_scale: float,
     variant: str,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic only matters to the backward (see _fwd_setup_context).
     out, lse = _empty_outputs(q)
     _fwd_into(q, k, v, out, lse, causal, softmax_scale, variant)
     return out, lse
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, causal, softmax_scale, variant):
+def _fwd_fake(q, k, v, causal, softmax_scale, variant, deterministic=False):
     return _empty_outputs(q)
 
 
-# Backward: add _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
-# saving (q, k, v, out, lse); flash_attn_func needs no change.
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its layout suits TMA, else a contiguous copy. For incoming gradients,
+    which autograd may hand over expanded (stride 0) or otherwise strided."""
+    try:
+        check_layout(t=t)
+        return t
+    except InvalidInputError:
+        return t.contiguous()
+
+
+def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
+    for name, t, like in (("dout", dout, q), ("out", out, q), ("dq", dq, q), ("dk", dk, k),
+                          ("dv", dv, v)):
+        if tuple(t.shape) != tuple(like.shape) or t.dtype != like.dtype or t.device != like.device:
+            raise InvalidInputError(
+                f"{name} must be {like.dtype} {tuple(like.shape)} on {like.device}, "
+                f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+            )
+    want_l = (dims.batch, dims.heads_q, dims.seqlen_q)
+    if tuple(lse.shape) != want_l or lse.dtype != torch.float32 or not lse.is_contiguous():
+        raise InvalidInputError(
+            f"lse must be a contiguous float32 {want_l} tensor (the forward's), "
+            f"got {lse.dtype} {tuple(lse.shape)}"
+        )
+    check_layout(dout=dout, out=out, dq=dq, dk=dk, dv=dv)
+
+
+def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scale: float,
+                     deterministic: bool):
+    p = runtime.BwdParams()
+    tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work)
+    for name, t in tensors.items():
+        setattr(p, name, t.data_ptr())
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
+                    ("dk", dk), ("dv", dv)):
+        strides = _strides(t)
+        for what, value in zip(("batch", "row", "head"), strides):
+            setattr(p, f"{name}_{what}_stride", value)
+    p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
+    p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
+    p.softmax_scale = scale
+    p.deterministic = int(bool(deterministic))
+    return p
+
+
+def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
+    """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks."""
+    rows = -(-dims.seqlen_q // tile_m) * tile_m
+    stats = (dims.batch, dims.heads_q, rows)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    sem_shape = (dims.batch, dims.heads_q, rows // tile_m) if deterministic else (1,)
+    return dict(
+        dq_accum=torch.zeros(stats + (dims.head_dim,), **f32),
+        lse_log2=torch.empty(stats, **f32),
+        dsum=torch.empty(stats, **f32),
+        dq_semaphore=torch.zeros(sem_shape, dtype=torch.int32, device=q.device),
+    )
+
+
+def _bwd_into(
+    dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float, variant: str,
+    deterministic: bool = False, lib=None,
+) -> None:
+    """Run backward variant `variant`, writing dq, dk, dv (shaped like q, k, v). For GQA the
+    kernel sums dk, dv over the query heads of each kv head."""
+    check_device(q, k, v)
+    dims = check_inputs(q, k, v)
+    _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims)
+    lib = lib or runtime.get_library()
+    info = lib.find("bwd", dims.dtype, dims.head_dim, causal, variant)
+    check_layout(q=q, k=k, v=v)
+    if dims.batch == 0 or dims.heads_q == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
+        dq.zero_()  # no query or no key: nothing flows back
+        dk.zero_()
+        dv.zero_()
+        return
+    with torch.cuda.device(q.device):
+        work = _bwd_workspace(q, dims, info.tile_m, deterministic)
+        params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims,
+                                  float(softmax_scale), deterministic)
+        lib.launch(info, params, torch.cuda.current_stream(q.device).cuda_stream)
+
+
+def _empty_grads(q, k, v):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.custom_op("fa3gen::bwd", mutates_args=())
+def _bwd_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+    variant: str,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _empty_grads(q, k, v)
+    # Autograd (or a compiled graph) may hand over any strides: copy what TMA cannot read.
+    dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
+    _bwd_into(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, causal, softmax_scale, variant,
+              deterministic)
+    return dq, dk, dv
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, deterministic):
+    return _empty_grads(q, k, v)
+
+
+def resolve_bwd_variant(q: torch.Tensor, head_dim: int, causal: bool) -> str:
+    """Name of the default backward variant for q's dtype (clear error when none was built)."""
+    dtype = _DTYPES.get(q.dtype, str(q.dtype))
+    return _variant_name("bwd", dtype, head_dim, bool(causal), None)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, _variant, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    # Gradients flow through out only: lse is a by-product (like FlashAttention's).
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    name = resolve_bwd_variant(q, q.shape[-1], ctx.causal)
+    dq, dk, dv = torch.ops.fa3gen.bwd(dout, q, k, v, out, lse, ctx.causal,
+                                      ctx.softmax_scale, name, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
 # Public API.
 
 
+@torch.compiler.assume_constant_result
+def _variant_name(direction: str, dtype: str, head_dim: int, causal: bool, variant) -> str:
+    # torch.compile runs this once while tracing and bakes the name into the graph (the
+    # library lookup touches files and ctypes, which dynamo cannot trace).
+    return runtime.get_library().find(direction, dtype, head_dim, causal, variant).name
+
+
 def resolve_variant(dims: Dims, causal: bool, variant: str | None = None) -> str:
     """Name of the forward variant that serves dims (default dispatch or the named one)."""
-    return runtime.get_library().find("fwd", dims.dtype, dims.head_dim, causal, variant).name
+    return _variant_name("fwd", dims.dtype, dims.head_dim, bool(causal), variant)
 
 
 def flash_attn_func(
@@ -276,6 +430,7 @@ def flash_attn_func(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     variant: str | None = None,
+    deterministic: bool = False,
 ):
     """Attention softmax(q k^T * scale) v on Hopper with an fa3gen-generated kernel.
 
@@ -287,6 +442,9 @@ def flash_attn_func(
     rows that see no key (also every row when seqlen_k == 0) give 0 and lse -inf.
     softmax_scale: default 1/sqrt(head_dim). variant: a variant name of the loaded library
     instead of the spec's default for (dtype, head_dim, causal).
+    Differentiable in q, k, v (the spec's default backward variant for the key; lse carries no
+    gradient). deterministic: the backward accumulates dq in a fixed order, so gradients are
+    bitwise reproducible (slower); dk and dv are always deterministic.
     Returns out (batch, seqlen_q, heads_q, head_dim), plus lse (batch, heads_q, seqlen_q)
     float32 when return_lse.
     """
@@ -295,5 +453,5 @@ def flash_attn_func(
     name = resolve_variant(dims, bool(causal), variant)
     check_layout(q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(dims.head_dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.fa3gen.fwd(q, k, v, bool(causal), scale, name)
+    out, lse = torch.ops.fa3gen.fwd(q, k, v, bool(causal), scale, name, bool(deterministic))
     return (out, lse) if return_lse else out

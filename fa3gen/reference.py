@@ -105,3 +105,64 @@ def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None) ->
 def _max_abs(t: torch.Tensor) -> float:
     # NaN-propagating max; 0 for empty tensors.
     return float(t.abs().max()) if t.numel() else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients. Written out (not autograd) so that rows with no visible key give 0 gradients
+# instead of the NaN that autograd through softmax/logsumexp of an all -inf row produces.
+
+GRAD_ATOL = 2e-3
+
+
+def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, upcast=True):
+    """(dq, dk, dv) of sum(out * dout). fp32 when upcast (the reference), else computed in
+    the input dtype (the "plain PyTorch in low precision" baseline). GQA: dk, dv are summed
+    over the query heads that share a kv head."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    dt = torch.float32 if upcast else q.dtype
+    qt = q.to(dt).transpose(1, 2)
+    kt = k.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
+    vt = v.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
+    dot = dout.to(dt).transpose(1, 2)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
+    p = torch.exp(scores.float() - torch.where(torch.isfinite(lse), lse, 0.0)).to(dt)
+    dv = torch.matmul(p.transpose(-1, -2), dot)
+    dp = torch.matmul(dot, vt.transpose(-1, -2))
+    out = torch.matmul(p, vt)
+    delta = (out.float() * dot.float()).sum(-1, keepdim=True).to(dt)
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kt) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qt) * scale
+
+    def per_kv_head(x):  # (b, hq, sk, d) -> (b, sk, hkv, d), summing each group
+        return x.float().view(b, hkv, group, sk, d).sum(2).to(dt).transpose(1, 2).contiguous()
+
+    return dq.transpose(1, 2).contiguous(), per_kv_head(dk), per_kv_head(dv)
+
+
+def compare_grads_to_reference(grads, q, k, v, dout, causal=False, softmax_scale=None) -> dict:
+    """Check a kernel's (dq, dk, dv) with the forward's rule: max error <= 2 x the error of
+    plain PyTorch in the same low precision + GRAD_ATOL; NaN anywhere fails."""
+    ref = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=True)
+    low = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=False)
+    res = {"ok": True, "why": []}
+    for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
+        got = got.float()
+        nans = int(torch.isnan(got).sum())
+        err = _max_abs(got - r)
+        tol = 2 * _max_abs(lo.float() - r) + GRAD_ATOL
+        res[f"{name}_err"], res[f"{name}_tol"] = err, tol
+        if nans:
+            res["ok"] = False
+            res["why"].append(f"NaN in {name} ({nans}): elements not written or NaN math")
+        elif not err <= tol:
+            res["ok"] = False
+            res["why"].append(f"max |{name} - ref| = {err:.3g} > tolerance {tol:.3g}")
+    res["why"] = "; ".join(res["why"])
+    return res

@@ -28,7 +28,7 @@ from fa3gen.errors import (
 )
 
 # Must equal FA3GEN_ABI_VERSION in templates/kernels/fa3gen_abi.h (bump both together).
-ABI_VERSION = 1
+ABI_VERSION = 2
 DEFAULT_SPEC = "h100"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,10 +64,31 @@ class FwdParams(ctypes.Structure):
         ("head_dim", ctypes.c_int32),
         ("softmax_scale", ctypes.c_float),
         ("num_sms", ctypes.c_int32),
+        ("grid_mode", ctypes.c_int32),
     ]
 
 
+# FA3GEN_GRID_* of the header: the forward's grid policy.
+GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
+
+
+def _strided(*names: str) -> list:
+    return [(f"{n}_{w}_stride", ctypes.c_int64) for n in names for w in ("batch", "row", "head")]
+
+
+class BwdParams(ctypes.Structure):
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv",
+                                        "dq_accum", "lse_log2", "dsum", "dq_semaphore")]
+        + _strided("q", "k", "v", "o", "do", "dq", "dk", "dv")
+        + [(n, ctypes.c_int32) for n in ("batch", "seqlen_q", "seqlen_k", "heads_q",
+                                         "heads_kv", "head_dim")]
+        + [("softmax_scale", ctypes.c_float), ("deterministic", ctypes.c_int32)]
+    )
+
+
 FwdLaunchFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(FwdParams), ctypes.c_void_p)
+BwdLaunchFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(BwdParams), ctypes.c_void_p)
 
 
 class VariantInfoC(ctypes.Structure):
@@ -85,6 +106,7 @@ class VariantInfoC(ctypes.Structure):
         ("intra_wg_overlap", ctypes.c_int32),
         ("is_default", ctypes.c_int32),
         ("launch_fwd", FwdLaunchFn),
+        ("launch_bwd", BwdLaunchFn),
     ]
 
 
@@ -106,7 +128,7 @@ class VariantInfo:
     pingpong: bool
     intra_wg_overlap: bool
     is_default: bool
-    # The C launcher (None in fabricated tables and for directions without a forward launcher).
+    # The C launcher of the variant's direction (None in fabricated tables).
     launch: Callable[..., int] | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -132,7 +154,8 @@ def _variant_from_c(c: VariantInfoC) -> VariantInfo:
         pingpong=bool(c.pingpong),
         intra_wg_overlap=bool(c.intra_wg_overlap),
         is_default=bool(c.is_default),
-        launch=c.launch_fwd if c.launch_fwd else None,  # a NULL function pointer is falsy
+        # a NULL function pointer is falsy
+        launch=(c.launch_bwd if s(c.direction) == "bwd" else c.launch_fwd) or None,
     )
 
 
@@ -271,10 +294,14 @@ class Library:
         msg = self._dll.fa3gen_last_error()
         return msg.decode(errors="replace") if msg else "(no message)"
 
-    def launch_fwd(self, info: VariantInfo, params: FwdParams, stream_handle: int) -> None:
-        """Run info's forward launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy)."""
+    def launch(self, info: VariantInfo, params: FwdParams | BwdParams, stream_handle: int) -> None:
+        """Run info's launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy).
+        params must be FwdParams for a forward variant, BwdParams for a backward one."""
+        want = BwdParams if info.direction == "bwd" else FwdParams
         if info.launch is None or self._by_name.get(info.name) is not info:
-            raise Fa3genError(f"variant {info.name} has no forward launcher in {self.path}")
+            raise Fa3genError(f"variant {info.name} has no launcher in {self.path}")
+        if not isinstance(params, want):
+            raise Fa3genError(f"variant {info.name} takes {want.__name__}, got {type(params).__name__}")
         rc = info.launch(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
             raise Fa3genError(f"fa3gen kernel {info.name} failed (code {rc}): {self.last_error()}")

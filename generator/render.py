@@ -43,8 +43,6 @@ def environment(templates_dir: Path = TEMPLATES_DIR) -> jinja2.Environment:
 
 
 def render_variant(v: Variant, env: jinja2.Environment | None = None) -> str:
-    if v.direction != "fwd":
-        raise ValueError(f"{v.name}: only forward variants can be rendered")
     env = env or environment()
     return env.get_template("variant.cu.j2").render(v=v, element=ELEMENT[v.dtype])
 

@@ -96,7 +96,11 @@ REG_OVERHEAD = 24                # addresses, loop state, softmax stats per cons
 
 
 def smem_bytes(v: Variant) -> int:
-    """Q tile once + K and V tiles per pipeline stage."""
+    """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
+    Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage."""
+    if v.direction == "bwd":
+        return ELEM_BYTES * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
+                             + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m + SMEM_RESERVED
     return ELEM_BYTES * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
         + SMEM_RESERVED
 
@@ -104,9 +108,13 @@ def smem_bytes(v: Variant) -> int:
 def consumer_registers(v: Variant) -> tuple[int, int]:
     """(needed, cap) fp32 registers per consumer thread.
 
-    A consumer warpgroup (128 threads) owns 64 rows: S = 64 x tile_n and O = 64 x head_dim
-    accumulators, i.e. tile_n/2 + head_dim/2 per thread. setmaxnreg gives consumers 240
-    with two consumer warpgroups but only 160 with three."""
+    Forward: a consumer warpgroup (128 threads) owns 64 rows: S = 64 x tile_n and
+    O = 64 x head_dim accumulators, i.e. tile_n/2 + head_dim/2 per thread. setmaxnreg gives
+    consumers 240 with two consumer warpgroups but only 160 with three.
+    Backward: a consumer warpgroup owns 64 keys: dK and dV (64 x head_dim each) live all the
+    time, S^T and dP^T (64 x tile_m each) per query block: head_dim + tile_m per thread."""
+    if v.direction == "bwd":
+        return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
     cap = 240 if v.consumer_warpgroups <= 2 else 160
     return need, cap
@@ -118,13 +126,20 @@ def head_dim_supported(v: Variant) -> Optional[str]:
     return None
 
 
-def direction_realized(v: Variant) -> Optional[str]:
-    if v.direction != "fwd":
-        return "the templates cannot realize the backward pass yet"
+def backward_knobs(v: Variant) -> Optional[str]:
+    # The backward template has one schedule: a producer warpgroup and consumers that run
+    # their GEMMs in sequence. Pingpong/overlap axes stay in the name for one naming scheme.
+    if v.direction == "bwd" and (not v.warp_specialized or v.pingpong or v.intra_wg_overlap):
+        return ("the backward template realizes warp_specialized: true, pingpong: false, "
+                "intra_wg_overlap: false only")
     return None
 
 
 def mma_m_shape(v: Variant) -> Optional[str]:
+    if v.direction == "bwd":
+        if v.tile_m not in (64, 128):
+            return f"backward tile_m {v.tile_m} must be 64 or 128 (query rows per block)"
+        return None
     # One consumer warpgroup per 64 rows (WGMMA M = 64), at most 3 consumers.
     if v.tile_m % 64 or not 1 <= v.tile_m // 64 <= 3:
         return f"tile_m {v.tile_m} must be 64, 128 or 192 (one consumer warpgroup per 64 rows)"
@@ -132,6 +147,14 @@ def mma_m_shape(v: Variant) -> Optional[str]:
 
 
 def mma_n_shape(v: Variant) -> Optional[str]:
+    if v.direction == "bwd":
+        if v.tile_n not in (64, 128):
+            return f"backward tile_n {v.tile_n} must be 64 or 128 (one consumer warpgroup per 64 keys)"
+        wg_m, wgs = v.tile_m // 64, v.tile_n // 64
+        if wgs % wg_m or (wgs // wg_m > 1 and v.head_dim % (64 * (wgs // wg_m))):
+            return (f"backward dQ tile {v.tile_m}x{v.head_dim} cannot be split over "
+                    f"{wgs} consumer warpgroups in whole 64-row / 64-column pieces")
+        return None
     if v.tile_n % 16 or not 16 <= v.tile_n <= 256:
         return f"tile_n {v.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N)"
     return None
@@ -153,8 +176,7 @@ def smem_budget(v: Variant) -> Optional[str]:
 def register_budget(v: Variant) -> Optional[str]:
     need, cap = consumer_registers(v)
     if need > cap:
-        return (f"needs ~{need} registers per consumer thread > {cap} "
-                f"({v.consumer_warpgroups} consumer warpgroups)")
+        return f"needs ~{need} registers per consumer thread > {cap}"
     return None
 
 
@@ -175,7 +197,7 @@ def knob_realized(v: Variant) -> Optional[str]:
 # Order matters: the first failing constraint is the one reported.
 CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("head_dim_supported", head_dim_supported),
-    ("direction_realized", direction_realized),
+    ("backward_knobs", backward_knobs),
     ("mma_m_shape", mma_m_shape),
     ("mma_n_shape", mma_n_shape),
     ("stages_range", stages_range),

@@ -32,20 +32,29 @@ def test_variant_tu():
     assert "launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false>" in text2
 
 
-def test_backward_not_rendered():
-    with pytest.raises(ValueError):
-        render_variant(Variant("bwd", "bf16", 128, False, 128, 128, 2, True, False, False))
+V3 = Variant("bwd", "bf16", 128, True, 64, 128, 2, True, False, False)
+
+
+def test_backward_variant_tu():
+    text = render_variant(V3)
+    assert '#include "fa3gen_bwd.cuh"' in text and "fa3gen_fwd.cuh" not in text
+    assert (f'extern "C" int fa3gen_launch_{V3.name}(const fa3gen_bwd_params* p, '
+            'void* stream)') in text
+    assert "fa3gen::launch_bwd<cutlass::bfloat16_t, 128, 64, 128, 2, true>(*p, " in text
 
 
 def test_dispatch_table():
-    text = render_dispatch("h100", [V1, V2], {V2.name}, {"spec": "h100", "fingerprint": "ab"})
+    text = render_dispatch("h100", [V1, V2, V3], {V2.name}, {"spec": "h100", "fingerprint": "ab"})
     assert '#include "fa3gen_abi.h"' in text and "fa3gen_fwd.cuh\"" not in text
     assert f"int fa3gen_launch_{V1.name}(const fa3gen_fwd_params* p, void* stream);" in text
     assert (f'{{"{V1.name}", "fwd", "bf16", 128, 0, 128, 176, 2, 1, 1, 1, 0, '
-            f'&fa3gen_launch_{V1.name}}}') in text
+            f'&fa3gen_launch_{V1.name}, nullptr}}') in text
     assert (f'{{"{V2.name}", "fwd", "fp16", 64, 1, 192, 128, 3, 0, 0, 0, 1, '
-            f'&fa3gen_launch_{V2.name}}}') in text
-    assert "kNumVariants = 2;" in text
+            f'&fa3gen_launch_{V2.name}, nullptr}}') in text
+    assert f"int fa3gen_launch_{V3.name}(const fa3gen_bwd_params* p, void* stream);" in text
+    assert (f'{{"{V3.name}", "bwd", "bf16", 128, 1, 64, 128, 2, 1, 0, 0, 0, '
+            f'nullptr, &fa3gen_launch_{V3.name}}}') in text
+    assert "kNumVariants = 3;" in text
     assert "? &kVariants[index] : nullptr" in text
     assert "thread_local std::string" in text
     for fn in ("fa3gen_abi_version", "fa3gen_num_variants", "fa3gen_variant",

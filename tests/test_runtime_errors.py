@@ -4,6 +4,7 @@ selection, the reference's masking, and the pure parts of bench. No GPU, no buil
 import ctypes
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ from fa3gen.errors import (
 from fa3gen.ops import check_device, check_inputs, check_layout
 from fa3gen.reference import attention_reference, causal_mask
 from fa3gen.runtime import VariantInfo, select_variant
+from generator.paths import TEMPLATES_DIR
 
 
 def qkv(b=2, sq=16, sk=16, hq=4, hkv=4, d=64, dtype=torch.bfloat16, device="cpu"):
@@ -212,15 +214,34 @@ def test_long_variant_lists_are_cut():
         select_variant(many, "fwd", "bf16", 64, False)
 
 
-def test_ctypes_mirror_layout():
-    # Offsets as the C compiler lays out fa3gen_abi.h on x86-64 / aarch64 (LP64).
-    P = runtime.FwdParams
-    assert P.q_batch_stride.offset == 40 and P.batch.offset == 40 + 12 * 8
-    assert P.softmax_scale.offset == 136 + 24 and P.num_sms.offset == 164
-    assert ctypes.sizeof(P) == 168
-    V = runtime.VariantInfoC
-    assert V.head_dim.offset == 24 and V.is_default.offset == 24 + 8 * 4
-    assert V.launch_fwd.offset == 64 and ctypes.sizeof(V) == 72
+def _c_layout(struct: str, fields: list[str], tmp_path) -> dict:
+    """offsetof each field and sizeof the struct, as the C compiler lays out fa3gen_abi.h."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to lay out fa3gen_abi.h")
+    lines = [f'printf("{f} %zu\\n", offsetof({struct}, {f}));' for f in fields]
+    src = tmp_path / "layout.c"
+    src.write_text("#include <stddef.h>\n#include <stdio.h>\n#include \"fa3gen_abi.h\"\n"
+                   "int main(void) {\n" + "\n".join(lines)
+                   + f'\nprintf("sizeof %zu\\n", sizeof({struct}));\nreturn 0;\n}}\n')
+    exe = tmp_path / "layout"
+    subprocess.run([cc, "-I", str(TEMPLATES_DIR / "kernels"), str(src), "-o", str(exe)],
+                   check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+@pytest.mark.parametrize("struct,mirror", [
+    ("fa3gen_fwd_params", runtime.FwdParams),
+    ("fa3gen_bwd_params", runtime.BwdParams),
+    ("fa3gen_variant_info", runtime.VariantInfoC),
+])
+def test_ctypes_mirror_layout(struct, mirror, tmp_path):
+    """Every ctypes field sits where the C compiler puts it, and the sizes agree."""
+    fields = [name for name, _ in mirror._fields_]
+    c = _c_layout(struct, fields, tmp_path)
+    assert {f: getattr(mirror, f).offset for f in fields} == {f: c[f] for f in fields}
+    assert ctypes.sizeof(mirror) == c["sizeof"]
 
 
 def test_custom_op_fake_shapes():
@@ -234,7 +255,33 @@ def test_custom_op_fake_shapes():
     assert out.shape == (2, 7, 8, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 7) and lse.dtype == torch.float32 and lse.is_contiguous()
     schema = str(torch.ops.fa3gen.fwd.default._schema)
-    assert "bool causal, float softmax_scale, str variant) -> (Tensor, Tensor)" in schema
+    assert ("bool causal, float softmax_scale, str variant, bool deterministic=False) -> "
+            "(Tensor, Tensor)") in schema
+
+
+def test_backward_op_fake_shapes():
+    """fa3gen::bwd's fake impl: gradients shaped like q, k, v (GQA: dk, dv have heads_kv)."""
+    import fa3gen.ops  # noqa: F401
+
+    q = torch.empty(2, 7, 8, 64, dtype=torch.float16, device="meta")
+    k = torch.empty(2, 9, 2, 64, dtype=torch.float16, device="meta")
+    lse = torch.empty(2, 8, 7, device="meta")
+    dq, dk, dv = torch.ops.fa3gen.bwd(q, q, k, k, q, lse, False, 0.1, "any", True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert dq.dtype == dk.dtype == torch.float16
+
+
+def test_backward_needs_a_bwd_variant(monkeypatch):
+    """The autograd formula resolves the default backward variant: a library without one
+    fails with VariantNotBuiltError at backward time, naming the key."""
+    from fa3gen import ops
+
+    table = [_v("fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov1", d=64)]
+    fake_lib = type("L", (), {"find": lambda self, *a: select_variant(table, *a)})()
+    monkeypatch.setattr(runtime, "get_library", lambda *a, **k: fake_lib)
+    q = torch.empty(1, 4, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(VariantNotBuiltError, match="direction=bwd dtype=bf16 head_dim=64"):
+        ops.resolve_bwd_variant(q, 64, False)
 
 
 def test_import_is_light():
@@ -411,13 +458,18 @@ static int launch(const fa3gen_fwd_params* p, void* stream) {
   if (p->batch == 13) { fa3gen_set_error("unlucky batch"); return 7; }
   return 0;
 }
+fa3gen_bwd_params fake_last_bwd_params;
+static int launch_bwd(const fa3gen_bwd_params* p, void* stream) {
+  fake_last_bwd_params = *p;
+  return 0;
+}
 static const fa3gen_variant_info table[] = {
   {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 128, 176, 2, 1, 1, 1,
-   1, launch},
+   1, launch, 0},
   {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 128, 128, 2, 0, 0, 0,
-   0, launch},
+   0, launch, 0},
   {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 64, 128, 2, 1, 0, 0,
-   1, 0},
+   1, 0, launch_bwd},
 };
 int32_t fa3gen_abi_version(void) { return ABI; }
 int32_t fa3gen_num_variants(void) { return 3; }
@@ -444,7 +496,7 @@ def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION):
 
 
 def test_fake_library_table_and_launch(tmp_path):
-    from fa3gen.ops import Dims, _make_params
+    from fa3gen.ops import Dims, _bwd_workspace, _make_bwd_params, _make_params
 
     lib = runtime.Library(build_fake_lib(tmp_path))
     assert lib.spec_name == "fake" and lib.build_info["fingerprint"] == "x"
@@ -453,7 +505,7 @@ def test_fake_library_table_and_launch(tmp_path):
     v0 = lib.variants[0]
     assert (v0.tile_m, v0.tile_n, v0.stages, v0.warp_specialized, v0.is_default) == (
         128, 176, 2, True, True)
-    assert lib.variants[2].launch is None and lib.variants[2].direction == "bwd"
+    assert lib.variants[2].launch is not None and lib.variants[2].direction == "bwd"
     assert lib.find("fwd", "bf16", 128, False) is v0
     assert lib.find("fwd", "bf16", 128, False, lib.variants[1].name) is lib.variants[1]
     with pytest.raises(VariantNotBuiltError, match="specs/fake.yaml"):
@@ -465,8 +517,8 @@ def test_fake_library_table_and_launch(tmp_path):
     k, v = (torch.randn(2, 9, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     out, lse = torch.empty(2, 5, 4, 128, dtype=torch.bfloat16), torch.empty(2, 4, 5)
     dims = Dims(2, 5, 9, 4, 2, 128, "bf16")
-    params = _make_params(q, k, v, out, lse, dims, 0.125, 132)
-    lib.launch_fwd(v0, params, 0xABC0)
+    params = _make_params(q, k, v, out, lse, dims, 0.125, 132, runtime.GRID_MODES["tiles"])
+    lib.launch(v0, params, 0xABC0)
     got = runtime.FwdParams.in_dll(lib._dll, "fake_last_params")
     assert ctypes.c_void_p.in_dll(lib._dll, "fake_last_stream").value == 0xABC0
     assert (got.q, got.k, got.o, got.lse) == (q.data_ptr(), k.data_ptr(), out.data_ptr(),
@@ -476,18 +528,32 @@ def test_fake_library_table_and_launch(tmp_path):
     assert (got.k_batch_stride, got.k_row_stride, got.k_head_stride) == (9 * 256, 256, 128)
     assert (got.batch, got.seqlen_q, got.seqlen_k, got.heads_q, got.heads_kv, got.head_dim) == (
         2, 5, 9, 4, 2, 128)
-    assert got.softmax_scale == 0.125 and got.num_sms == 132
+    assert got.softmax_scale == 0.125 and got.num_sms == 132 and got.grid_mode == 2
 
     params.batch = 13  # the fake launcher fails: the C error text reaches Python
     with pytest.raises(Fa3genError, match=r"fwd_bf16_d128.*failed \(code 7\): unlucky batch"):
-        lib.launch_fwd(v0, params, 0)
-    with pytest.raises(Fa3genError, match="no forward launcher"):
-        lib.launch_fwd(lib.variants[2], params, 0)
+        lib.launch(v0, params, 0)
+    with pytest.raises(Fa3genError, match="takes BwdParams, got FwdParams"):
+        lib.launch(lib.variants[2], params, 0)
+
+    # Backward marshalling: workspace sized by the variant's tile_m, gradients' strides.
+    work = _bwd_workspace(q, dims, 64, deterministic=True)
+    assert work["dq_accum"].shape == (2, 4, 64, 128) and work["dq_semaphore"].shape == (2, 4, 1)
+    assert not work["dq_accum"].any() and not work["dq_semaphore"].any()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bp = _make_bwd_params(q, k, v, out, out, lse, dq, dk, dv, work, dims, 0.125, True)
+    lib.launch(lib.variants[2], bp, 0)
+    got = runtime.BwdParams.in_dll(lib._dll, "fake_last_bwd_params")
+    assert (got.dout, got.dq_accum, got.dq_semaphore) == (
+        out.data_ptr(), work["dq_accum"].data_ptr(), work["dq_semaphore"].data_ptr())
+    assert (got.q_batch_stride, got.q_row_stride, got.dq_row_stride) == (
+        5 * 3 * 4 * 128, 3 * 4 * 128, 4 * 128)
+    assert (got.dk_head_stride, got.deterministic, got.softmax_scale) == (128, 1, 0.125)
 
 
 def test_fake_library_abi_mismatch(tmp_path):
     with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99, this fa3gen package "
-                                                      "expects 1"):
+                                                      "expects 2"):
         runtime.Library(build_fake_lib(tmp_path, abi=99))
 
 

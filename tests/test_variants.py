@@ -80,7 +80,13 @@ exclude:
 
 @pytest.mark.parametrize("change,constraint", [
     (dict(head_dim=80), "head_dim_supported"),
-    (dict(direction="bwd"), "direction_realized"),
+    (dict(direction="bwd", tile_m=64, pingpong=True), "backward_knobs"),
+    (dict(direction="bwd", tile_m=64, intra_wg_overlap=True), "backward_knobs"),
+    (dict(direction="bwd", tile_m=192), "mma_m_shape"),
+    (dict(direction="bwd", tile_m=64, tile_n=176), "mma_n_shape"),
+    (dict(direction="bwd", tile_m=128, tile_n=64), "mma_n_shape"),   # dQ rows cannot be split
+    (dict(direction="bwd", tile_m=128), "smem_budget"),
+    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=64, stages=1), "register_budget"),
     (dict(tile_m=96), "mma_m_shape"),
     (dict(tile_m=256), "mma_m_shape"),
     (dict(tile_n=120), "mma_n_shape"),
@@ -110,7 +116,7 @@ def test_every_knob_value_is_realized_today(change):
 
 def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
-        "head_dim_supported", "direction_realized", "mma_m_shape", "mma_n_shape",
+        "head_dim_supported", "backward_knobs", "mma_m_shape", "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
         "knob_realized"]
 
@@ -121,8 +127,9 @@ def test_first_failing_constraint_reported():
 
 
 def test_reasons(narrow_knobs):
-    assert check(dataclasses.replace(BASE, direction="bwd"))[1] == \
-        "the templates cannot realize the backward pass yet"
+    assert check(dataclasses.replace(BASE, direction="bwd", pingpong=True))[1] == (
+        "the backward template realizes warp_specialized: true, pingpong: false, "
+        "intra_wg_overlap: false only")
     assert check(dataclasses.replace(BASE, pingpong=True))[1] == \
         "pingpong=true is not realized by the templates yet"
     assert check(dataclasses.replace(BASE, warp_specialized=False))[1] == \
@@ -135,6 +142,9 @@ def test_budgets_at_the_edges():
     # d64 with three consumers: 64 + 32 + 24 = 120 <= 160
     assert check(dataclasses.replace(BASE, head_dim=64, tile_m=192)) is None
     assert V.smem_bytes(dataclasses.replace(BASE, head_dim=256, tile_n=80)) == 230400
+    # backward d128 64x128 s2: K, V 64 KiB + Q, dO 64 KiB + dS 32 KiB + stats; 128 + 64 + 24 regs
+    bwd = dataclasses.replace(BASE, direction="bwd", tile_m=64)
+    assert check(bwd) is None and V.smem_bytes(bwd) == 165888
 
 
 def test_realized_knobs_are_one_table(narrow_knobs, monkeypatch):

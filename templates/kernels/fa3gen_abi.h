@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 1
+#define FA3GEN_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -24,22 +24,66 @@ typedef struct fa3gen_fwd_params {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   float softmax_scale;
-  int32_t num_sms;  // multiprocessors of the launch device (persistent scheduling)
+  int32_t num_sms;    // multiprocessors of the launch device (persistent scheduling)
+  int32_t grid_mode;  // FA3GEN_GRID_*: how many CTAs the forward launches
 } fa3gen_fwd_params;
+
+// Forward grid: AUTO is persistent (one CTA per SM) without a causal mask and one CTA per query
+// tile with it (causal tiles differ in length; the hardware block scheduler balances them better
+// than a static round robin). The other two force one policy (for measurements).
+#define FA3GEN_GRID_AUTO 0
+#define FA3GEN_GRID_PERSISTENT 1
+#define FA3GEN_GRID_TILES 2
+
+// Backward attention: dq, dk, dv from dout and the forward's q, k, v, out, lse. Same layout
+// rules as the forward. The caller provides zero-filled workspace sized with tile_m of the
+// variant (seqlen_q_rounded = seqlen_q rounded up to a multiple of tile_m):
+//   dq_accum     fp32 (batch, heads_q, seqlen_q_rounded, head_dim), zeroed
+//   lse_log2     fp32 (batch, heads_q, seqlen_q_rounded)
+//   dsum         fp32 (batch, heads_q, seqlen_q_rounded)
+//   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (deterministic only)
+typedef struct fa3gen_bwd_params {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  const float* lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;
+  float* lse_log2;
+  float* dsum;
+  int32_t* dq_semaphore;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  float softmax_scale;
+  int32_t deterministic;  // 1: dq is bitwise reproducible (ordered accumulation, slower)
+} fa3gen_bwd_params;
 
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
 typedef int (*fa3gen_fwd_launch_fn)(const fa3gen_fwd_params* params, void* cuda_stream);
+typedef int (*fa3gen_bwd_launch_fn)(const fa3gen_bwd_params* params, void* cuda_stream);
 
 typedef struct fa3gen_variant_info {
   const char* name;       // canonical variant name, e.g. fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1
-  const char* direction;  // "fwd" (later "bwd")
+  const char* direction;  // "fwd" | "bwd"
   const char* dtype;      // "bf16" | "fp16"
   int32_t head_dim;
   int32_t causal;
   int32_t tile_m, tile_n, stages;
   int32_t warp_specialized, pingpong, intra_wg_overlap;
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
-  fa3gen_fwd_launch_fn launch_fwd;
+  fa3gen_fwd_launch_fn launch_fwd;  // NULL for a backward variant
+  fa3gen_bwd_launch_fn launch_bwd;  // NULL for a forward variant
 } fa3gen_variant_info;
 
 int32_t fa3gen_abi_version(void);

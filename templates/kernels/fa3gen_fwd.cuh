@@ -3,34 +3,16 @@
 #pragma once
 #include <algorithm>
 #include <climits>
-#include <cstdio>
-#include <cuda_runtime.h>
-#include "fa3gen_abi.h"
 #include "fwd_kernel.cuh"
+#include "launch_common.cuh"
 
 namespace fa3gen {
-
-inline int report(const char* what, cudaError_t err) {
-  char buf[512];
-  std::snprintf(buf, sizeof(buf), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
-  fa3gen_set_error(buf);
-  return int(err) == 0 ? 1 : int(err);
-}
 
 template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
           bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, WarpSpecialized, Pingpong, IntraWgOverlap>;
-  if (a.head_dim != HeadDim) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), "variant built for head_dim %d called with head_dim %d", HeadDim, a.head_dim);
-    fa3gen_set_error(buf);
-    return 1;
-  }
-  if (a.batch < 1 || a.seqlen_q < 1 || a.seqlen_k < 1 || a.heads_kv < 1 || a.heads_q % a.heads_kv != 0) {
-    fa3gen_set_error("invalid sizes: need batch, seqlens, heads >= 1 and heads_q % heads_kv == 0");
-    return 1;
-  }
+  if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   using E = Element;
   auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
@@ -55,13 +37,16 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
-  // Persistent grid: one CTA per multiprocessor (shared memory allows one), or fewer tiles.
+  // Persistent grid: one CTA per multiprocessor (shared memory allows one), or fewer tiles;
+  // causal tiles differ in length, so AUTO gives each its own CTA (see FA3GEN_GRID_AUTO).
   const int64_t tiles = int64_t((a.seqlen_q + TileM - 1) / TileM) * a.heads_q * a.batch;
   if (tiles > INT32_MAX) {
     fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^31)");
     return 1;
   }
-  dim3 grid(unsigned(std::min<int64_t>(tiles, a.num_sms > 0 ? a.num_sms : 132)));
+  const bool one_per_tile = a.grid_mode == FA3GEN_GRID_TILES || (a.grid_mode == FA3GEN_GRID_AUTO && Causal);
+  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, a.num_sms > 0 ? a.num_sms : 132);
+  const dim3 grid(static_cast<unsigned>(ctas));
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("kernel launch", err);

@@ -19,20 +19,21 @@ def _library():
 
 
 def pytest_generate_tests(metafunc):
-    if "fwd_variant" in metafunc.fixturenames:
-        lib, why = _library()
-        names = lib.names("fwd") if lib else []
-        params = names or [pytest.param(None, marks=pytest.mark.skip(
-            reason=why or "the library has no forward variants"))]
-        metafunc.parametrize("fwd_variant", params)
-    if "fwd_default_key" in metafunc.fixturenames:
-        lib, why = _library()
-        keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults("fwd")] if lib else []
-        params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
-                  for k in keys]
-        params = params or [pytest.param(None, marks=pytest.mark.skip(
-            reason=why or "the library has no default forward variants"))]
-        metafunc.parametrize("fwd_default_key", params)
+    for direction in ("fwd", "bwd"):
+        if f"{direction}_variant" in metafunc.fixturenames:
+            lib, why = _library()
+            names = lib.names(direction) if lib else []
+            params = names or [pytest.param(None, marks=pytest.mark.skip(
+                reason=why or f"the library has no {direction} variants"))]
+            metafunc.parametrize(f"{direction}_variant", params)
+        if f"{direction}_default_key" in metafunc.fixturenames:
+            lib, why = _library()
+            keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)] if lib else []
+            params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
+                      for k in keys]
+            params = params or [pytest.param(None, marks=pytest.mark.skip(
+                reason=why or f"the library has no default {direction} variants"))]
+            metafunc.parametrize(f"{direction}_default_key", params)
 
 
 @pytest.fixture(scope="session")

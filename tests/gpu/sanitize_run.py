@@ -1,4 +1,5 @@
-"""One small launch per default forward variant, meant to run under compute-sanitizer:
+"""One small launch per default forward variant, and one forward + backward (deterministic
+and not) per default backward variant, meant to run under compute-sanitizer:
 
     compute-sanitizer --tool memcheck  python3 tests/gpu/sanitize_run.py
     compute-sanitizer --tool racecheck python3 tests/gpu/sanitize_run.py
@@ -29,6 +30,20 @@ def main() -> int:
         out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name)
         torch.cuda.synchronize()
         print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)
+    for info in lib.defaults("bwd"):
+        if only and str(info.head_dim) not in only:
+            continue
+        dtype = TORCH_DTYPES[info.dtype]
+        g = torch.Generator(device="cuda").manual_seed(1)
+        shapes = ((1, 150, 4, info.head_dim), (1, 200, 2, info.head_dim), (1, 200, 2, info.head_dim))
+        q, k, v = (torch.randn(*s, device="cuda", dtype=dtype, generator=g).requires_grad_()
+                   for s in shapes)
+        for deterministic in (False, True):
+            out = flash_attn_func(q, k, v, causal=info.causal, deterministic=deterministic)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+            torch.cuda.synchronize()
+            print(f"{info.name} deterministic={deterministic}: ok, "
+                  f"|dq|max={dq.abs().max().item():.3f}", flush=True)
     return 0
 
 

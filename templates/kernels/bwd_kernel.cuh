@@ -1,0 +1,354 @@
+// The backward main kernel, FlashAttention-3 style (see bwd_traits.cuh for the GEMMs).
+// Warpgroup 0 is the producer: it loads K and V of the CTA's key block once, then Q, dO and
+// the per-row LSE and D of each query block into a `Stages`-deep ring. The consumer
+// warpgroups (64 keys each) recompute P from the saved LSE, keep dK and dV in registers for
+// the whole CTA, and add each query block's dQ into an fp32 buffer with vector reductions.
+// Deterministic mode orders those additions: the CTA of key block n adds its part of a query
+// block's dQ only after the CTA of key block n - 1 has (a semaphore per query block).
+#pragma once
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include "bwd_traits.cuh"
+#include "fwd_softmax.cuh"  // key/query block bounds, quad reductions
+
+namespace fa3gen {
+
+// Named barriers of the consumer warpgroups (id 0 is __syncthreads).
+constexpr int kDsReadyBarrier = 1;  // every warpgroup's part of dS is in shared memory
+constexpr int kDqOrderBarrier = 2;  // deterministic mode: this CTA's turn to add dQ
+
+// Query blocks that see key block n_block: [first, last). Causal attention is bottom-right
+// aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q), so later key blocks start later.
+template <bool Causal, int TileM, int TileN>
+__device__ __forceinline__ int first_query_block(int n_block, int seqlen_q, int seqlen_k) {
+  if constexpr (!Causal) return 0;
+  int first_row = n_block * TileN - (seqlen_k - seqlen_q);  // first query that sees the block
+  return first_row <= 0 ? 0 : first_row / TileM;
+}
+
+// Masking of S^T (rows = keys, cols = queries): keys past the end, and the causal triangle.
+template <bool Causal, int TileM, int TileN>
+__device__ __forceinline__ bool bwd_block_needs_mask(int m_block, int n_block, int seqlen_q, int seqlen_k) {
+  int last_key = (n_block + 1) * TileN - 1;
+  bool tail = last_key >= seqlen_k;
+  if constexpr (Causal) return tail || last_key > m_block * TileM + seqlen_k - seqlen_q;
+  else return tail;
+}
+
+template <bool Causal, class TS, class TC>
+__device__ __forceinline__ void apply_mask_transposed(TS& St, TC const& coords, int key0, int row0,
+                                                      int seqlen_q, int seqlen_k) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(St); ++r) {
+    int key = key0 + get<0>(coords(r, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(St); ++c) {
+      int row = row0 + get<1>(coords(r, c));
+      bool hidden = key >= seqlen_k;
+      if constexpr (Causal) hidden = hidden || key > row + seqlen_k - seqlen_q;
+      if (hidden) St(r, c) = -INFINITY;
+    }
+  }
+}
+
+// *ptr += (a, b) in L2 without a result (RED, not ATOM: atomicAdd(float2*) returns the old
+// value, and waiting on it stalled the consumers on the long scoreboard).
+__device__ __forceinline__ void red_add(float* ptr, float a, float b) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(ptr), "f"(a), "f"(b) : "memory");
+}
+
+__device__ __forceinline__ int load_acquire(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
+  constexpr bool kCausal = Traits::kCausal;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int warp_idx = cutlass::canonical_warp_idx_sync();
+  const int n_block = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
+  const int m_blocks = p.seqlen_q_rounded / kTileM;
+  const int m_first = first_query_block<kCausal, kTileM, kTileN>(n_block, p.seqlen_q, p.seqlen_k);
+  const int m_count = max(0, m_blocks - m_first);  // query blocks per query head
+
+  if (warp_idx == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    Barrier::init(&smem.barrier_kv, 1);
+  }
+  typename Pipeline::Params pipe_params;
+  pipe_params.transaction_bytes = 2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats;
+  pipe_params.role = warp_idx < 4 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pipe_params.is_leader = threadIdx.x == 0;
+  pipe_params.num_consumers = Traits::kConsumerThreads;
+  Pipeline pipe(smem.pipeline_q, pipe_params, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  if (warp_idx < 4) {  // ---------------- producer warpgroup ----------------
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x == 0 && m_count > 0) {
+      auto load_kv = [&](auto const& tma, Element* smem_ptr) {
+        Tensor mK = tma.get_tma_tensor(make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch));
+        Tensor gK = local_tile(mK(_, _, head_kv, b), Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+        Tensor sK = make_tensor(make_smem_ptr(smem_ptr), typename Traits::SmemLayoutK{});
+        auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        copy(tma.with(smem.barrier_kv, 0), tg, ts);
+      };
+      Barrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
+      load_kv(p.tma_k, smem.k.data());
+      load_kv(p.tma_v, smem.v.data());
+
+      auto load_rows = [&](auto const& tma, Element* smem_ptr, int head, int m_block, PipelineState const& st) {
+        Tensor mQ = tma.get_tma_tensor(make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch));
+        Tensor gQ = local_tile(mQ(_, _, head, b), Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+        Tensor sQ = make_tensor(make_smem_ptr(smem_ptr), typename Traits::SmemLayoutQ{});
+        auto [tg, ts] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        copy(tma.with(*pipe.producer_get_barrier(st), 0), tg(_, m_block), ts(_, st.index()));
+      };
+      PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+      for (int hq = 0; hq < p.heads_per_kv; ++hq) {
+        const int head = head_kv * p.heads_per_kv + hq;
+        const int64_t stats_row0 = (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
+        for (int m_block = m_first; m_block < m_blocks; ++m_block) {
+          pipe.producer_acquire(st);
+          load_rows(p.tma_q, smem.q.data(), head, m_block, st);
+          load_rows(p.tma_do, smem.dout.data(), head, m_block, st);
+          const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
+          SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, pipe.producer_get_barrier(st),
+                                   smem.lse_log2[st.index()], Traits::kBytesRowStats);
+          SM90_BULK_COPY_G2S::copy(p.dsum + row0, pipe.producer_get_barrier(st),
+                                   smem.dsum[st.index()], Traits::kBytesRowStats);
+          ++st;
+        }
+      }
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+
+  // ---------------- consumers ----------------
+  const int tid = int(threadIdx.x) - 128;
+  typename Traits::TiledMmaSdP mma_sdp;
+  typename Traits::TiledMmadKV mma_dkv;
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+  Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
+  Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+  Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, 2)
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  Tensor tdSsdS = thr_sdp.partition_C(sdSt);            // dS^T in the accumulator's layout, 2 buffers
+
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kTileN>, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kTileN>, Int<kHeadDim>>{});
+  clear(tdVrdV);
+  clear(tdKrdK);
+  Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
+  Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
+
+  if (m_count > 0) Barrier::wait(&smem.barrier_kv, 0);
+  PipelineState st;
+  int iter = 0;
+  for (int hq = 0; hq < p.heads_per_kv && m_count > 0; ++hq) {
+    const int head = head_kv * p.heads_per_kv + hq;
+    float* dq_head = p.dq_accum + (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded * kHeadDim;
+    for (int m_block = m_first; m_block < m_blocks; ++m_block, ++iter) {
+      pipe.consumer_wait(st);
+      Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
+      Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
+      wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
+      wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
+      Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
+      Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
+      const float* lse_log2 = smem.lse_log2[st.index()];
+      const float* dsum = smem.dsum[st.index()];
+
+      warpgroup_wait<1>();  // S^T is done, dP^T may still run
+      if (bwd_block_needs_mask<kCausal, kTileM, kTileN>(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
+        apply_mask_transposed<kCausal>(S, coordS, n_block * kTileN, m_block * kTileM, p.seqlen_q, p.seqlen_k);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        const float lse = lse_log2[get<1>(coordS(0, c))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+      }
+      warpgroup_wait<0>();  // dP^T
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        const float d = dsum[get<1>(coordS(0, c))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - d);
+      }
+      Tensor rP = convert_fragment<Element>(tSrS);
+      Tensor rdS = convert_fragment<Element>(tSrdP);
+      Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+      Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+      // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the warpgroups
+      // meet. (Issuing dQ before dK, to overlap the dQ reductions with dK, costs registers:
+      // every variant spilled.)
+      wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+      wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+      const int buf = iter & 1;
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsReadyBarrier);
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kTileM>, Int<kHeadDim>>{});
+      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+      warpgroup_wait<0>();
+      pipe.consumer_release(st);  // Q, dO, LSE, D of this block are no longer read
+      ++st;
+
+      // dQ += this key block's part, as fp32 vector reductions in L2.
+      int* semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + head) * m_blocks + m_block;
+      if (p.deterministic) {
+        if (tid == 0) {
+          while (load_acquire(semaphore) != n_block) {}
+        }
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDqOrderBarrier);
+      }
+      Tensor gdQ = make_tensor(make_gmem_ptr(dq_head + int64_t(m_block) * kTileM * kHeadDim),
+                               Shape<Int<kTileM>, Int<kHeadDim>>{}, Stride<Int<kHeadDim>, _1>{});
+      Tensor tdQgdQ = thr_dq.partition_C(gdQ);
+      Tensor g = make_tensor(tdQgdQ.data(), acc_as_rowcol(tdQgdQ.layout()));
+      Tensor a = make_tensor(tdQrdQ.data(), acc_as_rowcol(tdQrdQ.layout()));
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(a); ++r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(a); c += 2) {
+          red_add(&g(r, c), a(r, c), a(r, c + 1));
+        }
+      }
+      if (p.deterministic) {
+        __threadfence();
+        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDqOrderBarrier);
+        if (tid == 0) atomicAdd(semaphore, 1);
+      }
+    }
+  }
+
+  // ---------------- epilogue: dK (times the softmax scale) and dV from registers ----------------
+  auto store_rows = [&](auto& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+    Tensor r16 = convert_fragment<Element>(acc);
+    Tensor mX = make_tensor(make_gmem_ptr(base + b * batch_stride + head_kv * head_stride),
+                            make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
+    Tensor gX = local_tile(mX, Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
+    Tensor tg = thr_dkv.partition_C(gX);
+    Tensor tc = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kHeadDim>>{}));
+    Tensor r_rc = make_tensor(r16.data(), acc_as_rowcol(r16.layout()));
+    Tensor g_rc = make_tensor(tg.data(), acc_as_rowcol(tg.layout()));
+    Tensor c_rc = make_tensor(tc.data(), acc_as_rowcol(tc.layout()));
+    const int row_end = p.seqlen_k - n_block * kTileN;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < size<0>(r_rc); ++r) {
+      if (get<0>(c_rc(r, 0)) < row_end) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(r_rc); c += 2) {
+          Element pair[2] = {r_rc(r, c), r_rc(r, c + 1)};
+          *reinterpret_cast<uint32_t*>(&g_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
+        }
+      }
+    }
+  };
+  CUTLASS_PRAGMA_UNROLL
+  for (int e = 0; e < size(tdKrdK); ++e) tdKrdK(e) *= p.softmax_scale;
+  store_rows(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
+  store_rows(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
+}
+
+// ---------------- preprocess and postprocess (plain CUDA: memory-bound row loops) ----------------
+
+struct BwdRowParams {
+  const void* o;
+  const void* dout;
+  const float* lse;  // (batch, heads_q, seqlen_q) from the forward
+  float* lse_log2;   // (batch, heads_q, seqlen_q_rounded)
+  float* dsum;
+  int64_t o_batch_stride, o_row_stride, o_head_stride;
+  int64_t do_batch_stride, do_row_stride, do_head_stride;
+  int batch, heads_q, seqlen_q, seqlen_q_rounded, head_dim;
+};
+
+// One warp per query row: D = rowsum(dO * O) in fp32, and LSE in the log2 domain. Padding rows
+// and rows that saw no key get LSE +inf, which makes their recomputed P exactly 0.
+template <class Element>
+__global__ void bwd_preprocess_kernel(const BwdRowParams p) {
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
+  if (row >= rows) return;
+  const int m = int(row % p.seqlen_q_rounded);
+  const int head = int((row / p.seqlen_q_rounded) % p.heads_q);
+  const int b = int(row / (int64_t(p.seqlen_q_rounded) * p.heads_q));
+  float dot = 0.f, lse_log2 = INFINITY;
+  if (m < p.seqlen_q) {
+    const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride + m * p.o_row_stride + head * p.o_head_stride;
+    const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_batch_stride + m * p.do_row_stride + head * p.do_head_stride;
+    for (int i = lane; i < p.head_dim; i += 32) dot += float(o[i]) * float(dout[i]);
+    dot = quad_allreduce_sum<32>(dot);
+    const float lse = p.lse[(int64_t(b) * p.heads_q + head) * p.seqlen_q + m];
+    if (lse != -INFINITY) lse_log2 = lse * 1.4426950408889634f;
+  }
+  if (lane == 0) {
+    p.dsum[row] = dot;
+    p.lse_log2[row] = lse_log2;
+  }
+}
+
+struct BwdDqParams {
+  const float* dq_accum;  // (batch, heads_q, seqlen_q_rounded, head_dim)
+  void* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  int batch, heads_q, seqlen_q, seqlen_q_rounded, head_dim;
+  float softmax_scale;
+};
+
+// dQ = softmax_scale * dq_accum, converted to the input dtype in the caller's layout.
+template <class Element>
+__global__ void bwd_convert_dq_kernel(const BwdDqParams p) {
+  const int64_t pairs = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 2);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+    const int col = int(i % (p.head_dim / 2)) * 2;
+    const int64_t row = i / (p.head_dim / 2);  // (b, head, m) with m fastest
+    const int m = int(row % p.seqlen_q);
+    const int head = int((row / p.seqlen_q) % p.heads_q);
+    const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
+    const float2 acc = *reinterpret_cast<const float2*>(
+        p.dq_accum + ((int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded + m) * p.head_dim + col);
+    Element pair[2] = {Element(acc.x * p.softmax_scale), Element(acc.y * p.softmax_scale)};
+    Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + m * p.dq_row_stride + head * p.dq_head_stride + col;
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t const*>(pair);
+  }
+}
+
+}  // namespace fa3gen

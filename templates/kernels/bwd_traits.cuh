@@ -1,0 +1,122 @@
+// Compile-time description of one backward variant. A CTA owns one key block (TileN keys
+// of one kv head) and walks the query blocks (TileM rows) of every query head of its group:
+//   S^T  = K Q^T     (TileN x TileM)  SS  -> P^T = exp2(S^T * scale_log2 - LSE_log2)
+//   dP^T = V dO^T    (TileN x TileM)  SS  -> dS^T = P^T (dP^T - D)
+//   dV  += P^T dO    (TileN x d)      RS  (P^T straight from registers)
+//   dK  += dS^T Q    (TileN x d)      RS
+//   dQ   = dS K      (TileM x d)      SS  (dS goes through shared memory), added to an fp32
+//                                         accumulator in global memory
+// Computing the transposed products keeps P^T and dS^T in the accumulator layout that the RS
+// GEMMs take as their A operand, so only dS makes a trip through shared memory.
+#pragma once
+#include "fwd_traits.cuh"  // smem_atom, includes
+
+namespace fa3gen {
+
+template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal>
+struct BwdTraits {
+  using Element = Element_;
+  static_assert(sizeof(Element) == 2, "bf16/fp16 only");
+  static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
+  static constexpr bool kCausal = Causal;
+
+  // One consumer warpgroup per 64 keys, plus the producer warpgroup (TMA loads).
+  static constexpr int kConsumerWGs = TileN / 64;
+  static constexpr int kConsumerThreads = kConsumerWGs * 128;
+  static constexpr int kThreads = kConsumerThreads + 128;
+  // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+                "setmaxnreg split exceeds the CTA's register allocation (the kernel would hang)");
+  static_assert(TileN % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 2);
+  static_assert(TileM % 64 == 0 && TileM <= 128);
+  static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
+  static_assert(Stages >= 1 && Stages <= 4);
+  // dQ = dS K: the consumer warpgroups split the (TileM x d) tile, first along M (64 rows each).
+  static constexpr int kDqWgM = TileM / 64;
+  static_assert(kConsumerWGs % kDqWgM == 0, "dQ tile: TileM / 64 must divide the consumer warpgroups");
+  static constexpr int kDqWgN = kConsumerWGs / kDqWgM;
+  static_assert(HeadDim % (64 * kDqWgN) == 0 || kDqWgN == 1,
+                "dQ tile: each warpgroup's share of head_dim must be whole 64-column swizzle atoms");
+
+  // Q and dO: (TileM, d) per stage, d contiguous. Read K-major as the B operand of S^T / dP^T,
+  // and as (d, TileM) MN-major (the same bytes, transposed view) as the B operand of dK / dV.
+  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+                                             Shape<Int<TileM>, Int<HeadDim>, Int<Stages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<HeadDim>, Int<TileM>, Int<Stages>>{},
+                                 Stride<Int<TileM>, _1, Int<TileM * HeadDim>>{})));
+  // K and V: (TileN, d), loaded once. K is also read as (d, TileN) MN-major by dQ = dS K.
+  using SmemLayoutK = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+                                             Shape<Int<TileN>, Int<HeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<HeadDim>, Int<TileN>>{}, Stride<Int<TileN>, _1>{})));
+  // dS: (TileM, TileN) with TileM contiguous (MN-major A operand of dQ = dS K); two buffers so
+  // that one iteration's writes never race the previous iteration's dQ GEMM.
+  using SmemLayoutdS = decltype(tile_to_shape(smem_atom<Element, TileM, false>(),
+                                              Shape<Int<TileM>, Int<TileN>, _2>{}));
+  using SmemLayoutdSt = decltype(composition(
+      SmemLayoutdS{}, make_layout(Shape<Int<TileN>, Int<TileM>, _2>{},
+                                  Stride<Int<TileM>, _1, Int<TileM * TileN>>{})));
+
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileM>, Int<HeadDim>>>(),
+      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<HeadDim / kDqWgN>, Int<TileN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
+
+  using GmemLayoutRows = Layout<Shape<int, Int<HeadDim>, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
+  using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutQ{})));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutK{}));
+
+  static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesK = TileN * HeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRowStats = TileM * sizeof(float);
+
+  using Pipeline = cutlass::PipelineTmaAsync<Stages>;
+  using PipelineState = typename cutlass::PipelineState<Stages>;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(16) float lse_log2[Stages][TileM];  // LSE * log2(e) of the stage's query rows
+    alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
+    typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
+    alignas(8) uint64_t barrier_kv;               // K and V landed
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
+};
+
+template <class Traits>
+struct BwdParams {
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQ tma_do;
+  typename Traits::TmaK tma_k;
+  typename Traits::TmaK tma_v;
+  const float* lse_log2;  // (batch, heads_q, seqlen_q_rounded)
+  const float* dsum;      // same layout
+  float* dq_accum;        // (batch, heads_q, seqlen_q_rounded, head_dim), zeroed
+  int* dq_semaphore;      // (batch, heads_q, m_blocks), zeroed; deterministic mode only
+  typename Traits::Element* dk;
+  typename Traits::Element* dv;
+  int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
+  int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
+  int seqlen_q, seqlen_k, seqlen_q_rounded, heads_q, heads_kv, batch, heads_per_kv;
+  float softmax_scale, scale_log2;
+  bool deterministic;
+};
+
+}  // namespace fa3gen

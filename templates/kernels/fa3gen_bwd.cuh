@@ -1,0 +1,82 @@
+// Host entry point of the backward pass: preprocess (D, LSE in log2), main kernel (dK, dV,
+// dQ accumulation), dQ conversion, all on the caller's stream. The per-variant translation
+// unit instantiates launch_bwd<...> and exports it through the C ABI (see fa3gen_abi.h).
+#pragma once
+#include <algorithm>
+#include <climits>
+#include "bwd_kernel.cuh"
+#include "launch_common.cuh"
+
+namespace fa3gen {
+
+template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal>
+int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
+  using Traits = BwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal>;
+  using E = Element;
+  if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
+  const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
+  const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;
+  if (a.heads_kv > 65535 || a.batch > 65535) {
+    fa3gen_set_error("backward grid: heads_kv and batch must be at most 65535");
+    return 1;
+  }
+  if (int64_t(a.batch) * a.heads_q * seqlen_q_rounded > INT32_MAX / 32) {
+    fa3gen_set_error("backward: batch * heads_q * seqlen_q too large for one launch");
+    return 1;
+  }
+  cudaError_t err;
+
+  // 1. D = rowsum(dO * O) and LSE * log2(e), padded to whole query blocks.
+  BwdRowParams rows{a.o, a.dout, a.lse, a.lse_log2, a.dsum,
+                    a.o_batch_stride, a.o_row_stride, a.o_head_stride,
+                    a.do_batch_stride, a.do_row_stride, a.do_head_stride,
+                    a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, HeadDim};
+  const int64_t row_count = int64_t(a.batch) * a.heads_q * seqlen_q_rounded;
+  constexpr int kRowWarps = 8;
+  bwd_preprocess_kernel<E><<<unsigned((row_count + kRowWarps - 1) / kRowWarps), 32 * kRowWarps, 0, stream>>>(rows);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return report("backward preprocess launch", err);
+
+  // 2. Main kernel: one CTA per (key block, kv head, batch).
+  auto tensor = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
+    return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
+                       make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
+  };
+  auto q = tensor(a.q, a.seqlen_q, a.heads_q, a.batch, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
+  auto dout = tensor(a.dout, a.seqlen_q, a.heads_q, a.batch, a.do_row_stride, a.do_head_stride, a.do_batch_stride);
+  auto k = tensor(a.k, a.seqlen_k, a.heads_kv, a.batch, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  auto v = tensor(a.v, a.seqlen_k, a.heads_kv, a.batch, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+  auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
+  BwdParams<Traits> p{
+      make_tma_copy(SM90_TMA_LOAD{}, q, smem_q),
+      make_tma_copy(SM90_TMA_LOAD{}, dout, smem_q),
+      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutK{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutK{}),
+      a.lse_log2, a.dsum, a.dq_accum, a.dq_semaphore,
+      static_cast<E*>(a.dk), static_cast<E*>(a.dv),
+      a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride,
+      a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
+      a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
+      a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0};
+  auto kernel = bwd_kernel<Traits>;
+  constexpr int smem_bytes = Traits::kSmemBytes;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
+  // blockIdx.x = key block, fastest: in deterministic mode a CTA waits only for CTAs of lower
+  // key blocks of its head, which the hardware has already started (no deadlock).
+  kernel<<<dim3(n_blocks, a.heads_kv, a.batch), Traits::kThreads, smem_bytes, stream>>>(p);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return report("backward kernel launch", err);
+
+  // 3. dQ = scale * dq_accum in the caller's dtype and layout.
+  BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
+                 a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, HeadDim, a.softmax_scale};
+  const int64_t pairs = int64_t(a.batch) * a.heads_q * a.seqlen_q * (HeadDim / 2);
+  const unsigned blocks = unsigned(std::min<int64_t>((pairs + 255) / 256, 65536));
+  bwd_convert_dq_kernel<E><<<blocks, 256, 0, stream>>>(dq);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return report("backward dQ conversion launch", err);
+  return 0;
+}
+
+}  // namespace fa3gen

@@ -1,0 +1,189 @@
+"""Backward kernels on the GPU: every built backward variant against the fp32 gradient
+reference (fa3gen.reference.attention_grad_reference), with the forward's tolerance rule:
+max error <= 2 x plain PyTorch in the same low precision + GRAD_ATOL.
+
+dq, dk, dv are poisoned with NaN before each launch and followed by a NaN guard region.
+"""
+
+import pytest
+import torch
+
+from fa3gen import ops
+from fa3gen.errors import InvalidInputError
+from fa3gen.ops import flash_attn_func
+from fa3gen.reference import attention_reference, compare_grads_to_reference
+
+from test_forward import DTYPES, GUARD, make_qkv, poisoned
+
+pytestmark = pytest.mark.gpu
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = [
+    (1, 1, 1, 1, 1),
+    (2, 7, 7, 4, 4),
+    (1, 113, 257, 8, 2),   # GQA, seqlen_q < seqlen_k
+    (2, 257, 113, 8, 2),   # seqlen_q > seqlen_k: causal rows with no visible key
+    (1, 1000, 1000, 4, 1),  # MQA, not a tile multiple
+    (3, 128, 256, 2, 2),   # tile multiples
+    (1, 1, 777, 8, 8),     # one query
+    (2, 600, 7, 3, 1),     # few keys
+]
+
+
+def _sid(s):
+    return "b{}_sq{}_sk{}_h{}x{}".format(*s)
+
+
+def forward_for(q, k, v, causal, scale):
+    """out and lse from the forward kernel (the backward consumes what the forward saved)."""
+    name = ops.resolve_variant(ops.check_inputs(q, k, v), causal)
+    return torch.ops.fa3gen.fwd(q, k, v, causal, scale, name)
+
+
+def run_bwd_poisoned(dout, q, k, v, out, lse, causal, scale, name, deterministic=False):
+    bufs, grads = [], []
+    for like in (q, k, v):
+        buf, view = poisoned(tuple(like.shape), like.dtype)
+        bufs.append(buf)
+        grads.append(view)
+    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, name, deterministic)
+    torch.cuda.synchronize()
+    for what, buf in zip(("dq", "dk", "dv"), bufs):
+        assert torch.isnan(buf[-GUARD:]).all(), f"kernel wrote past the end of {what}"
+    return grads
+
+
+def check_grads(grads, q, k, v, dout, causal, scale, what):
+    res = compare_grads_to_reference(grads, q, k, v, dout, causal, scale)
+    errs = {k_: f"{res[k_]:.3g}" for k_ in res if k_.endswith(("_err", "_tol"))}
+    assert res["ok"], f"{what}: {res['why']} {errs}"
+    return res
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_sid)
+def test_bwd_variant_matches_reference(lib, bwd_variant, shape):
+    info = lib.get(bwd_variant)
+    b, sq, sk, hq, hkv = shape
+    q, k, v = make_qkv(b, sq, sk, hq, hkv, info.head_dim, DTYPES[info.dtype], seed=10)
+    dout = torch.randn_like(q)
+    scale = info.head_dim**-0.5
+    out, lse = forward_for(q, k, v, info.causal, scale)
+    grads = run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name)
+    check_grads(grads, q, k, v, dout, info.causal, scale, f"{info.name} {_sid(shape)}")
+    if info.causal and sq > sk:  # queries that see no key get no gradient
+        assert (grads[0][:, : sq - sk] == 0).all()
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_bwd_repeatable(lib, bwd_variant, deterministic):
+    """Deterministic mode: bitwise equal gradients run to run (several key blocks per query
+    block, so the order of dq additions matters). Atomic mode: dk, dv still bitwise equal."""
+    info = lib.get(bwd_variant)
+    q, k, v = make_qkv(2, 700, 900, 4, 2, info.head_dim, DTYPES[info.dtype], seed=11)
+    dout = torch.randn_like(q)
+    scale = info.head_dim**-0.5
+    out, lse = forward_for(q, k, v, info.causal, scale)
+    runs = [run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name, deterministic)
+            for _ in range(3)]
+    check_grads(runs[0], q, k, v, dout, info.causal, scale, f"{info.name} det={deterministic}")
+    first = 0 if deterministic else 1
+    for other in runs[1:]:
+        for i, what in enumerate(("dq", "dk", "dv")[first:], start=first):
+            assert torch.equal(runs[0][i], other[i]), f"{info.name}: {what} differs between runs"
+
+
+def test_autograd_default(lib, bwd_default_key):
+    """flash_attn_func is differentiable: .backward() gives the reference gradients, also for
+    packed qkv views and a non-contiguous incoming gradient."""
+    dtype_name, d, causal = bwd_default_key
+    dtype = DTYPES[dtype_name]
+    qkv = torch.randn(2, 333, 3, 6, d, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout_full = torch.randn(2, 333, 6, 2 * d, device="cuda", dtype=dtype)
+    dout = dout_full[..., ::2]  # head_dim stride 2: the op must copy it before TMA
+    out.backward(dout)
+    grads = qkv.grad[:, :, 0], qkv.grad[:, :, 1], qkv.grad[:, :, 2]
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    check_grads(grads, qd, kd, vd, dout.contiguous(), causal, d**-0.5, f"autograd {bwd_default_key}")
+
+
+def test_autograd_gqa_and_scale(lib, bwd_default_key):
+    dtype_name, d, causal = bwd_default_key
+    q, k, v = make_qkv(1, 300, 500, 8, 2, d, DTYPES[dtype_name], seed=12)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, lse = flash_attn_func(q, k, v, causal=causal, softmax_scale=0.3, return_lse=True)
+    assert not lse.requires_grad  # lse carries no gradient
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    check_grads((dq, dk, dv), q.detach(), k.detach(), v.detach(), dout, causal, 0.3,
+                f"gqa {bwd_default_key}")
+
+
+def test_bwd_opcheck(lib, bwd_default_key):
+    dtype_name, d, causal = bwd_default_key
+    if d != max(v.head_dim for v in lib.defaults("bwd")):
+        pytest.skip("opcheck once per dtype/causal (largest head_dim) keeps the suite short")
+    q, k, v = make_qkv(1, 129, 200, 4, 2, d, DTYPES[dtype_name], seed=13)
+    scale = d**-0.5
+    fwd_name = ops.resolve_variant(ops.check_inputs(q, k, v), causal)
+    out, lse = torch.ops.fa3gen.fwd(q, k, v, causal, scale, fwd_name)
+    dout = torch.randn_like(q)
+    bwd_name = lib.find("bwd", dtype_name, d, causal).name
+    torch.library.opcheck(torch.ops.fa3gen.bwd.default,
+                          (dout, q, k, v, out, lse, causal, scale, bwd_name, False))
+    # The forward op with inputs that need gradients: checks the autograd registration too.
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+    torch.library.opcheck(torch.ops.fa3gen.fwd.default, (qg, kg, vg, causal, scale, fwd_name, False))
+
+
+def test_torch_compile_fullgraph(lib, bwd_default_key):
+    """A small attention block using fa3gen compiles with fullgraph=True, and its output and
+    gradients match eager mode."""
+    dtype_name, d, causal = bwd_default_key
+    dtype = DTYPES[dtype_name]
+    torch.manual_seed(14)
+    heads = 4
+    proj = torch.nn.Linear(heads * d, 3 * heads * d, device="cuda", dtype=dtype)
+
+    def block(x):
+        b, s, _ = x.shape
+        qkv = proj(x).view(b, s, 3, heads, d)
+        out = flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=causal)
+        return out.reshape(b, s, heads * d)
+
+    x = torch.randn(2, 200, heads * d, device="cuda", dtype=dtype)
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True)):
+        xi = x.clone().requires_grad_(True)
+        proj.zero_grad()
+        y = fn(xi)
+        y.float().square().mean().backward()
+        results.append((y.detach(), xi.grad, proj.weight.grad.clone()))
+    for a, b_ in zip(*results):
+        assert torch.allclose(a.float(), b_.float(), atol=2e-2, rtol=2e-2), (a - b_).abs().max()
+
+
+def test_bwd_input_errors(lib, bwd_default_key):
+    dtype_name, d, causal = bwd_default_key
+    q, k, v = make_qkv(1, 64, 64, 2, 2, d, DTYPES[dtype_name], seed=15)
+    out, lse = forward_for(q, k, v, causal, d**-0.5)
+    name = lib.find("bwd", dtype_name, d, causal).name
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    with pytest.raises(InvalidInputError, match="dout must be"):
+        ops._bwd_into(out[:, :32], q, k, v, out, lse, dq, dk, dv, causal, 0.1, name)
+    with pytest.raises(InvalidInputError, match="lse must be"):
+        ops._bwd_into(out, q, k, v, out, lse.half(), dq, dk, dv, causal, 0.1, name)
+
+
+def test_bwd_empty_keys(lib, bwd_default_key):
+    dtype_name, d, causal = bwd_default_key
+    q, k, v = make_qkv(1, 5, 0, 2, 2, d, DTYPES[dtype_name])
+    out, lse = torch.zeros_like(q), torch.full((1, 2, 5), float("-inf"), device="cuda")
+    name = lib.find("bwd", dtype_name, d, causal).name
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    ops._bwd_into(torch.randn_like(q), q, k, v, out, lse, dq, dk, dv, causal, 0.1, name)
+    assert (dq == 0).all()
