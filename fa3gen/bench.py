@@ -408,24 +408,35 @@ def _try(label, fn, warmup, iters):
         return None
 
 
+def _random_inputs(shape: dict, dtype, count: int) -> list:
+    """count CUDA tensors (batch, seqlen, heads, head_dim) of randn, seed 0."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"])
+    return [torch.randn(*dims, device="cuda", dtype=dtype, generator=gen) for _ in range(count)]
+
+
+def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
+    try:
+        return lib.find(direction, dt_name, d, causal).name
+    except Fa3genError as e:
+        print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
+        return None
+
+
 def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa3gen.ops import flash_attn_func
+    from fa3gen.ops import _DTYPES, flash_attn_func
 
     b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
-    dt_name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
-               for _ in range(3))
+    dt_name = _DTYPES[dtype]
+    q, k, v = _random_inputs(shape, dtype, 3)
     ms: dict = {}
-    try:
-        variant = lib.find("fwd", dt_name, d, causal).name
-    except Fa3genError as e:
-        print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
-        variant = None
+    variant = _find_variant(lib, "fwd", dt_name, d, causal)
     if variant is not None:
         ms["fa3gen"] = _try("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal,
                                                               variant=variant),
@@ -458,27 +469,16 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     return row
 
 
-def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
-    try:
-        return lib.find(direction, dt_name, d, causal).name
-    except Fa3genError as e:
-        print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
-        return None
-
-
 def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     """Backward alone: each backend records one forward, then autograd.grad is timed."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from fa3gen.ops import flash_attn_func
+    from fa3gen.ops import _DTYPES, flash_attn_func
 
-    b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
-    dt_name = "bf16" if dtype == torch.bfloat16 else "fp16"
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype, generator=gen)
-                     for _ in range(4))
+    d, dt_name = shape["head_dim"], _DTYPES[dtype]
+    q, k, v, dout = _random_inputs(shape, dtype, 4)
     for t in (q, k, v):
         t.requires_grad_(True)
     ms: dict = {}

@@ -1,4 +1,5 @@
-"""Compile specs/tiny.yaml with the real nvcc (no GPU needed): the generated C++ builds.
+"""Compile specs/tiny.yaml (one forward, one backward variant) with the real nvcc (no GPU
+needed): the generated C++ builds, with no spills and setmaxnreg kept.
 
     .venv/bin/python -m pytest -m compile tests/test_compile.py
 """
@@ -27,7 +28,8 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
     monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
     res = build(SPECS_DIR / "tiny.yaml")
-    name = "fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"
+    names = ["bwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0",
+             "fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
     lib = tmp_path / "tiny" / "lib" / "libfa3gen_tiny.so"
     assert res.library == lib and lib.is_file()
 
@@ -35,14 +37,16 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
     if nm:
         syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True,
                               text=True, check=True).stdout
-        for sym in (f"fa3gen_launch_{name}", "fa3gen_variant", "fa3gen_num_variants",
-                    "fa3gen_build_info", "fa3gen_last_error", "fa3gen_abi_version"):
+        for sym in (*(f"fa3gen_launch_{n}" for n in names), "fa3gen_variant",
+                    "fa3gen_num_variants", "fa3gen_build_info", "fa3gen_last_error",
+                    "fa3gen_abi_version"):
             assert any(line.split()[-1] == sym for line in syms.splitlines()), sym
 
     m = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
-    (row,) = m["variants"]
-    assert row["name"] == name and row["is_default"]
-    r = row["resources"]
-    assert r["registers"] and r["registers"] > 0
-    assert r["spill_stores"] == 0 and r["spill_loads"] == 0
-    assert not r["setmaxnreg_ignored"]
+    assert sorted(row["name"] for row in m["variants"]) == names
+    for row in m["variants"]:
+        assert row["is_default"]
+        r = row["resources"]
+        assert r["registers"] and r["registers"] > 0
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0
+        assert not r["setmaxnreg_ignored"]

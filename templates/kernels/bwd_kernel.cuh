@@ -258,27 +258,10 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   }
 
   // ---------------- epilogue: dK (times the softmax scale) and dV from registers ----------------
-  auto store_rows = [&](auto& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+  auto store_rows = [&](auto const& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
     Tensor r16 = convert_fragment<Element>(acc);
-    Tensor mX = make_tensor(make_gmem_ptr(base + b * batch_stride + head_kv * head_stride),
-                            make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(row_stride, _1{}));
-    Tensor gX = local_tile(mX, Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
-    Tensor tg = thr_dkv.partition_C(gX);
-    Tensor tc = thr_dkv.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kHeadDim>>{}));
-    Tensor r_rc = make_tensor(r16.data(), acc_as_rowcol(r16.layout()));
-    Tensor g_rc = make_tensor(tg.data(), acc_as_rowcol(tg.layout()));
-    Tensor c_rc = make_tensor(tc.data(), acc_as_rowcol(tc.layout()));
-    const int row_end = p.seqlen_k - n_block * kTileN;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < size<0>(r_rc); ++r) {
-      if (get<0>(c_rc(r, 0)) < row_end) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(r_rc); c += 2) {
-          Element pair[2] = {r_rc(r, c), r_rc(r, c + 1)};
-          *reinterpret_cast<uint32_t*>(&g_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
-        }
-      }
-    }
+    Element* tile = base + b * batch_stride + head_kv * head_stride + int64_t(n_block) * kTileN * row_stride;
+    store_tile_rows<kTileN, kHeadDim>(thr_dkv, r16, tile, row_stride, p.seqlen_k - n_block * kTileN);
   };
   CUTLASS_PRAGMA_UNROLL
   for (int e = 0; e < size(tdKrdK); ++e) tdKrdK(e) *= p.softmax_scale;

@@ -310,26 +310,11 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     softmax.finalize(p.softmax_scale, inv_sum, lse);
     scale_rows(O, inv_sum);
     Tensor rO = convert_fragment<Element>(tOrO);
-    Tensor mO = make_tensor(make_gmem_ptr(p.o + b * p.o_batch_stride + head * p.o_head_stride),
-                            make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.o_row_stride, _1{}));
-    Tensor gO = local_tile(mO, Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-    Tensor tOgO = thr_pv.partition_C(gO);
-    Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHeadDim>>{}));
-    Tensor rO_rc = make_tensor(rO.data(), acc_as_rowcol(rO.layout()));
-    Tensor gO_rc = make_tensor(tOgO.data(), acc_as_rowcol(tOgO.layout()));
-    Tensor cO_rc = make_tensor(tOcO.data(), acc_as_rowcol(tOcO.layout()));
     const int row_end = p.seqlen_q - m_block * kTileM;
-    // Columns 2c and 2c+1 of a row are adjacent in the accumulator and in memory: one 32-bit store.
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < size<0>(rO_rc); ++r) {
-      if (get<0>(cO_rc(r, 0)) < row_end) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(rO_rc); c += 2) {
-          Element pair[2] = {rO_rc(r, c), rO_rc(r, c + 1)};
-          *reinterpret_cast<uint32_t*>(&gO_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
-        }
-      }
-    }
+    store_tile_rows<kTileM, kHeadDim>(
+        thr_pv, rO,
+        p.o + b * p.o_batch_stride + head * p.o_head_stride + int64_t(m_block) * kTileM * p.o_row_stride,
+        p.o_row_stride, row_end);
     if (tid % 4 == 0) {
       float* lse_row = p.lse + (int64_t(b) * p.heads_q + head) * p.seqlen_q + m_block * kTileM;
       CUTLASS_PRAGMA_UNROLL

@@ -1,5 +1,6 @@
-// Small device helpers shared by the forward kernel: WGMMA issue, fragment layout views,
-// dtype conversion. Everything here is a building block; the schedule lives in fwd_kernel.cuh.
+// Small device helpers shared by the kernels: WGMMA issue, fragment layout views, dtype
+// conversion, tile stores. Building blocks only; the schedules live in fwd_kernel.cuh and
+// bwd_kernel.cuh.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
@@ -60,6 +61,31 @@ __device__ __forceinline__ auto convert_fragment(Tensor<Engine, Layout> const& s
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<cutlass::Array<From, N> const*>(src.data()));
   return dst;
+}
+
+// Store a 16-bit fragment in accumulator layout as rows [0, row_end) of a (TileRows x Cols)
+// tile at `tile` (row stride in elements, columns contiguous), straight from registers.
+// Columns 2c and 2c+1 are adjacent in the accumulator and in memory: one 32-bit store.
+template <int TileRows, int Cols, class ThrMma, class Frag, class Element>
+__device__ __forceinline__ void store_tile_rows(ThrMma const& thr, Frag const& frag, Element* tile,
+                                                int64_t row_stride, int row_end) {
+  Tensor g = make_tensor(make_gmem_ptr(tile), make_shape(Int<TileRows>{}, Int<Cols>{}),
+                         make_stride(row_stride, _1{}));
+  Tensor tg = thr.partition_C(g);
+  Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<TileRows>, Int<Cols>>{}));
+  Tensor r_rc = make_tensor(frag.data(), acc_as_rowcol(frag.layout()));
+  Tensor g_rc = make_tensor(tg.data(), acc_as_rowcol(tg.layout()));
+  Tensor c_rc = make_tensor(tc.data(), acc_as_rowcol(tc.layout()));
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(r_rc); ++r) {
+    if (get<0>(c_rc(r, 0)) < row_end) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(r_rc); c += 2) {
+        Element pair[2] = {r_rc(r, c), r_rc(r, c + 1)};
+        *reinterpret_cast<uint32_t*>(&g_rc(r, c)) = *reinterpret_cast<uint32_t const*>(pair);
+      }
+    }
+  }
 }
 
 template <int N>
