@@ -234,6 +234,9 @@ def plot(report: dict, path: Path) -> None:
 
 
 def git_commit() -> str | None:
+    """FA3GEN_COMMIT when set (a copied tree's .git can be stale), else git's HEAD."""
+    if os.environ.get("FA3GEN_COMMIT"):
+        return os.environ["FA3GEN_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10)
@@ -243,7 +246,7 @@ def git_commit() -> str | None:
             return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("FA3GEN_COMMIT")
+    return None
 
 
 def _dtype_list(s: str) -> list[str]:

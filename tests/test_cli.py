@@ -78,7 +78,7 @@ def test_spec_error_is_one_line(tmp_path, capsys):
 
 def test_filter_error(capsys):
     rc, _, err = run(["list", "--spec", "tiny", "--only", "nothing*"], capsys)
-    assert rc == 2 and "matches no variant; available: fwd_bf16_d64" in err
+    assert rc == 2 and "matches no variant; available: bwd_bf16_d64" in err
 
 
 def test_missing_spec_file(capsys):

@@ -180,9 +180,10 @@ def test_h100_dispatch_resolves():
         assert entries or len(cands) == 1
 
 
-def test_tiny_is_one_variant():
+def test_tiny_is_one_variant_per_direction():
     en = enumerate_variants(load_spec(SPECS_DIR / "tiny.yaml"))
-    assert [v.name for v in en.kept] == ["fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
+    assert [v.name for v in en.kept] == ["bwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0",
+                                         "fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
 
 
 def test_ablation_has_no_defaults_for_ambiguous_keys():
