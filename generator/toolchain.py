@@ -118,10 +118,13 @@ def detect(debug: bool = False, lineinfo: bool = False) -> Toolchain:
 
 
 def template_hashes(templates_dir: Path = TEMPLATES_DIR) -> list[tuple[str, str]]:
-    """(relative path, sha256) of every file under templates/, kernel headers included."""
+    """(relative path, sha256) of the Jinja templates. Not the kernel headers under
+    templates/kernels/: ninja tracks those per translation unit from nvcc's depfiles, so a
+    header edit rebuilds only the variants that include it."""
     out = []
     for p in sorted(templates_dir.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts:
+        rel = p.relative_to(templates_dir)
+        if p.is_file() and "__pycache__" not in p.parts and rel.parts[0] != "kernels":
             out.append((p.relative_to(templates_dir).as_posix(),
                         hashlib.sha256(p.read_bytes()).hexdigest()))
     return out

@@ -2,6 +2,8 @@
 
 FAKE_NVCC_SPILL=<substring>: sources whose path contains it report spills.
 FAKE_NVCC_CALLS=<file>: append one line per call (to count compiles).
+FAKE_NVCC_DEP=<file>: with -MF, the depfile lists this header besides the source
+  (FAKE_NVCC_DEP_FOR=<substring>: only for sources whose path contains it).
 """
 import os
 import sys
@@ -16,6 +18,11 @@ def main(argv):
             f.write(f"{'link' if '-shared' in argv else os.path.basename(src)}\n")
     with open(out, "w") as f:
         f.write("fake object\n")
+    if "-MF" in argv:  # nvcc -MD -MF: make-style dependencies of the TU
+        dep, only = os.environ.get("FAKE_NVCC_DEP"), os.environ.get("FAKE_NVCC_DEP_FOR", "")
+        deps = [src] + ([dep] if dep and only in src else [])
+        with open(argv[argv.index("-MF") + 1], "w") as f:
+            f.write(f"{out}: {' '.join(deps)}\n")
     if "-shared" in argv or "-v" not in argv:
         return 0
     spill = os.environ.get("FAKE_NVCC_SPILL")

@@ -4,6 +4,7 @@ import os
 import stat
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,27 @@ def test_build_then_noop_then_one_change(fake, capfd):
     assert take_calls(calls) == sorted([f"{B2}.cu", "dispatch.cu", "link"])
     assert not (out / "src" / f"{B_}.cu").exists()  # stale source removed
     assert not (out / "obj" / f"{B_}.o").exists()
+
+
+def test_header_change_rebuilds_only_the_tus_that_include_it(fake, monkeypatch):
+    """Kernel headers come from each TU's depfile (nvcc -MD -MF), not from the fingerprint:
+    touching a header that only A includes rebuilds A and the link, nothing else."""
+    spec, tc, calls = fake
+    header = spec.parent / "only_a.cuh"
+    header.write_text("// v1\n")
+    monkeypatch.setenv("FAKE_NVCC_DEP", str(header))
+    monkeypatch.setenv("FAKE_NVCC_DEP_FOR", "_nocausal_")
+    B.build(spec, toolchain=tc, log=quiet)
+    take_calls(calls)
+    out = spec.parent / "gen" / "t"
+    assert (out / "build.ninja").read_text().count("depfile = $out.d") == 1
+    assert B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned == []
+    later = time.time() + 10
+    os.utime(header, (later, later))
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+    assert sorted(planned) == sorted([f"NVCC {A}", "LINK lib/libfa3gen_t.so"])
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == sorted([f"{A}.cu", "link"])
 
 
 def test_fingerprint_change_rebuilds_everything(fake):

@@ -106,8 +106,11 @@ def test_build_ninja_content():
     tc = fake_toolchain()
     text = render_build_ninja("h100", [V1, V2], tc, launcher="ccache")
     assert f"build obj/{V1.name}.o | obj/{V1.name}.resources.json: nvcc_variant src/{V1.name}.cu" \
-        " | fingerprint.txt " in text
-    assert "fa3gen_fwd.cuh" in text  # kernel headers are implicit deps
+        " | fingerprint.txt\n" in text
+    # Kernel headers: each TU's nvcc depfile, not a blanket implicit dependency.
+    assert "fa3gen_fwd.cuh" not in text
+    assert "-MD -MF $out.d -c $in -o $out" in text
+    assert "  depfile = $out.d\n  deps = gcc\n" in text
     assert "-m generator.compile_one --name $name --out $out --resources $resources --" in text
     assert f"build lib/libfa3gen_h100.so: link obj/{V1.name}.o obj/{V2.name}.o obj/dispatch.o" \
         " | fingerprint.txt" in text
