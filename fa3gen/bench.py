@@ -496,8 +496,24 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
                     args.warmup, args.iters)
 
     variant = _find_variant(lib, "bwd", dt_name, d, causal)
-    if variant is not None and _find_variant(lib, "fwd", dt_name, d, causal) is not None:
+    fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal)
+    if variant is not None and fwd_variant is not None:
         ms["fa3gen"] = timed_grad("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
+    candidates = {}
+    if getattr(args, "all_variants", False) and fwd_variant is not None:
+        # Every backward variant of the key, called through the op (same work as the autograd
+        # path minus autograd's bookkeeping), so that candidates compare among themselves.
+        scale = d**-0.5
+        qd, kd, vd = (t.detach() for t in (q, k, v))
+        out, lse = torch.ops.fa3gen.fwd(qd, kd, vd, causal, scale, fwd_variant)
+        flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
+                                d, causal, "bwd")
+        for info in lib.variants:
+            if info.key == ("bwd", dt_name, d, causal):
+                t = _try(info.name, lambda: torch.ops.fa3gen.bwd(
+                    dout, qd, kd, vd, out, lse, causal, scale, info.name, False),
+                    args.warmup, args.iters)
+                candidates[info.name] = tflops(flops, t)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
@@ -512,7 +528,10 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         ms["flash"] = timed_grad("FA2", sdpa(SDPBackend.FLASH_ATTENTION))
     del q, k, v, dout
     torch.cuda.empty_cache()
-    return make_row("bwd", dt_name, shape, causal, variant, ms)
+    row = make_row("bwd", dt_name, shape, causal, variant, ms)
+    if candidates:
+        row["candidates"] = candidates
+    return row
 
 
 def quick_check(spec=None, verbose: bool = True) -> list[dict]:
