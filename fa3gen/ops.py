@@ -278,20 +278,14 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
-    for name, t, like in (("dout", dout, q), ("out", out, q), ("dq", dq, q), ("dk", dk, k),
-                          ("dv", dv, v)):
+    _check_outputs(out, lse, q, dims)  # the forward's out and lse, checked as the forward does
+    for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if tuple(t.shape) != tuple(like.shape) or t.dtype != like.dtype or t.device != like.device:
             raise InvalidInputError(
                 f"{name} must be {like.dtype} {tuple(like.shape)} on {like.device}, "
                 f"got {t.dtype} {tuple(t.shape)} on {t.device}"
             )
-    want_l = (dims.batch, dims.heads_q, dims.seqlen_q)
-    if tuple(lse.shape) != want_l or lse.dtype != torch.float32 or not lse.is_contiguous():
-        raise InvalidInputError(
-            f"lse must be a contiguous float32 {want_l} tensor (the forward's), "
-            f"got {lse.dtype} {tuple(lse.shape)}"
-        )
-    check_layout(dout=dout, out=out, dq=dq, dk=dk, dv=dv)
+    check_layout(dout=dout, dq=dq, dk=dk, dv=dv)
 
 
 def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scale: float,

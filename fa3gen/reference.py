@@ -21,6 +21,23 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def _heads_and_scores(q, k, v, causal, softmax_scale, dt):
+    """q, k, v as (b, heads_q, s, d) in dt (kv heads repeated for GQA) and the masked,
+    scaled scores (b, heads_q, sq, sk) in dt."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={hkv}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    qt = q.to(dt).transpose(1, 2)
+    kt = k.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    vt = v.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+    return qt, kt, vt, scores, scale
+
+
 def attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -32,20 +49,8 @@ def attention_reference(
     """(out, lse). out is fp32 when upcast (the reference), else in the input dtype (the
     "plain PyTorch in low precision" baseline of the tolerance rule). lse is fp32
     (batch, heads_q, seqlen_q) in both cases."""
-    b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if hq % hkv:
-        raise ValueError(f"heads_q={hq} is not a multiple of heads_kv={hkv}")
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     dt = torch.float32 if upcast else q.dtype
-
-    qt = q.to(dt).transpose(1, 2)  # (b, hq, sq, d)
-    kt = k.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
-    vt = v.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
-
-    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale  # (b, hq, sq, sk) in dt
-    if causal:
-        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+    _, _, vt, scores, _ = _heads_and_scores(q, k, v, causal, softmax_scale, dt)
 
     # LSE in fp32 either way (low-precision logsumexp would only add noise to the baseline).
     lse = torch.logsumexp(scores.float(), dim=-1)
@@ -121,15 +126,9 @@ def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, up
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     dt = torch.float32 if upcast else q.dtype
-    qt = q.to(dt).transpose(1, 2)
-    kt = k.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
-    vt = v.to(dt).transpose(1, 2).repeat_interleave(group, dim=1)
+    qt, kt, vt, scores, scale = _heads_and_scores(q, k, v, causal, softmax_scale, dt)
     dot = dout.to(dt).transpose(1, 2)
-    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
     lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
     p = torch.exp(scores.float() - torch.where(torch.isfinite(lse), lse, 0.0)).to(dt)
     dv = torch.matmul(p.transpose(-1, -2), dot)
