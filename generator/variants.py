@@ -97,10 +97,12 @@ REG_OVERHEAD = 24                # addresses, loop state, softmax stats per cons
 
 def smem_bytes(v: Variant) -> int:
     """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
-    Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage."""
+    Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage, and one
+    fp32 dQ tile (tile_m x head_dim) for the dQ writer."""
     if v.direction == "bwd":
         return ELEM_BYTES * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
-                             + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m + SMEM_RESERVED
+                             + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
+            + 4 * v.tile_m * v.head_dim + SMEM_RESERVED
     return ELEM_BYTES * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
         + SMEM_RESERVED
 
@@ -137,8 +139,13 @@ def backward_knobs(v: Variant) -> Optional[str]:
 
 def mma_m_shape(v: Variant) -> Optional[str]:
     if v.direction == "bwd":
-        if v.tile_m not in (64, 128):
-            return f"backward tile_m {v.tile_m} must be 64 or 128 (query rows per block)"
+        # tile_m is the N of S^T = K Q^T and the K of dV / dK (multiples of 16). dQ is one or
+        # two 64-row WGMMAs, or dQ^T = K^T dS^T (N = tile_m) when tile_m is not.
+        if v.tile_m % 16 or not 16 <= v.tile_m <= 128:
+            return f"backward tile_m {v.tile_m} must be a multiple of 16 in [16, 128] (query rows per block)"
+        if v.tile_m % 64 and v.head_dim != v.tile_n:
+            return (f"backward tile_m {v.tile_m} computes dQ^T, which needs head_dim == tile_n "
+                    f"(64 head_dim rows per consumer warpgroup); head_dim is {v.head_dim}")
         return None
     # One consumer warpgroup per 64 rows (WGMMA M = 64), at most 3 consumers.
     if v.tile_m % 64 or not 1 <= v.tile_m // 64 <= 3:
@@ -151,7 +158,7 @@ def mma_n_shape(v: Variant) -> Optional[str]:
         if v.tile_n not in (64, 128):
             return f"backward tile_n {v.tile_n} must be 64 or 128 (one consumer warpgroup per 64 keys)"
         wg_m, wgs = v.tile_m // 64, v.tile_n // 64
-        if wgs % wg_m or (wgs // wg_m > 1 and v.head_dim % (64 * (wgs // wg_m))):
+        if v.tile_m % 64 == 0 and (wgs % wg_m or (wgs // wg_m > 1 and v.head_dim % (64 * (wgs // wg_m)))):
             return (f"backward dQ tile {v.tile_m}x{v.head_dim} cannot be split over "
                     f"{wgs} consumer warpgroups in whole 64-row / 64-column pieces")
         return None

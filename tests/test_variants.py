@@ -83,6 +83,8 @@ exclude:
     (dict(direction="bwd", tile_m=64, pingpong=True), "backward_knobs"),
     (dict(direction="bwd", tile_m=64, intra_wg_overlap=True), "backward_knobs"),
     (dict(direction="bwd", tile_m=192), "mma_m_shape"),
+    (dict(direction="bwd", tile_m=72), "mma_m_shape"),                 # not a multiple of 16
+    (dict(direction="bwd", head_dim=64, tile_m=80), "mma_m_shape"),    # dQ^T needs d == tile_n
     (dict(direction="bwd", tile_m=64, tile_n=176), "mma_n_shape"),
     (dict(direction="bwd", tile_m=128, tile_n=64), "mma_n_shape"),   # dQ rows cannot be split
     (dict(direction="bwd", tile_m=128), "smem_budget"),
@@ -142,9 +144,13 @@ def test_budgets_at_the_edges():
     # d64 with three consumers: 64 + 32 + 24 = 120 <= 160
     assert check(dataclasses.replace(BASE, head_dim=64, tile_m=192)) is None
     assert V.smem_bytes(dataclasses.replace(BASE, head_dim=256, tile_n=80)) == 230400
-    # backward d128 64x128 s2: K, V 64 KiB + Q, dO 64 KiB + dS 32 KiB + stats; 128 + 64 + 24 regs
+    # backward d128 64x128 s2: K, V 64 KiB + Q, dO 64 KiB + dS 32 KiB + stats + fp32 dQ 32 KiB;
+    # 128 + 64 + 24 regs
     bwd = dataclasses.replace(BASE, direction="bwd", tile_m=64)
-    assert check(bwd) is None and V.smem_bytes(bwd) == 165888
+    assert check(bwd) is None and V.smem_bytes(bwd) == 165888 + 32768
+    # tile_m 80 (dQ^T): 128 + 80 + 24 = 232 registers; 80 KiB Q/dO, 40 KiB dS and dQ
+    bwd80 = dataclasses.replace(BASE, direction="bwd", tile_m=80)
+    assert check(bwd80) is None and V.smem_bytes(bwd80) <= 232448
 
 
 def test_realized_knobs_are_one_table(narrow_knobs, monkeypatch):

@@ -2,7 +2,9 @@
 // Warpgroup 0 is the producer: it loads K and V of the CTA's key block once, then Q, dO and
 // the per-row LSE and D of each query block into a `Stages`-deep ring. The consumer
 // warpgroups (64 keys each) recompute P from the saved LSE, keep dK and dV in registers for
-// the whole CTA, and add each query block's dQ into an fp32 buffer with vector reductions.
+// the whole CTA, and leave each query block's dQ in shared memory; warp 1 of the producer
+// warpgroup (the dQ writer) adds it to the fp32 accumulator in global memory with one bulk
+// reduction (cp.reduce.async.bulk .add.f32), so the consumers never wait on global memory.
 // Deterministic mode orders those additions: the CTA of key block n adds its part of a query
 // block's dQ only after the CTA of key block n - 1 has (a semaphore per query block).
 #pragma once
@@ -13,9 +15,10 @@
 
 namespace fa3gen {
 
-// Named barriers of the consumer warpgroups (id 0 is __syncthreads).
-constexpr int kDsReadyBarrier = 1;  // every warpgroup's part of dS is in shared memory
-constexpr int kDqOrderBarrier = 2;  // deterministic mode: this CTA's turn to add dQ
+// Named barriers (id 0 is __syncthreads).
+constexpr int kDsReadyBarrier = 1;  // consumers: every warpgroup's part of dS is in shared memory
+constexpr int kDqFullBarrier = 2;   // consumers -> writer: the query block's dQ is in shared memory
+constexpr int kDqEmptyBarrier = 3;  // writer -> consumers: the dQ buffer has been read
 
 // Query blocks that see key block n_block: [first, last). Causal attention is bottom-right
 // aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q), so later key blocks start later.
@@ -51,11 +54,23 @@ __device__ __forceinline__ void apply_mask_transposed(TS& St, TC const& coords, 
   }
 }
 
-// *ptr += (a, b) in L2 without a result (RED, not ATOM: atomicAdd(float2*) returns the old
-// value, and waiting on it stalled the consumers on the long scoreboard).
-__device__ __forceinline__ void red_add(float* ptr, float a, float b) {
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(ptr), "f"(a), "f"(b) : "memory");
+// gmem[0, bytes) += smem[0, bytes) as fp32, asynchronously (TMA bulk reduction, one thread).
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+               :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
+// Wait until this thread's bulk operations have read their shared memory / fully completed.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// A consumer thread's dQ fragment lives in shared memory (and in the fp32 accumulator in
+// global memory) as [element / 2][thread][2] floats: the accumulator's neighbouring-column
+// pairs, stored 8 bytes per thread by consecutive threads (contiguous, no bank conflicts), and
+// the bulk reduction is one contiguous block per query block. bwd_convert_dq_kernel maps it
+// back to (row, column) with the same TiledMma.
+template <int Threads>
+__device__ __forceinline__ int dq_slot(int tid, int chunk) { return chunk * Threads + tid; }
 
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int v;
@@ -99,7 +114,35 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
 
   if (warp_idx < 4) {  // ---------------- producer warpgroup ----------------
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x == 0 && m_count > 0) {
+    // Writer first: values it needs are then not live across the TMA loop (24 registers).
+    if (warp_idx == 1 && m_count > 0) {  // the dQ writer
+      constexpr int kTileElems = kTileM * kHeadDim;
+      const bool leader = threadIdx.x % 32 == 0;
+      // Query-block tiles of this kv head's query heads, m_first .. m_blocks - 1 of each.
+      int64_t tile = (int64_t(b) * p.heads_q + head_kv * p.heads_per_kv) * m_blocks + m_first;
+      for (int hq = 0; hq < p.heads_per_kv; ++hq, tile += m_first) {
+        for (int m_block = m_first; m_block < m_blocks; ++m_block, ++tile) {
+          cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32, kDqFullBarrier);
+          if (leader) {
+            if (p.deterministic) {
+              while (load_acquire(p.dq_semaphore + tile) != n_block) {}
+            }
+            bulk_reduce_add(p.dq_accum + tile * kTileElems, smem.dq.data(), Traits::kBytesdQ);
+            if (p.deterministic) {
+              bulk_wait_done();  // the additions are complete before the next key block's turn
+              asm volatile("fence.proxy.async.global;" ::: "memory");
+              __threadfence();
+              atomicAdd(p.dq_semaphore + tile, 1);
+            } else {
+              bulk_wait_read();
+            }
+          }
+          __syncwarp();
+          cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32, kDqEmptyBarrier);
+        }
+      }
+      if (leader) bulk_wait_done();
+    } else if (threadIdx.x == 0 && m_count > 0) {
       auto load_kv = [&](auto const& tma, Element* smem_ptr) {
         Tensor mK = tma.get_tma_tensor(make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch));
         Tensor gK = local_tile(mK(_, _, head_kv, b), Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(n_block, _0{}));
@@ -164,8 +207,15 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
   Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
   Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
-  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);     // (MMA, MMA_M, MMA_K, 2)
-  Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+  // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
+  Tensor tdQrdS = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
+    else return thr_dq.partition_fragment_A(sdS);
+  }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
+  Tensor tdQrKt = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
+    else return thr_dq.partition_fragment_B(sKt);
+  }();
   Tensor tdSsdS = thr_sdp.partition_C(sdSt);            // dS^T in the accumulator's layout, 2 buffers
 
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kTileN>, Int<kHeadDim>>{});
@@ -179,8 +229,6 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   PipelineState st;
   int iter = 0;
   for (int hq = 0; hq < p.heads_per_kv && m_count > 0; ++hq) {
-    const int head = head_kv * p.heads_per_kv + hq;
-    float* dq_head = p.dq_accum + (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded * kHeadDim;
     for (int m_block = m_first; m_block < m_blocks; ++m_block, ++iter) {
       pipe.consumer_wait(st);
       Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
@@ -214,8 +262,8 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
       Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
       Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
       // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the warpgroups
-      // meet. (Issuing dQ before dK, to overlap the dQ reductions with dK, costs registers:
-      // every variant spilled.)
+      // meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps the dK GEMM,
+      // spilled 100+ bytes in d64.)
       wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
       wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
       const int buf = iter & 1;
@@ -223,39 +271,29 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
       for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDsReadyBarrier);
-      Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kTileM>, Int<kHeadDim>>{});
-      wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+      Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
+      if constexpr (Traits::kDqTransposed) {
+        wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
+      } else {
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+      }
       warpgroup_wait<0>();
+
+      // Hand dQ to the writer warp (once it has read the previous query block's).
+      if (iter > 0) cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32, kDqEmptyBarrier);
+      float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+        sdQ[dq_slot<Traits::kConsumerThreads>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32, kDqFullBarrier);
       pipe.consumer_release(st);  // Q, dO, LSE, D of this block are no longer read
       ++st;
-
-      // dQ += this key block's part, as fp32 vector reductions in L2.
-      int* semaphore = p.dq_semaphore + (int64_t(b) * p.heads_q + head) * m_blocks + m_block;
-      if (p.deterministic) {
-        if (tid == 0) {
-          while (load_acquire(semaphore) != n_block) {}
-        }
-        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDqOrderBarrier);
-      }
-      Tensor gdQ = make_tensor(make_gmem_ptr(dq_head + int64_t(m_block) * kTileM * kHeadDim),
-                               Shape<Int<kTileM>, Int<kHeadDim>>{}, Stride<Int<kHeadDim>, _1>{});
-      Tensor tdQgdQ = thr_dq.partition_C(gdQ);
-      Tensor g = make_tensor(tdQgdQ.data(), acc_as_rowcol(tdQgdQ.layout()));
-      Tensor a = make_tensor(tdQrdQ.data(), acc_as_rowcol(tdQrdQ.layout()));
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(a); ++r) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(a); c += 2) {
-          red_add(&g(r, c), a(r, c), a(r, c + 1));
-        }
-      }
-      if (p.deterministic) {
-        __threadfence();
-        cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kDqOrderBarrier);
-        if (tid == 0) atomicAdd(semaphore, 1);
-      }
     }
   }
+  // The writer signals "empty" after every block; take the last one so no arrival is left over.
+  if (iter > 0) cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32, kDqEmptyBarrier);
 
   // ---------------- epilogue: dK (times the softmax scale) and dV from registers ----------------
   auto store_rows = [&](auto const& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
@@ -309,28 +347,41 @@ __global__ void bwd_preprocess_kernel(const BwdRowParams p) {
 }
 
 struct BwdDqParams {
-  const float* dq_accum;  // (batch, heads_q, seqlen_q_rounded, head_dim)
+  const float* dq_accum;  // (batch, heads_q, m_blocks) tiles of TileM x d floats, dq_slot order
   void* dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
-  int batch, heads_q, seqlen_q, seqlen_q_rounded, head_dim;
+  int batch, heads_q, seqlen_q, m_blocks;
   float softmax_scale;
 };
 
-// dQ = softmax_scale * dq_accum, converted to the input dtype in the caller's layout.
-template <class Element>
-__global__ void bwd_convert_dq_kernel(const BwdDqParams p) {
-  const int64_t pairs = int64_t(p.batch) * p.heads_q * p.seqlen_q * (p.head_dim / 2);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-    const int col = int(i % (p.head_dim / 2)) * 2;
-    const int64_t row = i / (p.head_dim / 2);  // (b, head, m) with m fastest
-    const int m = int(row % p.seqlen_q);
-    const int head = int((row / p.seqlen_q) % p.heads_q);
-    const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
-    const float2 acc = *reinterpret_cast<const float2*>(
-        p.dq_accum + ((int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded + m) * p.head_dim + col);
-    Element pair[2] = {Element(acc.x * p.softmax_scale), Element(acc.y * p.softmax_scale)};
-    Element* dst = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + m * p.dq_row_stride + head * p.dq_head_stride + col;
-    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<uint32_t const*>(pair);
+// dQ = softmax_scale * dq_accum, converted to the input dtype in the caller's layout. One CTA
+// per (query block, head, batch), one thread per consumer thread of the main kernel: it reads
+// that thread's fragment (coalesced 8-byte loads) and places it with the dQ TiledMma.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kConsumerThreads)
+bwd_convert_dq_kernel(const BwdDqParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
+  const int m_block = blockIdx.x, head = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor coords = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(typename Traits::DqTileShape{}));
+  const float2* tile = reinterpret_cast<const float2*>(
+      p.dq_accum + ((int64_t(b) * p.heads_q + head) * p.m_blocks + m_block) * (kTileM * kHeadDim));
+  Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + head * p.dq_head_stride;
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < size(coords) / 2; ++j) {  // elements 2j and 2j + 1 are neighbouring columns
+    const float2 v = tile[dq_slot<Traits::kConsumerThreads>(tid, j)];
+    if constexpr (Traits::kDqTransposed) {  // (d, query): the pair is two query rows
+      const int d = get<0>(coords(2 * j)), m = m_block * kTileM + get<1>(coords(2 * j));
+      if (m < p.seqlen_q) dq[m * p.dq_row_stride + d] = Element(v.x * p.softmax_scale);
+      if (m + 1 < p.seqlen_q) dq[(m + 1) * p.dq_row_stride + d] = Element(v.y * p.softmax_scale);
+    } else {  // (query, d): the pair is one 4-byte store
+      const int m = m_block * kTileM + get<0>(coords(2 * j));
+      if (m >= p.seqlen_q) continue;
+      Element pair[2] = {Element(v.x * p.softmax_scale), Element(v.y * p.softmax_scale)};
+      *reinterpret_cast<uint32_t*>(dq + m * p.dq_row_stride + get<1>(coords(2 * j))) =
+          *reinterpret_cast<uint32_t const*>(pair);
+    }
   }
 }
 

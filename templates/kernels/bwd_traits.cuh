@@ -4,8 +4,9 @@
 //   dP^T = V dO^T    (TileN x TileM)  SS  -> dS^T = P^T (dP^T - D)
 //   dV  += P^T dO    (TileN x d)      RS  (P^T straight from registers)
 //   dK  += dS^T Q    (TileN x d)      RS
-//   dQ   = dS K      (TileM x d)      SS  (dS goes through shared memory), added to an fp32
-//                                         accumulator in global memory
+//   dQ   = dS K      (TileM x d)      SS  (dS goes through shared memory); dQ goes to shared
+//                                         memory, and the writer warp adds it to an fp32
+//                                         accumulator in global memory (bulk reduction)
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that the RS
 // GEMMs take as their A operand, so only dS makes a trip through shared memory.
 #pragma once
@@ -24,18 +25,24 @@ struct BwdTraits {
   static constexpr int kConsumerWGs = TileN / 64;
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly).
+  // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly);
+  // the producer warpgroup's 24 also hold the dQ writer warp.
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
                 "setmaxnreg split exceeds the CTA's register allocation (the kernel would hang)");
   static_assert(TileN % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 2);
-  static_assert(TileM % 64 == 0 && TileM <= 128);
+  static_assert(TileM % 16 == 0 && TileM <= 128, "TileM is the N of S^T and the K of dV / dK");
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
   static_assert(Stages >= 1 && Stages <= 4);
-  // dQ = dS K: the consumer warpgroups split the (TileM x d) tile, first along M (64 rows each).
-  static constexpr int kDqWgM = TileM / 64;
+  // dQ = dS K when TileM is whole 64-row WGMMAs: the consumer warpgroups split the (TileM x d)
+  // tile, first along M. Otherwise (e.g. TileM 80) dQ^T = K^T dS^T: each warpgroup owns 64 of
+  // the head_dim rows and N = TileM.
+  static constexpr bool kDqTransposed = TileM % 64 != 0;
+  static_assert(!kDqTransposed || HeadDim == 64 * kConsumerWGs,
+                "dQ^T: head_dim must be 64 rows per consumer warpgroup");
+  static constexpr int kDqWgM = kDqTransposed ? kConsumerWGs : TileM / 64;
   static_assert(kConsumerWGs % kDqWgM == 0, "dQ tile: TileM / 64 must divide the consumer warpgroups");
   static constexpr int kDqWgN = kConsumerWGs / kDqWgM;
   static_assert(HeadDim % (64 * kDqWgN) == 0 || kDqWgN == 1,
@@ -53,7 +60,8 @@ struct BwdTraits {
                                              Shape<Int<TileN>, Int<HeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<HeadDim>, Int<TileN>>{}, Stride<Int<TileN>, _1>{})));
-  // dS: (TileM, TileN) with TileM contiguous (MN-major A operand of dQ = dS K); two buffers so
+  // dS: (TileM, TileN) with TileM contiguous (MN-major A operand of dQ = dS K, or B operand
+  // of dQ^T = K^T dS^T); two buffers so
   // that one iteration's writes never race the previous iteration's dQ GEMM.
   using SmemLayoutdS = decltype(tile_to_shape(smem_atom<Element, TileM, false>(),
                                               Shape<Int<TileM>, Int<TileN>, _2>{}));
@@ -68,10 +76,15 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
+  // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views.
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<HeadDim / kDqWgN>, Int<TileN>>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDqTransposed ? TileM : HeadDim / kDqWgN>, Int<TileN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
+  // The dQ accumulator tile: (TileM, d), or (d, TileM) when transposed.
+  using DqTileShape = cute::conditional_t<kDqTransposed, Shape<Int<HeadDim>, Int<TileM>>,
+                                          Shape<Int<TileM>, Int<HeadDim>>>;
 
   using GmemLayoutRows = Layout<Shape<int, Int<HeadDim>, int, int>, Stride<int64_t, _1, int64_t, int64_t>>;
   using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
@@ -81,6 +94,7 @@ struct BwdTraits {
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = TileN * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRowStats = TileM * sizeof(float);
+  static constexpr uint32_t kBytesdQ = TileM * HeadDim * sizeof(float);
 
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
@@ -91,6 +105,7 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
+    alignas(128) cute::array_aligned<float, TileM * HeadDim> dq;  // one query block's dQ, dq_slot order
     alignas(16) float lse_log2[Stages][TileM];  // LSE * log2(e) of the stage's query rows
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
@@ -108,7 +123,7 @@ struct BwdParams {
   typename Traits::TmaK tma_v;
   const float* lse_log2;  // (batch, heads_q, seqlen_q_rounded)
   const float* dsum;      // same layout
-  float* dq_accum;        // (batch, heads_q, seqlen_q_rounded, head_dim), zeroed
+  float* dq_accum;        // (batch, heads_q, m_blocks) tiles of TileM x d floats (dq_slot order), zeroed
   int* dq_semaphore;      // (batch, heads_q, m_blocks), zeroed; deterministic mode only
   typename Traits::Element* dk;
   typename Traits::Element* dv;

@@ -38,7 +38,7 @@ typedef struct fa3gen_fwd_params {
 // Backward attention: dq, dk, dv from dout and the forward's q, k, v, out, lse. Same layout
 // rules as the forward. The caller provides zero-filled workspace sized with tile_m of the
 // variant (seqlen_q_rounded = seqlen_q rounded up to a multiple of tile_m):
-//   dq_accum     fp32 (batch, heads_q, seqlen_q_rounded, head_dim), zeroed
+//   dq_accum     fp32 batch * heads_q * seqlen_q_rounded * head_dim, zeroed (order private to the kernel)
 //   lse_log2     fp32 (batch, heads_q, seqlen_q_rounded)
 //   dsum         fp32 (batch, heads_q, seqlen_q_rounded)
 //   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (deterministic only)

@@ -2,7 +2,6 @@
 // dQ accumulation), dQ conversion, all on the caller's stream. The per-variant translation
 // unit instantiates launch_bwd<...> and exports it through the C ABI (see fa3gen_abi.h).
 #pragma once
-#include <algorithm>
 #include <climits>
 #include "bwd_kernel.cuh"
 #include "launch_common.cuh"
@@ -16,8 +15,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
   const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;
-  if (a.heads_kv > 65535 || a.batch > 65535) {
-    fa3gen_set_error("backward grid: heads_kv and batch must be at most 65535");
+  if (a.heads_q > 65535 || a.batch > 65535) {  // grid y/z of the main and dQ kernels
+    fa3gen_set_error("backward grid: heads_q and batch must be at most 65535");
     return 1;
   }
   if (int64_t(a.batch) * a.heads_q * seqlen_q_rounded > INT32_MAX / 32) {
@@ -70,10 +69,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
 
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
   BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
-                 a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, HeadDim, a.softmax_scale};
-  const int64_t pairs = int64_t(a.batch) * a.heads_q * a.seqlen_q * (HeadDim / 2);
-  const unsigned blocks = unsigned(std::min<int64_t>((pairs + 255) / 256, 65536));
-  bwd_convert_dq_kernel<E><<<blocks, 256, 0, stream>>>(dq);
+                 a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded / TileM, a.softmax_scale};
+  bwd_convert_dq_kernel<Traits><<<dim3(seqlen_q_rounded / TileM, a.heads_q, a.batch),
+                                  Traits::kConsumerThreads, 0, stream>>>(dq);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward dQ conversion launch", err);
   return 0;
