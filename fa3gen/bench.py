@@ -428,6 +428,13 @@ def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
         return None
 
 
+def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
+    """TFLOP/s of every built variant of `key` (direction, dtype, head_dim, causal), each
+    timed as call(variant_name): the `candidates` map of --all-variants."""
+    return {info.name: tflops(flops, _try(info.name, lambda: call(info.name), args.warmup, args.iters))
+            for info in lib.variants if info.key == key}
+
+
 def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     import torch
     import torch.nn.functional as F
@@ -446,13 +453,9 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
                             args.warmup, args.iters)
     candidates = {}
     if getattr(args, "all_variants", False):
-        flops = attention_flops(b, h, s, s, d, causal)
-        for info in lib.variants:
-            if info.key == ("fwd", dt_name, d, causal):
-                t = _try(info.name, lambda: flash_attn_func(q, k, v, causal=causal,
-                                                           variant=info.name),
-                         args.warmup, args.iters)
-                candidates[info.name] = tflops(flops, t)
+        candidates = _time_candidates(
+            lib, ("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
+            lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
 
@@ -508,12 +511,10 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         out, lse = torch.ops.fa3gen.fwd(qd, kd, vd, causal, scale, fwd_variant)
         flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                                 d, causal, "bwd")
-        for info in lib.variants:
-            if info.key == ("bwd", dt_name, d, causal):
-                t = _try(info.name, lambda: torch.ops.fa3gen.bwd(
-                    dout, qd, kd, vd, out, lse, causal, scale, info.name, False),
-                    args.warmup, args.iters)
-                candidates[info.name] = tflops(flops, t)
+        candidates = _time_candidates(
+            lib, ("bwd", dt_name, d, causal), flops,
+            lambda name: torch.ops.fa3gen.bwd(dout, qd, kd, vd, out, lse, causal, scale, name, False),
+            args)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
 
@@ -539,47 +540,22 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     against the fp32 references under the tolerance rule. Raises Fa3genError listing the failures."""
     import torch
 
-    from fa3gen import ops, reference, runtime
+    from fa3gen import runtime
 
     if not torch.cuda.is_available():
         raise Fa3genError("quick_check needs a CUDA GPU (Hopper sm_90)")
     lib = runtime.get_library(spec)
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, failed = [], []
-    # Odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises the causal alignment).
-    b, sq, sk, hq, hkv = 2, 200, 333, 4, 2
-    for info in lib.defaults("fwd"):
-        dtype = ops.TORCH_DTYPES[info.dtype]
-        d = info.head_dim
-        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
-        k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
-        v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
-        out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dtype)
-        lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-        scale = d**-0.5
-        try:
-            ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
-            torch.cuda.synchronize()
-            res = reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
-        except (RuntimeError, Fa3genError) as e:
-            res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
-        res["variant"] = info.name
+    checks = [(info, _check_forward) for info in lib.defaults("fwd")]
+    checks += [(info, _check_backward) for info in lib.defaults("bwd")]
+    for info, check in checks:
+        res = check(lib, info, gen)
         results.append(res)
         if verbose:
             status = "ok  " if res["ok"] else "FAIL"
-            errs = (f"max|out-ref| {res['out_err']:.2e} (tol {res['out_tol']:.2e}), "
-                    f"max|lse-ref| {res['lse_err']:.2e}") if "out_err" in res else ""
-            print(f"{status} {info.name}: {errs} {'' if res['ok'] else res['why']}", flush=True)
-        if not res["ok"]:
-            failed.append(f"{info.name}: {res['why']}")
-    for info in lib.defaults("bwd"):
-        res = _check_backward(lib, info, gen)
-        results.append(res)
-        if verbose:
-            status = "ok  " if res["ok"] else "FAIL"
-            errs = ", ".join(f"max|{g}-ref| {res[g + '_err']:.2e} (tol {res[g + '_tol']:.2e})"
-                             for g in ("dq", "dk", "dv") if g + "_err" in res)
-            print(f"{status} {info.name}: {errs} {'' if res['ok'] else res['why']}", flush=True)
+            print(f"{status} {info.name}: {_error_summary(res)} {'' if res['ok'] else res['why']}",
+                  flush=True)
         if not res["ok"]:
             failed.append(f"{info.name}: {res['why']}")
     if not results:
@@ -589,14 +565,52 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     return results
 
 
-def _check_backward(lib, info, gen) -> dict:
-    """dq, dk, dv of one small odd-sized GQA problem against the fp32 gradient reference."""
+# quick_check's problem: odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises
+# the causal alignment).
+_CHECK_SHAPE = (2, 200, 333, 4, 2)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
+
+
+def _error_summary(res: dict) -> str:
+    """The measured errors of a forward or backward check result, for one line of output."""
+    if "out_err" in res:
+        return (f"max|out-ref| {res['out_err']:.2e} (tol {res['out_tol']:.2e}), "
+                f"max|lse-ref| {res['lse_err']:.2e}")
+    return ", ".join(f"max|{g}-ref| {res[g + '_err']:.2e} (tol {res[g + '_tol']:.2e})"
+                     for g in ("dq", "dk", "dv") if g + "_err" in res)
+
+
+def _check_forward(lib, info, gen) -> dict:
+    """out and lse of the _CHECK_SHAPE problem against the fp32 reference."""
     import torch
 
     from fa3gen import ops, reference
 
-    b, sq, sk, hq, hkv, d = 2, 200, 333, 4, 2, info.head_dim
-    dtype = ops.TORCH_DTYPES[info.dtype]
+    b, sq, sk, hq, hkv = _CHECK_SHAPE
+    dtype, d = ops.TORCH_DTYPES[info.dtype], info.head_dim
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
+    out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dtype)
+    lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
+    scale = d**-0.5
+    try:
+        ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
+        torch.cuda.synchronize()
+        res = reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
+    except (RuntimeError, Fa3genError) as e:
+        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+    res["variant"] = info.name
+    return res
+
+
+def _check_backward(lib, info, gen) -> dict:
+    """dq, dk, dv of the _CHECK_SHAPE problem against the fp32 gradient reference."""
+    import torch
+
+    from fa3gen import ops, reference
+
+    b, sq, sk, hq, hkv = _CHECK_SHAPE
+    d, dtype = info.head_dim, ops.TORCH_DTYPES[info.dtype]
     q, dout = (torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
                for _ in range(2))
     k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
