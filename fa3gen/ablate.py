@@ -504,7 +504,8 @@ def run_cells(cells, shapes: list[dict], check: Callable[[object], dict],
     """Check each cell, then time it at every shape of its head dim, only if the check passed.
 
     check(cell) -> {"status": "ok" | "wrong" | "error", "max_err": float|None, "detail": str}
-    time(cell, shape) -> milliseconds. An exception in either makes the cell "error"."""
+    time(cell, shape) -> milliseconds, or a list of per-batch milliseconds (the row reports their
+    median and keeps them in ms_batches). An exception in either makes the cell "error"."""
     rows = []
     resources = resources or {}
     for cell in cells:
@@ -513,16 +514,18 @@ def run_cells(cells, shapes: list[dict], check: Callable[[object], dict],
         except Exception as e:  # noqa: BLE001 - one broken cell must not stop the matrix
             res = {"status": "error", "max_err": None, "detail": f"{type(e).__name__}: {e}"}
         for shape in (s for s in shapes if s["head_dim"] == cell.head_dim):
-            status, ms, detail = res["status"], None, res.get("detail")
+            status, ms, batches, detail = res["status"], None, None, res.get("detail")
             if status == "ok":
                 try:
                     ms = time(cell, shape)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     status, detail = "error", f"{type(e).__name__}: {e}"
+            if isinstance(ms, (list, tuple)):
+                batches, ms = list(ms), statistics.median(ms)
             row = make_row(cell, shape, status, ms, res.get("max_err"), detail,
                            resources.get(cell.name))
-            if ms is not None and getattr(time, "last_batches", None):
-                row["ms_batches"] = list(time.last_batches)
+            if batches:
+                row["ms_batches"] = batches
             rows.append(row)
             log(_progress(row))
     return rows
@@ -571,8 +574,8 @@ def check_cell(lib, cell, seed: int = 0) -> dict:
     return {"status": "ok", "max_err": worst, "detail": None}
 
 
-def make_timer(warmup: int, iters: int) -> Callable[[object, dict], float]:
-    """time(cell, shape) -> median ms of flash_attn_func(variant=cell) on seeded inputs.
+def make_timer(warmup: int, iters: int) -> Callable[[object, dict], list[float]]:
+    """time(cell, shape) -> per-batch median ms of flash_attn_func(variant=cell) on seeded inputs.
     Inputs are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
     import torch
 
@@ -595,10 +598,8 @@ def make_timer(warmup: int, iters: int) -> Callable[[object, dict], float]:
         # Several timed batches per cell: on the H200 single batches of the same cell came out
         # bimodal inside one long ablation process (about 330 or 600 TFLOP/s). The median of
         # the batch medians is reported; every batch is kept in the row (ms_batches).
-        time.last_batches = [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
-        return statistics.median(time.last_batches)
+        return [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
 
-    time.last_batches = []
     return time
 
 

@@ -570,6 +570,17 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
 _CHECK_SHAPE = (2, 200, 333, 4, 2)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
 
 
+def _checked(info, run) -> dict:
+    """run()'s comparison result for variant `info`; a launch or library error is a failed
+    check with the reason, not an exception."""
+    try:
+        res = run()
+    except (RuntimeError, Fa3genError) as e:
+        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+    res["variant"] = info.name
+    return res
+
+
 def _error_summary(res: dict) -> str:
     """The measured errors of a forward or backward check result, for one line of output."""
     if "out_err" in res:
@@ -593,14 +604,12 @@ def _check_forward(lib, info, gen) -> dict:
     out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dtype)
     lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
     scale = d**-0.5
-    try:
+
+    def run():
         ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
         torch.cuda.synchronize()
-        res = reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
-    except (RuntimeError, Fa3genError) as e:
-        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
-    res["variant"] = info.name
-    return res
+        return reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
+    return _checked(info, run)
 
 
 def _check_backward(lib, info, gen) -> dict:
@@ -616,15 +625,13 @@ def _check_backward(lib, info, gen) -> dict:
     k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
             for _ in range(2))
     scale = d**-0.5
-    try:
+
+    def run():
         fwd = lib.find("fwd", info.dtype, d, info.causal)
         out, lse = ops._empty_outputs(q)
         ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=lib)
         grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
         ops._bwd_into(dout, q, k, v, out, lse, *grads, info.causal, scale, info.name, lib=lib)
         torch.cuda.synchronize()
-        res = reference.compare_grads_to_reference(grads, q, k, v, dout, info.causal, scale)
-    except (RuntimeError, Fa3genError) as e:
-        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
-    res["variant"] = info.name
-    return res
+        return reference.compare_grads_to_reference(grads, q, k, v, dout, info.causal, scale)
+    return _checked(info, run)

@@ -289,6 +289,14 @@ def test_wrong_or_broken_cells_are_not_timed():
     assert by[wrong]["ms"] is None and by[wrong]["tflops"] is None
     assert by[broken]["status"] == "error" and "illegal memory access" in by[broken]["detail"]
     assert by[slow]["status"] == "error" and "launch failed" in by[slow]["detail"]
+    assert all("ms_batches" not in r for r in rows)  # a single number per cell: no batches
+
+
+def test_batched_timings_give_the_median_and_are_kept():
+    c = cell(name(ws=1))
+    ok = lambda c_: {"status": "ok", "max_err": 1e-3, "detail": None}  # noqa: E731
+    rows = A.run_cells([c], [SHAPE], ok, lambda c_, s: [5.0, 3.0, 4.0], log=lambda m: None)
+    assert rows[0]["ms"] == 4.0 and rows[0]["ms_batches"] == [5.0, 3.0, 4.0]
 
 
 # ---- CLI --------------------------------------------------------------------------------------
