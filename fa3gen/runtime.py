@@ -328,7 +328,8 @@ def _spec_from_build_info(info: dict[str, Any]) -> str | None:
 # Locating and caching libraries.
 
 _lock = threading.Lock()
-_libraries: dict[Path, Library] = {}
+# Loaded libraries by resolved path, and by request (see get_library) for the per-call fast path.
+_libraries: dict[Path | tuple, Library] = {}
 _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the default spec
 
 
@@ -372,7 +373,16 @@ def _spec_from_lib_name(path: Path) -> str | None:
 
 
 def get_library(spec: str | os.PathLike | None = None) -> Library:
-    """The library for spec (default: see module doc), loaded once per path."""
+    """The library for spec (default: see module doc), loaded once per path.
+
+    Every forward and backward call asks for the library; resolving the path (stat, realpath,
+    maybe reading a spec) took ~75 us per call, so a request already answered is served from
+    the cache keyed by what decides the answer: spec, use_spec's choice and the two env vars."""
+    request = (None if spec is None else os.fspath(spec), _selected,
+               os.environ.get("FA3GEN_LIB"), os.environ.get("FA3GEN_GENERATED"))
+    lib = _libraries.get(request)
+    if lib is not None:
+        return lib
     path, spec_name = resolve_library(spec)
     key = path.resolve() if path.exists() else path
     with _lock:
@@ -380,6 +390,7 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
         if lib is None:
             lib = Library(path, spec_name)  # failures are not cached: a later build is picked up
             _libraries[key] = lib
+        _libraries[request] = lib
     return lib
 
 

@@ -562,3 +562,26 @@ def test_get_library_via_env_and_cache(tmp_path, clean_runtime, monkeypatch):
     monkeypatch.setenv("FA3GEN_LIB", str(so))
     lib = runtime.get_library()
     assert lib is runtime.get_library() and lib.path == so
+
+
+def test_get_library_caches_per_request(clean_runtime, monkeypatch):
+    """Repeated calls are served from the cache (no path resolution per call), but a changed
+    FA3GEN_LIB or use_spec choice is a new request."""
+    made = []
+
+    class FakeLibrary:
+        def __init__(self, path, spec_name):
+            made.append(path)
+            self.path = path
+
+    monkeypatch.setattr(runtime, "Library", FakeLibrary)
+    a, b = clean_runtime / "libfa3gen_a.so", clean_runtime / "libfa3gen_b.so"
+    a.write_bytes(b"")
+    b.write_bytes(b"")
+    monkeypatch.setenv("FA3GEN_LIB", str(a))
+    first = runtime.get_library()
+    assert runtime.get_library() is first and made == [a]
+    monkeypatch.setenv("FA3GEN_LIB", str(b))
+    assert runtime.get_library().path == b and made == [a, b]
+    assert runtime.get_library(str(a)) is first  # same file, other request: no second load
+    assert made == [a, b]
