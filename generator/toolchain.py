@@ -125,8 +125,7 @@ def template_hashes(templates_dir: Path = TEMPLATES_DIR) -> list[tuple[str, str]
     for p in sorted(templates_dir.rglob("*")):
         rel = p.relative_to(templates_dir)
         if p.is_file() and "__pycache__" not in p.parts and rel.parts[0] != "kernels":
-            out.append((p.relative_to(templates_dir).as_posix(),
-                        hashlib.sha256(p.read_bytes()).hexdigest()))
+            out.append((rel.as_posix(), hashlib.sha256(p.read_bytes()).hexdigest()))
     return out
 
 

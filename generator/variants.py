@@ -157,8 +157,10 @@ def mma_n_shape(v: Variant) -> Optional[str]:
     if v.direction == "bwd":
         if v.tile_n not in (64, 128):
             return f"backward tile_n {v.tile_n} must be 64 or 128 (one consumer warpgroup per 64 keys)"
+        if v.tile_m % 64:  # dQ^T tiles: mma_m_shape checks their split
+            return None
         wg_m, wgs = v.tile_m // 64, v.tile_n // 64
-        if v.tile_m % 64 == 0 and (wgs % wg_m or (wgs // wg_m > 1 and v.head_dim % (64 * (wgs // wg_m)))):
+        if wgs % wg_m or (wgs // wg_m > 1 and v.head_dim % (64 * (wgs // wg_m))):
             return (f"backward dQ tile {v.tile_m}x{v.head_dim} cannot be split over "
                     f"{wgs} consumer warpgroups in whole 64-row / 64-column pieces")
         return None
