@@ -307,16 +307,17 @@ def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scal
 
 
 def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
-    """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks."""
+    """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks. Left
+    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (ABI 3)."""
     rows = -(-dims.seqlen_q // tile_m) * tile_m
     stats = (dims.batch, dims.heads_q, rows)
     f32 = dict(dtype=torch.float32, device=q.device)
     sem_shape = (dims.batch, dims.heads_q, rows // tile_m) if deterministic else (1,)
     return dict(
-        dq_accum=torch.zeros(stats + (dims.head_dim,), **f32),
+        dq_accum=torch.empty(stats + (dims.head_dim,), **f32),
         lse_log2=torch.empty(stats, **f32),
         dsum=torch.empty(stats, **f32),
-        dq_semaphore=torch.zeros(sem_shape, dtype=torch.int32, device=q.device),
+        dq_semaphore=torch.empty(sem_shape, dtype=torch.int32, device=q.device),
     )
 
 

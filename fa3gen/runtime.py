@@ -28,7 +28,7 @@ from fa3gen.errors import (
 )
 
 # Must equal FA3GEN_ABI_VERSION in templates/kernels/fa3gen_abi.h (bump both together).
-ABI_VERSION = 2
+ABI_VERSION = 3
 DEFAULT_SPEC = "h100"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -71,6 +71,10 @@ __device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.w
 // back to (row, column) with the same TiledMma.
 template <int Threads>
 __device__ __forceinline__ int dq_slot(int tid, int chunk) { return chunk * Threads + tid; }
+// The accumulator holds one TileM x d tile per (batch, query head, query block), in that order.
+__device__ __forceinline__ int64_t dq_tile_index(int b, int head, int heads_q, int m_blocks, int m_block) {
+  return (int64_t(b) * heads_q + head) * m_blocks + m_block;
+}
 
 __device__ __forceinline__ int load_acquire(const int* ptr) {
   int v;
@@ -119,7 +123,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
       constexpr int kTileElems = kTileM * kHeadDim;
       const bool leader = threadIdx.x % 32 == 0;
       // Query-block tiles of this kv head's query heads, m_first .. m_blocks - 1 of each.
-      int64_t tile = (int64_t(b) * p.heads_q + head_kv * p.heads_per_kv) * m_blocks + m_first;
+      int64_t tile = dq_tile_index(b, head_kv * p.heads_per_kv, p.heads_q, m_blocks, m_first);
       for (int hq = 0; hq < p.heads_per_kv; ++hq, tile += m_first) {
         for (int m_block = m_first; m_block < m_blocks; ++m_block, ++tile) {
           cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32, kDqFullBarrier);
@@ -222,8 +226,10 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   // 8 bytes with it and keep the element-wise store.
   auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
   auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
-  Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);         // (CPY, CPY_N, CPY_M, 2)
-  Tensor tdSsdS_elem = thr_sdp.partition_C(sdSt);       // the same, in the accumulator's layout
+  Tensor tdSsdS = [&] {
+    if constexpr (Traits::kDqTransposed) return thr_sdp.partition_C(sdSt);  // accumulator layout
+    else return thr_r2s_ds.partition_D(sdSt);                               // (CPY, CPY_N, CPY_M, 2)
+  }();
 
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<kTileN>, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<kTileN>, Int<kHeadDim>>{});
@@ -276,7 +282,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
       const int buf = iter & 1;
       if constexpr (Traits::kDqTransposed) {
         CUTLASS_PRAGMA_UNROLL
-        for (int e = 0; e < size(rdS); ++e) tdSsdS_elem(_, _, _, buf)(e) = rdS(e);
+        for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
       } else {
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
       }
@@ -318,42 +324,74 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   store_rows(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
 }
 
-// ---------------- preprocess and postprocess (plain CUDA: memory-bound row loops) ----------------
+// ---------------- preprocess and postprocess (plain CUDA, memory-bound) ----------------
 
 struct BwdRowParams {
   const void* o;
   const void* dout;
-  const float* lse;  // (batch, heads_q, seqlen_q) from the forward
-  float* lse_log2;   // (batch, heads_q, seqlen_q_rounded)
+  const float* lse;    // (batch, heads_q, seqlen_q) from the forward
+  float* lse_log2;     // (batch, heads_q, seqlen_q_rounded)
   float* dsum;
+  float* dq_accum;     // zeroed here: head_dim floats per padded row cover the whole accumulator
+  int* dq_semaphore;   // zeroed here (one per query block) unless null
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
-  int batch, heads_q, seqlen_q, seqlen_q_rounded, head_dim;
+  int batch, heads_q, seqlen_q, seqlen_q_rounded, tile_m;
+  bool vector_loads;   // O and dO rows are aligned for BwdRowVec loads
 };
 
-// One warp per query row: D = rowsum(dO * O) in fp32, and LSE in the log2 domain. Padding rows
-// and rows that saw no key get LSE +inf, which makes their recomputed P exactly 0.
-template <class Element>
-__global__ void bwd_preprocess_kernel(const BwdRowParams p) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t rows = int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
-  if (row >= rows) return;
+// Threads per query row in the preprocess, and elements per vector load (16 bytes where
+// head_dim allows, else 8: head_dim 96 is 24 loads of 4 elements over 8 threads).
+constexpr int kRowLanes = 8;
+constexpr int kRowThreads = 256;
+template <int HeadDim>
+constexpr int row_vec_elems() { return HeadDim % (kRowLanes * 8) == 0 ? 8 : 4; }
+
+// D = rowsum(dO * O) in fp32 and LSE in the log2 domain, one query row per 8 threads, and the
+// row's share of the fp32 dQ accumulator (and the semaphores) zeroed in the same pass, so the
+// caller need not clear the workspace (cuDNN's preprocess does the same). Padding rows and
+// rows that saw no key get LSE +inf, which makes their recomputed P exactly 0.
+template <class Element, int HeadDim>
+__global__ void __launch_bounds__(kRowThreads) bwd_preprocess_kernel(const BwdRowParams p) {
+  constexpr int kVec = row_vec_elems<HeadDim>();
+  static_assert(HeadDim % (kRowLanes * kVec) == 0 && HeadDim % (kRowLanes * 4) == 0);
+  using Vec = cute::conditional_t<kVec == 8, uint4, uint2>;
+  const int64_t row = (int64_t(blockIdx.x) * kRowThreads + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
+  const bool valid = row < int64_t(p.batch) * p.heads_q * p.seqlen_q_rounded;
   const int m = int(row % p.seqlen_q_rounded);
   const int head = int((row / p.seqlen_q_rounded) % p.heads_q);
   const int b = int(row / (int64_t(p.seqlen_q_rounded) * p.heads_q));
   float dot = 0.f, lse_log2 = INFINITY;
-  if (m < p.seqlen_q) {
+  if (valid && m < p.seqlen_q) {
     const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride + m * p.o_row_stride + head * p.o_head_stride;
     const Element* dout = static_cast<const Element*>(p.dout) + b * p.do_batch_stride + m * p.do_row_stride + head * p.do_head_stride;
-    for (int i = lane; i < p.head_dim; i += 32) dot += float(o[i]) * float(dout[i]);
-    dot = quad_allreduce_sum<32>(dot);
+    if (p.vector_loads) {
+      // Lane l reads vectors l, l + 8, ...: the 8 lanes of a row read contiguous bytes.
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < HeadDim / (kRowLanes * kVec); ++i) {
+        const int col = (lane + i * kRowLanes) * kVec;
+        Vec ov = *reinterpret_cast<const Vec*>(o + col), dv = *reinterpret_cast<const Vec*>(dout + col);
+        const Element* oe = reinterpret_cast<const Element*>(&ov);
+        const Element* de = reinterpret_cast<const Element*>(&dv);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < kVec; ++e) dot += float(oe[e]) * float(de[e]);
+      }
+    } else {
+      for (int col = lane; col < HeadDim; col += kRowLanes) dot += float(o[col]) * float(dout[col]);
+    }
     const float lse = p.lse[(int64_t(b) * p.heads_q + head) * p.seqlen_q + m];
     if (lse != -INFINITY) lse_log2 = lse * 1.4426950408889634f;
   }
+  dot = quad_allreduce_sum<kRowLanes>(dot);  // every lane of the warp takes part
+  if (!valid) return;
+  float4* accum = reinterpret_cast<float4*>(p.dq_accum + row * HeadDim);
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < HeadDim / (kRowLanes * 4); ++i) accum[lane + i * kRowLanes] = make_float4(0.f, 0.f, 0.f, 0.f);
   if (lane == 0) {
     p.dsum[row] = dot;
     p.lse_log2[row] = lse_log2;
+    if (p.dq_semaphore != nullptr && m % p.tile_m == 0) p.dq_semaphore[row / p.tile_m] = 0;
   }
 }
 
@@ -361,37 +399,62 @@ struct BwdDqParams {
   const float* dq_accum;  // (batch, heads_q, m_blocks) tiles of TileM x d floats, dq_slot order
   void* dq;
   int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
-  int batch, heads_q, seqlen_q, m_blocks;
+  int heads_q, seqlen_q, m_blocks;
   float softmax_scale;
+  bool vector_stores;     // dq rows are 16-byte aligned
 };
 
 // dQ = softmax_scale * dq_accum, converted to the input dtype in the caller's layout. One CTA
 // per (query block, head, batch), one thread per consumer thread of the main kernel: it reads
-// that thread's fragment (coalesced 8-byte loads) and places it with the dQ TiledMma.
+// that thread's fragment (coalesced 8-byte loads), places it with the dQ TiledMma in a
+// row-major shared-memory tile, and the CTA then writes whole rows with 16-byte stores
+// (placing it straight into global memory took 3x cuDNN's conversion time).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
 bwd_convert_dq_kernel(const BwdDqParams p) {
   using Element = typename Traits::Element;
-  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
+  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
+  // 8 elements of padding per row: the 8 rows of one 4-byte store instruction hit different banks.
+  constexpr int kStride = kHeadDim + 8;
+  static_assert(kTileM * kStride * sizeof(Element) <= 48 * 1024, "dQ staging tile exceeds static shared memory");
+  __shared__ alignas(16) Element staged[kTileM * kStride];
   const int m_block = blockIdx.x, head = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
+
   typename Traits::TiledMmadQ mma_dq;
   Tensor coords = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(typename Traits::DqTileShape{}));
   const float2* tile = reinterpret_cast<const float2*>(
-      p.dq_accum + ((int64_t(b) * p.heads_q + head) * p.m_blocks + m_block) * (kTileM * kHeadDim));
-  Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + head * p.dq_head_stride;
+      p.dq_accum + dq_tile_index(b, head, p.heads_q, p.m_blocks, m_block) * (kTileM * kHeadDim));
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < size(coords) / 2; ++j) {  // elements 2j and 2j + 1 are neighbouring columns
-    const float2 v = tile[dq_slot<Traits::kConsumerThreads>(tid, j)];
+    const float2 v = tile[dq_slot<kThreads>(tid, j)];
+    const Element x(v.x * p.softmax_scale), y(v.y * p.softmax_scale);
     if constexpr (Traits::kDqTransposed) {  // (d, query): the pair is two query rows
-      const int d = get<0>(coords(2 * j)), m = m_block * kTileM + get<1>(coords(2 * j));
-      if (m < p.seqlen_q) dq[m * p.dq_row_stride + d] = Element(v.x * p.softmax_scale);
-      if (m + 1 < p.seqlen_q) dq[(m + 1) * p.dq_row_stride + d] = Element(v.y * p.softmax_scale);
+      const int d = get<0>(coords(2 * j)), m = get<1>(coords(2 * j));
+      staged[m * kStride + d] = x;
+      staged[(m + 1) * kStride + d] = y;
     } else {  // (query, d): the pair is one 4-byte store
-      const int m = m_block * kTileM + get<0>(coords(2 * j));
-      if (m >= p.seqlen_q) continue;
-      Element pair[2] = {Element(v.x * p.softmax_scale), Element(v.y * p.softmax_scale)};
-      *reinterpret_cast<uint32_t*>(dq + m * p.dq_row_stride + get<1>(coords(2 * j))) =
+      Element pair[2] = {x, y};
+      *reinterpret_cast<uint32_t*>(&staged[get<0>(coords(2 * j)) * kStride + get<1>(coords(2 * j))]) =
           *reinterpret_cast<uint32_t const*>(pair);
+    }
+  }
+  __syncthreads();
+
+  const int rows = min(kTileM, p.seqlen_q - m_block * kTileM);
+  Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + head * p.dq_head_stride +
+                int64_t(m_block) * kTileM * p.dq_row_stride;
+  if (p.vector_stores) {
+    constexpr int kVecs = kHeadDim / 8, kTotal = kTileM * kVecs;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < (kTotal + kThreads - 1) / kThreads; ++k) {
+      const int i = tid + k * kThreads, r = i / kVecs, c = (i % kVecs) * 8;
+      if (i < kTotal && r < rows) {
+        *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) = *reinterpret_cast<const uint4*>(&staged[r * kStride + c]);
+      }
+    }
+  } else {
+    for (int i = tid; i < rows * kHeadDim; i += kThreads) {
+      dq[(i / kHeadDim) * p.dq_row_stride + i % kHeadDim] = staged[(i / kHeadDim) * kStride + i % kHeadDim];
     }
   }
 }

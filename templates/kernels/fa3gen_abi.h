@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 2
+#define FA3GEN_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
@@ -36,12 +36,14 @@ typedef struct fa3gen_fwd_params {
 #define FA3GEN_GRID_TILES 2
 
 // Backward attention: dq, dk, dv from dout and the forward's q, k, v, out, lse. Same layout
-// rules as the forward. The caller provides zero-filled workspace sized with tile_m of the
-// variant (seqlen_q_rounded = seqlen_q rounded up to a multiple of tile_m):
-//   dq_accum     fp32 batch * heads_q * seqlen_q_rounded * head_dim, zeroed (order private to the kernel)
+// rules as the forward. The caller provides workspace sized with tile_m of the variant
+// (seqlen_q_rounded = seqlen_q rounded up to a multiple of tile_m); it need not be
+// initialised: the backward's first kernel zeroes dq_accum and dq_semaphore (ABI 3; ABI 2
+// required the caller to zero them):
+//   dq_accum     fp32 batch * heads_q * seqlen_q_rounded * head_dim (order private to the kernel)
 //   lse_log2     fp32 (batch, heads_q, seqlen_q_rounded)
 //   dsum         fp32 (batch, heads_q, seqlen_q_rounded)
-//   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m), zeroed (deterministic only)
+//   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m) (deterministic only)
 typedef struct fa3gen_bwd_params {
   const void* q;
   const void* k;

@@ -14,6 +14,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   using E = Element;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
+  const int m_blocks = seqlen_q_rounded / TileM;
   const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;
   if (a.heads_q > 65535 || a.batch > 65535) {  // grid y/z of the main and dQ kernels
     fa3gen_set_error("backward grid: heads_q and batch must be at most 65535");
@@ -25,14 +26,23 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   }
   cudaError_t err;
 
-  // 1. D = rowsum(dO * O) and LSE * log2(e), padded to whole query blocks.
-  BwdRowParams rows{a.o, a.dout, a.lse, a.lse_log2, a.dsum,
+  // 1. D = rowsum(dO * O), LSE * log2(e) (padded to whole query blocks); zeroes dq_accum
+  //    and, in deterministic mode, the semaphores.
+  constexpr int kVec = row_vec_elems<HeadDim>();
+  auto vec_aligned = [](const void* ptr, int64_t bs, int64_t rs, int64_t hs, int elems) {
+    return reinterpret_cast<uintptr_t>(ptr) % (elems * sizeof(E)) == 0 && bs % elems == 0 &&
+           rs % elems == 0 && hs % elems == 0;
+  };
+  BwdRowParams rows{a.o, a.dout, a.lse, a.lse_log2, a.dsum, a.dq_accum,
+                    a.deterministic ? a.dq_semaphore : nullptr,
                     a.o_batch_stride, a.o_row_stride, a.o_head_stride,
                     a.do_batch_stride, a.do_row_stride, a.do_head_stride,
-                    a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, HeadDim};
+                    a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, TileM,
+                    vec_aligned(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, kVec) &&
+                        vec_aligned(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec)};
   const int64_t row_count = int64_t(a.batch) * a.heads_q * seqlen_q_rounded;
-  constexpr int kRowWarps = 8;
-  bwd_preprocess_kernel<E><<<unsigned((row_count + kRowWarps - 1) / kRowWarps), 32 * kRowWarps, 0, stream>>>(rows);
+  constexpr int kRowsPerCta = kRowThreads / kRowLanes;
+  bwd_preprocess_kernel<E, HeadDim><<<unsigned((row_count + kRowsPerCta - 1) / kRowsPerCta), kRowThreads, 0, stream>>>(rows);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward preprocess launch", err);
 
@@ -69,9 +79,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
 
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
   BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
-                 a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded / TileM, a.softmax_scale};
-  bwd_convert_dq_kernel<Traits><<<dim3(seqlen_q_rounded / TileM, a.heads_q, a.batch),
-                                  Traits::kConsumerThreads, 0, stream>>>(dq);
+                 a.heads_q, a.seqlen_q, m_blocks, a.softmax_scale,
+                 vec_aligned(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8)};
+  bwd_convert_dq_kernel<Traits><<<dim3(m_blocks, a.heads_q, a.batch), Traits::kConsumerThreads, 0, stream>>>(dq);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward dQ conversion launch", err);
   return 0;
