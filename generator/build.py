@@ -11,7 +11,8 @@ from typing import Callable, Iterable, Optional
 
 from . import __version__
 from .errors import BuildError, FilterError
-from .ninja import library_name, planned_edges, render_build_ninja, run_ninja, write_build_ninja
+from .ninja import (library_name, objects_without_deps, planned_edges, render_build_ninja,
+                    run_ninja, write_build_ninja)
 from .paths import KERNELS_DIR, resolve_spec_path, spec_out_dir
 from .render import environment, render_sources
 from .spec import Spec, load_spec
@@ -137,6 +138,13 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         f"{len(p.defaults)} dispatch default(s), {len(p.enumeration.pruned)} pruned; "
         f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}"
         + (f"; removed {len(rendered.removed)} stale file(s)" if rendered.removed else ""))
+
+    for obj in objects_without_deps(out):
+        if dry_run:
+            log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
+        else:
+            log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
+            (out / obj).unlink(missing_ok=True)
 
     if dry_run:
         proc = run_ninja(out, jobs, dry_run=True, capture=True)

@@ -98,6 +98,18 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
     return subprocess.run(cmd, env=env, **kw)
 
 
+def objects_without_deps(out_dir: Path) -> list[str]:
+    """Objects that ninja recorded with no dependencies at all. nvcc's depfile always lists at
+    least the source, so such a record means the depfile was lost; ninja would then never
+    rebuild the object for a kernel-header edit (a stale backward kernel was linked that way
+    on 2026-11-30). The build deletes them so that they compile again."""
+    proc = subprocess.run([find_ninja(), "-C", str(out_dir), "-t", "deps"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:  # no build log yet
+        return []
+    return re.findall(r"^(obj/[^\s:]+\.o): #deps 0\b", proc.stdout, re.M)
+
+
 def planned_edges(ninja_output: str) -> list[str]:
     """Descriptions of the edges in `ninja -n` output (e.g. 'NVCC fwd_bf16_...')."""
     return [m.group(1) for m in re.finditer(r"^\[[^\]]*\]\s*(.+)$", ninja_output, re.M)]

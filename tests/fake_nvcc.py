@@ -4,6 +4,7 @@ FAKE_NVCC_SPILL=<substring>: sources whose path contains it report spills.
 FAKE_NVCC_CALLS=<file>: append one line per call (to count compiles).
 FAKE_NVCC_DEP=<file>: with -MF, the depfile lists this header besides the source
   (FAKE_NVCC_DEP_FOR=<substring>: only for sources whose path contains it).
+FAKE_NVCC_NO_DEPS=<substring>: sources whose path contains it get a depfile listing nothing.
 """
 import os
 import sys
@@ -21,6 +22,8 @@ def main(argv):
     if "-MF" in argv:  # nvcc -MD -MF: make-style dependencies of the TU
         dep, only = os.environ.get("FAKE_NVCC_DEP"), os.environ.get("FAKE_NVCC_DEP_FOR", "")
         deps = [src] + ([dep] if dep and only in src else [])
+        if os.environ.get("FAKE_NVCC_NO_DEPS") and os.environ["FAKE_NVCC_NO_DEPS"] in src:
+            deps = []
         with open(argv[argv.index("-MF") + 1], "w") as f:
             f.write(f"{out}: {' '.join(deps)}\n")
     if "-shared" in argv or "-v" not in argv:

@@ -114,6 +114,23 @@ def test_header_change_rebuilds_only_the_tus_that_include_it(fake, monkeypatch):
     assert take_calls(calls) == sorted([f"{A}.cu", "link"])
 
 
+def test_object_recorded_without_deps_is_compiled_again(fake, monkeypatch):
+    """An object whose depfile listed nothing would never be rebuilt for a header edit; the
+    next build deletes and recompiles it (once: the new record has its dependencies)."""
+    spec, tc, calls = fake
+    monkeypatch.setenv("FAKE_NVCC_NO_DEPS", "_nocausal_")
+    B.build(spec, toolchain=tc, log=quiet)
+    take_calls(calls)
+    monkeypatch.delenv("FAKE_NVCC_NO_DEPS")
+    logged = []
+    B.build(spec, toolchain=tc, dry_run=True, log=logged.append)
+    assert any(f"obj/{A}.o has no recorded header dependencies" in m for m in logged)
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == sorted([f"{A}.cu", "link"])
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == []
+
+
 def test_fingerprint_change_rebuilds_everything(fake):
     spec, tc, calls = fake
     B.build(spec, toolchain=tc, log=quiet)
