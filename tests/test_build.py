@@ -3,7 +3,6 @@ import json
 import os
 import stat
 import sys
-import textwrap
 import time
 from pathlib import Path
 

@@ -1,7 +1,6 @@
 """The `fa3gen` command line (fa3gen/cli.py)."""
 import subprocess
 import sys
-from pathlib import Path
 
 import fnmatch
 

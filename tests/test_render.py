@@ -1,10 +1,8 @@
 """Rendering of the variant TUs, the dispatch table and build.ninja (generator/render.py)."""
-import json
 import os
 import sys
 from pathlib import Path
 
-import pytest
 
 from generator.ninja import render_build_ninja
 from generator.render import c_string, render_dispatch, render_sources, render_variant, write_if_changed
