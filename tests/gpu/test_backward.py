@@ -11,7 +11,7 @@ import torch
 from fa3gen import ops
 from fa3gen.errors import InvalidInputError
 from fa3gen.ops import flash_attn_func
-from fa3gen.reference import attention_reference, compare_grads_to_reference
+from fa3gen.reference import compare_grads_to_reference
 
 from test_forward import DTYPES, GUARD, make_qkv, poisoned
 
