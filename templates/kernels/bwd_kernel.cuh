@@ -19,6 +19,7 @@ namespace fa3gen {
 constexpr int kDsReadyBarrier = 1;  // consumers: every warpgroup's part of dS is in shared memory
 constexpr int kDqFullBarrier = 2;   // consumers -> writer: the query block's dQ is in shared memory
 constexpr int kDqEmptyBarrier = 3;  // writer -> consumers: the dQ buffer has been read
+constexpr int kStagedBarrier = 4;   // consumers: dK and dV are staged in shared memory
 
 // Query blocks that see key block n_block: [first, last). Causal attention is bottom-right
 // aligned (query i sees key j iff j <= i + seqlen_k - seqlen_q), so later key blocks start later.
@@ -312,14 +313,35 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   // The writer signals "empty" after every block; take the last one so no arrival is left over.
   if (iter > 0) cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32, kDqEmptyBarrier);
 
-  // ---------------- epilogue: dK (times the softmax scale) and dV from registers ----------------
-  auto store_rows = [&](auto const& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-    Tensor r16 = convert_fragment<Element>(acc);
-    Element* tile = base + b * batch_stride + head_kv * head_stride + int64_t(n_block) * kTileN * row_stride;
-    store_tile_rows<kTileN, kHeadDim>(thr_dkv, r16, tile, row_stride, p.seqlen_k - n_block * kTileN);
-  };
+  // ---------------- epilogue: dK (times the softmax scale) and dV ----------------
   CUTLASS_PRAGMA_UNROLL
   for (int e = 0; e < size(tdKrdK); ++e) tdKrdK(e) *= p.softmax_scale;
+  auto rows_of = [&](Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+    return base + b * batch_stride + head_kv * head_stride + int64_t(n_block) * kTileN * row_stride;
+  };
+  if constexpr (Traits::kStagedEpilogue) {
+    if (p.vector_stores) {
+      // Staged row-major in the Q/dO/K/V buffers, which no GEMM reads any more, then written as
+      // whole rows with 16-byte stores. Storing the fragments straight from registers (4 bytes
+      // each) took 9% of the stall samples at seqlen 2k: store backpressure, drain at exit.
+      Element* stage_k = smem.q.data();
+      Element* stage_v = stage_k + staged_tile_bytes<kTileN, kHeadDim, Element>() / sizeof(Element);
+      stage_fragment_rows<kTileN, kHeadDim>(thr_dkv, convert_fragment<Element>(tdKrdK), stage_k);
+      stage_fragment_rows<kTileN, kHeadDim>(thr_dkv, convert_fragment<Element>(tdVrdV), stage_v);
+      cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kStagedBarrier);
+      const int row_end = p.seqlen_k - n_block * kTileN;
+      store_staged_rows<kTileN, kHeadDim, Traits::kConsumerThreads>(
+          stage_k, rows_of(p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride), p.dk_row_stride, row_end, tid);
+      store_staged_rows<kTileN, kHeadDim, Traits::kConsumerThreads>(
+          stage_v, rows_of(p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride), p.dv_row_stride, row_end, tid);
+      return;
+    }
+  }
+  auto store_rows = [&](auto const& acc, Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
+    Tensor r16 = convert_fragment<Element>(acc);
+    store_tile_rows<kTileN, kHeadDim>(thr_dkv, r16, rows_of(base, batch_stride, row_stride, head_stride),
+                                      row_stride, p.seqlen_k - n_block * kTileN);
+  };
   store_rows(tdKrdK, p.dk, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride);
   store_rows(tdVrdV, p.dv, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride);
 }
@@ -414,9 +436,8 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
 bwd_convert_dq_kernel(const BwdDqParams p) {
   using Element = typename Traits::Element;
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
-  // 8 elements of padding per row: the 8 rows of one 4-byte store instruction hit different banks.
-  constexpr int kStride = kHeadDim + 8;
-  static_assert(kTileM * kStride * sizeof(Element) <= 48 * 1024, "dQ staging tile exceeds static shared memory");
+  constexpr int kStride = kHeadDim + 8;  // staging rows as in stage_fragment_rows
+  static_assert(staged_tile_bytes<kTileM, kHeadDim, Element>() <= 48 * 1024, "dQ staging tile exceeds static shared memory");
   __shared__ alignas(16) Element staged[kTileM * kStride];
   const int m_block = blockIdx.x, head = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
 
@@ -444,14 +465,7 @@ bwd_convert_dq_kernel(const BwdDqParams p) {
   Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + head * p.dq_head_stride +
                 int64_t(m_block) * kTileM * p.dq_row_stride;
   if (p.vector_stores) {
-    constexpr int kVecs = kHeadDim / 8, kTotal = kTileM * kVecs;
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < (kTotal + kThreads - 1) / kThreads; ++k) {
-      const int i = tid + k * kThreads, r = i / kVecs, c = (i % kVecs) * 8;
-      if (i < kTotal && r < rows) {
-        *reinterpret_cast<uint4*>(dq + r * p.dq_row_stride + c) = *reinterpret_cast<const uint4*>(&staged[r * kStride + c]);
-      }
-    }
+    store_staged_rows<kTileM, kHeadDim, kThreads>(staged, dq, p.dq_row_stride, rows, tid);
   } else {
     for (int i = tid; i < rows * kHeadDim; i += kThreads) {
       dq[(i / kHeadDim) * p.dq_row_stride + i % kHeadDim] = staged[(i / kHeadDim) * kStride + i % kHeadDim];

@@ -11,6 +11,7 @@
 // GEMMs take as their A operand, so only dS makes a trip through shared memory.
 #pragma once
 #include "fwd_traits.cuh"  // smem_atom, includes
+#include "fwd_utils.cuh"   // staged_tile_bytes
 
 namespace fa3gen {
 
@@ -112,6 +113,13 @@ struct BwdTraits {
     alignas(8) uint64_t barrier_kv;               // K and V landed
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
+  // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
+  // their fragments directly.
+  static constexpr bool kStagedEpilogue = !kDqTransposed;
+  static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
+                    2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
+                "dK/dV staging does not fit in the Q, dO, K and V buffers");
   static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
 };
 
@@ -132,6 +140,7 @@ struct BwdParams {
   int seqlen_q, seqlen_k, seqlen_q_rounded, heads_q, heads_kv, batch, heads_per_kv;
   float softmax_scale, scale_log2;
   bool deterministic;
+  bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue
 };
 
 }  // namespace fa3gen

@@ -66,7 +66,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride,
       a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
       a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
-      a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0};
+      a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0,
+      vec_aligned(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
+          vec_aligned(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);

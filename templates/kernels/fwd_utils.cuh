@@ -88,6 +88,39 @@ __device__ __forceinline__ void store_tile_rows(ThrMma const& thr, Frag const& f
   }
 }
 
+// Row-major staging tile in shared memory for coalesced stores: Cols + 8 elements per row, so
+// the 8 rows of one 4-byte fragment store instruction fall on different banks, and every row
+// starts 16-byte aligned (Cols is a multiple of 32).
+template <int Rows, int Cols, class Element>
+constexpr int staged_tile_bytes() { return Rows * (Cols + 8) * int(sizeof(Element)); }
+
+// Write a 16-bit accumulator-layout fragment into a row-major staging tile (see above).
+template <int Rows, int Cols, class ThrMma, class Frag, class Element>
+__device__ __forceinline__ void stage_fragment_rows(ThrMma const& thr, Frag const& frag, Element* stage) {
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<Rows>, Int<Cols>>{}));
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(frag); i += 2) {  // elements i and i + 1 are neighbouring columns
+    Element pair[2] = {frag(i), frag(i + 1)};
+    *reinterpret_cast<uint32_t*>(&stage[get<0>(coords(i)) * (Cols + 8) + get<1>(coords(i))]) =
+        *reinterpret_cast<uint32_t const*>(pair);
+  }
+}
+
+// Rows [0, row_end) of a staging tile to global memory (row stride in elements), 16 bytes per
+// store, by Threads threads; tile and row_stride must be 16-byte aligned.
+template <int Rows, int Cols, int Threads, class Element>
+__device__ __forceinline__ void store_staged_rows(const Element* stage, Element* tile, int64_t row_stride,
+                                                  int row_end, int tid) {
+  constexpr int kVecs = Cols / 8, kTotal = Rows * kVecs;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < (kTotal + Threads - 1) / Threads; ++k) {
+    const int i = tid + k * Threads, r = i / kVecs, c = (i % kVecs) * 8;
+    if (i < kTotal && r < row_end) {
+      *reinterpret_cast<uint4*>(tile + r * row_stride + c) = *reinterpret_cast<const uint4*>(&stage[r * (Cols + 8) + c]);
+    }
+  }
+}
+
 template <int N>
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   CUTLASS_PRAGMA_UNROLL
