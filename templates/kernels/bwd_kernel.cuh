@@ -359,7 +359,7 @@ struct BwdRowParams {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int64_t do_batch_stride, do_row_stride, do_head_stride;
   int batch, heads_q, seqlen_q, seqlen_q_rounded, tile_m;
-  bool vector_loads;   // O and dO rows are aligned for BwdRowVec loads
+  bool vector_loads;   // O and dO rows are aligned for the row_vec_elems-wide loads
 };
 
 // Threads per query row in the preprocess, and elements per vector load (16 bytes where
