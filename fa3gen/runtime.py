@@ -328,8 +328,10 @@ def _spec_from_build_info(info: dict[str, Any]) -> str | None:
 # Locating and caching libraries.
 
 _lock = threading.Lock()
-# Loaded libraries by resolved path, and by request (see get_library) for the per-call fast path.
-_libraries: dict[Path | tuple, Library] = {}
+_libraries: dict[Path, Library] = {}  # loaded libraries by resolved path
+# get_library's answers by request (spec, use_spec's choice, FA3GEN_LIB, FA3GEN_GENERATED): the
+# per-call fast path, without resolving the path again.
+_requests: dict[tuple, Library] = {}
 _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the default spec
 
 
@@ -380,7 +382,7 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     the cache keyed by what decides the answer: spec, use_spec's choice and the two env vars."""
     request = (None if spec is None else os.fspath(spec), _selected,
                os.environ.get("FA3GEN_LIB"), os.environ.get("FA3GEN_GENERATED"))
-    lib = _libraries.get(request)
+    lib = _requests.get(request)
     if lib is not None:
         return lib
     path, spec_name = resolve_library(spec)
@@ -390,7 +392,7 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
         if lib is None:
             lib = Library(path, spec_name)  # failures are not cached: a later build is picked up
             _libraries[key] = lib
-        _libraries[request] = lib
+        _requests[request] = lib
     return lib
 
 

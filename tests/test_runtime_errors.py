@@ -123,6 +123,7 @@ def clean_runtime(monkeypatch, tmp_path):
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
     monkeypatch.setattr(runtime, "_selected", None)
     monkeypatch.setattr(runtime, "_libraries", {})
+    monkeypatch.setattr(runtime, "_requests", {})
     return tmp_path
 
 
