@@ -436,28 +436,30 @@ __global__ void __launch_bounds__(Traits::kConsumerThreads)
 bwd_convert_dq_kernel(const BwdDqParams p) {
   using Element = typename Traits::Element;
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
-  constexpr int kStride = kHeadDim + 8;  // staging rows as in stage_fragment_rows
+  // Row stride of the staging tile, as store_staged_rows reads it.
+  constexpr int kStride = staged_tile_bytes<1, kHeadDim, Element>() / int(sizeof(Element));
   static_assert(staged_tile_bytes<kTileM, kHeadDim, Element>() <= 48 * 1024, "dQ staging tile exceeds static shared memory");
   __shared__ alignas(16) Element staged[kTileM * kStride];
   const int m_block = blockIdx.x, head = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;
 
   typename Traits::TiledMmadQ mma_dq;
-  Tensor coords = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(typename Traits::DqTileShape{}));
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor acc = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});  // the main kernel's dQ fragment
   const float2* tile = reinterpret_cast<const float2*>(
       p.dq_accum + dq_tile_index(b, head, p.heads_q, p.m_blocks, m_block) * (kTileM * kHeadDim));
   CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < size(coords) / 2; ++j) {  // elements 2j and 2j + 1 are neighbouring columns
+  for (int j = 0; j < size(acc) / 2; ++j) {
     const float2 v = tile[dq_slot<kThreads>(tid, j)];
-    const Element x(v.x * p.softmax_scale), y(v.y * p.softmax_scale);
-    if constexpr (Traits::kDqTransposed) {  // (d, query): the pair is two query rows
-      const int d = get<0>(coords(2 * j)), m = get<1>(coords(2 * j));
-      staged[m * kStride + d] = x;
-      staged[(m + 1) * kStride + d] = y;
-    } else {  // (query, d): the pair is one 4-byte store
-      Element pair[2] = {x, y};
-      *reinterpret_cast<uint32_t*>(&staged[get<0>(coords(2 * j)) * kStride + get<1>(coords(2 * j))]) =
-          *reinterpret_cast<uint32_t const*>(pair);
-    }
+    acc(2 * j) = v.x * p.softmax_scale;
+    acc(2 * j + 1) = v.y * p.softmax_scale;
+  }
+  Tensor frag = convert_fragment<Element>(acc);
+  if constexpr (Traits::kDqTransposed) {  // (d, query): neighbouring elements are two query rows
+    Tensor coords = thr_dq.partition_C(make_identity_tensor(typename Traits::DqTileShape{}));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(frag); ++i) { staged[get<1>(coords(i)) * kStride + get<0>(coords(i))] = frag(i); }
+  } else {
+    stage_fragment_rows<kTileM, kHeadDim>(thr_dq, frag, staged);
   }
   __syncthreads();
 
