@@ -173,9 +173,9 @@ def _num_sms(index: int) -> int:
 
 
 def _grid_mode() -> int:
-    """FA3GEN_GRID: the forward's CTA count. auto (default): persistent without a causal mask,
-    one CTA per query tile with it (the policy lives in launch_fwd); persistent | tiles force
-    one policy, for measurements."""
+    """FA3GEN_GRID: the forward's CTA count. auto (default): persistent (one CTA per SM), except
+    one CTA per query tile for causal attention over more than 8192 keys (the policy lives in
+    launch_fwd); persistent | tiles force one policy, for measurements."""
     mode = os.environ.get("FA3GEN_GRID", "auto")
     if mode not in runtime.GRID_MODES:
         raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")

@@ -28,9 +28,10 @@ typedef struct fa3gen_fwd_params {
   int32_t grid_mode;  // FA3GEN_GRID_*: how many CTAs the forward launches
 } fa3gen_fwd_params;
 
-// Forward grid: AUTO is persistent (one CTA per SM) without a causal mask and one CTA per query
-// tile with it (causal tiles differ in length; the hardware block scheduler balances them better
-// than a static round robin). The other two force one policy (for measurements).
+// Forward grid: AUTO is persistent (one CTA per SM, walking several tiles; causal tiles in
+// long/short pairs) except for causal attention over more than 8192 keys, where one CTA per
+// query tile lets the hardware block scheduler balance the long, unequal tiles. The other two
+// force one policy (for measurements).
 #define FA3GEN_GRID_AUTO 0
 #define FA3GEN_GRID_PERSISTENT 1
 #define FA3GEN_GRID_TILES 2

@@ -4,11 +4,14 @@
 //                    Otherwise thread 0 of the first consumer issues the loads in between its math.
 //   Pingpong:        named barriers make consumer warpgroups take turns issuing GEMMs, so one
 //                    warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
+//                    Each warpgroup loads and releases its own rows of Q, so the next tile's Q
+//                    arrives for the warpgroup that finishes first without waiting for the others.
 //   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
 //                    of block j+1 runs while the PV GEMM of block j finishes.
 #pragma once
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
+#include "fwd_epilogue.cuh"
 #include "fwd_softmax.cuh"
 #include "fwd_traits.cuh"
 
@@ -17,6 +20,9 @@ namespace fa3gen {
 // Consumer warpgroups take turns issuing GEMMs (round robin). Barrier w is the turn of
 // warpgroup w: it syncs on it, and the previous warpgroup arrives on it. Barrier ids are
 // compile-time immediates (a runtime id costs a register and makes ptxas reserve all 16).
+// The order runs on across the tiles of a persistent CTA: the last warpgroup seeds the first
+// turn once, every turn is handed on, and warpgroup 0 absorbs the final hand-over at exit, so
+// arrivals and syncs balance whatever the number of turns.
 template <class Traits>
 struct GemmTurns {
   static constexpr int kThreads = 256;  // the waiting warpgroup + the one handing over
@@ -31,40 +37,65 @@ struct GemmTurns {
     else if (id == 1) op(Int<1>{});
     else op(Int<2>{});
   }
-  __device__ void start(bool any_work) const {
-    if constexpr (Traits::kPingpong) {
-      if (any_work && wg == Traits::kConsumerWGs - 1) barrier<true>(0);
-    }
+  __device__ void seed() const {
+    if constexpr (Traits::kPingpong) { if (wg == Traits::kConsumerWGs - 1) barrier<true>(0); }
   }
   __device__ void wait_turn() const {
     if constexpr (Traits::kPingpong) barrier<false>(wg);
   }
-  // The last warpgroup skips its final hand-over so arrivals and syncs balance exactly.
-  __device__ void pass_turn(bool last_group) const {
-    if constexpr (Traits::kPingpong) {
-      if (!(last_group && wg == Traits::kConsumerWGs - 1)) {
-        barrier<true>(wg + 1 == Traits::kConsumerWGs ? 0 : wg + 1);
-      }
-    }
+  __device__ void pass_turn() const {
+    if constexpr (Traits::kPingpong) barrier<true>(wg + 1 == Traits::kConsumerWGs ? 0 : wg + 1);
+  }
+  __device__ void drain() const {
+    if constexpr (Traits::kPingpong) { if (wg == 0) barrier<false>(0); }
   }
 };
 // Named barrier (user id) that consumers without a producer warpgroup use to agree that the
 // previous tile's Q is no longer read.
 constexpr int kQFreeBarrier = 3;
 
-// Persistent schedule: CTA b takes tiles b, b + gridDim.x, ... Tiles are ordered head-major so
-// that CTAs running together share one head's K and V in L2; within a head, causal attention
-// takes the longest (last) query tiles first so the tail of the schedule is short.
+// Tile schedule. Tiles are ordered head-major so that CTAs running together share one head's
+// K and V in L2. Three ways to walk them:
+//  - one CTA per tile (grid = tiles): tile blockIdx.x; causal heads list their longest (last)
+//    query tiles first, so the hardware's in-order block dispatch ends on short ones;
+//  - persistent, non-causal: CTA b takes tiles b, b + G, b + 2G, ... (all tiles are equal);
+//  - persistent, causal: query tile m of a head visits about m + 1 key blocks, so a CTA takes
+//    the tiles in pairs (M-1-j, j) whose lengths sum to about M + 1: pair u is tiles 2u and
+//    2u + 1, and CTA b takes pairs b, b + G, ... Equal pairs keep a static round robin
+//    balanced without a work queue. With M odd the middle tile forms a pair of its own.
 template <class Traits>
 struct TileScheduler {
   int m_blocks, heads, batch;
-  __device__ int count() const { return m_blocks * heads * batch; }
-  __device__ void decode(int t, int& m_block, int& head, int& b) const {
-    int m = t % m_blocks;
-    int hb = t / m_blocks;
-    m_block = Traits::kCausal ? m_blocks - 1 - m : m;
+  bool paired;     // persistent causal: tiles are walked in pairs
+  int pairs_per_head;
+
+  __device__ TileScheduler(int m_blocks_, int heads_, int batch_)
+      : m_blocks(m_blocks_), heads(heads_), batch(batch_),
+        paired(Traits::kCausal && int64_t(gridDim.x) < int64_t(m_blocks_) * heads_ * batch_),
+        pairs_per_head((m_blocks_ + 1) / 2) {}
+  // Upper bound of the tile index t (pair indices cover 2 per pair).
+  __device__ int count() const { return (paired ? 2 * pairs_per_head : m_blocks) * heads * batch; }
+  __device__ int first() const { return paired ? 2 * int(blockIdx.x) : int(blockIdx.x); }
+  __device__ int next(int t) const {
+    if (!paired) return t + gridDim.x;
+    return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
+  }
+  // False for the empty half of the middle pair (M odd): skip it.
+  __device__ bool decode(int t, int& m_block, int& head, int& b) const {
+    int hb;
+    if (paired) {
+      const int pair = t >> 1, j = pair % pairs_per_head;
+      hb = pair / pairs_per_head;
+      m_block = (t & 1) ? j : m_blocks - 1 - j;
+      if ((t & 1) && j == m_blocks - 1 - j) return false;
+    } else {
+      const int m = t % m_blocks;
+      hb = t / m_blocks;
+      m_block = Traits::kCausal ? m_blocks - 1 - m : m;
+    }
     head = hb % heads;
     b = hb / heads;
+    return true;
   }
 };
 
@@ -83,14 +114,16 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const TileScheduler<Traits> sched{(p.seqlen_q + kTileM - 1) / kTileM, p.heads_q, p.batch};
+  const TileScheduler<Traits> sched((p.seqlen_q + kTileM - 1) / kTileM, p.heads_q, p.batch);
 
   if (warp_idx == 0 && cute::elect_one_sync()) {
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    Barrier::init(&smem.barrier_q, 1);
-    Barrier::init(&smem.barrier_q_free, Traits::kConsumerThreads);
+    for (int part = 0; part < Traits::kQParts; ++part) {
+      Barrier::init(&smem.barrier_q[part], 1);
+      Barrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);
+    }
   }
   typename Pipeline::Params pipe_params;
   pipe_params.transaction_bytes = Traits::kBytesKV;
@@ -105,13 +138,15 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
 
   // ---- TMA loads (issued by one thread). Block i of a tile's visiting order is key block
   // n_blocks - 1 - i: the diagonal (masked) blocks come first. ----
-  auto load_q = [&](int m_block, int head, int b) {
+  auto load_q = [&](int m_block, int head, int b, int part) {
+    constexpr int kRows = kTileM / Traits::kQParts;
     Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch));
-    Tensor gQ = local_tile(mQ(_, _, head, b), Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}));
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor gQ = local_tile(mQ(_, _, head, b), Shape<Int<kRows>, Int<kHeadDim>>{},
+                           make_coord(m_block * Traits::kQParts + part, _0{}));
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data() + part * Traits::kQPartOffset), typename Traits::SmemLayoutQPart{});
     auto [tQgQ, tQsQ] = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    Barrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
-    copy(p.tma_q.with(smem.barrier_q, 0), tQgQ, tQsQ);
+    Barrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
+    copy(p.tma_q.with(smem.barrier_q[part], 0), tQgQ, tQsQ);
   };
   auto load_k = [&](int n_block, int head_kv, int b, PipelineState& st) {
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch));
@@ -139,16 +174,21 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
         PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
         PipelineState st_v = st_k;
         int q_iter = 0;  // tiles with work so far: the phase of the Q barriers
-        for (int t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+        for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
           int m_block, head, b;
-          sched.decode(t, m_block, head, b);
+          if (!sched.decode(t, m_block, head, b)) continue;
           const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
           if (n_blocks == 0) continue;
           const int head_kv = head / p.heads_per_kv;
-          if (q_iter > 0) Barrier::wait(&smem.barrier_q_free, (q_iter - 1) & 1);
-          load_q(m_block, head, b);
+          // FA3's order: the tile's first K before waiting for Q to be free, then each K one
+          // block ahead of V (the consumers need K(i) together with V(i - 1)).
+          load_k(n_blocks - 1, head_kv, b, st_k);
+          for (int part = 0; part < Traits::kQParts; ++part) {
+            if (q_iter > 0) Barrier::wait(&smem.barrier_q_free[part], (q_iter - 1) & 1);
+            load_q(m_block, head, b, part);
+          }
           for (int i = 0; i < n_blocks; ++i) {
-            load_k(n_blocks - 1 - i, head_kv, b, st_k);
+            if (i + 1 < n_blocks) load_k(n_blocks - 2 - i, head_kv, b, st_k);
             load_v(n_blocks - 1 - i, head_kv, b, st_v);
           }
           ++q_iter;
@@ -186,12 +226,14 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;
   const GemmTurns<Traits> turns{tid / 128};
+  const int q_part = Traits::kQParts == 1 ? 0 : tid / 128;  // the Q rows this warpgroup reads
 
   PipelineState st;  // consumer read position, shared by K and V, continues across tiles
   int q_iter = 0;
-  for (int t = blockIdx.x; t < sched.count(); t += gridDim.x) {
+  turns.seed();
+  for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
     int m_block, head, b;
-    sched.decode(t, m_block, head, b);
+    if (!sched.decode(t, m_block, head, b)) continue;
     const int n_blocks = key_block_count<kCausal, kTileM, kTileN>(m_block, p.seqlen_q, p.seqlen_k);
     const int head_kv = head / p.heads_per_kv;
 
@@ -200,7 +242,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
       // previous tile's Q, then fills the ring; later it refills a slot as soon as it is free.
       if (q_iter > 0) cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, kQFreeBarrier);
       if (inline_loader) {
-        load_q(m_block, head, b);
+        for (int part = 0; part < Traits::kQParts; ++part) load_q(m_block, head, b, part);
         for (int i = 0; i < min(kStages, n_blocks); ++i) {
           load_k(n_blocks - 1 - i, head_kv, b, st_load_k);
           load_v(n_blocks - 1 - i, head_kv, b, st_load_v);
@@ -218,13 +260,12 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     };
     // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
     auto release_q_if_last = [&](int i) {
-      if (Traits::kWarpSpecialized && i == n_blocks - 1) Barrier::arrive(&smem.barrier_q_free);
+      if (Traits::kWarpSpecialized && i == n_blocks - 1) Barrier::arrive(&smem.barrier_q_free[q_part]);
     };
 
     OnlineSoftmax<kRows> softmax(p.scale_log2);
     float rescale[kRows];
     clear(tOrO);
-    turns.start(n_blocks > 0);
     auto softmax_block = [&](int i) {
       const int n_block = n_blocks - 1 - i;
       if (block_needs_mask<kCausal, kTileM, kTileN>(m_block, n_block, p.seqlen_q, p.seqlen_k)) {
@@ -238,14 +279,14 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
       for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
     };
 
-    if (n_blocks > 0) Barrier::wait(&smem.barrier_q, q_iter & 1);
+    if (n_blocks > 0) Barrier::wait(&smem.barrier_q[q_part], q_iter & 1);
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {
         pipe_k.consumer_wait(st);
         turns.wait_turn();
         wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
-        turns.pass_turn(false);
+        turns.pass_turn();
         warpgroup_wait<0>();
         pipe_k.consumer_release(st);
         release_q_if_last(i);
@@ -256,18 +297,17 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
         pipe_v.consumer_wait(st);
         turns.wait_turn();
         wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st.index()), tOrO);
-        turns.pass_turn(i == n_blocks - 1);
+        turns.pass_turn();
         warpgroup_wait<0>();
         pipe_v.consumer_release(st);
         refill_v(i);
         ++st;
       }
     } else if (n_blocks > 0) {
-      // Prologue: S(0) and its softmax alone.
+      // Prologue: S(0) and its softmax alone. As in FA3, the first S GEMM and the last PV GEMM
+      // of a tile take no turn: every warpgroup starts its tile as soon as its Q and K are in.
       pipe_k.consumer_wait(st);
-      turns.wait_turn();
       wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
-      turns.pass_turn(false);
       warpgroup_wait<0>();
       pipe_k.consumer_release(st);
       release_q_if_last(0);
@@ -282,7 +322,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
         wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, st.index()), tSrS);
         pipe_v.consumer_wait(st_v);
         wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
-        turns.pass_turn(false);
+        turns.pass_turn();
         warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
         pipe_k.consumer_release(st);
         release_q_if_last(i);
@@ -297,9 +337,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
         ++st;
       }
       pipe_v.consumer_wait(st_v);
-      turns.wait_turn();
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, st_v.index()), tOrO);
-      turns.pass_turn(true);
       warpgroup_wait<0>();
       pipe_v.consumer_release(st_v);
       refill_v(n_blocks - 1);
@@ -311,10 +349,9 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     scale_rows(O, inv_sum);
     Tensor rO = convert_fragment<Element>(tOrO);
     const int row_end = p.seqlen_q - m_block * kTileM;
-    store_tile_rows<kTileM, kHeadDim>(
-        thr_pv, rO,
-        p.o + b * p.o_batch_stride + head * p.o_head_stride + int64_t(m_block) * kTileM * p.o_row_stride,
-        p.o_row_stride, row_end);
+    Element* o_tile = p.o + b * p.o_batch_stride + head * p.o_head_stride + int64_t(m_block) * kTileM * p.o_row_stride;
+    if (p.o_vector_stores) store_tile_rows_16b<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+    else store_tile_rows<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
     if (tid % 4 == 0) {
       float* lse_row = p.lse + (int64_t(b) * p.heads_q + head) * p.seqlen_q + m_block * kTileM;
       CUTLASS_PRAGMA_UNROLL
@@ -325,6 +362,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     }
     if (n_blocks > 0) ++q_iter;
   }
+  turns.drain();
 }
 
 }  // namespace fa3gen

@@ -80,7 +80,16 @@ struct FwdTraits {
   using GmemLayoutVt = Layout<Shape<Int<HeadDim>, int, int, int>, Stride<_1, int64_t, int64_t, int64_t>>;
   using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
   using GmemTensorVt = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutVt{}));
-  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutQ{}));
+  // Q is loaded in kQParts row slices, each with its own full/free barriers. With pingpong each
+  // consumer warpgroup reads only its 64 rows of Q (its GEMM slice), so a slice per warpgroup
+  // lets the next tile's Q start loading as soon as that warpgroup's last S GEMM is done.
+  static constexpr int kQParts = Pingpong ? kConsumerWGs : 1;
+  using SmemLayoutQPart = decltype(composition(
+      SmemLayoutQ{}, Layout<Shape<Int<TileM / kQParts>, Int<HeadDim>>, Stride<_1, Int<TileM>>>{}));
+  // Element offset of a slice's first row (swizzle atoms are stacked along the rows first).
+  static constexpr int kQPartOffset =
+      TileM / kQParts * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutQPart{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{})));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{})));
 
@@ -98,8 +107,8 @@ struct FwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
     typename Pipeline::SharedStorage pipeline_k;
     typename Pipeline::SharedStorage pipeline_v;
-    alignas(8) uint64_t barrier_q;       // Q landed (TMA transaction barrier)
-    alignas(8) uint64_t barrier_q_free;  // consumers done with Q: the next tile may load it
+    alignas(8) uint64_t barrier_q[kQParts];       // Q slice landed (TMA transaction barrier)
+    alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
@@ -115,6 +124,7 @@ struct FwdParams {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
   float softmax_scale, scale_log2;
+  bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
 };
 
 }  // namespace fa3gen

@@ -5,7 +5,9 @@ and not) per default backward variant, meant to run under compute-sanitizer:
     compute-sanitizer --tool racecheck python3 tests/gpu/sanitize_run.py
 
 Not a pytest module (the sanitizer wraps the whole process). Shapes are small and not tile
-multiples, with GQA, so masked tails and partial tiles are exercised.
+multiples, with GQA, so masked tails and partial tiles are exercised. Arguments: head dims to
+keep, and `--batch B` (default 1) for the forward: B = 40 gives more query tiles than SMs, so
+persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles).
 """
 
 import sys
@@ -18,15 +20,21 @@ from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
 def main() -> int:
     lib = runtime.get_library()
-    only = sys.argv[1:]  # optional head dims
+    args = sys.argv[1:]
+    batch = 1
+    if "--batch" in args:
+        i = args.index("--batch")
+        batch = int(args[i + 1])
+        del args[i : i + 2]
+    only = args  # optional head dims
     for info in lib.defaults("fwd"):
         if only and str(info.head_dim) not in only:
             continue
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(1, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        k = torch.randn(1, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        v = torch.randn(1, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        q = torch.randn(batch, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        k = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
         out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name)
         torch.cuda.synchronize()
         print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)

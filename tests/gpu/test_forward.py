@@ -99,6 +99,20 @@ def test_variant_strided_output(lib, fwd_variant):
     check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out")
 
 
+@pytest.mark.parametrize("grid", ["auto", "persistent", "tiles"])
+def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
+    """More query tiles than SMs: each persistent CTA walks several tiles (Q, pipeline phases
+    and GEMM turns carried from tile to tile; causal tiles in long/short pairs). Odd m_blocks
+    per head, so the paired causal schedule has a middle tile of its own."""
+    info = lib.get(fwd_variant)
+    monkeypatch.setenv("FA3GEN_GRID", grid)
+    sq = 5 * info.tile_m - 17  # 5 query tiles per head
+    q, k, v = make_qkv(9, sq, sq + 40, 16, 4, info.head_dim, DTYPES[info.dtype], seed=4)
+    scale = info.head_dim**-0.5
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} grid={grid}")
+
+
 def test_variant_deterministic(lib, fwd_variant):
     info = lib.get(fwd_variant)
     q, k, v = make_qkv(2, 300, 300, 4, 2, info.head_dim, DTYPES[info.dtype], seed=2)

@@ -1,0 +1,55 @@
+// Forward epilogue store: O rows from the WGMMA accumulator to global memory, 16 bytes per
+// store, without shared memory (the forward's shared memory is all Q, K and V).
+#pragma once
+#include "fwd_utils.cuh"
+
+namespace fa3gen {
+
+// In the accumulator the 4 threads of a quad hold one row: thread q has columns 8j + 2q and
+// 8j + 2q + 1 of every 8-column block j (one 4-byte pair each). A 4x4 transpose across the quad
+// (two butterfly stages, 4 shuffles per 4 blocks) leaves thread q with all 8 columns of block
+// 4g + q, so each store writes 16 bytes and one warp store covers 64 contiguous bytes of each
+// of 8 rows (the 4-byte stores of store_tile_rows cover 16). Writes rows [0, row_end) of a
+// (TileRows x Cols) tile; tile and row_stride must be 16-byte aligned.
+template <int TileRows, int Cols, class ThrMma, class Frag, class Element>
+__device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag const& frag, Element* tile,
+                                                    int64_t row_stride, int row_end) {
+  static_assert(sizeof(Element) == 2 && Cols % 32 == 0, "4 blocks of 8 16-bit columns per transpose");
+  Tensor tc = thr.partition_C(make_identity_tensor(Shape<Int<TileRows>, Int<Cols>>{}));
+  Tensor r_rc = make_tensor(frag.data(), acc_as_rowcol(frag.layout()));
+  Tensor c_rc = make_tensor(tc.data(), acc_as_rowcol(tc.layout()));
+  constexpr int kPairs = decltype(size<1>(r_rc))::value / 2;  // column pairs per row and thread
+  static_assert(kPairs % 4 == 0);
+  const int q = threadIdx.x % 4;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < size<0>(r_rc); ++r) {
+    const int row = get<0>(c_rc(r, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kPairs / 4; ++g) {
+      uint32_t a[4];  // a[s]: the pair of block 4g + s
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < 4; ++s) {
+        Element pair[2] = {r_rc(r, 2 * (4 * g + s)), r_rc(r, 2 * (4 * g + s) + 1)};
+        a[s] = *reinterpret_cast<uint32_t const*>(pair);
+      }
+      // Stage m (1, then 2): swap with thread q ^ m the slots whose bit m differs from q's.
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 1; m <= 2; m *= 2) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int s = 0; s < 4; ++s) {
+          if (s & m) continue;
+          const uint32_t send = (q & m) ? a[s] : a[s + m];
+          const uint32_t recv = __shfl_xor_sync(0xffffffff, send, m);
+          if (q & m) a[s] = recv; else a[s + m] = recv;
+        }
+      }
+      // a[s] now holds columns 2s, 2s + 1 of block 4g + q.
+      const int col = get<1>(c_rc(r, 8 * g)) - 2 * q + 8 * q;
+      if (row < row_end) {
+        *reinterpret_cast<uint4*>(tile + row * row_stride + col) = make_uint4(a[0], a[1], a[2], a[3]);
+      }
+    }
+  }
+}
+
+}  // namespace fa3gen
