@@ -4,8 +4,8 @@
 //                    Otherwise thread 0 of the first consumer issues the loads in between its math.
 //   Pingpong:        named barriers make consumer warpgroups take turns issuing GEMMs, so one
 //                    warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
-//                    Each warpgroup loads and releases its own rows of Q, so the next tile's Q
-//                    arrives for the warpgroup that finishes first without waiting for the others.
+//                    With two consumer warpgroups each loads and releases its own rows of Q, so
+//                    the next tile's Q arrives for the warpgroup that finishes first.
 //   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
 //                    of block j+1 runs while the PV GEMM of block j finishes.
 #pragma once
