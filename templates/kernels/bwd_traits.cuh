@@ -10,8 +10,14 @@
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that the RS
 // GEMMs take as their A operand, so only dS makes a trip through shared memory.
 #pragma once
-#include "fwd_traits.cuh"  // smem_atom, includes
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
 #include "fwd_utils.cuh"   // staged_tile_bytes
+#include "smem_atoms.cuh"
 
 namespace fa3gen {
 

@@ -7,23 +7,10 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
+#include "smem_atoms.cuh"
 
 namespace fa3gen {
 using namespace cute;
-
-// Widest swizzle whose atom divides the contiguous extent (128B rows need 64 16-bit elements).
-template <class Element, int ContiguousExtent, bool KMajor>
-constexpr auto smem_atom() {
-  if constexpr (KMajor) {
-    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
-    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
-    else return GMMA::Layout_K_SW32_Atom<Element>{};
-  } else {
-    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
-    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
-    else return GMMA::Layout_MN_SW32_Atom<Element>{};
-  }
-}
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
           bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>

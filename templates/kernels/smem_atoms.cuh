@@ -1,0 +1,24 @@
+// Swizzled shared-memory atoms for WGMMA operands, shared by the forward and backward traits
+// (its own header so that editing one direction's traits does not recompile the other's).
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+
+namespace fa3gen {
+using namespace cute;
+
+// Widest swizzle whose atom divides the contiguous extent (128B rows need 64 16-bit elements).
+template <class Element, int ContiguousExtent, bool KMajor>
+constexpr auto smem_atom() {
+  if constexpr (KMajor) {
+    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
+    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
+    else return GMMA::Layout_K_SW32_Atom<Element>{};
+  } else {
+    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
+    else return GMMA::Layout_MN_SW32_Atom<Element>{};
+  }
+}
+
+}  // namespace fa3gen
