@@ -10,6 +10,7 @@ keep, and `--batch B` (default 1) for the forward: B = 40 gives more query tiles
 persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles).
 """
 
+import argparse
 import sys
 
 import torch
@@ -19,14 +20,12 @@ from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description="small fa3gen launches to run under compute-sanitizer")
+    parser.add_argument("head_dims", nargs="*", help="keep only these head dims")
+    parser.add_argument("--batch", type=int, default=1, help="forward batch size")
+    args = parser.parse_args()
     lib = runtime.get_library()
-    args = sys.argv[1:]
-    batch = 1
-    if "--batch" in args:
-        i = args.index("--batch")
-        batch = int(args[i + 1])
-        del args[i : i + 2]
-    only = args  # optional head dims
+    batch, only = args.batch, args.head_dims
     for info in lib.defaults("fwd"):
         if only and str(info.head_dim) not in only:
             continue
