@@ -127,6 +127,23 @@ def clean_runtime(monkeypatch, tmp_path):
     return tmp_path
 
 
+def test_grid_mode_from_environment(monkeypatch):
+    """FA3GEN_GRID maps to the header's FA3GEN_GRID_* constants; a typo is an error naming the
+    accepted values, never a silent default."""
+    from fa3gen.ops import _grid_mode
+
+    monkeypatch.delenv("FA3GEN_GRID", raising=False)
+    assert _grid_mode() == 0
+    header = (TEMPLATES_DIR / "kernels" / "fa3gen_abi.h").read_text()
+    for name, value in runtime.GRID_MODES.items():
+        assert f"#define FA3GEN_GRID_{name.upper()} {value}" in header
+        monkeypatch.setenv("FA3GEN_GRID", name)
+        assert _grid_mode() == value
+    monkeypatch.setenv("FA3GEN_GRID", "persist")
+    with pytest.raises(InvalidInputError, match="FA3GEN_GRID='persist': expected auto, persistent or tiles"):
+        _grid_mode()
+
+
 def test_library_not_built_message(clean_runtime):
     with pytest.raises(LibraryNotBuiltError) as e:
         runtime.get_library()

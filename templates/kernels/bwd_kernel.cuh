@@ -437,7 +437,7 @@ bwd_convert_dq_kernel(const BwdDqParams p) {
   using Element = typename Traits::Element;
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
   // Row stride of the staging tile, as store_staged_rows reads it.
-  constexpr int kStride = staged_tile_bytes<1, kHeadDim, Element>() / int(sizeof(Element));
+  constexpr int kStride = staged_row_stride<kHeadDim>();
   static_assert(staged_tile_bytes<kTileM, kHeadDim, Element>() <= 48 * 1024, "dQ staging tile exceeds static shared memory");
   __shared__ alignas(16) Element staged[kTileM * kStride];
   const int m_block = blockIdx.x, head = blockIdx.y, b = blockIdx.z, tid = threadIdx.x;

@@ -29,17 +29,13 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // 1. D = rowsum(dO * O), LSE * log2(e) (padded to whole query blocks); zeroes dq_accum
   //    and, in deterministic mode, the semaphores.
   constexpr int kVec = row_vec_elems<HeadDim>();
-  auto vec_aligned = [](const void* ptr, int64_t bs, int64_t rs, int64_t hs, int elems) {
-    return reinterpret_cast<uintptr_t>(ptr) % (elems * sizeof(E)) == 0 && bs % elems == 0 &&
-           rs % elems == 0 && hs % elems == 0;
-  };
   BwdRowParams rows{a.o, a.dout, a.lse, a.lse_log2, a.dsum, a.dq_accum,
                     a.deterministic ? a.dq_semaphore : nullptr,
                     a.o_batch_stride, a.o_row_stride, a.o_head_stride,
                     a.do_batch_stride, a.do_row_stride, a.do_head_stride,
                     a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, TileM,
-                    vec_aligned(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, kVec) &&
-                        vec_aligned(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec)};
+                    vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, kVec) &&
+                        vec_aligned<E>(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec)};
   const int64_t row_count = int64_t(a.batch) * a.heads_q * seqlen_q_rounded;
   constexpr int kRowsPerCta = kRowThreads / kRowLanes;
   bwd_preprocess_kernel<E, HeadDim><<<unsigned((row_count + kRowsPerCta - 1) / kRowsPerCta), kRowThreads, 0, stream>>>(rows);
@@ -67,8 +63,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
       a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0,
-      vec_aligned(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
-          vec_aligned(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8)};
+      vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
+          vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -82,7 +78,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
   BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
                  a.heads_q, a.seqlen_q, m_blocks, a.softmax_scale,
-                 vec_aligned(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8)};
+                 vec_aligned<E>(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8)};
   bwd_convert_dq_kernel<Traits><<<dim3(m_blocks, a.heads_q, a.batch), Traits::kConsumerThreads, 0, stream>>>(dq);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward dQ conversion launch", err);

@@ -32,8 +32,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       a.softmax_scale, a.softmax_scale * 1.4426950408889634f,
-      reinterpret_cast<uintptr_t>(a.o) % 16 == 0 && a.o_row_stride % 8 == 0 && a.o_head_stride % 8 == 0 &&
-          a.o_batch_stride % 8 == 0};
+      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8)};
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

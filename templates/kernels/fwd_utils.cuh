@@ -91,8 +91,10 @@ __device__ __forceinline__ void store_tile_rows(ThrMma const& thr, Frag const& f
 // Row-major staging tile in shared memory for coalesced stores: Cols + 8 elements per row, so
 // the 8 rows of one 4-byte fragment store instruction fall on different banks, and every row
 // starts 16-byte aligned (Cols is a multiple of 32).
+template <int Cols>
+constexpr int staged_row_stride() { return Cols + 8; }  // elements
 template <int Rows, int Cols, class Element>
-constexpr int staged_tile_bytes() { return Rows * (Cols + 8) * int(sizeof(Element)); }
+constexpr int staged_tile_bytes() { return Rows * staged_row_stride<Cols>() * int(sizeof(Element)); }
 
 // Write a 16-bit accumulator-layout fragment into a row-major staging tile (see above).
 template <int Rows, int Cols, class ThrMma, class Frag, class Element>
@@ -101,7 +103,7 @@ __device__ __forceinline__ void stage_fragment_rows(ThrMma const& thr, Frag cons
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < size(frag); i += 2) {  // elements i and i + 1 are neighbouring columns
     Element pair[2] = {frag(i), frag(i + 1)};
-    *reinterpret_cast<uint32_t*>(&stage[get<0>(coords(i)) * (Cols + 8) + get<1>(coords(i))]) =
+    *reinterpret_cast<uint32_t*>(&stage[get<0>(coords(i)) * staged_row_stride<Cols>() + get<1>(coords(i))]) =
         *reinterpret_cast<uint32_t const*>(pair);
   }
 }
@@ -116,7 +118,7 @@ __device__ __forceinline__ void store_staged_rows(const Element* stage, Element*
   for (int k = 0; k < (kTotal + Threads - 1) / Threads; ++k) {
     const int i = tid + k * Threads, r = i / kVecs, c = (i % kVecs) * 8;
     if (i < kTotal && r < row_end) {
-      *reinterpret_cast<uint4*>(tile + r * row_stride + c) = *reinterpret_cast<const uint4*>(&stage[r * (Cols + 8) + c]);
+      *reinterpret_cast<uint4*>(tile + r * row_stride + c) = *reinterpret_cast<const uint4*>(&stage[r * staged_row_stride<Cols>() + c]);
     }
   }
 }

@@ -1,5 +1,6 @@
 // Host-side helpers shared by the forward and backward launchers.
 #pragma once
+#include <cstdint>
 #include <cstdio>
 #include <cuda_runtime.h>
 #include "fa3gen_abi.h"
@@ -12,6 +13,14 @@ inline int report(const char* what, cudaError_t err) {
   std::snprintf(buf, sizeof(buf), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
   fa3gen_set_error(buf);
   return int(err) == 0 ? 1 : int(err);
+}
+
+// True when `ptr` and the three strides (in elements of E) allow `elems`-element vector
+// accesses: the pointer aligned to the vector, every stride a multiple of it.
+template <class E>
+inline bool vec_aligned(const void* ptr, int64_t batch_stride, int64_t row_stride, int64_t head_stride, int elems) {
+  return reinterpret_cast<uintptr_t>(ptr) % (elems * sizeof(E)) == 0 && batch_stride % elems == 0 &&
+         row_stride % elems == 0 && head_stride % elems == 0;
 }
 
 // Returns nonzero (with a message) unless the problem sizes fit the variant.
