@@ -99,6 +99,31 @@ def test_variant_strided_output(lib, fwd_variant):
     check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out")
 
 
+def offset_view(shape, dtype, elems):
+    """A NaN-filled view `elems` elements past a 16-byte boundary, with NaN before and after."""
+    n = math.prod(shape)
+    buf = torch.full((elems + n + GUARD,), float("nan"), device="cuda", dtype=dtype)
+    return buf, buf[elems : elems + n].view(shape)
+
+
+def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
+    """The C ABI takes an `o` that is only 4-byte aligned (Python's checks ask 16 bytes of every
+    tensor, so flash_attn_func never passes one): the epilogue then stores 4 bytes at a time
+    instead of 16. Driven through the library directly, the way a C caller would."""
+    info = lib.get(fwd_variant)
+    d, dtype = info.head_dim, DTYPES[info.dtype]
+    q, k, v = make_qkv(2, 150, 190, 4, 2, d, dtype, seed=6)
+    obuf, out = offset_view((2, 150, 4, d), dtype, 2)  # 4 bytes past a 16-byte boundary
+    assert out.data_ptr() % 16 == 4
+    lse = torch.full((2, 4, 150), float("nan"), device="cuda")
+    params = ops._make_params(q, k, v, out, lse, ops.check_inputs(q, k, v), d**-0.5,
+                              torch.cuda.get_device_properties(0).multi_processor_count, 0)
+    lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert torch.isnan(obuf[:2]).all() and torch.isnan(obuf[-GUARD:]).all(), "wrote outside out"
+    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} 4-byte aligned out")
+
+
 @pytest.mark.parametrize("grid", ["auto", "persistent", "tiles"])
 def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
     """More query tiles than SMs: each persistent CTA walks several tiles (Q, pipeline phases
