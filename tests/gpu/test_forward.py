@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from fa3gen import ops
+from fa3gen import ops, runtime
 from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import attention_reference, compare_to_reference
@@ -116,8 +116,9 @@ def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     obuf, out = offset_view((2, 150, 4, d), dtype, 2)  # 4 bytes past a 16-byte boundary
     assert out.data_ptr() % 16 == 4
     lse = torch.full((2, 4, 150), float("nan"), device="cuda")
-    params = ops._make_params(q, k, v, out, lse, ops.check_inputs(q, k, v), d**-0.5,
-                              torch.cuda.get_device_properties(0).multi_processor_count, 0)
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    params = ops._make_params(q, k, v, out, lse, ops.check_inputs(q, k, v), d**-0.5, num_sms,
+                              runtime.GRID_MODES["auto"])
     lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.isnan(obuf[:2]).all() and torch.isnan(obuf[-GUARD:]).all(), "wrote outside out"
