@@ -13,7 +13,7 @@ from fa3gen.errors import InvalidInputError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import compare_grads_to_reference
 
-from test_forward import DTYPES, GUARD, make_qkv, offset_view, poisoned
+from test_forward import DTYPES, GUARD, make_qkv, poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -102,9 +102,9 @@ def test_bwd_unaligned_tensors_through_c_abi(lib, bwd_variant, deterministic):
     dout = torch.randn_like(q)
     scale = d**-0.5
     out_aligned, lse = forward_for(q, k, v, info.causal, scale)
-    obuf, out = offset_view(tuple(q.shape), dtype, 2)  # 4 bytes past a 16-byte boundary
+    obuf, out = poisoned(tuple(q.shape), dtype, offset=2)  # 4 bytes past a 16-byte boundary
     out.copy_(out_aligned)
-    bufs, grads = zip(*(offset_view(tuple(t.shape), dtype, 2) for t in (q, k, v)))
+    bufs, grads = zip(*(poisoned(tuple(t.shape), dtype, offset=2) for t in (q, k, v)))
     assert all(t.data_ptr() % 16 == 4 for t in (out, *grads))
     dims = ops.check_inputs(q, k, v)
     work = ops._bwd_workspace(q, dims, info.tile_m, deterministic)

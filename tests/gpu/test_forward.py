@@ -49,10 +49,12 @@ def make_qkv(batch, sq, sk, hq, hkv, d, dtype, seed=0):
 GUARD = 4096  # NaN elements after each output: catches writes past the end
 
 
-def poisoned(shape, dtype):
+def poisoned(shape, dtype, offset=0):
+    """A NaN-filled view of `shape` starting `offset` elements into its buffer (NaN before it,
+    for offset > 0, and GUARD NaN elements after it). Returns (buffer, view)."""
     n = math.prod(shape)
-    buf = torch.full((n + GUARD,), float("nan"), device="cuda", dtype=dtype)
-    return buf, buf[:n].view(shape)
+    buf = torch.full((offset + n + GUARD,), float("nan"), device="cuda", dtype=dtype)
+    return buf, buf[offset : offset + n].view(shape)
 
 
 def run_poisoned(q, k, v, causal, scale, name):
@@ -99,13 +101,6 @@ def test_variant_strided_output(lib, fwd_variant):
     check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out")
 
 
-def offset_view(shape, dtype, elems):
-    """A NaN-filled view `elems` elements past a 16-byte boundary, with NaN before and after."""
-    n = math.prod(shape)
-    buf = torch.full((elems + n + GUARD,), float("nan"), device="cuda", dtype=dtype)
-    return buf, buf[elems : elems + n].view(shape)
-
-
 def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     """The C ABI takes an `o` that is only 4-byte aligned (Python's checks ask 16 bytes of every
     tensor, so flash_attn_func never passes one): the epilogue then stores 4 bytes at a time
@@ -113,7 +108,7 @@ def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     info = lib.get(fwd_variant)
     d, dtype = info.head_dim, DTYPES[info.dtype]
     q, k, v = make_qkv(2, 150, 190, 4, 2, d, dtype, seed=6)
-    obuf, out = offset_view((2, 150, 4, d), dtype, 2)  # 4 bytes past a 16-byte boundary
+    obuf, out = poisoned((2, 150, 4, d), dtype, offset=2)  # 4 bytes past a 16-byte boundary
     assert out.data_ptr() % 16 == 4
     lse = torch.full((2, 4, 150), float("nan"), device="cuda")
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
