@@ -11,8 +11,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from fa3gen.contract import generated_root
 from generator.errors import BuildError, GeneratorError
-from generator.paths import generated_root, resolve_spec_path
+from generator.paths import resolve_spec_path
 
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
 # Imported only when the command line asks for something that is not built in.

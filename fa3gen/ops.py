@@ -20,10 +20,12 @@ from functools import lru_cache
 import torch
 
 from fa3gen import runtime
+from fa3gen.contract import DTYPES
 from fa3gen.errors import Fa3genError, InvalidInputError
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-TORCH_DTYPES = {name: dt for dt, name in _DTYPES.items()}  # "bf16" -> torch.bfloat16
+# "bf16" -> torch.bfloat16
+TORCH_DTYPES = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}
+_DTYPES = {dt: name for name, dt in TORCH_DTYPES.items()}
 _TMA_ALIGN_BYTES = 16  # TMA: base addresses and non-unit strides must be 16-byte multiples
 
 
@@ -78,7 +80,8 @@ def check_inputs(q, k, v) -> Dims:
         )
     if q.dtype not in _DTYPES:
         raise InvalidInputError(
-            f"unsupported dtype {q.dtype}; fa3gen supports torch.bfloat16 and torch.float16"
+            f"unsupported dtype {q.dtype}; fa3gen supports "
+            + " and ".join(str(dt) for dt in TORCH_DTYPES.values())
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:

@@ -1,7 +1,8 @@
 """Load a generated fa3gen library with ctypes and read its variant table.
 
-Mirrors templates/kernels/fa3gen_abi.h. No torch import: the library is plain C, so this module
-(and the lookup logic, which works on plain lists of VariantInfo) is usable and testable anywhere.
+Mirrors templates/kernels/fa3gen_abi.h as fa3gen.contract describes it; never imports the
+generator. No torch import: the library is plain C, so this module (and the lookup logic, which
+works on plain lists of VariantInfo) is usable and testable anywhere.
 
 Which library is loaded, first match wins:
   1. get_library(spec=...) argument, or the spec chosen with use_spec(...)  (explicit code)
@@ -20,6 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import yaml
+
+from fa3gen import contract
+from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, Variant
+from fa3gen.contract import GRID_MODES  # noqa: F401  (the ABI's values, as ops and tests use them)
 from fa3gen.errors import (
     AbiMismatchError,
     Fa3genError,
@@ -27,87 +33,48 @@ from fa3gen.errors import (
     VariantNotBuiltError,
 )
 
-# Must equal FA3GEN_ABI_VERSION in templates/kernels/fa3gen_abi.h (bump both together).
-ABI_VERSION = 3
 DEFAULT_SPEC = "h100"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------------------------------------
-# ctypes mirror of the header. Field order and types must match it exactly.
+# ctypes mirror of the header, built from the contract's struct field lists (which
+# tests/test_contract.py pins to fa3gen_abi.h).
+
+_SCALAR_CTYPES = {"int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64, "float": ctypes.c_float,
+                  "const char*": ctypes.c_char_p}
+
+
+def _ctypes_fields(c_fields: Sequence[tuple[str, str]], named: dict | None = None) -> list:
+    """(field, ctypes type) for (field, C type). Data pointers become c_void_p, which takes the
+    plain integers of torch's data_ptr(); `named` maps typedef names (launchers)."""
+    def ctype(c_type: str):
+        if named and c_type in named:
+            return named[c_type]
+        if c_type in _SCALAR_CTYPES:
+            return _SCALAR_CTYPES[c_type]
+        if c_type.endswith("*"):
+            return ctypes.c_void_p
+        raise TypeError(f"no ctypes type for the C type {c_type!r}")
+    return [(name, ctype(c_type)) for name, c_type in c_fields]
 
 
 class FwdParams(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),  # float* in C; a void* has the same size and alignment
-        ("q_batch_stride", ctypes.c_int64),
-        ("q_row_stride", ctypes.c_int64),
-        ("q_head_stride", ctypes.c_int64),
-        ("k_batch_stride", ctypes.c_int64),
-        ("k_row_stride", ctypes.c_int64),
-        ("k_head_stride", ctypes.c_int64),
-        ("v_batch_stride", ctypes.c_int64),
-        ("v_row_stride", ctypes.c_int64),
-        ("v_head_stride", ctypes.c_int64),
-        ("o_batch_stride", ctypes.c_int64),
-        ("o_row_stride", ctypes.c_int64),
-        ("o_head_stride", ctypes.c_int64),
-        ("batch", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
-        ("heads_q", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("softmax_scale", ctypes.c_float),
-        ("num_sms", ctypes.c_int32),
-        ("grid_mode", ctypes.c_int32),
-    ]
-
-
-# FA3GEN_GRID_* of the header: the forward's grid policy.
-GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
-
-
-def _strided(*names: str) -> list:
-    return [(f"{n}_{w}_stride", ctypes.c_int64) for n in names for w in ("batch", "row", "head")]
+    _fields_ = _ctypes_fields(LAUNCHERS["fwd"].params_fields)
 
 
 class BwdParams(ctypes.Structure):
-    _fields_ = (
-        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "dout", "lse", "dq", "dk", "dv",
-                                        "dq_accum", "lse_log2", "dsum", "dq_semaphore")]
-        + _strided("q", "k", "v", "o", "do", "dq", "dk", "dv")
-        + [(n, ctypes.c_int32) for n in ("batch", "seqlen_q", "seqlen_k", "heads_q",
-                                         "heads_kv", "head_dim")]
-        + [("softmax_scale", ctypes.c_float), ("deterministic", ctypes.c_int32)]
-    )
+    _fields_ = _ctypes_fields(LAUNCHERS["bwd"].params_fields)
 
 
-FwdLaunchFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(FwdParams), ctypes.c_void_p)
-BwdLaunchFn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(BwdParams), ctypes.c_void_p)
+PARAMS = {"fwd": FwdParams, "bwd": BwdParams}  # by direction
+_LAUNCH_FN_TYPES = {
+    launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
+    for d, launcher in LAUNCHERS.items()
+}
 
 
 class VariantInfoC(ctypes.Structure):
-    _fields_ = [
-        ("name", ctypes.c_char_p),
-        ("direction", ctypes.c_char_p),
-        ("dtype", ctypes.c_char_p),
-        ("head_dim", ctypes.c_int32),
-        ("causal", ctypes.c_int32),
-        ("tile_m", ctypes.c_int32),
-        ("tile_n", ctypes.c_int32),
-        ("stages", ctypes.c_int32),
-        ("warp_specialized", ctypes.c_int32),
-        ("pingpong", ctypes.c_int32),
-        ("intra_wg_overlap", ctypes.c_int32),
-        ("is_default", ctypes.c_int32),
-        ("launch_fwd", FwdLaunchFn),
-        ("launch_bwd", BwdLaunchFn),
-    ]
+    _fields_ = _ctypes_fields(contract.VARIANT_INFO, _LAUNCH_FN_TYPES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,52 +82,36 @@ class VariantInfoC(ctypes.Structure):
 
 
 @dataclass(frozen=True)
-class VariantInfo:
-    name: str
-    direction: str
-    dtype: str
-    head_dim: int
-    causal: bool
-    tile_m: int
-    tile_n: int
-    stages: int
-    warp_specialized: bool
-    pingpong: bool
-    intra_wg_overlap: bool
-    is_default: bool
+class VariantInfo(Variant):
+    """A variant of a loaded library: the contract's Variant (fields, name, key) plus what the
+    library's table says of it."""
+
+    is_default: bool = False
     # The C launcher of the variant's direction (None in fabricated tables).
     launch: Callable[..., int] | None = field(default=None, repr=False, compare=False)
 
-    @property
-    def key(self) -> tuple[str, str, int, bool]:
-        """The dispatch key (direction, dtype, head_dim, causal)."""
-        return (self.direction, self.dtype, self.head_dim, self.causal)
+
+def _variant_from_c(c: VariantInfoC, where: str) -> VariantInfo:
+    """The Python view of one table row; `where` names the row in errors."""
+    def text(b: bytes | None) -> str:
+        return b.decode(errors="replace") if b is not None else ""
+
+    values = {f: text(getattr(c, f)) if t is str else t(getattr(c, f))
+              for f, t in contract.VARIANT_FIELDS}
+    launcher = LAUNCHERS.get(values["direction"])
+    if launcher is None:
+        raise Fa3genError(f"{where}: unknown direction {values['direction']!r}")
+    info = VariantInfo(**values, is_default=bool(c.is_default),
+                       launch=getattr(c, launcher.info_field) or None)  # NULL is falsy
+    if info.name != text(c.name):
+        # The name is how callers pick a variant: it must say what the fields run.
+        raise Fa3genError(f"{where} is named {text(c.name)!r} but its fields make "
+                          f"{info.name!r}; rebuild the library")
+    return info
 
 
-def _variant_from_c(c: VariantInfoC) -> VariantInfo:
-    def s(b: bytes | None) -> str:
-        return b.decode() if b is not None else ""
-
-    return VariantInfo(
-        name=s(c.name),
-        direction=s(c.direction),
-        dtype=s(c.dtype),
-        head_dim=int(c.head_dim),
-        causal=bool(c.causal),
-        tile_m=int(c.tile_m),
-        tile_n=int(c.tile_n),
-        stages=int(c.stages),
-        warp_specialized=bool(c.warp_specialized),
-        pingpong=bool(c.pingpong),
-        intra_wg_overlap=bool(c.intra_wg_overlap),
-        is_default=bool(c.is_default),
-        # a NULL function pointer is falsy
-        launch=(c.launch_bwd if s(c.direction) == "bwd" else c.launch_fwd) or None,
-    )
-
-
-def describe_key(direction: str, dtype: str, head_dim: int, causal: bool) -> str:
-    return f"direction={direction} dtype={dtype} head_dim={head_dim} causal={bool(causal)}"
+def describe_key(key: tuple) -> str:
+    return " ".join(f"{axis}={value}" for axis, value in zip(KEY_AXES, key))
 
 
 def select_variant(
@@ -181,7 +132,6 @@ def select_variant(
     """
     causal = bool(causal)
     key = (direction, dtype, int(head_dim), causal)
-    listing = [v.name + (" (default)" if v.is_default else "") for v in variants]
     spec_file = f"specs/{spec_name or '<spec>'}.yaml"
     build = f"fa3gen build --spec {spec_file}"
 
@@ -190,7 +140,7 @@ def select_variant(
         if found is None:
             raise VariantNotBuiltError(
                 f"variant name {variant!r}",
-                listing,
+                _listing(variants),
                 f"check the name with `fa3gen list --spec {spec_file}`, add its configuration "
                 f"to a group of {spec_file} and run: {build}",
                 library,
@@ -198,8 +148,8 @@ def select_variant(
         if found.key != key:
             # Running a kernel on inputs of another dtype/head_dim would read garbage.
             raise Fa3genError(
-                f"variant {variant!r} serves {describe_key(*found.key)}, but the call needs "
-                f"{describe_key(*key)}; name a variant built for this key or pass variant=None"
+                f"variant {variant!r} serves {describe_key(found.key)}, but the call needs "
+                f"{describe_key(key)}; name a variant built for this key or pass variant=None"
             )
         return found
 
@@ -218,7 +168,12 @@ def select_variant(
             f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}) to a group "
             f"of {spec_file} and run: {build}"
         )
-    raise VariantNotBuiltError(describe_key(*key), listing, hint, library)
+    raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library)
+
+
+def _listing(variants: Sequence[VariantInfo]) -> list[str]:
+    """The table for an error message (built only on a miss: lookups run on every call)."""
+    return [v.name + (" (default)" if v.is_default else "") for v in variants]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +218,8 @@ class Library:
             ptr = dll.fa3gen_variant(i)
             if not ptr:
                 raise Fa3genError(f"{self.path}: fa3gen_variant({i}) returned NULL")
-            self.variants.append(_variant_from_c(ptr.contents))
+            row = f"{self.path}: fa3gen_variant({i})"
+            self.variants.append(_variant_from_c(ptr.contents, row))
         self._by_name = {v.name: v for v in self.variants}
 
     def __repr__(self) -> str:
@@ -297,7 +253,7 @@ class Library:
     def launch(self, info: VariantInfo, params: FwdParams | BwdParams, stream_handle: int) -> None:
         """Run info's launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy).
         params must be FwdParams for a forward variant, BwdParams for a backward one."""
-        want = BwdParams if info.direction == "bwd" else FwdParams
+        want = PARAMS[info.direction]
         if info.launch is None or self._by_name.get(info.name) is not info:
             raise Fa3genError(f"variant {info.name} has no launcher in {self.path}")
         if not isinstance(params, want):
@@ -335,11 +291,6 @@ _requests: dict[tuple, Library] = {}
 _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the default spec
 
 
-def generated_root() -> Path:
-    env = os.environ.get("FA3GEN_GENERATED")
-    return Path(env) if env else REPO_ROOT / "generated"
-
-
 def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | None]:
     """(library path, spec name or None) for a spec name, a spec .yaml path or a .so path."""
     if spec is None:
@@ -347,31 +298,24 @@ def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | 
     if spec is None:
         env = os.environ.get("FA3GEN_LIB")
         if env:
-            return Path(env), _spec_from_lib_name(Path(env))
+            return Path(env), contract.spec_name_of_library(env)
         spec = DEFAULT_SPEC
     s = os.fspath(spec)
     if s.endswith(".so"):
-        return Path(s), _spec_from_lib_name(Path(s))
+        return Path(s), contract.spec_name_of_library(s)
     if s.endswith((".yaml", ".yml")):
         s = _spec_name_of_file(Path(s))
-    return generated_root() / s / "lib" / f"libfa3gen_{s}.so", s
+    return contract.library_path(s), s
 
 
 def _spec_name_of_file(path: Path) -> str:
     """The spec's `name:` (what the build names generated/<name>/), else the file stem."""
     try:
-        from generator.spec import load_spec  # the checkout's generator; absent when installed
-
-        return load_spec(path).name
-    except Exception:  # noqa: BLE001 - no generator, unreadable or invalid spec: use the stem
-        return path.stem
-
-
-def _spec_from_lib_name(path: Path) -> str | None:
-    stem = path.name
-    if stem.startswith("libfa3gen_") and stem.endswith(".so"):
-        return stem[len("libfa3gen_"):-len(".so")]
-    return None
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return path.stem  # the build fails on it too; the stem names the library to look for
+    name = data.get("name") if isinstance(data, dict) else None
+    return name if isinstance(name, str) else path.stem
 
 
 def get_library(spec: str | os.PathLike | None = None) -> Library:
@@ -381,7 +325,7 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     maybe reading a spec) took ~75 us per call, so a request already answered is served from
     the cache keyed by what decides the answer: spec, use_spec's choice and the two env vars."""
     request = (None if spec is None else os.fspath(spec), _selected,
-               os.environ.get("FA3GEN_LIB"), os.environ.get("FA3GEN_GENERATED"))
+               os.environ.get("FA3GEN_LIB"), os.environ.get(contract.GENERATED_ENV))
     lib = _requests.get(request)
     if lib is not None:
         return lib

@@ -5,20 +5,22 @@ import fnmatch
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, library_name,
+                             spec_out_dir)
+
 from . import __version__
 from .errors import BuildError, FilterError
-from .ninja import (library_name, objects_without_deps, planned_edges, render_build_ninja,
-                    run_ninja, write_build_ninja)
-from .paths import KERNELS_DIR, resolve_spec_path, spec_out_dir
+from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run_ninja,
+                    write_build_ninja)
+from .paths import resolve_spec_path
 from .render import environment, render_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
-from .variants import (Enumeration, Variant, enumerate_variants, key_str, resolve_dispatch,
-                       smem_bytes)
+from .variants import Enumeration, enumerate_variants, resolve_dispatch, smem_bytes
 
 GIB_PER_JOB = 4  # an nvcc of a CuTe attention kernel can take several GB
 
@@ -36,15 +38,6 @@ def default_jobs() -> int:
     except (OSError, AttributeError, ValueError):
         by_mem = cpus
     return max(1, min(cpus, by_mem))
-
-
-def abi_version(kernels_dir: Path = KERNELS_DIR) -> Optional[int]:
-    try:
-        m = re.search(r"#define\s+FA3GEN_ABI_VERSION\s+(\d+)",
-                      (kernels_dir / "fa3gen_abi.h").read_text())
-    except OSError:
-        return None
-    return int(m.group(1)) if m else None
 
 
 def select(en: Enumeration, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> list[Variant]:
@@ -180,10 +173,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
     defaults = p.default_names
     variants = []
     for v in p.variants:
-        row = {"name": v.name, "direction": v.direction, "dtype": v.dtype,
-               "head_dim": v.head_dim, "causal": v.causal, "tile_m": v.tile_m,
-               "tile_n": v.tile_n, "stages": v.stages, "warp_specialized": v.warp_specialized,
-               "pingpong": v.pingpong, "intra_wg_overlap": v.intra_wg_overlap,
+        row = {"name": v.name, **asdict(v),
                "key": list(v.key), "is_default": v.name in defaults,
                "smem_bytes_estimate": smem_bytes(v),
                "resources": _resources(p.out_dir, v.name)}
@@ -193,7 +183,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "spec_path": str(Path(p.spec.path).resolve()),
         "fingerprint": fp,
         "generator_version": __version__,
-        "abi_version": abi_version(),
+        "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h
         "library": str(lib.relative_to(p.out_dir)),
         "toolchain": tc.describe(),
         "filters": {"only": only, "exclude": exclude},
@@ -201,7 +191,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "pruned": [{"name": x.variant.name, "constraint": x.constraint, "reason": x.reason}
                    for x in p.enumeration.pruned],
     }
-    path = p.out_dir / "manifest.json"
+    path = p.out_dir / MANIFEST_NAME
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)

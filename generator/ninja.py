@@ -17,6 +17,8 @@ from pathlib import Path
 
 import jinja2
 
+from fa3gen.contract import library_name
+
 from .errors import ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
 from .render import environment, write_if_changed
@@ -37,10 +39,6 @@ def find_ninja() -> str:
     if not found:
         raise ToolchainError("ninja not found: pip install ninja")
     return found
-
-
-def library_name(spec_name: str) -> str:
-    return f"lib/libfa3gen_{spec_name}.so"
 
 
 def _path(p) -> str:

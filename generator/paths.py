@@ -1,22 +1,14 @@
-"""Where things live. The package is used from the checkout, so everything is relative
-to the repository root (the parent of this package)."""
+"""Where the generator's inputs live. The package is used from the checkout, so everything is
+relative to the repository root. Build outputs are laid out by fa3gen.contract, which the
+runtime shares."""
 import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from fa3gen.contract import REPO_ROOT
+
 TEMPLATES_DIR = REPO_ROOT / "templates"
 KERNELS_DIR = TEMPLATES_DIR / "kernels"
 SPECS_DIR = REPO_ROOT / "specs"
-
-
-def generated_root() -> Path:
-    """Root of build outputs; FA3GEN_GENERATED overrides (read per call so tests can set it)."""
-    env = os.environ.get("FA3GEN_GENERATED")
-    return Path(env).resolve() if env else REPO_ROOT / "generated"
-
-
-def spec_out_dir(spec_name: str) -> Path:
-    return generated_root() / spec_name
 
 
 def resolve_spec_path(spec: str) -> Path:

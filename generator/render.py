@@ -12,10 +12,10 @@ from typing import Iterable
 
 import jinja2
 
-from .paths import TEMPLATES_DIR
-from .variants import Variant
+from fa3gen.contract import (LAUNCHERS, Variant, launch_symbol, template_args,
+                             variant_info_values, variant_info_zero)
 
-ELEMENT = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t"}
+from .paths import TEMPLATES_DIR
 
 
 def c_string(text: str) -> str:
@@ -37,22 +37,28 @@ def environment(templates_dir: Path = TEMPLATES_DIR) -> jinja2.Environment:
         undefined=jinja2.StrictUndefined,  # a typo in a template is an error, not ""
         keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True,
         autoescape=False)
-    env.filters["cbool"] = lambda b: "true" if b else "false"
     env.filters["cstring"] = c_string
+    env.filters["cinit"] = lambda values: "{" + ", ".join(values) + "}"
     return env
 
 
 def render_variant(v: Variant, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
-    return env.get_template("variant.cu.j2").render(v=v, element=ELEMENT[v.dtype])
+    return env.get_template("variant.cu.j2").render(
+        name=v.name, launcher=LAUNCHERS[v.direction], symbol=launch_symbol(v),
+        template_args=template_args(v))
 
 
 def render_dispatch(spec_name: str, variants: list[Variant], default_names: Iterable[str],
                     build_info: dict, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
+    defaults = set(default_names)
     info = json.dumps(build_info, sort_keys=True)
     return env.get_template("dispatch.cu.j2").render(
-        spec_name=spec_name, variants=variants, defaults=set(default_names), build_info=info)
+        spec_name=spec_name,
+        launchers=[(launch_symbol(v), LAUNCHERS[v.direction].params) for v in variants],
+        rows=[variant_info_values(v, v.name in defaults) for v in variants],
+        empty_row=variant_info_zero(), build_info=info)
 
 
 def write_if_changed(path: Path, text: str) -> bool:

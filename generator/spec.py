@@ -16,17 +16,10 @@ from typing import Any, Mapping
 
 import yaml
 
+from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES
+
 from .errors import SpecError
 from .paths import SPECS_DIR
-
-# Axis order is the order of the canonical variant name and of the cartesian product.
-AXES = ("direction", "dtype", "head_dim", "causal", "tile", "stages",
-        "warp_specialized", "pingpong", "intra_wg_overlap")
-KEY_AXES = AXES[:4]    # the dispatch key: what a caller asks for
-KNOB_AXES = AXES[4:]   # how a variant realizes it
-CHOICES = {"direction": ("fwd", "bwd"), "dtype": ("bf16", "fp16")}
-INT_AXES = ("head_dim", "stages")
-BOOL_AXES = ("causal", "warp_specialized", "pingpong", "intra_wg_overlap")
 
 TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required")
 GROUP_KEYS = ("name", "axes")
@@ -170,16 +163,17 @@ class _Validator:
 
     # ---- scalar values of one axis
     def scalar(self, axis: str, value: Any, path: str) -> Any:
-        if axis in CHOICES:
-            if not isinstance(value, str) or value not in CHOICES[axis]:
-                raise self.fail(path, f"expected one of {', '.join(CHOICES[axis])}", value)
-        elif axis in INT_AXES:
+        kind, choices = AXIS_BY_NAME[axis].kind, AXIS_BY_NAME[axis].choices
+        if kind == "choice":
+            if not isinstance(value, str) or value not in choices:
+                raise self.fail(path, f"expected one of {', '.join(choices)}", value)
+        elif kind == "int":
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise self.fail(path, "expected a positive integer", value)
-        elif axis in BOOL_AXES:
+        elif kind == "bool":
             if not isinstance(value, bool):
                 raise self.fail(path, "expected true or false", value)
-        elif axis == "tile":
+        elif kind == "tile":
             ok = (isinstance(value, list) and len(value) == 2 and
                   all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in value))
             if not ok:
@@ -189,7 +183,7 @@ class _Validator:
 
     def values(self, axis: str, raw: Any, path: str) -> AxisValues:
         """A scalar or a list of scalars -> tuple of distinct values (order kept)."""
-        if axis == "tile":
+        if AXIS_BY_NAME[axis].kind == "tile":
             # One pair [M, N], or a list of pairs [[M, N], ...].
             is_list_of_pairs = isinstance(raw, list) and raw and isinstance(raw[0], list)
             items = raw if is_list_of_pairs else [raw]

@@ -6,74 +6,19 @@ an error: it is pruned by a named constraint so `fa3gen list --explain` can say 
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
-from .spec import AXES, KEY_AXES, Spec, fmt_value
+# The Variant vocabulary is the contract's; parse_name is offered here for the tool side too.
+from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES, Variant,  # noqa: F401
+                             key_str, parse_name)
+
+from .spec import Spec, fmt_value
 
 
-@dataclass(frozen=True, order=True)
-class Variant:
-    direction: str
-    dtype: str
-    head_dim: int
-    causal: bool
-    tile_m: int
-    tile_n: int
-    stages: int
-    warp_specialized: bool
-    pingpong: bool
-    intra_wg_overlap: bool
-
-    @property
-    def name(self) -> str:
-        return (f"{self.direction}_{self.dtype}_d{self.head_dim}_"
-                f"{'causal' if self.causal else 'nocausal'}_m{self.tile_m}n{self.tile_n}_"
-                f"s{self.stages}_ws{int(self.warp_specialized)}_pp{int(self.pingpong)}_"
-                f"ov{int(self.intra_wg_overlap)}")
-
-    @property
-    def key(self) -> tuple:
-        """Dispatch key: what a caller asks for."""
-        return (self.direction, self.dtype, self.head_dim, self.causal)
-
-    @property
-    def consumer_warpgroups(self) -> int:
-        return self.tile_m // 64
-
-    def axes(self) -> dict:
-        """Values by spec axis name (tile as an (M, N) tuple), for matching spec rules."""
-        return {"direction": self.direction, "dtype": self.dtype, "head_dim": self.head_dim,
-                "causal": self.causal, "tile": (self.tile_m, self.tile_n),
-                "stages": self.stages, "warp_specialized": self.warp_specialized,
-                "pingpong": self.pingpong, "intra_wg_overlap": self.intra_wg_overlap}
-
-    @classmethod
-    def from_axes(cls, axes: dict) -> "Variant":
-        m, n = axes["tile"]
-        return cls(axes["direction"], axes["dtype"], axes["head_dim"], axes["causal"], m, n,
-                   axes["stages"], axes["warp_specialized"], axes["pingpong"],
-                   axes["intra_wg_overlap"])
-
-
-_NAME_RE = re.compile(r"^(fwd|bwd)_(bf16|fp16)_d(\d+)_(causal|nocausal)_m(\d+)n(\d+)_s(\d+)_"
-                      r"ws([01])_pp([01])_ov([01])$")
-
-
-def parse_name(name: str) -> Variant:
-    m = _NAME_RE.match(name)
-    if not m:
-        raise ValueError(f"not a canonical variant name: {name!r} (expected e.g. "
-                         "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov0)")
-    d, t, hd, c, tm, tn, s, ws, pp, ov = m.groups()
-    return Variant(d, t, int(hd), c == "causal", int(tm), int(tn), int(s),
-                   ws == "1", pp == "1", ov == "1")
-
-
-def key_str(key: tuple) -> str:
-    direction, dtype, head_dim, causal = key
-    return f"({direction}, {dtype}, d{head_dim}, {'causal' if causal else 'nocausal'})"
+def consumer_warpgroups(v: Variant) -> int:
+    """Forward consumer warpgroups: one per 64 query rows (WGMMA M = 64)."""
+    return v.tile_m // 64
 
 
 # --------------------------------------------------------------------------- constraints
@@ -86,10 +31,10 @@ REALIZED_KNOBS = {
     ("pingpong", False), ("pingpong", True),
     ("intra_wg_overlap", False), ("intra_wg_overlap", True),
 }
-_CHECKED_KNOBS = ("warp_specialized", "pingpong", "intra_wg_overlap")
+# A new on/off knob is checked too: pruned until its values are added above.
+_CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-ELEM_BYTES = 2                   # bf16 / fp16
 SMEM_LIMIT = 232448              # 227 KiB: sm_90 max dynamic shared memory per block
 SMEM_RESERVED = 1024             # barriers, alignment slack
 REG_OVERHEAD = 24                # addresses, loop state, softmax stats per consumer thread
@@ -99,11 +44,12 @@ def smem_bytes(v: Variant) -> int:
     """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
     Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage, and one
     fp32 dQ tile (tile_m x head_dim) for the dQ writer."""
+    elem = DTYPES[v.dtype].bytes
     if v.direction == "bwd":
-        return ELEM_BYTES * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
-                             + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
+        return elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
+                       + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
             + 4 * v.tile_m * v.head_dim + SMEM_RESERVED
-    return ELEM_BYTES * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
+    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
         + SMEM_RESERVED
 
 
@@ -118,7 +64,7 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     if v.direction == "bwd":
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
-    cap = 240 if v.consumer_warpgroups <= 2 else 160
+    cap = 240 if consumer_warpgroups(v) <= 2 else 160
     return need, cap
 
 
@@ -190,7 +136,7 @@ def register_budget(v: Variant) -> Optional[str]:
 
 
 def pingpong_needs_two_consumers(v: Variant) -> Optional[str]:
-    if v.pingpong and (v.consumer_warpgroups < 2 or not v.warp_specialized):
+    if v.pingpong and (consumer_warpgroups(v) < 2 or not v.warp_specialized):
         return "pingpong needs warp specialization and at least 2 consumer warpgroups"
     return None
 

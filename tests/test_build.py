@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fa3gen.contract import ABI_VERSION
 from generator import build as B
 from generator.errors import BuildError, FilterError
 from generator.toolchain import Toolchain, compile_flags
@@ -69,7 +70,7 @@ def test_build_then_noop_then_one_change(fake, capfd):
 
     m = json.loads((out / "manifest.json").read_text())
     assert m["spec"] == "t" and m["fingerprint"] == tc.fingerprint()
-    assert m["library"] == "lib/libfa3gen_t.so" and m["abi_version"] == B.abi_version()
+    assert m["library"] == "lib/libfa3gen_t.so" and m["abi_version"] == ABI_VERSION
     rows = {r["name"]: r for r in m["variants"]}
     assert set(rows) == {A, B_}
     assert rows[A]["is_default"] and rows[A]["key"] == ["fwd", "bf16", 128, False]

@@ -4,10 +4,10 @@ import sys
 from pathlib import Path
 
 
+from fa3gen.contract import Variant, parse_name
 from generator.ninja import render_build_ninja
 from generator.render import c_string, render_dispatch, render_sources, render_variant, write_if_changed
 from generator.toolchain import Toolchain, compile_flags
-from generator.variants import Variant, parse_name
 
 V1 = parse_name("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1")
 V2 = parse_name("fwd_fp16_d64_causal_m192n128_s3_ws0_pp0_ov0")

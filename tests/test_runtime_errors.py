@@ -2,6 +2,7 @@
 selection, the reference's masking, and the pure parts of bench. No GPU, no built library."""
 
 import ctypes
+import dataclasses
 import json
 import math
 import shutil
@@ -22,7 +23,8 @@ from fa3gen.errors import (
 from fa3gen.ops import check_device, check_inputs, check_layout
 from fa3gen.reference import attention_reference, causal_mask
 from fa3gen.runtime import VariantInfo, select_variant
-from generator.paths import TEMPLATES_DIR
+from fa3gen.contract import parse_name
+from generator.paths import KERNELS_DIR
 
 
 def qkv(b=2, sq=16, sk=16, hq=4, hkv=4, d=64, dtype=torch.bfloat16, device="cpu"):
@@ -128,15 +130,13 @@ def clean_runtime(monkeypatch, tmp_path):
 
 
 def test_grid_mode_from_environment(monkeypatch):
-    """FA3GEN_GRID maps to the header's FA3GEN_GRID_* constants; a typo is an error naming the
-    accepted values, never a silent default."""
+    """FA3GEN_GRID maps to the header's FA3GEN_GRID_* constants (test_contract pins those); a
+    typo is an error naming the accepted values, never a silent default."""
     from fa3gen.ops import _grid_mode
 
     monkeypatch.delenv("FA3GEN_GRID", raising=False)
     assert _grid_mode() == 0
-    header = (TEMPLATES_DIR / "kernels" / "fa3gen_abi.h").read_text()
     for name, value in runtime.GRID_MODES.items():
-        assert f"#define FA3GEN_GRID_{name.upper()} {value}" in header
         monkeypatch.setenv("FA3GEN_GRID", name)
         assert _grid_mode() == value
     monkeypatch.setenv("FA3GEN_GRID", "persist")
@@ -179,17 +179,17 @@ def test_not_a_fa3gen_library(clean_runtime):
         runtime.Library(libm[0])
 
 
-def _v(name, dtype="bf16", d=128, causal=False, default=True, direction="fwd"):
-    return VariantInfo(name, direction, dtype, d, causal, 128, 128, 2, True, True, True, default)
+def _v(name, default=True):
+    """A table row as a library would hold it: the fields are those of the name."""
+    return VariantInfo(**dataclasses.asdict(parse_name(name)), is_default=default)
 
 
 TABLE = [
     _v("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"),
-    _v("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1", causal=True),
-    _v("fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp1_ov1", d=64),
-    _v("fwd_bf16_d64_nocausal_m128n128_s2_ws0_pp0_ov0", d=64, default=False),
-    _v("fwd_fp16_d256_causal_m128n80_s2_ws1_pp0_ov1", dtype="fp16", d=256, causal=True,
-       default=False),
+    _v("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"),
+    _v("fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp1_ov1"),
+    _v("fwd_bf16_d64_nocausal_m128n128_s2_ws0_pp0_ov0", default=False),
+    _v("fwd_fp16_d256_causal_m128n80_s2_ws1_pp0_ov1", default=False),
 ]
 
 
@@ -227,7 +227,7 @@ def test_unknown_and_mismatched_variant_names():
 
 def test_long_variant_lists_are_cut():
     many = [_v(f"fwd_bf16_d128_nocausal_m128n{i}_s2_ws1_pp1_ov1", default=False)
-            for i in range(100)]
+            for i in range(1, 101)]
     with pytest.raises(VariantNotBuiltError, match="and 60 more"):
         select_variant(many, "fwd", "bf16", 64, False)
 
@@ -243,7 +243,7 @@ def _c_layout(struct: str, fields: list[str], tmp_path) -> dict:
                    "int main(void) {\n" + "\n".join(lines)
                    + f'\nprintf("sizeof %zu\\n", sizeof({struct}));\nreturn 0;\n}}\n')
     exe = tmp_path / "layout"
-    subprocess.run([cc, "-I", str(TEMPLATES_DIR / "kernels"), str(src), "-o", str(exe)],
+    subprocess.run([cc, "-I", str(KERNELS_DIR), str(src), "-o", str(exe)],
                    check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
@@ -294,7 +294,7 @@ def test_backward_needs_a_bwd_variant(monkeypatch):
     fails with VariantNotBuiltError at backward time, naming the key."""
     from fa3gen import ops
 
-    table = [_v("fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov1", d=64)]
+    table = [_v("fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov1")]
     fake_lib = type("L", (), {"find": lambda self, *a: select_variant(table, *a)})()
     monkeypatch.setattr(runtime, "get_library", lambda *a, **k: fake_lib)
     q = torch.empty(1, 4, 2, 64, dtype=torch.bfloat16)
@@ -508,7 +508,7 @@ def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION):
     src.write_text(FAKE_LIB_C)
     so = tmp_path / f"libfa3gen_fake{abi}.so"
     subprocess.run([cc, "-shared", "-fPIC", f"-DABI={abi}", "-I",
-                    str(runtime.REPO_ROOT / "templates/kernels"), str(src), "-o", str(so)],
+                    str(KERNELS_DIR), str(src), "-o", str(so)],
                    check=True)
     return so
 

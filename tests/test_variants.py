@@ -1,15 +1,16 @@
-"""Enumeration, pruning constraints, names and dispatch (generator/variants.py)."""
+"""Enumeration, pruning constraints and dispatch (generator/variants.py); names and parsing are
+fa3gen/contract.py's (tests/test_contract.py)."""
 import dataclasses
 import textwrap
 
 import pytest
 
+from fa3gen.contract import KEY_AXES, Variant
 from generator import variants as V
 from generator.errors import SpecError
 from generator.paths import SPECS_DIR
-from generator.spec import KEY_AXES, load_spec, parse_spec
-from generator.variants import (CONSTRAINTS, Variant, check, enumerate_variants, parse_name,
-                                resolve_dispatch)
+from generator.spec import load_spec, parse_spec
+from generator.variants import CONSTRAINTS, check, enumerate_variants, resolve_dispatch
 
 BASE = Variant("fwd", "bf16", 128, False, 128, 128, 2, True, False, False)
 
@@ -39,19 +40,6 @@ axes:
   pingpong: false
   intra_wg_overlap: false
 """
-
-
-def test_name_format_and_round_trip():
-    v = Variant("fwd", "bf16", 128, False, 128, 176, 2, True, True, True)
-    assert v.name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
-    assert parse_name(v.name) == v
-    for v in enumerate_variants(load_spec(SPECS_DIR / "ablation.yaml")).kept:
-        assert parse_name(v.name) == v
-
-
-def test_parse_name_rejects_garbage():
-    with pytest.raises(ValueError):
-        parse_name("fwd_bf16_d128_causal_m128n176_s2_ws1_pp1")
 
 
 def test_cartesian_expansion_sorted():

@@ -1,0 +1,331 @@
+"""The variant contract: what the generator (generator/) and the runtime (fa3gen/) agree on.
+
+It owns the axes of a variant (order, type, allowed values, dispatch key or knob, spelling in
+the canonical name), the `Variant` built from them, the dtype table, where a build puts its
+outputs, and the C ABI of templates/kernels/fa3gen_abi.h as data: version, struct fields in
+order, grid modes, and the kernel launchers' template parameters. tests/test_contract.py pins
+that data to the C headers, so a drift fails on CPU.
+
+Standard library only: the runtime imports it on machines without yaml, jinja2 or torch.
+
+Adding an axis: one `Axis` row in AXIS_TABLE, then the kernel side that realizes it (a
+template parameter in LAUNCHERS and the launcher, a field of fa3gen_variant_info and an ABI
+version bump); the tests say which of those is missing.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, make_dataclass
+from functools import cached_property
+from operator import attrgetter
+from pathlib import Path
+from typing import Any, Optional
+
+# --------------------------------------------------------------------------- dtypes
+
+
+@dataclass(frozen=True)
+class Dtype:
+    name: str    # in specs and variant names
+    cpp: str     # the kernels' Element type
+    torch: str   # attribute of the torch module
+    bytes: int   # element size
+
+
+DTYPES = {d.name: d for d in (
+    Dtype("bf16", "cutlass::bfloat16_t", "bfloat16", 2),
+    Dtype("fp16", "cutlass::half_t", "float16", 2),
+)}
+
+# --------------------------------------------------------------------------- axes
+
+_POSITIVE_INT = r"([1-9][0-9]*)"  # no leading zeros: a parsed name spells back the same
+_PYTHON_TYPE = {"choice": str, "int": int, "bool": bool, "tile": int}
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of the variant space: a spec key, a part of the canonical name and one or two
+    Variant fields (a tile [M, N] is tile_m and tile_n)."""
+    name: str
+    kind: str                        # "choice" | "int" | "bool" | "tile"
+    role: str                        # "key": what a caller asks for; "knob": how a variant runs
+    tag: str = ""                    # prefix in the name: d128, s2, ws1
+    choices: tuple[str, ...] = ()    # a choice's allowed values
+    words: tuple[str, str] = ()      # a bool spelled as a word, (false, true)
+    cpp: Optional[dict] = field(default=None, compare=False)  # a choice's C++ spelling
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return (f"{self.name}_m", f"{self.name}_n") if self.kind == "tile" else (self.name,)
+
+    def value(self, variant) -> Any:
+        """The axis value of a variant as specs write it (a tile is an (M, N) tuple)."""
+        values = tuple(getattr(variant, f) for f in self.fields)
+        return values if self.kind == "tile" else values[0]
+
+    def split(self, value) -> tuple:
+        """The field values of an axis value (inverse of `value`)."""
+        return tuple(value) if self.kind == "tile" else (value,)
+
+    def _part(self, *texts: str) -> str:
+        """The name part around the text of each field."""
+        return f"m{texts[0]}n{texts[1]}" if self.kind == "tile" else f"{self.tag}{texts[0]}"
+
+    @property
+    def _options(self) -> tuple[str, ...]:
+        """The spellings of a choice or a bool (false, true)."""
+        return self.choices if self.kind == "choice" else (self.words or ("0", "1"))
+
+    def spell(self, value) -> str:
+        """The axis's part of the canonical name."""
+        if self.kind == "bool":
+            return self._part(self._options[bool(value)])
+        return self._part(*map(str, self.split(value)))
+
+    @property
+    def placeholder(self) -> str:
+        """The part as a format description, e.g. ws{0|1} or m{tile_m}n{tile_n}."""
+        if self.kind == "bool":
+            return self._part("{" + "|".join(self._options) + "}")
+        return self._part(*(f"{{{f}}}" for f in self.fields))
+
+    @property
+    def pattern(self) -> str:
+        """A regex of the part with one group per field."""
+        if self.kind in ("choice", "bool"):
+            return self._part("(" + "|".join(map(re.escape, self._options)) + ")")
+        return self._part(*[_POSITIVE_INT] * len(self.fields))
+
+    def parse(self, groups: tuple[str, ...]) -> tuple:
+        """Field values from the pattern's groups."""
+        if self.kind == "bool":
+            return (groups[0] == self._options[1],)
+        return tuple(_PYTHON_TYPE[self.kind](g) for g in groups)
+
+
+# Canonical order: of the name, of the Variant fields, of the spec's cartesian product.
+AXIS_TABLE = (
+    Axis("direction", "choice", "key", choices=("fwd", "bwd")),
+    Axis("dtype", "choice", "key", choices=tuple(DTYPES),
+         cpp={d.name: d.cpp for d in DTYPES.values()}),
+    Axis("head_dim", "int", "key", tag="d"),
+    Axis("causal", "bool", "key", words=("nocausal", "causal")),
+    Axis("tile", "tile", "knob"),
+    Axis("stages", "int", "knob", tag="s"),
+    Axis("warp_specialized", "bool", "knob", tag="ws"),
+    Axis("pingpong", "bool", "knob", tag="pp"),
+    Axis("intra_wg_overlap", "bool", "knob", tag="ov"),
+)
+AXIS_BY_NAME = {a.name: a for a in AXIS_TABLE}
+AXES = tuple(AXIS_BY_NAME)
+KEY_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "key")
+KNOB_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "knob")
+DIRECTIONS = AXIS_BY_NAME["direction"].choices
+
+# (field, Python type) of a Variant, in order.
+VARIANT_FIELDS = tuple((f, _PYTHON_TYPE[a.kind]) for a in AXIS_TABLE for f in a.fields)
+_AXIS_OF_FIELD = {f: a for a in AXIS_TABLE for f in a.fields}
+
+# Key axes are scalars, so their fields are the key; attrgetter keeps it a ~0.1 us lookup.
+_key_of = attrgetter(*(f for a in KEY_AXES for f in AXIS_BY_NAME[a].fields))
+
+NAME_SEP = "_"
+NAME_FORMAT = NAME_SEP.join(a.placeholder for a in AXIS_TABLE)
+_NAME_RE = re.compile(re.escape(NAME_SEP).join(a.pattern for a in AXIS_TABLE))
+
+
+class _VariantBehaviour:
+    """What every Variant does; its fields are VARIANT_FIELDS (see Variant below)."""
+
+    @cached_property
+    def name(self) -> str:
+        """Canonical name: file stem, symbol suffix, filter and bench label."""
+        return NAME_SEP.join(a.spell(a.value(self)) for a in AXIS_TABLE)
+
+    @property
+    def key(self) -> tuple:
+        """Dispatch key: what a caller asks for (the runtime compares it on every call)."""
+        return _key_of(self)
+
+    def axes(self) -> dict:
+        """Values by spec axis name (a tile as an (M, N) tuple), for matching spec rules."""
+        return {a.name: a.value(self) for a in AXIS_TABLE}
+
+    @classmethod
+    def from_axes(cls, axes: dict):
+        values: dict = {}
+        for a in AXIS_TABLE:
+            values.update(zip(a.fields, a.split(axes[a.name])))
+        return cls(**values)
+
+
+# Built from the axis table so that an axis is one edit. Frozen (hashable, a dict key) and
+# ordered; e.g. Variant("fwd", "bf16", 128, False, 128, 176, 2, True, True, True).
+Variant = make_dataclass("Variant", VARIANT_FIELDS, bases=(_VariantBehaviour,),
+                         frozen=True, order=True)
+Variant.__module__ = __name__  # make_dataclass leaves it elsewhere on Python < 3.12 (pickling)
+Variant.__doc__ = f"One kernel configuration, named {NAME_FORMAT}."
+
+
+def parse_name(name: str) -> Variant:
+    """The Variant of a canonical name; ValueError for anything else."""
+    m = _NAME_RE.fullmatch(name)
+    if not m:
+        raise ValueError(f"not a canonical variant name: {name!r} (expected {NAME_FORMAT})")
+    groups, values = iter(m.groups()), {}
+    for a in AXIS_TABLE:
+        values.update(zip(a.fields, a.parse(tuple(next(groups) for _ in a.fields))))
+    return Variant(**values)
+
+
+def key_str(key: tuple) -> str:
+    """A dispatch key as name parts, e.g. (fwd, bf16, d128, causal)."""
+    return "(" + ", ".join(AXIS_BY_NAME[a].spell(v) for a, v in zip(KEY_AXES, key)) + ")"
+
+
+# --------------------------------------------------------------------------- output layout
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GENERATED_ENV = "FA3GEN_GENERATED"  # overrides <repo root>/generated
+MANIFEST_NAME = "manifest.json"
+_LIBRARY_RE = re.compile(r"libfa3gen_(.+)\.so")
+
+
+def generated_root() -> Path:
+    """Root of build outputs; the environment overrides it (read per call so tests can set it)."""
+    env = os.environ.get(GENERATED_ENV)
+    return Path(env).resolve() if env else REPO_ROOT / "generated"
+
+
+def spec_out_dir(spec_name: str) -> Path:
+    return generated_root() / spec_name
+
+
+def library_name(spec_name: str) -> str:
+    """The spec's library, relative to its output directory (as build.ninja names it)."""
+    return f"lib/libfa3gen_{spec_name}.so"
+
+
+def library_path(spec_name: str) -> Path:
+    return spec_out_dir(spec_name) / library_name(spec_name)
+
+
+def manifest_path(spec_name: str) -> Path:
+    return spec_out_dir(spec_name) / MANIFEST_NAME
+
+
+def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
+    """`x` for a libfa3gen_x.so, else None."""
+    m = _LIBRARY_RE.fullmatch(Path(path).name)
+    return m.group(1) if m else None
+
+
+# --------------------------------------------------------------------------- C ABI
+# templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
+
+ABI_VERSION = 3
+
+# FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
+GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
+
+
+def _strides(*tensors: str) -> tuple:
+    return tuple((f"{t}_{dim}_stride", "int64_t")
+                 for t in tensors for dim in ("batch", "row", "head"))
+
+
+_SIZES = tuple((n, "int32_t") for n in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
+                                        "head_dim"))
+
+FWD_PARAMS = (
+    ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
+    ("lse", "float*"),
+    *_strides("q", "k", "v", "o"),
+    *_SIZES,
+    ("softmax_scale", "float"), ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
+)
+
+BWD_PARAMS = (
+    ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "const void*"),
+    ("dout", "const void*"), ("lse", "const float*"),
+    ("dq", "void*"), ("dk", "void*"), ("dv", "void*"),
+    ("dq_accum", "float*"), ("lse_log2", "float*"), ("dsum", "float*"),
+    ("dq_semaphore", "int32_t*"),
+    *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+    *_SIZES,
+    ("softmax_scale", "float"), ("deterministic", "int32_t"),
+)
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A direction's kernel entry point (templates/kernels/fa3gen_<direction>.cuh) and how the
+    variant table reaches it."""
+    header: str                 # the kernel header that defines `function`
+    function: str               # C++ function template, instantiated once per variant
+    params: str                 # C struct of its params argument
+    params_fields: tuple        # that struct's (field, C type) list
+    fn_type: str                # C typedef of the exported launcher
+    info_field: str             # fa3gen_variant_info field holding the launcher
+    template_params: tuple      # (C++ template parameter, Variant field), in declaration order
+
+
+_FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_m"),
+                 ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
+                 ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
+                 ("IntraWgOverlap", "intra_wg_overlap"))
+
+LAUNCHERS = {
+    "fwd": Launcher("fa3gen_fwd.cuh", "fa3gen::launch_fwd", "fa3gen_fwd_params", FWD_PARAMS,
+                    "fa3gen_fwd_launch_fn", "launch_fwd", _FWD_TEMPLATE),
+    # The backward has one schedule: no knob beyond the tile and stages.
+    "bwd": Launcher("fa3gen_bwd.cuh", "fa3gen::launch_bwd", "fa3gen_bwd_params", BWD_PARAMS,
+                    "fa3gen_bwd_launch_fn", "launch_bwd", _FWD_TEMPLATE[:6]),
+}
+
+
+def launch_symbol(v: Variant) -> str:
+    """The exported C launcher of a variant (its TU defines it, the dispatch table points at it)."""
+    return f"fa3gen_launch_{v.name}"
+
+
+def template_args(v: Variant) -> list[str]:
+    """C++ template arguments of v's launcher, in its declaration order."""
+    def cpp(field: str) -> str:
+        value, axis = getattr(v, field), _AXIS_OF_FIELD[field]
+        if axis.kind == "choice":
+            return axis.cpp[value]
+        return ("true" if value else "false") if axis.kind == "bool" else str(value)
+    return [cpp(f) for _, f in LAUNCHERS[v.direction].template_params]
+
+
+# fa3gen_variant_info: the name, every Variant field (a choice as its C string, the rest as
+# int32_t), is_default, then one launcher per direction (NULL but for the variant's own).
+VARIANT_INFO = (
+    ("name", "const char*"),
+    *((f, "const char*" if t is str else "int32_t") for f, t in VARIANT_FIELDS),
+    ("is_default", "int32_t"),
+    *((launcher.info_field, launcher.fn_type) for launcher in LAUNCHERS.values()),
+)
+
+_FN_TYPES = {launcher.fn_type for launcher in LAUNCHERS.values()}
+
+
+def is_pointer(c_type: str) -> bool:
+    return c_type.endswith("*") or c_type in _FN_TYPES
+
+
+def variant_info_values(v: Variant, is_default: bool) -> list[str]:
+    """C initializer values of v's fa3gen_variant_info row, in VARIANT_INFO order."""
+    def c(value) -> str:
+        return f'"{value}"' if isinstance(value, str) else str(int(value))
+    return [c(v.name), *(c(getattr(v, f)) for f, _ in VARIANT_FIELDS), c(is_default),
+            *(f"&{launch_symbol(v)}" if d == v.direction else "nullptr" for d in LAUNCHERS)]
+
+
+def variant_info_zero() -> list[str]:
+    """An all-NULL/0 fa3gen_variant_info row (C++ rejects an empty array)."""
+    return ["nullptr" if is_pointer(t) else "0" for _, t in VARIANT_INFO]
+
