@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Thin wrapper over `fa3gen build`: python build.py --spec specs/h100.yaml [-j N] [--check]
 
---check: after a successful build, run fa3gen.bench.quick_check() on the new library when
+--check: after a successful build, run fa3gen.checks.quick_check() on the new library when
 a CUDA device is present (skipped with a message otherwise).
 """
 import os
@@ -29,15 +29,8 @@ def quick_check(spec: str) -> int:
     p = plan(spec)
     # Point the runtime at the library just built (it defaults to the h100 spec).
     os.environ.setdefault("FA3GEN_LIB", str(p.out_dir / library_name(p.spec.name)))
-    try:
-        from fa3gen import bench
-    except ImportError as e:
-        print(f"build.py: --check skipped: fa3gen.bench unavailable ({e})")
-        return 0
-    if not hasattr(bench, "quick_check"):
-        print("build.py: --check skipped: fa3gen.bench has no quick_check()")
-        return 0
-    bench.quick_check(spec=p.spec.name)
+    from fa3gen import checks
+    checks.quick_check(spec=p.spec.name)
     return 0
 
 

@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 _LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops"}
-_LAZY_MODULES = {"ops", "runtime", "reference", "bench"}
+_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks"}
 
 
 def __getattr__(name):

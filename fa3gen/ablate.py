@@ -24,9 +24,10 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import (REPO_ROOT, WARMUP_SECONDS, _fmt, attention_flops, provenance, tflops,
-                          time_ms, update_markdown, write_json)
+from fa3gen.bench import REPO_ROOT, _fmt, attention_flops, provenance, update_markdown, write_json
+from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
+from fa3gen.timing import WARMUP_SECONDS, random_inputs, tflops, time_ms
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 DEFAULT_SPEC = str(REPO_ROOT / "specs" / "ablation.yaml")  # absolute: works from any cwd
@@ -39,10 +40,6 @@ PAPER_ROWS = {(True, True, True): "full", (True, True, False): "no_overlap",
               (False, False, True): "no_ws", (False, False, False): "both_off"}
 PAPER_LABELS = {"full": "full (WS + overlap)", "no_overlap": "no GEMM-softmax overlap",
                 "no_ws": "no warp specialization", "both_off": "both off (not in the paper)"}
-
-# Correctness check: odd sizes (not tile multiples); causal cells also get seqlen_q < seqlen_k.
-CHECK_BATCH, CHECK_HEADS = 2, 4
-CHECK_SEQLENS = {False: ((333, 333),), True: ((333, 333), (200, 333))}
 
 BOOL_KNOBS = ("ws", "pp", "ov")
 # What identifies a timed cell: two rows differing in exactly one of these form a matched pair.
@@ -539,39 +536,7 @@ def _progress(r: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU functions.
-
-
-def check_cell(lib, cell, seed: int = 0) -> dict:
-    """Run `cell` on small random problems into NaN-poisoned outputs; compare to fp32."""
-    import torch
-
-    from fa3gen import ops, reference
-
-    if lib.get(cell.name) is None:
-        return {"status": "error", "max_err": None,
-                "detail": f"not built in {lib.path} (build the spec, or drop --no-build)"}
-    dtype = ops.TORCH_DTYPES[cell.dtype]
-    d, b, h = cell.head_dim, CHECK_BATCH, CHECK_HEADS
-    scale = d**-0.5
-    worst = 0.0
-    for sq, sk in CHECK_SEQLENS[bool(cell.causal)]:
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, generator=gen)
-        k = torch.randn(b, sk, h, d, device="cuda", dtype=dtype, generator=gen)
-        v = torch.randn(b, sk, h, d, device="cuda", dtype=dtype, generator=gen)
-        out = torch.full((b, sq, h, d), float("nan"), device="cuda", dtype=dtype)
-        lse = torch.full((b, h, sq), float("nan"), device="cuda", dtype=torch.float32)
-        ops._fwd_into(q, k, v, out, lse, bool(cell.causal), scale, cell.name, lib=lib)
-        torch.cuda.synchronize()
-        res = reference.compare_to_reference(out, lse, q, k, v, bool(cell.causal), scale)
-        err = res["out_err"]
-        err = None if err != err else err  # NaN: not JSON; the detail says NaN
-        if not res["ok"]:
-            return {"status": "wrong", "max_err": err,
-                    "detail": f"seqlen_q={sq} seqlen_k={sk}: {res['why']}"}
-        worst = max(worst, err)
-    return {"status": "ok", "max_err": worst, "detail": None}
+# GPU functions (each cell's correctness check is fa3gen.checks.check_cell).
 
 
 def make_timer(warmup: int, iters: int) -> Callable[[object, dict], list[float]]:
@@ -583,16 +548,12 @@ def make_timer(warmup: int, iters: int) -> Callable[[object, dict], list[float]]
 
     cache: dict = {}
 
-    def time(cell, shape) -> float:
+    def time(cell, shape) -> list[float]:
         key = (shape_str(shape), cell.dtype)
         if key not in cache:
             cache.clear()
             torch.cuda.empty_cache()
-            dtype = TORCH_DTYPES[cell.dtype]
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            cache[key] = [torch.randn(shape["batch"], shape["seqlen"], shape["heads"],
-                                      shape["head_dim"], device="cuda", dtype=dtype,
-                                      generator=gen) for _ in range(3)]
+            cache[key] = random_inputs(shape, TORCH_DTYPES[cell.dtype], 3)
         q, k, v = cache[key]
         fn = lambda: flash_attn_func(q, k, v, causal=bool(cell.causal), variant=cell.name)  # noqa: E731
         # Several timed batches per cell: on the H200 single batches of the same cell came out
@@ -663,8 +624,7 @@ def run(args, build_fn=None) -> int:
     header = provenance(lib)
     header.update(spec=p.spec.name, warmup=args.warmup, iters=args.iters,
                   shapes=[shape_str(s) for s in shapes],
-                  check=f"batch {CHECK_BATCH}, heads {CHECK_HEADS}, seqlen 333 "
-                        "(causal also seqlen_q 200 / seqlen_k 333), seeded randn inputs")
+                  check=CELL_CHECK_DESCRIPTION)
     report = make_report(header, rows, pruned)
 
     out = Path(args.out_dir)

@@ -18,12 +18,12 @@ import json
 import os
 import re
 import shlex
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from fa3gen.errors import Fa3genError
+from fa3gen.timing import GEMM_N, gemm_tflops, random_inputs, report_failure, tflops, time_or_none
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TOTAL_TOKENS = 16384  # batch * seqlen (FA3 paper grid)
@@ -31,7 +31,6 @@ HIDDEN = 2048  # heads * head_dim
 BACKENDS = ("fa3gen", "cudnn", "flash")
 LABELS = {"fa3gen": "fa3gen", "cudnn": "cuDNN", "flash": "FA2"}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
-GEMM_N = 8192
 
 # ---------------------------------------------------------------------------------------------
 # Pure parts.
@@ -57,10 +56,6 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, directio
     if direction == "bwd":
         f *= 2.5
     return f
-
-
-def tflops(flops: float, ms: float | None) -> float | None:
-    return None if not ms else flops / (ms * 1e-3) / 1e12
 
 
 def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, ms: dict) -> dict:
@@ -349,75 +344,7 @@ def run(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU measurement.
-
-# Spin the GPU this many cycles before a timed batch so the CPU enqueues every launch while
-# the GPU is busy: per-launch event times then measure the kernels, not Python overhead.
-_SLEEP_CYCLES = 100_000_000
-WARMUP_SECONDS = 0.3
-
-
-def time_ms(fn, warmup: int, iters: int) -> float:
-    """Median milliseconds of `iters` launches of fn, each between its own CUDA events."""
-    import torch
-
-    # Warm up by time as well as by count: an idle H200 sits at 345 MHz and needs a sustained
-    # load to reach its 1980 MHz clock. With only a few launches of warm-up, ablation cells
-    # timed after an idle gap (their correctness check) came out 2-4x slow at random.
-    import time
-
-    deadline = time.perf_counter() + WARMUP_SECONDS
-    n = 0
-    while n < warmup or time.perf_counter() < deadline:
-        fn()
-        n += 1
-        if n % 8 == 0:
-            torch.cuda.synchronize()  # keep the queue short so the deadline means GPU time
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    if hasattr(torch.cuda, "_sleep"):
-        torch.cuda._sleep(_SLEEP_CYCLES)
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
-def gemm_tflops(warmup: int, iters: int) -> float | None:
-    import torch
-
-    try:
-        a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
-        ms = time_ms(lambda: torch.matmul(a, b), warmup, iters)
-    except Exception as e:  # noqa: BLE001 - the ceiling is optional in the report
-        print(f"GEMM benchmark failed: {e}", file=sys.stderr)
-        return None
-    return tflops(2.0 * GEMM_N**3, ms)
-
-
-def _try(label, fn, warmup, iters):
-    """Time fn; a backend that fails on a shape gives None in the report, not a crash."""
-    import torch
-
-    try:
-        return time_ms(fn, warmup, iters)
-    except Exception as e:  # noqa: BLE001 - any backend failure is reported, not fatal
-        torch.cuda.synchronize()
-        print(f"  {label} failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
-        return None
-
-
-def _random_inputs(shape: dict, dtype, count: int) -> list:
-    """count CUDA tensors (batch, seqlen, heads, head_dim) of randn, seed 0."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dims = (shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"])
-    return [torch.randn(*dims, device="cuda", dtype=dtype, generator=gen) for _ in range(count)]
+# GPU measurement (timing itself is fa3gen.timing's).
 
 
 def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
@@ -431,7 +358,8 @@ def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
 def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
     """TFLOP/s of every built variant of `key` (direction, dtype, head_dim, causal), each
     timed as call(variant_name): the `candidates` map of --all-variants."""
-    return {info.name: tflops(flops, _try(info.name, lambda: call(info.name), args.warmup, args.iters))
+    return {info.name: tflops(flops, time_or_none(info.name, lambda: call(info.name),
+                                                  args.warmup, args.iters))
             for info in lib.variants if info.key == key}
 
 
@@ -444,13 +372,13 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
 
     b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
     dt_name = _DTYPES[dtype]
-    q, k, v = _random_inputs(shape, dtype, 3)
+    q, k, v = random_inputs(shape, dtype, 3)
     ms: dict = {}
     variant = _find_variant(lib, "fwd", dt_name, d, causal)
     if variant is not None:
-        ms["fa3gen"] = _try("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal,
-                                                              variant=variant),
-                            args.warmup, args.iters)
+        ms["fa3gen"] = time_or_none(
+            "fa3gen", lambda: flash_attn_func(q, k, v, causal=causal, variant=variant),
+            args.warmup, args.iters)
     candidates = {}
     if getattr(args, "all_variants", False):
         candidates = _time_candidates(
@@ -465,8 +393,10 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             return fn
 
-        ms["cudnn"] = _try("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION), args.warmup, args.iters)
-        ms["flash"] = _try("FA2", sdpa(SDPBackend.FLASH_ATTENTION), args.warmup, args.iters)
+        ms["cudnn"] = time_or_none("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION),
+                                   args.warmup, args.iters)
+        ms["flash"] = time_or_none("FA2", sdpa(SDPBackend.FLASH_ATTENTION),
+                                   args.warmup, args.iters)
     del q, k, v
     torch.cuda.empty_cache()
     row = make_row("fwd", dt_name, shape, causal, variant, ms)
@@ -484,7 +414,7 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     from fa3gen.ops import _DTYPES, flash_attn_func
 
     d, dt_name = shape["head_dim"], _DTYPES[dtype]
-    q, k, v, dout = _random_inputs(shape, dtype, 4)
+    q, k, v, dout = random_inputs(shape, dtype, 4)
     for t in (q, k, v):
         t.requires_grad_(True)
     ms: dict = {}
@@ -493,10 +423,11 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         try:
             out = forward()
         except Exception as e:  # noqa: BLE001 - reported, not fatal
-            print(f"  {label} forward failed: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+            report_failure(f"{label} forward", e)
             return None
-        return _try(label, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-                    args.warmup, args.iters)
+        return time_or_none(
+            label, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+            args.warmup, args.iters)
 
     variant = _find_variant(lib, "bwd", dt_name, d, causal)
     fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal)
@@ -533,105 +464,3 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     if candidates:
         row["candidates"] = candidates
     return row
-
-
-def quick_check(spec=None, verbose: bool = True) -> list[dict]:
-    """One small random problem per default forward and backward variant of the library,
-    against the fp32 references under the tolerance rule. Raises Fa3genError listing the failures."""
-    import torch
-
-    from fa3gen import runtime
-
-    if not torch.cuda.is_available():
-        raise Fa3genError("quick_check needs a CUDA GPU (Hopper sm_90)")
-    lib = runtime.get_library(spec)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    results, failed = [], []
-    checks = [(info, _check_forward) for info in lib.defaults("fwd")]
-    checks += [(info, _check_backward) for info in lib.defaults("bwd")]
-    for info, check in checks:
-        res = check(lib, info, gen)
-        results.append(res)
-        if verbose:
-            status = "ok  " if res["ok"] else "FAIL"
-            print(f"{status} {info.name}: {_error_summary(res)} {'' if res['ok'] else res['why']}",
-                  flush=True)
-        if not res["ok"]:
-            failed.append(f"{info.name}: {res['why']}")
-    if not results:
-        raise Fa3genError(f"{lib.path} has no default forward variant to check")
-    if failed:
-        raise Fa3genError("quick_check failed:\n  " + "\n  ".join(failed))
-    return results
-
-
-# quick_check's problem: odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises
-# the causal alignment).
-_CHECK_SHAPE = (2, 200, 333, 4, 2)  # batch, seqlen_q, seqlen_k, heads_q, heads_kv
-
-
-def _checked(info, run) -> dict:
-    """run()'s comparison result for variant `info`; a launch or library error is a failed
-    check with the reason, not an exception."""
-    try:
-        res = run()
-    except (RuntimeError, Fa3genError) as e:
-        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
-    res["variant"] = info.name
-    return res
-
-
-def _error_summary(res: dict) -> str:
-    """The measured errors of a forward or backward check result, for one line of output."""
-    if "out_err" in res:
-        return (f"max|out-ref| {res['out_err']:.2e} (tol {res['out_tol']:.2e}), "
-                f"max|lse-ref| {res['lse_err']:.2e}")
-    return ", ".join(f"max|{g}-ref| {res[g + '_err']:.2e} (tol {res[g + '_tol']:.2e})"
-                     for g in ("dq", "dk", "dv") if g + "_err" in res)
-
-
-def _check_forward(lib, info, gen) -> dict:
-    """out and lse of the _CHECK_SHAPE problem against the fp32 reference."""
-    import torch
-
-    from fa3gen import ops, reference
-
-    b, sq, sk, hq, hkv = _CHECK_SHAPE
-    dtype, d = ops.TORCH_DTYPES[info.dtype], info.head_dim
-    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
-    k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
-    out = torch.full((b, sq, hq, d), float("nan"), device="cuda", dtype=dtype)
-    lse = torch.full((b, hq, sq), float("nan"), device="cuda", dtype=torch.float32)
-    scale = d**-0.5
-
-    def run():
-        ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
-        torch.cuda.synchronize()
-        return reference.compare_to_reference(out, lse, q, k, v, info.causal, scale)
-    return _checked(info, run)
-
-
-def _check_backward(lib, info, gen) -> dict:
-    """dq, dk, dv of the _CHECK_SHAPE problem against the fp32 gradient reference."""
-    import torch
-
-    from fa3gen import ops, reference
-
-    b, sq, sk, hq, hkv = _CHECK_SHAPE
-    d, dtype = info.head_dim, ops.TORCH_DTYPES[info.dtype]
-    q, dout = (torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
-               for _ in range(2))
-    k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
-            for _ in range(2))
-    scale = d**-0.5
-
-    def run():
-        fwd = lib.find("fwd", info.dtype, d, info.causal)
-        out, lse = ops._empty_outputs(q)
-        ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=lib)
-        grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-        ops._bwd_into(dout, q, k, v, out, lse, *grads, info.causal, scale, info.name, lib=lib)
-        torch.cuda.synchronize()
-        return reference.compare_grads_to_reference(grads, q, k, v, dout, info.causal, scale)
-    return _checked(info, run)

@@ -65,7 +65,7 @@ def attention_reference(
 
 
 # ---------------------------------------------------------------------------------------------
-# The tolerance rule shared by the GPU tests and bench.quick_check (as in the FA3 test suite):
+# The tolerance rule shared by the GPU tests and fa3gen.checks (as in the FA3 test suite):
 # the kernel may be at most twice as wrong as plain PyTorch in the same low precision, + atol.
 
 OUT_ATOL = 1e-3

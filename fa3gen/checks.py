@@ -1,0 +1,169 @@
+"""Correctness checks of built kernels against the fp32 reference (fa3gen/reference.py).
+
+- quick_check: each default forward and backward variant of a library once (build.py --check).
+- check_cell: one ablation cell on its problems (`fa3gen ablate` times only cells that pass).
+Both run check_forward / check_backward: seeded inputs, NaN-poisoned outputs, the tolerance rule
+of reference.compare_to_reference / compare_grads_to_reference.
+
+torch is imported inside the functions, so importing this module stays torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from fa3gen.errors import Fa3genError
+
+
+class Problem(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+
+
+# quick_check's problem: odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises
+# the causal alignment).
+QUICK_PROBLEM = Problem(batch=2, seqlen_q=200, seqlen_k=333, heads_q=4, heads_kv=2)
+
+# check_cell's problems, by causal: odd sizes; causal cells also get seqlen_q < seqlen_k.
+_SQUARE, _FEWER_Q = Problem(2, 333, 333, 4, 4), Problem(2, 200, 333, 4, 4)
+CELL_PROBLEMS = {False: (_SQUARE,), True: (_SQUARE, _FEWER_Q)}
+# For ablate's report header: what every cell was checked on.
+CELL_CHECK_DESCRIPTION = (
+    f"batch {_SQUARE.batch}, heads {_SQUARE.heads_q}, seqlen {_SQUARE.seqlen_q} (causal also "
+    f"seqlen_q {_FEWER_Q.seqlen_q} / seqlen_k {_FEWER_Q.seqlen_k}), seeded randn inputs")
+
+
+# ---------------------------------------------------------------------------------------------
+# One variant on one problem. `variant` is anything with the VariantInfo attribute names
+# (name, dtype, head_dim, causal): a runtime VariantInfo or a generator Variant.
+
+
+def _inputs(problem: Problem, variant, gen, count: int) -> list:
+    """q, k, v (and dout when count is 4) of `problem` in the variant's dtype, drawn from gen."""
+    import torch
+
+    from fa3gen.ops import TORCH_DTYPES
+
+    b, sq, sk, hq, hkv = problem
+    dims = [(b, sq, hq), (b, sk, hkv), (b, sk, hkv), (b, sq, hq)][:count]
+    return [torch.randn(*bsh, variant.head_dim, device="cuda", generator=gen,
+                        dtype=TORCH_DTYPES[variant.dtype]) for bsh in dims]
+
+
+def check_forward(lib, variant, problem: Problem, gen) -> dict:
+    """Forward `variant` into NaN-poisoned out and lse; reference.compare_to_reference's result."""
+    import torch
+
+    from fa3gen import ops, reference
+
+    q, k, v = _inputs(problem, variant, gen, 3)
+    causal, scale = bool(variant.causal), variant.head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
+                     device="cuda", dtype=torch.float32)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, variant.name, lib=lib)
+    torch.cuda.synchronize()
+    return reference.compare_to_reference(out, lse, q, k, v, causal, scale)
+
+
+def check_backward(lib, variant, problem: Problem, gen) -> dict:
+    """Backward `variant` (after the key's default forward) into NaN-poisoned dq, dk, dv;
+    reference.compare_grads_to_reference's result."""
+    import torch
+
+    from fa3gen import ops, reference
+
+    q, k, v, dout = _inputs(problem, variant, gen, 4)
+    causal, scale = bool(variant.causal), variant.head_dim**-0.5
+    fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal)
+    out, lse = ops._empty_outputs(q)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, fwd.name, lib=lib)
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, variant.name, lib=lib)
+    torch.cuda.synchronize()
+    return reference.compare_grads_to_reference(grads, q, k, v, dout, causal, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# build.py --check.
+
+
+def quick_check(spec=None, verbose: bool = True) -> list[dict]:
+    """QUICK_PROBLEM once per default forward and backward variant of the library, against the
+    fp32 references under the tolerance rule. Raises Fa3genError listing the failures."""
+    import torch
+
+    from fa3gen import runtime
+
+    if not torch.cuda.is_available():
+        raise Fa3genError("quick_check needs a CUDA GPU (Hopper sm_90)")
+    lib = runtime.get_library(spec)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results, failed = [], []
+    checks = [(info, check_forward) for info in lib.defaults("fwd")]
+    checks += [(info, check_backward) for info in lib.defaults("bwd")]
+    for info, check in checks:
+        res = _checked(check, lib, info, gen)
+        results.append(res)
+        if verbose:
+            status = "ok  " if res["ok"] else "FAIL"
+            print(f"{status} {info.name}: {error_summary(res)} {'' if res['ok'] else res['why']}",
+                  flush=True)
+        if not res["ok"]:
+            failed.append(f"{info.name}: {res['why']}")
+    if not results:
+        raise Fa3genError(f"{lib.path} has no default forward variant to check")
+    if failed:
+        raise Fa3genError("quick_check failed:\n  " + "\n  ".join(failed))
+    return results
+
+
+def _checked(check, lib, info, gen) -> dict:
+    """check's result for variant `info` on QUICK_PROBLEM; a launch or library error is a
+    failed check with the reason, not an exception."""
+    try:
+        res = check(lib, info, QUICK_PROBLEM, gen)
+    except (RuntimeError, Fa3genError) as e:
+        res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
+    res["variant"] = info.name
+    return res
+
+
+def error_summary(res: dict) -> str:
+    """The measured errors of a forward or backward check result, for one line of output."""
+    if "out_err" in res:
+        return (f"max|out-ref| {res['out_err']:.2e} (tol {res['out_tol']:.2e}), "
+                f"max|lse-ref| {res['lse_err']:.2e}")
+    return ", ".join(f"max|{g}-ref| {res[g + '_err']:.2e} (tol {res[g + '_tol']:.2e})"
+                     for g in ("dq", "dk", "dv") if g + "_err" in res)
+
+
+# ---------------------------------------------------------------------------------------------
+# fa3gen ablate.
+
+
+def check_cell(lib, cell, seed: int = 0) -> dict:
+    """check_forward of an ablation cell on each of CELL_PROBLEMS, each seeded with `seed`.
+
+    Returns run_cells' check result: {"status": "ok" | "wrong" | "error", "max_err", "detail"};
+    a launch error propagates (run_cells records it as "error")."""
+    import torch
+
+    if lib.get(cell.name) is None:
+        return {"status": "error", "max_err": None,
+                "detail": f"not built in {lib.path} (build the spec, or drop --no-build)"}
+    worst = 0.0
+    for problem in CELL_PROBLEMS[bool(cell.causal)]:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        res = check_forward(lib, cell, problem, gen)
+        err = res["out_err"]
+        err = None if err != err else err  # NaN: not JSON; the detail says NaN
+        if not res["ok"]:
+            return {"status": "wrong", "max_err": err,
+                    "detail": f"seqlen_q={problem.seqlen_q} seqlen_k={problem.seqlen_k}: "
+                              f"{res['why']}"}
+        worst = max(worst, err)
+    return {"status": "ok", "max_err": worst, "detail": None}

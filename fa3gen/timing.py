@@ -1,0 +1,90 @@
+"""GPU timing shared by `fa3gen bench` and `fa3gen ablate`: CUDA-event medians, the
+"a failing backend is None" wrapper, the cuBLAS GEMM ceiling and seeded inputs.
+
+torch is imported inside the functions, so importing this module (and the CLI) stays torch-free.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+# Spin the GPU this many cycles before a timed batch so the CPU enqueues every launch while
+# the GPU is busy: per-launch event times then measure the kernels, not Python overhead.
+_SLEEP_CYCLES = 100_000_000
+WARMUP_SECONDS = 0.3
+GEMM_N = 8192  # the GEMM ceiling's square size
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if not ms else flops / (ms * 1e-3) / 1e12
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of `iters` launches of fn, each between its own CUDA events."""
+    import torch
+
+    # Warm up by time as well as by count: an idle H200 sits at 345 MHz and needs a sustained
+    # load to reach its 1980 MHz clock. With only a few launches of warm-up, ablation cells
+    # timed after an idle gap (their correctness check) came out 2-4x slow at random.
+    deadline = time.perf_counter() + WARMUP_SECONDS
+    n = 0
+    while n < warmup or time.perf_counter() < deadline:
+        fn()
+        n += 1
+        if n % 8 == 0:
+            torch.cuda.synchronize()  # keep the queue short so the deadline means GPU time
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def report_failure(label: str, error: Exception) -> None:
+    """One stderr line for a backend that failed: its label and the error's first line."""
+    first = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"  {label} failed: {first[:200]}", file=sys.stderr)
+
+
+def time_or_none(label: str, fn, warmup: int, iters: int) -> float | None:
+    """time_ms(fn); a backend that fails on a shape gives None in the report, not a crash."""
+    import torch
+
+    try:
+        return time_ms(fn, warmup, iters)
+    except Exception as e:  # noqa: BLE001 - any backend failure is reported, not fatal
+        torch.cuda.synchronize()
+        report_failure(label, e)
+        return None
+
+
+def gemm_tflops(warmup: int, iters: int) -> float | None:
+    """cuBLAS bf16 GEMM_N^3 TFLOP/s: the ceiling the attention numbers are read against."""
+    import torch
+
+    try:
+        a = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(GEMM_N, GEMM_N, device="cuda", dtype=torch.bfloat16)
+        ms = time_ms(lambda: torch.matmul(a, b), warmup, iters)
+    except Exception as e:  # noqa: BLE001 - the ceiling is optional in the report
+        print(f"GEMM benchmark failed: {e}", file=sys.stderr)
+        return None
+    return tflops(2.0 * GEMM_N**3, ms)
+
+
+def random_inputs(shape: dict, dtype, count: int, seed: int = 0) -> list:
+    """count CUDA tensors (batch, seqlen, heads, head_dim) of seeded randn: every backend and
+    every cell is timed on the same numbers."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dims = (shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"])
+    return [torch.randn(*dims, device="cuda", dtype=dtype, generator=gen) for _ in range(count)]

@@ -1,0 +1,138 @@
+"""fa3gen.timing and fa3gen.checks without a GPU: what they report when a backend or a kernel
+fails, check_cell's verdict over its problems and quick_check's failure list. (That they
+import without torch is in tests/test_cli.py.)"""
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from fa3gen import checks, timing
+from fa3gen.errors import Fa3genError
+
+
+def test_tflops():
+    assert timing.tflops(2e12, 1000.0) == 2.0
+    assert timing.tflops(2e12, None) is None and timing.tflops(2e12, 0.0) is None
+
+
+def test_report_failure_is_one_line_even_for_an_empty_message(capsys):
+    timing.report_failure("cuDNN", RuntimeError("no kernel\nlong trace"))
+    timing.report_failure("FA2 forward", RuntimeError(""))
+    err = capsys.readouterr().err
+    assert err == "  cuDNN failed: no kernel\n  FA2 forward failed: RuntimeError\n"
+
+
+def test_time_or_none_turns_a_failing_backend_into_none(monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+    def broken():
+        raise RuntimeError("CUDNN_STATUS_NOT_SUPPORTED")
+
+    assert timing.time_or_none("cuDNN", broken, warmup=1, iters=1) is None
+    assert capsys.readouterr().err == "  cuDNN failed: CUDNN_STATUS_NOT_SUPPORTED\n"
+
+
+# ---- checks -----------------------------------------------------------------------------------
+
+
+def variant(name, direction="fwd", causal=False):
+    return SimpleNamespace(name=name, direction=direction, dtype="bf16", head_dim=64,
+                           causal=causal)
+
+
+class FakeLib:
+    path = Path("/built/libfa3gen_x.so")
+
+    def __init__(self, *variants):
+        self.variants = list(variants)
+
+    def get(self, name):
+        return next((v for v in self.variants if v.name == name), None)
+
+    def defaults(self, direction):
+        return [v for v in self.variants if v.direction == direction]
+
+
+@pytest.fixture
+def cpu_generator(monkeypatch):
+    """checks seed CUDA generators; a CPU one stands in (the kernel calls are faked)."""
+    torch = pytest.importorskip("torch")
+    cpu = torch.Generator
+    monkeypatch.setattr(torch, "Generator", lambda device: cpu())
+
+
+def test_error_summary_forward_and_backward():
+    fwd = {"out_err": 1e-3, "out_tol": 1e-2, "lse_err": 2e-6}
+    assert checks.error_summary(fwd) == \
+        "max|out-ref| 1.00e-03 (tol 1.00e-02), max|lse-ref| 2.00e-06"
+    bwd = {"dq_err": 1e-3, "dq_tol": 2e-2, "dv_err": 3e-3, "dv_tol": 4e-2}
+    assert checks.error_summary(bwd) == \
+        "max|dq-ref| 1.00e-03 (tol 2.00e-02), max|dv-ref| 3.00e-03 (tol 4.00e-02)"
+
+
+def test_cell_check_description_names_the_problems():
+    square, fewer_q = checks.CELL_PROBLEMS[True]
+    assert checks.CELL_PROBLEMS[False] == (square,)
+    assert fewer_q.seqlen_q < fewer_q.seqlen_k
+    assert checks.CELL_CHECK_DESCRIPTION == (
+        "batch 2, heads 4, seqlen 333 (causal also seqlen_q 200 / seqlen_k 333), "
+        "seeded randn inputs")
+
+
+def test_check_cell_not_built_is_an_error_without_a_launch(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setattr(checks, "check_forward", lambda *a: pytest.fail("launched"))
+    res = checks.check_cell(FakeLib(), variant("fwd_x"))
+    assert res["status"] == "error" and res["max_err"] is None
+    assert "not built in /built/libfa3gen_x.so" in res["detail"]
+
+
+def test_check_cell_worst_error_and_the_failing_problem(monkeypatch, cpu_generator):
+    cell = variant("fwd_causal", causal=True)
+    errs = {333: 1e-3, 200: 4e-3}  # by seqlen_q: the square problem, then fewer queries
+    seen = []
+
+    def check_forward(lib, v, problem, gen):
+        seen.append(problem)
+        return {"ok": True, "why": "", "out_err": errs[problem.seqlen_q]}
+
+    monkeypatch.setattr(checks, "check_forward", check_forward)
+    res = checks.check_cell(FakeLib(cell), cell)
+    assert res == {"status": "ok", "max_err": 4e-3, "detail": None}
+    assert tuple(seen) == checks.CELL_PROBLEMS[True]
+
+    def nan_on_fewer_queries(lib, v, problem, gen):
+        if problem.seqlen_q == 200:
+            return {"ok": False, "why": "NaN in out (7)", "out_err": float("nan")}
+        return {"ok": True, "why": "", "out_err": 1e-3}
+
+    monkeypatch.setattr(checks, "check_forward", nan_on_fewer_queries)
+    res = checks.check_cell(FakeLib(cell), cell)
+    assert res == {"status": "wrong", "max_err": None,  # NaN is not JSON
+                   "detail": "seqlen_q=200 seqlen_k=333: NaN in out (7)"}
+
+
+def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
+    import torch
+
+    from fa3gen import runtime
+
+    fwd, bwd = variant("fwd_a"), variant("bwd_a", direction="bwd")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "get_library", lambda spec: FakeLib(fwd, bwd))
+    monkeypatch.setattr(checks, "check_forward", lambda lib, v, problem, gen: {
+        "ok": True, "why": "", "out_err": 1e-3, "out_tol": 1e-2, "lse_err": 1e-6})
+
+    def launch_fails(lib, v, problem, gen):
+        assert problem == checks.QUICK_PROBLEM
+        raise RuntimeError("fa3gen launch failed: too many resources")
+
+    monkeypatch.setattr(checks, "check_backward", launch_fails)
+    with pytest.raises(Fa3genError) as e:
+        checks.quick_check("x")
+    assert str(e.value) == ("quick_check failed:\n  bwd_a: RuntimeError: fa3gen launch failed: "
+                            "too many resources")
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("ok   fwd_a: max|out-ref| 1.00e-03")
+    assert out[1].startswith("FAIL bwd_a:") and "too many resources" in out[1]
