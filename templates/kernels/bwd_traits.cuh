@@ -16,8 +16,9 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
-#include "fwd_utils.cuh"   // staged_tile_bytes
+#include "fragments.cuh"   // staged_tile_bytes
 #include "smem_atoms.cuh"
+#include "tile_scheduler.cuh"
 
 namespace fa3gen {
 
@@ -147,6 +148,7 @@ struct BwdParams {
   float softmax_scale, scale_log2;
   bool deterministic;
   bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue
+  TileSchedule schedule;  // one CTA per (key block, kv head, batch)
 };
 
 }  // namespace fa3gen

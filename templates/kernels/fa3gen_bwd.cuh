@@ -16,7 +16,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
   const int m_blocks = seqlen_q_rounded / TileM;
   const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;
-  if (a.heads_q > 65535 || a.batch > 65535) {  // grid y/z of the main and dQ kernels
+  if (a.heads_q > 65535 || a.batch > 65535) {  // grid y/z of the dQ conversion
     fa3gen_set_error("backward grid: heads_q and batch must be at most 65535");
     return 1;
   }
@@ -64,14 +64,15 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0,
       vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
-          vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8)};
+          vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8),
+      one_cta_per_tile(n_blocks, a.heads_kv, a.batch)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
-  // blockIdx.x = key block, fastest: in deterministic mode a CTA waits only for CTAs of lower
-  // key blocks of its head, which the hardware has already started (no deadlock).
-  kernel<<<dim3(n_blocks, a.heads_kv, a.batch), Traits::kThreads, smem_bytes, stream>>>(p);
+  // Key blocks are the fastest tile index: in deterministic mode a CTA waits only for CTAs of
+  // lower key blocks of its head, which the hardware has already started (no deadlock).
+  kernel<<<unsigned(p.schedule.ctas), Traits::kThreads, smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward kernel launch", err);
 

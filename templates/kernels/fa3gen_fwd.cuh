@@ -1,7 +1,6 @@
 // Host entry point of the forward kernel: the per-variant translation unit instantiates
 // launch_fwd<...> and exports it through the C ABI (see fa3gen_abi.h).
 #pragma once
-#include <algorithm>
 #include <climits>
 #include "fwd_kernel.cuh"
 #include "launch_common.cuh"
@@ -24,6 +23,14 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                         make_layout(make_shape(Int<HeadDim>{}, a.seqlen_k, a.heads_kv, a.batch),
                                     make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
 
+  const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
+  if (int64_t(m_blocks) * a.heads_q * a.batch > INT32_MAX / 2) {  // tile indices (pairs round up, plus 2 * grid) are ints
+    fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
+    return 1;
+  }
+  const TileSchedule schedule =
+      fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, a.seqlen_k, a.grid_mode, a.num_sms);
+
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{})),
@@ -32,26 +39,13 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       a.softmax_scale, a.softmax_scale * 1.4426950408889634f,
-      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8)};
+      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule};
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
-  // Persistent grid: one CTA per multiprocessor (shared memory allows one), or fewer tiles.
-  // Causal CTAs then walk their tiles in pairs of equal total length (TileScheduler). Measured
-  // on the H200 (2026-11-30, d128 causal): pairs +10-15% over one CTA per tile at 1k-4k keys,
-  // +1-8% at 8k, 2-3% behind at 16k, where per-tile costs are small and the hardware's dynamic
-  // dispatch balances better than equal static shares; hence the 8192-key switch.
-  const int64_t tiles = int64_t((a.seqlen_q + TileM - 1) / TileM) * a.heads_q * a.batch;
-  if (tiles > INT32_MAX / 2) {  // the kernel's tile indices (pairs round up, plus 2 * grid) are ints
-    fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
-    return 1;
-  }
-  const bool one_per_tile = a.grid_mode == FA3GEN_GRID_TILES ||
-                            (a.grid_mode == FA3GEN_GRID_AUTO && Causal && a.seqlen_k > 8192);
-  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, a.num_sms > 0 ? a.num_sms : 132);
-  const dim3 grid(static_cast<unsigned>(ctas));
+  const dim3 grid(static_cast<unsigned>(schedule.ctas));
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("kernel launch", err);

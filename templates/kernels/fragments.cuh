@@ -1,6 +1,6 @@
-// Small device helpers shared by the kernels: WGMMA issue, fragment layout views, dtype
-// conversion, tile stores. Building blocks only; the schedules live in fwd_kernel.cuh and
-// bwd_kernel.cuh.
+// Register-fragment helpers shared by the forward and backward parts: WGMMA issue, fragment
+// layout views, dtype conversion, tile stores, quad reductions. Building blocks only; the
+// schedules live in the mainloops (fwd_mainloop.cuh, bwd_mainloop.cuh).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>

@@ -1,7 +1,10 @@
-// Forward epilogue store: O rows from the WGMMA accumulator to global memory, 16 bytes per
-// store, without shared memory (the forward's shared memory is all Q, K and V).
+// The forward epilogue: O / rowsum and the LSE of one query tile, straight from registers to
+// global memory, without shared memory (the forward's shared memory is all Q, K and V).
 #pragma once
-#include "fwd_utils.cuh"
+#include "fragments.cuh"
+#include "fwd_traits.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
 
 namespace fa3gen {
 
@@ -48,6 +51,37 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
       if (row < row_end) {
         *reinterpret_cast<uint4*>(tile + row * row_stride + col) = make_uint4(a[0], a[1], a[2], a[3]);
       }
+    }
+  }
+}
+
+// O = O / rowsum in the input dtype and LSE (natural log, fp32) for the rows of the tile that
+// exist; tid is the thread's index among the consumers.
+template <class Traits, int Rows, class TO>
+__device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile,
+                                               OnlineSoftmax<Rows>& softmax, TO& tOrO, int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
+  typename Traits::TiledMmaPV mma_pv;
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  float inv_sum[Rows], lse[Rows];
+  softmax.finalize(p.softmax_scale, inv_sum, lse);
+  Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
+  scale_rows(O, inv_sum);
+  Tensor rO = convert_fragment<Element>(tOrO);
+  const int row_end = p.seqlen_q - tile.block * kTileM;
+  Element* o_tile = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +
+                    int64_t(tile.block) * kTileM * p.o_row_stride;
+  if (p.o_vector_stores) store_tile_rows_16b<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+  else store_tile_rows<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+  if (tid % 4 == 0) {  // the quad's first thread holds the row's statistics
+    Tensor c = thr_pv.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHeadDim>>{}));
+    Tensor rows = make_tensor(c.data(), acc_as_rowcol(c.layout()));
+    float* lse_row = p.lse + (int64_t(tile.batch) * p.heads_q + tile.head) * p.seqlen_q + tile.block * kTileM;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) {
+      int row = get<0>(rows(r, 0));
+      if (row < row_end) { lse_row[row] = lse[r]; }
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 #include "smem_atoms.cuh"
+#include "tile_scheduler.cuh"
 
 namespace fa3gen {
 using namespace cute;
@@ -114,6 +115,7 @@ struct FwdParams {
   int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
   float softmax_scale, scale_log2;
   bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
+  TileSchedule schedule;  // the grid policy the host chose (tile_scheduler.cuh)
 };
 
 }  // namespace fa3gen

@@ -1,52 +1,12 @@
-// Online softmax and masking on the (rows, cols) view of a WGMMA accumulator.
+// Online softmax on the (rows, cols) view of a WGMMA accumulator (the forward's part; the
+// backward recomputes P from the saved LSE instead).
 // Works in the log2 domain (exp2 is one MUFU op); the row sum is kept per thread and
 // reduced across the quad only once, at the end.
 #pragma once
 #include <cmath>
-#include "fwd_utils.cuh"
+#include "fragments.cuh"
 
 namespace fa3gen {
-
-// Key blocks a query tile must visit: [0, n_block_max). Causal attention is aligned to the
-// bottom-right corner: query i sees key j iff j <= i + seqlen_k - seqlen_q.
-template <bool Causal, int TileM, int TileN>
-__device__ __forceinline__ int key_block_count(int m_block, int seqlen_q, int seqlen_k) {
-  int n_blocks = (seqlen_k + TileN - 1) / TileN;
-  if constexpr (Causal) {
-    int last_visible_plus_one = (m_block + 1) * TileM + seqlen_k - seqlen_q;  // exclusive column bound
-    if (last_visible_plus_one <= 0) return 0;
-    n_blocks = min(n_blocks, (last_visible_plus_one + TileN - 1) / TileN);
-  }
-  return n_blocks;
-}
-
-// Only blocks crossing the end of the keys or the causal diagonal need masking.
-template <bool Causal, int TileM, int TileN>
-__device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int seqlen_q, int seqlen_k) {
-  int last_col = (n_block + 1) * TileN - 1;
-  bool tail = last_col >= seqlen_k;
-  if constexpr (Causal) {
-    return tail || last_col > m_block * TileM + seqlen_k - seqlen_q;
-  } else {
-    return tail;
-  }
-}
-
-// S and coords are (rows, cols) views; coords holds tile-local (m, n) coordinates.
-template <bool Causal, class TS, class TC>
-__device__ __forceinline__ void apply_mask(TS& S, TC const& coords, int row0, int col0,
-                                           int seqlen_q, int seqlen_k) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int r = 0; r < size<0>(S); ++r) {
-    int row = row0 + get<0>(coords(r, 0));
-    int col_end = seqlen_k;
-    if constexpr (Causal) { col_end = min(seqlen_k, row + 1 + seqlen_k - seqlen_q); }
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < size<1>(S); ++c) {
-      if (col0 + get<1>(coords(r, c)) >= col_end) { S(r, c) = -INFINITY; }
-    }
-  }
-}
 
 template <int Rows>
 struct OnlineSoftmax {

@@ -1,0 +1,33 @@
+// Named barriers of both kernels in one place. CUTLASS reserves hardware barriers 0-7
+// (0 is __syncthreads); these ids are its user ids 0-7 (hardware 8-15). Ids are compile-time
+// immediates: a run-time id costs a register and makes ptxas reserve all 16.
+#pragma once
+#include <cutlass/arch/barrier.h>
+
+namespace fa3gen {
+
+enum class BarrierId : uint32_t {
+  // Forward. Pingpong: consumer warpgroup w waits on kFwdTurn0 + w for its turn to issue GEMMs.
+  kFwdTurn0 = 0,
+  kFwdTurn1 = 1,
+  kFwdTurn2 = 2,
+  kFwdQFree = 3,     // no producer warpgroup: every consumer is done with the previous tile's Q
+  // Backward.
+  kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
+  kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory
+  kBwdDqEmpty = 6,   // dQ writer -> consumers: the dQ buffer has been read
+  kBwdStaged = 7,    // consumers: dK and dV are staged in shared memory
+};
+static_assert(uint32_t(BarrierId::kBwdStaged) + uint32_t(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) < 16,
+              "the hardware has 16 named barriers");
+
+template <BarrierId Id>
+__device__ __forceinline__ void barrier_sync(int threads) {
+  cutlass::arch::NamedBarrier::sync(threads, static_cast<uint32_t>(Id));
+}
+template <BarrierId Id>
+__device__ __forceinline__ void barrier_arrive(int threads) {
+  cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(Id));
+}
+
+}  // namespace fa3gen

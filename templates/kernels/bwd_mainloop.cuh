@@ -1,0 +1,241 @@
+// The backward mainloop (see bwd_traits.cuh for the GEMMs). Warpgroup 0 is the producer: its
+// thread 0 loads K and V of the CTA's key block once, then Q, dO and the per-row LSE and D of
+// each query block into a `Stages`-deep ring (produce); its warp 1 is the dQ writer, which adds
+// each query block's dQ from shared memory to the fp32 accumulator in global memory with one
+// bulk reduction (write_dq), so the consumers never wait on global memory. The consumer
+// warpgroups (64 keys each) recompute P from the saved LSE and accumulate dK and dV in
+// registers over every query block (mma).
+// Deterministic mode orders the dQ additions: the CTA of key block n adds its part of a query
+// block's dQ only after the CTA of key block n - 1 has (a semaphore per query block).
+#pragma once
+#include <cutlass/arch/barrier.h>
+#include "barriers.cuh"
+#include "bwd_dq.cuh"
+#include "bwd_traits.cuh"
+#include "mask.cuh"
+#include "tile_scheduler.cuh"
+#include "tma_pipeline.cuh"
+
+namespace fa3gen {
+
+template <class Traits>
+struct BwdMainloop {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Mask = AttentionMask<Traits::kCausal, Traits::kTileM, Traits::kTileN>;
+  static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
+  static constexpr int kWriterThreads = Traits::kConsumerThreads + 32;  // consumers + the dQ writer warp
+
+  BwdParams<Traits> const& p;
+  typename Traits::SharedStorage& smem;
+  Pipeline pipe;  // Q, dO, LSE and D of one query block per stage
+
+  // Once, by one thread of warp 0, before the pipeline is built.
+  __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
+    prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
+    Barrier::init(&smem.barrier_kv, 1);
+  }
+
+  __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
+      : p(p_), smem(smem_),
+        pipe(smem_.pipeline_q,
+             tma_pipeline_params<Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
+                                           Traits::kConsumerThreads),
+             Shape<_1, _1, _1>{}) {}
+
+  // ---------------- producer: the loader thread ----------------
+  __device__ __forceinline__ void produce(TileCoord const& tile, int m_first, int m_blocks) {
+    const int b = tile.batch;
+    auto load_kv = [&](auto const& tma, Element* smem_ptr) {
+      auto [tg, ts] = tma_tiles(tma, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), tile.head, b,
+                                Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(tile.block, _0{}), smem_ptr,
+                                typename Traits::SmemLayoutK{});
+      copy(tma.with(smem.barrier_kv, 0), tg, ts);
+    };
+    Barrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
+    load_kv(p.tma_k, smem.k.data());
+    load_kv(p.tma_v, smem.v.data());
+
+    auto load_rows = [&](auto const& tma, Element* smem_ptr, int head, int m_block, PipelineState const& st) {
+      auto [tg, ts] = tma_tiles(tma, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), head, b,
+                                Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem_ptr,
+                                typename Traits::SmemLayoutQ{});
+      copy(tma.with(*pipe.producer_get_barrier(st), 0), tg(_, m_block), ts(_, st.index()));
+    };
+    PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+    for (int hq = 0; hq < p.heads_per_kv; ++hq) {
+      const int head = tile.head * p.heads_per_kv + hq;
+      const int64_t stats_row0 = (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
+      for (int m_block = m_first; m_block < m_blocks; ++m_block) {
+        pipe.producer_acquire(st);
+        load_rows(p.tma_q, smem.q.data(), head, m_block, st);
+        load_rows(p.tma_do, smem.dout.data(), head, m_block, st);
+        const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
+        SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, pipe.producer_get_barrier(st),
+                                 smem.lse_log2[st.index()], Traits::kBytesRowStats);
+        SM90_BULK_COPY_G2S::copy(p.dsum + row0, pipe.producer_get_barrier(st),
+                                 smem.dsum[st.index()], Traits::kBytesRowStats);
+        ++st;
+      }
+    }
+  }
+
+  // ---------------- producer: the dQ writer warp ----------------
+  __device__ __forceinline__ void write_dq(TileCoord const& tile, int m_first, int m_blocks) {
+    constexpr int kTileElems = kTileM * kHeadDim;
+    const bool leader = threadIdx.x % 32 == 0;
+    // Query-block tiles of this kv head's query heads, m_first .. m_blocks - 1 of each.
+    int64_t dq_tile = dq_tile_index(tile.batch, tile.head * p.heads_per_kv, p.heads_q, m_blocks, m_first);
+    for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += m_first) {
+      for (int m_block = m_first; m_block < m_blocks; ++m_block, ++dq_tile) {
+        barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+        if (leader) {
+          if (p.deterministic) {
+            while (load_acquire(p.dq_semaphore + dq_tile) != tile.block) {}
+          }
+          bulk_reduce_add(p.dq_accum + dq_tile * kTileElems, smem.dq.data(), Traits::kBytesdQ);
+          if (p.deterministic) {
+            bulk_wait_done();  // the additions are complete before the next key block's turn
+            asm volatile("fence.proxy.async.global;" ::: "memory");
+            __threadfence();
+            atomicAdd(p.dq_semaphore + dq_tile, 1);
+          } else {
+            bulk_wait_read();
+          }
+        }
+        __syncwarp();
+        barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+      }
+    }
+    if (leader) bulk_wait_done();
+  }
+
+  // ---------------- consumers: every query block of the key block ----------------
+  // Accumulates dK (unscaled) and dV into tdKrdK and tdVrdV; tid is the thread's index among
+  // the consumers.
+  template <class TAcc>
+  __device__ __forceinline__ void mma(TileCoord const& tile, int m_first, int m_blocks, Mask const& mask, TAcc& tdKrdK,
+                      TAcc& tdVrdV, int tid) {
+    const int n_block = tile.block;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto thr_dkv = mma_dkv.get_thread_slice(tid);
+    auto thr_dq = mma_dq.get_thread_slice(tid);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+
+    Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
+    Tensor tdQrdS = [&] {
+      if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
+      else return thr_dq.partition_fragment_A(sdS);
+    }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
+    Tensor tdQrKt = [&] {
+      if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
+      else return thr_dq.partition_fragment_B(sKt);
+    }();
+    // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
+    // queries): a few STSM per thread instead of one 2-byte store per element, which took
+    // d128 64x128 from 497 to ~557 TFLOP/s at seqlen 16k. The dQ^T variants (TileM 80) spilled
+    // 8 bytes with it and keep the element-wise store.
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
+    Tensor tdSsdS = [&] {
+      if constexpr (Traits::kDqTransposed) return thr_sdp.partition_C(sdSt);  // accumulator layout
+      else return thr_r2s_ds.partition_D(sdSt);                               // (CPY, CPY_N, CPY_M, 2)
+    }();
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
+    Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
+
+    Barrier::wait(&smem.barrier_kv, 0);
+    PipelineState st;
+    int iter = 0;
+    for (int hq = 0; hq < p.heads_per_kv; ++hq) {
+      for (int m_block = m_first; m_block < m_blocks; ++m_block, ++iter) {
+        pipe.consumer_wait(st);
+        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
+        Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
+        wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
+        wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
+        Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
+        Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
+        const float* lse_log2 = smem.lse_log2[st.index()];
+        const float* dsum = smem.dsum[st.index()];
+
+        warpgroup_wait<1>();  // S^T is done, dP^T may still run
+        if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          const float lse = lse_log2[get<1>(coordS(0, c))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+        }
+        warpgroup_wait<0>();  // dP^T
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          const float d = dsum[get<1>(coordS(0, c))];
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - d);
+        }
+        Tensor rP = convert_fragment<Element>(tSrS);
+        Tensor rdS = convert_fragment<Element>(tSrdP);
+        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+        // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the warpgroups
+        // meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps the dK GEMM,
+        // spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
+        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+        wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+        const int buf = iter & 1;
+        if constexpr (Traits::kDqTransposed) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
+        } else {
+          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
+        }
+        cutlass::arch::fence_view_async_shared();
+        barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
+        if constexpr (Traits::kDqTransposed) {
+          wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
+        } else {
+          wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+        }
+        warpgroup_wait<0>();
+
+        // Hand dQ to the writer warp (once it has read the previous query block's).
+        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+          sdQ[dq_slot<Traits::kConsumerThreads>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+        }
+        cutlass::arch::fence_view_async_shared();
+        barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
+        pipe.consumer_release(st);  // Q, dO, LSE, D of this block are no longer read
+        ++st;
+      }
+    }
+    // The writer signals "empty" after every block; take the last one so no arrival is left over.
+    if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+  }
+};
+
+}  // namespace fa3gen

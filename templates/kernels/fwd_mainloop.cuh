@@ -1,0 +1,294 @@
+// The forward mainloop: TMA loads of Q, K and V (producer) and, per query tile, the GEMMs
+// S = Q K^T and O += P V with the online softmax between them (consumers).
+//   WarpSpecialized: warpgroup 0 only issues TMA (produce); the others compute (mma).
+//                    Otherwise thread 0 of the first consumer issues the loads in between its
+//                    math (the inline loader).
+//   Pingpong:        named barriers make consumer warpgroups take turns issuing GEMMs, so one
+//                    warpgroup's softmax runs while another's GEMMs occupy the tensor cores.
+//                    With two consumer warpgroups each loads and releases its own rows of Q, so
+//                    the next tile's Q arrives for the warpgroup that finishes first.
+//   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
+//                    of block j+1 runs while the PV GEMM of block j finishes.
+// Block i of a tile's visiting order is key block n_blocks - 1 - i: the diagonal (masked)
+// blocks come first.
+#pragma once
+#include <cutlass/arch/barrier.h>
+#include "barriers.cuh"
+#include "fwd_traits.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "tile_scheduler.cuh"
+#include "tma_pipeline.cuh"
+
+namespace fa3gen {
+
+// Consumer warpgroups take turns issuing GEMMs (round robin). Barrier kFwdTurn0 + w is the turn
+// of warpgroup w: it syncs on it, and the previous warpgroup arrives on it. The order runs on
+// across the tiles of a persistent CTA: the last warpgroup seeds the first turn once, every
+// turn is handed on, and warpgroup 0 absorbs the final hand-over at exit, so arrivals and syncs
+// balance whatever the number of turns.
+template <class Traits>
+struct GemmTurns {
+  static constexpr int kThreads = 256;  // the waiting warpgroup + the one handing over
+  int wg;                               // consumer warpgroup index
+  template <bool Arrive>
+  __device__ __forceinline__ static void barrier(int wg_turn) {
+    auto op = [](auto id) {
+      if constexpr (Arrive) barrier_arrive<decltype(id)::value>(kThreads);
+      else barrier_sync<decltype(id)::value>(kThreads);
+    };
+    using B = BarrierId;
+    if (wg_turn == 0) op(std::integral_constant<B, B::kFwdTurn0>{});
+    else if (wg_turn == 1) op(std::integral_constant<B, B::kFwdTurn1>{});
+    else op(std::integral_constant<B, B::kFwdTurn2>{});
+  }
+  __device__ __forceinline__ void seed() const {
+    if constexpr (Traits::kPingpong) { if (wg == Traits::kConsumerWGs - 1) barrier<true>(0); }
+  }
+  __device__ __forceinline__ void wait_turn() const {
+    if constexpr (Traits::kPingpong) barrier<false>(wg);
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    if constexpr (Traits::kPingpong) barrier<true>(wg + 1 == Traits::kConsumerWGs ? 0 : wg + 1);
+  }
+  __device__ __forceinline__ void drain() const {
+    if constexpr (Traits::kPingpong) { if (wg == 0) barrier<false>(0); }
+  }
+};
+
+template <class Traits>
+struct FwdMainloop {
+  using Element = typename Traits::Element;
+  using Pipeline = typename Traits::Pipeline;
+  using PipelineState = typename Traits::PipelineState;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Mask = AttentionMask<Traits::kCausal, Traits::kTileM, Traits::kTileN>;
+  static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
+  using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
+  static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
+
+  FwdParams<Traits> const& p;
+  typename Traits::SharedStorage& smem;
+  Pipeline pipe_k, pipe_v;
+  // Consumer side: the read position (shared by K and V, continues across tiles), the inline
+  // loader's write positions, and how many tiles with work came before (the Q barriers' phase).
+  PipelineState st;
+  PipelineState st_load_k = cutlass::make_producer_start_state<Pipeline>(), st_load_v = st_load_k;
+  int q_iter = 0;
+
+  // The mask of this launch. Built where it is used: its bounds then stay in the kernel's
+  // parameter space instead of occupying registers across the loop.
+  __device__ __forceinline__ Mask mask() const { return {p.seqlen_q, p.seqlen_k}; }
+
+  // Once, by one thread of warp 0, before the pipelines are built.
+  __device__ __forceinline__ static void init(FwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
+    prefetch_tma_descriptors(p.tma_q, p.tma_k, p.tma_v);
+    for (int part = 0; part < Traits::kQParts; ++part) {
+      Barrier::init(&smem.barrier_q[part], 1);
+      Barrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);
+    }
+  }
+
+  __device__ __forceinline__ FwdMainloop(FwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
+      : p(p_), smem(smem_),
+        pipe_k(smem_.pipeline_k, params(warp_idx), Shape<_1, _1, _1>{}),
+        pipe_v(smem_.pipeline_v, params(warp_idx), Shape<_1, _1, _1>{}) {}
+
+  __device__ __forceinline__ static typename Pipeline::Params params(int warp_idx) {
+    return tma_pipeline_params<Pipeline>(Traits::kBytesKV, Traits::kWarpSpecialized, warp_idx,
+                                         Traits::kConsumerThreads);
+  }
+
+  // ---------------- TMA loads (issued by one thread) ----------------
+  __device__ __forceinline__ void load_q(TileCoord const& tile, int part) {
+    constexpr int kRowsPerPart = kTileM / Traits::kQParts;
+    auto [tg, ts] = tma_tiles(p.tma_q, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), tile.head,
+                              tile.batch, Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
+                              make_coord(tile.block * Traits::kQParts + part, _0{}),
+                              smem.q.data() + part * Traits::kQPartOffset, typename Traits::SmemLayoutQPart{});
+    Barrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
+    copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
+  }
+  __device__ __forceinline__ void load_k(int n_block, int head_kv, int b, PipelineState& s) {
+    auto [tg, ts] = tma_tiles(p.tma_k, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), head_kv, b,
+                              Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
+                              typename Traits::SmemLayoutK{});
+    pipe_k.producer_acquire(s);
+    copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+    ++s;
+  }
+  __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, PipelineState& s) {
+    auto [tg, ts] = tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b,
+                              Shape<Int<kHeadDim>, Int<kTileN>>{}, make_coord(_0{}, _), smem.v.data(),
+                              typename Traits::SmemLayoutVt{});
+    pipe_v.producer_acquire(s);
+    copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+    ++s;
+  }
+
+  // The producer warpgroup's loader thread: every tile of this CTA. FA3's order: the tile's
+  // first K before waiting for Q to be free, then each K one block ahead of V (the consumers
+  // need K(i) together with V(i - 1)).
+  template <class Scheduler>
+  __device__ __forceinline__ void produce(Scheduler const& sched) {
+    PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState st_v = st_k;
+    int tiles_loaded = 0;  // tiles with work so far: the phase of the Q barriers
+    for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
+      TileCoord tile;
+      if (!sched.decode(t, tile)) continue;
+      const int n_blocks = mask().key_block_count(tile.block);
+      if (n_blocks == 0) continue;
+      const int head_kv = tile.head / p.heads_per_kv;
+      load_k(n_blocks - 1, head_kv, tile.batch, st_k);
+      for (int part = 0; part < Traits::kQParts; ++part) {
+        if (tiles_loaded > 0) Barrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
+        load_q(tile, part);
+      }
+      for (int i = 0; i < n_blocks; ++i) {
+        if (i + 1 < n_blocks) load_k(n_blocks - 2 - i, head_kv, tile.batch, st_k);
+        load_v(n_blocks - 1 - i, head_kv, tile.batch, st_v);
+      }
+      ++tiles_loaded;
+    }
+  }
+
+  // ---------------- consumers: one query tile ----------------
+  // Leaves O (unnormalized) in tOrO and the row statistics in softmax; tid is the thread's
+  // index among the consumers.
+  template <class TO>
+  __device__ __forceinline__ void mma(TileCoord const& tile, int n_blocks, GemmTurns<Traits> const& turns,
+                      OnlineSoftmax<kRows>& softmax, TO& tOrO, int tid) {
+    const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
+    const int head_kv = tile.head / p.heads_per_kv;
+    const int q_part = Traits::kQParts == 1 ? 0 : tid / 128;  // the Q rows this warpgroup reads
+
+    typename Traits::TiledMmaQK mma_qk;
+    typename Traits::TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(tid);
+    auto thr_pv = mma_pv.get_thread_slice(tid);
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
+    Tensor rP = make_tensor<Element>(tSrS.layout());
+    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+    Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
+    Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
+    Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+    Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));
+
+    if (!Traits::kWarpSpecialized && n_blocks > 0) {
+      // Without a producer warpgroup, thread 0 loads Q once every consumer is done with the
+      // previous tile's Q, then fills the ring; later it refills a slot as soon as it is free.
+      if (q_iter > 0) barrier_sync<BarrierId::kFwdQFree>(Traits::kConsumerThreads);
+      if (inline_loader) {
+        for (int part = 0; part < Traits::kQParts; ++part) load_q(tile, part);
+        for (int i = 0; i < min(kStages, n_blocks); ++i) {
+          load_k(n_blocks - 1 - i, head_kv, tile.batch, st_load_k);
+          load_v(n_blocks - 1 - i, head_kv, tile.batch, st_load_v);
+        }
+      }
+      __syncwarp();
+    }
+    auto refill_k = [&](int i) {
+      if (inline_loader && i + kStages < n_blocks) load_k(n_blocks - 1 - i - kStages, head_kv, tile.batch, st_load_k);
+      __syncwarp();
+    };
+    auto refill_v = [&](int i) {
+      if (inline_loader && i + kStages < n_blocks) load_v(n_blocks - 1 - i - kStages, head_kv, tile.batch, st_load_v);
+      __syncwarp();
+    };
+    // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
+    auto release_q_if_last = [&](int i) {
+      if (Traits::kWarpSpecialized && i == n_blocks - 1) Barrier::arrive(&smem.barrier_q_free[q_part]);
+    };
+    // The two GEMMs, written once for both schedules: wait for the slot's data, then (where
+    // the schedule says so) for this warpgroup's turn, then issue.
+    auto issue_s = [&](PipelineState const& s, bool take_turn) {
+      pipe_k.consumer_wait(s);
+      if (take_turn) turns.wait_turn();
+      wgmma_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, s.index()), tSrS);
+    };
+    auto issue_pv = [&](PipelineState const& s, bool take_turn) {
+      pipe_v.consumer_wait(s);
+      if (take_turn) turns.wait_turn();
+      wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, s.index()), tOrO);
+    };
+    float rescale[kRows];
+    auto softmax_block = [&](int i) {
+      const int n_block = n_blocks - 1 - i;
+      if (mask().needs_mask(tile.block, n_block)) mask().apply(S, coordS, tile.block * kTileM, n_block * kTileN);
+      softmax.step(S, rescale);
+    };
+    auto to_p = [&]() {
+      Tensor converted = convert_fragment<Element>(tSrS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
+    };
+
+    clear(tOrO);
+    if (n_blocks > 0) Barrier::wait(&smem.barrier_q[q_part], q_iter & 1);
+
+    if constexpr (!Traits::kOverlap) {
+      for (int i = 0; i < n_blocks; ++i) {
+        issue_s(st, true);
+        turns.pass_turn();
+        warpgroup_wait<0>();
+        pipe_k.consumer_release(st);
+        release_q_if_last(i);
+        refill_k(i);
+        softmax_block(i);
+        scale_rows(O, rescale);
+        to_p();
+        issue_pv(st, true);
+        turns.pass_turn();
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(st);
+        refill_v(i);
+        ++st;
+      }
+    } else if (n_blocks > 0) {
+      // Prologue: S(0) and its softmax alone. As in FA3, the first S GEMM and the last PV GEMM
+      // of a tile take no turn: every warpgroup starts its tile as soon as its Q and K are in.
+      issue_s(st, false);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(st);
+      release_q_if_last(0);
+      refill_k(0);
+      softmax_block(0);
+      to_p();
+      PipelineState st_v = st;  // V slot of the block whose P is in rP
+      ++st;
+      for (int i = 1; i < n_blocks; ++i) {
+        issue_s(st, true);
+        issue_pv(st_v, false);
+        turns.pass_turn();
+        warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
+        pipe_k.consumer_release(st);
+        release_q_if_last(i);
+        refill_k(i);
+        softmax_block(i);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(st_v);
+        refill_v(i - 1);
+        scale_rows(O, rescale);
+        to_p();
+        st_v = st;
+        ++st;
+      }
+      issue_pv(st_v, false);
+      warpgroup_wait<0>();
+      pipe_v.consumer_release(st_v);
+      refill_v(n_blocks - 1);
+    }
+    if (n_blocks > 0) ++q_iter;
+  }
+};
+
+}  // namespace fa3gen

@@ -1,0 +1,42 @@
+// Kernel prologue and TMA load pieces shared by the forward and backward mainloops.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+namespace fa3gen {
+using namespace cute;
+
+template <class... Tma>
+__device__ __forceinline__ void prefetch_tma_descriptors(Tma const&... tma) {
+  (cute::prefetch_tma_descriptor(tma.get_tma_descriptor()), ...);
+}
+
+// A TMA pipeline's parameters. Warp specialized: warpgroup 0 produces, the others consume;
+// otherwise every thread does both. Thread 0 is the leader (it issues the expect-tx arrivals).
+template <class Pipeline>
+__device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(uint32_t transaction_bytes,
+                                                                        bool warp_specialized, int warp_idx,
+                                                                        int consumer_threads) {
+  using Role = typename Pipeline::ThreadCategory;
+  typename Pipeline::Params params;
+  params.transaction_bytes = transaction_bytes;
+  params.role = warp_specialized ? (warp_idx < 4 ? Role::Producer : Role::Consumer) : Role::ProducerConsumer;
+  params.is_leader = threadIdx.x == 0;
+  params.num_consumers = consumer_threads;
+  return params;
+}
+
+// Source and destination partitions of a TMA load of tiles of one (head, batch) slice of a
+// global tensor (mode 2 = heads, mode 3 = batch) into shared memory. `coord` picks the tile;
+// an underscore in it leaves that tile mode to index at the copy (tg(_, block)).
+template <class Tma, class GShape, class TileShape, class Coord, class Element, class SmemLayout>
+__device__ __forceinline__ auto tma_tiles(Tma const& tma, GShape const& shape, int head, int b, TileShape tile,
+                                          Coord coord, Element* smem, SmemLayout layout) {
+  Tensor m = tma.get_tma_tensor(shape);
+  Tensor g = local_tile(m(_, _, head, b), tile, coord);
+  Tensor s = make_tensor(make_smem_ptr(smem), layout);
+  return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+}
+
+}  // namespace fa3gen

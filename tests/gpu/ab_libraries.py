@@ -1,0 +1,106 @@
+"""A/B of two built libraries of one spec: every dispatch default (forward and backward) of the
+first, timed against the same variant name in the second, in one process.
+
+    python3 tests/gpu/ab_libraries.py A.so B.so --seqlens 1024 4096 16384 --json ab.json
+
+Not a pytest module. Shapes follow the bench grid (16k tokens, hidden 2048). Each point is
+measured sustained: after a warm-up, rounds of back-to-back launches of at least --min-ms each,
+the two libraries alternating with the order rotated every round; a point's time is the median
+over its rounds. Prints one markdown row per point with B / A.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from fa3gen import bench, ops, runtime
+
+
+def batch_ms(fn, launches: int) -> float:
+    """Milliseconds per launch of `launches` back-to-back launches between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / launches
+
+
+def measure(fns: list, rounds: int, min_ms: float) -> list[float]:
+    """Median ms per launch of each fn; fns alternate, the order rotated each round."""
+    for fn in fns:  # warm-up, and the launch count that fills min_ms
+        batch_ms(fn, 3)
+    launches = max(3, int(min_ms / batch_ms(fns[0], 5)))
+    times = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        order = order[r % len(fns):] + order[:r % len(fns)]
+        for i in order:
+            times[i].append(batch_ms(fns[i], launches))
+    return [statistics.median(t) for t in times]
+
+
+def point_fns(libs, info, shape: dict):
+    dtype = ops.TORCH_DTYPES[info.dtype]
+    q, k, v, dout = bench_inputs(shape, dtype)
+    scale = shape["head_dim"] ** -0.5
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
+    if info.direction == "fwd":
+        return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
+                for lib in libs]
+    fwd = libs[0].find("fwd", info.dtype, info.head_dim, info.causal)
+    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=libs[0])
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return [lambda lib=lib: ops._bwd_into(dout, q, k, v, out, lse, dq, dk, dv, info.causal, scale,
+                                          info.name, lib=lib) for lib in libs]
+
+
+def bench_inputs(shape: dict, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dims = (shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"])
+    return [torch.randn(*dims, device="cuda", dtype=dtype, generator=gen) for _ in range(4)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("lib_a")
+    parser.add_argument("lib_b")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--min-ms", type=float, default=100.0)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
+    rows = []
+    print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
+    for info in libs[0].defaults():
+        if libs[1].get(info.name) is None:
+            print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
+            continue
+        for shape in bench.grid(args.seqlens, [info.head_dim]):
+            flops = bench.attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
+                                          shape["head_dim"], info.causal, info.direction)
+            ms_a, ms_b = measure(point_fns(libs, info, shape), args.rounds, args.min_ms)
+            row = {"variant": info.name, "seqlen": shape["seqlen"], "ms_a": ms_a, "ms_b": ms_b,
+                   "tflops_a": flops / ms_a / 1e9, "tflops_b": flops / ms_b / 1e9, "b_over_a": ms_a / ms_b}
+            rows.append(row)
+            print(f"| {info.name} | {shape['seqlen']} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
+                  f"{row['b_over_a']:.3f} |", flush=True)
+            torch.cuda.empty_cache()
+    ratios = [r["b_over_a"] for r in rows]
+    print(f"\n{len(rows)} points: B / A median {statistics.median(ratios):.3f}, "
+          f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"lib_a": args.lib_a, "lib_b": args.lib_b, "device": torch.cuda.get_device_name(),
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
