@@ -53,8 +53,9 @@ def point_fns(libs, info, shape: dict):
     if info.direction == "fwd":
         return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
                 for lib in libs]
-    fwd = libs[0].find("fwd", info.dtype, info.head_dim, info.causal)
-    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=libs[0])
+    # out and lse from the library that has the forward default (A may hold backward variants only)
+    fwd_lib = next(lib for lib in libs if any(v.is_default and v.key == ("fwd",) + info.key[1:] for v in lib.variants))
+    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd_lib.find("fwd", *info.key[1:]).name, lib=fwd_lib)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return [lambda lib=lib: ops._bwd_into(dout, q, k, v, out, lse, dq, dk, dv, info.causal, scale,
                                           info.name, lib=lib) for lib in libs]
