@@ -20,7 +20,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   const TileScheduler<false> sched{p.schedule};
   TileCoord tile;  // key block, kv head, batch
   sched.decode(sched.first(), tile);
-  const typename Mainloop::Mask mask{p.seqlen_q, p.seqlen_k};
+  const typename Traits::Mask mask{p.seqlen_q, p.seqlen_k};
   const int m_blocks = p.seqlen_q_rounded / Traits::kTileM;
   const int m_first = mask.first_query_block(tile.block);
   const bool has_work = m_first < m_blocks;  // some query block sees the key block

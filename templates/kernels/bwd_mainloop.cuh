@@ -12,7 +12,6 @@
 #include "barriers.cuh"
 #include "bwd_dq.cuh"
 #include "bwd_traits.cuh"
-#include "mask.cuh"
 #include "tile_scheduler.cuh"
 #include "tma_pipeline.cuh"
 
@@ -21,27 +20,24 @@ namespace fa3gen {
 template <class Traits>
 struct BwdMainloop {
   using Element = typename Traits::Element;
-  using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using Mask = AttentionMask<Traits::kCausal, Traits::kTileM, Traits::kTileN>;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kWriterThreads = Traits::kConsumerThreads + 32;  // consumers + the dQ writer warp
 
   BwdParams<Traits> const& p;
   typename Traits::SharedStorage& smem;
-  Pipeline pipe;  // Q, dO, LSE and D of one query block per stage
+  typename Traits::Pipeline pipe;  // Q, dO, LSE and D of one query block per stage
 
   // Once, by one thread of warp 0, before the pipeline is built.
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
-    Barrier::init(&smem.barrier_kv, 1);
+    TmaBarrier::init(&smem.barrier_kv, 1);
   }
 
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
-             tma_pipeline_params<Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
+             tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
                                            Traits::kConsumerThreads),
              Shape<_1, _1, _1>{}) {}
 
@@ -54,7 +50,7 @@ struct BwdMainloop {
                                 typename Traits::SmemLayoutK{});
       copy(tma.with(smem.barrier_kv, 0), tg, ts);
     };
-    Barrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
+    TmaBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
     load_kv(p.tma_k, smem.k.data());
     load_kv(p.tma_v, smem.v.data());
 
@@ -64,7 +60,7 @@ struct BwdMainloop {
                                 typename Traits::SmemLayoutQ{});
       copy(tma.with(*pipe.producer_get_barrier(st), 0), tg(_, m_block), ts(_, st.index()));
     };
-    PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState st = cutlass::make_producer_start_state<typename Traits::Pipeline>();
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       const int head = tile.head * p.heads_per_kv + hq;
       const int64_t stats_row0 = (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
@@ -116,7 +112,7 @@ struct BwdMainloop {
   // Accumulates dK (unscaled) and dV into tdKrdK and tdVrdV; tid is the thread's index among
   // the consumers.
   template <class TAcc>
-  __device__ __forceinline__ void mma(TileCoord const& tile, int m_first, int m_blocks, Mask const& mask, TAcc& tdKrdK,
+  __device__ __forceinline__ void mma(TileCoord const& tile, int m_first, int m_blocks, typename Traits::Mask const& mask, TAcc& tdKrdK,
                       TAcc& tdVrdV, int tid) {
     const int n_block = tile.block;
     typename Traits::TiledMmaSdP mma_sdp;
@@ -164,7 +160,7 @@ struct BwdMainloop {
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
 
-    Barrier::wait(&smem.barrier_kv, 0);
+    TmaBarrier::wait(&smem.barrier_kv, 0);
     PipelineState st;
     int iter = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {

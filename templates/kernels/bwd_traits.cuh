@@ -17,6 +17,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 #include "fragments.cuh"   // staged_tile_bytes
+#include "mask.cuh"
 #include "smem_atoms.cuh"
 #include "tile_scheduler.cuh"
 
@@ -28,6 +29,7 @@ struct BwdTraits {
   static_assert(sizeof(Element) == 2, "bf16/fp16 only");
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
   static constexpr bool kCausal = Causal;
+  using Mask = AttentionMask<Causal, TileM, TileN>;
 
   // One consumer warpgroup per 64 keys, plus the producer warpgroup (TMA loads).
   static constexpr int kConsumerWGs = TileN / 64;

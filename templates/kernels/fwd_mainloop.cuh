@@ -15,7 +15,6 @@
 #include <cutlass/arch/barrier.h>
 #include "barriers.cuh"
 #include "fwd_traits.cuh"
-#include "mask.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 #include "tma_pipeline.cuh"
@@ -61,8 +60,6 @@ struct FwdMainloop {
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
   using PipelineState = typename Traits::PipelineState;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using Mask = AttentionMask<Traits::kCausal, Traits::kTileM, Traits::kTileN>;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kStages = Traits::kStages;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
@@ -80,14 +77,14 @@ struct FwdMainloop {
 
   // The mask of this launch. Built where it is used: its bounds then stay in the kernel's
   // parameter space instead of occupying registers across the loop.
-  __device__ __forceinline__ Mask mask() const { return {p.seqlen_q, p.seqlen_k}; }
+  __device__ __forceinline__ typename Traits::Mask mask() const { return {p.seqlen_q, p.seqlen_k}; }
 
   // Once, by one thread of warp 0, before the pipelines are built.
   __device__ __forceinline__ static void init(FwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_k, p.tma_v);
     for (int part = 0; part < Traits::kQParts; ++part) {
-      Barrier::init(&smem.barrier_q[part], 1);
-      Barrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);
+      TmaBarrier::init(&smem.barrier_q[part], 1);
+      TmaBarrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);
     }
   }
 
@@ -108,7 +105,7 @@ struct FwdMainloop {
                               tile.batch, Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
                               make_coord(tile.block * Traits::kQParts + part, _0{}),
                               smem.q.data() + part * Traits::kQPartOffset, typename Traits::SmemLayoutQPart{});
-    Barrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
+    TmaBarrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
     copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
   }
   __device__ __forceinline__ void load_k(int n_block, int head_kv, int b, PipelineState& s) {
@@ -144,7 +141,7 @@ struct FwdMainloop {
       const int head_kv = tile.head / p.heads_per_kv;
       load_k(n_blocks - 1, head_kv, tile.batch, st_k);
       for (int part = 0; part < Traits::kQParts; ++part) {
-        if (tiles_loaded > 0) Barrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
+        if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
         load_q(tile, part);
       }
       for (int i = 0; i < n_blocks; ++i) {
@@ -206,7 +203,7 @@ struct FwdMainloop {
     };
     // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
     auto release_q_if_last = [&](int i) {
-      if (Traits::kWarpSpecialized && i == n_blocks - 1) Barrier::arrive(&smem.barrier_q_free[q_part]);
+      if (Traits::kWarpSpecialized && i == n_blocks - 1) TmaBarrier::arrive(&smem.barrier_q_free[q_part]);
     };
     // The two GEMMs, written once for both schedules: wait for the slot's data, then (where
     // the schedule says so) for this warpgroup's turn, then issue.
@@ -233,7 +230,7 @@ struct FwdMainloop {
     };
 
     clear(tOrO);
-    if (n_blocks > 0) Barrier::wait(&smem.barrier_q[q_part], q_iter & 1);
+    if (n_blocks > 0) TmaBarrier::wait(&smem.barrier_q[q_part], q_iter & 1);
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {

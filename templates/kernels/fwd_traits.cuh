@@ -7,6 +7,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
+#include "mask.cuh"
 #include "smem_atoms.cuh"
 #include "tile_scheduler.cuh"
 
@@ -21,6 +22,7 @@ struct FwdTraits {
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
   static constexpr bool kCausal = Causal, kWarpSpecialized = WarpSpecialized;
   static constexpr bool kPingpong = Pingpong, kOverlap = IntraWgOverlap;
+  using Mask = AttentionMask<Causal, TileM, TileN>;
 
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
   static constexpr int kConsumerWGs = TileM / 64;

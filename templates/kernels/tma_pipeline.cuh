@@ -7,6 +7,9 @@
 namespace fa3gen {
 using namespace cute;
 
+// The mbarrier a TMA load completes (an expected transaction byte count per phase).
+using TmaBarrier = cutlass::arch::ClusterTransactionBarrier;
+
 template <class... Tma>
 __device__ __forceinline__ void prefetch_tma_descriptors(Tma const&... tma) {
   (cute::prefetch_tma_descriptor(tma.get_tma_descriptor()), ...);
