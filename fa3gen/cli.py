@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -32,11 +33,13 @@ def cmd_build(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     from generator.build import plan
     p = plan(args.spec, args.only, args.exclude)
+    for warning in p.warnings:
+        print(f"fa3gen: warning: {warning}", file=sys.stderr)
     defaults = {v.name for v in p.defaults.values()}
-    for v in p.variants:
+    for v in sorted(p.variants):  # field order: d64 before d128
         print(f"{'*' if v.name in defaults else ' '} {v.name}")
     if args.explain:
-        for x in p.enumeration.pruned:
+        for x in sorted(p.enumeration.pruned, key=lambda x: x.variant):
             print(f"- {x.variant.name}  pruned by {x.constraint}: {x.reason}")
         print(f"# {len(p.variants)} variant(s), {len(p.enumeration.pruned)} pruned; "
               "* = dispatch default", file=sys.stderr)
@@ -91,16 +94,31 @@ def _register_extra(sub) -> None:
             mod.register(sub)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def build_parser(extra: bool = True) -> argparse.ArgumentParser:
+    from fa3gen import __version__
+    from fa3gen.contract import ABI_VERSION
+
     ap = argparse.ArgumentParser(prog="fa3gen", description="FlashAttention-3-style kernel "
                                  "generator for Hopper (sm_90a)")
+    ap.add_argument("--version", action="version",
+                    version=f"fa3gen {__version__} (C ABI {ABI_VERSION})")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     b = sub.add_parser("build", help="render and compile a spec into a shared library")
     b.add_argument("--spec", required=True, help="spec YAML path or name in specs/ (e.g. h100)")
     _add_filters(b)
-    b.add_argument("-j", "--jobs", type=int, default=None,
+    b.add_argument("-j", "--jobs", type=_positive_int, default=None,
                    help="parallel compiles (default: min(cores, free GiB / 4))")
     b.add_argument("--dry-run", action="store_true", help="show what would be rebuilt")
     b.add_argument("--allow-spills", action="store_true",
@@ -148,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except BrokenPipeError:  # `fa3gen list | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:
         # Errors of the runtime side (fa3gen.errors) are user-facing too: no traceback.
         if type(e).__module__ == "fa3gen.errors":

@@ -17,7 +17,8 @@ from .errors import BuildError, FilterError
 from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run_ninja,
                     write_build_ninja)
 from .paths import resolve_spec_path
-from .render import environment, render_sources
+from .lock import build_lock
+from .render import environment, holds, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
 from .variants import Enumeration, enumerate_variants, resolve_dispatch, smem_bytes
@@ -66,9 +67,7 @@ def select(en: Enumeration, only: Iterable[str] = (), exclude: Iterable[str] = (
            if (not only or any(fnmatch.fnmatch(v.name, g) for g in only))
            and not any(fnmatch.fnmatch(v.name, g) for g in exclude)]
     if not out:
-        raise FilterError("nothing left to build after filtering"
-                          if en.kept else "the spec leaves no variant (all pruned; see "
-                          "`fa3gen list --explain`)")
+        raise FilterError("nothing left to build after filtering")
     return out
 
 
@@ -82,6 +81,10 @@ class Plan:
     out_dir: Path
 
     @property
+    def warnings(self) -> list[str]:
+        return list(getattr(self.spec, "warnings", ())) + list(getattr(self.enumeration, "warnings", ()))
+
+    @property
     def default_names(self) -> set[str]:
         built = {v.name for v in self.variants}
         return {v.name for v in self.defaults.values() if v.name in built}
@@ -90,6 +93,9 @@ class Plan:
 def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Plan:
     spec = load_spec(resolve_spec_path(str(spec_path)))
     en = enumerate_variants(spec)
+    if not en.kept:
+        raise spec.error("the spec leaves no variant; each one is pruned:\n" + "\n".join(
+            f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in en.pruned))
     # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
     defaults = resolve_dispatch(spec, en.kept)
     variants = select(en, only, exclude)
@@ -109,8 +115,17 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           compiler_launcher: Optional[str] = None, allow_spills: bool = False,
           debug: bool = False, lineinfo: bool = False, toolchain: Optional[Toolchain] = None,
           log: Callable[[str], None] = print) -> BuildResult:
+    """Render and compile a spec (or its --only/--exclude selection) into its library.
+
+    A filtered build links only the selected variants but keeps the other variants' objects,
+    so the full library comes back with one link. A dry run writes nothing. Builds of one
+    output directory take turns (generator/lock.py)."""
+    if jobs is not None and jobs < 1:
+        raise BuildError(f"-j/--jobs must be at least 1 (got {jobs})")
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
+    for warning in p.warnings:
+        log(f"fa3gen: warning: {warning}")
     tc = toolchain or detect(debug=debug, lineinfo=lineinfo)
     fp = tc.fingerprint()
     launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
@@ -123,39 +138,74 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             log(f"fa3gen: note: {key_str(key)} has no default in this build "
                 f"({v.name} was filtered out)")
     info = {"spec": p.spec.name, "fingerprint": fp, "generator_version": __version__,
-            "num_variants": len(p.variants)}
-    rendered = render_sources(out, p.spec.name, p.variants, p.default_names, fp, info, env)
-    write_build_ninja(out, render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env))
+            "num_variants": len(p.variants), "filters": {"only": only, "exclude": exclude},
+            "spec_keys": sorted({v.key for v in p.enumeration.kept})}
+    sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
+                           spec_names=(v.name for v in p.enumeration.kept), env=env)
+    ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env)
     lib = out / library_name(p.spec.name)
-    log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s), "
-        f"{len(p.defaults)} dispatch default(s), {len(p.enumeration.pruned)} pruned; "
-        f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}"
-        + (f"; removed {len(rendered.removed)} stale file(s)" if rendered.removed else ""))
-
-    for obj in objects_without_deps(out):
-        if dry_run:
-            log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
-        else:
-            log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
-            (out / obj).unlink(missing_ok=True)
+    filtered = len(p.variants) < len(p.enumeration.kept)
+    log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s)"
+        + (f" of {len(p.enumeration.kept)} (filtered)" if filtered else "")
+        + f", {len(p.default_names)} dispatch default(s), {len(p.enumeration.pruned)} pruned; "
+        f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}")
 
     if dry_run:
-        proc = run_ninja(out, jobs, dry_run=True, capture=True)
-        if proc.returncode != 0:
-            raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
-        edges = planned_edges(proc.stdout)
-        for e in edges:
-            log(f"  would run: {e}")
-        log(f"fa3gen: {len(edges)} edge(s) out of date" if edges else "fa3gen: up to date")
-        return BuildResult(p, lib, planned=edges)
+        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, fp, jobs, log))
 
-    proc = run_ninja(out, jobs, allow_spills=allow_spills)
-    if proc.returncode != 0:
-        raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
-                         f"see the messages above and {out}/obj/*.log")
-    manifest = write_manifest(p, tc, fp, lib, only, exclude)
+    with build_lock(out, f"spec {p.spec.name}", log):
+        rendered = sources.apply()
+        if rendered.removed:
+            log(f"fa3gen: removed {len(rendered.removed)} file(s) of variants no longer in the spec")
+        write_build_ninja(out, ninja_text)
+        for obj in objects_without_deps(out):
+            log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
+            (out / obj).unlink(missing_ok=True)
+        proc = run_ninja(out, jobs, allow_spills=allow_spills)
+        if proc.returncode != 0:
+            raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
+                             f"see the messages above and {out}/obj/*.log")
+        manifest = write_manifest(p, tc, fp, lib, only, exclude)
     log(f"fa3gen: built {lib}")
     return BuildResult(p, lib, manifest)
+
+
+def _dry_run(p: Plan, sources, ninja_text: str, fp: str, jobs: int,
+             log: Callable[[str], None]) -> list[str]:
+    """What a build would do, from the files on disk, without writing any."""
+    out = p.out_dir
+    dispatch_edge, link_edge = "NVCC obj/dispatch.o", f"LINK {library_name(p.spec.name)}"
+    for path in sources.changed:
+        log(f"  would write: {path.relative_to(out)}")
+    for path in sources.stale:
+        log(f"  would remove: {path.relative_to(out)}")
+    if not holds(out / "fingerprint.txt", fp + "\n"):
+        why = "no build yet" if not (out / "fingerprint.txt").exists() else "the toolchain, flags or templates changed"
+        edges = [f"NVCC {v.name}" for v in p.variants] + [dispatch_edge, link_edge]
+        log(f"fa3gen: {why}: every variant compiles")
+    else:
+        edges = []
+        if holds(out / "build.ninja", ninja_text):  # ninja -n answers for header edits
+            proc = run_ninja(out, jobs, dry_run=True, capture=True)
+            if proc.returncode != 0:
+                raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
+            edges = planned_edges(proc.stdout)
+        changed = {path.name for path in sources.changed}
+        for v in p.variants:
+            edge = f"NVCC {v.name}"
+            fresh = (out / "obj" / f"{v.name}.o").exists() and f"{v.name}.cu" not in changed
+            if not fresh and edge not in edges:
+                edges.append(edge)
+        if "dispatch.cu" in changed and dispatch_edge not in edges:
+            edges.append(dispatch_edge)
+        if edges and link_edge not in edges:
+            edges.append(link_edge)
+        for obj in objects_without_deps(out):
+            log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
+    for e in edges:
+        log(f"  would run: {e}")
+    log(f"fa3gen: {len(edges)} edge(s) out of date" if edges else "fa3gen: up to date")
+    return edges
 
 
 def _resources(out: Path, name: str) -> Optional[dict]:

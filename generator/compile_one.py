@@ -19,6 +19,8 @@ from pathlib import Path
 
 from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, parse_ptxas
 
+MARKER_SUFFIX = ".compiling"
+
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -73,12 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     allow = os.environ.get("FA3GEN_ALLOW_SPILLS", "") not in ("", "0")
 
     start = time.monotonic()
+    # While it compiles, obj/<name>.compiling says so (the build's progress report lists them).
+    marker = args.out.with_suffix(MARKER_SUFFIX)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, errors="replace")
         log, rc = proc.stdout, proc.returncode
     except OSError as e:
         log, rc = f"cannot run {cmd[0] if cmd else '(empty command)'}: {e}\n", 127
+    finally:
+        marker.unlink(missing_ok=True)
     seconds = time.monotonic() - start
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(log)

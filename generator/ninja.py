@@ -8,11 +8,13 @@ so a header edit rebuilds only the variants that include it.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jinja2
@@ -21,6 +23,7 @@ from fa3gen.contract import library_name
 
 from .errors import ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
+from .progress import Progress
 from .render import environment, write_if_changed
 from .toolchain import Toolchain
 from .variants import Variant
@@ -81,19 +84,53 @@ def write_build_ninja(out_dir: Path, text: str) -> bool:
     return write_if_changed(Path(out_dir) / "build.ninja", text)
 
 
-def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
-              capture: bool = False) -> subprocess.CompletedProcess:
-    """Run ninja in out_dir. Output streams to the terminal unless `capture`."""
+def _ninja_cmd(out_dir: Path, jobs: int, dry_run: bool) -> list[str]:
     # -k 0: keep going, so one build reports every failing variant, not just the first.
-    cmd = [find_ninja(), "-C", str(out_dir), "-j", str(jobs), "-k", "0"]
-    if dry_run:
-        cmd.append("-n")
+    return [find_ninja(), "-C", str(out_dir), "-j", str(jobs), "-k", "0"] + (["-n"] if dry_run else [])
+
+
+def _ninja_env(allow_spills: bool) -> dict:
     env = dict(os.environ)
     if allow_spills:
         env["FA3GEN_ALLOW_SPILLS"] = "1"
     env.setdefault("NINJA_STATUS", "[%f/%t %es] ")  # finished/total and elapsed seconds
-    kw = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}
-    return subprocess.run(cmd, env=env, **kw)
+    return env
+
+
+def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
+              capture: bool = False, progress_every: float = 10.0) -> subprocess.CompletedProcess:
+    """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
+    (generator/progress.py) whenever ninja has been silent for `progress_every` seconds."""
+    cmd, env = _ninja_cmd(out_dir, jobs, dry_run), _ninja_env(allow_spills)
+    if capture:
+        return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    planned = subprocess.run(_ninja_cmd(out_dir, jobs, True), env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    progress = Progress(Path(out_dir) / "obj", jobs,
+                        total=len(planned_edges(planned.stdout)) if planned.returncode == 0 else None)
+    lines: queue.Queue = queue.Queue()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace")
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=progress_every)
+        except queue.Empty:
+            print(progress.report(), flush=True)
+            continue
+        if line is None:
+            break
+        progress.feed(line)
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    return subprocess.CompletedProcess(cmd, proc.wait())
 
 
 def objects_without_deps(out_dir: Path) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Optional
 
 import jinja2
 
@@ -76,6 +76,35 @@ def write_if_changed(path: Path, text: str) -> bool:
     return True
 
 
+def holds(path: Path, text: str) -> bool:
+    """True when the file exists and already holds `text`."""
+    try:
+        return Path(path).read_text() == text
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+@dataclass
+class RenderPlan:
+    """What rendering a build would write and remove, computed without touching the disk (a
+    dry run reports it; apply() carries it out)."""
+    files: dict[Path, str]                 # path -> text, written when it differs
+    stale: list[Path] = field(default_factory=list)   # build products of variants not in the spec
+
+    @property
+    def changed(self) -> list[Path]:
+        return [p for p, text in self.files.items() if not holds(p, text)]
+
+    def apply(self) -> "RenderResult":
+        res = RenderResult()
+        for path, text in self.files.items():
+            (res.written if write_if_changed(path, text) else res.unchanged).append(path)
+        for path in self.stale:
+            path.unlink(missing_ok=True)
+            res.removed.append(path)
+        return res
+
+
 @dataclass
 class RenderResult:
     written: list[Path] = field(default_factory=list)
@@ -83,24 +112,30 @@ class RenderResult:
     removed: list[Path] = field(default_factory=list)
 
 
-def render_sources(out_dir: Path, spec_name: str, variants: list[Variant],
-                   default_names: Iterable[str], fingerprint: str, build_info: dict,
-                   env: jinja2.Environment | None = None) -> RenderResult:
-    """src/<name>.cu per variant, src/dispatch.cu, fingerprint.txt; drop stale sources."""
+def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
+                 default_names: Iterable[str], fingerprint: str, build_info: dict,
+                 spec_names: Optional[Iterable[str]] = None,
+                 env: jinja2.Environment | None = None) -> RenderPlan:
+    """src/<name>.cu per variant, src/dispatch.cu and fingerprint.txt; as stale, the sources and
+    build products of variants that are not in the spec. spec_names: every variant the spec
+    keeps (default: `variants`); a filtered build passes them so that the other variants'
+    objects survive it and a later full build only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
-    res = RenderResult()
     files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env) for v in variants}
     files[out_dir / "src" / "dispatch.cu"] = render_dispatch(
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
-    for path, text in files.items():
-        (res.written if write_if_changed(path, text) else res.unchanged).append(path)
-    # Variants no longer in the spec: remove their source and build products.
-    names = {v.name for v in variants} | {"dispatch"}
-    for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log"):
-        for p in sorted(out_dir.glob(pattern)):
-            if p.name.split(".", 1)[0] not in names:
-                p.unlink()
-                res.removed.append(p)
-    return res
+    keep = set(spec_names if spec_names is not None else (v.name for v in variants))
+    keep |= {v.name for v in variants} | {"dispatch"}
+    stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
+             for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
+    return RenderPlan(files, stale)
+
+
+def render_sources(out_dir: Path, spec_name: str, variants: list[Variant],
+                   default_names: Iterable[str], fingerprint: str, build_info: dict,
+                   env: jinja2.Environment | None = None) -> RenderResult:
+    """plan_sources(...).apply(): write what changed, remove what is stale."""
+    return plan_sources(out_dir, spec_name, variants, default_names, fingerprint, build_info,
+                        env=env).apply()

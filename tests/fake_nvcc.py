@@ -5,9 +5,11 @@ FAKE_NVCC_CALLS=<file>: append one line per call (to count compiles).
 FAKE_NVCC_DEP=<file>: with -MF, the depfile lists this header besides the source
   (FAKE_NVCC_DEP_FOR=<substring>: only for sources whose path contains it).
 FAKE_NVCC_NO_DEPS=<substring>: sources whose path contains it get a depfile listing nothing.
+FAKE_NVCC_SLEEP=<seconds>: each variant compile takes that long (concurrency, progress).
 """
 import os
 import sys
+import time
 
 
 def main(argv):
@@ -17,8 +19,10 @@ def main(argv):
     if calls:
         with open(calls, "a") as f:
             f.write(f"{'link' if '-shared' in argv else os.path.basename(src)}\n")
+    if os.environ.get("FAKE_NVCC_SLEEP") and "-MF" in argv:
+        time.sleep(float(os.environ["FAKE_NVCC_SLEEP"]))
     with open(out, "w") as f:
-        f.write("fake object\n")
+        f.write(f"fake object of {os.path.basename(src) or 'link'}\n")
     if "-MF" in argv:  # nvcc -MD -MF: make-style dependencies of the TU
         dep, only = os.environ.get("FAKE_NVCC_DEP"), os.environ.get("FAKE_NVCC_DEP_FOR", "")
         deps = [src] + ([dep] if dep and only in src else [])

@@ -10,7 +10,7 @@ import pytest
 
 from fa3gen.contract import ABI_VERSION
 from generator import build as B
-from generator.errors import BuildError, FilterError
+from generator.errors import BuildError, FilterError, GeneratorError
 from generator.toolchain import Toolchain, compile_flags
 
 FAKE = Path(__file__).parent / "fake_nvcc.py"
@@ -197,3 +197,130 @@ def test_filter_matching_only_pruned_says_why(tmp_path, monkeypatch):
 
 def test_default_jobs_positive():
     assert B.default_jobs() >= 1
+
+
+def snapshot(root: Path) -> dict:
+    """Every file under root with its bytes and mtime."""
+    return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def test_dry_run_writes_nothing(fake):
+    spec, tc, calls = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    out = B.plan(spec).out_dir
+    take_calls(calls)
+    before = snapshot(out)
+    # A variant leaves the spec (its files would be removed), flags change (the fingerprint
+    # would change): the dry runs say so and touch nothing.
+    spec.write_text(SPEC.replace("causal: true, tile: [128, 128]", "causal: true, tile: [128, 176]"))
+    lines = []
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=lines.append).planned
+    assert f"NVCC {B2}" in planned
+    assert any("would remove: obj/" + B_ in ln for ln in lines)
+    lineinfo = Toolchain(tc.nvcc, tc.nvcc_version, tc.cutlass_include, tc.cutlass_version,
+                         tuple(compile_flags(tc.cutlass_include, lineinfo=True)))
+    lines = []
+    planned = B.build(spec, toolchain=lineinfo, dry_run=True, log=lines.append).planned
+    assert any("every variant compiles" in ln for ln in lines) and f"NVCC {A}" in planned
+    assert snapshot(out) == before
+    assert take_calls(calls) == []
+
+
+def test_filtered_build_keeps_the_other_objects(fake):
+    spec, tc, calls = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    out = B.plan(spec).out_dir
+    take_calls(calls)
+    lines = []
+    B.build(spec, only=[A], toolchain=tc, log=lines.append)
+    assert any("1 variant(s) of 2 (filtered), 1 dispatch default(s)" in ln for ln in lines)
+    assert (out / "obj" / f"{B_}.o").exists() and (out / "src" / f"{B_}.cu").exists()
+    assert take_calls(calls) == ["dispatch.cu", "link"]  # nothing compiled again
+    m = json.loads((out / "manifest.json").read_text())
+    assert [r["name"] for r in m["variants"]] == [A] and m["filters"]["only"] == [A]
+    # The full library again: one link, no compile.
+    B.build(spec, toolchain=tc, log=quiet)
+    assert take_calls(calls) == ["dispatch.cu", "link"]
+
+
+def test_library_is_replaced_not_rewritten(fake):
+    spec, tc, calls = fake
+    lib = B.build(spec, toolchain=tc, log=quiet).library
+    with open(lib) as loaded:  # a process that has the old library open
+        inode = lib.stat().st_ino
+        spec.write_text(SPEC.replace("causal: true, tile: [128, 128]", "causal: true, tile: [128, 176]"))
+        B.build(spec, toolchain=tc, log=quiet)
+        assert lib.stat().st_ino != inode  # a new file renamed over the path
+        assert loaded.read() == "fake object of link\n"
+    assert not list(lib.parent.glob("*.tmp"))
+
+
+def test_concurrent_builds_compile_once(fake, monkeypatch):
+    import threading
+
+    spec, tc, calls = fake
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "0.5")
+    logs: list[list[str]] = [[], []]
+    errors = []
+
+    def run(i):
+        try:
+            B.build(spec, toolchain=tc, jobs=2, log=logs[i].append)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # the first holds the lock when the second arrives
+    for t in threads:
+        t.join()
+    assert not errors
+    assert take_calls(calls) == sorted([f"{A}.cu", f"{B_}.cu", "dispatch.cu", "link"])
+    assert any("waiting for it to finish" in ln for ln in logs[1])
+
+
+def test_jobs_below_one_rejected(fake):
+    spec, tc, _ = fake
+    for bad in (0, -3):
+        with pytest.raises(BuildError, match=rf"-j/--jobs must be at least 1 \(got {bad}\)"):
+            B.build(spec, toolchain=tc, jobs=bad, log=quiet)
+
+
+def test_all_pruned_names_the_file_and_every_variant(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
+    spec = tmp_path / "pruned.yaml"
+    spec.write_text(SPEC.replace("head_dim: 128", "head_dim: 80"))
+    with pytest.raises(GeneratorError) as e:
+        B.plan(spec)
+    text = str(e.value)
+    assert str(spec) in text and "each one is pruned" in text
+    for name in (A, B_):
+        assert f"{name.replace('d128', 'd80')}: head_dim_supported: head_dim 80 not in" in text
+
+
+def test_progress_names_the_running_variants(tmp_path):
+    from generator.progress import Progress
+
+    obj = tmp_path / "obj"
+    obj.mkdir()
+    (obj / f"{A}.compiling").touch()
+    os.utime(obj / f"{A}.compiling", (time.time() - 30, time.time() - 30))
+    p = Progress(obj, jobs=2, total=6)
+    p.feed(f"[1/6 40.0s] NVCC {B_}\n")
+    p.feed(f"{B_}: 168 regs, spill 0/0 B, stack 0 B, 40.0 s\n")
+    report = p.report()
+    assert f"1/6 done" in report and f"compiling {A} (30s)" in report
+    # 4 queued at 40 s, 10 s left on the running one, over 2 jobs: 85 s.
+    assert "about 1m25s left" in report
+
+
+def test_long_build_reports_progress(fake, monkeypatch, capfd):
+    spec, tc, _ = fake
+    monkeypatch.setenv("FAKE_NVCC_SLEEP", "1.0")
+    from generator import ninja
+
+    real = ninja.run_ninja
+    monkeypatch.setattr(B, "run_ninja", lambda *a, **k: real(*a, **{**k, "progress_every": 0.3}))
+    B.build(spec, toolchain=tc, jobs=1, log=quiet)
+    assert "; compiling fwd_bf16_d128_" in capfd.readouterr().out

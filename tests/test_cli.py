@@ -29,7 +29,7 @@ def test_list_marks_defaults(capsys):
     assert rc == 0
     en, defaults = h100()
     assert out.splitlines() == [f"{'*' if v.name in defaults else ' '} {v.name}"
-                                for v in en.kept]
+                                for v in sorted(en.kept)]  # field order: d64 before d128
     assert defaults and len(defaults) < len(en.kept)   # both marks are exercised
 
 
@@ -40,7 +40,7 @@ def test_list_by_bare_name_and_explain(capsys):
     lines = out.splitlines()
     assert len(lines) == len(en.kept) + len(en.pruned)
     assert lines[len(en.kept):] == [f"- {p.variant.name}  pruned by {p.constraint}: {p.reason}"
-                                    for p in en.pruned]
+                                    for p in sorted(en.pruned, key=lambda p: p.variant)]
     assert f"# {len(en.kept)} variant(s), {len(en.pruned)} pruned" in err
 
 
@@ -62,7 +62,7 @@ def test_list_explain_says_which_knob_is_unrealized(tmp_path, monkeypatch, capsy
 def test_list_with_filter(capsys):
     rc, out, _ = run(["list", "--spec", "h100", "--only", "*fp16_d64*"], capsys)
     en, _ = h100()
-    want = [v.name for v in en.kept if fnmatch.fnmatchcase(v.name, "*fp16_d64*")]
+    want = [v.name for v in sorted(en.kept) if fnmatch.fnmatchcase(v.name, "*fp16_d64*")]
     assert rc == 0 and want and [l[2:] for l in out.splitlines()] == want
 
 

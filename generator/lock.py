@@ -1,0 +1,38 @@
+"""One build per output directory at a time.
+
+Two `fa3gen build` runs of one spec would otherwise both render and both run ninja over the same
+objects, compiling everything twice and racing on the library. The second waits for the first
+(and says so), then finds nothing left to do.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+LOCK_NAME = ".build.lock"
+
+
+@contextmanager
+def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
+    process dies, so a killed build never leaves the directory locked)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            log(f"fa3gen: another build of {what} is running in {out_dir} (pid {holder}); "
+                "waiting for it to finish")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            log(f"fa3gen: the other build of {what} finished; continuing")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

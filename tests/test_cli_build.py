@@ -1,0 +1,38 @@
+"""`fa3gen build` / `list` command-line behaviour: job counts, version, order, pipes."""
+import subprocess
+import sys
+
+import pytest
+
+from fa3gen import cli
+from generator.paths import REPO_ROOT
+
+
+@pytest.mark.parametrize("value, message", [("0", "must be at least 1, got 0"),
+                                            ("-3", "must be at least 1, got -3"),
+                                            ("abc", "expected a whole number of at least 1, got 'abc'")])
+def test_jobs_below_one_is_a_usage_error(value, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["build", "--spec", "specs/tiny.yaml", "-j", value])
+    assert e.value.code == 2
+    assert f"argument -j/--jobs: {message}" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    from fa3gen import __version__
+    assert capsys.readouterr().out.startswith(f"fa3gen {__version__} (C ABI ")
+
+
+def test_list_orders_head_dims_by_value(capsys):
+    assert cli.main(["list", "--spec", "h100", "--only", "fwd_bf16_*_nocausal_*"]) == 0
+    dims = [int(line.split("_d")[1].split("_")[0]) for line in capsys.readouterr().out.splitlines()]
+    assert dims == sorted(dims) and dims[0] == 64
+
+
+def test_list_into_a_closed_pipe_is_quiet():
+    proc = subprocess.run(f"{sys.executable} -m fa3gen.cli list --spec h100 | head -1", shell=True,
+                          cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr and proc.stdout.startswith("*")
