@@ -71,7 +71,8 @@ def parse_shape(text: str) -> dict:
         vals = []
     if len(vals) != 4 or min(vals) < 1:
         raise argparse.ArgumentTypeError(
-            f"--shape wants four positive integers batch,seqlen,heads,head_dim, got {text!r}")
+            f"expected four comma-separated positive integers batch,seqlen,heads,head_dim "
+            f"(e.g. 4,8448,16,128), got {text!r}")
     return dict(zip(("batch", "seqlen", "heads", "head_dim"), vals))
 
 
@@ -584,8 +585,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed launches before timing each cell (default 5)")
+    p.add_argument("--iters", type=int, default=30,
+                   help=f"timed launches per batch ({TIMED_BATCHES} batches per cell, the "
+                        "median is reported; default 30)")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs/results",
                    help="where ablation.json/.csv/.png go (default docs/results)")
     p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs/ABLATION.md",

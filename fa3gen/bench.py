@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fa3gen.contract import DTYPES
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import GEMM_N, gemm_tflops, random_inputs, report_failure, tflops, time_or_none
 
@@ -246,14 +247,26 @@ def git_commit() -> str | None:
 
 def _dtype_list(s: str) -> list[str]:
     names = [x.strip() for x in s.split(",") if x.strip()]
-    bad = [x for x in names if x not in ("bf16", "fp16")]
+    bad = [x for x in names if x not in DTYPES]
     if not names or bad:
-        raise argparse.ArgumentTypeError(f"expected bf16, fp16 or bf16,fp16, got {s!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of dtypes from {', '.join(DTYPES)} "
+            f"(e.g. bf16,fp16), got {s!r}")
     return names
 
 
-def _int_list(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def int_list(example: str):
+    """An argparse type: a comma-separated list of positive integers, `example` in its message."""
+    def parse(s: str) -> list[int]:
+        try:
+            values = [int(x) for x in s.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of positive integers (e.g. {example}), got {s!r}")
+        return values
+    return parse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,18 +277,30 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="benchmark fa3gen vs cuDNN/FA2 on the FA3 paper grid")
     p.add_argument("--spec", default=None,
                    help="spec name, specs/<name>.yaml or a .so (default: FA3GEN_LIB, else h100)")
-    p.add_argument("--seqlens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--head-dims", type=_int_list, default=[64, 128, 256])
-    p.add_argument("--causal", choices=("both", "true", "false"), default="both")
+    p.add_argument("--seqlens", type=int_list("1024,4096"),
+                   default=[512, 1024, 2048, 4096, 8192, 16384], metavar="N,N,...",
+                   help="sequence lengths, comma-separated (default 512,1024,...,16384; "
+                        "batch = 16384 // seqlen)")
+    p.add_argument("--head-dims", type=int_list("64,128"), default=[64, 128, 256],
+                   metavar="D,D,...", help="head dims, comma-separated (default 64,128,256; "
+                   "heads = 2048 // head_dim)")
+    p.add_argument("--causal", choices=("both", "true", "false"), default="both",
+                   help="causal rows, non-causal rows or both (default)")
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="forward rows, backward rows or both (default)")
-    p.add_argument("--dtype", type=_dtype_list, default=["bf16"],
+    p.add_argument("--dtype", type=_dtype_list, default=["bf16"], metavar="DTYPE,...",
                    help="bf16, fp16 or both comma-separated (default bf16)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json")
-    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "docs/BENCHMARKS.md")
-    p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/results/bench.png")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed launches before timing each case (default 5)")
+    p.add_argument("--iters", type=int, default=30,
+                   help="timed launches per case; the median is reported (default 30)")
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json",
+                   help="JSON report (default docs/results/bench.json)")
+    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "docs/BENCHMARKS.md",
+                   help="markdown file whose bench markers get the tables "
+                        "(default docs/BENCHMARKS.md)")
+    p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/results/bench.png",
+                   help="plot of TFLOP/s vs seqlen (default docs/results/bench.png)")
     p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
     p.add_argument("--all-variants", action="store_true",
                    help="also time every built variant of each shape's key (rows gain a "

@@ -124,6 +124,10 @@ KEY_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "key")
 KNOB_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "knob")
 DIRECTIONS = AXIS_BY_NAME["direction"].choices
 
+# Head dims the kernel templates realize (generator/variants.py prunes any other; the runtime
+# says so when a call asks for one).
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
 # (field, Python type) of a Variant, in order.
 VARIANT_FIELDS = tuple((f, _PYTHON_TYPE[a.kind]) for a in AXIS_TABLE for f in a.fields)
 _AXIS_OF_FIELD = {f: a for a in AXIS_TABLE for f in a.fields}

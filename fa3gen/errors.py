@@ -49,7 +49,8 @@ class AbiMismatchError(Fa3genError):
 class VariantNotBuiltError(Fa3genError):
     """No variant of the loaded library serves the call (never silently fall back)."""
 
-    def __init__(self, requested: str, available: Sequence[str], hint: str, library: str = ""):
+    def __init__(self, requested: str, available: Sequence[str], hint: str, library: str = "",
+                 lead: str = "To build it: "):
         self.requested = requested
         self.available = list(available)
         self.hint = hint
@@ -57,7 +58,7 @@ class VariantNotBuiltError(Fa3genError):
         super().__init__(
             f"no fa3gen variant built for {requested}{where}.\n"
             f"{format_variant_list(self.available)}\n"
-            f"To build it: {hint}"
+            f"{lead}{hint}"
         )
 
 

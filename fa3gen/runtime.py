@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import yaml
 
 from fa3gen import contract
-from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, Variant
+from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant
 from fa3gen.contract import GRID_MODES  # noqa: F401  (the ABI's values, as ops and tests use them)
 from fa3gen.errors import (
     AbiMismatchError,
@@ -124,11 +124,14 @@ def select_variant(
     *,
     spec_name: str | None = None,
     library: str = "",
+    build_info: dict[str, Any] | None = None,
 ) -> VariantInfo:
     """The variant serving a call: the named one, else the spec's default for the key.
 
     Pure (no ctypes) so tests can run it on fabricated tables. Never falls back to another key or
-    to a non-default variant: a miss raises VariantNotBuiltError with a build hint.
+    to a non-default variant: a miss raises VariantNotBuiltError with a build hint. build_info
+    (the library's, see Library.build_info) lets the hint tell a key that the build's
+    --only/--exclude filter left out from one the spec lacks.
     """
     causal = bool(causal)
     key = (direction, dtype, int(head_dim), causal)
@@ -157,18 +160,47 @@ def select_variant(
         if v.is_default and v.key == key:
             return v
     same_key = [v.name for v in variants if v.key == key]
+    filters = _filters_that_dropped(key, build_info)
+    lead = "To build it: "
     if same_key:
         hint = (
             f"the library has non-default variants for this key ({', '.join(same_key[:5])}); "
             f"pass one as variant=..., or give the key a default in the dispatch section of "
             f"{spec_file} and run: {build}"
         )
+        if filters:
+            hint += (f" (if {spec_file} gives it a default, the build's filter {filters} left "
+                     "it out: rebuild without the filter)")
+    elif key[2] not in SUPPORTED_HEAD_DIMS:
+        lead = "Not supported: "
+        hint = (f"head_dim {key[2]} is not supported by the fa3gen kernels (supported head "
+                f"dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}); no spec can build it")
+    elif filters:
+        hint = (f"{spec_file} has this key, but the library was built with the filter "
+                f"{filters}, which left it out; rebuild without the filter: {build}")
     else:
         hint = (
             f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}) to a group "
             f"of {spec_file} and run: {build}"
         )
-    raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library)
+    raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead)
+
+
+def _filters_that_dropped(key: tuple, build_info: dict[str, Any] | None) -> str:
+    """The build's filter flags (e.g. "--only 'fwd_*'") when key is one of the spec's dispatch
+    keys (build_info["spec_keys"]) and the build was filtered (build_info["filters"]), else "".
+    Libraries built before these entries existed have neither: ""."""
+    info = build_info or {}
+    filters, spec_keys = info.get("filters"), info.get("spec_keys")
+    if not isinstance(filters, dict) or not isinstance(spec_keys, list):
+        return ""
+    try:
+        keys = {(str(d), str(t), int(h), bool(c)) for d, t, h, c in spec_keys}
+    except (TypeError, ValueError):
+        return ""
+    flags = [f"--{flag} {glob!r}" for flag in ("only", "exclude")
+             for glob in (filters.get(flag) or [])]
+    return " ".join(flags) if key in keys else ""
 
 
 def _listing(variants: Sequence[VariantInfo]) -> list[str]:
@@ -243,7 +275,7 @@ class Library:
                 return v
         return select_variant(
             self.variants, direction, dtype, head_dim, causal, variant,
-            spec_name=self.spec_name, library=str(self.path),
+            spec_name=self.spec_name, library=str(self.path), build_info=self.build_info,
         )
 
     def last_error(self) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -83,6 +83,9 @@ class Spec:
     exclude: tuple[Match, ...] = ()
     dispatch: tuple[DispatchEntry, ...] = ()
     dispatch_required: bool = True  # false: keys with several variants may have no default
+    # What validation accepted but a reader should hear of (a value repeated in one list),
+    # each "<file>: <key path>: <message>".
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def error(self, message: str) -> SpecError:
         return SpecError(f"{self.path}: {message}")
@@ -142,10 +145,11 @@ def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") ->
 class _Validator:
     def __init__(self, source: str):
         self.source = source
+        self.warnings: list[str] = []
 
     def fail(self, path: str, message: str, value: Any = ...) -> SpecError:
         got = "" if value is ... else f", got {fmt_value(value)}"
-        return SpecError(f"{self.source}: {path}: {message}{got}")
+        return SpecError(f"{self.source}: {path + ': ' if path else ''}{message}{got}")
 
     def mapping(self, data: Any, path: str, allowed: tuple[str, ...], hint: str = "") -> dict:
         if not isinstance(data, dict):
@@ -194,12 +198,15 @@ class _Validator:
             items, paths = [raw], [path]
         if not items:
             raise self.fail(path, "empty list", raw)
-        out: list = []
+        first: dict = {}  # value -> key path of its first occurrence (dict order = list order)
         for item, p in zip(items, paths):
             v = self.scalar(axis, item, p)
-            if v not in out:
-                out.append(v)
-        return tuple(out)
+            if v in first:
+                self.warnings.append(f"{self.source}: {p}: {fmt_value(item)} repeats "
+                                     f"{first[v]}; the value is used once")
+            else:
+                first[v] = p
+        return tuple(first)
 
     def axes(self, data: Any, path: str, allowed: tuple[str, ...] = AXES, hint: str = "") -> dict:
         data = self.mapping({} if data is None else data, path, allowed, hint)
@@ -213,6 +220,12 @@ class _Validator:
     def spec(self, data: Any, default_name: str) -> Spec:
         if data is None:
             raise SpecError(f"{self.source}: empty spec")
+        if not isinstance(data, dict):
+            kind = "list" if isinstance(data, list) else "scalar"
+            text = fmt_value(data)
+            text = text if len(text) <= 60 else text[:57] + "..."
+            raise SpecError(f"{self.source}: the spec must be a mapping with keys "
+                            f"{', '.join(TOP_KEYS)} (got a {kind} {text})")
         data = self.mapping(data, "", TOP_KEYS)
         name = data.get("name", default_name)
         if not isinstance(name, str) or not _NAME_RE.match(name):
@@ -230,7 +243,8 @@ class _Validator:
         required = data.get("dispatch_required", True)
         if not isinstance(required, bool):
             raise self.fail("dispatch_required", "expected true or false", required)
-        return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required)
+        return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required,
+                    tuple(self.warnings))
 
     def list_of(self, raw: Any, path: str) -> list:
         if raw is None:

@@ -6,12 +6,13 @@ an error: it is pruned by a named constraint so `fa3gen list --explain` can say 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 # The Variant vocabulary is the contract's; parse_name is offered here for the tool side too.
-from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES, Variant,  # noqa: F401
-                             key_str, parse_name)
+from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES,  # noqa: F401
+                             SUPPORTED_HEAD_DIMS, VARIANT_FIELDS, Variant, key_str,
+                             parse_name)
 
 from .spec import Spec, fmt_value
 
@@ -34,7 +35,6 @@ REALIZED_KNOBS = {
 # A new on/off knob is checked too: pruned until its values are added above.
 _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SMEM_LIMIT = 232448              # 227 KiB: sm_90 max dynamic shared memory per block
 SMEM_RESERVED = 1024             # barriers, alignment slack
 REG_OVERHEAD = 24                # addresses, loop state, softmax stats per consumer thread
@@ -184,18 +184,44 @@ class Pruned(NamedTuple):
 class Enumeration:
     kept: list[Variant]
     pruned: list[Pruned]
+    # Variants that several groups produce (each kept once), for `fa3gen build` and `fa3gen
+    # list` to print with the spec's own warnings (Spec.warnings). Each "<spec file>: <message>".
+    warnings: list[str] = field(default_factory=list)
+
+
+def natural_key(v: Variant) -> tuple:
+    """Sort key in the Variant's field order with numbers as numbers (d64 before d128):
+    direction, dtype, head_dim, causal, tile, stages, knobs. Name order sorts d128 first."""
+    return tuple(getattr(v, f) for f, _ in VARIANT_FIELDS)
+
+
+_MAX_NAMED = 10  # duplicate variants named per warning
 
 
 def enumerate_variants(spec: Spec) -> Enumeration:
-    seen: set[Variant] = set()
+    first_group: dict[Variant, str] = {}             # variant -> first group that produced it
+    repeated: dict[tuple[str, str], list[Variant]] = {}   # (first group, later group) -> variants
     for group in spec.groups:
         for combo in itertools.product(*(group.values(a) for a in AXES)):
-            seen.add(Variant.from_axes(dict(zip(AXES, combo))))
+            v = Variant.from_axes(dict(zip(AXES, combo)))
+            earlier = first_group.setdefault(v, group.name)
+            if earlier != group.name:
+                repeated.setdefault((earlier, group.name), []).append(v)
+    warnings = []
+    for (earlier, later), vs in repeated.items():
+        names = sorted(v.name for v in vs)
+        more = f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+        warnings.append(f"{spec.path}: group {later!r} repeats {len(names)} variant(s) of group "
+                        f"{earlier!r} (each is kept once): "
+                        f"{', '.join(names[:_MAX_NAMED])}{more}")
     kept, pruned = [], []
-    for v in sorted(seen, key=lambda v: v.name):
+    matched: set[str] = set()
+    for v in sorted(first_group, key=lambda v: v.name):
         axes = v.axes()
-        rule = next((r for r in spec.exclude if r.matches(axes)), None)
-        if rule is not None:
+        rules = [r for r in spec.exclude if r.matches(axes)]
+        matched.update(r.where for r in rules)
+        if rules:
+            rule = rules[0]
             pruned.append(Pruned(v, rule.where, f"excluded by the spec: {rule.describe()}"))
             continue
         failed = check(v)
@@ -203,7 +229,10 @@ def enumerate_variants(spec: Spec) -> Enumeration:
             pruned.append(Pruned(v, *failed))
         else:
             kept.append(v)
-    return Enumeration(kept, pruned)
+    for rule in spec.exclude:
+        if rule.where not in matched:
+            raise spec.error(f"{rule.where} {rule.describe()} matches no variant of the spec")
+    return Enumeration(kept, pruned, warnings)
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -44,4 +44,6 @@ def pytest_collection_modifyitems(config, items):
     reason = gpu_skip_reason()
     if reason:
         for it in gpu_items:
-            it.add_marker(pytest.mark.skip(reason=reason))
+            # First, so it wins over a parameter's own skip mark (tests/gpu/conftest.py): the
+            # first missing thing (torch, a CUDA device, an sm_90 one, the library) is the reason.
+            it.add_marker(pytest.mark.skip(reason=reason), append=False)

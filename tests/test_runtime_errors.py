@@ -213,6 +213,58 @@ def test_variant_not_built_lists_variants_and_build_hint():
     assert e.value.available and e.value.requested
 
 
+def test_unsupported_head_dim_is_not_a_build_hint():
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "bf16", 80, False, spec_name="h100")
+    msg = str(e.value)
+    assert ("Not supported: head_dim 80 is not supported by the fa3gen kernels "
+            "(supported head dims: 64, 96, 128, 192, 256)") in msg
+    assert "add head_dim" not in msg and "To build it" not in msg
+    assert TABLE[0].name in msg  # the table is still listed
+
+
+# build_info as generator/build.py writes it (JSON): the build's filters and the dispatch keys
+# of the whole spec's kept variants, before filtering.
+FILTERED_INFO = json.loads(json.dumps({
+    "spec": "h100",
+    "filters": {"only": ["fwd_bf16_*"], "exclude": ["*_causal_*"]},
+    "spec_keys": [["fwd", "bf16", 64, False], ["fwd", "fp16", 64, False],
+                  ["fwd", "fp16", 128, True]],
+}))
+
+
+def test_variant_left_out_by_a_filtered_build_says_rebuild():
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100",
+                       build_info=FILTERED_INFO)
+    msg = str(e.value)
+    assert ("To build it: specs/h100.yaml has this key, but the library was built with the "
+            "filter --only 'fwd_bf16_*' --exclude '*_causal_*', which left it out; rebuild "
+            "without the filter: fa3gen build --spec specs/h100.yaml") in msg
+    assert "add head_dim" not in msg
+
+
+@pytest.mark.parametrize("info", [
+    None, {}, {"spec": "h100", "fingerprint": "x"},                       # older libraries
+    {**FILTERED_INFO, "filters": {"only": [], "exclude": []}},          # not filtered
+    {**FILTERED_INFO, "spec_keys": [["fwd", "bf16", 64, False]]},       # not in the spec
+    {**FILTERED_INFO, "spec_keys": [["fwd", "fp16"]]},                   # malformed
+])
+def test_key_missing_from_the_spec_keeps_the_add_hint(info):
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100", build_info=info)
+    assert ("add head_dim: 64 (dtype fp16, causal: false) to a group of specs/h100.yaml "
+            "and run: fa3gen build --spec specs/h100.yaml") in str(e.value)
+
+
+def test_non_default_hint_mentions_a_filter_that_may_have_dropped_the_default():
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "fp16", 256, True, spec_name="h100", build_info={
+            **FILTERED_INFO, "spec_keys": [["fwd", "fp16", 256, True]]})
+    assert ("if specs/h100.yaml gives it a default, the build's filter --only 'fwd_bf16_*' "
+            "--exclude '*_causal_*' left it out: rebuild without the filter") in str(e.value)
+
+
 def test_variant_not_built_never_falls_back_to_non_default():
     with pytest.raises(VariantNotBuiltError, match="non-default variants for this key.*d256"):
         select_variant(TABLE, "fwd", "fp16", 256, True, spec_name="h100")
@@ -462,6 +514,39 @@ def test_bench_cli_options():
         parser.parse_args(["bench", "--dtype", "fp8"])
 
 
+@pytest.mark.parametrize("argv,expected", [
+    (["--seqlens", "abc"], "argument --seqlens: expected a comma-separated list of positive "
+                           "integers (e.g. 1024,4096), got 'abc'"),
+    (["--seqlens", "1024,0"], "argument --seqlens: expected a comma-separated list of positive "
+                              "integers (e.g. 1024,4096), got '1024,0'"),
+    (["--head-dims", "64,x"], "argument --head-dims: expected a comma-separated list of positive "
+                              "integers (e.g. 64,128), got '64,x'"),
+    (["--dtype", "fp8"], "argument --dtype: expected a comma-separated list of dtypes from bf16, "
+                         "fp16 (e.g. bf16,fp16), got 'fp8'"),
+])
+def test_bench_cli_says_what_a_list_option_expects(argv, expected, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", *argv])
+    err = capsys.readouterr().err
+    assert expected in err and "_int_list" not in err
+
+
+def test_bench_and_ablate_options_have_help():
+    import argparse
+
+    from fa3gen import ablate
+
+    for module in (bench, ablate):
+        parser = argparse.ArgumentParser()
+        sub = module.register(parser.add_subparsers())
+        missing = [a.option_strings for a in sub._actions if not a.help]
+        assert not missing, f"{module.__name__}: options without help: {missing}"
+
+
 # ---- a fake library built with the host C compiler: the ctypes path end to end ---------------
 
 FAKE_LIB_C = r"""
@@ -527,6 +612,11 @@ def test_fake_library_table_and_launch(tmp_path):
     assert lib.find("fwd", "bf16", 128, False) is v0
     assert lib.find("fwd", "bf16", 128, False, lib.variants[1].name) is lib.variants[1]
     with pytest.raises(VariantNotBuiltError, match="specs/fake.yaml"):
+        lib.find("fwd", "fp16", 128, False)
+    # The library's build_info reaches the hint: a key its filter left out says rebuild.
+    lib.build_info = {"filters": {"only": ["fwd_bf16_*"], "exclude": []},
+                      "spec_keys": [["fwd", "fp16", 128, False]]}
+    with pytest.raises(VariantNotBuiltError, match="rebuild without the filter"):
         lib.find("fwd", "fp16", 128, False)
 
     # Params marshalling: strides of a packed-qkv view and a GQA k/v, read back from C.

@@ -206,6 +206,35 @@ def test_exclude_unknown_key(tmp_path):
     assert "exclude[0].head_dimm" in msg and "head_dim" in msg
 
 
+@pytest.mark.parametrize("text,got", [
+    ("3\n", "got a scalar 3"),
+    ("just text\n", 'got a scalar "just text"'),
+    ("- {direction: fwd}\n", 'got a list [{"direction": "fwd"}]'),
+])
+def test_whole_spec_not_a_mapping(tmp_path, text, got):
+    msg = error_of(tmp_path, text)
+    assert msg.startswith(f"{tmp_path / 's.yaml'}: the spec must be a mapping with keys name, "
+                          "axes, groups, exclude, dispatch, dispatch_required (")
+    assert msg.endswith(f"({got})") and ": :" not in msg
+
+
+def test_repeated_value_is_used_once_with_a_warning(tmp_path):
+    p = write(tmp_path, FULL_AXES.replace("dtype: bf16", "dtype: [bf16, fp16, bf16]")
+              .replace("tile: [128, 128]", "tile: [[128, 128], [128, 176], [128, 176]]"))
+    spec = load_spec(p)
+    assert spec.groups[0].values("dtype") == ("bf16", "fp16")
+    assert spec.groups[0].values("tile") == ((128, 128), (128, 176))
+    assert spec.warnings == (
+        f'{p}: axes.dtype[2]: "bf16" repeats axes.dtype[0]; the value is used once',
+        f"{p}: axes.tile[2]: [128, 176] repeats axes.tile[1]; the value is used once")
+    assert load_spec(write(tmp_path, FULL_AXES, "clean.yaml")).warnings == ()
+
+
+def test_shipped_specs_have_no_warnings():
+    for name in ("tiny", "h100", "ablation"):
+        assert load_spec(SPECS_DIR / f"{name}.yaml").warnings == ()
+
+
 def test_missing_file():
     with pytest.raises(SpecError, match="not found"):
         load_spec("/nonexistent/spec.yaml")

@@ -64,6 +64,74 @@ exclude:
     assert not any(v.causal and v.tile_n == 176 for v in en.kept)
     assert {p.constraint for p in en.pruned} == {"exclude[0]"}
     assert len(en.pruned) == 2
+    # ... and says so, naming them.
+    repeated = sorted(v.name for v in en.kept + [p.variant for p in en.pruned]
+                      if v.dtype == "bf16")
+    assert en.warnings == [f"t.yaml: group 'b' repeats 4 variant(s) of group 'a' (each is kept "
+                           f"once): {', '.join(repeated)}"]
+
+
+def test_many_repeated_variants_are_counted():
+    spec = spec_of(AXES.replace("stages: 2", "stages: [1, 2, 3]") + """groups:
+  - name: a
+    axes: {}
+  - name: b
+    axes: {}
+""")
+    (warning,) = enumerate_variants(spec).warnings
+    assert "group 'b' repeats 24 variant(s) of group 'a'" in warning
+    assert warning.endswith(" and 14 more") and warning.count("fwd_") == 10
+
+
+def test_repeated_value_warns_in_the_spec_not_per_variant():
+    spec = spec_of(AXES.replace("dtype: [bf16, fp16]", "dtype: [bf16, bf16]"))
+    en = enumerate_variants(spec)
+    assert len(en.kept) == 4 and not en.warnings
+    assert spec.warnings == ('t.yaml: axes.dtype[1]: "bf16" repeats axes.dtype[0]; '
+                             "the value is used once",)
+
+
+def test_exclude_matching_nothing_is_error():
+    spec = spec_of(AXES + """exclude:
+  - {causal: true, tile: [128, 176]}
+  - {causal: true}
+  - {head_dim: 80}
+""")
+    with pytest.raises(SpecError, match=r"t.yaml: exclude\[2\] \{head_dim: 80\} matches no "
+                                        r"variant of the spec"):
+        enumerate_variants(spec)
+    # exclude[1] also covers what exclude[0] drops: both match, whichever names the prune.
+    en = enumerate_variants(spec_of(AXES + "exclude:\n  - {causal: true, tile: [128, 176]}\n"
+                                    "  - {causal: true}\n"))
+    assert {p.constraint for p in en.pruned} == {"exclude[0]", "exclude[1]"}
+
+
+def test_exclude_matching_only_variants_a_constraint_prunes_is_fine():
+    en = enumerate_variants(spec_of(AXES.replace("stages: 2", "stages: [2, 5]") +
+                                    "exclude:\n  - {stages: 5, causal: true}\n"))
+    assert {p.constraint for p in en.pruned} == {"exclude[0]", "stages_range"}
+
+
+def test_shipped_specs_enumerate_without_warnings():
+    for name in ("tiny", "h100", "ablation"):
+        en = enumerate_variants(load_spec(SPECS_DIR / f"{name}.yaml"))
+        assert en.kept and not en.warnings
+
+
+def test_natural_key_sorts_head_dims_as_numbers():
+    names = ["fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0",
+             "fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp0_ov0",
+             "fwd_bf16_d64_nocausal_m64n128_s2_ws1_pp0_ov0",
+             "fwd_fp16_d64_nocausal_m128n128_s2_ws1_pp0_ov0",
+             "bwd_bf16_d256_nocausal_m64n64_s2_ws1_pp0_ov0",
+             "fwd_bf16_d64_causal_m128n128_s2_ws1_pp0_ov0"]
+    assert [v.name for v in sorted(map(V.parse_name, names), key=V.natural_key)] == [
+        "bwd_bf16_d256_nocausal_m64n64_s2_ws1_pp0_ov0",
+        "fwd_bf16_d64_nocausal_m64n128_s2_ws1_pp0_ov0",
+        "fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp0_ov0",
+        "fwd_bf16_d64_causal_m128n128_s2_ws1_pp0_ov0",
+        "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0",
+        "fwd_fp16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
 
 
 @pytest.mark.parametrize("change,constraint", [

@@ -1,8 +1,9 @@
 """GPU test setup: parametrize over the variants of the loaded fa3gen library.
 
 Names are read from the library's variant table at collection time, so every built forward
-variant gets its own test ids. If the library cannot be loaded, a single skipped parameter
-stands in (tests/conftest.py then skips the gpu-marked tests with the reason).
+variant gets its own test ids. Without a CUDA device, or if the library cannot be loaded, a
+single skipped parameter stands in (tests/conftest.py then skips the gpu-marked tests with its
+reason, which comes first).
 """
 
 import pytest
@@ -12,6 +13,12 @@ def _library():
     from fa3gen import runtime
     from fa3gen.errors import Fa3genError
 
+    try:
+        import torch
+    except ImportError:
+        return None, "torch is not installed"
+    if not torch.cuda.is_available():  # tests/conftest.py skips the gpu tests for this reason
+        return None, "no CUDA device"
     try:
         return runtime.get_library(), None
     except Fa3genError as e:
