@@ -42,11 +42,33 @@ def environment(templates_dir: Path = TEMPLATES_DIR) -> jinja2.Environment:
     return env
 
 
+# WGMMA N sizes CuTe selects without CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+# (templates/kernels/gmma_shapes.cuh). The extended shapes are 76k lines of headers: about
+# 35 s of a 70 s compile, so only the TUs that use another N define the macro.
+STANDARD_GMMA_N = frozenset({8, 16, 32, 64, 96, 128, 192, 256})
+
+
+def wgmma_n_sizes(v: Variant) -> set[int]:
+    """N of every WGMMA the variant's kernel issues (the TiledMmas of fwd_traits.cuh and
+    bwd_traits.cuh); the traits assert that each is available, so a drift fails to compile."""
+    if v.direction == "fwd":
+        return {v.tile_n, v.head_dim}            # S = Q K^T, O += P V
+    if v.tile_m % 64:                            # dQ^T = K^T dS^T: N = tile_m
+        dq_n = v.tile_m
+    else:                                        # dQ split over the consumer warpgroups
+        dq_n = v.head_dim // ((v.tile_n // 64) // (v.tile_m // 64))
+    return {v.tile_m, v.head_dim, dq_n}          # S^T and dP^T, dK and dV, dQ
+
+
+def needs_extended_mma_shapes(v: Variant) -> bool:
+    return not wgmma_n_sizes(v) <= STANDARD_GMMA_N
+
+
 def render_variant(v: Variant, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
     return env.get_template("variant.cu.j2").render(
         name=v.name, launcher=LAUNCHERS[v.direction], symbol=launch_symbol(v),
-        template_args=template_args(v))
+        template_args=template_args(v), extended_mma_shapes=needs_extended_mma_shapes(v))
 
 
 def render_dispatch(spec_name: str, variants: list[Variant], default_names: Iterable[str],

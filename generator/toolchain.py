@@ -81,8 +81,8 @@ def compile_flags(cutlass_include: Path, debug: bool = False, lineinfo: bool = F
     flags = ["-std=c++17", "-O3", *GENCODE, "--expt-relaxed-constexpr", "--use_fast_math"]
     if not debug:
         flags.append("-DNDEBUG")  # device asserts cost a lot of speed
-    flags += ["-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED",  # N=176 etc. need it
-              "-Xcompiler", "-fPIC", "-Xptxas", "-v"]     # -v: registers/spills per kernel
+    # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: defined by the TUs that need it (generator/render.py)
+    flags += ["-Xcompiler", "-fPIC", "-Xptxas", "-v"]     # -v: registers/spills per kernel
     if debug or lineinfo:
         flags.append("-lineinfo")
     flags += [f"-I{KERNELS_DIR}", f"-I{cutlass_include}"]

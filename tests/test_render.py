@@ -128,8 +128,32 @@ def test_flags():
     s = " ".join(f)
     assert s.startswith("-std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a "
                         "--expt-relaxed-constexpr --use_fast_math -DNDEBUG "
-                        "-DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED -Xcompiler -fPIC -Xptxas -v")
+                        "-Xcompiler -fPIC -Xptxas -v")
     assert f[-1] == "-I/x/include" and f[-2].endswith("templates/kernels")
     d = compile_flags(inc, debug=True)
     assert "-DNDEBUG" not in d and "-lineinfo" in d
     assert "-lineinfo" in compile_flags(inc, lineinfo=True)
+
+
+def test_extended_mma_shapes_only_where_an_n_needs_them():
+    from generator.render import needs_extended_mma_shapes, wgmma_n_sizes
+
+    def v(name):
+        return parse_name(name)
+    # Forward: S has N = tile_n, O has N = head_dim.
+    assert wgmma_n_sizes(v("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1")) == {128}
+    assert wgmma_n_sizes(v("fwd_bf16_d256_nocausal_m128n80_s2_ws1_pp0_ov1")) == {80, 256}
+    # Backward: S^T/dP^T N = tile_m, dK/dV N = head_dim, dQ split over the warpgroups or dQ^T.
+    assert wgmma_n_sizes(v("bwd_bf16_d128_causal_m64n128_s2_ws1_pp0_ov0")) == {64, 128}
+    assert wgmma_n_sizes(v("bwd_bf16_d128_nocausal_m80n128_s2_ws1_pp0_ov0")) == {80, 128}
+    assert wgmma_n_sizes(v("bwd_bf16_d96_causal_m64n64_s2_ws1_pp0_ov0")) == {64, 96}
+    for name, ext in [("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", True),
+                      ("fwd_bf16_d192_causal_m128n112_s2_ws1_pp0_ov1", True),
+                      ("bwd_fp16_d128_nocausal_m80n128_s2_ws1_pp0_ov0", True),
+                      ("fwd_fp16_d64_nocausal_m192n128_s2_ws1_pp1_ov1", False),
+                      ("fwd_bf16_d96_causal_m128n128_s2_ws1_pp0_ov1", False)]:
+        assert needs_extended_mma_shapes(v(name)) is ext
+        text = render_variant(v(name))
+        assert ("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in text) is ext
+        if ext:  # before any include: the CuTe headers read it
+            assert text.index("#define CUTE_SM90") < text.index("#include")

@@ -17,6 +17,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 #include "fragments.cuh"   // staged_tile_bytes
+#include "gmma_shapes.cuh"
 #include "mask.cuh"
 #include "smem_atoms.cuh"
 #include "tile_scheduler.cuh"
@@ -57,6 +58,9 @@ struct BwdTraits {
   static constexpr int kDqWgN = kConsumerWGs / kDqWgM;
   static_assert(HeadDim % (64 * kDqWgN) == 0 || kDqWgN == 1,
                 "dQ tile: each warpgroup's share of head_dim must be whole 64-column swizzle atoms");
+  static_assert(gmma_n_available(TileM) && gmma_n_available(HeadDim) &&
+                    gmma_n_available(kDqTransposed ? TileM : HeadDim / kDqWgN),
+                "WGMMA N outside CuTe's standard shapes: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
 
   // Q and dO: (TileM, d) per stage, d contiguous. Read K-major as the B operand of S^T / dP^T,
   // and as (d, TileM) MN-major (the same bytes, transposed view) as the B operand of dK / dV.

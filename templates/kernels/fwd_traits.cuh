@@ -7,6 +7,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
+#include "gmma_shapes.cuh"
 #include "mask.cuh"
 #include "smem_atoms.cuh"
 #include "tile_scheduler.cuh"
@@ -43,6 +44,8 @@ struct FwdTraits {
   static_assert(TileN % 16 == 0 && TileN <= 256);
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
   static_assert(Stages >= 1 && Stages <= 4);
+  static_assert(gmma_n_available(TileN) && gmma_n_available(HeadDim),
+                "WGMMA N outside CuTe's standard shapes: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
   static_assert(!Pingpong || (WarpSpecialized && kConsumerWGs >= 2),
                 "pingpong orders two or more consumer warpgroups of a warp-specialized kernel");
 
