@@ -157,3 +157,15 @@ def test_extended_mma_shapes_only_where_an_n_needs_them():
         assert ("#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED" in text) is ext
         if ext:  # before any include: the CuTe headers read it
             assert text.index("#define CUTE_SM90") < text.index("#include")
+
+
+def test_build_ninja_starts_the_slow_tus_first():
+    from generator.render import needs_extended_mma_shapes
+
+    fast = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1")
+    slow = parse_name("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1")
+    assert needs_extended_mma_shapes(slow) and not needs_extended_mma_shapes(fast)
+    inc = Path("/x/include")
+    tc = Toolchain(Path("/usr/bin/nvcc"), "v", inc, "4.2.0", tuple(compile_flags(inc)))
+    text = render_build_ninja("s", [fast, slow], tc)
+    assert text.index(f"build obj/{slow.name}.o") < text.index(f"build obj/{fast.name}.o")
