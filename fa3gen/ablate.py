@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import REPO_ROOT, _fmt, attention_flops, provenance, update_markdown, write_json
+from fa3gen.bench import REPO_ROOT, _fmt, attention_flops, count, provenance, update_markdown, write_json
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import WARMUP_SECONDS, random_inputs, tflops, time_ms
@@ -585,9 +585,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")
-    p.add_argument("--warmup", type=int, default=5,
+    p.add_argument("--warmup", type=count(0), default=5,
                    help="untimed launches before timing each cell (default 5)")
-    p.add_argument("--iters", type=int, default=30,
+    p.add_argument("--iters", type=count(1), default=30,
                    help=f"timed launches per batch ({TIMED_BATCHES} batches per cell, the "
                         "median is reported; default 30)")
     p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs/results",

@@ -269,6 +269,19 @@ def int_list(example: str):
     return parse
 
 
+def count(minimum: int):
+    """An argparse type: a whole number of at least `minimum`."""
+    def parse(s: str) -> int:
+        try:
+            value = int(s)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a whole number of at least {minimum}, got {s!r}")
+        return value
+    return parse
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI.
 
@@ -290,9 +303,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="forward rows, backward rows or both (default)")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], metavar="DTYPE,...",
                    help="bf16, fp16 or both comma-separated (default bf16)")
-    p.add_argument("--warmup", type=int, default=5,
+    p.add_argument("--warmup", type=count(0), default=5,
                    help="untimed launches before timing each case (default 5)")
-    p.add_argument("--iters", type=int, default=30,
+    p.add_argument("--iters", type=count(1), default=30,
                    help="timed launches per case; the median is reported (default 30)")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json",
                    help="JSON report (default docs/results/bench.json)")

@@ -310,7 +310,7 @@ def test_progress_names_the_running_variants(tmp_path):
     p.feed(f"[1/6 40.0s] NVCC {B_}\n")
     p.feed(f"{B_}: 168 regs, spill 0/0 B, stack 0 B, 40.0 s\n")
     report = p.report()
-    assert f"1/6 done" in report and f"compiling {A} (30s)" in report
+    assert "1/6 done" in report and f"compiling {A} (30s)" in report
     # 4 queued at 40 s, 10 s left on the running one, over 2 jobs: 85 s.
     assert "about 1m25s left" in report
 

@@ -36,3 +36,13 @@ def test_list_into_a_closed_pipe_is_quiet():
     proc = subprocess.run(f"{sys.executable} -m fa3gen.cli list --spec h100 | head -1", shell=True,
                           cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr and proc.stdout.startswith("*")
+
+
+@pytest.mark.parametrize("command", ["bench", "ablate"])
+@pytest.mark.parametrize("option, value, minimum", [("--iters", "0", 1), ("--warmup", "-1", 0),
+                                                    ("--iters", "x", 1)])
+def test_bench_counts_are_checked(command, option, value, minimum, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, option, value])
+    assert e.value.code == 2
+    assert f"expected a whole number of at least {minimum}, got '{value}'" in capsys.readouterr().err
