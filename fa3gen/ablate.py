@@ -24,13 +24,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import REPO_ROOT, _fmt, attention_flops, count, provenance, update_markdown, write_json
+from fa3gen.bench import DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, provenance, update_markdown, write_json
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import WARMUP_SECONDS, random_inputs, tflops, time_ms
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
-DEFAULT_SPEC = str(REPO_ROOT / "specs" / "ablation.yaml")  # absolute: works from any cwd
+DEFAULT_SPEC = "ablation"  # specs/ablation.yaml, bundled with the generator
 # The FA3 paper's ablation setting (Table 2): batch 4, seqlen 8448, 16 heads, head dim 128.
 TIMED_BATCHES = 3
 ABLATION_SHAPE = {"batch": 4, "seqlen": 8448, "heads": 16, "head_dim": 128}
@@ -590,9 +590,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=count(1), default=30,
                    help=f"timed launches per batch ({TIMED_BATCHES} batches per cell, the "
                         "median is reported; default 30)")
-    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "docs/results",
+    p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where ablation.json/.csv/.png go (default docs/results)")
-    p.add_argument("--doc", type=Path, default=REPO_ROOT / "docs/ABLATION.md",
+    p.add_argument("--doc", type=Path, default=DOCS_DIR / "ABLATION.md",
                    help="markdown file whose ablation markers get the tables")
     p.set_defaults(func=run)
     return p

@@ -22,11 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fa3gen.contract import DTYPES
+from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import GEMM_N, gemm_tflops, random_inputs, report_failure, tflops, time_or_none
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
+DOCS_DIR = REPO_ROOT / "docs" if IN_CHECKOUT else Path(".")
+RESULTS_DIR = DOCS_DIR / "results" if IN_CHECKOUT else Path(".")
 TOTAL_TOKENS = 16384  # batch * seqlen (FA3 paper grid)
 HIDDEN = 2048  # heads * head_dim
 BACKENDS = ("fa3gen", "cudnn", "flash")
@@ -307,12 +309,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="untimed launches before timing each case (default 5)")
     p.add_argument("--iters", type=count(1), default=30,
                    help="timed launches per case; the median is reported (default 30)")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "docs/results/bench.json",
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "bench.json",
                    help="JSON report (default docs/results/bench.json)")
-    p.add_argument("--markdown", type=Path, default=REPO_ROOT / "docs/BENCHMARKS.md",
+    p.add_argument("--markdown", type=Path, default=DOCS_DIR / "BENCHMARKS.md",
                    help="markdown file whose bench markers get the tables "
                         "(default docs/BENCHMARKS.md)")
-    p.add_argument("--plot", type=Path, default=REPO_ROOT / "docs/results/bench.png",
+    p.add_argument("--plot", type=Path, default=RESULTS_DIR / "bench.png",
                    help="plot of TFLOP/s vs seqlen (default docs/results/bench.png)")
     p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
     p.add_argument("--all-variants", action="store_true",

@@ -192,15 +192,24 @@ def key_str(key: tuple) -> str:
 # --------------------------------------------------------------------------- output layout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-GENERATED_ENV = "FA3GEN_GENERATED"  # overrides <repo root>/generated
+# A checkout (or an editable install of one) has templates/ beside the packages; an installed
+# wheel has them inside generator/ and builds into the user's cache instead of site-packages.
+IN_CHECKOUT = (REPO_ROOT / "templates" / "kernels").is_dir() and (REPO_ROOT / "pyproject.toml").is_file()
+GENERATED_ENV = "FA3GEN_GENERATED"  # overrides the default root below
 MANIFEST_NAME = "manifest.json"
 _LIBRARY_RE = re.compile(r"libfa3gen_(.+)\.so")
 
 
 def generated_root() -> Path:
-    """Root of build outputs; the environment overrides it (read per call so tests can set it)."""
+    """Root of build outputs: $FA3GEN_GENERATED, else <checkout>/generated, else
+    $XDG_CACHE_HOME/fa3gen/generated (~/.cache when unset). Read per call so tests can set it."""
     env = os.environ.get(GENERATED_ENV)
-    return Path(env).resolve() if env else REPO_ROOT / "generated"
+    if env:
+        return Path(env).resolve()
+    if IN_CHECKOUT:
+        return REPO_ROOT / "generated"
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "fa3gen" / "generated"
 
 
 def spec_out_dir(spec_name: str) -> Path:

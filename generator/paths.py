@@ -1,14 +1,23 @@
-"""Where the generator's inputs live. The package is used from the checkout, so everything is
-relative to the repository root. Build outputs are laid out by fa3gen.contract, which the
-runtime shares."""
+"""Where the generator's inputs live: templates/ (Jinja templates and the kernel headers) and
+specs/. In a checkout they sit at the repository root; an installed wheel carries them as
+package data of `generator` (pyproject.toml maps them to generator/_templates and
+generator/_specs). Build outputs are laid out by fa3gen.contract, which the runtime shares."""
+import importlib.resources
 import os
 from pathlib import Path
 
-from fa3gen.contract import REPO_ROOT
+from fa3gen.contract import IN_CHECKOUT, REPO_ROOT
 
-TEMPLATES_DIR = REPO_ROOT / "templates"
+
+def _data_dir(checkout_name: str, package_name: str) -> Path:
+    if IN_CHECKOUT:
+        return REPO_ROOT / checkout_name
+    return Path(str(importlib.resources.files("generator") / package_name))
+
+
+TEMPLATES_DIR = _data_dir("templates", "_templates")
 KERNELS_DIR = TEMPLATES_DIR / "kernels"
-SPECS_DIR = REPO_ROOT / "specs"
+SPECS_DIR = _data_dir("specs", "_specs")
 
 
 def resolve_spec_path(spec: str) -> Path:

@@ -306,7 +306,8 @@ def test_cli_options():
     ap = cli.build_parser()
     a = ap.parse_args(["ablate"])
     assert a.func is A.run and a.shape is None and not a.no_build
-    assert Path(a.spec) == REPO_ROOT / "specs/ablation.yaml"
+    from generator.paths import resolve_spec_path
+    assert resolve_spec_path(a.spec) == REPO_ROOT / "specs/ablation.yaml"
     assert a.out_dir == REPO_ROOT / "docs/results" and a.doc == REPO_ROOT / "docs/ABLATION.md"
     a = ap.parse_args(["ablate", "--shape", "4,8448,16,128", "--shape", "2,1024,8,64",
                        "--only", "*fp16*", "--exclude", "*s1_*", "-j", "3", "--no-build",
