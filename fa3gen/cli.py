@@ -19,7 +19,7 @@ from generator.paths import resolve_spec_path
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
 # Imported only when the command line asks for something that is not built in.
 COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate")
-BUILTIN_COMMANDS = ("build", "list", "clean")
+BUILTIN_COMMANDS = ("build", "list", "clean", "package")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -68,6 +68,14 @@ def cmd_clean(args: argparse.Namespace) -> int:
         return 0
     shutil.rmtree(target)
     print(f"fa3gen: removed {target}")
+    return 0
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    from fa3gen.package import package
+    wheel = package(_spec_name(args.spec), args.out, args.name)
+    print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "
+          f"pip install {wheel}")
     return 0
 
 
@@ -139,6 +147,14 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     c = sub.add_parser("clean", help="remove generated/<spec> (or all of generated/)")
     c.add_argument("--spec", default=None, help="spec YAML path or name")
     c.set_defaults(func=cmd_clean)
+
+    pk = sub.add_parser("package", help="write a built spec's library as a wheel that installs "
+                        "and imports without nvcc or CUTLASS")
+    pk.add_argument("--spec", required=True, help="spec YAML path or name (built already)")
+    pk.add_argument("--out", type=Path, default=Path("dist"), help="directory for the wheel (default dist/)")
+    pk.add_argument("--name", default=None,
+                    help="import package and distribution name (default fa3gen_<spec name>)")
+    pk.set_defaults(func=cmd_package)
 
     if extra:
         _register_extra(sub)

@@ -6,6 +6,7 @@ works on plain lists of VariantInfo) is usable and testable anywhere.
 
 Which library is loaded, first match wins:
   1. get_library(spec=...) argument, or the spec chosen with use_spec(...)  (explicit code)
+  1b. in a packaged copy of this module (fa3gen package): the library bundled beside it
   2. env FA3GEN_LIB: a path to a built .so
   3. <generated root>/<spec>/lib/libfa3gen_<spec>.so with spec "h100", where the generated root
      is env FA3GEN_GENERATED or <repo root>/generated.
@@ -323,10 +324,18 @@ _requests: dict[tuple, Library] = {}
 _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the default spec
 
 
+# A packaged runtime (fa3gen package) carries its library in lib/ beside this module; that
+# library is then the default, whatever FA3GEN_LIB says (a variable meant for the tool).
+_BUNDLED = sorted((Path(__file__).parent / "lib").glob("libfa3gen_*.so"))
+BUNDLED_LIBRARY: Path | None = _BUNDLED[0] if len(_BUNDLED) == 1 else None
+
+
 def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | None]:
     """(library path, spec name or None) for a spec name, a spec .yaml path or a .so path."""
     if spec is None:
         spec = _selected
+    if spec is None and BUNDLED_LIBRARY is not None:
+        return BUNDLED_LIBRARY, contract.spec_name_of_library(BUNDLED_LIBRARY)
     if spec is None:
         env = os.environ.get("FA3GEN_LIB")
         if env:

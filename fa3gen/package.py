@@ -1,0 +1,114 @@
+"""`fa3gen package`: a built library as a wheel that needs no compiler.
+
+The wheel holds one import package, `fa3gen_<spec>` by default: the built library and its
+manifest under lib/, and a copy of the runtime (contract, errors, runtime, ops) with its imports
+and its torch custom-op namespace renamed to that package. Nothing of the generator, the
+templates, nvcc or CUTLASS goes in. Because every name is the package's own, wheels of two
+specs install side by side, and beside the fa3gen tool, in one environment and one process.
+The packaged runtime loads its bundled library by default (runtime.BUNDLED_LIBRARY).
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+import subprocess
+import sysconfig
+import zipfile
+from pathlib import Path
+
+from fa3gen import __version__, contract
+from fa3gen.errors import Fa3genError
+
+# The runtime modules a packaged library needs, in dependency order.
+RUNTIME_MODULES = ("contract", "errors", "runtime", "ops")
+REQUIRES = ("torch>=2.4", "pyyaml")
+
+
+def _rename(source: str, package: str) -> str:
+    """fa3gen's imports and custom-op namespace, renamed to `package`."""
+    source = re.sub(r"\bfrom fa3gen import\b", f"from {package} import", source)
+    source = re.sub(r"\b(from|import) fa3gen\.", rf"\1 {package}.", source)
+    source = source.replace('"fa3gen::', f'"{package}::').replace("torch.ops.fa3gen.", f"torch.ops.{package}.")
+    return source
+
+
+def _init_source(package: str, spec: str, version: str) -> str:
+    return f'''"""fa3gen kernels of spec {spec!r}, packaged with `fa3gen package` (fa3gen {__version__},
+C ABI {contract.ABI_VERSION}). `flash_attn_func` runs the bundled library's variants."""
+from .errors import (AbiMismatchError, Fa3genError, InvalidInputError, LibraryNotBuiltError,
+                     VariantNotBuiltError)
+
+__version__ = {version!r}
+SPEC = {spec!r}
+
+
+def __getattr__(name):
+    if name == "flash_attn_func":  # imports torch on first use, like fa3gen
+        from .ops import flash_attn_func
+        return flash_attn_func
+    raise AttributeError(f"module {{__name__!r}} has no attribute {{name!r}}")
+'''
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=contract.REPO_ROOT,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"g{out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = None) -> Path:
+    """Write the wheel of spec_name's built library into out_dir; returns its path."""
+    library, manifest = contract.library_path(spec_name), contract.manifest_path(spec_name)
+    if not library.is_file() or not manifest.is_file():
+        raise Fa3genError(f"no built library of spec {spec_name!r} at {library} (with its "
+                          f"{contract.MANIFEST_NAME}); build it first: fa3gen build --spec {spec_name}")
+    info = json.loads(manifest.read_text())
+    if info.get("abi_version") != contract.ABI_VERSION:
+        raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')}, this fa3gen "
+                          f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
+    package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
+    if not package_name.isidentifier():
+        raise Fa3genError(f"--name {package_name!r} is not a Python package name")
+    # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
+    version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    dist_info = f"{package_name}-{version}.dist-info"
+
+    files: dict[str, bytes] = {f"{package_name}/__init__.py":
+                               _init_source(package_name, spec_name, version).encode()}
+    here = Path(__file__).parent
+    for module in RUNTIME_MODULES:
+        files[f"{package_name}/{module}.py"] = _rename((here / f"{module}.py").read_text(),
+                                                       package_name).encode()
+    files[f"{package_name}/lib/{library.name}"] = library.read_bytes()
+    files[f"{package_name}/lib/{contract.MANIFEST_NAME}"] = manifest.read_bytes()
+    files[f"{dist_info}/METADATA"] = "\n".join(
+        ["Metadata-Version: 2.1", f"Name: {package_name}", f"Version: {version}",
+         f"Summary: fa3gen attention kernels of spec {spec_name} ({len(info.get('variants', []))} "
+         f"variants, C ABI {contract.ABI_VERSION})",
+         "Requires-Python: >=3.10", *(f"Requires-Dist: {r}" for r in REQUIRES), ""]).encode()
+    files[f"{dist_info}/WHEEL"] = ("Wheel-Version: 1.0\nGenerator: fa3gen package\n"
+                                   f"Root-Is-Purelib: false\nTag: py3-none-{platform}\n").encode()
+    files[f"{dist_info}/top_level.txt"] = f"{package_name}\n".encode()
+    record = [_record_line(n, d) for n, d in files.items()] + [f"{dist_info}/RECORD,,"]
+    files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    wheel = out_dir / f"{package_name}-{version}-py3-none-{platform}.whl"
+    tmp = wheel.with_name(wheel.name + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        for n, d in files.items():
+            z.writestr(n, d)
+    tmp.replace(wheel)
+    return wheel

@@ -1,0 +1,83 @@
+"""`fa3gen package`: a built library as a wheel with its own copy of the runtime, installed and
+imported without the checkout, the tool, nvcc or CUTLASS."""
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+
+import pytest
+
+from fa3gen import cli, contract
+from tests.test_runtime_errors import build_fake_lib
+
+
+@pytest.fixture
+def built(tmp_path, monkeypatch):
+    """A generated root holding spec 'fake' built (the fake C library and a manifest)."""
+    root = tmp_path / "gen"
+    monkeypatch.setenv("FA3GEN_GENERATED", str(root))
+    lib = contract.library_path("fake")
+    lib.parent.mkdir(parents=True)
+    build_fake_lib(tmp_path).rename(lib)
+    contract.manifest_path("fake").write_text(json.dumps(
+        {"spec": "fake", "abi_version": contract.ABI_VERSION, "variants": [{"name": "x"}] * 3}))
+    return tmp_path
+
+
+def install(wheel, target, *code):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(target), str(wheel)], check=True, capture_output=True)
+    # python -S: not even the checkout's editable fa3gen is importable; torch and yaml come from
+    # this interpreter's site-packages.
+    env = {k: v for k, v in os.environ.items() if k not in ("FA3GEN_GENERATED",)}
+    env.update(PYTHONPATH=os.pathsep.join([str(target), sysconfig.get_paths()["purelib"]]),
+               FA3GEN_LIB="/nonexistent/libfa3gen_other.so")  # the bundled library wins
+    return subprocess.run([sys.executable, "-S", "-c", "\n".join(code)], cwd=target, env=env,
+                          capture_output=True, text=True)
+
+
+def test_package_installs_and_loads_its_library(built, capsys):
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
+    wheel = next((built / "dist").glob("fa3gen_fake-*.whl"))
+    assert f"wrote {wheel}" in capsys.readouterr().out
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fa3gen_fake/lib/libfa3gen_fake.so" in names and "fa3gen_fake/lib/manifest.json" in names
+    assert not any(n.startswith(("generator/", "fa3gen/")) or n.endswith((".cuh", ".j2")) for n in names)
+    assert f"+abi{contract.ABI_VERSION}." in wheel.name
+    proc = install(wheel, built / "site",
+                   "import sys, fa3gen_fake as f",
+                   "from fa3gen_fake import runtime, ops",
+                   "lib = runtime.get_library()",
+                   "print(lib.path); print(lib.find('fwd', 'bf16', 128, False).name)",
+                   "print('fa3gen' in sys.modules)",
+                   "import torch",
+                   "q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)",
+                   "try:\n    f.flash_attn_func(q, q, q)\nexcept f.Fa3genError as e:\n    print('error:', e)",
+                   "print(torch.ops.fa3gen_fake.fwd)")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == str(built / "site" / "fa3gen_fake" / "lib" / "libfa3gen_fake.so")
+    assert lines[1] == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    assert lines[2] == "False"  # the packaged runtime never imports the tool
+    assert lines[3].startswith("error:") and "CUDA" in lines[3]
+
+
+def test_two_packages_side_by_side(built):
+    for name in ("fa3gen_a", "fa3gen_b"):
+        assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 0
+    for wheel in (built / "dist").glob("*.whl"):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                        str(built / "site"), str(wheel)], check=True, capture_output=True)
+    proc = install(next((built / "dist").glob("fa3gen_a-*.whl")), built / "site",
+                   "import fa3gen_a.ops, fa3gen_b.ops, torch",
+                   "print(torch.ops.fa3gen_a.fwd, torch.ops.fa3gen_b.fwd)")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    assert cli.main(["package", "--spec", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "no built library of spec 'tiny'" in err and "fa3gen build --spec tiny" in err
