@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func",
+    "trace",
     "Fa3genError",
     "InvalidInputError",
     "LibraryNotBuiltError",
@@ -26,8 +27,8 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops"}
-_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks"}
+_LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "trace": "fa3gen.tracing"}
+_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing"}
 
 
 def __getattr__(name):

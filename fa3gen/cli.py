@@ -19,7 +19,7 @@ from generator.paths import resolve_spec_path
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
 # Imported only when the command line asks for something that is not built in.
 COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate")
-BUILTIN_COMMANDS = ("build", "list", "clean", "package")
+BUILTIN_COMMANDS = ("build", "list", "clean", "package", "spec")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -76,6 +76,20 @@ def cmd_package(args: argparse.Namespace) -> int:
     wheel = package(_spec_name(args.spec), args.out, args.name)
     print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "
           f"pip install {wheel}")
+    return 0
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from fa3gen.errors import Fa3genError
+    from fa3gen.tracing import spec_from_trace
+    name = args.name or Path(args.output).stem
+    try:
+        text = spec_from_trace(args.from_trace, name)
+    except ValueError as e:
+        raise Fa3genError(str(e)) from None
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(text)
+    print(f"fa3gen: wrote {args.output}; build it with: fa3gen build --spec {args.output}")
     return 0
 
 
@@ -155,6 +169,13 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     pk.add_argument("--name", default=None,
                     help="import package and distribution name (default fa3gen_<spec name>)")
     pk.set_defaults(func=cmd_package)
+
+    sp = sub.add_parser("spec", help="write the smallest spec that builds the variants a trace "
+                        "recorded (fa3gen.trace / FA3GEN_TRACE)")
+    sp.add_argument("--from-trace", required=True, metavar="TRACE", help="trace YAML file")
+    sp.add_argument("-o", "--output", required=True, help="spec YAML to write")
+    sp.add_argument("--name", default=None, help="the spec's name (default: the output file's stem)")
+    sp.set_defaults(func=cmd_spec)
 
     if extra:
         _register_extra(sub)

@@ -20,6 +20,7 @@ from functools import lru_cache
 import torch
 
 from fa3gen import runtime
+from fa3gen import tracing as _trace
 from fa3gen.contract import DTYPES
 from fa3gen.errors import Fa3genError, InvalidInputError
 
@@ -396,6 +397,9 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     name = resolve_bwd_variant(q, q.shape[-1], ctx.causal)
+    if _trace._active:
+        _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                      heads_q=q.shape[2], heads_kv=k.shape[2])
     dq, dk, dv = torch.ops.fa3gen.bwd(dout, q, k, v, out, lse, ctx.causal,
                                       ctx.softmax_scale, name, ctx.deterministic)
     return dq, dk, dv, None, None, None, None
@@ -449,6 +453,9 @@ def flash_attn_func(
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     name = resolve_variant(dims, bool(causal), variant)
+    if _trace._active:
+        _trace.record(name, variant is None, batch=dims.batch, seqlen_q=dims.seqlen_q,
+                      seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
     check_layout(q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(dims.head_dim) if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.fa3gen.fwd(q, k, v, bool(causal), scale, name, bool(deterministic))

@@ -1,8 +1,8 @@
 """`fa3gen package`: a built library as a wheel that needs no compiler.
 
 The wheel holds one import package, `fa3gen_<spec>` by default: the built library and its
-manifest under lib/, and a copy of the runtime (contract, errors, runtime, ops) with its imports
-and its torch custom-op namespace renamed to that package. Nothing of the generator, the
+manifest under lib/, and a copy of the runtime (contract, errors, runtime, tracing, ops) with
+its imports and its torch custom-op namespace renamed to that package. Nothing of the generator, the
 templates, nvcc or CUTLASS goes in. Because every name is the package's own, wheels of two
 specs install side by side, and beside the fa3gen tool, in one environment and one process.
 The packaged runtime loads its bundled library by default (runtime.BUNDLED_LIBRARY).
@@ -22,7 +22,7 @@ from fa3gen import __version__, contract
 from fa3gen.errors import Fa3genError
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "runtime", "ops")
+RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "ops")
 REQUIRES = ("torch>=2.4", "pyyaml")
 
 

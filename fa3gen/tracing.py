@@ -1,0 +1,158 @@
+"""Trace-to-spec: record which dispatch keys and variants a program's calls resolve to, then
+write the smallest spec that builds exactly those.
+
+    with fa3gen.trace("used.yaml"):        # or FA3GEN_TRACE=used.yaml for a whole program
+        train_steps()
+    fa3gen spec --from-trace used.yaml -o specs/mymodel.yaml
+
+Forward calls are recorded when flash_attn_func resolves its variant, backward ones when
+autograd runs the backward (under torch.compile: while compiling, once per graph). Each entry
+keeps the call count and the range of every size seen. No torch import here.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from fa3gen.contract import AXIS_BY_NAME, KEY_AXES, KNOB_AXES, parse_name
+
+TRACE_ENV = "FA3GEN_TRACE"
+SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
+FORMAT = "fa3gen-trace-1"
+
+
+@dataclass
+class Entry:
+    variant: str
+    default: bool                 # resolved by the spec's dispatch (not named with variant=)
+    count: int = 0
+    ranges: dict = field(default_factory=dict)   # size -> [min, max]
+
+    def add(self, sizes: dict) -> None:
+        self.count += 1
+        for k, v in sizes.items():
+            lo, hi = self.ranges.get(k, (v, v))
+            self.ranges[k] = [min(lo, v), max(hi, v)]
+
+
+class Trace:
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.entries: dict[tuple[str, bool], Entry] = {}
+        self._lock = threading.Lock()
+
+    def add(self, variant: str, default: bool, sizes: dict) -> None:
+        with self._lock:
+            self.entries.setdefault((variant, default), Entry(variant, default)).add(sizes)
+
+    def to_dict(self) -> dict:
+        calls = []
+        for e in sorted(self.entries.values(), key=lambda e: (parse_name(e.variant), not e.default)):
+            v = parse_name(e.variant)
+            calls.append({**{a: AXIS_BY_NAME[a].value(v) for a in KEY_AXES}, "variant": e.variant,
+                          "default": e.default, "count": e.count,
+                          **{k: e.ranges[k] for k in SIZES if k in e.ranges}})
+        return {"format": FORMAT, "calls": calls}
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
+                       "# turn it into a spec with: fa3gen spec --from-trace " + self.path.name + "\n"
+                       + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+        tmp.replace(self.path)
+
+
+_active: list[Trace] = []  # ops checks this on every call: empty list = one truth test
+
+
+def record(variant: str, default: bool, **sizes: int) -> None:
+    """Called by fa3gen.ops for every dispatched call while a trace is active."""
+    for t in _active:
+        t.add(variant, default, sizes)
+
+
+@contextmanager
+def trace(path: str | os.PathLike) -> Iterator[Trace]:
+    """Record the calls made inside the block and write them to path when it ends."""
+    t = Trace(path)
+    _active.append(t)
+    try:
+        yield t
+    finally:
+        _active.remove(t)
+        t.write()
+
+
+def _trace_whole_program() -> None:
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        t = Trace(path)
+        _active.append(t)
+        atexit.register(t.write)
+
+
+_trace_whole_program()
+
+
+# --------------------------------------------------------------------------- trace -> spec
+
+def _read(path: Path) -> list[dict]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not a trace (invalid YAML: {e})") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
+        raise ValueError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
+    if not data["calls"]:
+        raise ValueError(f"{path}: the trace recorded no call (was anything run inside it?)")
+    return data["calls"]
+
+
+def spec_from_trace(path: str | os.PathLike, name: str) -> str:
+    """The YAML text of the smallest spec that builds the traced variants: one group per
+    variant, every axis fixed; a key served by several variants gets a dispatch entry for the
+    one its calls resolved to by default."""
+    calls = _read(Path(path))
+    variants = {}
+    for c in calls:
+        try:
+            v = parse_name(c["variant"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}: bad call entry {c!r}: {e}") from e
+        variants[v] = variants.get(v, False) or bool(c.get("default"))
+    groups, dispatch = [], []
+    by_key: dict[tuple, list] = {}
+    for v, is_default in sorted(variants.items()):
+        axes = {a: AXIS_BY_NAME[a].value(v) for a in (*KEY_AXES, *KNOB_AXES)}
+        axes["tile"] = list(axes["tile"])
+        groups.append({"name": v.name, "axes": axes})
+        by_key.setdefault(v.key, []).append((v, is_default))
+    required = True
+    for key, served in by_key.items():
+        if len(served) == 1:
+            continue
+        defaults = [v for v, d in served if d]
+        if len(defaults) != 1:  # only named variants (variant=) were traced for this key
+            required = False
+            continue
+        knobs = {a: AXIS_BY_NAME[a].value(defaults[0]) for a in KNOB_AXES}
+        knobs["tile"] = list(knobs["tile"])
+        dispatch.append({"when": dict(zip(KEY_AXES, key)), "use": knobs})
+    spec = {"name": name, "groups": groups}
+    if dispatch:
+        spec["dispatch"] = dispatch
+    if not required:
+        spec["dispatch_required"] = False
+    header = (f"# Generated by `fa3gen spec --from-trace {Path(path).name}`: the {len(variants)} "
+              f"variant(s) the traced calls used.\n")
+    return header + yaml.safe_dump(spec, sort_keys=False, default_flow_style=None)

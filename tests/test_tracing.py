@@ -1,0 +1,101 @@
+"""Trace-to-spec: recording the variants calls resolve to, and the smallest spec that builds
+them (round trip: the generated spec resolves every traced key to the traced variant)."""
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+import fa3gen
+from fa3gen import cli, ops, tracing
+from fa3gen.contract import parse_name
+from generator.build import plan
+from generator.paths import REPO_ROOT
+from tests.test_runtime_errors import build_fake_lib
+
+D128 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"     # h100's default for its key
+D128_OTHER = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
+BWD = "bwd_fp16_d64_causal_m128n128_s2_ws1_pp0_ov0"
+
+
+def test_trace_records_counts_and_size_ranges(tmp_path):
+    path = tmp_path / "used.yaml"
+    with fa3gen.trace(path):
+        tracing.record(D128, True, batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=16, heads_kv=4)
+        tracing.record(D128, True, batch=1, seqlen_q=4096, seqlen_k=4000, heads_q=16, heads_kv=4)
+        tracing.record(BWD, True, batch=3, seqlen_q=77, seqlen_k=99, heads_q=8, heads_kv=8)
+    tracing.record(D128, True, batch=9, seqlen_q=9, seqlen_k=9, heads_q=9, heads_kv=9)  # after: not kept
+    data = yaml.safe_load(path.read_text())
+    assert data["format"] == tracing.FORMAT
+    calls = {c["variant"]: c for c in data["calls"]}
+    assert calls[D128]["count"] == 2 and calls[D128]["seqlen_q"] == [1024, 4096]
+    assert calls[D128]["seqlen_k"] == [1024, 4000] and calls[D128]["batch"] == [1, 2]
+    assert (calls[D128]["direction"], calls[D128]["head_dim"], calls[D128]["causal"]) == ("fwd", 128, False)
+    assert calls[BWD]["count"] == 1 and calls[BWD]["default"] is True
+
+
+def test_flash_attn_func_records_what_it_dispatches(tmp_path, monkeypatch):
+    """The ops hook: the resolved name and the call's sizes reach the trace."""
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+    launched = []
+
+    class TorchWithoutTheLaunch:  # torch, but the custom op only records what it was given
+        ops = SimpleNamespace(fa3gen=SimpleNamespace(
+            fwd=lambda q, k, v, causal, scale, name, det: launched.append(name) or (q, None)))
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+    monkeypatch.setattr(ops, "torch", TorchWithoutTheLaunch())
+    q = torch.zeros(2, 33, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
+    with fa3gen.trace(tmp_path / "t.yaml"):
+        ops.flash_attn_func(q, k, k)
+        ops.flash_attn_func(q, k, k, variant="fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0")
+    calls = yaml.safe_load((tmp_path / "t.yaml").read_text())["calls"]
+    assert [(c["variant"], c["default"]) for c in calls] == [
+        ("fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", False), (D128, True)]
+    assert calls[1]["seqlen_k"] == [40, 40] and calls[1]["heads_kv"] == [2, 2]
+    assert launched == [D128, "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"]
+
+
+def test_spec_from_trace_round_trip(tmp_path):
+    """Every traced key resolves to the traced default; a second variant of a key (named with
+    variant=) is built too, and a dispatch entry keeps the default."""
+    path = tmp_path / "used.yaml"
+    with fa3gen.trace(path):
+        for name, default in ((D128, True), (D128_OTHER, False), (BWD, True)):
+            tracing.record(name, default, batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1)
+    out = tmp_path / "mymodel.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    p = plan(out)
+    assert p.spec.name == "mymodel"
+    assert sorted(v.name for v in p.variants) == sorted([D128, D128_OTHER, BWD])
+    assert {k: v.name for k, v in p.defaults.items()} == {parse_name(D128).key: D128,
+                                                          parse_name(BWD).key: BWD}
+
+
+def test_spec_from_a_bad_trace_says_what_is_wrong(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("calls: []\n")
+    assert cli.main(["spec", "--from-trace", str(bad), "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "not an fa3gen trace" in capsys.readouterr().err
+    empty = tmp_path / "empty.yaml"
+    with fa3gen.trace(empty):
+        pass
+    assert cli.main(["spec", "--from-trace", str(empty), "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "recorded no call" in capsys.readouterr().err
+
+
+def test_whole_program_trace_from_the_environment(tmp_path):
+    path = tmp_path / "prog.yaml"
+    code = ("from fa3gen import tracing\n"
+            f"tracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)\n")
+    env = {**os.environ, "FA3GEN_TRACE": str(path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
+    calls = yaml.safe_load(path.read_text())["calls"]
+    assert calls[0]["variant"] == D128 and calls[0]["seqlen_k"] == [3, 3]
