@@ -453,10 +453,10 @@ def flash_attn_func(
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     name = resolve_variant(dims, bool(causal), variant)
-    if _trace._active:
+    check_layout(q=q, k=k, v=v)
+    if _trace._active:  # a call that passed every check
         _trace.record(name, variant is None, batch=dims.batch, seqlen_q=dims.seqlen_q,
                       seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
-    check_layout(q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(dims.head_dim) if softmax_scale is None else float(softmax_scale)
     out, lse = torch.ops.fa3gen.fwd(q, k, v, bool(causal), scale, name, bool(deterministic))
     return (out, lse) if return_lse else out
