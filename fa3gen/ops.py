@@ -424,15 +424,40 @@ def resolve_variant(dims: Dims, causal: bool, variant: str | None = None) -> str
     return _variant_name("fwd", dims.dtype, dims.head_dim, bool(causal), variant)
 
 
+def _check_fa3_arguments(softmax_scale, causal, window_size, softcap) -> None:
+    """Arguments whose FlashAttention-3 meaning fa3gen cannot honour yet, or that come from the
+    old fa3gen order (q, k, v, causal, softmax_scale): an error, never a different result."""
+    if isinstance(softmax_scale, bool):
+        raise InvalidInputError(
+            f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
+            "(q, k, v, softmax_scale, causal); pass causal=... by keyword")
+    if softmax_scale is not None and not (float(softmax_scale) > 0.0):
+        raise InvalidInputError(
+            f"softmax_scale must be positive, got {softmax_scale}: with flash-attn 2's order the "
+            "4th positional argument is dropout_p, here (FlashAttention-3's order) it is the scale")
+    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
+        raise InvalidInputError(f"causal must be True or False, got {causal!r}")
+    if tuple(window_size) != (-1, -1):
+        raise Fa3genError(f"window_size={tuple(window_size)}: sliding-window (local) attention "
+                          "is not supported yet; only window_size=(-1, -1) (no window)")
+    if softcap != 0.0:
+        raise Fa3genError(f"softcap={softcap}: logit softcapping is not supported yet; only "
+                          "softcap=0.0")
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool = False,
     softmax_scale: float | None = None,
+    causal: bool = False,
+    *,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
     return_lse: bool = False,
     variant: str | None = None,
-    deterministic: bool = False,
 ):
     """Attention softmax(q k^T * scale) v on Hopper with an fa3gen-generated kernel.
 
@@ -448,8 +473,12 @@ def flash_attn_func(
     gradient). deterministic: the backward accumulates dq in a fixed order, so gradients are
     bitwise reproducible (slower); dk and dv are always deterministic.
     Returns out (batch, seqlen_q, heads_q, head_dim), plus lse (batch, heads_q, seqlen_q)
-    float32 when return_lse.
+    float32 when return_lse (or return_attn_probs, FlashAttention-3's name for it).
+    The positional order is FlashAttention-3's (q, k, v, softmax_scale, causal); the rest is
+    keyword-only. window_size and softcap are FA3's names; only their defaults are supported.
     """
+    _check_fa3_arguments(softmax_scale, causal, window_size, softcap)
+    return_lse = bool(return_lse or return_attn_probs)
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     name = resolve_variant(dims, bool(causal), variant)
