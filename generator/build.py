@@ -141,8 +141,9 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             "num_variants": len(p.variants), "filters": {"only": only, "exclude": exclude},
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
-                           spec_names=(v.name for v in p.enumeration.kept), env=env)
-    ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env)
+                           spec_variants=p.enumeration.kept, env=env)
+    ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,
+                                    spec_variants=p.enumeration.kept)
     lib = out / library_name(p.spec.name)
     filtered = len(p.variants) < len(p.enumeration.kept)
     log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s)"

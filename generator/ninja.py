@@ -65,18 +65,30 @@ def _without_ptxas_v(flags) -> list[str]:
     return out
 
 
+def _interpreter() -> str:
+    """The Python that runs compile_one (stdlib only), as one stable path. `python3 build.py`
+    and `fa3gen build` start the same venv interpreter through different names (python3,
+    python); spelled differently in build.ninja, every compile command "changed" and ninja
+    rebuilt the whole spec when a user switched between the two."""
+    return os.path.realpath(sys.executable)
+
+
 def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
-                       env: jinja2.Environment | None = None) -> str:
+                       env: jinja2.Environment | None = None,
+                       spec_variants: list[Variant] | None = None) -> str:
+    """build.ninja linking `variants`, with a compile edge for each of `spec_variants` (all the
+    spec keeps; default: `variants`), so that a filtered build leaves the others' records."""
     env = env or environment()
     implicit = "fingerprint.txt"  # kernel headers: per-TU depfiles (build.ninja.j2)
     # ninja starts edges in file order on a clean build (later it weighs them by the times in
     # .ninja_log): the slow TUs (extended WGMMA shapes, about twice the others) go first, so
     # that none of them starts last and stretches the build.
-    slow_first = sorted(variants, key=lambda v: not needs_extended_mma_shapes(v))
+    compiled = sorted(set(spec_variants or variants) | set(variants),
+                      key=lambda v: (not needs_extended_mma_shapes(v), v.name))
     return env.get_template("build.ninja.j2").render(
-        spec_name=spec_name, variants=slow_first,
-        repo_root=_cmd([REPO_ROOT]), python=_cmd([sys.executable]), nvcc=_cmd([tc.nvcc]),
+        spec_name=spec_name, variants=variants, compiled=compiled,
+        repo_root=_cmd([REPO_ROOT]), python=_cmd([_interpreter()]), nvcc=_cmd([tc.nvcc]),
         launcher=_cmd(shlex.split(launcher)) if launcher else "",
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),

@@ -136,20 +136,22 @@ class RenderResult:
 
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
-                 spec_names: Optional[Iterable[str]] = None,
+                 spec_variants: Optional[Iterable[Variant]] = None,
                  env: jinja2.Environment | None = None) -> RenderPlan:
-    """src/<name>.cu per variant, src/dispatch.cu and fingerprint.txt; as stale, the sources and
-    build products of variants that are not in the spec. spec_names: every variant the spec
-    keeps (default: `variants`); a filtered build passes them so that the other variants'
-    objects survive it and a later full build only links again."""
+    """src/<name>.cu per variant of the spec, src/dispatch.cu (the table of `variants`, the
+    ones linked) and fingerprint.txt; as stale, the sources and build products of variants
+    that are not in the spec. spec_variants: every variant the spec keeps (default:
+    `variants`); a filtered build passes them so that the other variants' sources and objects
+    survive it and a later full build only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
-    files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env) for v in variants}
+    everything = set(spec_variants if spec_variants is not None else variants) | set(variants)
+    files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env)
+             for v in sorted(everything, key=lambda v: v.name)}
     files[out_dir / "src" / "dispatch.cu"] = render_dispatch(
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
-    keep = set(spec_names if spec_names is not None else (v.name for v in variants))
-    keep |= {v.name for v in variants} | {"dispatch"}
+    keep = {v.name for v in everything} | {"dispatch"}
     stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
     return RenderPlan(files, stale)

@@ -234,6 +234,9 @@ def test_filtered_build_keeps_the_other_objects(fake):
     lines = []
     B.build(spec, only=[A], toolchain=tc, log=lines.append)
     assert any("1 variant(s) of 2 (filtered), 1 dispatch default(s)" in ln for ln in lines)
+    text = (out / "build.ninja").read_text()
+    assert f"build obj/{B_}.o" in text  # its records stay with ninja
+    assert f": link obj/{A}.o obj/dispatch.o" in text  # the library links the selection
     assert (out / "obj" / f"{B_}.o").exists() and (out / "src" / f"{B_}.cu").exists()
     assert take_calls(calls) == ["dispatch.cu", "link"]  # nothing compiled again
     m = json.loads((out / "manifest.json").read_text())

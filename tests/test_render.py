@@ -115,7 +115,7 @@ def test_build_ninja_content():
     assert "build obj/dispatch.o: nvcc_plain src/dispatch.cu | fingerprint.txt" in text
     assert "launcher = ccache" in text
     assert "ldflags = -shared -cudart static -gencode arch=compute_90a,code=sm_90a" in text
-    assert f"python = {sys.executable}" in text
+    assert f"python = {os.path.realpath(sys.executable)}" in text
     cflags = next(l for l in text.splitlines() if l.startswith("cflags ="))
     plain = next(l for l in text.splitlines() if l.startswith("cflags_plain ="))
     assert "-Xptxas -v" in cflags and "-Xptxas" not in plain
@@ -169,3 +169,18 @@ def test_build_ninja_starts_the_slow_tus_first():
     tc = Toolchain(Path("/usr/bin/nvcc"), "v", inc, "4.2.0", tuple(compile_flags(inc)))
     text = render_build_ninja("s", [fast, slow], tc)
     assert text.index(f"build obj/{slow.name}.o") < text.index(f"build obj/{fast.name}.o")
+
+
+def test_build_ninja_names_the_interpreter_one_way(tmp_path, monkeypatch):
+    """python3 build.py and fa3gen build (python) must write the same build.ninja, or ninja
+    sees every compile command changed and rebuilds everything."""
+    inc = Path("/x/include")
+    tc = Toolchain(Path("/usr/bin/nvcc"), "v", inc, "4.2.0", tuple(compile_flags(inc)))
+    v = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1")
+    link = tmp_path / "python-by-another-name"
+    link.symlink_to(os.path.realpath(sys.executable))
+    texts = []
+    for exe in (sys.executable, str(link)):
+        monkeypatch.setattr(sys, "executable", exe)
+        texts.append(render_build_ninja("s", [v], tc))
+    assert texts[0] == texts[1]
