@@ -48,14 +48,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _spec_name(spec: str) -> str:
     """Name of the generated/ subdirectory for --spec (a path, or a bare spec name)."""
+    from fa3gen.runtime import spec_name_of_file  # the stem for a broken spec: it can be cleaned
+
     path = resolve_spec_path(spec)
-    if path.is_file():
-        from generator.spec import load_spec
-        try:
-            return load_spec(path).name
-        except GeneratorError:
-            return path.stem  # a broken spec can still be cleaned
-    return Path(spec).stem
+    return spec_name_of_file(path) if path.is_file() else Path(spec).stem
 
 
 def cmd_clean(args: argparse.Namespace) -> int:

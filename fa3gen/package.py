@@ -13,7 +13,6 @@ import base64
 import hashlib
 import json
 import re
-import subprocess
 import sysconfig
 import zipfile
 from pathlib import Path
@@ -53,12 +52,15 @@ def __getattr__(name):
 
 
 def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=contract.REPO_ROOT,
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """bench.git_commit() as a local-version label: g<10 hex>[.dirty], or "unknown"."""
+    from fa3gen.bench import git_commit
+
+    commit = git_commit()
+    if not commit:
         return "unknown"
-    return f"g{out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else "unknown"
+    head, dirty = commit.removesuffix("-dirty"), commit.endswith("-dirty")
+    label = "g" + re.sub(r"[^0-9A-Za-z]+", ".", head)[:10]
+    return label + (".dirty" if dirty else "")
 
 
 def _record_line(name: str, data: bytes) -> str:

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import yaml
-
 from fa3gen import contract
 from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant
 from fa3gen.contract import GRID_MODES  # noqa: F401  (the ABI's values, as ops and tests use them)
@@ -345,12 +343,14 @@ def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | 
     if s.endswith(".so"):
         return Path(s), contract.spec_name_of_library(s)
     if s.endswith((".yaml", ".yml")):
-        s = _spec_name_of_file(Path(s))
+        s = spec_name_of_file(Path(s))
     return contract.library_path(s), s
 
 
-def _spec_name_of_file(path: Path) -> str:
+def spec_name_of_file(path: Path) -> str:
     """The spec's `name:` (what the build names generated/<name>/), else the file stem."""
+    import yaml  # only for spec paths; the per-call lookups never come here
+
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError):

@@ -48,6 +48,34 @@ def time_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def batch_ms(fn, launches: int) -> float:
+    """Milliseconds per launch of `launches` back-to-back launches between two events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(launches):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / launches
+
+
+def sustained_ms(fns: list, rounds: int, min_ms: float) -> list[float]:
+    """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
+    steady use, not a burst): rounds of back-to-back launches lasting at least min_ms, the fns
+    alternating with their order rotated every round."""
+    for fn in fns:  # warm-up
+        batch_ms(fn, 3)
+    launches = max(3, int(min_ms / batch_ms(fns[0], 5)))
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        for i in order[r % len(fns):] + order[:r % len(fns)]:
+            times[i].append(batch_ms(fns[i], launches))
+    return [statistics.median(t) for t in times]
+
+
 def report_failure(label: str, error: Exception) -> None:
     """One stderr line for a backend that failed: its label and the error's first line."""
     first = str(error).splitlines()[0] if str(error).strip() else type(error).__name__

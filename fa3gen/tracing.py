@@ -19,9 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import yaml
-
-from fa3gen.contract import AXIS_BY_NAME, KEY_AXES, KNOB_AXES, parse_name
+from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, parse_name
 
 TRACE_ENV = "FA3GEN_TRACE"
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
@@ -62,6 +60,8 @@ class Trace:
         return {"format": FORMAT, "calls": calls}
 
     def write(self) -> None:
+        import yaml  # kept out of import time: ops imports this module
+
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
@@ -105,6 +105,8 @@ _trace_whole_program()
 # --------------------------------------------------------------------------- trace -> spec
 
 def _read(path: Path) -> list[dict]:
+    import yaml
+
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -118,10 +120,18 @@ def _read(path: Path) -> list[dict]:
     return data["calls"]
 
 
+def _spec_values(v, axes) -> dict:
+    """v's values of `axes` as a spec writes them (a tile as a YAML list [M, N])."""
+    values = v.axes()
+    return {a: list(values[a]) if AXIS_BY_NAME[a].kind == "tile" else values[a] for a in axes}
+
+
 def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     """The YAML text of the smallest spec that builds the traced variants: one group per
     variant, every axis fixed; a key served by several variants gets a dispatch entry for the
     one its calls resolved to by default."""
+    import yaml
+
     calls = _read(Path(path))
     variants = {}
     for c in calls:
@@ -133,9 +143,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     groups, dispatch = [], []
     by_key: dict[tuple, list] = {}
     for v, is_default in sorted(variants.items()):
-        axes = {a: AXIS_BY_NAME[a].value(v) for a in (*KEY_AXES, *KNOB_AXES)}
-        axes["tile"] = list(axes["tile"])
-        groups.append({"name": v.name, "axes": axes})
+        groups.append({"name": v.name, "axes": _spec_values(v, AXES)})
         by_key.setdefault(v.key, []).append((v, is_default))
     required = True
     for key, served in by_key.items():
@@ -145,9 +153,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if len(defaults) != 1:  # only named variants (variant=) were traced for this key
             required = False
             continue
-        knobs = {a: AXIS_BY_NAME[a].value(defaults[0]) for a in KNOB_AXES}
-        knobs["tile"] = list(knobs["tile"])
-        dispatch.append({"when": dict(zip(KEY_AXES, key)), "use": knobs})
+        dispatch.append({"when": _spec_values(defaults[0], KEY_AXES),
+                         "use": _spec_values(defaults[0], KNOB_AXES)})
     spec = {"name": name, "groups": groups}
     if dispatch:
         spec["dispatch"] = dispatch

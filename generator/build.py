@@ -18,7 +18,7 @@ from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run
                     write_build_ninja)
 from .paths import resolve_spec_path
 from .lock import build_lock
-from .render import environment, holds, plan_sources
+from .render import RenderPlan, environment, holds, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
 from .variants import Enumeration, enumerate_variants, resolve_dispatch, smem_bytes
@@ -82,7 +82,7 @@ class Plan:
 
     @property
     def warnings(self) -> list[str]:
-        return list(getattr(self.spec, "warnings", ())) + list(getattr(self.enumeration, "warnings", ()))
+        return [*self.spec.warnings, *self.enumeration.warnings]
 
     @property
     def default_names(self) -> set[str]:
@@ -152,7 +152,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}")
 
     if dry_run:
-        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, fp, jobs, log))
+        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, jobs, log))
 
     with build_lock(out, f"spec {p.spec.name}", log):
         rendered = sources.apply()
@@ -171,16 +171,17 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     return BuildResult(p, lib, manifest)
 
 
-def _dry_run(p: Plan, sources, ninja_text: str, fp: str, jobs: int,
+def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
              log: Callable[[str], None]) -> list[str]:
     """What a build would do, from the files on disk, without writing any."""
     out = p.out_dir
     dispatch_edge, link_edge = "NVCC obj/dispatch.o", f"LINK {library_name(p.spec.name)}"
-    for path in sources.changed:
+    changed = sources.changed  # reads every file once
+    for path in changed:
         log(f"  would write: {path.relative_to(out)}")
     for path in sources.stale:
         log(f"  would remove: {path.relative_to(out)}")
-    if not holds(out / "fingerprint.txt", fp + "\n"):
+    if out / "fingerprint.txt" in changed:
         why = "no build yet" if not (out / "fingerprint.txt").exists() else "the toolchain, flags or templates changed"
         edges = [f"NVCC {v.name}" for v in p.variants] + [dispatch_edge, link_edge]
         log(f"fa3gen: {why}: every variant compiles")
@@ -191,13 +192,13 @@ def _dry_run(p: Plan, sources, ninja_text: str, fp: str, jobs: int,
             if proc.returncode != 0:
                 raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
             edges = planned_edges(proc.stdout)
-        changed = {path.name for path in sources.changed}
+        changed_names = {path.name for path in changed}
         for v in p.variants:
             edge = f"NVCC {v.name}"
-            fresh = (out / "obj" / f"{v.name}.o").exists() and f"{v.name}.cu" not in changed
+            fresh = (out / "obj" / f"{v.name}.o").exists() and f"{v.name}.cu" not in changed_names
             if not fresh and edge not in edges:
                 edges.append(edge)
-        if "dispatch.cu" in changed and dispatch_edge not in edges:
+        if "dispatch.cu" in changed_names and dispatch_edge not in edges:
             edges.append(dispatch_edge)
         if edges and link_edge not in edges:
             edges.append(link_edge)

@@ -84,7 +84,7 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
     # ninja starts edges in file order on a clean build (later it weighs them by the times in
     # .ninja_log): the slow TUs (extended WGMMA shapes, about twice the others) go first, so
     # that none of them starts last and stretches the build.
-    compiled = sorted(set(spec_variants or variants) | set(variants),
+    compiled = sorted(spec_variants or variants,  # the spec's variants include the selection
                       key=lambda v: (not needs_extended_mma_shapes(v), v.name))
     return env.get_template("build.ninja.j2").render(
         spec_name=spec_name, variants=variants, compiled=compiled,
@@ -121,10 +121,7 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-    planned = subprocess.run(_ninja_cmd(out_dir, jobs, True), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    progress = Progress(Path(out_dir) / "obj", jobs,
-                        total=len(planned_edges(planned.stdout)) if planned.returncode == 0 else None)
+    progress = Progress(Path(out_dir) / "obj", jobs)  # the total comes with ninja's first status
     lines: queue.Queue = queue.Queue()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace")

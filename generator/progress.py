@@ -29,7 +29,7 @@ def _duration(seconds: float) -> str:
 class Progress:
     obj_dir: Path
     jobs: int
-    total: Optional[int] = None       # edges ninja will run (from a dry run before the build)
+    total: Optional[int] = None       # edges ninja runs (its status lines say; unknown before)
     done: int = 0
     start: float = field(default_factory=time.monotonic)
     tu_seconds: list[float] = field(default_factory=list)

@@ -86,11 +86,8 @@ def render_dispatch(spec_name: str, variants: list[Variant], default_names: Iter
 def write_if_changed(path: Path, text: str) -> bool:
     """Write `text` unless the file already holds it; True when the file was written."""
     path = Path(path)
-    try:
-        if path.read_text() == text:
-            return False
-    except (FileNotFoundError, UnicodeDecodeError):
-        pass
+    if holds(path, text):
+        return False
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -145,9 +142,8 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
     survive it and a later full build only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
-    everything = set(spec_variants if spec_variants is not None else variants) | set(variants)
-    files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env)
-             for v in sorted(everything, key=lambda v: v.name)}
+    everything = list(spec_variants) if spec_variants is not None else variants  # ⊇ variants
+    files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env) for v in everything}
     files[out_dir / "src" / "dispatch.cu"] = render_dispatch(
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
@@ -156,10 +152,3 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
     return RenderPlan(files, stale)
 
-
-def render_sources(out_dir: Path, spec_name: str, variants: list[Variant],
-                   default_names: Iterable[str], fingerprint: str, build_info: dict,
-                   env: jinja2.Environment | None = None) -> RenderResult:
-    """plan_sources(...).apply(): write what changed, remove what is stale."""
-    return plan_sources(out_dir, spec_name, variants, default_names, fingerprint, build_info,
-                        env=env).apply()

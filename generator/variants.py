@@ -9,10 +9,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
-# The Variant vocabulary is the contract's; parse_name is offered here for the tool side too.
-from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES,  # noqa: F401
-                             SUPPORTED_HEAD_DIMS, VARIANT_FIELDS, Variant, key_str,
-                             parse_name)
+from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES,
+                             SUPPORTED_HEAD_DIMS, Variant, key_str)
 
 from .spec import Spec, fmt_value
 
@@ -187,12 +185,6 @@ class Enumeration:
     # Variants that several groups produce (each kept once), for `fa3gen build` and `fa3gen
     # list` to print with the spec's own warnings (Spec.warnings). Each "<spec file>: <message>".
     warnings: list[str] = field(default_factory=list)
-
-
-def natural_key(v: Variant) -> tuple:
-    """Sort key in the Variant's field order with numbers as numbers (d64 before d128):
-    direction, dtype, head_dim, causal, tile, stages, knobs. Name order sorts d128 first."""
-    return tuple(getattr(v, f) for f, _ in VARIANT_FIELDS)
 
 
 _MAX_NAMED = 10  # duplicate variants named per warning

@@ -5,6 +5,7 @@ anywhere else they are skipped with the reason, never errored.
 """
 
 import functools
+import types
 
 import pytest
 
@@ -47,3 +48,27 @@ def pytest_collection_modifyitems(config, items):
             # First, so it wins over a parameter's own skip mark (tests/gpu/conftest.py): the
             # first missing thing (torch, a CUDA device, an sm_90 one, the library) is the reason.
             it.add_marker(pytest.mark.skip(reason=reason), append=False)
+
+
+@pytest.fixture
+def stub_forward(tmp_path, monkeypatch):
+    """flash_attn_func on CPU tensors up to its launch: the fake C library answers the
+    dispatch, and install(fwd) puts fwd in place of the fa3gen::fwd custom op."""
+    import torch
+
+    from fa3gen import ops
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+
+    def install(fwd):
+        class TorchWithoutTheLaunch:  # torch, but its fa3gen::fwd is fwd
+            ops = types.SimpleNamespace(fa3gen=types.SimpleNamespace(fwd=fwd))
+
+            def __getattr__(self, name):
+                return getattr(torch, name)
+
+        monkeypatch.setattr(ops, "torch", TorchWithoutTheLaunch())
+
+    return install

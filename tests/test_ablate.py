@@ -10,7 +10,7 @@ import pytest
 from fa3gen import ablate as A
 from fa3gen import cli
 from generator.build import plan
-from generator.variants import parse_name
+from fa3gen.contract import parse_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(A.ABLATION_SHAPE)

@@ -1,13 +1,11 @@
 """flash_attn_func's signature: FlashAttention-3's positional order, its names for the
 features fa3gen lacks, and clear errors instead of a different result."""
 import inspect
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fa3gen import Fa3genError, InvalidInputError, ops
-from tests.test_runtime_errors import build_fake_lib
 
 q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
 
@@ -40,17 +38,8 @@ def test_unsupported_fa3_features_raise(kwargs, message):
         ops.flash_attn_func(q, q, q, **kwargs)
 
 
-def test_return_attn_probs_returns_the_lse(tmp_path, monkeypatch):
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)
-
-    class TorchWithoutTheLaunch:
-        ops = SimpleNamespace(fa3gen=SimpleNamespace(fwd=lambda *a: ("out", "lse")))
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    monkeypatch.setattr(ops, "torch", TorchWithoutTheLaunch())
+def test_return_attn_probs_returns_the_lse(stub_forward):
+    stub_forward(lambda *a: ("out", "lse"))
     k = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     assert ops.flash_attn_func(q, k, k) == "out"
     assert ops.flash_attn_func(q, k, k, return_attn_probs=True) == ("out", "lse")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fa3gen.contract import Variant, parse_name
 from generator.ninja import render_build_ninja
-from generator.render import c_string, render_dispatch, render_sources, render_variant, write_if_changed
+from generator.render import c_string, plan_sources, render_dispatch, render_variant, write_if_changed
 from generator.toolchain import Toolchain, compile_flags
 
 V1 = parse_name("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1")
@@ -80,18 +80,18 @@ def test_write_if_changed_keeps_mtime(tmp_path):
     assert write_if_changed(p, "y") is True and p.read_text() == "y"
 
 
-def test_render_sources_incremental(tmp_path):
+def test_planned_sources_applied_incrementally(tmp_path):
     a = parse_name("fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0")
     b = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp0_ov0")
     c = parse_name("fwd_bf16_d128_causal_m128n176_s2_ws1_pp0_ov0")
     info = {"spec": "t", "fingerprint": "f"}
-    r1 = render_sources(tmp_path, "t", [a, b], {a.name}, "f", info)
+    r1 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info).apply()
     assert len(r1.written) == 4  # 2 variants + dispatch + fingerprint
-    r2 = render_sources(tmp_path, "t", [a, b], {a.name}, "f", info)
+    r2 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info).apply()
     assert r2.written == [] and not r2.removed  # rendering twice changes nothing
     (tmp_path / "obj").mkdir()
     (tmp_path / "obj" / f"{b.name}.o").write_text("o")
-    r3 = render_sources(tmp_path, "t", [a, c], {a.name}, "f", info)
+    r3 = plan_sources(tmp_path, "t", [a, c], {a.name}, "f", info).apply()
     names = sorted(p.name for p in r3.written)
     # exactly one variant TU is new; the dispatch table changes with the set
     assert names == sorted([f"{c.name}.cu", "dispatch.cu"])

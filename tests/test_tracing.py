@@ -3,9 +3,7 @@ them (round trip: the generated spec resolves every traced key to the traced var
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
-import pytest
 import torch
 import yaml
 
@@ -14,7 +12,6 @@ from fa3gen import cli, ops, tracing
 from fa3gen.contract import parse_name
 from generator.build import plan
 from generator.paths import REPO_ROOT
-from tests.test_runtime_errors import build_fake_lib
 
 D128 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"     # h100's default for its key
 D128_OTHER = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
@@ -37,20 +34,10 @@ def test_trace_records_counts_and_size_ranges(tmp_path):
     assert calls[BWD]["count"] == 1 and calls[BWD]["default"] is True
 
 
-def test_flash_attn_func_records_what_it_dispatches(tmp_path, monkeypatch):
+def test_flash_attn_func_records_what_it_dispatches(tmp_path, stub_forward):
     """The ops hook: the resolved name and the call's sizes reach the trace."""
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
     launched = []
-
-    class TorchWithoutTheLaunch:  # torch, but the custom op only records what it was given
-        ops = SimpleNamespace(fa3gen=SimpleNamespace(
-            fwd=lambda q, k, v, causal, scale, name, det: launched.append(name) or (q, None)))
-
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    monkeypatch.setattr(ops, "torch", TorchWithoutTheLaunch())
+    stub_forward(lambda q, k, v, causal, scale, name, det: launched.append(name) or (q, None))
     q = torch.zeros(2, 33, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
     with fa3gen.trace(tmp_path / "t.yaml"):

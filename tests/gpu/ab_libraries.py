@@ -16,55 +16,31 @@ import sys
 
 import torch
 
-from fa3gen import bench, ops, runtime
+from fa3gen import Fa3genError, bench, ops, runtime, timing
 
 
-def batch_ms(fn, launches: int) -> float:
-    """Milliseconds per launch of `launches` back-to-back launches between two events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / launches
-
-
-def measure(fns: list, rounds: int, min_ms: float) -> list[float]:
-    """Median ms per launch of each fn; fns alternate, the order rotated each round."""
-    for fn in fns:  # warm-up, and the launch count that fills min_ms
-        batch_ms(fn, 3)
-    launches = max(3, int(min_ms / batch_ms(fns[0], 5)))
-    times = [[] for _ in fns]
-    for r in range(rounds):
-        order = list(range(len(fns)))
-        order = order[r % len(fns):] + order[:r % len(fns)]
-        for i in order:
-            times[i].append(batch_ms(fns[i], launches))
-    return [statistics.median(t) for t in times]
+def _forward_default(lib, info):
+    """(lib, its forward default for the key of backward variant info), or None."""
+    try:
+        return lib, lib.find("fwd", *info.key[1:])
+    except Fa3genError:
+        return None
 
 
 def point_fns(libs, info, shape: dict):
-    dtype = ops.TORCH_DTYPES[info.dtype]
-    q, k, v, dout = bench_inputs(shape, dtype)
+    q, k, v, dout = timing.random_inputs(shape, ops.TORCH_DTYPES[info.dtype], 4)
     scale = shape["head_dim"] ** -0.5
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda", dtype=torch.float32)
+    out, lse = ops._empty_outputs(q)
     if info.direction == "fwd":
         return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
                 for lib in libs]
-    # out and lse from the library that has the forward default (A may hold backward variants only)
-    fwd_lib = next(lib for lib in libs if any(v.is_default and v.key == ("fwd",) + info.key[1:] for v in lib.variants))
-    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd_lib.find("fwd", *info.key[1:]).name, lib=fwd_lib)
+    # out and lse from the first library that serves the forward key (one may hold only the
+    # backward variants measured)
+    fwd_lib, fwd = next(found for found in (_forward_default(lib, info) for lib in libs) if found)
+    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=fwd_lib)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return [lambda lib=lib: ops._bwd_into(dout, q, k, v, out, lse, dq, dk, dv, info.causal, scale,
                                           info.name, lib=lib) for lib in libs]
-
-
-def bench_inputs(shape: dict, dtype):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dims = (shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"])
-    return [torch.randn(*dims, device="cuda", dtype=dtype, generator=gen) for _ in range(4)]
 
 
 def main() -> int:
@@ -86,9 +62,10 @@ def main() -> int:
         for shape in bench.grid(args.seqlens, [info.head_dim]):
             flops = bench.attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                                           shape["head_dim"], info.causal, info.direction)
-            ms_a, ms_b = measure(point_fns(libs, info, shape), args.rounds, args.min_ms)
+            ms_a, ms_b = timing.sustained_ms(point_fns(libs, info, shape), args.rounds, args.min_ms)
             row = {"variant": info.name, "seqlen": shape["seqlen"], "ms_a": ms_a, "ms_b": ms_b,
-                   "tflops_a": flops / ms_a / 1e9, "tflops_b": flops / ms_b / 1e9, "b_over_a": ms_a / ms_b}
+                   "tflops_a": timing.tflops(flops, ms_a), "tflops_b": timing.tflops(flops, ms_b),
+                   "b_over_a": ms_a / ms_b}
             rows.append(row)
             print(f"| {info.name} | {shape['seqlen']} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
                   f"{row['b_over_a']:.3f} |", flush=True)
