@@ -40,6 +40,7 @@ DTYPES = {d.name: d for d in (
 
 # --------------------------------------------------------------------------- axes
 
+NAME_SEP = "_"
 _POSITIVE_INT = r"([1-9][0-9]*)"  # no leading zeros: a parsed name spells back the same
 _PYTHON_TYPE = {"choice": str, "int": int, "bool": bool, "tile": int}
 
@@ -53,7 +54,8 @@ class Axis:
     role: str                        # "key": what a caller asks for; "knob": how a variant runs
     tag: str = ""                    # prefix in the name: d128, s2, ws1
     choices: tuple[str, ...] = ()    # a choice's allowed values
-    words: tuple[str, str] = ()      # a bool spelled as a word, (false, true)
+    words: tuple[str, str] = ()      # a bool spelled as a word, (false, true); an empty
+                                     # false word leaves the part (and its separator) out
     cpp: Optional[dict] = field(default=None, compare=False)  # a choice's C++ spelling
 
     @property
@@ -79,27 +81,38 @@ class Axis:
         return self.choices if self.kind == "choice" else (self.words or ("0", "1"))
 
     def spell(self, value) -> str:
-        """The axis's part of the canonical name."""
+        """The axis's part of the canonical name ("" for an optional part left out)."""
         if self.kind == "bool":
             return self._part(self._options[bool(value)])
         return self._part(*map(str, self.split(value)))
 
     @property
     def placeholder(self) -> str:
-        """The part as a format description, e.g. ws{0|1} or m{tile_m}n{tile_n}."""
+        """The part as a format description, e.g. ws{0|1}, m{tile_m}n{tile_n} or [local]."""
+        if self.optional:
+            return f"[{self._options[1]}]"
         if self.kind == "bool":
             return self._part("{" + "|".join(self._options) + "}")
         return self._part(*(f"{{{f}}}" for f in self.fields))
 
     @property
+    def optional(self) -> bool:
+        """A flag whose false value is not spelled (names of variants without it stay as
+        they were before the axis existed)."""
+        return self.kind == "bool" and self._options[0] == ""
+
+    @property
     def pattern(self) -> str:
-        """A regex of the part with one group per field."""
+        """A regex of the part, preceded by the separator, with one group per field."""
+        sep = re.escape(NAME_SEP)
+        if self.optional:
+            return f"(?:{sep}({re.escape(self._options[1])}))?"
         if self.kind in ("choice", "bool"):
-            return self._part("(" + "|".join(map(re.escape, self._options)) + ")")
-        return self._part(*[_POSITIVE_INT] * len(self.fields))
+            return sep + self._part("(" + "|".join(map(re.escape, self._options)) + ")")
+        return sep + self._part(*[_POSITIVE_INT] * len(self.fields))
 
     def parse(self, groups: tuple[str, ...]) -> tuple:
-        """Field values from the pattern's groups."""
+        """Field values from the pattern's groups (None: an optional part left out)."""
         if self.kind == "bool":
             return (groups[0] == self._options[1],)
         return tuple(_PYTHON_TYPE[self.kind](g) for g in groups)
@@ -112,6 +125,10 @@ AXIS_TABLE = (
          cpp={d.name: d.cpp for d in DTYPES.values()}),
     Axis("head_dim", "int", "key", tag="d"),
     Axis("causal", "bool", "key", words=("nocausal", "causal")),
+    # Sliding-window attention (window_size != (-1, -1)); the window is a runtime argument.
+    Axis("local", "bool", "key", words=("", "local")),
+    # Logit softcapping, cap * tanh(score / cap); the cap is a runtime argument.
+    Axis("softcap", "bool", "key", words=("", "softcap")),
     Axis("tile", "tile", "knob"),
     Axis("stages", "int", "knob", tag="s"),
     Axis("warp_specialized", "bool", "knob", tag="ws"),
@@ -135,9 +152,9 @@ _AXIS_OF_FIELD = {f: a for a in AXIS_TABLE for f in a.fields}
 # Key axes are scalars, so their fields are the key; attrgetter keeps it a ~0.1 us lookup.
 _key_of = attrgetter(*(f for a in KEY_AXES for f in AXIS_BY_NAME[a].fields))
 
-NAME_SEP = "_"
 NAME_FORMAT = NAME_SEP.join(a.placeholder for a in AXIS_TABLE)
-_NAME_RE = re.compile(re.escape(NAME_SEP).join(a.pattern for a in AXIS_TABLE))
+# The first part has no separator before it.
+_NAME_RE = re.compile("".join(a.pattern for a in AXIS_TABLE)[len(re.escape(NAME_SEP)):])
 
 
 class _VariantBehaviour:
@@ -146,7 +163,7 @@ class _VariantBehaviour:
     @cached_property
     def name(self) -> str:
         """Canonical name: file stem, symbol suffix, filter and bench label."""
-        return NAME_SEP.join(a.spell(a.value(self)) for a in AXIS_TABLE)
+        return NAME_SEP.join(filter(None, (a.spell(a.value(self)) for a in AXIS_TABLE)))
 
     @property
     def key(self) -> tuple:
@@ -166,7 +183,7 @@ class _VariantBehaviour:
 
 
 # Built from the axis table so that an axis is one edit. Frozen (hashable, a dict key) and
-# ordered; e.g. Variant("fwd", "bf16", 128, False, 128, 176, 2, True, True, True).
+# ordered; e.g. Variant("fwd", "bf16", 128, False, False, False, 128, 176, 2, True, True, True).
 Variant = make_dataclass("Variant", VARIANT_FIELDS, bases=(_VariantBehaviour,),
                          frozen=True, order=True)
 Variant.__module__ = __name__  # make_dataclass leaves it elsewhere on Python < 3.12 (pickling)
@@ -185,8 +202,15 @@ def parse_name(name: str) -> Variant:
 
 
 def key_str(key: tuple) -> str:
-    """A dispatch key as name parts, e.g. (fwd, bf16, d128, causal)."""
-    return "(" + ", ".join(AXIS_BY_NAME[a].spell(v) for a, v in zip(KEY_AXES, key)) + ")"
+    """A dispatch key as name parts, e.g. (fwd, bf16, d128, causal, local)."""
+    parts = (AXIS_BY_NAME[a].spell(v) for a, v in zip(KEY_AXES, key))
+    return "(" + ", ".join(filter(None, parts)) + ")"
+
+
+def make_key(direction: str, dtype: str, head_dim: int, causal: bool, local: bool = False,
+             softcap: bool = False) -> tuple:
+    """The dispatch key of a call, in KEY_AXES order."""
+    return (direction, dtype, int(head_dim), bool(causal), bool(local), bool(softcap))
 
 
 # --------------------------------------------------------------------------- output layout
@@ -238,7 +262,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -252,12 +276,15 @@ def _strides(*tensors: str) -> tuple:
 _SIZES = tuple((n, "int32_t") for n in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv",
                                         "head_dim"))
 
+# The runtime side of the local and softcap axes (-1 / 0.0: none).
+_MASKING = (("window_left", "int32_t"), ("window_right", "int32_t"), ("softcap", "float"))
+
 FWD_PARAMS = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
     ("lse", "float*"),
     *_strides("q", "k", "v", "o"),
     *_SIZES,
-    ("softmax_scale", "float"), ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
+    ("softmax_scale", "float"), *_MASKING, ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
 )
 
 BWD_PARAMS = (
@@ -268,7 +295,7 @@ BWD_PARAMS = (
     ("dq_semaphore", "int32_t*"),
     *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
     *_SIZES,
-    ("softmax_scale", "float"), ("deterministic", "int32_t"),
+    ("softmax_scale", "float"), *_MASKING, ("deterministic", "int32_t"),
 )
 
 
@@ -287,6 +314,7 @@ class Launcher:
 
 _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_m"),
                  ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
+                 ("Local", "local"), ("Softcap", "softcap"),
                  ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
                  ("IntraWgOverlap", "intra_wg_overlap"))
 
@@ -295,7 +323,7 @@ LAUNCHERS = {
                     "fa3gen_fwd_launch_fn", "launch_fwd", _FWD_TEMPLATE),
     # The backward has one schedule: no knob beyond the tile and stages.
     "bwd": Launcher("fa3gen_bwd.cuh", "fa3gen::launch_bwd", "fa3gen_bwd_params", BWD_PARAMS,
-                    "fa3gen_bwd_launch_fn", "launch_bwd", _FWD_TEMPLATE[:6]),
+                    "fa3gen_bwd_launch_fn", "launch_bwd", _FWD_TEMPLATE[:8]),
 }
 
 

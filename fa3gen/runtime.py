@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fa3gen import contract
-from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant
+from fa3gen.contract import ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant, make_key
 from fa3gen.contract import GRID_MODES  # noqa: F401  (the ABI's values, as ops and tests use them)
 from fa3gen.errors import (
     AbiMismatchError,
@@ -121,6 +121,8 @@ def select_variant(
     causal: bool,
     variant: str | None = None,
     *,
+    local: bool = False,
+    softcap: bool = False,
     spec_name: str | None = None,
     library: str = "",
     build_info: dict[str, Any] | None = None,
@@ -133,7 +135,7 @@ def select_variant(
     --only/--exclude filter left out from one the spec lacks.
     """
     causal = bool(causal)
-    key = (direction, dtype, int(head_dim), causal)
+    key = make_key(direction, dtype, head_dim, causal, local, softcap)
     spec_file = f"specs/{spec_name or '<spec>'}.yaml"
     build = f"fa3gen build --spec {spec_file}"
 
@@ -178,9 +180,11 @@ def select_variant(
         hint = (f"{spec_file} has this key, but the library was built with the filter "
                 f"{filters}, which left it out; rebuild without the filter: {build}")
     else:
+        features = "".join(f", {axis}: true" for axis, on in (("local", local),
+                                                               ("softcap", softcap)) if on)
         hint = (
-            f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}) to a group "
-            f"of {spec_file} and run: {build}"
+            f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}{features}) "
+            f"to a group of {spec_file} and run: {build}"
         )
     raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead)
 
@@ -193,8 +197,8 @@ def _filters_that_dropped(key: tuple, build_info: dict[str, Any] | None) -> str:
     filters, spec_keys = info.get("filters"), info.get("spec_keys")
     if not isinstance(filters, dict) or not isinstance(spec_keys, list):
         return ""
-    try:
-        keys = {(str(d), str(t), int(h), bool(c)) for d, t, h, c in spec_keys}
+    try:  # keys of libraries from before the local/softcap axes have 4 entries
+        keys = {make_key(*k) for k in spec_keys}
     except (TypeError, ValueError):
         return ""
     flags = [f"--{flag} {glob!r}" for flag in ("only", "exclude")
@@ -266,15 +270,18 @@ class Library:
         return self._by_name.get(name)
 
     def find(
-        self, direction: str, dtype: str, head_dim: int, causal: bool, variant: str | None = None
+        self, direction: str, dtype: str, head_dim: int, causal: bool, variant: str | None = None,
+        *, local: bool = False, softcap: bool = False,
     ) -> VariantInfo:
         if variant is not None:  # fast path: the op resolves by name on every call
             v = self._by_name.get(variant)
-            if v is not None and v.key == (direction, dtype, int(head_dim), bool(causal)):
+            if v is not None and v.key == make_key(direction, dtype, head_dim, causal, local,
+                                                   softcap):
                 return v
         return select_variant(
-            self.variants, direction, dtype, head_dim, causal, variant,
-            spec_name=self.spec_name, library=str(self.path), build_info=self.build_info,
+            self.variants, direction, dtype, head_dim, causal, variant, local=local,
+            softcap=softcap, spec_name=self.spec_name, library=str(self.path),
+            build_info=self.build_info,
         )
 
     def last_error(self) -> str:

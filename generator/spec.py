@@ -50,6 +50,13 @@ class Match:
     def matches(self, axes: Mapping[str, Any]) -> bool:
         return all(axes[k] in vals for k, vals in self.items)
 
+    def matches_key(self, key_axes: Mapping[str, Any]) -> bool:
+        """A dispatch `when`: like matches, and a feature axis (local, softcap) it does not
+        name must be off, so that entries written before the axis existed keep their meaning."""
+        named = {k for k, _ in self.items}
+        return self.matches(key_axes) and not any(
+            key_axes[a] for a in key_axes if a not in named and AXIS_BY_NAME[a].optional)
+
     def describe(self) -> str:
         parts = [f"{k}: {fmt_value(v[0] if len(v) == 1 else list(v))}" for k, v in self.items]
         return "{" + ", ".join(parts) + "}"
@@ -275,6 +282,8 @@ class _Validator:
             seen.add(gname)
             merged = {**top, **own}  # group values replace top-level defaults per axis
             for axis in AXES:
+                if axis not in merged and AXIS_BY_NAME[axis].optional:
+                    merged[axis] = (False,)  # a feature the spec does not ask for: not built
                 if axis not in merged:
                     raise self.fail(f"{path}.{axis}", "missing: no value at top level "
                                     "(axes) or in the group")

@@ -72,6 +72,13 @@ def head_dim_supported(v: Variant) -> Optional[str]:
     return None
 
 
+def one_mask(v: Variant) -> Optional[str]:
+    if v.causal and v.local:
+        return ("causal and local together: a local variant also serves causal windows "
+                "(window_size=(left, 0)); use causal: false with local: true")
+    return None
+
+
 def backward_knobs(v: Variant) -> Optional[str]:
     # The backward template has one schedule: a producer warpgroup and consumers that run
     # their GEMMs in sequence. Pingpong/overlap axes stay in the name for one naming scheme.
@@ -150,6 +157,7 @@ def knob_realized(v: Variant) -> Optional[str]:
 # Order matters: the first failing constraint is the one reported.
 CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("head_dim_supported", head_dim_supported),
+    ("one_mask", one_mask),
     ("backward_knobs", backward_knobs),
     ("mma_m_shape", mma_m_shape),
     ("mma_n_shape", mma_n_shape),
@@ -243,7 +251,7 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
     defaults: dict[tuple, Variant] = {}
     for key, cands in sorted(by_key.items(), key=lambda kv: kv[1][0].name):
         key_axes = dict(zip(KEY_AXES, key))
-        entries = [e for e in spec.dispatch if e.when.matches(key_axes)]
+        entries = [e for e in spec.dispatch if e.when.matches_key(key_axes)]
         names = ", ".join(v.name for v in cands)
         if entries:
             used.update(e.where for e in entries)

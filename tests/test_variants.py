@@ -5,14 +5,14 @@ import textwrap
 
 import pytest
 
-from fa3gen.contract import KEY_AXES, Variant, parse_name
+from fa3gen.contract import KEY_AXES, Variant, make_key, parse_name
 from generator import variants as V
 from generator.errors import SpecError
 from generator.paths import SPECS_DIR
 from generator.spec import load_spec, parse_spec
 from generator.variants import CONSTRAINTS, check, enumerate_variants, resolve_dispatch
 
-BASE = Variant("fwd", "bf16", 128, False, 128, 128, 2, True, False, False)
+BASE = Variant("fwd", "bf16", 128, False, False, False, 128, 128, 2, True, False, False)
 
 # Every knob value is realized today; the knob_realized tests narrow the table to the state
 # before pingpong/overlap/non-ws landed, so the mechanism stays proven for future knobs.
@@ -176,7 +176,7 @@ def test_every_knob_value_is_realized_today(change):
 
 def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
-        "head_dim_supported", "backward_knobs", "mma_m_shape", "mma_n_shape",
+        "head_dim_supported", "one_mask", "backward_knobs", "mma_m_shape", "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
         "knob_realized"]
 
@@ -237,7 +237,7 @@ def test_h100_dispatch_resolves():
     assert en.kept and set(d) == keys                  # every key served by exactly one default
     for key, default in d.items():
         assert default in en.kept and default.key == key
-        entries = [e for e in spec.dispatch if e.when.matches(dict(zip(KEY_AXES, key)))]
+        entries = [e for e in spec.dispatch if e.when.matches_key(dict(zip(KEY_AXES, key)))]
         cands = [v for v in en.kept if v.key == key]
         # The default is what the key's `use` entries name, and they name only it.
         assert [v for v in cands if all(e.use.matches(v.axes()) for e in entries)] == [default]
@@ -307,8 +307,39 @@ dispatch:
     use: {tile: [128, 176]}
 """)
     d = resolve_dispatch(spec, enumerate_variants(spec).kept)
-    assert d[("fwd", "fp16", 128, True)].name == "fwd_fp16_d128_causal_m128n128_s2_ws1_pp0_ov0"
+    assert d[make_key("fwd", "fp16", 128, True)].name == "fwd_fp16_d128_causal_m128n128_s2_ws1_pp0_ov0"
     assert all(v.stages == 2 for v in d.values()) and len(d) == 4
+
+
+def test_dispatch_when_leaves_unnamed_features_off():
+    """A `when` that does not name local/softcap matches only keys without them (so specs
+    written before those axes keep their meaning); naming them reaches the feature keys."""
+    spec = spec_of(AXES.replace("causal: [false, true]", "causal: false")
+                   .replace("dtype: [bf16, fp16]", "dtype: bf16") + """groups:
+  - axes: {tile: [[128, 128], [128, 176]]}
+  - axes: {tile: [[128, 128], [128, 176]], local: true}
+dispatch:
+  - when: {causal: false}
+    use: {tile: [128, 176]}
+  - when: {local: true}
+    use: {tile: [128, 128]}
+""")
+    d = resolve_dispatch(spec, enumerate_variants(spec).kept)
+    assert d[make_key("fwd", "bf16", 128, False)].tile_n == 176
+    assert d[make_key("fwd", "bf16", 128, False, local=True)].tile_n == 128
+
+
+def test_causal_local_is_pruned_with_a_reason():
+    v = dataclasses.replace(BASE, causal=True, local=True)
+    name, reason = check(v)
+    assert name == "one_mask" and "window_size=(left, 0)" in reason
+    assert check(dataclasses.replace(BASE, local=True, softcap=True)) is None
+
+
+def test_features_default_to_off():
+    """A spec that does not name local/softcap builds no variant with them."""
+    en = enumerate_variants(spec_of(AXES))
+    assert en.kept and not any(v.local or v.softcap for v in en.kept + [p.variant for p in en.pruned])
 
 
 def test_dispatch_not_required_leaves_ambiguous_keys_without_default():
@@ -320,4 +351,4 @@ groups:
   - axes: {head_dim: 64, tile: [128, 128]}
 """)
     d = resolve_dispatch(spec, enumerate_variants(spec).kept)
-    assert list(d) == [("fwd", "bf16", 64, False)]  # the single-variant key still defaults
+    assert list(d) == [make_key("fwd", "bf16", 64, False)]  # the single-variant key still defaults

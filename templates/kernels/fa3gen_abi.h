@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 3
+#define FA3GEN_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -25,6 +25,11 @@ typedef struct fa3gen_fwd_params {
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   float softmax_scale;
+  // Sliding window (local variants): query i sees key j iff
+  //   i + seqlen_k - seqlen_q - window_left <= j <= i + seqlen_k - seqlen_q + window_right,
+  // -1 meaning unbounded on that side. Other variants ignore both.
+  int32_t window_left, window_right;
+  float softcap;      // softcap variants: scores become softcap * tanh(scores / softcap), > 0
   int32_t num_sms;    // multiprocessors of the launch device (persistent scheduling)
   int32_t grid_mode;  // FA3GEN_GRID_*: how many CTAs the forward launches
 } fa3gen_fwd_params;
@@ -70,6 +75,8 @@ typedef struct fa3gen_bwd_params {
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   float softmax_scale;
+  int32_t window_left, window_right;  // as in fa3gen_fwd_params
+  float softcap;
   int32_t deterministic;  // 1: dq is bitwise reproducible (ordered accumulation, slower)
 } fa3gen_bwd_params;
 
@@ -83,6 +90,8 @@ typedef struct fa3gen_variant_info {
   const char* dtype;      // "bf16" | "fp16"
   int32_t head_dim;
   int32_t causal;
+  int32_t local;          // sliding window (window_left/right of the params)
+  int32_t softcap;        // logit softcapping (softcap of the params)
   int32_t tile_m, tile_n, stages;
   int32_t warp_specialized, pingpong, intra_wg_overlap;
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
