@@ -36,6 +36,19 @@ CELL_CHECK_DESCRIPTION = (
     f"seqlen_q {_FEWER_Q.seqlen_q} / seqlen_k {_FEWER_Q.seqlen_k}), seeded randn inputs")
 
 
+# The runtime arguments that exercise a local or softcap variant: a window narrower than the
+# problems, open on both sides (left != right, so a swapped bound fails), and a cap small
+# enough that tanh saturates for the larger scores of randn inputs.
+PROBE_WINDOW = (97, 23)
+PROBE_SOFTCAP = 2.5
+
+
+def probe_masking(variant) -> dict:
+    """window_size and softcap keyword arguments for `variant` (defaults where it has neither)."""
+    return dict(window_size=PROBE_WINDOW if getattr(variant, "local", False) else (-1, -1),
+                softcap=PROBE_SOFTCAP if getattr(variant, "softcap", False) else 0.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # One variant on one problem. `variant` is anything with the VariantInfo attribute names
 # (name, dtype, head_dim, causal): a runtime VariantInfo or a generator Variant.
@@ -60,13 +73,13 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
     from fa3gen import ops, reference
 
     q, k, v = _inputs(problem, variant, gen, 3)
-    causal, scale = bool(variant.causal), variant.head_dim**-0.5
+    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
                      device="cuda", dtype=torch.float32)
-    ops._fwd_into(q, k, v, out, lse, causal, scale, variant.name, lib=lib)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, variant.name, lib=lib, **extra)
     torch.cuda.synchronize()
-    return reference.compare_to_reference(out, lse, q, k, v, causal, scale)
+    return reference.compare_to_reference(out, lse, q, k, v, causal, scale, **extra)
 
 
 def check_backward(lib, variant, problem: Problem, gen) -> dict:
@@ -77,14 +90,15 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
     from fa3gen import ops, reference
 
     q, k, v, dout = _inputs(problem, variant, gen, 4)
-    causal, scale = bool(variant.causal), variant.head_dim**-0.5
-    fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal)
+    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
+    fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal, local=variant.local,
+                   softcap=variant.softcap)
     out, lse = ops._empty_outputs(q)
-    ops._fwd_into(q, k, v, out, lse, causal, scale, fwd.name, lib=lib)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, fwd.name, lib=lib, **extra)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
-    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, variant.name, lib=lib)
+    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, variant.name, lib=lib, **extra)
     torch.cuda.synchronize()
-    return reference.compare_grads_to_reference(grads, q, k, v, dout, causal, scale)
+    return reference.compare_grads_to_reference(grads, q, k, v, dout, causal, scale, **extra)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,6 +41,51 @@ class Dims:
     dtype: str  # "bf16" | "fp16"
 
 
+@dataclass(frozen=True)
+class Masking:
+    """causal, window_size and softcap as the kernels take them (see masking())."""
+    causal: bool = False
+    window_left: int = -1   # -1: unbounded
+    window_right: int = -1
+    softcap: float = 0.0    # 0: none
+
+    @property
+    def local(self) -> bool:
+        return self.window_left >= 0 or self.window_right >= 0
+
+    def key(self) -> dict:
+        """The dispatch-key part: causal, local, softcap (Library.find's arguments)."""
+        return dict(causal=self.causal, local=self.local, softcap=self.softcap > 0)
+
+
+def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
+    """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
+    (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
+    [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 unbounded. A window
+    wider than the sequence stays local (the key must not depend on the sequence length: a
+    trace-trimmed build would otherwise miss the local variant at longer lengths)."""
+    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
+        raise InvalidInputError(f"causal must be True or False, got {causal!r}")
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"window_size must be a pair (left, right), got {window_size!r}")
+    for side, w in (("left", left), ("right", right)):
+        if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+            raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
+                                    f"got {w!r}")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
+            not 0.0 <= float(softcap) < math.inf:
+        raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    if causal:
+        right = 0
+    if left < 0 and right == 0:
+        return Masking(causal=True, softcap=float(softcap))
+    if left < 0 and right < 0:
+        return Masking(softcap=float(softcap))
+    return Masking(False, int(left), int(right), float(softcap))
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation. Pure functions: they run on CPU/meta tensors so the CPU tests can check messages.
 
@@ -198,7 +243,12 @@ def _strides(t: torch.Tensor) -> tuple[int, int, int]:
     return tuple(out)
 
 
-def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int, grid_mode: int):
+def _set_masking(p, m: Masking) -> None:
+    p.window_left, p.window_right, p.softcap = m.window_left, m.window_right, m.softcap
+
+
+def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int, grid_mode: int,
+                 mask: Masking = Masking()):
     p = runtime.FwdParams()
     p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o, p.lse = out.data_ptr(), lse.data_ptr()
@@ -209,22 +259,25 @@ def _make_params(q, k, v, out, lse, dims: Dims, scale: float, num_sms: int, grid
     p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
     p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
     p.softmax_scale = scale
+    _set_masking(p, mask)
     p.num_sms = num_sms
     p.grid_mode = grid_mode
     return p
 
 
 def _fwd_into(
-    q, k, v, out, lse, causal: bool, softmax_scale: float, variant: str, lib=None
+    q, k, v, out, lse, causal: bool, softmax_scale: float, variant: str, lib=None, *,
+    window_size=(-1, -1), softcap: float = 0.0,
 ) -> None:
     """Run forward variant `variant` writing into out (b, sq, hq, d) and lse (b, hq, sq) fp32.
 
     lib: a runtime.Library (default: runtime.get_library()); quick_check passes its own."""
+    mask = masking(causal, window_size, softcap)
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_outputs(out, lse, q, dims)
     lib = lib or runtime.get_library()
-    info = lib.find("fwd", dims.dtype, dims.head_dim, causal, variant)
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
     if dims.batch == 0 or dims.seqlen_q == 0 or dims.heads_q == 0:
         return
@@ -234,7 +287,7 @@ def _fwd_into(
         return
     with torch.cuda.device(q.device):
         params = _make_params(q, k, v, out, lse, dims, float(softmax_scale),
-                              _num_sms(q.device.index), _grid_mode())
+                              _num_sms(q.device.index), _grid_mode(), mask)
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib.launch(info, params, stream)
 
@@ -255,15 +308,20 @@ def _fwd_op(
     softmax_scale: float,
     variant: str,
     deterministic: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # deterministic only matters to the backward (see _fwd_setup_context).
     out, lse = _empty_outputs(q)
-    _fwd_into(q, k, v, out, lse, causal, softmax_scale, variant)
+    _fwd_into(q, k, v, out, lse, causal, softmax_scale, variant,
+              window_size=(window_left, window_right), softcap=softcap)
     return out, lse
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, causal, softmax_scale, variant, deterministic=False):
+def _fwd_fake(q, k, v, causal, softmax_scale, variant, deterministic=False, window_left=-1,
+              window_right=-1, softcap=0.0):
     return _empty_outputs(q)
 
 
@@ -293,7 +351,7 @@ def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
 
 
 def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scale: float,
-                     deterministic: bool):
+                     deterministic: bool, mask: Masking = Masking()):
     p = runtime.BwdParams()
     tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work)
     for name, t in tensors.items():
@@ -306,6 +364,7 @@ def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scal
     p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
     p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
     p.softmax_scale = scale
+    _set_masking(p, mask)
     p.deterministic = int(bool(deterministic))
     return p
 
@@ -327,15 +386,16 @@ def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool
 
 def _bwd_into(
     dout, q, k, v, out, lse, dq, dk, dv, causal: bool, softmax_scale: float, variant: str,
-    deterministic: bool = False, lib=None,
+    deterministic: bool = False, lib=None, *, window_size=(-1, -1), softcap: float = 0.0,
 ) -> None:
     """Run backward variant `variant`, writing dq, dk, dv (shaped like q, k, v). For GQA the
     kernel sums dk, dv over the query heads of each kv head."""
+    mask = masking(causal, window_size, softcap)
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims)
     lib = lib or runtime.get_library()
-    info = lib.find("bwd", dims.dtype, dims.head_dim, causal, variant)
+    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
     if dims.batch == 0 or dims.heads_q == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
         dq.zero_()  # no query or no key: nothing flows back
@@ -345,7 +405,7 @@ def _bwd_into(
     with torch.cuda.device(q.device):
         work = _bwd_workspace(q, dims, info.tile_m, deterministic)
         params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims,
-                                  float(softmax_scale), deterministic)
+                                  float(softmax_scale), deterministic, mask)
         lib.launch(info, params, torch.cuda.current_stream(q.device).cuda_stream)
 
 
@@ -365,44 +425,54 @@ def _bwd_op(
     softmax_scale: float,
     variant: str,
     deterministic: bool,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = _empty_grads(q, k, v)
     # Autograd (or a compiled graph) may hand over any strides: copy what TMA cannot read.
     dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
     _bwd_into(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, causal, softmax_scale, variant,
-              deterministic)
+              deterministic, window_size=(window_left, window_right), softcap=softcap)
     return dq, dk, dv
 
 
 @_bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, deterministic):
+def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, deterministic,
+              window_left=-1, window_right=-1, softcap=0.0):
     return _empty_grads(q, k, v)
 
 
-def resolve_bwd_variant(q: torch.Tensor, head_dim: int, causal: bool) -> str:
+def resolve_bwd_variant(q: torch.Tensor, head_dim: int, causal: bool, mask: Masking = None) -> str:
     """Name of the default backward variant for q's dtype (clear error when none was built)."""
     dtype = _DTYPES.get(q.dtype, str(q.dtype))
-    return _variant_name("bwd", dtype, head_dim, bool(causal), None)
+    key = (mask or Masking(causal=bool(causal))).key()
+    return _variant_name("bwd", dtype, head_dim, key["causal"], None, key["local"],
+                         key["softcap"])
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, _variant, deterministic = inputs
+    (q, k, v, causal, softmax_scale, _variant, deterministic, window_left, window_right,
+     softcap) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.mask = masking(causal, (window_left, window_right), softcap)
     # Gradients flow through out only: lse is a by-product (like FlashAttention's).
     ctx.mark_non_differentiable(lse)
 
 
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    name = resolve_bwd_variant(q, q.shape[-1], ctx.causal)
+    m = ctx.mask
+    name = resolve_bwd_variant(q, q.shape[-1], m.causal, m)
     if _trace._active:
         _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                       heads_q=q.shape[2], heads_kv=k.shape[2])
-    dq, dk, dv = torch.ops.fa3gen.bwd(dout, q, k, v, out, lse, ctx.causal,
-                                      ctx.softmax_scale, name, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = torch.ops.fa3gen.bwd(dout, q, k, v, out, lse, m.causal, ctx.softmax_scale,
+                                      name, ctx.deterministic, m.window_left, m.window_right,
+                                      m.softcap)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
@@ -413,20 +483,25 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 @torch.compiler.assume_constant_result
-def _variant_name(direction: str, dtype: str, head_dim: int, causal: bool, variant) -> str:
+def _variant_name(direction: str, dtype: str, head_dim: int, causal: bool, variant,
+                  local: bool = False, softcap: bool = False) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
     # library lookup touches files and ctypes, which dynamo cannot trace).
-    return runtime.get_library().find(direction, dtype, head_dim, causal, variant).name
+    return runtime.get_library().find(direction, dtype, head_dim, causal, variant, local=local,
+                                      softcap=softcap).name
 
 
-def resolve_variant(dims: Dims, causal: bool, variant: str | None = None) -> str:
+def resolve_variant(dims: Dims, causal: bool, variant: str | None = None,
+                    mask: Masking | None = None) -> str:
     """Name of the forward variant that serves dims (default dispatch or the named one)."""
-    return _variant_name("fwd", dims.dtype, dims.head_dim, bool(causal), variant)
+    key = (mask or Masking(causal=bool(causal))).key()
+    return _variant_name("fwd", dims.dtype, dims.head_dim, key["causal"], variant, key["local"],
+                         key["softcap"])
 
 
-def _check_fa3_arguments(softmax_scale, causal, window_size, softcap) -> None:
-    """Arguments whose FlashAttention-3 meaning fa3gen cannot honour yet, or that come from the
-    old fa3gen order (q, k, v, causal, softmax_scale): an error, never a different result."""
+def _check_fa3_arguments(softmax_scale) -> None:
+    """A scale that comes from another order (fa3gen's old (q, k, v, causal, softmax_scale),
+    flash-attn 2's dropout_p): an error, never a different result."""
     if isinstance(softmax_scale, bool):
         raise InvalidInputError(
             f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
@@ -435,14 +510,6 @@ def _check_fa3_arguments(softmax_scale, causal, window_size, softcap) -> None:
         raise InvalidInputError(
             f"softmax_scale must be positive, got {softmax_scale}: with flash-attn 2's order the "
             "4th positional argument is dropout_p, here (FlashAttention-3's order) it is the scale")
-    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
-        raise InvalidInputError(f"causal must be True or False, got {causal!r}")
-    if tuple(window_size) != (-1, -1):
-        raise Fa3genError(f"window_size={tuple(window_size)}: sliding-window (local) attention "
-                          "is not supported yet; only window_size=(-1, -1) (no window)")
-    if softcap != 0.0:
-        raise Fa3genError(f"softcap={softcap}: logit softcapping is not supported yet; only "
-                          "softcap=0.0")
 
 
 def flash_attn_func(
@@ -467,6 +534,12 @@ def flash_attn_func(
     of 16 bytes (views like qkv[:, :, 0] of a packed tensor are fine, no copy is made).
     causal: bottom-right aligned mask (query i sees key j iff j <= i + seqlen_k - seqlen_q);
     rows that see no key (also every row when seqlen_k == 0) give 0 and lse -inf.
+    window_size=(left, right): sliding-window (local) attention, query i sees keys j with
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (-1: unbounded on
+    that side); causal=True sets right to 0; (-1, -1) is no window. Served by the spec's local
+    variants (the window is a runtime argument). softcap > 0: scores become
+    softcap * tanh(scores * softmax_scale / softcap) before the softmax (Gemma 2), by the
+    softcap variants. Both as in flash-attn.
     softmax_scale: default 1/sqrt(head_dim). variant: a variant name of the loaded library
     instead of the spec's default for (dtype, head_dim, causal).
     Differentiable in q, k, v (the spec's default backward variant for the key; lse carries no
@@ -475,17 +548,19 @@ def flash_attn_func(
     Returns out (batch, seqlen_q, heads_q, head_dim), plus lse (batch, heads_q, seqlen_q)
     float32 when return_lse (or return_attn_probs, FlashAttention-3's name for it).
     The positional order is FlashAttention-3's (q, k, v, softmax_scale, causal); the rest is
-    keyword-only. window_size and softcap are FA3's names; only their defaults are supported.
+    keyword-only.
     """
-    _check_fa3_arguments(softmax_scale, causal, window_size, softcap)
+    _check_fa3_arguments(softmax_scale)
+    mask = masking(causal, window_size, softcap)
     return_lse = bool(return_lse or return_attn_probs)
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
-    name = resolve_variant(dims, bool(causal), variant)
+    name = resolve_variant(dims, mask.causal, variant, mask)
     check_layout(q=q, k=k, v=v)
     if _trace._active:  # a call that passed every check
         _trace.record(name, variant is None, batch=dims.batch, seqlen_q=dims.seqlen_q,
                       seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
     scale = 1.0 / math.sqrt(dims.head_dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.fa3gen.fwd(q, k, v, bool(causal), scale, name, bool(deterministic))
+    out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, bool(deterministic),
+                                    mask.window_left, mask.window_right, mask.softcap)
     return (out, lse) if return_lse else out

@@ -5,6 +5,10 @@ Layout (batch, seqlen, heads, head_dim) like the kernels. Semantics the kernels 
 - causal is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q
   (the last query sees every key; with seqlen_q > seqlen_k the first queries see none).
 - a row with no visible key gives output 0 and LSE -inf (not NaN).
+- window_size (left, right): query i sees key j iff
+  i + sk - sq - left <= j <= i + sk - sq + right (-1: unbounded); causal sets right to 0.
+- softcap > 0: scores become softcap * tanh(scores / softcap) (after the softmax scale,
+  before the mask).
 """
 
 from __future__ import annotations
@@ -16,14 +20,31 @@ import torch
 
 def causal_mask(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     """Bool (seqlen_q, seqlen_k), True where query i may see key j (bottom-right aligned)."""
-    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    return window_mask(seqlen_q, seqlen_k, (-1, 0), device)
+
+
+def window_mask(seqlen_q: int, seqlen_k: int, window_size, device=None) -> torch.Tensor:
+    """Bool (seqlen_q, seqlen_k), True where query i may see key j under window_size."""
+    left, right = window_size
+    diag = torch.arange(seqlen_q, device=device).unsqueeze(1) + (seqlen_k - seqlen_q)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    return j <= i + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        visible &= j <= diag + right
+    if left >= 0:
+        visible &= j >= diag - left
+    return visible
 
 
-def _heads_and_scores(q, k, v, causal, softmax_scale, dt):
-    """q, k, v as (b, heads_q, s, d) in dt (kv heads repeated for GQA) and the masked,
-    scaled scores (b, heads_q, sq, sk) in dt."""
+def _window(causal, window_size):
+    left, right = window_size
+    return (left, 0) if causal else (left, right)
+
+
+def _heads_and_scores(q, k, v, causal, softmax_scale, dt, window_size=(-1, -1), softcap=0.0):
+    """q, k, v as (b, heads_q, s, d) in dt (kv heads repeated for GQA), the masked, scaled
+    (and softcapped) scores (b, heads_q, sq, sk) in dt, the scale, and tanh of the softcap
+    (None without)."""
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if hq % hkv:
@@ -33,9 +54,14 @@ def _heads_and_scores(q, k, v, causal, softmax_scale, dt):
     kt = k.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
     vt = v.to(dt).transpose(1, 2).repeat_interleave(hq // hkv, dim=1)
     scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
-    return qt, kt, vt, scores, scale
+    tanh = None
+    if softcap > 0:
+        tanh = torch.tanh(scores / softcap)
+        scores = tanh * softcap
+    window = _window(causal, window_size)
+    if window != (-1, -1):
+        scores = scores.masked_fill(~window_mask(sq, sk, window, q.device), float("-inf"))
+    return qt, kt, vt, scores, scale, tanh
 
 
 def attention_reference(
@@ -45,12 +71,16 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     upcast: bool = True,
+    *,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse). out is fp32 when upcast (the reference), else in the input dtype (the
     "plain PyTorch in low precision" baseline of the tolerance rule). lse is fp32
     (batch, heads_q, seqlen_q) in both cases."""
     dt = torch.float32 if upcast else q.dtype
-    _, _, vt, scores, _ = _heads_and_scores(q, k, v, causal, softmax_scale, dt)
+    _, _, vt, scores, _, _ = _heads_and_scores(q, k, v, causal, softmax_scale, dt, window_size,
+                                               softcap)
 
     # LSE in fp32 either way (low-precision logsumexp would only add noise to the baseline).
     lse = torch.logsumexp(scores.float(), dim=-1)
@@ -73,11 +103,13 @@ LSE_ATOL = 1e-3
 LSE_RTOL = 1e-3
 
 
-def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None) -> dict:
+def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None, *,
+                         window_size=(-1, -1), softcap=0.0) -> dict:
     """Check a kernel's (out, lse) against the fp32 reference; returns errors, tolerances and
     ok/why. NaN anywhere fails (outputs are poisoned with NaN before the tests launch)."""
-    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale, upcast=True)
-    low_out, _ = attention_reference(q, k, v, causal, softmax_scale, upcast=False)
+    extra = dict(window_size=window_size, softcap=softcap)
+    ref_out, ref_lse = attention_reference(q, k, v, causal, softmax_scale, upcast=True, **extra)
+    low_out, _ = attention_reference(q, k, v, causal, softmax_scale, upcast=False, **extra)
     out_f, lse_f = out.float(), lse.float()
     res = {"ok": True, "why": []}
 
@@ -119,7 +151,8 @@ def _max_abs(t: torch.Tensor) -> float:
 GRAD_ATOL = 2e-3
 
 
-def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, upcast=True):
+def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, upcast=True, *,
+                             window_size=(-1, -1), softcap=0.0):
     """(dq, dk, dv) of sum(out * dout). fp32 when upcast (the reference), else computed in
     the input dtype (the "plain PyTorch in low precision" baseline). GQA: dk, dv are summed
     over the query heads that share a kv head."""
@@ -127,7 +160,8 @@ def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, up
     sk, hkv = k.shape[1], k.shape[2]
     group = hq // hkv
     dt = torch.float32 if upcast else q.dtype
-    qt, kt, vt, scores, scale = _heads_and_scores(q, k, v, causal, softmax_scale, dt)
+    qt, kt, vt, scores, scale, tanh = _heads_and_scores(q, k, v, causal, softmax_scale, dt,
+                                                        window_size, softcap)
     dot = dout.to(dt).transpose(1, 2)
     lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
     p = torch.exp(scores.float() - torch.where(torch.isfinite(lse), lse, 0.0)).to(dt)
@@ -136,6 +170,8 @@ def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, up
     out = torch.matmul(p, vt)
     delta = (out.float() * dot.float()).sum(-1, keepdim=True).to(dt)
     ds = p * (dp - delta)
+    if tanh is not None:  # d(softcap * tanh(x / softcap)) / dx
+        ds = ds * (1 - tanh * tanh)
     dq = torch.matmul(ds, kt) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qt) * scale
 
@@ -145,11 +181,13 @@ def attention_grad_reference(q, k, v, dout, causal=False, softmax_scale=None, up
     return dq.transpose(1, 2).contiguous(), per_kv_head(dk), per_kv_head(dv)
 
 
-def compare_grads_to_reference(grads, q, k, v, dout, causal=False, softmax_scale=None) -> dict:
+def compare_grads_to_reference(grads, q, k, v, dout, causal=False, softmax_scale=None, *,
+                               window_size=(-1, -1), softcap=0.0) -> dict:
     """Check a kernel's (dq, dk, dv) with the forward's rule: max error <= 2 x the error of
     plain PyTorch in the same low precision + GRAD_ATOL; NaN anywhere fails."""
-    ref = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=True)
-    low = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=False)
+    extra = dict(window_size=window_size, softcap=softcap)
+    ref = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=True, **extra)
+    low = attention_grad_reference(q, k, v, dout, causal, softmax_scale, upcast=False, **extra)
     res = {"ok": True, "why": []}
     for name, got, r, lo in zip(("dq", "dk", "dv"), grads, ref, low):
         got = got.float()

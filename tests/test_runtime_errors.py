@@ -325,7 +325,8 @@ def test_custom_op_fake_shapes():
     assert out.shape == (2, 7, 8, 128) and out.dtype == torch.bfloat16 and out.is_contiguous()
     assert lse.shape == (2, 8, 7) and lse.dtype == torch.float32 and lse.is_contiguous()
     schema = str(torch.ops.fa3gen.fwd.default._schema)
-    assert ("bool causal, float softmax_scale, str variant, bool deterministic=False) -> "
+    assert ("bool causal, float softmax_scale, str variant, bool deterministic=False, "
+            "SymInt window_left=-1, SymInt window_right=-1, float softcap=0.) -> "
             "(Tensor, Tensor)") in schema
 
 
@@ -347,7 +348,7 @@ def test_backward_needs_a_bwd_variant(monkeypatch):
     from fa3gen import ops
 
     table = [_v("fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov1")]
-    fake_lib = type("L", (), {"find": lambda self, *a: select_variant(table, *a)})()
+    fake_lib = type("L", (), {"find": lambda self, *a, **k: select_variant(table, *a, **k)})()
     monkeypatch.setattr(runtime, "get_library", lambda *a, **k: fake_lib)
     q = torch.empty(1, 4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(VariantNotBuiltError, match="direction=bwd dtype=bf16 head_dim=64"):
@@ -567,16 +568,18 @@ static int launch_bwd(const fa3gen_bwd_params* p, void* stream) {
   return 0;
 }
 static const fa3gen_variant_info table[] = {
-  {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 128, 176, 2, 1, 1, 1,
+  {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 0, 0, 128, 176, 2, 1, 1, 1,
    1, launch, 0},
-  {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 128, 128, 2, 0, 0, 0,
+  {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 0, 0, 128, 128, 2, 0, 0, 0,
    0, launch, 0},
-  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 64, 128, 2, 1, 0, 0,
+  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 0, 0, 64, 128, 2, 1, 0, 0,
    1, 0, launch_bwd},
+  {"fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 1, 128,
+   128, 2, 1, 1, 1, 1, launch, 0},
 };
 int32_t fa3gen_abi_version(void) { return ABI; }
-int32_t fa3gen_num_variants(void) { return 3; }
-const fa3gen_variant_info* fa3gen_variant(int32_t i) { return (i >= 0 && i < 3) ? &table[i] : 0; }
+int32_t fa3gen_num_variants(void) { return 4; }
+const fa3gen_variant_info* fa3gen_variant(int32_t i) { return (i >= 0 && i < 4) ? &table[i] : 0; }
 const char* fa3gen_build_info(void) { return "{\"spec\": \"fake\", \"fingerprint\": \"x\"}"; }
 const char* fa3gen_last_error(void) { return err; }
 void fa3gen_set_error(const char* m) { strncpy(err, m, sizeof err - 1); }
@@ -599,12 +602,20 @@ def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION):
 
 
 def test_fake_library_table_and_launch(tmp_path):
+    from fa3gen import ops
     from fa3gen.ops import Dims, _bwd_workspace, _make_bwd_params, _make_params
 
     lib = runtime.Library(build_fake_lib(tmp_path))
     assert lib.spec_name == "fake" and lib.build_info["fingerprint"] == "x"
     assert lib.names("fwd") == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
-                                "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"]
+                                "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0",
+                                "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"]
+    feature = lib.variants[3]
+    assert (feature.causal, feature.local, feature.softcap, feature.is_default) == (
+        False, True, True, True)
+    assert lib.find("fwd", "bf16", 128, False, local=True, softcap=True) is feature
+    with pytest.raises(VariantNotBuiltError):  # the key includes both features
+        lib.find("fwd", "bf16", 128, False, local=True)
     v0 = lib.variants[0]
     assert (v0.tile_m, v0.tile_n, v0.stages, v0.warp_specialized, v0.is_default) == (
         128, 176, 2, True, True)
@@ -625,7 +636,8 @@ def test_fake_library_table_and_launch(tmp_path):
     k, v = (torch.randn(2, 9, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     out, lse = torch.empty(2, 5, 4, 128, dtype=torch.bfloat16), torch.empty(2, 4, 5)
     dims = Dims(2, 5, 9, 4, 2, 128, "bf16")
-    params = _make_params(q, k, v, out, lse, dims, 0.125, 132, runtime.GRID_MODES["tiles"])
+    params = _make_params(q, k, v, out, lse, dims, 0.125, 132, runtime.GRID_MODES["tiles"],
+                          ops.Masking(False, 100, 3, 30.0))
     lib.launch(v0, params, 0xABC0)
     got = runtime.FwdParams.in_dll(lib._dll, "fake_last_params")
     assert ctypes.c_void_p.in_dll(lib._dll, "fake_last_stream").value == 0xABC0
@@ -637,6 +649,7 @@ def test_fake_library_table_and_launch(tmp_path):
     assert (got.batch, got.seqlen_q, got.seqlen_k, got.heads_q, got.heads_kv, got.head_dim) == (
         2, 5, 9, 4, 2, 128)
     assert got.softmax_scale == 0.125 and got.num_sms == 132 and got.grid_mode == 2
+    assert (got.window_left, got.window_right, got.softcap) == (100, 3, 30.0)
 
     params.batch = 13  # the fake launcher fails: the C error text reaches Python
     with pytest.raises(Fa3genError, match=r"fwd_bf16_d128.*failed \(code 7\): unlucky batch"):
@@ -649,7 +662,8 @@ def test_fake_library_table_and_launch(tmp_path):
     assert work["dq_accum"].shape == (2, 4, 64, 128) and work["dq_semaphore"].shape == (2, 4, 1)
     assert work["dq_accum"].dtype == torch.float32 and work["dq_semaphore"].dtype == torch.int32
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bp = _make_bwd_params(q, k, v, out, out, lse, dq, dk, dv, work, dims, 0.125, True)
+    bp = _make_bwd_params(q, k, v, out, out, lse, dq, dk, dv, work, dims, 0.125, True,
+                          ops.Masking(causal=True, softcap=2.5))
     lib.launch(lib.variants[2], bp, 0)
     got = runtime.BwdParams.in_dll(lib._dll, "fake_last_bwd_params")
     assert (got.dout, got.dq_accum, got.dq_semaphore) == (
@@ -657,6 +671,7 @@ def test_fake_library_table_and_launch(tmp_path):
     assert (got.q_batch_stride, got.q_row_stride, got.dq_row_stride) == (
         5 * 3 * 4 * 128, 3 * 4 * 128, 4 * 128)
     assert (got.dk_head_stride, got.deterministic, got.softmax_scale) == (128, 1, 0.125)
+    assert (got.window_left, got.window_right, got.softcap) == (-1, -1, 2.5)
 
 
 def test_fake_library_abi_mismatch(tmp_path):

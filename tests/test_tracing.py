@@ -37,7 +37,7 @@ def test_trace_records_counts_and_size_ranges(tmp_path):
 def test_flash_attn_func_records_what_it_dispatches(tmp_path, stub_forward):
     """The ops hook: the resolved name and the call's sizes reach the trace."""
     launched = []
-    stub_forward(lambda q, k, v, causal, scale, name, det: launched.append(name) or (q, None))
+    stub_forward(lambda q, k, v, causal, scale, name, *rest: launched.append(name) or (q, None))
     q = torch.zeros(2, 33, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
     with fa3gen.trace(tmp_path / "t.yaml"):

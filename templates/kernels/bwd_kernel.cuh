@@ -20,10 +20,11 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   const TileScheduler<false> sched{p.schedule};
   TileCoord tile;  // key block, kv head, batch
   sched.decode(sched.first(), tile);
-  const typename Traits::Mask mask{p.seqlen_q, p.seqlen_k};
+  const typename Traits::Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
   const int m_blocks = p.seqlen_q_rounded / Traits::kTileM;
   const int m_first = mask.first_query_block(tile.block);
-  const bool has_work = m_first < m_blocks;  // some query block sees the key block
+  const int m_end = mask.query_block_end(tile.block, m_blocks);
+  const bool has_work = m_first < m_end;  // some query block sees the key block
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
@@ -32,8 +33,8 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   if (warp_idx < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // Writer first: values it needs are then not live across the TMA loop (24 registers).
-    if (warp_idx == 1 && has_work) mainloop.write_dq(tile, m_first, m_blocks);
-    else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, m_first, m_blocks);
+    if (warp_idx == 1 && has_work) mainloop.write_dq(tile, m_first, m_end, m_blocks, mask);
+    else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, m_first, m_end);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -45,7 +46,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<Traits::kTileN>, Int<Traits::kHeadDim>>{});
   clear(tdVrdV);
   clear(tdKrdK);
-  if (has_work) mainloop.mma(tile, m_first, m_blocks, mask, tdKrdK, tdVrdV, tid);
+  if (has_work) mainloop.mma(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
   store_bwd_tile(p, smem, tile, tdKrdK, tdVrdV, tid);
 }
 

@@ -42,7 +42,8 @@ struct BwdMainloop {
              Shape<_1, _1, _1>{}) {}
 
   // ---------------- producer: the loader thread ----------------
-  __device__ __forceinline__ void produce(TileCoord const& tile, int m_first, int m_blocks) {
+  // Query blocks [m_first, m_end) of each query head of the kv head.
+  __device__ __forceinline__ void produce(TileCoord const& tile, int m_first, int m_end) {
     const int b = tile.batch;
     auto load_kv = [&](auto const& tma, Element* smem_ptr) {
       auto [tg, ts] = tma_tiles(tma, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), tile.head, b,
@@ -64,7 +65,7 @@ struct BwdMainloop {
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       const int head = tile.head * p.heads_per_kv + hq;
       const int64_t stats_row0 = (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
-      for (int m_block = m_first; m_block < m_blocks; ++m_block) {
+      for (int m_block = m_first; m_block < m_end; ++m_block) {
         pipe.producer_acquire(st);
         load_rows(p.tma_q, smem.q.data(), head, m_block, st);
         load_rows(p.tma_do, smem.dout.data(), head, m_block, st);
@@ -79,17 +80,22 @@ struct BwdMainloop {
   }
 
   // ---------------- producer: the dQ writer warp ----------------
-  __device__ __forceinline__ void write_dq(TileCoord const& tile, int m_first, int m_blocks) {
+  // Query blocks [m_first, m_end) of the m_blocks of each query head of the kv head.
+  __device__ __forceinline__ void write_dq(TileCoord const& tile, int m_first, int m_end, int m_blocks,
+                                           typename Traits::Mask const& mask) {
     constexpr int kTileElems = kTileM * kHeadDim;
     const bool leader = threadIdx.x % 32 == 0;
-    // Query-block tiles of this kv head's query heads, m_first .. m_blocks - 1 of each.
     int64_t dq_tile = dq_tile_index(tile.batch, tile.head * p.heads_per_kv, p.heads_q, m_blocks, m_first);
-    for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += m_first) {
-      for (int m_block = m_first; m_block < m_blocks; ++m_block, ++dq_tile) {
+    // to the next head's m_first: m_first without a window (m_end == m_blocks)
+    const int head_step = Traits::kLocal ? m_blocks - (m_end - m_first) : m_first;
+    for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
+      for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
         if (leader) {
           if (p.deterministic) {
-            while (load_acquire(p.dq_semaphore + dq_tile) != tile.block) {}
+            // The key blocks that see this query block add in order, from its first one.
+            const int turn = tile.block - mask.key_blocks(m_block).first;
+            while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
           }
           bulk_reduce_add(p.dq_accum + dq_tile * kTileElems, smem.dq.data(), Traits::kBytesdQ);
           if (p.deterministic) {
@@ -112,7 +118,7 @@ struct BwdMainloop {
   // Accumulates dK (unscaled) and dV into tdKrdK and tdVrdV; tid is the thread's index among
   // the consumers.
   template <class TAcc>
-  __device__ __forceinline__ void mma(TileCoord const& tile, int m_first, int m_blocks, typename Traits::Mask const& mask, TAcc& tdKrdK,
+  __device__ __forceinline__ void mma(TileCoord const& tile, int m_first, int m_end, typename Traits::Mask const& mask, TAcc& tdKrdK,
                       TAcc& tdVrdV, int tid) {
     const int n_block = tile.block;
     typename Traits::TiledMmaSdP mma_sdp;
@@ -164,7 +170,7 @@ struct BwdMainloop {
     PipelineState st;
     int iter = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
-      for (int m_block = m_first; m_block < m_blocks; ++m_block, ++iter) {
+      for (int m_block = m_first; m_block < m_end; ++m_block, ++iter) {
         pipe.consumer_wait(st);
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
@@ -176,19 +182,49 @@ struct BwdMainloop {
         const float* dsum = smem.dsum[st.index()];
 
         warpgroup_wait<1>();  // S^T is done, dP^T may still run
-        if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          const float lse = lse_log2[get<1>(coordS(0, c))];
+        if constexpr (Traits::kSoftcap) {
+          // S becomes t = tanh(S * scale / cap); once dP^T is done, dP^T becomes
+          // (dP^T - D)(1 - t^2), then the mask, then P^T = exp2(t * cap * log2(e) - LSE) and
+          // dS^T = P^T * dP^T. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
+          // (d128 64x128), one fused pass 16-44 bytes (the compiler batched every exp2, keeping
+          // t and P both live), and masking before the (1 - t^2) pass 4-12 bytes.
+          p.softcap.tanh_in_place(S);
+          const float t_scale_log2 = p.scale_log2 * p.softcap.cap;
+          warpgroup_wait<0>();  // dP^T
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-        }
-        warpgroup_wait<0>();  // dP^T
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          const float d = dsum[get<1>(coordS(0, c))];
+          for (int c = 0; c < size<1>(S); ++c) {
+            const float d = dsum[get<1>(coordS(0, c))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
+              dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
+            }
+          }
+          // Masked only now: 1 - t^2 above took finite t; exp2(-inf) = 0 below.
+          if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
           CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - d);
+          for (int c = 0; c < size<1>(S); ++c) {
+            const float lse = lse_log2[get<1>(coordS(0, c))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) {
+              S(r, c) = exp2f(fmaf(S(r, c), t_scale_log2, -lse));
+              dP(r, c) *= S(r, c);
+            }
+          }
+        } else {
+          if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            const float lse = lse_log2[get<1>(coordS(0, c))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+          }
+          warpgroup_wait<0>();  // dP^T
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            const float d = dsum[get<1>(coordS(0, c))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - d);
+          }
         }
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);

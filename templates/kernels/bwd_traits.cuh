@@ -20,17 +20,18 @@
 #include "gmma_shapes.cuh"
 #include "mask.cuh"
 #include "smem_atoms.cuh"
+#include "softmax.cuh"  // LogitSoftcap
 #include "tile_scheduler.cuh"
 
 namespace fa3gen {
 
-template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal>
+template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap>
 struct BwdTraits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "bf16/fp16 only");
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
-  static constexpr bool kCausal = Causal;
-  using Mask = AttentionMask<Causal, TileM, TileN>;
+  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap;
+  using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
   // One consumer warpgroup per 64 keys, plus the producer warpgroup (TMA loads).
   static constexpr int kConsumerWGs = TileN / 64;
@@ -151,6 +152,10 @@ struct BwdParams {
   int64_t dk_batch_stride, dk_row_stride, dk_head_stride;
   int64_t dv_batch_stride, dv_row_stride, dv_head_stride;
   int seqlen_q, seqlen_k, seqlen_q_rounded, heads_q, heads_kv, batch, heads_per_kv;
+  int window_left, window_right;  // local variants (AttentionMask)
+  LogitSoftcap softcap;           // softcap variants
+  // dK and dQ are scaled by softmax_scale at the end; P = exp2(S * scale_log2 - LSE_log2),
+  // where softcapping (which already scaled S) makes scale_log2 just log2(e).
   float softmax_scale, scale_log2;
   bool deterministic;
   bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue

@@ -8,11 +8,16 @@
 
 namespace fa3gen {
 
-template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal>
+template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap>
 int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal>;
+  using Traits = BwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap>;
   using E = Element;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
+  Masking masking;
+  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,
+                                   a.seqlen_k, masking)) {
+    return 1;
+  }
   const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
   const int m_blocks = seqlen_q_rounded / TileM;
   const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;
@@ -62,7 +67,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride,
       a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
       a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
-      a.softmax_scale, a.softmax_scale * 1.4426950408889634f, a.deterministic != 0,
+      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
+      a.softmax_scale, masking.scale_log2, a.deterministic != 0,
       vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
           vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8),
       one_cta_per_tile(n_blocks, a.heads_kv, a.batch)};

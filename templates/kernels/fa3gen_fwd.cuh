@@ -7,11 +7,17 @@
 
 namespace fa3gen {
 
-template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
+template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
           bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, WarpSpecialized, Pingpong, IntraWgOverlap>;
+  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, WarpSpecialized, Pingpong,
+                           IntraWgOverlap>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
+  Masking masking;
+  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,
+                                   a.seqlen_k, masking)) {
+    return 1;
+  }
   using E = Element;
   auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
@@ -28,8 +34,12 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
     return 1;
   }
+  // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
+  // or a window that shows a query at least 2048 keys.
+  const int64_t window_keys = std::min<int64_t>(a.seqlen_k, int64_t(masking.window_left) + masking.window_right + 1);
+  const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? window_keys >= 2048 : false;
   const TileSchedule schedule =
-      fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, a.seqlen_k, a.grid_mode, a.num_sms);
+      fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
 
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
@@ -38,7 +48,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       static_cast<E*>(a.o), a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
-      a.softmax_scale, a.softmax_scale * 1.4426950408889634f,
+      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
+      masking.lse_scale, masking.scale_log2,
       vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule};
 
   auto kernel = fwd_kernel<Traits>;

@@ -65,7 +65,7 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
   typename Traits::TiledMmaPV mma_pv;
   auto thr_pv = mma_pv.get_thread_slice(tid);
   float inv_sum[Rows], lse[Rows];
-  softmax.finalize(p.softmax_scale, inv_sum, lse);
+  softmax.finalize(p.lse_scale, inv_sum, lse);
   Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
   scale_rows(O, inv_sum);
   const int row_end = p.seqlen_q - tile.block * kTileM;

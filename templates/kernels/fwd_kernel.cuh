@@ -40,9 +40,9 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
     TileCoord tile;
     if (!sched.decode(t, tile)) continue;
-    const int n_blocks = mainloop.mask().key_block_count(tile.block);
+    const KeyBlocks blocks = mainloop.mask().key_blocks(tile.block);
     OnlineSoftmax<Mainloop::kRows> softmax(p.scale_log2);
-    mainloop.mma(tile, n_blocks, turns, softmax, tOrO, tid);
+    mainloop.mma(tile, blocks, turns, softmax, tOrO, tid);
     store_fwd_tile(p, tile, softmax, tOrO, tid);
   }
   turns.drain();

@@ -9,8 +9,8 @@
 //                    the next tile's Q arrives for the warpgroup that finishes first.
 //   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
 //                    of block j+1 runs while the PV GEMM of block j finishes.
-// Block i of a tile's visiting order is key block n_blocks - 1 - i: the diagonal (masked)
-// blocks come first.
+// Block i of a tile's visiting order is key block blocks.at(i), from the last visible one down:
+// the diagonal (masked) blocks come first.
 #pragma once
 #include <cutlass/arch/barrier.h>
 #include "barriers.cuh"
@@ -77,7 +77,9 @@ struct FwdMainloop {
 
   // The mask of this launch. Built where it is used: its bounds then stay in the kernel's
   // parameter space instead of occupying registers across the loop.
-  __device__ __forceinline__ typename Traits::Mask mask() const { return {p.seqlen_q, p.seqlen_k}; }
+  __device__ __forceinline__ typename Traits::Mask mask() const {
+    return {p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  }
 
   // Once, by one thread of warp 0, before the pipelines are built.
   __device__ __forceinline__ static void init(FwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
@@ -136,17 +138,18 @@ struct FwdMainloop {
     for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
-      const int n_blocks = mask().key_block_count(tile.block);
+      const KeyBlocks blocks = mask().key_blocks(tile.block);
+      const int n_blocks = blocks.count;
       if (n_blocks == 0) continue;
       const int head_kv = tile.head / p.heads_per_kv;
-      load_k(n_blocks - 1, head_kv, tile.batch, st_k);
+      load_k(blocks.at(0), head_kv, tile.batch, st_k);
       for (int part = 0; part < Traits::kQParts; ++part) {
         if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
         load_q(tile, part);
       }
       for (int i = 0; i < n_blocks; ++i) {
-        if (i + 1 < n_blocks) load_k(n_blocks - 2 - i, head_kv, tile.batch, st_k);
-        load_v(n_blocks - 1 - i, head_kv, tile.batch, st_v);
+        if (i + 1 < n_blocks) load_k(blocks.at(i + 1), head_kv, tile.batch, st_k);
+        load_v(blocks.at(i), head_kv, tile.batch, st_v);
       }
       ++tiles_loaded;
     }
@@ -156,8 +159,9 @@ struct FwdMainloop {
   // Leaves O (unnormalized) in tOrO and the row statistics in softmax; tid is the thread's
   // index among the consumers.
   template <class TO>
-  __device__ __forceinline__ void mma(TileCoord const& tile, int n_blocks, GemmTurns<Traits> const& turns,
+  __device__ __forceinline__ void mma(TileCoord const& tile, KeyBlocks const& blocks, GemmTurns<Traits> const& turns,
                       OnlineSoftmax<kRows>& softmax, TO& tOrO, int tid) {
+    const int n_blocks = blocks.count;
     const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
     const int head_kv = tile.head / p.heads_per_kv;
     const int q_part = Traits::kQParts == 1 ? 0 : tid / 128;  // the Q rows this warpgroup reads
@@ -187,18 +191,18 @@ struct FwdMainloop {
       if (inline_loader) {
         for (int part = 0; part < Traits::kQParts; ++part) load_q(tile, part);
         for (int i = 0; i < min(kStages, n_blocks); ++i) {
-          load_k(n_blocks - 1 - i, head_kv, tile.batch, st_load_k);
-          load_v(n_blocks - 1 - i, head_kv, tile.batch, st_load_v);
+          load_k(blocks.at(i), head_kv, tile.batch, st_load_k);
+          load_v(blocks.at(i), head_kv, tile.batch, st_load_v);
         }
       }
       __syncwarp();
     }
     auto refill_k = [&](int i) {
-      if (inline_loader && i + kStages < n_blocks) load_k(n_blocks - 1 - i - kStages, head_kv, tile.batch, st_load_k);
+      if (inline_loader && i + kStages < n_blocks) load_k(blocks.at(i + kStages), head_kv, tile.batch, st_load_k);
       __syncwarp();
     };
     auto refill_v = [&](int i) {
-      if (inline_loader && i + kStages < n_blocks) load_v(n_blocks - 1 - i - kStages, head_kv, tile.batch, st_load_v);
+      if (inline_loader && i + kStages < n_blocks) load_v(blocks.at(i + kStages), head_kv, tile.batch, st_load_v);
       __syncwarp();
     };
     // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
@@ -219,7 +223,8 @@ struct FwdMainloop {
     };
     float rescale[kRows];
     auto softmax_block = [&](int i) {
-      const int n_block = n_blocks - 1 - i;
+      const int n_block = blocks.at(i);
+      if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if (mask().needs_mask(tile.block, n_block)) mask().apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       softmax.step(S, rescale);
     };

@@ -10,20 +10,21 @@
 #include "gmma_shapes.cuh"
 #include "mask.cuh"
 #include "smem_atoms.cuh"
+#include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
 namespace fa3gen {
 using namespace cute;
 
-template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal,
-          bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
+template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
+          bool Softcap, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 struct FwdTraits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "bf16/fp16 only");
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
-  static constexpr bool kCausal = Causal, kWarpSpecialized = WarpSpecialized;
-  static constexpr bool kPingpong = Pingpong, kOverlap = IntraWgOverlap;
-  using Mask = AttentionMask<Causal, TileM, TileN>;
+  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap;
+  static constexpr bool kWarpSpecialized = WarpSpecialized, kPingpong = Pingpong, kOverlap = IntraWgOverlap;
+  using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
   static constexpr int kConsumerWGs = TileM / 64;
@@ -118,7 +119,11 @@ struct FwdParams {
   float* lse;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
-  float softmax_scale, scale_log2;
+  int window_left, window_right;  // local variants (AttentionMask)
+  LogitSoftcap softcap;           // softcap variants
+  // The softmax works on scores * lse_scale in the natural-log domain: softmax_scale, or 1
+  // when softcapping has already scaled them; scale_log2 = lse_scale * log2(e).
+  float lse_scale, scale_log2;
   bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
   TileSchedule schedule;  // the grid policy the host chose (tile_scheduler.cuh)
 };

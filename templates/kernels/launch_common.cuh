@@ -39,4 +39,49 @@ inline int check_sizes(int built_head_dim, int head_dim, int batch, int seqlen_q
   return 0;
 }
 
+// The runtime arguments of the local and softcap axes as the kernels take them: window bounds
+// with -1 (unbounded) replaced by seqlen_q + seqlen_k, which no row reaches (AttentionMask),
+// and the scales of the softmax (softcapping folds softmax_scale into the scores).
+struct Masking {
+  int window_left = 0, window_right = 0;
+  float softcap_pre = 0.f, softcap = 0.f;
+  float lse_scale = 0.f, scale_log2 = 0.f;
+};
+
+// Returns nonzero (with a message) for arguments the variant cannot honour.
+template <bool Local, bool Softcap>
+inline int masking_args(int32_t window_left, int32_t window_right, float softcap, float softmax_scale,
+                        int seqlen_q, int seqlen_k, Masking& out) {
+  if (!(softmax_scale > 0.f)) {
+    fa3gen_set_error("softmax_scale must be positive");
+    return 1;
+  }
+  if (Local && (window_left < -1 || window_right < -1)) {
+    fa3gen_set_error("window_left and window_right must be >= -1 (-1: unbounded)");
+    return 1;
+  }
+  if (Softcap && !(softcap > 0.f)) {
+    fa3gen_set_error("a softcap variant needs softcap > 0");
+    return 1;
+  }
+  const int64_t unbounded = int64_t(seqlen_q) + seqlen_k;
+  if (unbounded > INT32_MAX / 2) {
+    fa3gen_set_error("seqlen_q + seqlen_k too large for one launch");
+    return 1;
+  }
+  auto bound = [&](int32_t w) { return int(w < 0 || w > unbounded ? unbounded : w); };
+  if (Local) {
+    out.window_left = bound(window_left);
+    out.window_right = bound(window_right);
+  }
+  out.lse_scale = softmax_scale;
+  if (Softcap) {
+    out.softcap_pre = softmax_scale / softcap;
+    out.softcap = softcap;
+    out.lse_scale = 1.f;
+  }
+  out.scale_log2 = out.lse_scale * 1.4426950408889634f;
+  return 0;
+}
+
 }  // namespace fa3gen

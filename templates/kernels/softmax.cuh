@@ -57,6 +57,32 @@ struct OnlineSoftmax {
   }
 };
 
+// Logit softcapping: s -> cap * tanh(s * softmax_scale / cap), applied to raw scores before the
+// mask (a masked -inf must stay -inf). The softmax scale is folded in, so the softmax after it
+// runs with scale 1. tanh.approx is one MUFU op (relative error about 2^-11): an exact tanh
+// would triple the MUFU work of the softmax, which already rivals the GEMMs' time.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct LogitSoftcap {
+  float pre;  // softmax_scale / cap
+  float cap;
+  template <class TS>
+  __device__ __forceinline__ void apply(TS& S) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < size(S); ++e) S(e) = cap * tanh_approx(S(e) * pre);
+  }
+  // Only the tanh (the backward needs it for the derivative, 1 - tanh^2, and scales by cap later).
+  template <class TS>
+  __device__ __forceinline__ void tanh_in_place(TS& S) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < size(S); ++e) S(e) = tanh_approx(S(e) * pre);
+  }
+};
+
 template <class TO, int Rows>
 __device__ __forceinline__ void scale_rows(TO& O, float const (&factor)[Rows]) {
   CUTLASS_PRAGMA_UNROLL

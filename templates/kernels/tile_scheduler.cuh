@@ -29,15 +29,16 @@ struct TileSchedule {
 };
 
 // The forward's grid policy. FA3GEN_GRID_AUTO is persistent (one CTA per multiprocessor, or
-// fewer tiles), causal tiles paired, except for causal attention over more than 8192 keys:
-// there one CTA per tile. Measured on the H200 (2026-11-30, d128 causal): pairs +10-15% over
-// one CTA per tile at 1k-4k keys, +1-8% at 8k, 2-3% behind at 16k, where per-tile costs are
-// small and the hardware's dynamic dispatch balances better than equal static shares.
-inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, int seqlen_k,
+// fewer tiles), causal tiles paired, except for long tiles (`long_tiles`, decided by the
+// launcher): there one CTA per tile. Measured on the H200 (2026-11-30, d128 causal): pairs
+// +10-15% over one CTA per tile at 1k-4k keys, +1-8% at 8k, 2-3% behind at 16k, where per-tile
+// costs are small and the hardware's dynamic dispatch balances better than equal static
+// shares. A local window of 4096 keys at seqlen 16k: one CTA per tile +6% (d128) and +4%
+// (d256); a window of 1024: 1-4% behind.
+inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms) {
   const int64_t tiles = int64_t(m_blocks) * heads * batch;
-  const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES ||
-                            (grid_mode == FA3GEN_GRID_AUTO && causal && seqlen_k > 8192);
+  const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
   const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, num_sms > 0 ? num_sms : 132);
   return {m_blocks, heads, batch, (m_blocks + 1) / 2, causal && ctas < tiles, ctas};
 }

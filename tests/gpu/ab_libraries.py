@@ -17,30 +17,32 @@ import sys
 import torch
 
 from fa3gen import Fa3genError, bench, ops, runtime, timing
+from fa3gen.checks import probe_masking
 
 
 def _forward_default(lib, info):
     """(lib, its forward default for the key of backward variant info), or None."""
     try:
-        return lib, lib.find("fwd", *info.key[1:])
+        return lib, lib.find("fwd", info.dtype, info.head_dim, info.causal, local=info.local,
+                             softcap=info.softcap)
     except Fa3genError:
         return None
 
 
 def point_fns(libs, info, shape: dict):
     q, k, v, dout = timing.random_inputs(shape, ops.TORCH_DTYPES[info.dtype], 4)
-    scale = shape["head_dim"] ** -0.5
+    scale, extra = shape["head_dim"] ** -0.5, probe_masking(info)
     out, lse = ops._empty_outputs(q)
     if info.direction == "fwd":
-        return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name, lib=lib)
-                for lib in libs]
+        return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name,
+                                              lib=lib, **extra) for lib in libs]
     # out and lse from the first library that serves the forward key (one may hold only the
     # backward variants measured)
     fwd_lib, fwd = next(found for found in (_forward_default(lib, info) for lib in libs) if found)
-    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=fwd_lib)
+    ops._fwd_into(q, k, v, out, lse, info.causal, scale, fwd.name, lib=fwd_lib, **extra)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return [lambda lib=lib: ops._bwd_into(dout, q, k, v, out, lse, dq, dk, dv, info.causal, scale,
-                                          info.name, lib=lib) for lib in libs]
+                                          info.name, lib=lib, **extra) for lib in libs]
 
 
 def main() -> int:

@@ -35,12 +35,24 @@ def pytest_generate_tests(metafunc):
             metafunc.parametrize(f"{direction}_variant", params)
         if f"{direction}_default_key" in metafunc.fixturenames:
             lib, why = _library()
-            keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)] if lib else []
+            # Keys without the local/softcap features (tests/gpu/test_features.py has those).
+            keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)
+                    if not (v.local or v.softcap)] if lib else []
             params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
                       for k in keys]
             params = params or [pytest.param(None, marks=pytest.mark.skip(
                 reason=why or f"the library has no default {direction} variants"))]
             metafunc.parametrize(f"{direction}_default_key", params)
+        if f"{direction}_feature_key" in metafunc.fixturenames:
+            # (dtype, head_dim, causal, local, softcap) of each default with local or softcap
+            lib, why = _library()
+            keys = [v.key[1:] for v in lib.defaults(direction) if v.local or v.softcap] if lib else []
+            params = [pytest.param(k, id="-".join(
+                [k[0], f"d{k[1]}", "causal" if k[2] else "nocausal"] +
+                [f for f, on in (("local", k[3]), ("softcap", k[4])) if on])) for k in keys]
+            params = params or [pytest.param(None, marks=pytest.mark.skip(
+                reason=why or f"the library has no local/softcap {direction} variants"))]
+            metafunc.parametrize(f"{direction}_feature_key", params)
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,10 @@ and not) per default backward variant, meant to run under compute-sanitizer:
 
 Not a pytest module (the sanitizer wraps the whole process). Shapes are small and not tile
 multiples, with GQA, so masked tails and partial tiles are exercised. Arguments: head dims to
-keep, and `--batch B` (default 1) for the forward: B = 40 gives more query tiles than SMs, so
-persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles).
+keep, `--batch B` (default 1) for the forward: B = 40 gives more query tiles than SMs, so
+persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
+`--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
+and cap, as every variant is).
 """
 
 import argparse
@@ -16,6 +18,7 @@ import sys
 import torch
 
 from fa3gen import runtime
+from fa3gen.checks import probe_masking
 from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
 
@@ -23,22 +26,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="small fa3gen launches to run under compute-sanitizer")
     parser.add_argument("head_dims", nargs="*", help="keep only these head dims")
     parser.add_argument("--batch", type=int, default=1, help="forward batch size")
+    parser.add_argument("--features", action="store_true", help="only local/softcap variants")
     args = parser.parse_args()
     lib = runtime.get_library()
     batch, only = args.batch, args.head_dims
+
+    def skip(info):
+        return (only and str(info.head_dim) not in only) or (
+            args.features and not (info.local or info.softcap))
+
     for info in lib.defaults("fwd"):
-        if only and str(info.head_dim) not in only:
+        if skip(info):
             continue
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(batch, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
         k = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
         v = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name)
+        out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name, **probe_masking(info))
         torch.cuda.synchronize()
         print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)
     for info in lib.defaults("bwd"):
-        if only and str(info.head_dim) not in only:
+        if skip(info):
             continue
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(1)
@@ -46,7 +55,8 @@ def main() -> int:
         q, k, v = (torch.randn(*s, device="cuda", dtype=dtype, generator=g).requires_grad_()
                    for s in shapes)
         for deterministic in (False, True):
-            out = flash_attn_func(q, k, v, causal=info.causal, deterministic=deterministic)
+            out = flash_attn_func(q, k, v, causal=info.causal, deterministic=deterministic,
+                                  **probe_masking(info))
             dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
             torch.cuda.synchronize()
             print(f"{info.name} deterministic={deterministic}: ok, "

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fa3gen import ops
+from fa3gen.checks import probe_masking
 from fa3gen.errors import InvalidInputError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import compare_grads_to_reference
@@ -51,27 +52,30 @@ def _sid(s):
     return "b{}_sq{}_sk{}_h{}x{}".format(*s)
 
 
-def forward_for(q, k, v, causal, scale):
+def forward_for(q, k, v, causal, scale, window_size=(-1, -1), softcap=0.0):
     """out and lse from the forward kernel (the backward consumes what the forward saved)."""
-    name = ops.resolve_variant(ops.check_inputs(q, k, v), causal)
-    return torch.ops.fa3gen.fwd(q, k, v, causal, scale, name)
+    mask = ops.masking(causal, window_size, softcap)
+    name = ops.resolve_variant(ops.check_inputs(q, k, v), mask.causal, mask=mask)
+    return torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, False, mask.window_left,
+                                mask.window_right, mask.softcap)
 
 
-def run_bwd_poisoned(dout, q, k, v, out, lse, causal, scale, name, deterministic=False):
+def run_bwd_poisoned(dout, q, k, v, out, lse, causal, scale, name, deterministic=False,
+                     **masking):
     bufs, grads = [], []
     for like in (q, k, v):
         buf, view = poisoned(tuple(like.shape), like.dtype)
         bufs.append(buf)
         grads.append(view)
-    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, name, deterministic)
+    ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, name, deterministic, **masking)
     torch.cuda.synchronize()
     for what, buf in zip(("dq", "dk", "dv"), bufs):
         assert torch.isnan(buf[-GUARD:]).all(), f"kernel wrote past the end of {what}"
     return grads
 
 
-def check_grads(grads, q, k, v, dout, causal, scale, what):
-    res = compare_grads_to_reference(grads, q, k, v, dout, causal, scale)
+def check_grads(grads, q, k, v, dout, causal, scale, what, **masking):
+    res = compare_grads_to_reference(grads, q, k, v, dout, causal, scale, **masking)
     errs = {k_: f"{res[k_]:.3g}" for k_ in res if k_.endswith(("_err", "_tol"))}
     assert res["ok"], f"{what}: {res['why']} {errs}"
     return res
@@ -83,10 +87,10 @@ def test_bwd_variant_matches_reference(lib, bwd_variant, shape):
     b, sq, sk, hq, hkv = shape
     q, k, v = make_qkv(b, sq, sk, hq, hkv, info.head_dim, DTYPES[info.dtype], seed=10)
     dout = torch.randn_like(q)
-    scale = info.head_dim**-0.5
-    out, lse = forward_for(q, k, v, info.causal, scale)
-    grads = run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name)
-    check_grads(grads, q, k, v, dout, info.causal, scale, f"{info.name} {_sid(shape)}")
+    scale, extra = info.head_dim**-0.5, probe_masking(info)
+    out, lse = forward_for(q, k, v, info.causal, scale, **extra)
+    grads = run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name, **extra)
+    check_grads(grads, q, k, v, dout, info.causal, scale, f"{info.name} {_sid(shape)}", **extra)
     if info.causal and sq > sk:  # queries that see no key get no gradient
         assert (grads[0][:, : sq - sk] == 0).all()
 
@@ -100,20 +104,22 @@ def test_bwd_unaligned_tensors_through_c_abi(lib, bwd_variant, deterministic):
     d, dtype = info.head_dim, DTYPES[info.dtype]
     q, k, v = make_qkv(2, 300, 250, 4, 2, d, dtype, seed=7)
     dout = torch.randn_like(q)
-    scale = d**-0.5
-    out_aligned, lse = forward_for(q, k, v, info.causal, scale)
+    scale, extra = d**-0.5, probe_masking(info)
+    out_aligned, lse = forward_for(q, k, v, info.causal, scale, **extra)
     obuf, out = poisoned(tuple(q.shape), dtype, offset=2)  # 4 bytes past a 16-byte boundary
     out.copy_(out_aligned)
     bufs, grads = zip(*(poisoned(tuple(t.shape), dtype, offset=2) for t in (q, k, v)))
     assert all(t.data_ptr() % 16 == 4 for t in (out, *grads))
     dims = ops.check_inputs(q, k, v)
     work = ops._bwd_workspace(q, dims, info.tile_m, deterministic)
-    params = ops._make_bwd_params(q, k, v, out, dout, lse, *grads, work, dims, scale, deterministic)
+    params = ops._make_bwd_params(q, k, v, out, dout, lse, *grads, work, dims, scale, deterministic,
+                                  ops.masking(info.causal, **extra))
     lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     for what, buf in zip(("dq", "dk", "dv"), bufs):
         assert torch.isnan(buf[:2]).all() and torch.isnan(buf[-GUARD:]).all(), f"wrote outside {what}"
-    check_grads(list(grads), q, k, v, dout, info.causal, scale, f"{info.name} 4-byte aligned")
+    check_grads(list(grads), q, k, v, dout, info.causal, scale, f"{info.name} 4-byte aligned",
+                **extra)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -123,11 +129,12 @@ def test_bwd_repeatable(lib, bwd_variant, deterministic):
     info = lib.get(bwd_variant)
     q, k, v = make_qkv(2, 700, 900, 4, 2, info.head_dim, DTYPES[info.dtype], seed=11)
     dout = torch.randn_like(q)
-    scale = info.head_dim**-0.5
-    out, lse = forward_for(q, k, v, info.causal, scale)
-    runs = [run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name, deterministic)
-            for _ in range(3)]
-    check_grads(runs[0], q, k, v, dout, info.causal, scale, f"{info.name} det={deterministic}")
+    scale, extra = info.head_dim**-0.5, probe_masking(info)
+    out, lse = forward_for(q, k, v, info.causal, scale, **extra)
+    runs = [run_bwd_poisoned(dout, q, k, v, out, lse, info.causal, scale, info.name, deterministic,
+                             **extra) for _ in range(3)]
+    check_grads(runs[0], q, k, v, dout, info.causal, scale, f"{info.name} det={deterministic}",
+                **extra)
     first = 0 if deterministic else 1
     for other in runs[1:]:
         for i, what in enumerate(("dq", "dk", "dv")[first:], start=first):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fa3gen import ops, runtime
+from fa3gen.checks import probe_masking
 from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import attention_reference, compare_to_reference
@@ -57,19 +58,20 @@ def poisoned(shape, dtype, offset=0):
     return buf, buf[offset : offset + n].view(shape)
 
 
-def run_poisoned(q, k, v, causal, scale, name):
+def run_poisoned(q, k, v, causal, scale, name, **masking):
+    """masking: window_size / softcap (fa3gen.checks.probe_masking for a variant's features)."""
     b, sq, hq, d = q.shape
     obuf, out = poisoned((b, sq, hq, d), q.dtype)
     lbuf, lse = poisoned((b, hq, sq), torch.float32)
-    ops._fwd_into(q, k, v, out, lse, causal, scale, name)
+    ops._fwd_into(q, k, v, out, lse, causal, scale, name, **masking)
     torch.cuda.synchronize()
     assert torch.isnan(obuf[-GUARD:]).all(), "kernel wrote past the end of out"
     assert torch.isnan(lbuf[-GUARD:]).all(), "kernel wrote past the end of lse"
     return out, lse
 
 
-def check(out, lse, q, k, v, causal, scale, what):
-    res = compare_to_reference(out, lse, q, k, v, causal, scale)
+def check(out, lse, q, k, v, causal, scale, what, **masking):
+    res = compare_to_reference(out, lse, q, k, v, causal, scale, **masking)
     assert res["ok"], f"{what}: {res['why']} (out err {res.get('out_err')}, " \
         f"tol {res.get('out_tol')}, lse err {res.get('lse_err')})"
 
@@ -80,8 +82,9 @@ def test_variant_matches_reference(lib, fwd_variant, shape):
     b, sq, sk, hq, hkv, scale = shape
     q, k, v = make_qkv(b, sq, sk, hq, hkv, info.head_dim, DTYPES[info.dtype])
     scale = scale if scale is not None else info.head_dim**-0.5
-    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name)
-    check(out, lse, q, k, v, info.causal, scale, f"{info.name} {_sid(shape)}")
+    extra = probe_masking(info)
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} {_sid(shape)}", **extra)
     if info.causal and sq > sk:  # first sq - sk queries see no key: exactly 0 and -inf
         assert (out[:, : sq - sk] == 0).all()
         assert torch.isneginf(lse[:, :, : sq - sk]).all()
@@ -95,10 +98,11 @@ def test_variant_strided_output(lib, fwd_variant):
     buf = torch.full((2, 150, 4, d + 8), float("nan"), device="cuda", dtype=dtype)
     out = buf[..., :d]
     lse = torch.full((2, 4, 150), float("nan"), device="cuda")
-    ops._fwd_into(q, k, v, out, lse, info.causal, d**-0.5, info.name)
+    extra = probe_masking(info)
+    ops._fwd_into(q, k, v, out, lse, info.causal, d**-0.5, info.name, **extra)
     torch.cuda.synchronize()
     assert torch.isnan(buf[..., d:]).all(), "kernel wrote into the padding between heads"
-    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out")
+    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} strided out", **extra)
 
 
 def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
@@ -112,12 +116,13 @@ def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     assert out.data_ptr() % 16 == 4
     lse = torch.full((2, 4, 150), float("nan"), device="cuda")
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    extra = probe_masking(info)
     params = ops._make_params(q, k, v, out, lse, ops.check_inputs(q, k, v), d**-0.5, num_sms,
-                              runtime.GRID_MODES["auto"])
+                              runtime.GRID_MODES["auto"], ops.masking(info.causal, **extra))
     lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.isnan(obuf[:2]).all() and torch.isnan(obuf[-GUARD:]).all(), "wrote outside out"
-    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} 4-byte aligned out")
+    check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} 4-byte aligned out", **extra)
 
 
 @pytest.mark.parametrize("grid", ["auto", "persistent", "tiles"])
@@ -130,16 +135,18 @@ def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
     sq = 5 * info.tile_m - 17  # 5 query tiles per head
     q, k, v = make_qkv(9, sq, sq + 40, 16, 4, info.head_dim, DTYPES[info.dtype], seed=4)
     scale = info.head_dim**-0.5
-    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name)
-    check(out, lse, q, k, v, info.causal, scale, f"{info.name} grid={grid}")
+    extra = probe_masking(info)
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} grid={grid}", **extra)
 
 
 def test_variant_deterministic(lib, fwd_variant):
     info = lib.get(fwd_variant)
     q, k, v = make_qkv(2, 300, 300, 4, 2, info.head_dim, DTYPES[info.dtype], seed=2)
     scale = info.head_dim**-0.5
-    o1, l1 = run_poisoned(q, k, v, info.causal, scale, info.name)
-    o2, l2 = run_poisoned(q, k, v, info.causal, scale, info.name)
+    extra = probe_masking(info)
+    o1, l1 = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
+    o2, l2 = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
     assert torch.equal(o1, o2) and torch.equal(l1, l2), f"{info.name} is not deterministic"
 
 
