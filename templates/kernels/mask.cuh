@@ -75,7 +75,6 @@ struct AttentionMask {
     return crosses;
   }
 
-
   // S and coords are (query, key) views of an accumulator; coords are tile-local.
   template <class TS, class TC>
   __device__ __forceinline__ void apply(TS& S, TC const& coords, int row0, int col0) const {
