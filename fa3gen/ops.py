@@ -371,7 +371,7 @@ def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scal
 
 def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
     """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks. Left
-    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (ABI 3)."""
+    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (since ABI 3)."""
     rows = -(-dims.seqlen_q // tile_m) * tile_m
     stats = (dims.batch, dims.heads_q, rows)
     f32 = dict(dtype=torch.float32, device=q.device)
