@@ -142,8 +142,15 @@ KNOB_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "knob")
 DIRECTIONS = AXIS_BY_NAME["direction"].choices
 
 # Head dims the kernel templates realize (generator/variants.py prunes any other; the runtime
-# says so when a call asks for one).
+# says so when a call asks for one). The backward has fewer: its consumers keep dK and dV
+# (head_dim fp32 registers per thread each) for the whole key block, which 192 and 256 exceed.
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+BACKWARD_HEAD_DIMS = (64, 96, 128)
+BACKWARD_HEAD_DIMS_WHY = "dK and dV accumulators of 192 or 256 columns do not fit in 240 registers"
+
+
+def supported_head_dims(direction: str) -> tuple[int, ...]:
+    return BACKWARD_HEAD_DIMS if direction == "bwd" else SUPPORTED_HEAD_DIMS
 
 # (field, Python type) of a Variant, in order.
 VARIANT_FIELDS = tuple((f, _PYTHON_TYPE[a.kind]) for a in AXIS_TABLE for f in a.fields)

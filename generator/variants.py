@@ -9,8 +9,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
-from fa3gen.contract import (AXES, AXIS_BY_NAME, DTYPES, KEY_AXES, KNOB_AXES,
-                             SUPPORTED_HEAD_DIMS, Variant, key_str)
+from fa3gen.contract import (AXES, AXIS_BY_NAME, BACKWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS_WHY, DTYPES,
+                             KEY_AXES, KNOB_AXES, SUPPORTED_HEAD_DIMS, Variant, key_str,
+                             supported_head_dims)
 
 from .spec import Spec, fmt_value
 
@@ -69,6 +70,9 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
 def head_dim_supported(v: Variant) -> Optional[str]:
     if v.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {v.head_dim} not in {list(SUPPORTED_HEAD_DIMS)}"
+    if v.head_dim not in supported_head_dims(v.direction):
+        return (f"backward head_dim {v.head_dim} not in {list(BACKWARD_HEAD_DIMS)} "
+                f"({BACKWARD_HEAD_DIMS_WHY})")
     return None
 
 

@@ -146,7 +146,7 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(direction="bwd", tile_m=64, tile_n=176), "mma_n_shape"),
     (dict(direction="bwd", tile_m=128, tile_n=64), "mma_n_shape"),   # dQ rows cannot be split
     (dict(direction="bwd", tile_m=128), "smem_budget"),
-    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=64, stages=1), "register_budget"),
+    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=64, stages=1), "head_dim_supported"),
     (dict(tile_m=96), "mma_m_shape"),
     (dict(tile_m=256), "mma_m_shape"),
     (dict(tile_n=120), "mma_n_shape"),
