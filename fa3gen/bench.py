@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT
+from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import GEMM_N, gemm_tflops, random_inputs, report_failure, tflops, time_or_none
 
@@ -396,7 +396,7 @@ def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
 
 
 def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
-    """TFLOP/s of every built variant of `key` (direction, dtype, head_dim, causal), each
+    """TFLOP/s of every built variant of `key` (contract.make_key), each
     timed as call(variant_name): the `candidates` map of --all-variants."""
     return {info.name: tflops(flops, time_or_none(info.name, lambda: call(info.name),
                                                   args.warmup, args.iters))
@@ -422,7 +422,7 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     candidates = {}
     if getattr(args, "all_variants", False):
         candidates = _time_candidates(
-            lib, ("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
+            lib, make_key("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
             lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
@@ -483,7 +483,7 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
         flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                                 d, causal, "bwd")
         candidates = _time_candidates(
-            lib, ("bwd", dt_name, d, causal), flops,
+            lib, make_key("bwd", dt_name, d, causal), flops,
             lambda name: torch.ops.fa3gen.bwd(dout, qd, kd, vd, out, lse, causal, scale, name, False),
             args)
     if not args.no_baselines:

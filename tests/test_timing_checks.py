@@ -136,3 +136,22 @@ def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok   fwd_a: max|out-ref| 1.00e-03")
     assert out[1].startswith("FAIL bwd_a:") and "too many resources" in out[1]
+
+
+def test_all_variants_times_every_variant_of_the_call_key(monkeypatch):
+    """bench --all-variants: the candidates of a key are its built variants, found with the
+    contract's full key (a 4-entry key matched nothing once local/softcap joined it)."""
+    import types
+
+    from fa3gen import bench
+    from fa3gen.contract import make_key, parse_name
+
+    names = ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
+             "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1",
+             "fwd_bf16_d128_nocausal_local_m128n128_s2_ws1_pp1_ov1",
+             "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"]
+    lib = types.SimpleNamespace(variants=[parse_name(n) for n in names])
+    monkeypatch.setattr(bench, "time_or_none", lambda label, fn, warmup, iters: 2.0)
+    args = types.SimpleNamespace(warmup=1, iters=1)
+    got = bench._time_candidates(lib, make_key("fwd", "bf16", 128, False), 4e12, None, args)
+    assert got == {names[0]: 2000.0, names[1]: 2000.0}
