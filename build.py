@@ -4,7 +4,6 @@
 --check: after a successful build, run fa3gen.checks.quick_check() on the new library when
 a CUDA device is present (skipped with a message otherwise).
 """
-import os
 import sys
 from pathlib import Path
 
@@ -24,13 +23,9 @@ def quick_check(spec: str) -> int:
     if not torch.cuda.is_available():
         print("build.py: --check skipped: no CUDA device")
         return 0
-    from generator.build import plan
-    from generator.ninja import library_name
-    p = plan(spec)
-    # Point the runtime at the library just built (it defaults to the h100 spec).
-    os.environ.setdefault("FA3GEN_LIB", str(p.out_dir / library_name(p.spec.name)))
     from fa3gen import checks
-    checks.quick_check(spec=p.spec.name)
+    from fa3gen.cli import _spec_name
+    checks.quick_check(spec=_spec_name(spec))  # the library just built, by its spec's name
     return 0
 
 

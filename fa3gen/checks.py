@@ -45,8 +45,8 @@ PROBE_SOFTCAP = 2.5
 
 def probe_masking(variant) -> dict:
     """window_size and softcap keyword arguments for `variant` (defaults where it has neither)."""
-    return dict(window_size=PROBE_WINDOW if getattr(variant, "local", False) else (-1, -1),
-                softcap=PROBE_SOFTCAP if getattr(variant, "softcap", False) else 0.0)
+    return dict(window_size=PROBE_WINDOW if variant.local else (-1, -1),
+                softcap=PROBE_SOFTCAP if variant.softcap else 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

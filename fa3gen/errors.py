@@ -20,6 +20,10 @@ class InvalidInputError(Fa3genError, ValueError):
     """The tensors passed to an fa3gen op break a documented requirement (shape, dtype, stride)."""
 
 
+class TraceError(Fa3genError, ValueError):
+    """A trace file (fa3gen.trace) that cannot be read or turned into a spec."""
+
+
 class LibraryNotBuiltError(Fa3genError):
     """The generated shared library is not where the runtime looks for it."""
 

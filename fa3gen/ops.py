@@ -21,7 +21,7 @@ import torch
 
 from fa3gen import runtime
 from fa3gen import tracing as _trace
-from fa3gen.contract import DTYPES
+from fa3gen.contract import DTYPES, GRID_MODES
 from fa3gen.errors import Fa3genError, InvalidInputError
 
 # "bf16" -> torch.bfloat16
@@ -226,9 +226,9 @@ def _grid_mode() -> int:
     one CTA per query tile for causal attention over more than 8192 keys (the policy lives in
     launch_fwd); persistent | tiles force one policy, for measurements."""
     mode = os.environ.get("FA3GEN_GRID", "auto")
-    if mode not in runtime.GRID_MODES:
+    if mode not in GRID_MODES:
         raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
-    return runtime.GRID_MODES[mode]
+    return GRID_MODES[mode]
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -443,12 +443,11 @@ def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, determini
     return _empty_grads(q, k, v)
 
 
-def resolve_bwd_variant(q: torch.Tensor, head_dim: int, causal: bool, mask: Masking = None) -> str:
-    """Name of the default backward variant for q's dtype (clear error when none was built)."""
+def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool) -> str:
+    """Name of the default backward variant for q's dtype (clear error when none was built).
+    mask: the call's Masking, or just causal."""
     dtype = _DTYPES.get(q.dtype, str(q.dtype))
-    key = (mask or Masking(causal=bool(causal))).key()
-    return _variant_name("bwd", dtype, head_dim, key["causal"], None, key["local"],
-                         key["softcap"])
+    return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask))
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -465,7 +464,7 @@ def _fwd_setup_context(ctx, inputs, output):
 def _fwd_backward(ctx, dout, _dlse):
     q, k, v, out, lse = ctx.saved_tensors
     m = ctx.mask
-    name = resolve_bwd_variant(q, q.shape[-1], m.causal, m)
+    name = resolve_bwd_variant(q, q.shape[-1], m)
     if _trace._active:
         _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                       heads_q=q.shape[2], heads_kv=k.shape[2])
@@ -483,20 +482,25 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 @torch.compiler.assume_constant_result
-def _variant_name(direction: str, dtype: str, head_dim: int, causal: bool, variant,
-                  local: bool = False, softcap: bool = False) -> str:
+def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
+                  local: bool, softcap: bool) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
     # library lookup touches files and ctypes, which dynamo cannot trace).
     return runtime.get_library().find(direction, dtype, head_dim, causal, variant, local=local,
                                       softcap=softcap).name
 
 
-def resolve_variant(dims: Dims, causal: bool, variant: str | None = None,
-                    mask: Masking | None = None) -> str:
-    """Name of the forward variant that serves dims (default dispatch or the named one)."""
-    key = (mask or Masking(causal=bool(causal))).key()
-    return _variant_name("fwd", dims.dtype, dims.head_dim, key["causal"], variant, key["local"],
-                         key["softcap"])
+def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None) -> str:
+    """Name of the forward variant that serves dims (default dispatch or the named one).
+    mask: the call's Masking, or just causal."""
+    return _variant_name("fwd", dims.dtype, dims.head_dim, variant, *_key_flags(mask))
+
+
+def _key_flags(mask: Masking | bool) -> tuple:
+    """Masking.key() as positional values (causal, local, softcap): _variant_name's are
+    positional, which torch.compile bakes in as constants."""
+    m = mask if isinstance(mask, Masking) else Masking(causal=bool(mask))
+    return tuple(m.key().values())
 
 
 def _check_fa3_arguments(softmax_scale) -> None:
@@ -555,7 +559,7 @@ def flash_attn_func(
     return_lse = bool(return_lse or return_attn_probs)
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
-    name = resolve_variant(dims, mask.causal, variant, mask)
+    name = resolve_variant(dims, mask, variant)
     check_layout(q=q, k=k, v=v)
     if _trace._active:  # a call that passed every check
         _trace.record(name, variant is None, batch=dims.batch, seqlen_q=dims.seqlen_q,

@@ -25,7 +25,6 @@ from typing import Any, Callable, Sequence
 from fa3gen import contract
 from fa3gen.contract import (ABI_VERSION, BACKWARD_HEAD_DIMS_WHY, KEY_AXES, LAUNCHERS, Variant,
                              make_key, supported_head_dims)
-from fa3gen.contract import GRID_MODES  # noqa: F401  (the ABI's values, as ops and tests use them)
 from fa3gen.errors import (
     AbiMismatchError,
     Fa3genError,

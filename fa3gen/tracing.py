@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, parse_name
+from fa3gen.errors import TraceError
 
 TRACE_ENV = "FA3GEN_TRACE"
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
@@ -52,9 +53,9 @@ class Trace:
 
     def to_dict(self) -> dict:
         calls = []
-        for e in sorted(self.entries.values(), key=lambda e: (parse_name(e.variant), not e.default)):
-            v = parse_name(e.variant)
-            calls.append({**{a: AXIS_BY_NAME[a].value(v) for a in KEY_AXES}, "variant": e.variant,
+        parsed = sorted((parse_name(e.variant), not e.default, e) for e in self.entries.values())
+        for v, _, e in parsed:
+            calls.append({**_spec_values(v, KEY_AXES), "variant": e.variant,
                           "default": e.default, "count": e.count,
                           **{k: e.ranges[k] for k in SIZES if k in e.ranges}})
         return {"format": FORMAT, "calls": calls}
@@ -110,13 +111,13 @@ def _read(path: Path) -> list[dict]:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
-        raise ValueError(f"cannot read trace {path}: {e.strerror}") from e
+        raise TraceError(f"cannot read trace {path}: {e.strerror}") from e
     except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not a trace (invalid YAML: {e})") from e
+        raise TraceError(f"{path}: not a trace (invalid YAML: {e})") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
-        raise ValueError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
+        raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
     if not data["calls"]:
-        raise ValueError(f"{path}: the trace recorded no call (was anything run inside it?)")
+        raise TraceError(f"{path}: the trace recorded no call (was anything run inside it?)")
     return data["calls"]
 
 
@@ -138,7 +139,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         try:
             v = parse_name(c["variant"])
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: bad call entry {c!r}: {e}") from e
+            raise TraceError(f"{path}: bad call entry {c!r}: {e}") from e
         variants[v] = variants.get(v, False) or bool(c.get("default"))
     groups, dispatch = [], []
     by_key: dict[tuple, list] = {}

@@ -19,14 +19,13 @@ from pathlib import Path
 
 import jinja2
 
-from fa3gen.contract import library_name
+from fa3gen.contract import Variant, library_name
 
 from .errors import ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
 from .render import environment, needs_extended_mma_shapes, write_if_changed
 from .toolchain import Toolchain
-from .variants import Variant
 
 
 def find_ninja() -> str:

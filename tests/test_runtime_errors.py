@@ -23,7 +23,7 @@ from fa3gen.errors import (
 from fa3gen.ops import check_device, check_inputs, check_layout
 from fa3gen.reference import attention_reference, causal_mask
 from fa3gen.runtime import VariantInfo, select_variant
-from fa3gen.contract import parse_name
+from fa3gen.contract import GRID_MODES, parse_name
 from generator.paths import KERNELS_DIR
 
 
@@ -136,7 +136,7 @@ def test_grid_mode_from_environment(monkeypatch):
 
     monkeypatch.delenv("FA3GEN_GRID", raising=False)
     assert _grid_mode() == 0
-    for name, value in runtime.GRID_MODES.items():
+    for name, value in GRID_MODES.items():
         monkeypatch.setenv("FA3GEN_GRID", name)
         assert _grid_mode() == value
     monkeypatch.setenv("FA3GEN_GRID", "persist")
@@ -649,7 +649,7 @@ def test_fake_library_table_and_launch(tmp_path):
     k, v = (torch.randn(2, 9, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     out, lse = torch.empty(2, 5, 4, 128, dtype=torch.bfloat16), torch.empty(2, 4, 5)
     dims = Dims(2, 5, 9, 4, 2, 128, "bf16")
-    params = _make_params(q, k, v, out, lse, dims, 0.125, 132, runtime.GRID_MODES["tiles"],
+    params = _make_params(q, k, v, out, lse, dims, 0.125, 132, GRID_MODES["tiles"],
                           ops.Masking(False, 100, 3, 30.0))
     lib.launch(v0, params, 0xABC0)
     got = runtime.FwdParams.in_dll(lib._dll, "fake_last_params")

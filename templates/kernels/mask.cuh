@@ -65,6 +65,8 @@ struct AttentionMask {
   }
 
   // Only blocks crossing the end of the keys or an edge of the visible band need masking.
+  // (Here and in apply_transposed the right edge is spelled as before the window existed, not
+  // through key_end: that kept the non-local backward kernels' SASS unchanged.)
   __device__ __forceinline__ bool needs_mask(int m_block, int n_block) const {
     const int last_key = (n_block + 1) * TileN - 1;
     bool crosses = last_key >= seqlen_k;

@@ -8,6 +8,8 @@ reason, which comes first).
 
 import pytest
 
+from fa3gen.contract import key_str
+
 
 def _library():
     from fa3gen import runtime
@@ -46,10 +48,8 @@ def pytest_generate_tests(metafunc):
         if f"{direction}_feature_key" in metafunc.fixturenames:
             # (dtype, head_dim, causal, local, softcap) of each default with local or softcap
             lib, why = _library()
-            keys = [v.key[1:] for v in lib.defaults(direction) if v.local or v.softcap] if lib else []
-            params = [pytest.param(k, id="-".join(
-                [k[0], f"d{k[1]}", "causal" if k[2] else "nocausal"] +
-                [f for f, on in (("local", k[3]), ("softcap", k[4])) if on])) for k in keys]
+            keys = [v.key for v in lib.defaults(direction) if v.local or v.softcap] if lib else []
+            params = [pytest.param(k[1:], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
             params = params or [pytest.param(None, marks=pytest.mark.skip(
                 reason=why or f"the library has no local/softcap {direction} variants"))]
             metafunc.parametrize(f"{direction}_feature_key", params)

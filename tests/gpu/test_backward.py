@@ -55,7 +55,7 @@ def _sid(s):
 def forward_for(q, k, v, causal, scale, window_size=(-1, -1), softcap=0.0):
     """out and lse from the forward kernel (the backward consumes what the forward saved)."""
     mask = ops.masking(causal, window_size, softcap)
-    name = ops.resolve_variant(ops.check_inputs(q, k, v), mask.causal, mask=mask)
+    name = ops.resolve_variant(ops.check_inputs(q, k, v), mask)
     return torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, False, mask.window_left,
                                 mask.window_right, mask.softcap)
 

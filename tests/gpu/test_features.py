@@ -46,7 +46,7 @@ def test_forward_windows(lib, fwd_feature_key, shape, window):
     b, sq, sk, hq, hkv = shape
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, DTYPES[dtype], seed=21)
     mask = ops.masking(kw["causal"], kw["window_size"], kw["softcap"])
-    name = ops.resolve_variant(ops.check_inputs(q, k, v), mask.causal, mask=mask)
+    name = ops.resolve_variant(ops.check_inputs(q, k, v), mask)
     assert lib.get(name).key[1:] == fwd_feature_key, "served by a variant of another key"
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     torch.cuda.synchronize()
@@ -121,12 +121,12 @@ def test_feature_opcheck(lib, bwd_feature_key):
     kw = _call_args(bwd_feature_key, (50, 20), 3.0)
     mask = ops.masking(kw["causal"], kw["window_size"], kw["softcap"])
     q, k, v = make_qkv(1, 129, 200, 4, 2, d, DTYPES[dtype], seed=25)
-    fwd = ops.resolve_variant(ops.check_inputs(q, k, v), mask.causal, mask=mask)
+    fwd = ops.resolve_variant(ops.check_inputs(q, k, v), mask)
     args = (mask.causal, d**-0.5, fwd, False, mask.window_left, mask.window_right, mask.softcap)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     torch.library.opcheck(torch.ops.fa3gen.fwd.default, (qg, kg, vg, *args))
     out, lse = torch.ops.fa3gen.fwd(q, k, v, *args)
-    bwd = ops.resolve_bwd_variant(q, d, mask.causal, mask)
+    bwd = ops.resolve_bwd_variant(q, d, mask)
     torch.library.opcheck(torch.ops.fa3gen.bwd.default,
                           (torch.randn_like(q), q, k, v, out, lse, mask.causal, d**-0.5, bwd, False,
                            mask.window_left, mask.window_right, mask.softcap))

@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from fa3gen import ops, runtime
+from fa3gen import ops
 from fa3gen.checks import probe_masking
+from fa3gen.contract import GRID_MODES
 from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import attention_reference, compare_to_reference
@@ -118,7 +119,7 @@ def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     extra = probe_masking(info)
     params = ops._make_params(q, k, v, out, lse, ops.check_inputs(q, k, v), d**-0.5, num_sms,
-                              runtime.GRID_MODES["auto"], ops.masking(info.causal, **extra))
+                              GRID_MODES["auto"], ops.masking(info.causal, **extra))
     lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     assert torch.isnan(obuf[:2]).all() and torch.isnan(obuf[-GUARD:]).all(), "wrote outside out"
