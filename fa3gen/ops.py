@@ -1,10 +1,13 @@
 """torch entry points: input checks, variant dispatch, and the fa3gen::fwd custom op.
 
 Layers, so that each is testable alone:
-  flash_attn_func  - public wrapper: validates, resolves the variant name, calls the op
+  flash_attn_func  - public wrapper: validates, resolves the variant name, then calls the
+                     custom op under graph capture (torch.compile, export, fake tensors) and
+                     _EagerAttention otherwise (same kernels, no custom-op machinery)
   fa3gen::fwd      - torch custom op (+ fake impl) taking a concrete variant name; its
                      autograd formula calls fa3gen::bwd with the default backward variant
   fa3gen::bwd      - torch custom op (+ fake impl): dq, dk, dv
+  _forward, _backward  - the ops' bodies, shared with _EagerAttention
   _fwd_into, _bwd_into - write into caller-provided tensors (tests poison those first)
 
 Edge cases (decided here, documented in the docstring of flash_attn_func):
@@ -273,23 +276,73 @@ def _fwd_into(
 
     lib: a runtime.Library (default: runtime.get_library()); quick_check passes its own."""
     mask = masking(causal, window_size, softcap)
+    plan = _fwd_plan(q, k, v, out, lse, mask, float(softmax_scale), variant,
+                     lib or runtime.get_library())
+    _fwd_run(plan, q, k, v, out, lse)
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """What the checks decide for one call signature (shapes, strides, dtypes and devices of
+    the tensors, masking, scale, variant, library): a later call with that signature only
+    needs its pointers checked (16-byte alignment) and written into a copy of `params`."""
+    lib: runtime.Library
+    info: runtime.VariantInfo
+    dims: Dims
+    mask: Masking
+    scale: float
+    device: torch.device
+    params: object  # FwdParams / BwdParams with this call's pointers; None: a zero size
+    deterministic: bool = False
+
+
+def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib) -> _Plan:
+    """Every check of a forward call, in the order of its error messages."""
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_outputs(out, lse, q, dims)
-    lib = lib or runtime.get_library()
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
-    if dims.batch == 0 or dims.seqlen_q == 0 or dims.heads_q == 0:
+    launches = dims.batch and dims.seqlen_q and dims.heads_q and dims.seqlen_k
+    params = _make_params(q, k, v, out, lse, dims, scale, _num_sms(q.device.index),
+                          _grid_mode(), mask) if launches else None
+    return _Plan(lib, info, dims, mask, scale, q.device, params)
+
+
+def _fwd_run(plan: _Plan, q, k, v, out, lse) -> None:
+    """Launch plan on tensors of its signature (out, lse: as _empty_outputs makes them)."""
+    if plan.params is None:
+        if out.numel() and plan.dims.seqlen_k == 0:  # no key: the fully-masked-row convention
+            out.zero_()
+            lse.fill_(float("-inf"))
         return
-    if dims.seqlen_k == 0:  # no key at all: the fully-masked-row convention
-        out.zero_()
-        lse.fill_(float("-inf"))
-        return
-    with torch.cuda.device(q.device):
-        params = _make_params(q, k, v, out, lse, dims, float(softmax_scale),
-                              _num_sms(q.device.index), _grid_mode(), mask)
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        lib.launch(info, params, stream)
+    _check_aligned(q=q, k=k, v=v, out=out)
+    p = runtime.FwdParams.from_buffer_copy(plan.params)
+    p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    p.o, p.lse = out.data_ptr(), lse.data_ptr()
+    _launch(plan.lib, plan.info, plan.device, lambda: p)
+
+
+def _check_aligned(**tensors: torch.Tensor) -> None:
+    """The per-call part of check_layout (strides are part of a plan's signature)."""
+    for name, t in tensors.items():
+        if t.data_ptr() % _TMA_ALIGN_BYTES:
+            check_layout(**{name: t})  # raises with the message
+
+
+# torch's own fast accessor of the current stream (what compiled graphs use); public fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _launch(lib, info, device, make_params) -> None:
+    """info's launcher on the current stream of `device`, with the params make_params() builds
+    (the CPU tests replace this, the one place that needs a GPU)."""
+    index = device.index
+    if index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _launch(lib, info, device, make_params)
+    stream = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
+    lib.launch(info, make_params(), stream)
 
 
 def _empty_outputs(q: torch.Tensor):
@@ -313,9 +366,15 @@ def _fwd_op(
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # deterministic only matters to the backward (see _fwd_setup_context).
+    return _forward(q, k, v, masking(causal, (window_left, window_right), softcap),
+                    softmax_scale, variant)
+
+
+def _forward(q, k, v, mask: Masking, softmax_scale: float, variant: str):
+    """(out, lse) of forward variant `variant`: the custom op's body and the eager path's."""
     out, lse = _empty_outputs(q)
-    _fwd_into(q, k, v, out, lse, causal, softmax_scale, variant,
-              window_size=(window_left, window_right), softcap=softcap)
+    _fwd_into(q, k, v, out, lse, mask.causal, softmax_scale, variant,
+              window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
     return out, lse
 
 
@@ -353,9 +412,7 @@ def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
 def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scale: float,
                      deterministic: bool, mask: Masking = Masking()):
     p = runtime.BwdParams()
-    tensors = dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work)
-    for name, t in tensors.items():
-        setattr(p, name, t.data_ptr())
+    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work))
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         strides = _strides(t)
@@ -367,6 +424,14 @@ def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scal
     _set_masking(p, mask)
     p.deterministic = int(bool(deterministic))
     return p
+
+
+def _set_pointers(p, tensors: dict) -> None:
+    for name, t in tensors.items():
+        setattr(p, name, t.data_ptr())
+
+
+_WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # _bwd_workspace's buffers
 
 
 def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
@@ -391,22 +456,41 @@ def _bwd_into(
     """Run backward variant `variant`, writing dq, dk, dv (shaped like q, k, v). For GQA the
     kernel sums dk, dv over the query heads of each kv head."""
     mask = masking(causal, window_size, softcap)
+    plan = _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask, float(softmax_scale), variant,
+                     deterministic, lib or runtime.get_library())
+    _bwd_run(plan, dout, q, k, v, out, lse, dq, dk, dv)
+
+
+def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask: Masking, scale: float, variant: str,
+              deterministic: bool, lib) -> _Plan:
+    """Every check of a backward call (the params' pointers are this call's; _bwd_run sets
+    the workspace's)."""
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims)
-    lib = lib or runtime.get_library()
     info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
-    if dims.batch == 0 or dims.heads_q == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
+    launches = dims.batch and dims.heads_q and dims.seqlen_q and dims.seqlen_k
+    params = None
+    if launches:
+        work = {name: lse for name in _WORKSPACE}  # placeholders: _bwd_run allocates them
+        params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims, scale,
+                                  deterministic, mask)
+    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic))
+
+
+def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
+    """Launch plan on tensors of its signature (dq, dk, dv: as _empty_grads makes them)."""
+    if plan.params is None:
         dq.zero_()  # no query or no key: nothing flows back
         dk.zero_()
         dv.zero_()
         return
-    with torch.cuda.device(q.device):
-        work = _bwd_workspace(q, dims, info.tile_m, deterministic)
-        params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims,
-                                  float(softmax_scale), deterministic, mask)
-        lib.launch(info, params, torch.cuda.current_stream(q.device).cuda_stream)
+    _check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    work = _bwd_workspace(q, plan.dims, plan.info.tile_m, plan.deterministic)
+    p = runtime.BwdParams.from_buffer_copy(plan.params)
+    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work))
+    _launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
 def _empty_grads(q, k, v):
@@ -429,11 +513,20 @@ def _bwd_op(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, masking(causal, (window_left, window_right),
+                                                      softcap), softmax_scale, variant,
+                     deterministic)
+
+
+def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, variant: str,
+              deterministic: bool):
+    """(dq, dk, dv) of backward variant `variant`: the custom op's body and the eager path's."""
     dq, dk, dv = _empty_grads(q, k, v)
     # Autograd (or a compiled graph) may hand over any strides: copy what TMA cannot read.
     dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
-    _bwd_into(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, causal, softmax_scale, variant,
-              deterministic, window_size=(window_left, window_right), softcap=softcap)
+    _bwd_into(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, mask.causal, softmax_scale,
+              variant, deterministic, window_size=(mask.window_left, mask.window_right),
+              softcap=mask.softcap)
     return dq, dk, dv
 
 
@@ -461,16 +554,21 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _fwd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    m = ctx.mask
-    name = resolve_bwd_variant(q, q.shape[-1], m)
+def _backward_variant(q, k, mask: Masking) -> str:
+    """The default backward variant of the key, recorded when tracing."""
+    name = resolve_bwd_variant(q, q.shape[-1], mask)
     if _trace._active:
         _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                       heads_q=q.shape[2], heads_kv=k.shape[2])
+    return name
+
+
+def _fwd_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    m = ctx.mask
     dq, dk, dv = torch.ops.fa3gen.bwd(dout, q, k, v, out, lse, m.causal, ctx.softmax_scale,
-                                      name, ctx.deterministic, m.window_left, m.window_right,
-                                      m.softcap)
+                                      _backward_variant(q, k, m), ctx.deterministic,
+                                      m.window_left, m.window_right, m.softcap)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
@@ -478,10 +576,126 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
+# Eager path: flash_attn_func outside graph capture. The checks, the dispatch and the params
+# are computed once per call signature; a call that repeats one costs two allocations, the
+# pointer checks and the launch.
+
+_fwd_plans: dict = {}  # forward call signature -> _Plan
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
+_MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory stays bounded
+
+
+def _signature(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
+
+
+def _remember(plans: dict, key, value):
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[key] = value
+    return value
+
+
+def _softmax_scale(softmax_scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def _eager_fwd_plan(q, k, v, mask: Masking, softmax_scale, variant: str | None) -> _Plan:
+    try:
+        lib = runtime.get_library()
+    except Fa3genError:  # bad tensors are reported before a missing library
+        check_device(q, k, v)
+        check_inputs(q, k, v)
+        raise
+    key = (_signature(q), _signature(k), _signature(v), mask,
+           softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib,
+           os.environ.get("FA3GEN_GRID"))
+    plan = _fwd_plans.get(key)
+    if plan is None:
+        check_device(q, k, v)
+        dims = check_inputs(q, k, v)
+        name = resolve_variant(dims, mask, variant)
+        out, lse = _empty_outputs(q)
+        plan = _remember(_fwd_plans, key, _fwd_plan(
+            q, k, v, out, lse, mask, _softmax_scale(softmax_scale, dims.head_dim), name, lib))
+    return plan
+
+
+def _eager_forward(plan: _Plan, q, k, v):
+    out, lse = _empty_outputs(q)
+    _fwd_run(plan, q, k, v, out, lse)
+    return out, lse
+
+
+def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
+    """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked)."""
+    key = (fwd, deterministic, _signature(dout))
+    found = _bwd_plans.get(key)
+    if found is None:
+        name = resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask)
+        ready = _tma_ready(dout)  # autograd may hand over any strides: copy what TMA cannot read
+        found = _remember(_bwd_plans, key, (_bwd_plan(
+            ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask, fwd.scale, name,
+            deterministic, fwd.lib), ready is not dout))
+    plan, copy_dout = found
+    if _trace._active:
+        _trace_call(plan.info.name, True, plan.dims)
+    if copy_dout:
+        dout = dout.contiguous()
+    elif dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+        return _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
+                         deterministic)
+    dq, dk, dv = _empty_grads(q, k, v)
+    _bwd_run(plan, dout, q, k, v, out, lse, dq, dk, dv)
+    return dq, dk, dv
+
+
+class _EagerAttention(torch.autograd.Function):
+    """flash_attn_func outside graph capture: the same kernels as the custom ops, without the
+    custom-op machinery, whose first call imports torch._dynamo (3-4 s in a fresh process;
+    torch wraps every custom-op kernel in torch._disable_dynamo) and which adds dispatch work
+    to every call."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan: _Plan, deterministic: bool):
+        out, lse = _eager_forward(plan, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.deterministic = plan, deterministic
+        ctx.mark_non_differentiable(lse)  # as the custom op: gradients flow through out only
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse)
+        return dq, dk, dv, None, None
+
+
+def _trace_call(name: str, default: bool, dims: Dims) -> None:
+    _trace.record(name, default, batch=dims.batch, seqlen_q=dims.seqlen_q,
+                  seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
+
+
+def _captured(*tensors: torch.Tensor) -> bool:
+    """True where the custom ops must serve the call: under torch.compile / export tracing, or
+    for tensor subclasses (fake, functional, distributed) that hold no plain device memory."""
+    return torch.compiler.is_compiling() or any(
+        type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
 # Public API.
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn):
+    """torch.compiler.assume_constant_result without its import of torch._dynamo (3-4 s at
+    import of this module, which eager callers never need): that decorator only sets this
+    attribute, which tests/test_api.py pins against torch's own."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
                   local: bool, softcap: bool) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
@@ -557,14 +771,23 @@ def flash_attn_func(
     _check_fa3_arguments(softmax_scale)
     mask = masking(causal, window_size, softcap)
     return_lse = bool(return_lse or return_attn_probs)
-    check_device(q, k, v)
-    dims = check_inputs(q, k, v)
-    name = resolve_variant(dims, mask, variant)
-    check_layout(q=q, k=k, v=v)
-    if _trace._active:  # a call that passed every check
-        _trace.record(name, variant is None, batch=dims.batch, seqlen_q=dims.seqlen_q,
-                      seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
-    scale = 1.0 / math.sqrt(dims.head_dim) if softmax_scale is None else float(softmax_scale)
-    out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, bool(deterministic),
-                                    mask.window_left, mask.window_right, mask.softcap)
+    _check_tensors(q, k, v)
+    if _captured(q, k, v):
+        check_device(q, k, v)
+        dims = check_inputs(q, k, v)
+        name = resolve_variant(dims, mask, variant)
+        check_layout(q=q, k=k, v=v)
+        if _trace._active:  # a call that passed every check
+            _trace_call(name, variant is None, dims)
+        out, lse = torch.ops.fa3gen.fwd(
+            q, k, v, mask.causal, _softmax_scale(softmax_scale, dims.head_dim), name,
+            bool(deterministic), mask.window_left, mask.window_right, mask.softcap)
+    else:
+        plan = _eager_fwd_plan(q, k, v, mask, softmax_scale, variant)
+        if _trace._active:
+            _trace_call(plan.info.name, variant is None, plan.dims)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            out, lse = _EagerAttention.apply(q, k, v, plan, bool(deterministic))
+        else:
+            out, lse = _eager_forward(plan, q, k, v)
     return (out, lse) if return_lse else out

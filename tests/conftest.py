@@ -52,8 +52,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def stub_forward(tmp_path, monkeypatch):
-    """flash_attn_func on CPU tensors up to its launch: the fake C library answers the
-    dispatch, and install(fwd) puts fwd in place of the fa3gen::fwd custom op."""
+    """flash_attn_func on CPU tensors up to its launch, on the custom-op path (as under graph
+    capture): the fake C library answers the dispatch, and install(fwd) puts fwd in place of
+    the fa3gen::fwd custom op. (tests/test_api.py drives the eager path.)"""
     import torch
 
     from fa3gen import ops
@@ -61,6 +62,7 @@ def stub_forward(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
     monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+    monkeypatch.setattr(ops, "_captured", lambda *a: True)
 
     def install(fwd):
         class TorchWithoutTheLaunch:  # torch, but its fa3gen::fwd is fwd

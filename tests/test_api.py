@@ -86,3 +86,145 @@ def test_return_attn_probs_returns_the_lse(stub_forward):
     assert ops.flash_attn_func(q, k, k) == "out"
     assert ops.flash_attn_func(q, k, k, return_attn_probs=True) == ("out", "lse")
     assert ops.flash_attn_func(q, k, k, 0.1, False, return_lse=True) == ("out", "lse")
+
+
+_EAGER_SCRIPT = r"""
+import sys, torch
+from fa3gen import ops
+ops.check_device = lambda *a: None       # CPU tensors stand in for CUDA ones
+ops._num_sms = lambda index: 132
+launched = []
+ops._launch = lambda lib, info, device, make: launched.append((info.name, make()))
+q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+k = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+v = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+out = ops.flash_attn_func(q, k, v, 0.25)
+out.float().sum().backward()
+capped = ops.flash_attn_func(q.detach(), k.detach(), v.detach(), window_size=(64, 7), softcap=30.0)
+(fwd, p), (bwd, bp), (local, lp) = launched
+print(fwd, bwd, local, p.softmax_scale, bp.softmax_scale, lp.window_left, lp.window_right,
+      lp.softcap, q.grad is not None and k.grad is not None and v.grad is not None,
+      out.requires_grad, any(m.startswith("torch._dynamo") for m in sys.modules))
+"""
+
+
+def test_eager_path_runs_without_dynamo(tmp_path):
+    """Outside graph capture, flash_attn_func and its backward reach the launchers through
+    _EagerAttention, never importing torch._dynamo (the custom ops' first call imports it:
+    3-4 s of a fresh process's first call). The window and softcap reach the params."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_runtime_errors import build_fake_lib
+
+    env = {**os.environ, "FA3GEN_LIB": str(build_fake_lib(tmp_path))}
+    res = subprocess.run([sys.executable, "-c", _EAGER_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == [
+        "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
+        "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0",
+        "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1",
+        "0.25", "0.25", "64", "7", "30.0", "True", "True", "False"]
+
+
+def test_captured_calls_take_the_custom_op(monkeypatch):
+    assert not ops._captured(q, q, q)
+    assert ops._captured(torch.nn.Parameter(q), q, q) is False  # a Parameter is plain memory
+    fake = torch.empty(1, 8, 2, 128, dtype=torch.bfloat16, device="meta")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        assert ops._captured(mode.from_tensor(fake), q, q)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert ops._captured(q, q, q)
+
+
+def test_constant_mark_is_torchs():
+    """ops marks _variant_name for torch.compile the way torch.compiler.assume_constant_result
+    does, without importing torch._dynamo at import time: if torch changes the decorator, this
+    fails instead of torch.compile silently tracing into the library lookup."""
+    def mine():
+        pass
+
+    def torchs():
+        pass
+
+    ops._assume_constant_result(mine)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(mine) == vars(torchs) == {"_dynamo_marked_constant": True}
+    assert vars(ops._variant_name).get("_dynamo_marked_constant") is True
+
+
+@pytest.fixture
+def eager(tmp_path, monkeypatch):
+    """The eager path on CPU tensors up to the launch: returns the list of (variant, params)
+    launched, and counts the full checks (plans) the calls ran."""
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "_fwd_plans", {})
+    monkeypatch.setattr(ops, "_bwd_plans", {})
+    launched, checks = [], []
+    for plan in ("_fwd_plan", "_bwd_plan"):
+        real = getattr(ops, plan)
+        monkeypatch.setattr(ops, plan, lambda *a, real=real: checks.append(1) or real(*a))
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
+        (info.name, make())))
+    return launched, checks
+
+
+def test_a_repeated_signature_skips_the_checks(eager, monkeypatch):
+    launched, checks = eager
+    base = torch.zeros(1, 8, 2, 136, dtype=torch.bfloat16)
+    a, b = base[..., :128], base[..., 8:136]  # same strides, pointers 16 bytes apart
+    ops.flash_attn_func(a, a, a)
+    ops.flash_attn_func(b, b, b)
+    assert len(checks) == 1 and len(launched) == 2
+    (_, p0), (_, p1) = launched
+    assert p1.q - p0.q == 16 and p1.q_row_stride == p0.q_row_stride == 2 * 136
+    # What the signature holds re-plans: strides, masking, scale, variant, FA3GEN_GRID.
+    ops.flash_attn_func(a.contiguous(), a, a)
+    ops.flash_attn_func(a, a, a, window_size=(64, 7), softcap=30.0)
+    ops.flash_attn_func(a, a, a, 0.5)
+    ops.flash_attn_func(a, a, a, variant="fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0")
+    monkeypatch.setenv("FA3GEN_GRID", "tiles")
+    ops.flash_attn_func(a, a, a)
+    assert len(checks) == 6
+    names = [n for n, _ in launched]
+    assert names[3] == "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"
+    assert names[5] == "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"
+    assert launched[4][1].softmax_scale == 0.5 and launched[3][1].softcap == 30.0
+    assert launched[6][1].grid_mode != launched[0][1].grid_mode
+
+
+def test_a_cached_signature_still_checks_alignment(eager):
+    base = torch.zeros(1, 8, 2, 136, dtype=torch.bfloat16)
+    ops.flash_attn_func(base[..., :128], base[..., :128], base[..., :128])
+    odd = base[..., 1:129]  # same strides, 2 bytes off
+    with pytest.raises(InvalidInputError, match=r"q.data_ptr\(\) is not 16-byte aligned"):
+        ops.flash_attn_func(odd, base[..., :128], base[..., :128])
+
+
+def test_eager_backward_plans_once_and_copies_strided_grads(eager):
+    launched, checks = eager
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(2):
+        ops.flash_attn_func(q, q, q).float().sum().backward()  # dout: expanded, stride 0
+    assert [n for n, _ in launched] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
+                                        "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0"] * 2
+    assert len(checks) == 2  # one forward plan, one backward plan
+    bwd = launched[3][1]
+    assert (bwd.do_batch_stride, bwd.do_row_stride, bwd.do_head_stride) == (2048, 256, 128)
+    assert bwd.dout not in (0, bwd.o) and bwd.dq_accum != 0
+
+
+def test_no_grad_calls_skip_autograd(eager, monkeypatch):
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(ops._EagerAttention, "apply", None)  # would fail if called
+    with torch.no_grad():
+        assert not ops.flash_attn_func(q, q, q).requires_grad
+    assert not ops.flash_attn_func(q.detach(), q.detach(), q.detach()).requires_grad

@@ -1,0 +1,87 @@
+"""Host time per call: how long the CPU spends in one attention call on a problem so small that
+the GPU is never the bottleneck (batch 1, seqlen 128, 1 head, d64, bf16). Calls are issued
+back to back without synchronizing and timed with perf_counter; the median of --rounds rounds
+of --calls calls is reported per backend, forward with and without requires_grad inputs, and
+forward+backward. Also the first call of the process (library load + first resolution).
+
+    python3 tests/gpu/host_time.py [--json out.json]
+
+Not a pytest module. Peers (SDPA's cuDNN backend, FA4 when flash_attn.cute imports) run in the
+same process, after fa3gen's first call has been timed.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def per_call_us(fn, calls: int, rounds: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    shape = (1, 128, 1, 64)
+    make = lambda grad: [torch.randn(shape, device="cuda", dtype=torch.bfloat16,
+                                     requires_grad=grad) for _ in range(3)]
+    q, k, v = make(False)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    from fa3gen.ops import flash_attn_func
+    flash_attn_func(q, k, v)
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+
+    def sdpa(q, k, v):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+    fns = {"fa3gen": lambda q, k, v: flash_attn_func(q, k, v), "cudnn (sdpa)": sdpa}
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4
+        fns["fa4"] = lambda q, k, v: fa4(q, k, v)
+    except Exception as e:  # an optional column
+        print(f"FA4 unavailable: {e!r}"[:200], file=sys.stderr)
+
+    qg, kg, vg = make(True)
+    rows = {}
+    for name, f in fns.items():
+        first = lambda o: o[0] if isinstance(o, tuple) else o
+        row = {
+            "fwd": per_call_us(lambda: f(q, k, v), args.calls, args.rounds),
+            "fwd requires_grad": per_call_us(lambda: f(qg, kg, vg), args.calls, args.rounds),
+            "fwd+bwd": per_call_us(lambda: first(f(qg, kg, vg)).sum().backward(),
+                                   args.calls // 4, args.rounds),
+        }
+        rows[name] = row
+        print(f"{name:14s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in row.items()), flush=True)
+    print(f"fa3gen first call in the process: {first_ms:.0f} ms")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"shape": shape, "first_call_ms": first_ms, "per_call_us": rows}, fh,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
