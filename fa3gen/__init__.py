@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_varlen_func",
     "trace",
     "Fa3genError",
     "InvalidInputError",
@@ -27,8 +28,9 @@ __all__ = [
     "__version__",
 ]
 
-_LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "trace": "fa3gen.tracing"}
-_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing"}
+_LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "flash_attn_varlen_func": "fa3gen.varlen",
+               "trace": "fa3gen.tracing"}
+_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing", "varlen"}
 
 
 def __getattr__(name):

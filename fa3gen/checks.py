@@ -66,12 +66,69 @@ def _inputs(problem: Problem, variant, gen, count: int) -> list:
                         dtype=TORCH_DTYPES[variant.dtype]) for bsh in dims]
 
 
+# The packed problem of varlen variants (whatever the Problem's seqlens): (q, k) lengths per
+# sequence, not tile multiples, with an empty query sequence and an empty key sequence.
+VARLEN_LENGTHS = ((200, 333), (0, 40), (77, 0), (1, 150), (333, 200))
+
+
+def _varlen_inputs(problem: Problem, variant, gen, count: int) -> tuple[list, tuple]:
+    """Packed q, k, v (and dout) and (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)."""
+    import itertools
+
+    import torch
+
+    from fa3gen.ops import TORCH_DTYPES
+
+    lq, lk = zip(*VARLEN_LENGTHS)
+    rows = [(sum(lq), problem.heads_q), (sum(lk), problem.heads_kv), (sum(lk), problem.heads_kv),
+            (sum(lq), problem.heads_q)][:count]
+    tensors = [torch.randn(n, h, variant.head_dim, device="cuda", generator=gen,
+                           dtype=TORCH_DTYPES[variant.dtype]) for n, h in rows]
+    cu = [torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+          for lens in (lq, lk)]
+    return tensors, (*cu, max(lq), max(lk))
+
+
+def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
+    """check_forward / check_backward of a varlen variant, on the packed problem."""
+    import torch
+
+    from fa3gen import ops, reference, varlen
+
+    tensors, sizes = _varlen_inputs(problem, variant, gen, 4 if backward else 3)
+    q, k, v = tensors[:3]
+    causal, scale = bool(variant.causal), variant.head_dim**-0.5
+    mask = ops.masking(causal, **probe_masking(variant))
+    extra = dict(window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
+    fwd = variant if not backward else lib.find("fwd", variant.dtype, variant.head_dim, causal,
+                                                local=variant.local, softcap=variant.softcap,
+                                                varlen=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    plan = varlen._fwd_plan(q, k, v, *sizes, out, lse, mask, scale, fwd.name, lib)
+    varlen._fwd_run(plan, q, k, v, *sizes[:2], out, lse)
+    if not backward:
+        torch.cuda.synchronize()
+        return reference.compare_varlen_to_reference(out, lse, q, k, v, *sizes[:2], causal,
+                                                     scale, **extra)
+    dout = tensors[3]
+    grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+    bplan = varlen._bwd_plan(dout, q, k, v, out, lse, *sizes, *grads, mask, scale, variant.name,
+                             False, lib)
+    varlen._bwd_run(bplan, dout, q, k, v, out, lse, *sizes[:2], *grads)
+    torch.cuda.synchronize()
+    return reference.compare_varlen_grads_to_reference(grads, q, k, v, dout, *sizes[:2], causal,
+                                                       scale, **extra)
+
+
 def check_forward(lib, variant, problem: Problem, gen) -> dict:
     """Forward `variant` into NaN-poisoned out and lse; reference.compare_to_reference's result."""
     import torch
 
     from fa3gen import ops, reference
 
+    if getattr(variant, "varlen", False):
+        return _check_varlen(lib, variant, problem, gen, backward=False)
     q, k, v = _inputs(problem, variant, gen, 3)
     causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
     out = torch.full_like(q, float("nan"))
@@ -89,6 +146,8 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
 
     from fa3gen import ops, reference
 
+    if getattr(variant, "varlen", False):
+        return _check_varlen(lib, variant, problem, gen, backward=True)
     q, k, v, dout = _inputs(problem, variant, gen, 4)
     causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
     fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal, local=variant.local,

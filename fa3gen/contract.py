@@ -129,6 +129,8 @@ AXIS_TABLE = (
     Axis("local", "bool", "key", words=("", "local")),
     # Logit softcapping, cap * tanh(score / cap); the cap is a runtime argument.
     Axis("softcap", "bool", "key", words=("", "softcap")),
+    # Variable-length sequences packed along the rows, bounded by cu_seqlens (runtime arguments).
+    Axis("varlen", "bool", "key", words=("", "varlen")),
     Axis("tile", "tile", "knob"),
     Axis("stages", "int", "knob", tag="s"),
     Axis("warp_specialized", "bool", "knob", tag="ws"),
@@ -190,7 +192,7 @@ class _VariantBehaviour:
 
 
 # Built from the axis table so that an axis is one edit. Frozen (hashable, a dict key) and
-# ordered; e.g. Variant("fwd", "bf16", 128, False, False, False, 128, 176, 2, True, True, True).
+# ordered; e.g. Variant("fwd", "bf16", 128, False, False, False, False, 128, 176, 2, True, True, True).
 Variant = make_dataclass("Variant", VARIANT_FIELDS, bases=(_VariantBehaviour,),
                          frozen=True, order=True)
 Variant.__module__ = __name__  # make_dataclass leaves it elsewhere on Python < 3.12 (pickling)
@@ -215,9 +217,10 @@ def key_str(key: tuple) -> str:
 
 
 def make_key(direction: str, dtype: str, head_dim: int, causal: bool, local: bool = False,
-             softcap: bool = False) -> tuple:
+             softcap: bool = False, varlen: bool = False) -> tuple:
     """The dispatch key of a call, in KEY_AXES order."""
-    return (direction, dtype, int(head_dim), bool(causal), bool(local), bool(softcap))
+    return (direction, dtype, int(head_dim), bool(causal), bool(local), bool(softcap),
+            bool(varlen))
 
 
 # --------------------------------------------------------------------------- output layout
@@ -269,7 +272,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -285,6 +288,16 @@ _SIZES = tuple((n, "int32_t") for n in ("batch", "seqlen_q", "seqlen_k", "heads_
 
 # The runtime side of the local and softcap axes (-1 / 0.0: none).
 _MASKING = (("window_left", "int32_t"), ("window_right", "int32_t"), ("softcap", "float"))
+# The runtime side of the varlen axis.
+_VARLEN = (("cu_seqlens_q", "const int32_t*"), ("cu_seqlens_k", "const int32_t*"),
+           ("tile_list", "int32_t*"), ("total_q", "int32_t"), ("total_k", "int32_t"))
+
+
+def varlen_tiles(total: int, batch: int, max_seqlen: int, tile: int) -> int:
+    """FA3GEN_VARLEN_TILES of the ABI: a bound of the tiles of `tile` rows over `batch`
+    sequences of `total` rows in all, the longest max_seqlen (sizes the tile_list workspace)."""
+    return min((total + batch * (tile - 1)) // tile, batch * -(-max_seqlen // tile))
+
 
 FWD_PARAMS = (
     ("q", "const void*"), ("k", "const void*"), ("v", "const void*"), ("o", "void*"),
@@ -292,6 +305,7 @@ FWD_PARAMS = (
     *_strides("q", "k", "v", "o"),
     *_SIZES,
     ("softmax_scale", "float"), *_MASKING, ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
+    *_VARLEN,
 )
 
 BWD_PARAMS = (
@@ -302,7 +316,7 @@ BWD_PARAMS = (
     ("dq_semaphore", "int32_t*"),
     *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
     *_SIZES,
-    ("softmax_scale", "float"), *_MASKING, ("deterministic", "int32_t"),
+    ("softmax_scale", "float"), *_MASKING, ("deterministic", "int32_t"), *_VARLEN,
 )
 
 
@@ -321,7 +335,7 @@ class Launcher:
 
 _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_m"),
                  ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
-                 ("Local", "local"), ("Softcap", "softcap"),
+                 ("Local", "local"), ("Softcap", "softcap"), ("Varlen", "varlen"),
                  ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
                  ("IntraWgOverlap", "intra_wg_overlap"))
 
@@ -330,7 +344,7 @@ LAUNCHERS = {
                     "fa3gen_fwd_launch_fn", "launch_fwd", _FWD_TEMPLATE),
     # The backward has one schedule: no knob beyond the tile and stages.
     "bwd": Launcher("fa3gen_bwd.cuh", "fa3gen::launch_bwd", "fa3gen_bwd_params", BWD_PARAMS,
-                    "fa3gen_bwd_launch_fn", "launch_bwd", _FWD_TEMPLATE[:8]),
+                    "fa3gen_bwd_launch_fn", "launch_bwd", _FWD_TEMPLATE[:9]),
 }
 
 

@@ -697,11 +697,11 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
-                  local: bool, softcap: bool) -> str:
+                  local: bool, softcap: bool, varlen: bool = False) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
     # library lookup touches files and ctypes, which dynamo cannot trace).
     return runtime.get_library().find(direction, dtype, head_dim, causal, variant, local=local,
-                                      softcap=softcap).name
+                                      softcap=softcap, varlen=varlen).name
 
 
 def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None) -> str:

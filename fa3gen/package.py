@@ -21,7 +21,7 @@ from fa3gen import __version__, contract
 from fa3gen.errors import Fa3genError
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "ops")
+RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "ops", "varlen")
 REQUIRES = ("torch>=2.4", "pyyaml")
 
 
@@ -35,7 +35,8 @@ def _rename(source: str, package: str) -> str:
 
 def _init_source(package: str, spec: str, version: str) -> str:
     return f'''"""fa3gen kernels of spec {spec!r}, packaged with `fa3gen package` (fa3gen {__version__},
-C ABI {contract.ABI_VERSION}). `flash_attn_func` runs the bundled library's variants."""
+C ABI {contract.ABI_VERSION}). `flash_attn_func` and `flash_attn_varlen_func` run the bundled
+library's variants."""
 from .errors import (AbiMismatchError, Fa3genError, InvalidInputError, LibraryNotBuiltError,
                      VariantNotBuiltError)
 
@@ -47,6 +48,9 @@ def __getattr__(name):
     if name == "flash_attn_func":  # imports torch on first use, like fa3gen
         from .ops import flash_attn_func
         return flash_attn_func
+    if name == "flash_attn_varlen_func":
+        from .varlen import flash_attn_varlen_func
+        return flash_attn_varlen_func
     raise AttributeError(f"module {{__name__!r}} has no attribute {{name!r}}")
 '''
 

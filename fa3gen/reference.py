@@ -203,3 +203,48 @@ def compare_grads_to_reference(grads, q, k, v, dout, causal=False, softmax_scale
             res["why"].append(f"max |{name} - ref| = {err:.3g} > tolerance {tol:.3g}")
     res["why"] = "; ".join(res["why"])
     return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Variable-length batches: the rules above per sequence (packed (total, heads, d) tensors,
+# sequence b is rows [cu[b], cu[b + 1])), errors merged.
+
+
+def sequences(cu_seqlens_q, cu_seqlens_k) -> list[tuple[slice, slice]]:
+    """(query rows, key rows) of each sequence."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def _merge(results: list[tuple[int, dict]]) -> dict:
+    res = {"ok": all(r["ok"] for _, r in results),
+           "why": "; ".join(f"sequence {i}: {r['why']}" for i, r in results if not r["ok"])}
+    for _, r in results:
+        for key, value in r.items():
+            if key.endswith(("_err", "_tol")):
+                res[key] = max(res.get(key, 0.0), value)
+    return res
+
+
+def compare_varlen_to_reference(out, lse, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False,
+                                softmax_scale=None, **extra) -> dict:
+    """compare_to_reference per sequence; out (total_q, hq, d), lse (hq, total_q)."""
+    results = []
+    for i, (rq, rk) in enumerate(sequences(cu_seqlens_q, cu_seqlens_k)):
+        if rq.stop > rq.start:
+            results.append((i, compare_to_reference(
+                out[rq][None], lse[:, rq][None], q[rq][None], k[rk][None], v[rk][None], causal,
+                softmax_scale, **extra)))
+    return _merge(results)
+
+
+def compare_varlen_grads_to_reference(grads, q, k, v, dout, cu_seqlens_q, cu_seqlens_k,
+                                      causal=False, softmax_scale=None, **extra) -> dict:
+    """compare_grads_to_reference per sequence (a sequence without queries has zero dk, dv)."""
+    dq, dk, dv = grads
+    results = []
+    for i, (rq, rk) in enumerate(sequences(cu_seqlens_q, cu_seqlens_k)):
+        results.append((i, compare_grads_to_reference(
+            (dq[rq][None], dk[rk][None], dv[rk][None]), q[rq][None], k[rk][None], v[rk][None],
+            dout[rq][None], causal, softmax_scale, **extra)))
+    return _merge(results)

@@ -123,6 +123,7 @@ def select_variant(
     *,
     local: bool = False,
     softcap: bool = False,
+    varlen: bool = False,
     spec_name: str | None = None,
     library: str = "",
     build_info: dict[str, Any] | None = None,
@@ -135,7 +136,7 @@ def select_variant(
     --only/--exclude filter left out from one the spec lacks.
     """
     causal = bool(causal)
-    key = make_key(direction, dtype, head_dim, causal, local, softcap)
+    key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen)
     spec_file = f"specs/{spec_name or '<spec>'}.yaml"
     build = f"fa3gen build --spec {spec_file}"
 
@@ -186,8 +187,8 @@ def select_variant(
         hint = (f"{spec_file} has this key, but the library was built with the filter "
                 f"{filters}, which left it out; rebuild without the filter: {build}")
     else:
-        features = "".join(f", {axis}: true" for axis, on in (("local", local),
-                                                               ("softcap", softcap)) if on)
+        features = "".join(f", {axis}: true" for axis, on in (
+            ("local", local), ("softcap", softcap), ("varlen", varlen)) if on)
         hint = (
             f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}{features}) "
             f"to a group of {spec_file} and run: {build}"
@@ -277,16 +278,16 @@ class Library:
 
     def find(
         self, direction: str, dtype: str, head_dim: int, causal: bool, variant: str | None = None,
-        *, local: bool = False, softcap: bool = False,
+        *, local: bool = False, softcap: bool = False, varlen: bool = False,
     ) -> VariantInfo:
         if variant is not None:  # fast path: the op resolves by name on every call
             v = self._by_name.get(variant)
             if v is not None and v.key == make_key(direction, dtype, head_dim, causal, local,
-                                                   softcap):
+                                                   softcap, varlen):
                 return v
         return select_variant(
             self.variants, direction, dtype, head_dim, causal, variant, local=local,
-            softcap=softcap, spec_name=self.spec_name, library=str(self.path),
+            softcap=softcap, varlen=varlen, spec_name=self.spec_name, library=str(self.path),
             build_info=self.build_info,
         )
 

@@ -4,6 +4,7 @@ The ABI header and the kernel launchers are hand-written C++; the contract is th
 description. These tests read the headers as text, so a field, a version or a template
 parameter changed on one side only fails here, on CPU, before any nvcc or GPU run.
 """
+import dataclasses
 import ast
 import re
 import subprocess
@@ -126,26 +127,31 @@ def test_table_row_named_unlike_its_fields_is_refused():
 
 
 def test_name_format():
-    v = Variant("fwd", "bf16", 128, False, False, False, 128, 176, 2, True, True, False)
+    v = Variant("fwd", "bf16", 128, False, False, False, False, 128, 176, 2, True, True, False)
     assert v.name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov0"
     assert contract.NAME_FORMAT == ("{direction}_{dtype}_d{head_dim}_{nocausal|causal}_"
-                                    "[local]_[softcap]_"
+                                    "[local]_[softcap]_[varlen]_"
                                     "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}")
-    assert v.key == ("fwd", "bf16", 128, False, False, False)
+    assert v.key == ("fwd", "bf16", 128, False, False, False, False)
     assert contract.key_str(v.key) == "(fwd, bf16, d128, nocausal)"
 
 
 def test_feature_flags_are_spelled_only_when_on():
-    """local and softcap appear in a name only when set, so names from before the two axes
+    """local, softcap and varlen appear in a name only when set, so names from before the two axes
     existed still parse to the same variant."""
-    v = Variant("bwd", "fp16", 64, False, True, True, 128, 128, 2, True, False, False)
+    v = Variant("bwd", "fp16", 64, False, True, True, False, 128, 128, 2, True, False, False)
     assert v.name == "bwd_fp16_d64_nocausal_local_softcap_m128n128_s2_ws1_pp0_ov0"
     assert parse_name(v.name) == v
-    only_cap = Variant("fwd", "bf16", 128, True, False, True, 128, 128, 2, True, True, True)
+    only_cap = Variant("fwd", "bf16", 128, True, False, True, False, 128, 128, 2, True, True, True)
     assert only_cap.name == "fwd_bf16_d128_causal_softcap_m128n128_s2_ws1_pp1_ov1"
     assert parse_name(only_cap.name) == only_cap
     assert contract.key_str(v.key) == "(bwd, fp16, d64, nocausal, local, softcap)"
-    assert contract.make_key("fwd", "bf16", 128, 1) == ("fwd", "bf16", 128, True, False, False)
+    assert contract.make_key("fwd", "bf16", 128, 1) == ("fwd", "bf16", 128, True, False, False,
+                                                         False)
+    packed = dataclasses.replace(only_cap, varlen=True)
+    assert packed.name == "fwd_bf16_d128_causal_softcap_varlen_m128n128_s2_ws1_pp1_ov1"
+    assert parse_name(packed.name) == packed
+    assert contract.key_str(packed.key) == "(fwd, bf16, d128, causal, softcap, varlen)"
     for bad in ("fwd_bf16_d128_causal_softcap_local_m128n128_s2_ws1_pp1_ov1",  # out of order
                 "fwd_bf16_d128_causal__m128n128_s2_ws1_pp1_ov1",                # empty part
                 "fwd_bf16_d128_causal_nolocal_m128n128_s2_ws1_pp1_ov1"):
@@ -188,9 +194,9 @@ def test_variant_info_row_follows_struct():
     assert row["launch_fwd"] == f"&fa3gen_launch_{fwd.name}" and row["launch_bwd"] == "nullptr"
     assert contract.variant_info_zero() == [
         "nullptr" if contract.is_pointer(t) else "0" for _, t in VARIANT_INFO]
-    assert (row["local"], row["softcap"]) == ("0", "0")
+    assert (row["local"], row["softcap"], row["varlen"]) == ("0", "0", "0")
     assert contract.template_args(fwd) == ["cutlass::half_t", "64", "192", "128", "3", "true",
-                                           "false", "false", "false", "false", "true"]
+                                           "false", "false", "false", "false", "false", "true"]
 
 
 # ------------------------------------------------------------------------------- layout

@@ -55,13 +55,18 @@ def test_package_installs_and_loads_its_library(built, capsys):
                    "import torch",
                    "q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)",
                    "try:\n    f.flash_attn_func(q, q, q)\nexcept f.Fa3genError as e:\n    print('error:', e)",
-                   "print(torch.ops.fa3gen_fake.fwd)")
+                   "print(torch.ops.fa3gen_fake.fwd)",
+                   "cu = torch.tensor([0, 8], dtype=torch.int32)",
+                   "try:\n    f.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8)\n"
+                   "except f.Fa3genError as e:\n    print('error:', e)",
+                   "print(torch.ops.fa3gen_fake.varlen_fwd)")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == str(built / "site" / "fa3gen_fake" / "lib" / "libfa3gen_fake.so")
     assert lines[1] == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
     assert lines[2] == "False"  # the packaged runtime never imports the tool
     assert lines[3].startswith("error:") and "CUDA" in lines[3]
+    assert lines[5].startswith("error:") and "CUDA" in lines[5]  # the varlen API is packaged too
 
 
 def test_two_packages_side_by_side(built):

@@ -581,18 +581,23 @@ static int launch_bwd(const fa3gen_bwd_params* p, void* stream) {
   return 0;
 }
 static const fa3gen_variant_info table[] = {
-  {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 0, 0, 128, 176, 2, 1, 1, 1,
-   1, launch, 0},
-  {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 0, 0, 128, 128, 2, 0, 0, 0,
-   0, launch, 0},
-  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 0, 0, 64, 128, 2, 1, 0, 0,
-   1, 0, launch_bwd},
-  {"fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 1, 128,
-   128, 2, 1, 1, 1, 1, launch, 0},
+  {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 176, 2, 1, 1,
+   1, 1, launch, 0},
+  {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 128, 2, 0, 0,
+   0, 0, launch, 0},
+  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 0, 0, 0, 64, 128, 2, 1, 0,
+   0, 1, 0, launch_bwd},
+  {"fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 1, 0,
+   128, 128, 2, 1, 1, 1, 1, launch, 0},
+  {"fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 1, 0, 0, 1,
+   128, 128, 2, 1, 1, 1, 1, launch, 0},
+  {"bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 1, 0, 0, 1,
+   64, 128, 2, 1, 0, 0, 1, 0, launch_bwd},
 };
+#define COUNT ((int32_t)(sizeof table / sizeof table[0]))
 int32_t fa3gen_abi_version(void) { return ABI; }
-int32_t fa3gen_num_variants(void) { return 4; }
-const fa3gen_variant_info* fa3gen_variant(int32_t i) { return (i >= 0 && i < 4) ? &table[i] : 0; }
+int32_t fa3gen_num_variants(void) { return COUNT; }
+const fa3gen_variant_info* fa3gen_variant(int32_t i) { return (i >= 0 && i < COUNT) ? &table[i] : 0; }
 const char* fa3gen_build_info(void) { return "{\"spec\": \"fake\", \"fingerprint\": \"x\"}"; }
 const char* fa3gen_last_error(void) { return err; }
 void fa3gen_set_error(const char* m) { strncpy(err, m, sizeof err - 1); }
@@ -622,7 +627,11 @@ def test_fake_library_table_and_launch(tmp_path):
     assert lib.spec_name == "fake" and lib.build_info["fingerprint"] == "x"
     assert lib.names("fwd") == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
                                 "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0",
-                                "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"]
+                                "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1",
+                                "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"]
+    assert lib.find("fwd", "bf16", 128, True, varlen=True) is lib.variants[4]
+    with pytest.raises(VariantNotBuiltError):  # no dense causal variant in the table
+        lib.find("fwd", "bf16", 128, True)
     feature = lib.variants[3]
     assert (feature.causal, feature.local, feature.softcap, feature.is_default) == (
         False, True, True, True)

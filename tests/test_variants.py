@@ -12,7 +12,7 @@ from generator.paths import SPECS_DIR
 from generator.spec import load_spec, parse_spec
 from generator.variants import CONSTRAINTS, check, enumerate_variants, resolve_dispatch
 
-BASE = Variant("fwd", "bf16", 128, False, False, False, 128, 128, 2, True, False, False)
+BASE = Variant("fwd", "bf16", 128, False, False, False, False, 128, 128, 2, True, False, False)
 
 # Every knob value is realized today; the knob_realized tests narrow the table to the state
 # before pingpong/overlap/non-ws landed, so the mechanism stays proven for future knobs.

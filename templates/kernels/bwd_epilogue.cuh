@@ -11,7 +11,8 @@ namespace fa3gen {
 // tid is the thread's index among the consumers.
 template <class Traits, class TAcc>
 __device__ __forceinline__ void store_bwd_tile(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem,
-                                               TileCoord const& tile, TAcc& tdKrdK, TAcc& tdVrdV, int tid) {
+                                               TileCoord const& tile, SeqSlice const& seq, TAcc& tdKrdK,
+                                               TAcc& tdVrdV, int tid) {
   using Element = typename Traits::Element;
   constexpr int kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmadKV mma_dkv;
@@ -19,9 +20,13 @@ __device__ __forceinline__ void store_bwd_tile(BwdParams<Traits> const& p, typen
   CUTLASS_PRAGMA_UNROLL
   for (int e = 0; e < size(tdKrdK); ++e) tdKrdK(e) *= p.softmax_scale;
   auto rows_of = [&](Element* base, int64_t batch_stride, int64_t row_stride, int64_t head_stride) {
-    return base + tile.batch * batch_stride + tile.head * head_stride + int64_t(tile.block) * kTileN * row_stride;
+    if constexpr (Traits::kVarlen) {  // the sequence's rows of the packed tensor
+      return base + tile.head * head_stride + (int64_t(seq.offset_k) + int64_t(tile.block) * kTileN) * row_stride;
+    } else {
+      return base + tile.batch * batch_stride + tile.head * head_stride + int64_t(tile.block) * kTileN * row_stride;
+    }
   };
-  const int row_end = p.seqlen_k - tile.block * kTileN;
+  const int row_end = (Traits::kVarlen ? seq.seqlen_k : p.seqlen_k) - tile.block * kTileN;
   if constexpr (Traits::kStagedEpilogue) {
     if (p.vector_stores) {
       // Staged row-major in the Q/dO/K/V buffers, which no GEMM reads any more, then written as

@@ -17,11 +17,19 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const TileScheduler<false> sched{p.schedule};
   TileCoord tile;  // key block, kv head, batch
-  sched.decode(sched.first(), tile);
-  const typename Traits::Mask mask{p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
-  const int m_blocks = p.seqlen_q_rounded / Traits::kTileM;
+  SeqSlice seq{};  // varlen: the tile's sequence
+  if constexpr (Traits::kVarlen) {
+    if (!VarlenTileScheduler{p.schedule, p.varlen.tiles}.decode(int(blockIdx.x), tile)) return;  // past the list
+    seq = seq_slice(p.varlen, tile.batch);
+  } else {
+    const TileScheduler<false> sched{p.schedule};
+    sched.decode(sched.first(), tile);
+  }
+  const typename Traits::Mask mask{Traits::kVarlen ? seq.seqlen_q : p.seqlen_q,
+                                   Traits::kVarlen ? seq.seqlen_k : p.seqlen_k, p.window_left, p.window_right};
+  const int m_blocks = Traits::kVarlen ? (seq.seqlen_q + Traits::kTileM - 1) / Traits::kTileM
+                                       : p.seqlen_q_rounded / Traits::kTileM;
   const int m_first = mask.first_query_block(tile.block);
   const int m_end = mask.query_block_end(tile.block, m_blocks);
   const bool has_work = m_first < m_end;  // some query block sees the key block
@@ -33,8 +41,8 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   if (warp_idx < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     // Writer first: values it needs are then not live across the TMA loop (24 registers).
-    if (warp_idx == 1 && has_work) mainloop.write_dq(tile, m_first, m_end, m_blocks, mask);
-    else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, m_first, m_end);
+    if (warp_idx == 1 && has_work) mainloop.write_dq(tile, seq, m_first, m_end, m_blocks, mask);
+    else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, seq, m_first, m_end);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -47,7 +55,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   clear(tdVrdV);
   clear(tdKrdK);
   if (has_work) mainloop.mma(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
-  store_bwd_tile(p, smem, tile, tdKrdK, tdVrdV, tid);
+  store_bwd_tile(p, smem, tile, seq, tdKrdK, tdVrdV, tid);
 }
 
 }  // namespace fa3gen

@@ -43,10 +43,18 @@ struct BwdMainloop {
 
   // ---------------- producer: the loader thread ----------------
   // Query blocks [m_first, m_end) of each query head of the kv head.
-  __device__ __forceinline__ void produce(TileCoord const& tile, int m_first, int m_end) {
+  // TMA partitions of row tiles of Q, dO, K or V (tma_pipeline.cuh).
+  template <class Tma, class TileShape, class Coord, class SmemLayout>
+  __device__ __forceinline__ auto row_tiles(Tma const& tma, int seqlen, int total, int offset, int heads, int head,
+                                            int b, TileShape tile, Coord coord, Element* s, SmemLayout layout) const {
+    return fa3gen::row_tiles<Traits::kVarlen, kHeadDim>(tma, seqlen, p.batch, total, offset, heads, head, b, tile,
+                                                        coord, s, layout);
+  }
+
+  __device__ __forceinline__ void produce(TileCoord const& tile, SeqSlice const& seq, int m_first, int m_end) {
     const int b = tile.batch;
     auto load_kv = [&](auto const& tma, Element* smem_ptr) {
-      auto [tg, ts] = tma_tiles(tma, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), tile.head, b,
+      auto [tg, ts] = row_tiles(tma, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, tile.head, b,
                                 Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(tile.block, _0{}), smem_ptr,
                                 typename Traits::SmemLayoutK{});
       copy(tma.with(smem.barrier_kv, 0), tg, ts);
@@ -56,7 +64,7 @@ struct BwdMainloop {
     load_kv(p.tma_v, smem.v.data());
 
     auto load_rows = [&](auto const& tma, Element* smem_ptr, int head, int m_block, PipelineState const& st) {
-      auto [tg, ts] = tma_tiles(tma, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), head, b,
+      auto [tg, ts] = row_tiles(tma, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, head, b,
                                 Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem_ptr,
                                 typename Traits::SmemLayoutQ{});
       copy(tma.with(*pipe.producer_get_barrier(st), 0), tg(_, m_block), ts(_, st.index()));
@@ -64,7 +72,8 @@ struct BwdMainloop {
     PipelineState st = cutlass::make_producer_start_state<typename Traits::Pipeline>();
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       const int head = tile.head * p.heads_per_kv + hq;
-      const int64_t stats_row0 = (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
+      const int64_t stats_row0 = Traits::kVarlen ? q_tile_base(p, b, head, seq) * kTileM
+                                                 : (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
       for (int m_block = m_first; m_block < m_end; ++m_block) {
         pipe.producer_acquire(st);
         load_rows(p.tma_q, smem.q.data(), head, m_block, st);
@@ -81,13 +90,16 @@ struct BwdMainloop {
 
   // ---------------- producer: the dQ writer warp ----------------
   // Query blocks [m_first, m_end) of the m_blocks of each query head of the kv head.
-  __device__ __forceinline__ void write_dq(TileCoord const& tile, int m_first, int m_end, int m_blocks,
-                                           typename Traits::Mask const& mask) {
+  __device__ __forceinline__ void write_dq(TileCoord const& tile, SeqSlice const& seq, int m_first, int m_end,
+                                           int m_blocks, typename Traits::Mask const& mask) {
     constexpr int kTileElems = kTileM * kHeadDim;
     const bool leader = threadIdx.x % 32 == 0;
-    int64_t dq_tile = dq_tile_index(tile.batch, tile.head * p.heads_per_kv, p.heads_q, m_blocks, m_first);
-    // to the next head's m_first: m_first without a window (m_end == m_blocks)
-    const int head_step = Traits::kLocal ? m_blocks - (m_end - m_first) : m_first;
+    const int head0 = tile.head * p.heads_per_kv;
+    int64_t dq_tile = Traits::kVarlen ? q_tile_base(p, tile.batch, head0, seq) + m_first
+                                      : dq_tile_index(tile.batch, head0, p.heads_q, m_blocks, m_first);
+    // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
+    const int head_stride = Traits::kVarlen ? p.q_tiles_padded : m_blocks;
+    const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);

@@ -22,15 +22,17 @@
 #include "smem_atoms.cuh"
 #include "softmax.cuh"  // LogitSoftcap
 #include "tile_scheduler.cuh"
+#include "varlen.cuh"
 
 namespace fa3gen {
 
-template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap>
+template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
+          bool Varlen>
 struct BwdTraits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "bf16/fp16 only");
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
-  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap;
+  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
   // One consumer warpgroup per 64 keys, plus the producer warpgroup (TMA loads).
@@ -160,6 +162,20 @@ struct BwdParams {
   bool deterministic;
   bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue
   TileSchedule schedule;  // one CTA per (key block, kv head, batch)
+  VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
+  int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
 };
+
+// First query tile of (batch b, query head) in the stats (times TileM: the row) and in
+// dq_accum: dense (batch, heads_q, m_blocks); varlen (heads_q, q_tiles_padded) with sequence b
+// from tile (offset_q + b * TileM) / TileM (fa3gen_abi.h), so sequences never share a tile.
+template <class Traits>
+__device__ __forceinline__ int64_t q_tile_base(BwdParams<Traits> const& p, int b, int head, SeqSlice const& seq) {
+  if constexpr (Traits::kVarlen) {
+    return int64_t(head) * p.q_tiles_padded + (seq.offset_q + int64_t(b) * Traits::kTileM) / Traits::kTileM;
+  } else {
+    return (int64_t(b) * p.heads_q + head) * (p.seqlen_q_rounded / Traits::kTileM);
+  }
+}
 
 }  // namespace fa3gen

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 4
+#define FA3GEN_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,7 +32,24 @@ typedef struct fa3gen_fwd_params {
   float softcap;      // softcap variants: scores become softcap * tanh(scores / softcap), > 0
   int32_t num_sms;    // multiprocessors of the launch device (persistent scheduling)
   int32_t grid_mode;  // FA3GEN_GRID_*: how many CTAs the forward launches
+  // Varlen variants: sequences packed along the rows of (total, heads, head_dim) tensors
+  // (batch strides unused), batch = number of sequences, seqlen_q / seqlen_k = the longest
+  // ones (max_seqlen). Sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) (batch + 1 int32
+  // on the device, nondecreasing, last <= total). LSE is (heads_q, total_q). tile_list: int32
+  // workspace of 2 * FA3GEN_VARLEN_TILES(total_q, batch, seqlen_q, tile_m) * heads_q entries,
+  // uninitialised. Other variants ignore all five.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int32_t* tile_list;
+  int32_t total_q, total_k;
 } fa3gen_fwd_params;
+
+// Tiles of `tile` rows over sequences of `total` rows in all, the longest max_seqlen (a bound).
+#define FA3GEN_VARLEN_TILES(total, batch, max_seqlen, tile)                                   \
+  (((int64_t)(total) + (int64_t)(batch) * ((tile) - 1)) / (tile) <                             \
+           (int64_t)(batch) * (((int64_t)(max_seqlen) + (tile) - 1) / (tile))                   \
+       ? ((int64_t)(total) + (int64_t)(batch) * ((tile) - 1)) / (tile)                          \
+       : (int64_t)(batch) * (((int64_t)(max_seqlen) + (tile) - 1) / (tile)))
 
 // Forward grid: AUTO is persistent (one CTA per SM, walking several tiles; causal tiles in
 // long/short pairs) except for causal attention over more than 8192 keys, where one CTA per
@@ -78,6 +95,15 @@ typedef struct fa3gen_bwd_params {
   int32_t window_left, window_right;  // as in fa3gen_fwd_params
   float softcap;
   int32_t deterministic;  // 1: dq is bitwise reproducible (ordered accumulation, slower)
+  // Varlen variants, as in fa3gen_fwd_params, with padded workspace: the rows of sequence b
+  // start at the multiple of tile_m floor((cu_seqlens_q[b] + b * tile_m) / tile_m) * tile_m
+  // of the (heads_q, rows) stats and dq_accum, rows = (total_q + batch * tile_m) rounded up
+  // to tile_m (that replaces batch * seqlen_q_rounded above). tile_list: 2 *
+  // FA3GEN_VARLEN_TILES(total_k, batch, seqlen_k, tile_n) * heads_kv int32.
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int32_t* tile_list;
+  int32_t total_q, total_k;
 } fa3gen_bwd_params;
 
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
@@ -92,6 +118,7 @@ typedef struct fa3gen_variant_info {
   int32_t causal;
   int32_t local;          // sliding window (window_left/right of the params)
   int32_t softcap;        // logit softcapping (softcap of the params)
+  int32_t varlen;         // packed variable-length sequences (cu_seqlens of the params)
   int32_t tile_m, tile_n, stages;
   int32_t warp_specialized, pingpong, intra_wg_overlap;
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)

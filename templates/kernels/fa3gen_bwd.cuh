@@ -8,9 +8,10 @@
 
 namespace fa3gen {
 
-template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap>
+template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
+          bool Varlen>
 int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
-  using Traits = BwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap>;
+  using Traits = BwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen>;
   using E = Element;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
@@ -25,10 +26,22 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
     fa3gen_set_error("backward grid: heads_q and batch must be at most 65535");
     return 1;
   }
-  if (int64_t(a.batch) * a.heads_q * seqlen_q_rounded > INT32_MAX / 32) {
+  // Varlen: the workspace's padded rows per head (fa3gen_abi.h), and the packed tensors are one
+  // batch of total rows.
+  const int64_t q_tiles_padded = (int64_t(a.total_q) + int64_t(a.batch) * TileM + TileM - 1) / TileM;
+  const int64_t workspace_rows = Varlen ? q_tiles_padded * TileM * a.heads_q : int64_t(a.batch) * a.heads_q * seqlen_q_rounded;
+  if (workspace_rows > INT32_MAX / 32) {
     fa3gen_set_error("backward: batch * heads_q * seqlen_q too large for one launch");
     return 1;
   }
+  if constexpr (Varlen) {
+    if (check_varlen(a.batch, a.heads_kv, n_blocks, a.total_q, a.total_k, a.cu_seqlens_q, a.cu_seqlens_k,
+                     a.tile_list)) {
+      return 1;
+    }
+  }
+  const int rows_q = Varlen ? a.total_q : a.seqlen_q, rows_k = Varlen ? a.total_k : a.seqlen_k;
+  const int batches = Varlen ? 1 : a.batch;
   cudaError_t err;
 
   // 1. D = rowsum(dO * O), LSE * log2(e) (padded to whole query blocks); zeroes dq_accum
@@ -40,10 +53,11 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
                     a.do_batch_stride, a.do_row_stride, a.do_head_stride,
                     a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, TileM,
                     vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, kVec) &&
-                        vec_aligned<E>(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec)};
-  const int64_t row_count = int64_t(a.batch) * a.heads_q * seqlen_q_rounded;
+                        vec_aligned<E>(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec),
+                    a.cu_seqlens_q, a.total_q, int(q_tiles_padded)};
+  const int64_t row_count = workspace_rows;
   constexpr int kRowsPerCta = kRowThreads / kRowLanes;
-  bwd_preprocess_kernel<E, HeadDim><<<unsigned((row_count + kRowsPerCta - 1) / kRowsPerCta), kRowThreads, 0, stream>>>(rows);
+  bwd_preprocess_kernel<E, HeadDim, Varlen><<<unsigned((row_count + kRowsPerCta - 1) / kRowsPerCta), kRowThreads, 0, stream>>>(rows);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward preprocess launch", err);
 
@@ -52,10 +66,20 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
                        make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
   };
-  auto q = tensor(a.q, a.seqlen_q, a.heads_q, a.batch, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
-  auto dout = tensor(a.dout, a.seqlen_q, a.heads_q, a.batch, a.do_row_stride, a.do_head_stride, a.do_batch_stride);
-  auto k = tensor(a.k, a.seqlen_k, a.heads_kv, a.batch, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
-  auto v = tensor(a.v, a.seqlen_k, a.heads_kv, a.batch, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+  auto q = tensor(a.q, rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
+  auto dout = tensor(a.dout, rows_q, a.heads_q, batches, a.do_row_stride, a.do_head_stride, a.do_batch_stride);
+  auto k = tensor(a.k, rows_k, a.heads_kv, batches, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  auto v = tensor(a.v, rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+  TileSchedule schedule = one_cta_per_tile(n_blocks, a.heads_kv, a.batch);
+  if constexpr (Varlen) {
+    // One CTA per listed key tile (varlen.cuh), the sequences with the most queries first; a
+    // sequence's key blocks in order (deterministic mode waits on lower ones).
+    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_k, a.batch, a.seqlen_k, TileN) * a.heads_kv;
+    schedule = one_cta_per_tile(int(entries), 1, 1);
+    err = launch_varlen_tiles<TileN, false>(a.cu_seqlens_k, a.total_k, a.cu_seqlens_q, a.total_q, a.batch, a.heads_kv,
+                                            reinterpret_cast<int2*>(a.tile_list), int(entries), stream);
+    if (err != cudaSuccess) return report("varlen tile list launch", err);
+  }
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
   BwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, smem_q),
@@ -71,7 +95,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.softmax_scale, masking.scale_log2, a.deterministic != 0,
       vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
           vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8),
-      one_cta_per_tile(n_blocks, a.heads_kv, a.batch)};
+      schedule,
+      VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list)},
+      int(q_tiles_padded)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -85,8 +111,10 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
   BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
                  a.heads_q, a.seqlen_q, m_blocks, a.softmax_scale,
-                 vec_aligned<E>(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8)};
-  bwd_convert_dq_kernel<Traits><<<dim3(m_blocks, a.heads_q, a.batch), Traits::kConsumerThreads, 0, stream>>>(dq);
+                 vec_aligned<E>(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8),
+                 a.cu_seqlens_q, a.batch, a.total_q, int(q_tiles_padded)};
+  const dim3 dq_grid = Varlen ? dim3(unsigned(q_tiles_padded), a.heads_q, 1) : dim3(m_blocks, a.heads_q, a.batch);
+  bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kConsumerThreads, 0, stream>>>(dq);
   err = cudaGetLastError();
   if (err != cudaSuccess) return report("backward dQ conversion launch", err);
   return 0;

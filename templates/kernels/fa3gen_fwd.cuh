@@ -8,10 +8,10 @@
 namespace fa3gen {
 
 template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
-          bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
+          bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, WarpSpecialized, Pingpong,
-                           IntraWgOverlap>;
+  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen, WarpSpecialized,
+                           Pingpong, IntraWgOverlap>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
   if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,
@@ -23,10 +23,13 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
                        make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
   };
-  auto q = rows(a.q, a.seqlen_q, a.heads_q, a.batch, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
-  auto k = rows(a.k, a.seqlen_k, a.heads_kv, a.batch, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  // Varlen: the packed tensors are one batch of total rows; seqlen_q/k are the longest sequences.
+  const int rows_q = Varlen ? a.total_q : a.seqlen_q, rows_k = Varlen ? a.total_k : a.seqlen_k;
+  const int batches = Varlen ? 1 : a.batch;
+  auto q = rows(a.q, rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
+  auto k = rows(a.k, rows_k, a.heads_kv, batches, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
   auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
-                        make_layout(make_shape(Int<HeadDim>{}, a.seqlen_k, a.heads_kv, a.batch),
+                        make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches),
                                     make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
@@ -34,12 +37,26 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
     return 1;
   }
-  // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
-  // or a window that shows a query at least 2048 keys.
-  const int64_t window_keys = std::min<int64_t>(a.seqlen_k, int64_t(masking.window_left) + masking.window_right + 1);
-  const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? window_keys >= 2048 : false;
-  const TileSchedule schedule =
-      fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
+  TileSchedule schedule;
+  VarlenArgs varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list)};
+  if constexpr (Varlen) {
+    if (check_varlen(a.batch, a.heads_q, m_blocks, a.total_q, a.total_k, a.cu_seqlens_q, a.cu_seqlens_k, a.tile_list)) {
+      return 1;
+    }
+    // One CTA per listed tile (varlen.cuh), the longest sequences' first.
+    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, a.seqlen_q, TileM) * a.heads_q;
+    schedule = one_cta_per_tile(int(entries), 1, 1);
+    cudaError_t err = launch_varlen_tiles<TileM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
+                                                         a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
+                                                         int(entries), stream);
+    if (err != cudaSuccess) return report("varlen tile list launch", err);
+  } else {
+    // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
+    // or a window that shows a query at least 2048 keys.
+    const int64_t window_keys = std::min<int64_t>(a.seqlen_k, int64_t(masking.window_left) + masking.window_right + 1);
+    const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? window_keys >= 2048 : false;
+    schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
+  }
 
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
@@ -50,7 +67,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
       masking.lse_scale, masking.scale_log2,
-      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule};
+      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule, varlen};
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

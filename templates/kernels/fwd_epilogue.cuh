@@ -58,7 +58,7 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
 // O = O / rowsum in the input dtype and LSE (natural log, fp32) for the rows of the tile that
 // exist; tid is the thread's index among the consumers.
 template <class Traits, int Rows, class TO>
-__device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile,
+__device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile, SeqSlice const& seq,
                                                OnlineSoftmax<Rows>& softmax, TO& tOrO, int tid) {
   using Element = typename Traits::Element;
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
@@ -68,14 +68,19 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
   softmax.finalize(p.lse_scale, inv_sum, lse);
   Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
   scale_rows(O, inv_sum);
-  const int row_end = p.seqlen_q - tile.block * kTileM;
+  // Varlen: O and LSE rows of the sequence in the packed tensors (LSE is (heads_q, total_q)).
+  const int seqlen_q = Traits::kVarlen ? seq.seqlen_q : p.seqlen_q;
+  const int64_t first_row = int64_t(Traits::kVarlen ? seq.offset_q : 0) + int64_t(tile.block) * kTileM;
+  const int row_end = seqlen_q - tile.block * kTileM;
   // LSE before O: lse[] and inv_sum[] are then dead while O is converted and stored (the other
   // order spilled 16 bytes on d256 128x80, where O alone is 128 registers per thread).
   if (tid % 4 == 0) {  // the quad's first thread holds the row's statistics
     typename Traits::TiledMmaQK mma_qk;
     Tensor c = mma_qk.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<Traits::kTileN>>{}));
     Tensor rows = make_tensor(c.data(), acc_as_rowcol(c.layout()));
-    float* lse_row = p.lse + (int64_t(tile.batch) * p.heads_q + tile.head) * p.seqlen_q + tile.block * kTileM;
+    float* lse_row = Traits::kVarlen
+                         ? p.lse + int64_t(tile.head) * p.varlen.total_q + first_row
+                         : p.lse + (int64_t(tile.batch) * p.heads_q + tile.head) * p.seqlen_q + tile.block * kTileM;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
       int row = get<0>(rows(r, 0));
@@ -83,8 +88,10 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
     }
   }
   Tensor rO = convert_fragment<Element>(tOrO);
-  Element* o_tile = p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +
-                    int64_t(tile.block) * kTileM * p.o_row_stride;
+  Element* o_tile = Traits::kVarlen
+                       ? p.o + first_row * p.o_row_stride + tile.head * p.o_head_stride
+                       : p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +
+                             int64_t(tile.block) * kTileM * p.o_row_stride;
   if (p.o_vector_stores) store_tile_rows_16b<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
   else store_tile_rows<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
 }

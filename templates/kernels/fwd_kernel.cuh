@@ -9,6 +9,12 @@
 
 namespace fa3gen {
 
+template <class Scheduler, class Params>
+__device__ __forceinline__ Scheduler make_scheduler(Params const& p) {
+  if constexpr (std::is_same_v<Scheduler, VarlenTileScheduler>) return {p.schedule, p.varlen.tiles};
+  else return {p.schedule};
+}
+
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
 fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
@@ -16,7 +22,8 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  const TileScheduler<Traits::kCausal> sched{p.schedule};
+  using Scheduler = cute::conditional_t<Traits::kVarlen, VarlenTileScheduler, TileScheduler<Traits::kCausal>>;
+  const Scheduler sched = make_scheduler<Scheduler>(p);
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
@@ -40,10 +47,11 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
     TileCoord tile;
     if (!sched.decode(t, tile)) continue;
-    const KeyBlocks blocks = mainloop.mask().key_blocks(tile.block);
+    const SeqSlice seq = mainloop.seq_of(tile);
+    const KeyBlocks blocks = mainloop.mask(seq).key_blocks(tile.block);
     OnlineSoftmax<Mainloop::kRows> softmax(p.scale_log2);
-    mainloop.mma(tile, blocks, turns, softmax, tOrO, tid);
-    store_fwd_tile(p, tile, softmax, tOrO, tid);
+    mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
+    store_fwd_tile(p, tile, seq, softmax, tOrO, tid);
   }
   turns.drain();
 }

@@ -75,10 +75,25 @@ struct FwdMainloop {
   PipelineState st_load_k = cutlass::make_producer_start_state<Pipeline>(), st_load_v = st_load_k;
   int q_iter = 0;
 
-  // The mask of this launch. Built where it is used: its bounds then stay in the kernel's
-  // parameter space instead of occupying registers across the loop.
-  __device__ __forceinline__ typename Traits::Mask mask() const {
-    return {p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  // The mask of a tile's sequence. Built where it is used: dense bounds then stay in the
+  // kernel's parameter space instead of occupying registers across the loop (and `seq`, which
+  // only varlen reads, compiles away).
+  __device__ __forceinline__ typename Traits::Mask mask(SeqSlice const& seq) const {
+    if constexpr (Traits::kVarlen) return {seq.seqlen_q, seq.seqlen_k, p.window_left, p.window_right};
+    else return {p.seqlen_q, p.seqlen_k, p.window_left, p.window_right};
+  }
+  // The sequence of a tile (varlen); dense kernels never read it.
+  __device__ __forceinline__ SeqSlice seq_of(TileCoord const& tile) const {
+    if constexpr (Traits::kVarlen) return seq_slice(p.varlen, tile.batch);
+    else return SeqSlice{};
+  }
+
+  // TMA partitions of row tiles of Q or K (tma_pipeline.cuh).
+  template <class Tma, class TileShape, class Coord, class SmemLayout>
+  __device__ __forceinline__ auto row_tiles(Tma const& tma, int seqlen, int total, int offset, int heads, int head,
+                                            int b, TileShape tile, Coord coord, Element* s, SmemLayout layout) const {
+    return fa3gen::row_tiles<Traits::kVarlen, kHeadDim>(tma, seqlen, p.batch, total, offset, heads, head, b, tile,
+                                                        coord, s, layout);
   }
 
   // Once, by one thread of warp 0, before the pipelines are built.
@@ -101,27 +116,36 @@ struct FwdMainloop {
   }
 
   // ---------------- TMA loads (issued by one thread) ----------------
-  __device__ __forceinline__ void load_q(TileCoord const& tile, int part) {
+  __device__ __forceinline__ void load_q(TileCoord const& tile, SeqSlice const& seq, int part) {
     constexpr int kRowsPerPart = kTileM / Traits::kQParts;
-    auto [tg, ts] = tma_tiles(p.tma_q, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), tile.head,
-                              tile.batch, Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
+    auto [tg, ts] = row_tiles(p.tma_q, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, tile.head, tile.batch,
+                              Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
                               make_coord(tile.block * Traits::kQParts + part, _0{}),
                               smem.q.data() + part * Traits::kQPartOffset, typename Traits::SmemLayoutQPart{});
     TmaBarrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
     copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
   }
-  __device__ __forceinline__ void load_k(int n_block, int head_kv, int b, PipelineState& s) {
-    auto [tg, ts] = tma_tiles(p.tma_k, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), head_kv, b,
+  __device__ __forceinline__ void load_k(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
+    auto [tg, ts] = row_tiles(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
                               Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
                               typename Traits::SmemLayoutK{});
     pipe_k.producer_acquire(s);
     copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
     ++s;
   }
-  __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, PipelineState& s) {
-    auto [tg, ts] = tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b,
-                              Shape<Int<kHeadDim>, Int<kTileN>>{}, make_coord(_0{}, _), smem.v.data(),
-                              typename Traits::SmemLayoutVt{});
+  __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
+    auto tiles = [&]() {
+      constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
+      if constexpr (Traits::kVarlen) {
+        return tma_tiles_at(p.tma_v, make_shape(Int<kHeadDim>{}, p.varlen.total_k, p.heads_kv, 1), head_kv,
+                            make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _), smem.v.data(),
+                            typename Traits::SmemLayoutVt{});
+      } else {
+        return tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b, kTile,
+                         make_coord(_0{}, _), smem.v.data(), typename Traits::SmemLayoutVt{});
+      }
+    };
+    auto [tg, ts] = tiles();
     pipe_v.producer_acquire(s);
     copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
     ++s;
@@ -138,18 +162,19 @@ struct FwdMainloop {
     for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
-      const KeyBlocks blocks = mask().key_blocks(tile.block);
+      const SeqSlice seq = seq_of(tile);
+      const KeyBlocks blocks = mask(seq).key_blocks(tile.block);
       const int n_blocks = blocks.count;
       if (n_blocks == 0) continue;
       const int head_kv = tile.head / p.heads_per_kv;
-      load_k(blocks.at(0), head_kv, tile.batch, st_k);
+      load_k(blocks.at(0), head_kv, tile.batch, seq, st_k);
       for (int part = 0; part < Traits::kQParts; ++part) {
         if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
-        load_q(tile, part);
+        load_q(tile, seq, part);
       }
       for (int i = 0; i < n_blocks; ++i) {
-        if (i + 1 < n_blocks) load_k(blocks.at(i + 1), head_kv, tile.batch, st_k);
-        load_v(blocks.at(i), head_kv, tile.batch, st_v);
+        if (i + 1 < n_blocks) load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
+        load_v(blocks.at(i), head_kv, tile.batch, seq, st_v);
       }
       ++tiles_loaded;
     }
@@ -159,7 +184,8 @@ struct FwdMainloop {
   // Leaves O (unnormalized) in tOrO and the row statistics in softmax; tid is the thread's
   // index among the consumers.
   template <class TO>
-  __device__ __forceinline__ void mma(TileCoord const& tile, KeyBlocks const& blocks, GemmTurns<Traits> const& turns,
+  __device__ __forceinline__ void mma(TileCoord const& tile, SeqSlice const& seq, KeyBlocks const& blocks,
+                                      GemmTurns<Traits> const& turns,
                       OnlineSoftmax<kRows>& softmax, TO& tOrO, int tid) {
     const int n_blocks = blocks.count;
     const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
@@ -189,20 +215,20 @@ struct FwdMainloop {
       // previous tile's Q, then fills the ring; later it refills a slot as soon as it is free.
       if (q_iter > 0) barrier_sync<BarrierId::kFwdQFree>(Traits::kConsumerThreads);
       if (inline_loader) {
-        for (int part = 0; part < Traits::kQParts; ++part) load_q(tile, part);
+        for (int part = 0; part < Traits::kQParts; ++part) load_q(tile, seq, part);
         for (int i = 0; i < min(kStages, n_blocks); ++i) {
-          load_k(blocks.at(i), head_kv, tile.batch, st_load_k);
-          load_v(blocks.at(i), head_kv, tile.batch, st_load_v);
+          load_k(blocks.at(i), head_kv, tile.batch, seq, st_load_k);
+          load_v(blocks.at(i), head_kv, tile.batch, seq, st_load_v);
         }
       }
       __syncwarp();
     }
     auto refill_k = [&](int i) {
-      if (inline_loader && i + kStages < n_blocks) load_k(blocks.at(i + kStages), head_kv, tile.batch, st_load_k);
+      if (inline_loader && i + kStages < n_blocks) load_k(blocks.at(i + kStages), head_kv, tile.batch, seq, st_load_k);
       __syncwarp();
     };
     auto refill_v = [&](int i) {
-      if (inline_loader && i + kStages < n_blocks) load_v(blocks.at(i + kStages), head_kv, tile.batch, st_load_v);
+      if (inline_loader && i + kStages < n_blocks) load_v(blocks.at(i + kStages), head_kv, tile.batch, seq, st_load_v);
       __syncwarp();
     };
     // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
@@ -225,7 +251,7 @@ struct FwdMainloop {
     auto softmax_block = [&](int i) {
       const int n_block = blocks.at(i);
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
-      if (mask().needs_mask(tile.block, n_block)) mask().apply(S, coordS, tile.block * kTileM, n_block * kTileN);
+      if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       softmax.step(S, rescale);
     };
     auto to_p = [&]() {

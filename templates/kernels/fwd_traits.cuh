@@ -12,17 +12,18 @@
 #include "smem_atoms.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
+#include "varlen.cuh"
 
 namespace fa3gen {
 using namespace cute;
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
-          bool Softcap, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
+          bool Softcap, bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 struct FwdTraits {
   using Element = Element_;
   static_assert(sizeof(Element) == 2, "bf16/fp16 only");
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
-  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap;
+  static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   static constexpr bool kWarpSpecialized = WarpSpecialized, kPingpong = Pingpong, kOverlap = IntraWgOverlap;
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
@@ -126,6 +127,7 @@ struct FwdParams {
   float lse_scale, scale_log2;
   bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
   TileSchedule schedule;  // the grid policy the host chose (tile_scheduler.cuh)
+  VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors
 };
 
 }  // namespace fa3gen

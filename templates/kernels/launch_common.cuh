@@ -39,6 +39,26 @@ inline int check_sizes(int built_head_dim, int head_dim, int batch, int seqlen_q
   return 0;
 }
 
+// Returns nonzero (with a message) unless the varlen arguments fit the kernels: the tile
+// list packs a head and a block in one int (varlen.cuh), its kernel holds the batch in
+// shared memory.
+inline int check_varlen(int batch, int heads, int blocks_per_seq, int total_q, int total_k, const void* cu_q,
+                        const void* cu_k, const void* tile_list) {
+  if (cu_q == nullptr || cu_k == nullptr || tile_list == nullptr) {
+    fa3gen_set_error("varlen: cu_seqlens_q, cu_seqlens_k and tile_list must be set");
+    return 1;
+  }
+  if (total_q < 0 || total_k < 0) {
+    fa3gen_set_error("varlen: total_q and total_k must be >= 0");
+    return 1;
+  }
+  if (batch > 16384 || heads > 32767 || blocks_per_seq > 65535) {
+    fa3gen_set_error("varlen: at most 16384 sequences, 32767 heads and 65535 tiles per sequence");
+    return 1;
+  }
+  return 0;
+}
+
 // The runtime arguments of the local and softcap axes as the kernels take them: window bounds
 // with -1 (unbounded) replaced by seqlen_q + seqlen_k, which no row reaches (AttentionMask),
 // and the scales of the softmax (softcapping folds softmax_scale into the scores).

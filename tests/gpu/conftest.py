@@ -29,17 +29,31 @@ def _library():
 
 def pytest_generate_tests(metafunc):
     for direction in ("fwd", "bwd"):
-        if f"{direction}_variant" in metafunc.fixturenames:
+        # Variants of padded batches (the dense C ABI); tests/gpu/test_varlen.py has the others.
+        for fixture, varlen in ((f"{direction}_variant", False),
+                                (f"{direction}_varlen_variant", True)):
+            if fixture in metafunc.fixturenames:
+                lib, why = _library()
+                names = [v.name for v in lib.variants
+                         if v.direction == direction and v.varlen == varlen] if lib else []
+                params = names or [pytest.param(None, marks=pytest.mark.skip(
+                    reason=why or f"the library has no such {direction} variants"))]
+                metafunc.parametrize(fixture, params)
+        if f"{direction}_varlen_key" in metafunc.fixturenames:
+            # (dtype, head_dim, causal) of each default varlen variant
             lib, why = _library()
-            names = lib.names(direction) if lib else []
-            params = names or [pytest.param(None, marks=pytest.mark.skip(
-                reason=why or f"the library has no {direction} variants"))]
-            metafunc.parametrize(f"{direction}_variant", params)
+            keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)
+                    if v.varlen] if lib else []
+            params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
+                      for k in keys]
+            params = params or [pytest.param(None, marks=pytest.mark.skip(
+                reason=why or f"the library has no default varlen {direction} variants"))]
+            metafunc.parametrize(f"{direction}_varlen_key", params)
         if f"{direction}_default_key" in metafunc.fixturenames:
             lib, why = _library()
-            # Keys without the local/softcap features (tests/gpu/test_features.py has those).
+            # Keys without the local/softcap/varlen features (test_features.py, test_varlen.py).
             keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)
-                    if not (v.local or v.softcap)] if lib else []
+                    if not (v.local or v.softcap or v.varlen)] if lib else []
             params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
                       for k in keys]
             params = params or [pytest.param(None, marks=pytest.mark.skip(
@@ -48,8 +62,9 @@ def pytest_generate_tests(metafunc):
         if f"{direction}_feature_key" in metafunc.fixturenames:
             # (dtype, head_dim, causal, local, softcap) of each default with local or softcap
             lib, why = _library()
-            keys = [v.key for v in lib.defaults(direction) if v.local or v.softcap] if lib else []
-            params = [pytest.param(k[1:], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
+            keys = [v.key for v in lib.defaults(direction)
+                    if (v.local or v.softcap) and not v.varlen] if lib else []
+            params = [pytest.param(k[1:6], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
             params = params or [pytest.param(None, marks=pytest.mark.skip(
                 reason=why or f"the library has no local/softcap {direction} variants"))]
             metafunc.parametrize(f"{direction}_feature_key", params)

@@ -9,7 +9,8 @@ multiples, with GQA, so masked tails and partial tiles are exercised. Arguments:
 keep, `--batch B` (default 1) for the forward: B = 40 gives more query tiles than SMs, so
 persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
 `--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
-and cap, as every variant is).
+and cap, as every variant is); `--varlen`: only the varlen variants, on fa3gen.checks'
+packed problem (unequal lengths, empty sequences), forward and backward.
 """
 
 import argparse
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from fa3gen import runtime
+from fa3gen import checks, runtime
 from fa3gen.checks import probe_masking
 from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 
@@ -27,13 +28,23 @@ def main() -> int:
     parser.add_argument("head_dims", nargs="*", help="keep only these head dims")
     parser.add_argument("--batch", type=int, default=1, help="forward batch size")
     parser.add_argument("--features", action="store_true", help="only local/softcap variants")
+    parser.add_argument("--varlen", action="store_true", help="only varlen variants")
     args = parser.parse_args()
     lib = runtime.get_library()
     batch, only = args.batch, args.head_dims
 
     def skip(info):
         return (only and str(info.head_dim) not in only) or (
-            args.features and not (info.local or info.softcap))
+            args.features and not (info.local or info.softcap)) or info.varlen != args.varlen
+
+    if args.varlen:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
+            for info in lib.defaults(direction):
+                if not skip(info):
+                    res = check(lib, info, checks.QUICK_PROBLEM, gen)
+                    print(f"{info.name}: {'ok' if res['ok'] else 'FAIL ' + res['why']}", flush=True)
+        return 0
 
     for info in lib.defaults("fwd"):
         if skip(info):

@@ -47,7 +47,7 @@ def test_forward_windows(lib, fwd_feature_key, shape, window):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, DTYPES[dtype], seed=21)
     mask = ops.masking(kw["causal"], kw["window_size"], kw["softcap"])
     name = ops.resolve_variant(ops.check_inputs(q, k, v), mask)
-    assert lib.get(name).key[1:] == fwd_feature_key, "served by a variant of another key"
+    assert lib.get(name).key[1:6] == fwd_feature_key, "served by a variant of another key"
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     torch.cuda.synchronize()
     res = compare_to_reference(out, lse, q, k, v, kw["causal"], None,

@@ -1,0 +1,450 @@
+"""flash_attn_varlen_func: attention over variable-length sequences packed along the rows.
+
+q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim); sequence b is rows
+[cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k/v.
+Served by the spec's varlen variants (the `varlen` key axis); the same layers as fa3gen.ops:
+checks once per call signature (_Plan), an eager autograd.Function, and the custom ops
+fa3gen::varlen_fwd / fa3gen::varlen_bwd for graph capture.
+
+Checks that need the data of cu_seqlens on the host (a device sync) run only under
+FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at the total rows;
+max_seqlen is at least the longest sequence.
+"""
+
+import os
+
+import torch
+
+from fa3gen import ops, runtime
+from fa3gen import tracing as _trace
+from fa3gen.contract import varlen_tiles
+from fa3gen.errors import Fa3genError, InvalidInputError
+from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES
+
+DEBUG_CHECKS_ENV = "FA3GEN_DEBUG_CHECKS"
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation (no device sync).
+
+
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Dims:
+    """Types, dtypes, shapes and devices; returns the sizes (batch = sequences, seqlen_q/k =
+    the max_seqlen arguments)."""
+    ops._check_tensors(q, k, v)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise InvalidInputError(
+            f"q, k, v must have one dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
+    if q.dtype not in _DTYPES:
+        raise InvalidInputError(f"unsupported dtype {q.dtype}; fa3gen supports "
+                                + " and ".join(str(dt) for dt in TORCH_DTYPES.values()))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise InvalidInputError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for "
+                                    f"flash_attn_varlen_func, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise InvalidInputError(
+            f"k and v must have the same shape, got k: {tuple(k.shape)}, v: {tuple(v.shape)}")
+    total_q, hq, d = q.shape
+    total_k, hkv, dk = k.shape
+    if dk != d:
+        raise InvalidInputError(f"head_dim differs: q has {d}, k/v have {dk}")
+    if hkv < 1 or hq % hkv:
+        raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) "
+                                "(equal: MHA, multiple: GQA, heads_kv=1: MQA)")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise InvalidInputError(f"{name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise InvalidInputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
+                                    f"{tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise InvalidInputError(f"{name} is on {cu.device}, q on {q.device}: both must be on "
+                                    "one device")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise InvalidInputError(
+            f"cu_seqlens_q and cu_seqlens_k must have batch + 1 entries each, got "
+            f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    if max(total_q, total_k) >= 2**31:
+        raise InvalidInputError("total_q and total_k must be below 2^31 rows")
+    return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])
+
+
+def _check_max_seqlen(**sizes) -> None:
+    for name, m in sizes.items():
+        # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0:
+            raise InvalidInputError(f"{name} must be an int > 0 (the longest sequence), got {m!r}")
+
+
+@ops._assume_constant_result  # torch.compile reads the switch once, while tracing
+def debug_checks_enabled() -> bool:
+    return os.environ.get(DEBUG_CHECKS_ENV, "") not in ("", "0")
+
+
+def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """The checks that read cu_seqlens on the host (FA3GEN_DEBUG_CHECKS=1; a device sync)."""
+    for name, cu, total, max_seqlen, side in (
+            ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "q"),
+            ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "k")):
+        c = cu.cpu().tolist()
+        if c[0] != 0:
+            raise InvalidInputError(f"{name}[0] must be 0, got {c[0]}")
+        lengths = [b - a for a, b in zip(c, c[1:])]
+        if min(lengths) < 0:
+            i = lengths.index(min(lengths))
+            raise InvalidInputError(f"{name} must not decrease: entry {i + 1} is {c[i + 1]} after "
+                                    f"{c[i]}")
+        if c[-1] != total:
+            raise InvalidInputError(f"{name}[-1] is {c[-1]} but {side} has {total} rows")
+        if max(lengths) > max_seqlen:
+            raise InvalidInputError(f"max_seqlen_{side} is {max_seqlen} but sequence "
+                                    f"{lengths.index(max(lengths))} has {max(lengths)} rows")
+
+
+def _views(*tensors):
+    """(1, total, heads, d) views: ops.check_layout and ops._strides take 4-D tensors."""
+    return [t.unsqueeze(0) for t in tensors]
+
+
+def _empty_outputs(q: torch.Tensor):
+    total, hq, d = q.shape
+    return q.new_empty((total, hq, d)), q.new_empty((hq, total), dtype=torch.float32)
+
+
+def _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tile_list, total_q: int, total_k: int) -> None:
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    p.tile_list = tile_list.data_ptr()
+    p.total_q, p.total_k = total_q, total_k
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+              mask: Masking, softmax_scale, variant: str | None, lib) -> _Plan:
+    """Every check of a varlen forward call; `variant` None: the spec's default."""
+    ops.check_device(q, k, v)
+    dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, varlen=True, **mask.key())
+    q4, k4, v4, o4 = _views(q, k, v, out)
+    ops.check_layout(q=q4, k=k4, v=v4)
+    scale = ops._softmax_scale(softmax_scale, dims.head_dim)
+    params = None
+    if q.shape[0] and dims.heads_q:
+        params = ops._make_params(q4, k4, v4, o4, lse, dims, scale, ops._num_sms(q.device.index),
+                                  ops._grid_mode(), mask)
+    return _Plan(lib, info, dims, mask, scale, q.device, params)
+
+
+def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) -> None:
+    if plan.params is None:
+        return
+    if k.shape[0] == 0:  # no key in any sequence: every row is fully masked
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return
+    ops._check_aligned(q=q, k=k, v=v, out=out)
+    d = plan.dims
+    tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, d.seqlen_q, plan.info.tile_m)
+                        * d.heads_q, dtype=torch.int32)
+    p = runtime.FwdParams.from_buffer_copy(plan.params)
+    p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    p.o, p.lse = out.data_ptr(), lse.data_ptr()
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], k.shape[0])
+    ops._launch(plan.lib, plan.info, plan.device, lambda: p)
+
+
+def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
+             variant):
+    """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q))."""
+    out, lse = _empty_outputs(q)
+    plan = _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
+                     mask, scale, variant, runtime.get_library())
+    _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward.
+
+
+def _bwd_workspace(q: torch.Tensor, dims: Dims, total_k: int, tile_m: int, tile_n: int,
+                   deterministic: bool) -> dict:
+    """The ABI's varlen workspace: stats and dq_accum over (heads_q, rows), each sequence's
+    rows starting at a multiple of tile_m, rows = (total_q + batch * tile_m) rounded up to
+    tile_m; and the key-tile list."""
+    rows = -(-(q.shape[0] + dims.batch * tile_m) // tile_m) * tile_m
+    f32 = dict(dtype=torch.float32, device=q.device)
+    i32 = dict(dtype=torch.int32, device=q.device)
+    return dict(
+        dq_accum=torch.empty((dims.heads_q, rows, dims.head_dim), **f32),
+        lse_log2=torch.empty((dims.heads_q, rows), **f32),
+        dsum=torch.empty((dims.heads_q, rows), **f32),
+        dq_semaphore=torch.empty((dims.heads_q, rows // tile_m) if deterministic else (1,), **i32),
+        tile_list=torch.empty(2 * varlen_tiles(total_k, dims.batch, dims.seqlen_k, tile_n)
+                              * dims.heads_kv, **i32),
+    )
+
+
+def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              dq, dk, dv, mask: Masking, scale: float, variant: str | None, deterministic: bool,
+              lib) -> _Plan:
+    ops.check_device(q, k, v)
+    dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    for name, t, want, dtype in (("out", out, q.shape, q.dtype), ("dout", dout, q.shape, q.dtype),
+                                 ("lse", lse, (dims.heads_q, q.shape[0]), torch.float32),
+                                 ("dq", dq, q.shape, q.dtype), ("dk", dk, k.shape, k.dtype),
+                                 ("dv", dv, v.shape, v.dtype)):
+        if tuple(t.shape) != tuple(want) or t.dtype != dtype or t.device != q.device:
+            raise InvalidInputError(f"{name} must be {dtype} {tuple(want)} on {q.device}, got "
+                                    f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if not lse.is_contiguous():
+        raise InvalidInputError("lse must be contiguous (the C ABI takes no lse strides)")
+    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, varlen=True, **mask.key())
+    views = _views(q, k, v, out, dout, dq, dk, dv)
+    ops.check_layout(**dict(zip(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), views)))
+    params = None
+    if q.shape[0] and k.shape[0] and dims.heads_q:
+        placeholders = {name: lse for name in ops._WORKSPACE}
+        params = ops._make_bwd_params(*views[:4], views[4], lse, *views[5:], placeholders, dims,
+                                      scale, deterministic, mask)
+    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic))
+
+
+def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv):
+    if plan.params is None:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    ops._check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    work = _bwd_workspace(q, plan.dims, k.shape[0], plan.info.tile_m, plan.info.tile_n,
+                          plan.deterministic)
+    p = runtime.BwdParams.from_buffer_copy(plan.params)
+    ops._set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
+                              **{name: work[name] for name in ops._WORKSPACE}))
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, work["tile_list"], q.shape[0], k.shape[0])
+    ops._launch(plan.lib, plan.info, plan.device, lambda: p)
+
+
+def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              mask, scale, variant, deterministic):
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
+    plan = _bwd_plan(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, dq, dk, dv, mask, scale, variant, deterministic,
+                     runtime.get_library())
+    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    return ops._tma_ready(t.unsqueeze(0)).squeeze(0)
+
+
+def _backward_variant(q, mask: Masking) -> str:
+    dtype = _DTYPES.get(q.dtype, str(q.dtype))
+    return ops._variant_name("bwd", dtype, q.shape[-1], None, *ops._key_flags(mask), True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops (graph capture) and the eager autograd.Function.
+
+
+@torch.library.custom_op("fa3gen::varlen_fwd", mutates_args=())
+def _varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+    softmax_scale: float, variant: str, deterministic: bool, window_left: int,
+    window_right: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    ops.masking(causal, (window_left, window_right), softcap), softmax_scale,
+                    variant)
+
+
+@_varlen_fwd_op.register_fake
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args):
+    return _empty_outputs(q)
+
+
+@torch.library.custom_op("fa3gen::varlen_bwd", mutates_args=())
+def _varlen_bwd_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, variant: str,
+    deterministic: bool, window_left: int, window_right: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, ops.masking(causal, (window_left, window_right), softcap),
+                     softmax_scale, variant, deterministic)
+
+
+@_varlen_bwd_op.register_fake
+def _varlen_bwd_fake(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, _variant, deterministic, wl, wr,
+     softcap) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.sizes, ctx.scale, ctx.deterministic = (max_q, max_k), scale, deterministic
+    ctx.mask = ops.masking(causal, (wl, wr), softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    m = ctx.mask
+    name = _backward_variant(q, m)
+    _trace_call(name, True, q, k, cu_q, *ctx.sizes)
+    dq, dk, dv = torch.ops.fa3gen.varlen_bwd(
+        dout, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, m.causal, ctx.scale, name,
+        ctx.deterministic, m.window_left, m.window_right, m.softcap)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_varlen_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+class _EagerVarlenAttention(torch.autograd.Function):
+    """As ops._EagerAttention, for packed sequences."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, plan: _Plan, deterministic: bool):
+        out, lse = _empty_outputs(q)
+        _fwd_run(plan, q, k, v, cu_q, cu_k, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.plan, ctx.deterministic = plan, deterministic
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        plan = ctx.plan
+        name = _backward_variant(q, plan.mask)
+        _trace_call(name, True, q, k, cu_q, plan.dims.seqlen_q, plan.dims.seqlen_k)
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.dims.seqlen_q,
+                               plan.dims.seqlen_k, plan.mask, plan.scale, name, ctx.deterministic)
+        return dq, dk, dv, None, None, None, None
+
+
+def _trace_call(name, default, q, k, cu_q, max_q, max_k):
+    if _trace._active:
+        _trace.record(name, default, batch=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k,
+                      heads_q=q.shape[1], heads_kv=k.shape[1])
+
+
+_plans: dict = {}  # call signature -> _Plan (as ops._fwd_plans)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    return_lse: bool = False,
+    seqused_q: None = None,
+    seqused_k: None = None,
+    variant: str | None = None,
+):
+    """Attention over variable-length sequences packed along the rows, as flash-attn's
+    flash_attn_varlen_func.
+
+    q: (total_q, heads_q, head_dim); k, v: (total_k, heads_kv, head_dim), bf16 or fp16 on an
+    sm_90 GPU (heads as in flash_attn_func: GQA/MQA). cu_seqlens_q / cu_seqlens_k: int32 on
+    q's device, batch + 1 entries: sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of
+    q against rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v. max_seqlen_q /
+    max_seqlen_k: the longest sequences (ints > 0, as the caller knows them: no device sync).
+    causal, window_size, softcap: flash_attn_func's meaning per sequence (causal aligned to
+    each sequence's bottom-right corner). Zero-length sequences are legal (zero rows; a query
+    sequence whose key sequence is empty gives 0 and lse -inf). Rows outside every sequence
+    are not written. FA3GEN_DEBUG_CHECKS=1 checks cu_seqlens and max_seqlen on the host (a
+    sync per call).
+    Everything after max_seqlen_k is keyword-only: flash-attn 2 (dropout_p) and
+    FlashAttention-3 (seqused_q, seqused_k) put different things in the 8th position, so a
+    positional call fails instead of meaning something else. seqused_q / seqused_k are not
+    supported (None only).
+    Differentiable in q, k, v. Returns out (total_q, heads_q, head_dim), plus lse
+    (heads_q, total_q) float32 when return_lse (or return_attn_probs).
+    """
+    if seqused_q is not None or seqused_k is not None:
+        raise InvalidInputError("seqused_q / seqused_k are not supported by fa3gen; pass "
+                                "cu_seqlens that bound the used rows instead")
+    ops._check_fa3_arguments(softmax_scale)
+    mask = ops.masking(causal, window_size, softcap)
+    return_lse = bool(return_lse or return_attn_probs)
+    ops._check_tensors(q, k, v)
+    _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    if debug_checks_enabled():
+        check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if ops._captured(q, k, v):
+        ops.check_device(q, k, v)
+        dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k)
+        name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
+                                 *ops._key_flags(mask), True)
+        q4, k4, v4 = _views(q, k, v)
+        ops.check_layout(q=q4, k=k4, v=v4)
+        _trace_call(name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+        out, lse = torch.ops.fa3gen.varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
+            ops._softmax_scale(softmax_scale, dims.head_dim), name, bool(deterministic),
+            mask.window_left, mask.window_right, mask.softcap)
+        return (out, lse) if return_lse else out
+    plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                       softmax_scale, variant)
+    _trace_call(plan.info.name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, plan,
+                                               bool(deterministic))
+    else:
+        out, lse = _empty_outputs(q)
+        _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant) -> _Plan:
+    try:
+        lib = runtime.get_library()
+    except Fa3genError:  # bad tensors are reported before a missing library
+        ops.check_device(q, k, v)
+        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+        raise
+    sig = ops._signature
+    key = (sig(q), sig(k), sig(v), _cu_signature(cu_q), _cu_signature(cu_k), max_q, max_k, mask,
+           softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib)
+    plan = _plans.get(key)
+    if plan is None:
+        ops.check_device(q, k, v)
+        check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+        out, lse = _empty_outputs(q)
+        plan = ops._remember(_plans, key, _fwd_plan(q, k, v, cu_q, cu_k, max_q, max_k, out, lse,
+                                                    mask, softmax_scale, variant, lib))
+    return plan
+
+
+def _cu_signature(cu) -> tuple:
+    """What the checks read of a cu_seqlens argument (its data is the kernel's)."""
+    if not isinstance(cu, torch.Tensor):
+        return (type(cu),)  # a miss: the checks reject it
+    return cu.shape, cu.dtype, cu.device, cu.dim()

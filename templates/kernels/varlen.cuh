@@ -1,0 +1,170 @@
+// Variable-length batches (the varlen axis): sequences packed along the rows of q (total_q,
+// heads, d) and k, v (total_k, heads_kv, d), sequence b being rows [cu_seqlens[b],
+// cu_seqlens[b + 1]). Three pieces, shared by both directions:
+//  - SeqSlice: where a tile's sequence lies (row offsets and lengths). Dense kernels use the
+//    launch's sizes and never read one, so their code does not change.
+//  - varlen_tiles_kernel: before the main kernel, one CTA lists the tiles that exist (no
+//    padding tiles), the sequence with the most work first (its cost: the other side's
+//    length), so that the hardware's in-order block dispatch runs the longest tiles first and
+//    ends on short ones. Within a sequence a head's tiles are consecutive (K and V stay in L2).
+//  - VarlenTileScheduler: the main kernel's CTA t runs entry t of that list (one CTA per tile).
+// Offsets and lengths are clamped to [0, total]: cu_seqlens that are not what they should be
+// (decreasing, past the end) give wrong numbers, never an access outside the tensors.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+#include "fa3gen_abi.h"  // FA3GEN_VARLEN_TILES: the bound of the list (sum of ceil(len_b / tile))
+#include "tile_scheduler.cuh"
+
+namespace fa3gen {
+
+struct SeqSlice {
+  int offset_q, offset_k;  // first row of the sequence in the packed tensors
+  int seqlen_q, seqlen_k;
+};
+
+struct VarlenArgs {
+  const int* cu_seqlens_q;  // batch + 1 entries each
+  const int* cu_seqlens_k;
+  int total_q, total_k;     // rows of the packed tensors
+  const int2* tiles;        // varlen_tiles_kernel's list: {batch, head << 16 | block}, batch -1: none
+};
+
+__device__ __forceinline__ void clamped_range(const int* cu, int b, int total, int& offset, int& len) {
+  const int begin = min(max(cu[b], 0), total), end = min(max(cu[b + 1], 0), total);
+  offset = begin;
+  len = max(end - begin, 0);
+}
+
+__device__ __forceinline__ SeqSlice seq_slice(VarlenArgs const& v, int b) {
+  SeqSlice s;
+  clamped_range(v.cu_seqlens_q, b, v.total_q, s.offset_q, s.seqlen_q);
+  clamped_range(v.cu_seqlens_k, b, v.total_k, s.offset_k, s.seqlen_k);
+  return s;
+}
+
+constexpr int kVarlenListThreads = 1024;
+constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (the sort is O(batch^2 / threads))
+
+// One CTA. `rows`: the side the tiles cut (q for the forward, k for the backward); `cost`:
+// the other side, whose length each tile of the sequence walks. Writes `capacity` entries:
+// the tiles (heads x blocks per sequence), then {-1, 0}.
+template <int Tile, bool BlocksDescending>
+__global__ void __launch_bounds__(kVarlenListThreads)
+varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
+                    int2* tiles, int capacity) {
+  extern __shared__ int smem[];
+  const bool sorted = batch <= kVarlenSortedBatch;
+  int* blocks_of = smem;               // [batch]: tiles per head of sequence b
+  int* cost_of = smem + batch;         // [batch] (sorted only)
+  int* seq_at = cost_of + (sorted ? batch : 0);  // [batch]: the sequence in position i
+  int* start_at = seq_at + batch;      // [batch + 1]: first list entry (in blocks) of position i
+  for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    int offset, len;
+    clamped_range(cu_rows, b, total_rows, offset, len);
+    blocks_of[b] = (len + Tile - 1) / Tile;
+    if (sorted) {
+      clamped_range(cu_cost, b, total_cost, offset, len);
+      cost_of[b] = len;
+    }
+  }
+  __syncthreads();
+  if (sorted) {
+    // Position of b: sequences with more cost first, ties in batch order; its start is the sum
+    // of the blocks of every sequence before it.
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+      const int cost = cost_of[b];
+      int pos = 0, start = 0;
+      for (int j = 0; j < batch; ++j) {
+        const bool before = cost_of[j] > cost || (cost_of[j] == cost && j < b);
+        pos += before;
+        start += before ? blocks_of[j] : 0;
+      }
+      seq_at[pos] = b;
+      start_at[pos] = start;
+    }
+  } else if (threadIdx.x == 0) {  // batch order; a serial scan (thousands of sequences: microseconds)
+    int start = 0;
+    for (int b = 0; b < batch; ++b) {
+      seq_at[b] = b;
+      start_at[b] = start;
+      start += blocks_of[b];
+    }
+  }
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int b = 0; b < batch; ++b) total += blocks_of[b];
+    start_at[batch] = total;
+  }
+  __syncthreads();
+  const int used = start_at[batch] * heads;
+  for (int e = threadIdx.x; e < capacity; e += blockDim.x) {
+    if (e >= used) {
+      tiles[e] = make_int2(-1, 0);
+      continue;
+    }
+    // The position whose entries hold e: the last i with start_at[i] * heads <= e.
+    int lo = 0, hi = batch - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start_at[mid] * heads <= e) lo = mid; else hi = mid - 1;
+    }
+    const int b = seq_at[lo], n = blocks_of[b];
+    const int within = e - start_at[lo] * heads;  // head-major, then block
+    const int head = within / n, j = within % n;
+    tiles[e] = make_int2(b, (head << 16) | (BlocksDescending ? n - 1 - j : j));
+  }
+}
+
+// Shared memory of varlen_tiles_kernel for `batch` sequences.
+inline size_t varlen_tiles_smem(int batch) {
+  return sizeof(int) * (size_t(batch) * (batch <= kVarlenSortedBatch ? 4 : 3) + 1);
+}
+
+// Launches the list kernel; returns the CUDA error (the list is `capacity` int2 entries).
+template <int Tile, bool BlocksDescending>
+inline cudaError_t launch_varlen_tiles(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost,
+                                       int batch, int heads, int2* tiles, int capacity, cudaStream_t stream) {
+  const size_t smem = varlen_tiles_smem(batch);
+  auto kernel = varlen_tiles_kernel<Tile, BlocksDescending>;
+  if (smem > 48 * 1024) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<1, kVarlenListThreads, smem, stream>>>(cu_rows, total_rows, cu_cost, total_cost, batch, heads, tiles,
+                                                  capacity);
+  return cudaGetLastError();
+}
+
+// The varlen backward's workspace (fa3gen_abi.h): sequence b's query tiles start at padded
+// tile (offset_q + b * tile) / tile, strictly increasing in b, so tiles never mix sequences.
+__device__ __forceinline__ int padded_tile_start(const int* cu_q, int total_q, int b, int tile) {
+  return (min(max(cu_q[b], 0), total_q) + b * tile) / tile;
+}
+// The sequence whose padded tiles hold tile `pt` (or, for a gap between two, the one before).
+__device__ __forceinline__ int seq_of_padded_tile(const int* cu_q, int total_q, int batch, int tile, int pt) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (padded_tile_start(cu_q, total_q, mid, tile) <= pt) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The main kernel's side: CTA t runs entry t (the host launches one CTA per entry).
+struct VarlenTileScheduler {
+  TileSchedule const& s;
+  const int2* tiles;
+  __device__ __forceinline__ int first() const { return int(blockIdx.x); }
+  __device__ __forceinline__ int count() const { return s.blocks; }  // entries (the grid)
+  __device__ __forceinline__ int next(int t) const { return t + int(gridDim.x); }
+  __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
+    const int2 e = tiles[t];
+    tile.batch = e.x;
+    tile.head = e.y >> 16;
+    tile.block = e.y & 0xffff;
+    return e.x >= 0;
+  }
+};
+
+}  // namespace fa3gen

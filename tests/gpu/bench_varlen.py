@@ -1,0 +1,145 @@
+"""Variable-length batches: fa3gen's flash_attn_varlen_func beside FA4's (flash_attn.cute, when
+it imports) and beside fa3gen's own padded-batch call at seqlen L, in one process, measured
+sustained (fa3gen.timing.sustained_ms: rounds of back-to-back launches of at least --min-ms
+each, backends alternating with the order rotated, median).
+
+    python3 tests/gpu/bench_varlen.py --json varlen.json
+
+Not a pytest module. Rows (bf16, hidden 2048: heads = 2048 / head_dim): 16k tokens in all,
+sequence lengths drawn uniformly from [1, 2L] (seeded; the last one trimmed to the total) for
+mean L in --means; the padded row runs batch 16k / L sequences of exactly L. Forward for
+d64/d128/d256, backward (autograd) for d64/d128, causal and not. TFLOP/s count real work
+only: 4 * head_dim FLOPs per visible (query, key) pair forward, 2.5x that backward.
+"""
+
+import argparse
+import itertools
+import json
+import random
+import sys
+
+import torch
+
+from fa3gen import timing
+from fa3gen.ops import flash_attn_func
+from fa3gen.varlen import flash_attn_varlen_func
+
+TOTAL = 16384
+
+
+def lengths_for(mean: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    out = []
+    while sum(out) < TOTAL:
+        out.append(rng.randint(1, 2 * mean))
+    out[-1] -= sum(out) - TOTAL
+    return [n for n in out if n > 0]
+
+
+def pairs(n: int, causal: bool) -> int:
+    return n * (n + 1) // 2 if causal else n * n
+
+
+def fa4_varlen():
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func as fa4
+    except Exception as e:  # an optional column
+        print(f"FA4 unavailable: {e!r}"[:300], file=sys.stderr)
+        return None
+
+    def call(q, k, v, cu, max_len, causal):
+        o = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                max_seqlen_k=max_len, causal=causal)
+        return o[0] if isinstance(o, tuple) else o
+    return call
+
+
+def measure(calls: dict, direction: str, rounds: int, min_ms: float) -> dict:
+    """{backend: ms or error text}; calls[name] = (fn returning out, inputs needing grad)."""
+    timed, errors = {}, {}
+    for name, (fn, inputs) in calls.items():
+        try:
+            o = fn()
+            if direction == "fwd":
+                timed[name] = fn
+            else:
+                go = torch.randn_like(o)
+                timed[name] = lambda o=o, go=go, inputs=inputs: torch.autograd.grad(
+                    o, inputs, go, retain_graph=True)
+            timed[name]()
+            torch.cuda.synchronize()
+        except Exception as e:
+            errors[name] = repr(e)[:200]
+            timed.pop(name, None)
+    names = list(timed)
+    ms = timing.sustained_ms([timed[n] for n in names], rounds, min_ms) if names else []
+    return {**dict(zip(names, ms)), **errors}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--means", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--directions", nargs="+", default=["fwd", "bwd"])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-ms", type=float, default=100.0)
+    p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--json")
+    args = p.parse_args()
+    fa4 = None if args.no_fa4 else fa4_varlen()
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    rows = []
+    print("| dir | d | causal | mean L | seqs | varlen TFLOP/s | FA4 varlen | padded at L | "
+          "varlen / FA4 | varlen / padded |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for d, direction, causal, mean in itertools.product(args.head_dims, args.directions, causals,
+                                                        args.means):
+        if direction == "bwd" and d > 128:
+            continue
+        h, grad = 2048 // d, direction == "bwd"
+        lengths = lengths_for(mean, seed=mean)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(TOTAL, h, d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=grad) for _ in range(3))
+        qp, kp, vp = (torch.randn(TOTAL // mean, mean, h, d, device="cuda", dtype=torch.bfloat16,
+                                  requires_grad=grad) for _ in range(3))
+        longest = max(lengths)
+        calls = {
+            "fa3gen": (lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
+                                                      causal=causal), (q, k, v)),
+            "padded": (lambda: flash_attn_func(qp, kp, vp, causal=causal), (qp, kp, vp)),
+        }
+        if fa4 is not None:
+            calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, causal), (q, k, v))
+        res = measure(calls, direction, args.rounds, args.min_ms)
+        scale = 4 * d * h * (2.5 if grad else 1.0)
+        flops = {"fa3gen": scale * sum(pairs(n, causal) for n in lengths),
+                 "padded": scale * (TOTAL // mean) * pairs(mean, causal)}
+        flops["fa4"] = flops["fa3gen"]
+        row = dict(direction=direction, head_dim=d, causal=causal, mean=mean, heads=h,
+                   sequences=len(lengths), longest=longest, flops=flops["fa3gen"])
+        for name, val in res.items():
+            if isinstance(val, float):
+                row[f"{name}_ms"], row[f"{name}_tflops"] = val, timing.tflops(flops[name], val)
+            else:
+                row[f"{name}_error"] = val
+        rows.append(row)
+        a, f4, pad = (row.get(f"{n}_tflops") for n in ("fa3gen", "fa4", "padded"))
+
+        def num(x, name):
+            return round(x) if x else row.get(f"{name}_error", "-")
+        print(f"| {direction} | {d} | {causal} | {mean} | {len(lengths)} | {num(a, 'fa3gen')} | "
+              f"{num(f4, 'fa4')} | {num(pad, 'padded')} | "
+              f"{f'{a / f4:.2f}' if a and f4 else '-'} | {f'{a / pad:.2f}' if a and pad else '-'} |",
+              flush=True)
+        del q, k, v, qp, kp, vp
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"total_tokens": TOTAL, "rounds": args.rounds, "min_ms": args.min_ms,
+                       "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

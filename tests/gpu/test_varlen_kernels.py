@@ -1,0 +1,171 @@
+"""Variable-length batches on the GPU (flash_attn_varlen_func and the varlen variants):
+sequences of unequal lengths packed along the rows, empty sequences, GQA, gradients,
+deterministic backward, batches past the tile list's sorted limit, and every varlen variant
+through fa3gen.checks. Each sequence is checked against the fp32 reference under the usual
+tolerance rule; outputs are NaN-poisoned."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from fa3gen import checks, varlen
+from fa3gen.reference import compare_varlen_grads_to_reference, compare_varlen_to_reference
+from fa3gen.varlen import flash_attn_varlen_func
+
+from test_forward import DTYPES
+
+pytestmark = pytest.mark.gpu
+
+# (q, k) lengths per sequence. Odd lengths, a sequence longer than several tiles, empty query
+# and key sequences, one query against many keys and the reverse.
+LENGTHS = {
+    "mixed": [(200, 333), (0, 40), (77, 0), (1, 150), (333, 200), (129, 129)],
+    "long": [(1500, 1500), (3, 3), (700, 1100)],
+    "ones": [(1, 1)] * 7,
+}
+
+
+def packed(lengths, hq, hkv, d, dtype, seed=0, grad=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    lq, lk = zip(*lengths)
+
+    def rows(n, h):
+        t = torch.randn(n, h, d, device="cuda", dtype=dtype, generator=g)
+        return t.requires_grad_() if grad else t
+
+    q, k, v = rows(sum(lq), hq), rows(sum(lk), hkv), rows(sum(lk), hkv)
+    cu = [torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device="cuda")
+          for x in (lq, lk)]
+    return q, k, v, cu[0], cu[1], max(lq), max(lk)
+
+
+@pytest.mark.parametrize("case", list(LENGTHS))
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_forward(lib, fwd_varlen_key, case, heads):
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS[case], *heads, d, DTYPES[dtype], seed=31)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], f"{fwd_varlen_key} {case}: {res['why']}"
+
+
+def test_forward_into_poisoned_outputs_and_scale(lib, fwd_varlen_key):
+    """Every row of every sequence written (NaN-filled buffers), a key-less sequence gives 0
+    and lse -inf, and softmax_scale reaches the kernel."""
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=32)
+    out, lse = varlen._empty_outputs(q)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    from fa3gen import ops, runtime
+    mask = ops.masking(causal)
+    plan = varlen._fwd_plan(q, k, v, cu_q, cu_k, mq, mk, out, lse, mask, 0.3, None,
+                            runtime.get_library())
+    varlen._fwd_run(plan, q, k, v, cu_q, cu_k, out, lse)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal, 0.3)
+    assert res["ok"], res["why"]
+    no_keys = slice(200, 277)  # sequence 2: 77 queries, 0 keys
+    assert (out[no_keys] == 0).all() and torch.isneginf(lse[:, no_keys]).all()
+
+
+def test_many_sequences_unsorted_list(lib, fwd_varlen_key):
+    """More sequences than the tile list sorts (kVarlenSortedBatch = 1024): batch order."""
+    dtype, d, causal = fwd_varlen_key
+    rng = random.Random(5)
+    lengths = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(1100)]
+    q, k, v, cu_q, cu_k, mq, mk = packed(lengths, 2, 1, d, DTYPES[dtype], seed=33)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], res["why"][:2000]
+
+
+@pytest.mark.parametrize("case", ["mixed", "long"])
+def test_backward(lib, bwd_varlen_key, case):
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS[case], 4, 2, d, DTYPES[dtype], seed=34,
+                                         grad=True)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
+                                            cu_q, cu_k, causal)
+    assert res["ok"], f"{bwd_varlen_key} {case}: {res['why']}"
+
+
+def test_backward_deterministic_is_bitwise(lib, bwd_varlen_key):
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["long"], 4, 2, d, DTYPES[dtype], seed=35,
+                                         grad=True)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    runs = []
+    for _ in range(3):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                     deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+def test_every_varlen_variant_through_checks(lib, fwd_varlen_variant):
+    info = lib.get(fwd_varlen_variant)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = checks.check_forward(lib, info, checks.QUICK_PROBLEM, gen)
+    assert res["ok"], res["why"]
+
+
+def test_every_varlen_bwd_variant_through_checks(lib, bwd_varlen_variant):
+    info = lib.get(bwd_varlen_variant)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = checks.check_backward(lib, info, checks.QUICK_PROBLEM, gen)
+    assert res["ok"], res["why"]
+
+
+def test_opcheck_and_compile(lib, bwd_varlen_key):
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=36,
+                                         grad=True)
+    name = lib.find("fwd", dtype, d, causal, varlen=True).name
+    torch.library.opcheck(torch.ops.fa3gen.varlen_fwd.default,
+                          (q, k, v, cu_q, cu_k, mq, mk, causal, d**-0.5, name, False, -1, -1, 0.0))
+    torch._dynamo.reset()  # each key compiles afresh (no automatic-dynamic head_dim)
+    # deterministic: the gradients must then match bitwise (fp32 atomics would reorder dq)
+    eager = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, deterministic=True)
+    compiled = torch.compile(lambda *a: flash_attn_varlen_func(
+        *a, mq, mk, causal=causal, deterministic=True), fullgraph=True)
+    got = compiled(q, k, v, cu_q, cu_k)
+    assert torch.equal(got, eager)
+    (g_eager,) = torch.autograd.grad(eager.float().sum(), q)
+    (g_comp,) = torch.autograd.grad(got.float().sum(), q)
+    assert torch.equal(g_eager, g_comp)
+
+
+def test_gpu_input_errors(lib, fwd_varlen_key):
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype])
+    with pytest.raises(varlen.InvalidInputError, match="cu_seqlens_q is on cpu"):
+        flash_attn_varlen_func(q, k, v, cu_q.cpu(), cu_k, mq, mk, causal=causal)
+    with pytest.raises(varlen.InvalidInputError, match=r"k.stride\(-1\)"):
+        flash_attn_varlen_func(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, cu_q, cu_k,
+                               mq, mk, causal=causal)
+
+
+def test_compile_with_lengths_that_change(lib, fwd_varlen_key):
+    """One compiled function over batches whose total and max_seqlen change (dynamo makes
+    them dynamic after the first recompile): same results as eager."""
+    dtype, d, causal = fwd_varlen_key
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v, cu, m: flash_attn_varlen_func(
+        q, k, v, cu, cu, m, m, causal=causal), fullgraph=True)
+    for lengths in ([100, 300, 7], [50, 900], [1000, 2, 3, 4], [64] * 9):
+        q, k, v, cu, _, m, _ = packed([(n, n) for n in lengths], 4, 2, d, DTYPES[dtype])
+        assert torch.equal(f(q, k, v, cu, m),
+                           flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal))

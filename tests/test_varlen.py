@@ -1,0 +1,164 @@
+"""flash_attn_varlen_func on CPU: its checks (each bad input one clear error, no device sync
+unless FA3GEN_DEBUG_CHECKS=1), its signature, and what reaches the C ABI (a fake library
+stands in; the kernels are checked in tests/gpu/test_varlen.py)."""
+import inspect
+import subprocess
+
+import pytest
+import torch
+
+from fa3gen import InvalidInputError, VariantNotBuiltError, contract, ops, varlen
+from fa3gen.varlen import flash_attn_varlen_func
+
+
+def qkv(total_q=10, total_k=12, hq=4, hkv=2, d=128, dtype=torch.bfloat16, grad=False):
+    return (torch.zeros(total_q, hq, d, dtype=dtype, requires_grad=grad),
+            torch.zeros(total_k, hkv, d, dtype=dtype, requires_grad=grad),
+            torch.zeros(total_k, hkv, d, dtype=dtype, requires_grad=grad))
+
+
+CU_Q = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
+CU_K = torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """CPU tensors up to the launch, on the eager path; returns the (variant, params) launched."""
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(varlen, "_plans", {})
+    launched = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
+        (info.name, make())))
+    return launched
+
+
+def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
+    params = inspect.signature(flash_attn_varlen_func).parameters
+    positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                          "max_seqlen_k"]
+    q, k, v = qkv()
+    # flash-attn 2 puts dropout_p 8th, FlashAttention-3 seqused_q: neither may mean the scale.
+    with pytest.raises(TypeError, match="positional"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, 0.0)
+    with pytest.raises(InvalidInputError, match="seqused_q / seqused_k are not supported"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=CU_K)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(cu_seqlens_q=CU_Q.long()), "cu_seqlens_q must be int32, got torch.int64"),
+    (dict(cu_seqlens_k=CU_K.float()), "cu_seqlens_k must be int32"),
+    (dict(cu_seqlens_q=CU_Q[None]), r"cu_seqlens_q must be 1-D with batch \+ 1 >= 2 entries"),
+    (dict(cu_seqlens_q=CU_Q[:1]), r"cu_seqlens_q must be 1-D with batch \+ 1 >= 2 entries"),
+    (dict(cu_seqlens_k=CU_K[:3]), "cu_seqlens_q and cu_seqlens_k must have batch \\+ 1 entries "
+                                  "each, got 4 and 3"),
+    (dict(cu_seqlens_q=[0, 3, 10]), "cu_seqlens_q must be a torch.Tensor, got list"),
+    (dict(cu_seqlens_k=CU_K.to("meta")), "cu_seqlens_k is on meta, q on cpu"),
+    (dict(max_seqlen_q=0), r"max_seqlen_q must be an int > 0 \(the longest sequence\), got 0"),
+    (dict(max_seqlen_k=True), "max_seqlen_k must be an int > 0"),
+    (dict(max_seqlen_k=5.0), "max_seqlen_k must be an int > 0"),
+    (dict(q=torch.zeros(1, 10, 4, 128, dtype=torch.bfloat16)),
+     r"q must have 3 dims \(total_tokens, heads, head_dim\)"),
+    (dict(v=torch.zeros(11, 2, 128, dtype=torch.bfloat16)), "k and v must have the same shape"),
+    (dict(q=torch.zeros(10, 3, 128, dtype=torch.bfloat16)), "heads_q \\(3\\) must be a multiple"),
+    (dict(q=torch.zeros(10, 4, 128, dtype=torch.float16)), "q, k, v must have one dtype"),
+    (dict(window_size=(-2, 0)), "window_size left must be an int >= -1"),
+    (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
+])
+def test_bad_input_one_clear_error(fake, change, message):
+    q, k, v = qkv()
+    args = dict(q=q, k=k, v=v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, max_seqlen_q=7,
+                max_seqlen_k=5)
+    args.update(change)
+    with pytest.raises(InvalidInputError, match=message):
+        flash_attn_varlen_func(**args)
+    assert fake == []
+
+
+@pytest.mark.parametrize("cu_q, cu_k, max_q, message", [
+    ([1, 3, 3, 10], CU_K.tolist(), 7, r"cu_seqlens_q\[0\] must be 0, got 1"),
+    ([0, 3, 2, 10], CU_K.tolist(), 8, "cu_seqlens_q must not decrease: entry 2 is 2 after 3"),
+    ([0, 3, 3, 9], CU_K.tolist(), 7, r"cu_seqlens_q\[-1\] is 9 but q has 10 rows"),
+    (CU_Q.tolist(), [0, 5, 7, 13], 7, r"cu_seqlens_k\[-1\] is 13 but k has 12 rows"),
+    (CU_Q.tolist(), CU_K.tolist(), 6, "max_seqlen_q is 6 but sequence 2 has 7 rows"),
+])
+def test_debug_checks_read_cu_seqlens(fake, monkeypatch, cu_q, cu_k, max_q, message):
+    q, k, v = qkv()
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)  # off: not checked
+    monkeypatch.setenv(varlen.DEBUG_CHECKS_ENV, "1")
+    with pytest.raises(InvalidInputError, match=message):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)
+
+
+def test_params_reach_the_abi(fake):
+    q, k, v = qkv()
+    out, lse = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, return_lse=True)
+    assert out.shape == (10, 4, 128) and lse.shape == (4, 10) and lse.dtype == torch.float32
+    [(name, p)] = fake
+    assert name == "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (3, 7, 5, 10, 12)
+    assert (p.cu_seqlens_q, p.cu_seqlens_k) == (CU_Q.data_ptr(), CU_K.data_ptr())
+    assert (p.q_row_stride, p.q_head_stride, p.k_row_stride, p.o_row_stride) == (512, 128, 256, 512)
+    assert p.tile_list != 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
+    with pytest.raises(VariantNotBuiltError, match="varlen: true"):  # only causal is in the table
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5)
+
+
+def test_backward_params_and_padded_workspace(fake, monkeypatch):
+    q, k, v = qkv(grad=True)
+    sizes = []
+    real = varlen._bwd_workspace
+    monkeypatch.setattr(varlen, "_bwd_workspace", lambda *a: sizes.append(real(*a)) or sizes[-1])
+    out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, deterministic=True)
+    out.float().sum().backward()
+    assert [n for n, _ in fake] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
+                                    "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0"]
+    p = fake[1][1]
+    assert (p.batch, p.total_q, p.total_k, p.deterministic) == (3, 10, 12, 1)
+    work = sizes[0]
+    # (total_q + batch * tile_m) rounded up to tile_m = 64: 202 -> 256 rows per head
+    assert work["dq_accum"].shape == (4, 256, 128) and work["lse_log2"].shape == (4, 256)
+    assert work["dq_semaphore"].shape == (4, 4)
+    assert work["tile_list"].numel() == 2 * contract.varlen_tiles(12, 3, 5, 128) * 2
+    assert p.dq_accum == work["dq_accum"].data_ptr() and p.tile_list == work["tile_list"].data_ptr()
+    assert q.grad is not None and k.grad is not None
+
+
+def test_opcheck_and_fake_shapes(fake):
+    q, k, v = qkv()
+    torch.library.opcheck(torch.ops.fa3gen.varlen_fwd.default,
+                          (q, k, v, CU_Q, CU_K, 7, 5, True, 0.1,
+                           "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1", False, -1, -1,
+                           0.0), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_tile_bound_matches_the_abi_macro(tmp_path):
+    """contract.varlen_tiles mirrors FA3GEN_VARLEN_TILES of fa3gen_abi.h (it sizes the
+    workspace the kernel fills)."""
+    import shutil
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    cases = [(10, 3, 7, 128), (1000, 7, 900, 64), (16384, 32, 1024, 128), (5, 5, 1, 80),
+             (0, 1, 1, 128), (2**31 - 1, 16384, 2**20, 64)]
+    body = "".join(f'printf("%lld\\n", (long long)FA3GEN_VARLEN_TILES({t}, {b}, {m}, {tile}));'
+                   for t, b, m, tile in cases)
+    src = tmp_path / "bound.c"
+    src.write_text(f'#include <stdio.h>\n#include "fa3gen_abi.h"\nint main(void) {{ {body} }}\n')
+    subprocess.run([cc, "-I", str(contract.REPO_ROOT / "templates" / "kernels"), str(src), "-o",
+                    str(tmp_path / "bound")], check=True)
+    got = subprocess.run([str(tmp_path / "bound")], capture_output=True, text=True).stdout.split()
+    assert [int(x) for x in got] == [contract.varlen_tiles(*c) for c in cases]
+    # A bound: never fewer than the tiles of any split of the total (here also the max).
+    import itertools
+    for total, batch, longest, tile in [(10, 3, 7, 4), (9, 4, 9, 2), (12, 2, 6, 5)]:
+        most = max(sum(-(-n // tile) for n in lengths)
+                   for lengths in itertools.product(range(longest + 1), repeat=batch)
+                   if sum(lengths) == total)
+        assert contract.varlen_tiles(total, batch, longest, tile) == most
