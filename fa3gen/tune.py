@@ -1,0 +1,263 @@
+"""`fa3gen tune`: time every built candidate of each dispatch key on the GPU and write the
+winners into the spec's dispatch section.
+
+For each key of the spec with several candidates (a key with one needs no choice), every
+candidate runs the same shapes (batch = --tokens // seqlen, heads = --hidden // head_dim, one
+per --seqlens entry) under sustained timing (fa3gen.timing.sustained_ms: the candidates of a
+shape alternate, order rotated per round, median). The winner has the highest geometric-mean
+speed over the shapes. The spec's `dispatch:` block is then replaced by one exact entry per
+multi-candidate key (the winner; keys not timed keep their current default), each commented
+with its measurement; the new spec is validated (it must resolve to those defaults) before it
+is written. The measurement is kept as JSON (--out).
+
+Feature keys run with the call arguments that select them: window (1024, 0) for `local`,
+softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot
+condition on the sequence length, so one winner per key covers every length (the per-shape
+times in the JSON show where another candidate would win).
+
+Pure parts (candidates, choice, rendering, writing) run on CPU; torch is imported only to time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Callable
+
+from fa3gen.bench import RESULTS_DIR, count, int_list, provenance
+from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str
+from fa3gen.errors import Fa3genError
+
+DEFAULT_SEQLENS = (1024, 4096, 16384)
+TOKENS, HIDDEN = 16384, 2048
+LOCAL_WINDOW, SOFTCAP = (1024, 0), 30.0
+_DISPATCH_BLOCK = re.compile(r"^dispatch:.*?(?=^[A-Za-z_]|\Z)", re.M | re.S)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure parts.
+
+
+def candidates(spec_path) -> tuple[dict, dict]:
+    """({key: [Variant, ...]} for keys with several kept variants, {key: current default})."""
+    from generator.spec import load_spec
+    from generator.variants import enumerate_variants, resolve_dispatch
+
+    spec = load_spec(spec_path)
+    kept = enumerate_variants(spec).kept
+    by_key: dict = {}
+    for v in sorted(kept, key=lambda v: v.name):
+        by_key.setdefault(v.key, []).append(v)
+    return ({k: vs for k, vs in by_key.items() if len(vs) > 1}, resolve_dispatch(spec, kept))
+
+
+def choose(times: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
+    """(winner, {name: geometric-mean speed relative to the winner}) from per-shape times
+    (ms) of each candidate; a candidate that failed on any shape (None) cannot win."""
+    speed = {n: math.exp(-sum(math.log(t) for t in ts) / len(ts))
+             for n, ts in times.items() if ts and all(t and t > 0 for t in ts)}
+    if not speed:
+        raise Fa3genError("no candidate ran on every shape: " + ", ".join(times))
+    best = max(speed, key=speed.get)
+    return best, {n: s / speed[best] for n, s in sorted(speed.items(), key=lambda x: -x[1])}
+
+
+def _yaml_value(axis: str, value) -> str:
+    if AXIS_BY_NAME[axis].kind == "tile":
+        return f"[{value[0]}, {value[1]}]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def render_dispatch(defaults: dict, notes: dict) -> str:
+    """The `dispatch:` block: one exact entry per key (`when` names the key's axes, the
+    features only when set; `use` every knob of the default), each preceded by its note."""
+    lines = ["dispatch:"]
+    for key, v in sorted(defaults.items(), key=lambda kv: kv[1].name):
+        axes = v.axes()
+        when = [(a, axes[a]) for a in KEY_AXES if not AXIS_BY_NAME[a].optional or axes[a]]
+        use = [(a, axes[a]) for a in KNOB_AXES]
+        if key in notes:
+            lines.append(f"  # {notes[key]}")
+        lines.append("  - when: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in when) + "}")
+        lines.append("    use: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in use) + "}")
+    return "\n".join(lines) + "\n"
+
+
+def replace_dispatch(text: str, block: str) -> str:
+    """text with its top-level `dispatch:` block (up to the next top-level key) replaced by
+    block, or block appended when there is none. The rest of the file, comments included,
+    is kept."""
+    if _DISPATCH_BLOCK.search(text):
+        return _DISPATCH_BLOCK.sub(lambda m: block, text, count=1)
+    return text.rstrip("\n") + "\n" + block
+
+
+def write_spec(spec_path: Path, winners: dict, notes: dict) -> str:
+    """The spec text with the winners as defaults (every other multi-candidate key keeps its
+    current one); raises if the result does not resolve to exactly those defaults."""
+    from generator.spec import parse_spec
+    from generator.variants import enumerate_variants, resolve_dispatch
+
+    multi, current = candidates(spec_path)
+    defaults = {k: winners.get(k, current.get(k)) for k in multi}
+    missing = [key_str(k) for k, v in defaults.items() if v is None]
+    if missing:
+        raise Fa3genError(f"no default to write for {', '.join(missing)} (not timed and none in "
+                          "the spec)")
+    text = replace_dispatch(spec_path.read_text(), render_dispatch(defaults, notes))
+    spec = parse_spec(text, str(spec_path), spec_path.stem)
+    resolved = resolve_dispatch(spec, enumerate_variants(spec).kept)
+    wrong = [key_str(k) for k, v in defaults.items() if resolved.get(k) != v]
+    if wrong:
+        raise Fa3genError(f"the rewritten dispatch does not resolve {', '.join(wrong)} to the "
+                          "chosen variants (please report this)")
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU measurement.
+
+
+def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
+    """make(variant name) -> a no-argument call running that candidate on `shape`."""
+    import torch
+
+    from fa3gen import ops, varlen
+    from fa3gen.ops import TORCH_DTYPES
+
+    direction, dtype, d, causal, local, softcap, packed = key
+    b, s, h = shape["batch"], shape["seqlen"], shape["heads"]
+    mask = ops.masking(causal, LOCAL_WINDOW if local else (-1, -1), SOFTCAP if softcap else 0.0)
+    kw = dict(causal=causal, window_size=(mask.window_left, mask.window_right),
+              softcap=mask.softcap)
+    dt, scale = TORCH_DTYPES[dtype], d ** -0.5
+
+    def tensors(*shape_):
+        return [torch.randn(*shape_, device="cuda", dtype=dt) for _ in range(4)]
+
+    if packed:
+        q, k, v, dout = tensors(b * s, h, d)
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+        if direction == "fwd":
+            return lambda name: lambda: varlen.flash_attn_varlen_func(q, k, v, cu, cu, s, s,
+                                                                      variant=name, **kw)
+        out, lse = varlen.flash_attn_varlen_func(q, k, v, cu, cu, s, s, return_lse=True, **kw)
+        return lambda name: lambda: varlen._backward(dout, q, k, v, out, lse, cu, cu, s, s, mask,
+                                                     scale, name, False)
+    q, k, v, dout = tensors(b, s, h, d)
+    if direction == "fwd":
+        return lambda name: lambda: ops.flash_attn_func(q, k, v, variant=name, **kw)
+    out, lse = ops.flash_attn_func(q, k, v, return_lse=True, **kw)
+    return lambda name: lambda: ops._backward(dout, q, k, v, out, lse, mask, scale, name, False)
+
+
+def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
+            min_ms: float) -> dict[str, list[float | None]]:
+    """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape."""
+    from fa3gen.timing import report_failure, sustained_ms
+
+    times: dict = {n: [] for n in names}
+    for shape in shapes:
+        make = _call(key, shape)
+        runnable = []
+        for name in names:
+            try:
+                fn = make(name)
+                fn()
+                runnable.append((name, fn))
+            except Exception as e:  # a candidate that cannot run this shape cannot win
+                report_failure(name, e)
+                times[name].append(None)
+        for (name, _), ms in zip(runnable, sustained_ms([f for _, f in runnable], rounds,
+                                                         min_ms) if runnable else []):
+            times[name].append(ms)
+    return times
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI.
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "tune", help="time each key's built candidates on the GPU and write the winners into "
+                     "the spec's dispatch section")
+    p.add_argument("--spec", required=True, help="spec YAML path or name in specs/ (built first)")
+    p.add_argument("--seqlens", type=int_list("1024,4096"), default=list(DEFAULT_SEQLENS),
+                   metavar="N,N,...", help="sequence lengths of the timed shapes (default "
+                   "1024,4096,16384; batch = 16384 // seqlen, heads = 2048 // head_dim)")
+    p.add_argument("--keys", default=None, metavar="REGEX",
+                   help="tune only keys whose spelling, e.g. '(fwd, bf16, d128, causal)', "
+                        "matches (re.search); the others keep their default")
+    p.add_argument("--rounds", type=count(1), default=3, help="sustained rounds (default 3)")
+    p.add_argument("--min-ms", type=float, default=100.0,
+                   help="back-to-back launches per round and candidate, ms (default 100)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "tune_<spec>.json",
+                   help="measurement JSON (default docs/results/tune_<spec>.json)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="measure and report, but leave the spec as it is")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    import torch
+
+    from fa3gen import runtime
+    from generator.paths import resolve_spec_path
+
+    spec_path = Path(resolve_spec_path(args.spec))
+    multi, current = candidates(spec_path)
+    if args.keys:
+        multi = {k: v for k, v in multi.items() if re.search(args.keys, key_str(k))}
+    if not multi:
+        print(f"fa3gen tune: {spec_path}: no key with several candidates"
+              + (f" matches {args.keys!r}" if args.keys else "") + "; nothing to tune")
+        return 0
+    if not torch.cuda.is_available():
+        raise Fa3genError("fa3gen tune needs a CUDA GPU (Hopper sm_90)")
+    lib = runtime.use_spec(str(spec_path))
+    built = {v.name for v in lib.variants}
+    absent = [v.name for vs in multi.values() for v in vs if v.name not in built]
+    if absent:
+        raise Fa3genError(f"{lib.path} lacks {len(absent)} candidate(s) of the spec (e.g. "
+                          f"{absent[0]}); build them first: fa3gen build --spec {args.spec}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    report = {"header": provenance(lib), "keys": []}
+    report["header"].update(spec=str(spec_path), seqlens=args.seqlens, rounds=args.rounds,
+                            min_ms=args.min_ms)
+    winners, notes = {}, {}
+    for key, variants in sorted(multi.items(), key=lambda kv: kv[1][0].name):
+        shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
+                  for s in args.seqlens]
+        names = [v.name for v in variants]
+        times = measure(lib, key, names, shapes, args.rounds, args.min_ms)
+        best, relative = choose(times)
+        winner = next(v for v in variants if v.name == best)
+        old = current.get(key)
+        winners[key] = winner
+        runner_up = next((f"{n} {r:.3f}" for n, r in relative.items() if n != best), "none")
+        notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}: geomean speed "
+                      f"vs the winner: runner-up {runner_up}")
+        report["keys"].append({"key": list(key), "shapes": shapes, "ms": times,
+                               "relative_speed": relative, "winner": best,
+                               "previous_default": old.name if old else None})
+        change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
+        print(f"{key_str(key)}: {best}{change}; " + ", ".join(
+            f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)
+    out = Path(str(args.out).replace("<spec>", spec_path.stem))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    if args.dry_run:
+        print(f"wrote {out}; --dry-run: {spec_path} unchanged")
+        return 0
+    spec_path.write_text(write_spec(spec_path, winners, notes))
+    print(f"wrote {out} and the dispatch section of {spec_path}; rebuild to use it: "
+          f"fa3gen build --spec {args.spec}")
+    return 0

@@ -1,0 +1,131 @@
+"""`fa3gen tune` on CPU: the choice, the rewritten dispatch section (valid, resolving to the
+winners, the rest of the spec kept), and the command's flow with the GPU timing stubbed."""
+import json
+import types
+
+import pytest
+
+from fa3gen import cli, tune
+from fa3gen.contract import key_str, parse_name
+from fa3gen.errors import Fa3genError
+
+SPEC = """\
+# a comment that must survive
+name: tunetest
+axes:
+  direction: fwd
+  dtype: bf16
+  causal: [false, true]
+  stages: 2
+  warp_specialized: true
+  pingpong: true
+  intra_wg_overlap: true
+groups:
+  - name: d128
+    axes:
+      head_dim: 128
+      tile: [[128, 128], [128, 176]]
+  - name: d64   # one candidate per key: nothing to choose
+    axes: {head_dim: 64, tile: [192, 128], pingpong: false}
+exclude:
+  - {head_dim: 128, tile: [128, 176], causal: true}
+dispatch:
+  # the old choice
+  - when: {direction: fwd, head_dim: 128, causal: false}
+    use: {tile: [128, 176]}
+"""
+NC_128 = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
+NC_176 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+NC_KEY = parse_name(NC_128).key
+
+
+@pytest.fixture
+def spec_file(tmp_path):
+    p = tmp_path / "tunetest.yaml"
+    p.write_text(SPEC)
+    return p
+
+
+def test_choose_takes_the_best_geomean_and_skips_failures():
+    # geomean, not the sum: a's 1.0 + 4.0 ms is faster in total than b's 1.9 + 2.0, not per shape
+    best, rel = tune.choose({"a": [1.0, 4.0], "b": [1.9, 2.0], "c": [0.5, None]})
+    assert best == "b" and rel["b"] == 1.0 and rel["a"] == pytest.approx(3.8 ** 0.5 / 2)
+    assert "c" not in rel
+    assert tune.choose({"a": [2.0], "b": [1.0]})[0] == "b"
+    with pytest.raises(Fa3genError, match="no candidate ran on every shape"):
+        tune.choose({"a": [None]})
+
+
+def test_candidates_are_the_multi_variant_keys(spec_file):
+    multi, current = tune.candidates(spec_file)
+    assert list(multi) == [NC_KEY]
+    assert [v.name for v in multi[NC_KEY]] == [NC_128, NC_176]
+    assert current[NC_KEY].name == NC_176
+
+
+def test_written_spec_resolves_to_the_winner_and_keeps_the_rest(spec_file):
+    winner = parse_name(NC_128)
+    text = tune.write_spec(spec_file, {NC_KEY: winner}, {NC_KEY: "measured: 1.03x"})
+    assert text.startswith("# a comment that must survive\n")
+    assert "exclude:\n  - {head_dim: 128, tile: [128, 176], causal: true}" in text
+    assert "# the old choice" not in text and "# measured: 1.03x" in text
+    assert ("  - when: {direction: fwd, dtype: bf16, head_dim: 128, causal: false}\n"
+            "    use: {tile: [128, 128], stages: 2, warp_specialized: true, pingpong: true, "
+            "intra_wg_overlap: true}") in text
+    spec_file.write_text(text)
+    assert tune.candidates(spec_file)[1][NC_KEY] == winner
+    # Keys not timed keep their current default.
+    again = tune.write_spec(spec_file, {}, {})
+    spec_file.write_text(again)
+    assert tune.candidates(spec_file)[1][NC_KEY] == winner
+
+
+def test_feature_keys_name_their_flags_and_a_missing_block_is_appended():
+    v = parse_name("fwd_bf16_d128_causal_softcap_varlen_m128n128_s2_ws1_pp1_ov1")
+    block = tune.render_dispatch({v.key: v}, {})
+    assert "when: {direction: fwd, dtype: bf16, head_dim: 128, causal: true, softcap: true, " \
+           "varlen: true}" in block and "local" not in block
+    assert tune.replace_dispatch("name: x\naxes: {}\n", block) == "name: x\naxes: {}\n" + block
+    text = "name: x\ndispatch:\n  - when: {}\n    use: {}\ndispatch_required: false\n"
+    assert tune.replace_dispatch(text, block) == "name: x\n" + block + "dispatch_required: false\n"
+
+
+def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypatch, capsys):
+    """The command as on the GPU, with torch's CUDA check, the library and the timing faked:
+    it writes the JSON and the new default."""
+    import torch
+
+    from fa3gen import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_lib = types.SimpleNamespace(variants=[parse_name(NC_128), parse_name(NC_176)],
+                                     path=tmp_path / "libfa3gen_tunetest.so")
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: fake_lib)
+    monkeypatch.setattr(tune, "provenance", lambda lib: {"gpu": "fake"})
+    timed = []
+
+    def measure(lib, key, names, shapes, rounds, min_ms):
+        timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms))
+        return {NC_128: [1.0, 1.0], NC_176: [1.1, 1.05]}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    out = tmp_path / "tune.json"
+    assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--rounds", "2",
+                     "--min-ms", "5", "--out", str(out)]) == 0
+    assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0)]
+    assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert report["keys"][0]["winner"] == NC_128 and report["keys"][0]["previous_default"] == NC_176
+    assert tune.candidates(spec_file)[1][NC_KEY].name == NC_128
+
+
+def test_tune_without_candidates_or_gpu(spec_file, tmp_path, capsys, monkeypatch):
+    tiny = tmp_path / "one.yaml"
+    tiny.write_text(SPEC.replace("[[128, 128], [128, 176]]", "[128, 128]").split("exclude:")[0])
+    assert cli.main(["tune", "--spec", str(tiny)]) == 0
+    assert "no key with several candidates; nothing to tune" in capsys.readouterr().out
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["tune", "--spec", str(spec_file)]) != 0
+    assert "fa3gen tune needs a CUDA GPU" in capsys.readouterr().err
