@@ -18,7 +18,7 @@ from generator.paths import resolve_spec_path
 
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
 # Imported only when the command line asks for something that is not built in.
-COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate", "fa3gen.tune")
+COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate", "fa3gen.tune", "fa3gen.numerics")
 BUILTIN_COMMANDS = ("build", "list", "clean", "package", "spec")
 
 

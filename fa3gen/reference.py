@@ -248,3 +248,82 @@ def compare_varlen_grads_to_reference(grads, q, k, v, dout, cu_seqlens_q, cu_seq
             (dq[rq][None], dk[rk][None], dv[rk][None]), q[rq][None], k[rk][None], v[rk][None],
             dout[rq][None], causal, softmax_scale, **extra)))
     return _merge(results)
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 (e4m3) attention, emulated in PyTorch: the ground truth for the numerics study
+# (fa3gen/numerics.py) and, later, for the fp8 kernels. Q, K, V are quantized to e4m3 with
+# per-tensor or per-block scales (optionally after incoherent processing: Q and K times the
+# same random orthogonal M = diag(signs) H / sqrt(d)); the GEMMs run on the dequantized values
+# in fp32 (what fp32-accumulating FP8 WGMMAs compute); P is cast to e4m3 (times p_scale) per
+# key block under an online softmax that visits key blocks from the last down, as the kernels
+# do; the row sum is taken in fp32 before that cast.
+
+E4M3_MAX = 448.0
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """x times the orthonormal Sylvester-Hadamard matrix H_d / sqrt(d) along the last dim (a
+    power of two), in O(d log d) (the fast Walsh-Hadamard transform)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"the Hadamard transform needs a power-of-two size, got {d}")
+    y, h = x, 1
+    while h < d:
+        y = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return y.reshape(x.shape) / math.sqrt(d)
+
+
+def random_signs(d: int, seed: int, device=None) -> torch.Tensor:
+    """The diagonal of a random +-1 matrix (the random part of incoherent processing)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).to(device=device, dtype=torch.float32)
+
+
+def quantize_e4m3(x: torch.Tensor, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scales) of x (batch, seqlen, heads, d), x ~ values * scale: one scale
+    per tensor (block_rows None) or per (batch, block of block_rows rows, head); the largest
+    magnitude of each scope maps to 448. Scales broadcast against x."""
+    b, s, h, d = x.shape
+    xf = x.float()
+    if block_rows is None:
+        amax = xf.abs().amax().reshape(1, 1, 1, 1)
+    else:
+        blocks = -(-s // block_rows)
+        padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block_rows - s))
+        amax = padded.abs().reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
+        amax = amax.repeat_interleave(block_rows, dim=1)[:, :s].unsqueeze(-1)     # (b, s, h, 1)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (xf / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int | None = None,
+                           hadamard: bool = False, seed: int = 0, p_scale: float = 256.0,
+                           key_block: int = 128, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """Non-causal FP8 attention of (batch, seqlen, heads, d) q, k, v as described above; block_q /
+    block_k: rows per scale block of Q and of K/V (None: per tensor). Returns out_dtype."""
+    d = q.shape[-1]
+    if hadamard:
+        signs = random_signs(d, seed, q.device)
+        q, k = hadamard_transform(q.float() * signs), hadamard_transform(k.float() * signs)
+    deq = [vals.float() * scale for vals, scale in (quantize_e4m3(q, block_q),
+                                                   quantize_e4m3(k, block_k),
+                                                   quantize_e4m3(v, block_k))]
+    qt, kt, vt = (t.transpose(1, 2) for t in deq)  # (b, h, s, d)
+    s_k = kt.shape[2]
+    row_max = torch.full(qt.shape[:3] + (1,), float("-inf"), device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros(qt.shape, device=q.device)
+    for start in reversed(range(0, s_k, key_block)):
+        kb, vb = kt[:, :, start:start + key_block], vt[:, :, start:start + key_block]
+        scores = torch.matmul(qt, kb.transpose(-1, -2)) / math.sqrt(d)
+        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
+        rescale = torch.exp(row_max - new_max)
+        p = torch.exp(scores - new_max)
+        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+        p8 = (p * p_scale).to(torch.float8_e4m3fn).float() / p_scale
+        acc = acc * rescale + torch.matmul(p8, vb)
+        row_max = new_max
+    return (acc / row_sum).transpose(1, 2).to(out_dtype)

@@ -1,0 +1,209 @@
+"""`fa3gen numerics`: the FlashAttention-3 paper's numerical-error study.
+
+Data as in the paper: every entry of Q, K, V drawn from N(0, 1), plus N(0, 100) with
+probability 0.001 (outliers); reference: attention in FP64; error: RMSE of the output against
+it. Rows:
+- emulated in PyTorch (any device; fa3gen.reference): standard attention in fp16 (scores and
+  softmax in fp16: the paper's baseline), FlashAttention-style fp16 and bf16 (fp32 scores and
+  softmax, P rounded to the input dtype, fp32 accumulation), and FP8 e4m3 with per-tensor
+  scales (the baseline), block quantization only, incoherent processing (random-sign Hadamard)
+  only, and both (reference.fp8_attention_emulated);
+- measured on the GPU when one is present: fa3gen's kernels (bf16, fp16), PyTorch SDPA's
+  FlashAttention-2 backend (fp16), and cuDNN's FP8 SDPA when cudnn-frontend imports (not wired
+  yet; the row says so). fa3gen has no fp8 kernel yet: its fp8 rows are emulations.
+
+Writes docs/results/numerics.json and the marked block of docs/NUMERICS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from fa3gen.bench import DOCS_DIR, RESULTS_DIR, update_markdown
+
+BEGIN, END = "<!-- numerics:begin -->", "<!-- numerics:end -->"
+# The paper's RMSE (FlashAttention-3, section 4.3), by our row names.
+PAPER = {"standard_fp16": 3.2e-4, "flash_fp16": 1.9e-4, "sdpa_fa2_fp16": 1.9e-4,
+         "fa3gen_fp16": 1.9e-4, "fp8_per_tensor": 2.4e-2, "fp8_block_hadamard": 9.1e-3,
+         "fp8_hadamard": 9.3e-3, "fp8_block": 2.4e-2}
+LABELS = {
+    "standard_fp16": "standard attention, fp16 (scores and softmax in fp16)",
+    "flash_fp16": "FlashAttention-style fp16, emulated (fp32 softmax, P in fp16)",
+    "flash_bf16": "FlashAttention-style bf16, emulated",
+    "fa3gen_fp16": "fa3gen kernel, fp16",
+    "fa3gen_bf16": "fa3gen kernel, bf16",
+    "sdpa_fa2_fp16": "PyTorch SDPA FlashAttention-2 backend, fp16",
+    "fp8_per_tensor": "fp8 e4m3, per-tensor scales (baseline), emulated",
+    "fp8_block": "fp8, block quantization only, emulated",
+    "fp8_hadamard": "fp8, incoherent processing only, emulated",
+    "fp8_block_hadamard": "fp8, block quantization + incoherent processing, emulated",
+    "cudnn_fp8": "cuDNN fp8 SDPA",
+}
+DEFAULT_SHAPES = ((1, 8192, 2, 128), (1, 4096, 4, 64))  # (batch, seqlen, heads, head_dim)
+BLOCK = 128  # rows per scale block (the kernels' tile)
+
+
+def paper_inputs(shape, seed: int, device="cpu"):
+    """q, k, v in fp64: N(0, 1) plus, with probability 0.001, N(0, 100)."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def draw():
+        x = torch.randn(shape, generator=g, device=device, dtype=torch.float64)
+        outlier = torch.rand(shape, generator=g, device=device, dtype=torch.float64) < 1e-3
+        return x + outlier * 10.0 * torch.randn(shape, generator=g, device=device,
+                                                dtype=torch.float64)
+    return draw(), draw(), draw()
+
+
+def rmse(out, ref) -> float:
+    return float(((out.double() - ref) ** 2).mean().sqrt())
+
+
+def _attention(q, k, v, score_dtype, p_dtype):
+    """softmax(q k^T / sqrt(d)) v with scores and softmax in score_dtype, P rounded to p_dtype
+    and the PV product accumulated in score_dtype; (batch, seqlen, heads, d) layout."""
+    import torch
+
+    qt, kt, vt = (t.transpose(1, 2).to(score_dtype) for t in (q, k, v))
+    s = torch.matmul(qt, kt.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    p = torch.softmax(s, dim=-1).to(p_dtype).to(score_dtype)
+    return torch.matmul(p, vt.to(p_dtype).to(score_dtype)).transpose(1, 2)
+
+
+def emulated_rows(q, k, v) -> dict:
+    """{row: output} of the PyTorch emulations (inputs fp64)."""
+    import torch
+
+    from fa3gen.reference import fp8_attention_emulated
+
+    h16, b16 = q.half(), q.bfloat16()
+    rows = {
+        "standard_fp16": _attention(h16, k.half(), v.half(), torch.float16, torch.float16),
+        "flash_fp16": _attention(h16.float(), k.half().float(), v.half().float(), torch.float32,
+                                 torch.float16).half(),
+        "flash_bf16": _attention(b16.float(), k.bfloat16().float(), v.bfloat16().float(),
+                                 torch.float32, torch.bfloat16).bfloat16(),
+    }
+    for name, block, hadamard in (("fp8_per_tensor", None, False), ("fp8_block", BLOCK, False),
+                                  ("fp8_hadamard", None, True),
+                                  ("fp8_block_hadamard", BLOCK, True)):
+        rows[name] = fp8_attention_emulated(q.float(), k.float(), v.float(), block_q=block,
+                                            block_k=block, hadamard=hadamard)
+    return rows
+
+
+def gpu_rows(q, k, v) -> tuple[dict, dict]:
+    """({row: output}, {row: why not measured}) of the kernels on the GPU."""
+    import torch
+
+    outs, missing = {}, {}
+    try:
+        from fa3gen.ops import flash_attn_func
+
+        for dt, name in ((torch.float16, "fa3gen_fp16"), (torch.bfloat16, "fa3gen_bf16")):
+            outs[name] = flash_attn_func(q.to(dt), k.to(dt), v.to(dt))
+    except Exception as e:
+        missing["fa3gen_fp16"] = missing["fa3gen_bf16"] = str(e).splitlines()[0][:200]
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            qt, kt, vt = (t.half().transpose(1, 2) for t in (q, k, v))
+            outs["sdpa_fa2_fp16"] = torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt).transpose(1, 2)
+    except Exception as e:
+        missing["sdpa_fa2_fp16"] = str(e).splitlines()[0][:200]
+    missing["cudnn_fp8"] = "not wired yet (cudnn-frontend's fp8 SDPA graph)"
+    return outs, missing
+
+
+def study(shapes, seed: int, device: str) -> dict:
+    import torch
+
+    from fa3gen.reference import attention_reference
+
+    results = []
+    for shape in shapes:
+        q, k, v = paper_inputs(shape, seed, device)
+        ref, _ = attention_reference(q, k, v, upcast=False)  # fp64 in, fp64 out
+        outs = emulated_rows(q, k, v)
+        missing = {}
+        if device == "cuda":
+            got, missing = gpu_rows(q, k, v)
+            outs.update(got)
+        else:
+            for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", "cudnn_fp8"):
+                missing[name] = "needs a GPU (this run: cpu)"
+        row = {"shape": list(shape), "rmse": {n: rmse(o, ref) for n, o in outs.items()},
+               "not_measured": missing}
+        torch.cuda.empty_cache() if device == "cuda" else None
+        results.append(row)
+    return {"seed": seed, "device": device, "block_rows": BLOCK, "p_scale": 256.0,
+            "results": results}
+
+
+def render_markdown(report: dict) -> str:
+    shapes = [r["shape"] for r in report["results"]]
+    head = " | ".join(f"RMSE at ({', '.join(map(str, s))})" for s in shapes)
+    lines = [f"Device: {report['device']}, seed {report['seed']}; shapes are (batch, seqlen, heads, "
+             f"head_dim); fp8 scale blocks of {report['block_rows']} rows, P cast to e4m3 times "
+             f"{report['p_scale']:g}.", "",
+             f"| row | paper | {head} |", "|---|---|" + "---|" * len(shapes)]
+    for name, label in LABELS.items():
+        cells = []
+        for r in report["results"]:
+            if name in r["rmse"]:
+                cells.append(f"{r['rmse'][name]:.2e}")
+            else:
+                cells.append(f"not measured: {r['not_measured'].get(name, '-')}")
+        paper = f"{PAPER[name]:.1e}" if name in PAPER else "-"
+        lines.append(f"| {label} | {paper} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("numerics", help="the FlashAttention-3 paper's RMSE study "
+                              "(outliers, FP64 reference) for fp16/bf16/fp8 attention")
+    p.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,S,H,D",
+                   help="problem shape (repeatable; default 1,8192,2,128 and 1,4096,4,64)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: cuda when available (adds the kernel rows)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "numerics.json")
+    p.add_argument("--doc", type=Path, default=DOCS_DIR / "NUMERICS.md")
+    p.set_defaults(func=run)
+    return p
+
+
+def _shape(text: str) -> tuple[int, int, int, int]:
+    try:
+        b, s, h, d = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected B,S,H,D (four ints), got {text!r}")
+    if min(b, s, h, d) < 1 or d & (d - 1):
+        raise argparse.ArgumentTypeError(f"{text}: sizes must be >= 1 and head_dim a power of "
+                                         "two (the Hadamard transform)")
+    return b, s, h, d
+
+
+def run(args) -> int:
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = study(args.shape or DEFAULT_SHAPES, args.seed, device)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    update_markdown(args.doc, render_markdown(report), BEGIN, END, title="# Numerics\n\n")
+    for r in report["results"]:
+        print(f"shape {tuple(r['shape'])}: " + ", ".join(
+            f"{n} {e:.2e}" for n, e in r["rmse"].items()), file=sys.stdout, flush=True)
+    print(f"wrote {args.out} and {args.doc}")
+    return 0

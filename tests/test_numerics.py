@@ -1,0 +1,78 @@
+"""The FP8 emulation and the numerics study on CPU: the Hadamard transform, incoherent
+processing, e4m3 quantization scales, and `fa3gen numerics` writing its report."""
+import json
+import math
+
+import pytest
+import torch
+
+from fa3gen import cli, numerics
+from fa3gen.reference import (attention_reference, fp8_attention_emulated, hadamard_transform,
+                              quantize_e4m3, random_signs)
+
+
+def test_hadamard_is_the_orthonormal_sylvester_matrix():
+    x = torch.randn(3, 5, 64, dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < 64:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    assert torch.allclose(hadamard_transform(x), x @ h / 8, atol=1e-12)
+    assert torch.allclose(hadamard_transform(hadamard_transform(x)), x, atol=1e-12)  # H H = I
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_transform(torch.zeros(2, 96))
+
+
+def test_incoherent_processing_keeps_the_scores():
+    q, k = torch.randn(33, 128, dtype=torch.float64), torch.randn(40, 128, dtype=torch.float64)
+    s = random_signs(128, seed=3).double()
+    assert set(s.tolist()) == {-1.0, 1.0}
+    qm, km = hadamard_transform(q * s), hadamard_transform(k * s)
+    assert torch.allclose(qm @ km.transpose(-1, -2), q @ k.transpose(-1, -2), atol=1e-10)
+
+
+def test_e4m3_scales_per_tensor_and_per_block():
+    x = torch.randn(2, 300, 3, 64)
+    x[1, 250, 2, 7] = 100.0  # one outlier, in block 1 of batch 1, head 2
+    vals, scale = quantize_e4m3(x)
+    assert vals.dtype == torch.float8_e4m3fn and scale.shape == (1, 1, 1, 1)
+    assert float(vals.float().abs().max()) == 448.0
+    vals_b, scale_b = quantize_e4m3(x, block_rows=128)
+    assert scale_b.shape == (2, 300, 3, 1)
+    assert float(scale_b[1, 250, 2, 0]) == pytest.approx(100.0 / 448)
+    assert float(scale_b[1, 10, 2, 0]) < 10.0 / 448  # other blocks keep their own range
+    # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 away from the subnormals
+    big = x.abs() > 0.5
+    err = ((vals_b.float() * scale_b - x).abs() / x.abs())[big]
+    assert float(err.max()) <= 2 ** -4 + 1e-6
+
+
+def test_fp8_emulation_is_close_without_outliers_and_exact_in_the_limit():
+    q, k, v = (torch.randn(1, 300, 2, 64, dtype=torch.float64) for _ in range(3))
+    ref, _ = attention_reference(q, k, v, upcast=False)
+    out = fp8_attention_emulated(q.float(), k.float(), v.float(), block_q=128, block_k=128,
+                                 hadamard=True, out_dtype=torch.float64)
+    err = float(((out - ref) ** 2).mean().sqrt())
+    assert 1e-4 < err < 3e-2  # fp8 error: present, and bounded
+    # A single key: softmax is 1 whatever the scores, so only V's quantization remains.
+    one = fp8_attention_emulated(q.float(), k[:, :1].float(), v[:, :1].float(),
+                                 out_dtype=torch.float64)
+    vals, scale = quantize_e4m3(v[:, :1].float())
+    assert torch.allclose(one, (vals.float() * scale).double().expand_as(one), atol=1e-6)
+
+
+def test_numerics_command_writes_every_row(tmp_path, capsys):
+    out, doc = tmp_path / "n.json", tmp_path / "NUMERICS.md"
+    assert cli.main(["numerics", "--shape", "1,256,2,64", "--device", "cpu", "--out", str(out),
+                     "--doc", str(doc)]) == 0
+    report = json.loads(out.read_text())
+    r = report["results"][0]
+    assert r["shape"] == [1, 256, 2, 64]
+    assert set(r["rmse"]) == {"standard_fp16", "flash_fp16", "flash_bf16", "fp8_per_tensor",
+                              "fp8_block", "fp8_hadamard", "fp8_block_hadamard"}
+    assert all(0 < e < 1 for e in r["rmse"].values())
+    assert r["rmse"]["flash_fp16"] < r["rmse"]["fp8_block_hadamard"] < r["rmse"]["fp8_per_tensor"]
+    text = doc.read_text()
+    assert "| fp8, block quantization + incoherent processing, emulated | 9.1e-03 |" in text
+    assert "fa3gen kernel, bf16 | - | not measured: needs a GPU" in text
+    with pytest.raises(SystemExit):
+        cli.main(["numerics", "--shape", "1,256,2,96"])  # not a power of two
