@@ -60,6 +60,9 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         if cu.dim() != 1 or cu.shape[0] < 2:
             raise InvalidInputError(f"{name} must be 1-D with batch + 1 >= 2 entries, got shape "
                                     f"{tuple(cu.shape)}")
+        if not cu.is_contiguous():  # the kernels read cu[b] at b * 4 bytes
+            raise InvalidInputError(f"{name} must be contiguous (stride {cu.stride(0)}); pass "
+                                    f"{name}.contiguous()")
         if cu.device != q.device:
             raise InvalidInputError(f"{name} is on {cu.device}, q on {q.device}: both must be on "
                                     "one device")
@@ -447,4 +450,4 @@ def _cu_signature(cu) -> tuple:
     """What the checks read of a cu_seqlens argument (its data is the kernel's)."""
     if not isinstance(cu, torch.Tensor):
         return (type(cu),)  # a miss: the checks reject it
-    return cu.shape, cu.dtype, cu.device, cu.dim()
+    return cu.shape, cu.stride(), cu.dtype, cu.device

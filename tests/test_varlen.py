@@ -54,6 +54,8 @@ def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
     (dict(cu_seqlens_k=CU_K.float()), "cu_seqlens_k must be int32"),
     (dict(cu_seqlens_q=CU_Q[None]), r"cu_seqlens_q must be 1-D with batch \+ 1 >= 2 entries"),
     (dict(cu_seqlens_q=CU_Q[:1]), r"cu_seqlens_q must be 1-D with batch \+ 1 >= 2 entries"),
+    (dict(cu_seqlens_k=torch.tensor([0, 0, 5, 0, 7, 0, 12, 0], dtype=torch.int32)[::2]),
+     r"cu_seqlens_k must be contiguous \(stride 2\)"),
     (dict(cu_seqlens_k=CU_K[:3]), "cu_seqlens_q and cu_seqlens_k must have batch \\+ 1 entries "
                                   "each, got 4 and 3"),
     (dict(cu_seqlens_q=[0, 3, 10]), "cu_seqlens_q must be a torch.Tensor, got list"),
