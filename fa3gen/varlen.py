@@ -435,7 +435,8 @@ def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant)
         raise
     sig = ops._signature
     key = (sig(q), sig(k), sig(v), _cu_signature(cu_q), _cu_signature(cu_k), max_q, max_k, mask,
-           softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib)
+           softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib,
+           os.environ.get("FA3GEN_GRID"))  # the params carry grid_mode, as in ops
     plan = _plans.get(key)
     if plan is None:
         ops.check_device(q, k, v)
