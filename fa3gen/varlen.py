@@ -332,12 +332,37 @@ class _EagerVarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        plan = ctx.plan
-        name = _backward_variant(q, plan.mask)
-        _trace_call(name, True, q, k, cu_q, plan.dims.seqlen_q, plan.dims.seqlen_k)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, plan.dims.seqlen_q,
-                               plan.dims.seqlen_k, plan.mask, plan.scale, name, ctx.deterministic)
+        dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse, cu_q,
+                                     cu_k)
         return dq, dk, dv, None, None, None, None
+
+
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
+
+
+def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu_q, cu_k):
+    """As ops._eager_backward: the checks and the dispatch once per signature (the forward
+    plan's covers q, k, v, cu_seqlens and max_seqlen)."""
+    sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
+    key = (fwd, deterministic, ops._signature(dout))
+    found = _bwd_plans.get(key)
+    if found is None:
+        name = _backward_variant(q, fwd.mask)
+        ready = _tma_ready(dout)  # autograd may hand over any strides
+        grads = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+        found = ops._remember(_bwd_plans, key, (_bwd_plan(
+            ready, q, k, v, out, lse, cu_q, cu_k, *sizes, *grads, fwd.mask, fwd.scale, name,
+            deterministic, fwd.lib), ready is not dout))
+    plan, copy_dout = found
+    _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
+    if copy_dout:
+        dout = dout.contiguous()
+    elif dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+        return _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
+                         plan.info.name, deterministic)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    _bwd_run(plan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv)
+    return dq, dk, dv
 
 
 def _trace_call(name, default, q, k, cu_q, max_q, max_k):

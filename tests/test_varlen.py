@@ -30,6 +30,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
     monkeypatch.setattr(varlen, "_plans", {})
+    monkeypatch.setattr(varlen, "_bwd_plans", {})
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
         (info.name, make())))
@@ -164,3 +165,18 @@ def test_tile_bound_matches_the_abi_macro(tmp_path):
                    for lengths in itertools.product(range(longest + 1), repeat=batch)
                    if sum(lengths) == total)
         assert contract.varlen_tiles(total, batch, longest, tile) == most
+
+
+def test_eager_calls_plan_once_per_signature(fake, monkeypatch):
+    checks = []
+    for plan in ("_fwd_plan", "_bwd_plan"):
+        real = getattr(varlen, plan)
+        monkeypatch.setattr(varlen, plan, lambda *a, real=real: checks.append(1) or real(*a))
+    q, k, v = qkv(grad=True)
+    for _ in range(3):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).float().sum().backward()
+    assert len(fake) == 6 and len(checks) == 2  # three forwards and backwards, one plan each
+    bwd = fake[5][1]
+    assert (bwd.do_row_stride, bwd.do_head_stride) == (512, 128)  # the expanded grad, copied
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 8, 5, causal=True)  # another max_seqlen
+    assert len(checks) == 3
