@@ -536,11 +536,13 @@ def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, determini
     return _empty_grads(q, k, v)
 
 
-def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool) -> str:
+def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool,
+                        seqlen_k: int | None = None) -> str:
     """Name of the default backward variant for q's dtype (clear error when none was built).
-    mask: the call's Masking, or just causal."""
+    mask: the call's Masking, or just causal; seqlen_k: the keys, for a seqlen range default
+    (None under graph capture, as resolve_variant's by_length=False)."""
     dtype = _DTYPES.get(q.dtype, str(q.dtype))
-    return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask))
+    return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask), False, seqlen_k)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -632,7 +634,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
     key = (fwd, deterministic, _signature(dout))
     found = _bwd_plans.get(key)
     if found is None:
-        name = resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask)
+        name = resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask, fwd.dims.seqlen_k)
         ready = _tma_ready(dout)  # autograd may hand over any strides: copy what TMA cannot read
         found = _remember(_bwd_plans, key, (_bwd_plan(
             ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask, fwd.scale, name,
@@ -697,17 +699,21 @@ def _assume_constant_result(fn):
 
 @_assume_constant_result
 def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
-                  local: bool, softcap: bool, varlen: bool = False) -> str:
+                  local: bool, softcap: bool, varlen: bool = False, seqlen_k=None) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
     # library lookup touches files and ctypes, which dynamo cannot trace).
     return runtime.get_library().find(direction, dtype, head_dim, causal, variant, local=local,
-                                      softcap=softcap, varlen=varlen).name
+                                      softcap=softcap, varlen=varlen, seqlen_k=seqlen_k).name
 
 
-def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None) -> str:
-    """Name of the forward variant that serves dims (default dispatch or the named one).
-    mask: the call's Masking, or just causal."""
-    return _variant_name("fwd", dims.dtype, dims.head_dim, variant, *_key_flags(mask))
+def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None,
+                    by_length: bool = True) -> str:
+    """Name of the forward variant that serves dims (default dispatch, the spec's seqlen_k
+    range default for dims.seqlen_k when by_length, or the named one). mask: the call's
+    Masking, or causal. Graph capture passes by_length=False: a traced length may be dynamic,
+    and the name is baked into the graph, so compiled calls take the key's default."""
+    return _variant_name("fwd", dims.dtype, dims.head_dim, variant, *_key_flags(mask), False,
+                         dims.seqlen_k if by_length else None)
 
 
 def _key_flags(mask: Masking | bool) -> tuple:
@@ -775,7 +781,7 @@ def flash_attn_func(
     if _captured(q, k, v):
         check_device(q, k, v)
         dims = check_inputs(q, k, v)
-        name = resolve_variant(dims, mask, variant)
+        name = resolve_variant(dims, mask, variant, by_length=False)
         check_layout(q=q, k=k, v=v)
         if _trace._active:  # a call that passed every check
             _trace_call(name, variant is None, dims)

@@ -263,6 +263,7 @@ class Library:
             row = f"{self.path}: fa3gen_variant({i})"
             self.variants.append(_variant_from_c(ptr.contents, row))
         self._by_name = {v.name: v for v in self.variants}
+        self.seqlen_dispatch = _seqlen_dispatch(self.build_info, self._by_name)
 
     def __repr__(self) -> str:
         return f"Library({str(self.path)!r}, {len(self.variants)} variants)"
@@ -279,12 +280,20 @@ class Library:
     def find(
         self, direction: str, dtype: str, head_dim: int, causal: bool, variant: str | None = None,
         *, local: bool = False, softcap: bool = False, varlen: bool = False,
+        seqlen_k: int | None = None,
     ) -> VariantInfo:
+        """The named variant, else the key's default; seqlen_k (when given) picks the spec's
+        range default for that length where the dispatch has one."""
         if variant is not None:  # fast path: the op resolves by name on every call
             v = self._by_name.get(variant)
             if v is not None and v.key == make_key(direction, dtype, head_dim, causal, local,
                                                    softcap, varlen):
                 return v
+        elif seqlen_k is not None and self.seqlen_dispatch:
+            key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen)
+            for lo, hi, v in self.seqlen_dispatch.get(key, ()):
+                if lo <= seqlen_k <= hi:
+                    return v
         return select_variant(
             self.variants, direction, dtype, head_dim, causal, variant, local=local,
             softcap=softcap, varlen=varlen, spec_name=self.spec_name, library=str(self.path),
@@ -306,6 +315,22 @@ class Library:
         rc = info.launch(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
             raise Fa3genError(f"fa3gen kernel {info.name} failed (code {rc}): {self.last_error()}")
+
+
+def _seqlen_dispatch(build_info: dict, by_name: dict) -> dict[tuple, list]:
+    """key -> [(lo, hi, VariantInfo)] from the build info's seqlen_dispatch rows (the spec's
+    dispatch entries with a seqlen_k range); rows naming a variant not in the table, or not
+    of the right shape, are ignored (the key's default then serves)."""
+    out: dict[tuple, list] = {}
+    for row in build_info.get("seqlen_dispatch") or []:
+        try:
+            *key, lo, hi, name = row
+            v = by_name.get(name)
+            if v is not None and v.key == make_key(*key):
+                out.setdefault(v.key, []).append((int(lo), int(hi), v))
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def _parse_build_info(raw: bytes | None) -> dict[str, Any]:

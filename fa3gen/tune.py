@@ -74,19 +74,51 @@ def _yaml_value(axis: str, value) -> str:
     return str(value)
 
 
-def render_dispatch(defaults: dict, notes: dict) -> str:
+def render_dispatch(defaults: dict, notes: dict, ranges: dict | None = None) -> str:
     """The `dispatch:` block: one exact entry per key (`when` names the key's axes, the
-    features only when set; `use` every knob of the default), each preceded by its note."""
-    lines = ["dispatch:"]
-    for key, v in sorted(defaults.items(), key=lambda kv: kv[1].name):
+    features only when set; `use` every knob of the default), each preceded by its note, then
+    the key's seqlen_k range entries ({key: [(lo, hi, variant)]})."""
+    def entry(v, rng=None):
         axes = v.axes()
         when = [(a, axes[a]) for a in KEY_AXES if not AXIS_BY_NAME[a].optional or axes[a]]
         use = [(a, axes[a]) for a in KNOB_AXES]
+        out = ["  - when: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in when) + "}"]
+        if rng is not None:
+            out.append(f"    seqlen_k: [{rng[0]}, {rng[1]}]")
+        out.append("    use: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in use) + "}")
+        return out
+
+    lines = ["dispatch:"]
+    for key, v in sorted(defaults.items(), key=lambda kv: kv[1].name):
         if key in notes:
             lines.append(f"  # {notes[key]}")
-        lines.append("  - when: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in when) + "}")
-        lines.append("    use: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in use) + "}")
+        lines += entry(v)
+        for lo, hi, rv in (ranges or {}).get(key, ()):
+            lines += entry(rv, (lo, hi))
     return "\n".join(lines) + "\n"
+
+
+def seqlen_ranges(seqlens: list[int], times: dict[str, list], fallback: str) -> list:
+    """[(lo, hi, name)]: where the fastest candidate per measured length differs from the
+    fallback, the lengths it wins, split halfway (geometrically) between measured lengths;
+    the first range starts at 0, the last runs to the end."""
+    from generator.spec import SEQLEN_MAX
+
+    order = sorted(range(len(seqlens)), key=lambda i: seqlens[i])
+    best = []
+    for i in order:
+        ok = {n: ts[i] for n, ts in times.items() if ts[i]}
+        best.append(min(ok, key=ok.get) if ok else fallback)
+    out, start = [], 0
+    for j, i in enumerate(order):
+        last = j + 1 == len(order)
+        if not last and best[j + 1] == best[j]:
+            continue
+        hi = SEQLEN_MAX if last else int(math.sqrt(seqlens[i] * seqlens[order[j + 1]]))
+        if best[j] != fallback:
+            out.append((start, hi, best[j]))
+        start = hi + 1
+    return out
 
 
 def replace_dispatch(text: str, block: str) -> str:
@@ -98,11 +130,12 @@ def replace_dispatch(text: str, block: str) -> str:
     return text.rstrip("\n") + "\n" + block
 
 
-def write_spec(spec_path: Path, winners: dict, notes: dict) -> str:
+def write_spec(spec_path: Path, winners: dict, notes: dict, ranges: dict | None = None) -> str:
     """The spec text with the winners as defaults (every other multi-candidate key keeps its
-    current one); raises if the result does not resolve to exactly those defaults."""
+    current one) and the seqlen ranges given; raises if the result does not resolve to
+    exactly those."""
     from generator.spec import parse_spec
-    from generator.variants import enumerate_variants, resolve_dispatch
+    from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
     multi, current = candidates(spec_path)
     defaults = {k: winners.get(k, current.get(k)) for k in multi}
@@ -110,10 +143,13 @@ def write_spec(spec_path: Path, winners: dict, notes: dict) -> str:
     if missing:
         raise Fa3genError(f"no default to write for {', '.join(missing)} (not timed and none in "
                           "the spec)")
-    text = replace_dispatch(spec_path.read_text(), render_dispatch(defaults, notes))
+    text = replace_dispatch(spec_path.read_text(), render_dispatch(defaults, notes, ranges))
     spec = parse_spec(text, str(spec_path), spec_path.stem)
-    resolved = resolve_dispatch(spec, enumerate_variants(spec).kept)
+    kept = enumerate_variants(spec).kept
+    resolved = resolve_dispatch(spec, kept)
+    resolved_ranges = resolve_seqlen_dispatch(spec, kept, resolved)
     wrong = [key_str(k) for k, v in defaults.items() if resolved.get(k) != v]
+    wrong += [key_str(k) for k, r in (ranges or {}).items() if resolved_ranges.get(k) != r]
     if wrong:
         raise Fa3genError(f"the rewritten dispatch does not resolve {', '.join(wrong)} to the "
                           "chosen variants (please report this)")
@@ -200,6 +236,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="back-to-back launches per round and candidate, ms (default 100)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "tune_<spec>.json",
                    help="measurement JSON (default docs/results/tune_<spec>.json)")
+    p.add_argument("--ranges", action="store_true",
+                   help="also write seqlen_k range entries where another candidate is the "
+                        "fastest at some of the measured lengths (split halfway between them)")
     p.add_argument("--dry-run", action="store_true",
                    help="measure and report, but leave the spec as it is")
     p.set_defaults(func=run)
@@ -232,7 +271,7 @@ def run(args) -> int:
     report = {"header": provenance(lib), "keys": []}
     report["header"].update(spec=str(spec_path), seqlens=args.seqlens, rounds=args.rounds,
                             min_ms=args.min_ms)
-    winners, notes = {}, {}
+    winners, notes, ranges = {}, {}, {}
     for key, variants in sorted(multi.items(), key=lambda kv: kv[1][0].name):
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
@@ -245,9 +284,16 @@ def run(args) -> int:
         runner_up = next((f"{n} {r:.3f}" for n, r in relative.items() if n != best), "none")
         notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}: geomean speed "
                       f"vs the winner: runner-up {runner_up}")
+        if args.ranges:
+            by_name = {v.name: v for v in variants}
+            found = seqlen_ranges(list(args.seqlens), times, best)
+            if found:
+                ranges[key] = [(lo, hi, by_name[n]) for lo, hi, n in found]
         report["keys"].append({"key": list(key), "shapes": shapes, "ms": times,
                                "relative_speed": relative, "winner": best,
-                               "previous_default": old.name if old else None})
+                               "previous_default": old.name if old else None,
+                               "seqlen_ranges": [[lo, hi, v.name] for lo, hi, v
+                                                 in ranges.get(key, [])]})
         change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
         print(f"{key_str(key)}: {best}{change}; " + ", ".join(
             f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)
@@ -257,7 +303,7 @@ def run(args) -> int:
     if args.dry_run:
         print(f"wrote {out}; --dry-run: {spec_path} unchanged")
         return 0
-    spec_path.write_text(write_spec(spec_path, winners, notes))
+    spec_path.write_text(write_spec(spec_path, winners, notes, ranges))
     print(f"wrote {out} and the dispatch section of {spec_path}; rebuild to use it: "
           f"fa3gen build --spec {args.spec}")
     return 0

@@ -21,7 +21,8 @@ from .lock import build_lock
 from .render import RenderPlan, environment, holds, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
-from .variants import Enumeration, enumerate_variants, resolve_dispatch, smem_bytes
+from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
+                       resolve_seqlen_dispatch, smem_bytes)
 
 GIB_PER_JOB = 4  # an nvcc of a CuTe attention kernel can take several GB
 
@@ -79,6 +80,14 @@ class Plan:
     variants: list[Variant]
     defaults: dict[tuple, Variant]        # over the whole spec, before filtering
     out_dir: Path
+    # key -> [(lo, hi, variant)]: the dispatch entries with a seqlen_k range
+    seqlen_defaults: dict = field(default_factory=dict)
+
+    def seqlen_dispatch(self) -> list:
+        """[[*key, lo, hi, name]] of the built range defaults (the library's build info)."""
+        built = {v.name for v in self.variants}
+        return [[*key, lo, hi, v.name] for key, ranges in sorted(self.seqlen_defaults.items())
+                for lo, hi, v in ranges if v.name in built]
 
     @property
     def warnings(self) -> list[str]:
@@ -98,8 +107,9 @@ def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Pl
             f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in en.pruned))
     # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
     defaults = resolve_dispatch(spec, en.kept)
+    seqlen_defaults = resolve_seqlen_dispatch(spec, en.kept, defaults)
     variants = select(en, only, exclude)
-    return Plan(spec, en, variants, defaults, spec_out_dir(spec.name))
+    return Plan(spec, en, variants, defaults, spec_out_dir(spec.name), seqlen_defaults)
 
 
 @dataclass
@@ -140,6 +150,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     info = {"spec": p.spec.name, "fingerprint": fp, "generator_version": __version__,
             "num_variants": len(p.variants), "filters": {"only": only, "exclude": exclude},
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}
+    if p.seqlen_defaults:
+        info["seqlen_dispatch"] = p.seqlen_dispatch()
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
                            spec_variants=p.enumeration.kept, env=env)
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,

@@ -23,7 +23,8 @@ from .paths import SPECS_DIR
 
 TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required")
 GROUP_KEYS = ("name", "axes")
-DISPATCH_KEYS = ("when", "use")
+DISPATCH_KEYS = ("when", "use", "seqlen_k")
+SEQLEN_MAX = 2**31 - 1  # the open upper end of a seqlen_k range
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 AxisValues = tuple  # tuple of allowed values for one axis
@@ -67,9 +68,12 @@ class DispatchEntry:
     where: str      # "dispatch[i]"
     when: Match     # over KEY_AXES
     use: Match      # over KNOB_AXES
+    # Only for calls with lo <= seqlen_k <= hi (None: every call; the key's default).
+    seqlen_k: tuple[int, int] | None = None
 
     def describe(self) -> str:
-        return f"{self.where} (when {self.when.describe()} use {self.use.describe()})"
+        rng = f" seqlen_k {list(self.seqlen_k)}" if self.seqlen_k else ""
+        return f"{self.where} (when {self.when.describe()}{rng} use {self.use.describe()})"
 
 
 @dataclass(frozen=True)
@@ -300,4 +304,13 @@ class _Validator:
                          hint=f" (key axes {', '.join(KEY_AXES)} go under `when`)")
         if not use.items:
             raise self.fail(f"{path}.use", "empty: name at least one knob", d["use"])
-        return DispatchEntry(path, when, use)
+        rng = d.get("seqlen_k")
+        if rng is not None:
+            ok = (isinstance(rng, list) and len(rng) == 2 and
+                  all(isinstance(x, int) and not isinstance(x, bool) for x in rng) and
+                  0 <= rng[0] <= rng[1] <= SEQLEN_MAX)
+            if not ok:
+                raise self.fail(f"{path}.seqlen_k", "expected [lo, hi], ints with 0 <= lo <= hi "
+                                f"<= {SEQLEN_MAX} (the calls with lo <= seqlen_k <= hi)", rng)
+            rng = (rng[0], rng[1])
+        return DispatchEntry(path, when, use, rng)

@@ -255,7 +255,7 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
     defaults: dict[tuple, Variant] = {}
     for key, cands in sorted(by_key.items(), key=lambda kv: kv[1][0].name):
         key_axes = dict(zip(KEY_AXES, key))
-        entries = [e for e in spec.dispatch if e.when.matches_key(key_axes)]
+        entries = [e for e in spec.dispatch if e.when.matches_key(key_axes) and e.seqlen_k is None]
         names = ", ".join(v.name for v in cands)
         if entries:
             used.update(e.where for e in entries)
@@ -272,7 +272,42 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
             raise spec.error(f"ambiguous default for {key_str(key)}: candidates {names}; "
                              "add a dispatch entry (or set dispatch_required: false)")
     for e in spec.dispatch:
-        if e.where not in used:
+        if e.where not in used and e.seqlen_k is None:
             keys = ", ".join(key_str(k) for k in sorted(by_key)) or "none"
             raise spec.error(f"{e.describe()} matches no kept variant key (kept keys: {keys})")
     return defaults
+
+
+def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
+                            defaults: dict[tuple, Variant]) -> dict[tuple, list]:
+    """Per key, [(lo, hi, variant)]: the dispatch entries with a seqlen_k range. Within a range
+    its entries replace the key's others (their `use` rules intersect and must leave exactly
+    one variant); distinct ranges of one key must not overlap; the key needs its default (the
+    calls outside every range, and torch.compile with a dynamic seqlen, take it)."""
+    by_key: dict[tuple, list[Variant]] = {}
+    for v in kept:
+        by_key.setdefault(v.key, []).append(v)
+    out: dict[tuple, list] = {}
+    for e in (e for e in spec.dispatch if e.seqlen_k is not None):
+        keys = [k for k in by_key if e.when.matches_key(dict(zip(KEY_AXES, k)))]
+        if not keys:
+            raise spec.error(f"{e.describe()} matches no kept variant key")
+        for key in keys:
+            if key not in defaults:
+                raise spec.error(f"{e.describe()}: {key_str(key)} has no default for the calls "
+                                 "outside the range; give it one")
+            ranges = out.setdefault(key, [])
+            if any(r[:2] == e.seqlen_k for r in ranges):
+                continue  # the same range: its entries are resolved together below
+            for lo, hi, _ in ranges:
+                if lo <= e.seqlen_k[1] and e.seqlen_k[0] <= hi:
+                    raise spec.error(f"{e.describe()}: its range overlaps [{lo}, {hi}] of "
+                                     f"another entry for {key_str(key)}")
+            same = [x for x in spec.dispatch if x.seqlen_k == e.seqlen_k
+                    and x.when.matches_key(dict(zip(KEY_AXES, key)))]
+            left = [v for v in by_key[key] if all(x.use.matches(v.axes()) for x in same)]
+            if len(left) != 1:
+                raise spec.error(f"{'; '.join(x.describe() for x in same)}: must leave exactly "
+                                 f"one variant for {key_str(key)}, leaves {len(left)}")
+            ranges.append((*e.seqlen_k, left[0]))
+    return {k: sorted(r, key=lambda x: x[0]) for k, r in out.items()}

@@ -228,3 +228,17 @@ def test_no_grad_calls_skip_autograd(eager, monkeypatch):
     with torch.no_grad():
         assert not ops.flash_attn_func(q, q, q).requires_grad
     assert not ops.flash_attn_func(q.detach(), q.detach(), q.detach()).requires_grad
+
+
+def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
+    """torch.compile(fullgraph=True) through flash_attn_func and its custom op, the launch
+    stubbed: a static length, then a length dynamo makes dynamic (the variant name must not
+    depend on a traced length)."""
+    launched, _ = eager
+    f = torch.compile(lambda q, k, v: ops.flash_attn_func(q, k, v, 0.5), fullgraph=True,
+                      backend="eager")
+    for seqlen in (64, 200, 300):
+        x = torch.zeros(1, seqlen, 2, 128, dtype=torch.bfloat16)
+        assert f(x, x, x).shape == x.shape
+    assert [n for n, _ in launched] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"] * 3
+    assert launched[0][1].softmax_scale == 0.5 and launched[2][1].seqlen_q == 300

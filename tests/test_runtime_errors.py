@@ -361,7 +361,7 @@ def test_backward_needs_a_bwd_variant(monkeypatch):
     from fa3gen import ops
 
     table = [_v("fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov1")]
-    fake_lib = type("L", (), {"find": lambda self, *a, **k: select_variant(table, *a, **k)})()
+    fake_lib = type("L", (), {"find": lambda self, *a, seqlen_k=None, **k: select_variant(table, *a, **k)})()
     monkeypatch.setattr(runtime, "get_library", lambda *a, **k: fake_lib)
     q = torch.empty(1, 4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(VariantNotBuiltError, match="direction=bwd dtype=bf16 head_dim=64"):

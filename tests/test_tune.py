@@ -129,3 +129,35 @@ def test_tune_without_candidates_or_gpu(spec_file, tmp_path, capsys, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cli.main(["tune", "--spec", str(spec_file)]) != 0
     assert "fa3gen tune needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_seqlen_ranges_where_another_candidate_wins():
+    times = {"a": [1.0, 2.0, 9.0, 30.0], "b": [1.5, 2.5, 8.0, 20.0]}
+    # a wins at 1024 and 2048, b at 8192 and 16384; the fallback (geomean winner) is b
+    assert tune.seqlen_ranges([1024, 2048, 8192, 16384], times, "b") == [(0, 4096, "a")]
+    assert tune.seqlen_ranges([1024, 2048, 8192, 16384], times, "a") == [(4097, 2**31 - 1, "b")]
+    assert tune.seqlen_ranges([1024, 4096], {"a": [1.0, 1.0], "b": [2.0, 2.0]}, "a") == []
+
+
+def test_tune_writes_ranges_that_resolve(spec_file, tmp_path, monkeypatch, capsys):
+    import torch
+
+    from fa3gen import runtime
+    from generator.build import plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: types.SimpleNamespace(
+        variants=[parse_name(NC_128), parse_name(NC_176)], path=tmp_path / "lib.so"))
+    monkeypatch.setattr(tune, "provenance", lambda lib: {})
+    # 128x128 faster at 1024, 128x176 at 4096 and 16384 (and in the geomean)
+    monkeypatch.setattr(tune, "measure", lambda *a: {NC_128: [1.0, 4.0, 40.0],
+                                                     NC_176: [1.2, 3.5, 30.0]})
+    assert cli.main(["tune", "--spec", str(spec_file), "--ranges", "--out",
+                     str(tmp_path / "t.json")]) == 0
+    text = spec_file.read_text()
+    assert "    seqlen_k: [0, 2048]\n    use: {tile: [128, 128]," in text
+    p = plan(spec_file)
+    assert p.defaults[NC_KEY].name == NC_176
+    assert [(lo, hi, v.name) for lo, hi, v in p.seqlen_defaults[NC_KEY]] == [(0, 2048, NC_128)]
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["keys"][0]["seqlen_ranges"] == [[0, 2048, NC_128]]

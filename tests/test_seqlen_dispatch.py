@@ -1,0 +1,95 @@
+"""Dispatch entries with a seqlen_k range: the spec syntax and its checks, the build info that
+carries the range defaults, and the runtime choosing by the call's seqlen_k (a fake library
+stands in)."""
+import dataclasses
+
+import pytest
+import torch
+
+from fa3gen import ops, runtime
+from fa3gen.contract import make_key
+from generator.build import plan
+from generator.errors import SpecError
+
+SPEC = """\
+name: ranged
+axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: false, stages: 2,
+       warp_specialized: true, pingpong: true, intra_wg_overlap: true,
+       tile: [[128, 128], [128, 176]]}
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 176]}
+  - when: {head_dim: 128}
+    seqlen_k: [0, 2048]
+    use: {tile: [128, 128]}
+"""
+KEY = make_key("fwd", "bf16", 128, False)
+
+
+def spec_file(tmp_path, text=SPEC):
+    p = tmp_path / "ranged.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_range_defaults_resolve_and_reach_the_build_info(tmp_path):
+    p = plan(spec_file(tmp_path))
+    assert p.defaults[KEY].name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    [(lo, hi, v)] = p.seqlen_defaults[KEY]
+    assert (lo, hi, v.name) == (0, 2048, "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1")
+    assert p.seqlen_dispatch() == [[*KEY, 0, 2048, v.name]]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("  - when: {head_dim: 128}\n    seqlen_k: [1000, 4096]\n    use: {tile: [128, 176]}\n",
+     r"overlaps \[0, 2048\]"),
+    ("  - when: {head_dim: 64}\n    seqlen_k: [0, 10]\n    use: {tile: [128, 176]}\n",
+     "matches no kept variant key"),
+    ("  - when: {head_dim: 128}\n    seqlen_k: [4096, 8192]\n    use: {stages: 2}\n",
+     "must leave exactly one variant"),
+    ("  - when: {head_dim: 128}\n    seqlen_k: [10, 5]\n    use: {tile: [128, 176]}\n",
+     r"seqlen_k: expected \[lo, hi\], ints with 0 <= lo <= hi"),
+    ("  - when: {head_dim: 128}\n    seqlen_k: 100\n    use: {tile: [128, 176]}\n",
+     r"seqlen_k: expected \[lo, hi\]"),
+])
+def test_bad_ranges_are_spec_errors(tmp_path, extra, message):
+    with pytest.raises(SpecError, match=message):
+        plan(spec_file(tmp_path, SPEC + extra))
+
+
+def test_a_range_needs_the_keys_default(tmp_path):
+    text = SPEC.replace("  - when: {head_dim: 128}\n    use: {tile: [128, 176]}\n", "") + \
+        "dispatch_required: false\n"
+    with pytest.raises(SpecError, match="has no default for the calls outside the range"):
+        plan(spec_file(tmp_path, text))
+
+
+def test_runtime_picks_by_seqlen(tmp_path, monkeypatch):
+    """Library.find with seqlen_k, and flash_attn_func's eager path (the fake library's table
+    has two candidates for the key; its build info gets a range for the other one)."""
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "_fwd_plans", {})
+    lib = runtime.get_library()
+    other = "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"
+    rows = [[*KEY, 0, 100, other], [*KEY, 5000, 4000, "not-a-variant"], "garbage"]
+    monkeypatch.setattr(lib, "seqlen_dispatch", runtime._seqlen_dispatch(
+        {"seqlen_dispatch": rows}, lib._by_name))
+    assert [(lo, hi, v.name) for lo, hi, v in lib.seqlen_dispatch[KEY]] == [(0, 100, other)]
+    default = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    assert lib.find("fwd", "bf16", 128, False, seqlen_k=64).name == other
+    assert lib.find("fwd", "bf16", 128, False, seqlen_k=101).name == default
+    assert lib.find("fwd", "bf16", 128, False).name == default
+    launched = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(info.name))
+    for seqlen in (64, 300):
+        q = torch.zeros(1, seqlen, 2, 128, dtype=torch.bfloat16)
+        ops.flash_attn_func(q, q, q)
+    assert launched == [other, default]
+    # Graph capture bakes one name for every length: the key's default.
+    dims = dataclasses.replace(ops.check_inputs(q, q, q), seqlen_k=64)
+    assert ops.resolve_variant(dims, False, by_length=False) == default
+    assert ops.resolve_variant(dims, False) == other
