@@ -142,7 +142,8 @@ def study(shapes, seed: int, device: str) -> dict:
                 missing[name] = "needs a GPU (this run: cpu)"
         row = {"shape": list(shape), "rmse": {n: rmse(o, ref) for n, o in outs.items()},
                "not_measured": missing}
-        torch.cuda.empty_cache() if device == "cuda" else None
+        if device == "cuda":
+            torch.cuda.empty_cache()
         results.append(row)
     return {"seed": seed, "device": device, "block_rows": BLOCK, "p_scale": 256.0,
             "results": results}

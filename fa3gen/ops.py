@@ -316,11 +316,17 @@ def _fwd_run(plan: _Plan, q, k, v, out, lse) -> None:
             out.zero_()
             lse.fill_(float("-inf"))
         return
+    p = _fwd_call_params(plan, q, k, v, out, lse)
+    _launch(plan.lib, plan.info, plan.device, lambda: p)
+
+
+def _fwd_call_params(plan: _Plan, q, k, v, out, lse):
+    """A copy of plan's params with this call's pointers (checked for alignment)."""
     _check_aligned(q=q, k=k, v=v, out=out)
     p = runtime.FwdParams.from_buffer_copy(plan.params)
     p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     p.o, p.lse = out.data_ptr(), lse.data_ptr()
-    _launch(plan.lib, plan.info, plan.device, lambda: p)
+    return p
 
 
 def _check_aligned(**tensors: torch.Tensor) -> None:
@@ -371,10 +377,10 @@ def _fwd_op(
 
 
 def _forward(q, k, v, mask: Masking, softmax_scale: float, variant: str):
-    """(out, lse) of forward variant `variant`: the custom op's body and the eager path's."""
+    """(out, lse) of forward variant `variant`: the custom op's body."""
     out, lse = _empty_outputs(q)
-    _fwd_into(q, k, v, out, lse, mask.causal, softmax_scale, variant,
-              window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
+    _fwd_run(_fwd_plan(q, k, v, out, lse, mask, float(softmax_scale), variant,
+                       runtime.get_library()), q, k, v, out, lse)
     return out, lse
 
 
@@ -486,11 +492,19 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
         dk.zero_()
         dv.zero_()
         return
-    _check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     work = _bwd_workspace(q, plan.dims, plan.info.tile_m, plan.deterministic)
-    p = runtime.BwdParams.from_buffer_copy(plan.params)
-    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work))
+    p = _bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
     _launch(plan.lib, plan.info, plan.device, lambda: p)
+
+
+def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dict):
+    """A copy of plan's params with this call's pointers (checked for alignment) and those of
+    its workspace (the _WORKSPACE buffers of `work`)."""
+    _check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    p = runtime.BwdParams.from_buffer_copy(plan.params)
+    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
+                          **{name: work[name] for name in _WORKSPACE}))
+    return p
 
 
 def _empty_grads(q, k, v):
@@ -520,13 +534,14 @@ def _bwd_op(
 
 def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, variant: str,
               deterministic: bool):
-    """(dq, dk, dv) of backward variant `variant`: the custom op's body and the eager path's."""
+    """(dq, dk, dv) of backward variant `variant`: the custom op's body (and the eager path's
+    for a misaligned dout)."""
     dq, dk, dv = _empty_grads(q, k, v)
     # Autograd (or a compiled graph) may hand over any strides: copy what TMA cannot read.
     dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
-    _bwd_into(dout, q, k, v, out, lse.contiguous(), dq, dk, dv, mask.causal, softmax_scale,
-              variant, deterministic, window_size=(mask.window_left, mask.window_right),
-              softcap=mask.softcap)
+    lse = lse.contiguous()
+    _bwd_run(_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask, float(softmax_scale), variant,
+                       deterministic, runtime.get_library()), dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
 
 
@@ -550,7 +565,7 @@ def _fwd_setup_context(ctx, inputs, output):
      softcap) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.softmax_scale, ctx.deterministic = softmax_scale, deterministic
     ctx.mask = masking(causal, (window_left, window_right), softcap)
     # Gradients flow through out only: lse is a by-product (like FlashAttention's).
     ctx.mark_non_differentiable(lse)

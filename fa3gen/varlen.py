@@ -151,13 +151,10 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) -> None
         out.zero_()
         lse.fill_(float("-inf"))
         return
-    ops._check_aligned(q=q, k=k, v=v, out=out)
+    p = ops._fwd_call_params(plan, q, k, v, out, lse)
     d = plan.dims
     tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, d.seqlen_q, plan.info.tile_m)
                         * d.heads_q, dtype=torch.int32)
-    p = runtime.FwdParams.from_buffer_copy(plan.params)
-    p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    p.o, p.lse = out.data_ptr(), lse.data_ptr()
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], k.shape[0])
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
@@ -225,12 +222,9 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
         dk.zero_()
         dv.zero_()
         return
-    ops._check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     work = _bwd_workspace(q, plan.dims, k.shape[0], plan.info.tile_m, plan.info.tile_n,
                           plan.deterministic)
-    p = runtime.BwdParams.from_buffer_copy(plan.params)
-    ops._set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
-                              **{name: work[name] for name in ops._WORKSPACE}))
+    p = ops._bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, work["tile_list"], q.shape[0], k.shape[0])
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 

@@ -22,6 +22,7 @@ import torch
 
 from fa3gen import timing
 from fa3gen.ops import flash_attn_func
+from sustained_backends import measure
 
 
 def visible_pairs(seqlen: int, left: int) -> int:
@@ -48,27 +49,6 @@ def backends():
     except Exception as e:  # an optional column
         print(f"FA4 unavailable: {e!r}"[:300], file=sys.stderr)
     return out
-
-
-def measure(fns: dict, q, k, v, window, cap, direction, rounds, min_ms):
-    """{backend: ms or error text} for one point."""
-    calls, errors = {}, {}
-    for name, f in fns.items():
-        try:
-            o = f(q, k, v, window, cap)  # compiles / warms the backend up
-            if direction == "fwd":
-                calls[name] = lambda f=f: f(q, k, v, window, cap)
-            else:
-                go = torch.randn_like(o)
-                calls[name] = lambda o=o, go=go: torch.autograd.grad(o, (q, k, v), go, retain_graph=True)
-            calls[name]()
-            torch.cuda.synchronize()
-        except Exception as e:
-            errors[name] = repr(e)[:200]
-            calls.pop(name, None)
-    names = list(calls)
-    ms = timing.sustained_ms([calls[n] for n in names], rounds, min_ms) if names else []
-    return {**dict(zip(names, ms)), **errors}
 
 
 def main() -> int:
@@ -103,7 +83,8 @@ def main() -> int:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=direction == "bwd") for _ in range(3))
         window = (w, 0) if w >= 0 else (-1, -1)
-        res = measure(fns, q, k, v, window, cap, direction, args.rounds, args.min_ms)
+        calls = {n: (lambda f=f: f(q, k, v, window, cap), (q, k, v)) for n, f in fns.items()}
+        res = measure(calls, direction, args.rounds, args.min_ms)
         flops = 4 * d * h * b * visible_pairs(s, w) * (2.5 if direction == "bwd" else 1.0)
         row = dict(kind=kind, direction=direction, head_dim=d, seqlen=s, batch=b, heads=h,
                    window=list(window), softcap=cap, flops=flops)

@@ -23,6 +23,7 @@ import torch
 from fa3gen import timing
 from fa3gen.ops import flash_attn_func
 from fa3gen.varlen import flash_attn_varlen_func
+from sustained_backends import measure
 
 TOTAL = 16384
 
@@ -52,28 +53,6 @@ def fa4_varlen():
                 max_seqlen_k=max_len, causal=causal)
         return o[0] if isinstance(o, tuple) else o
     return call
-
-
-def measure(calls: dict, direction: str, rounds: int, min_ms: float) -> dict:
-    """{backend: ms or error text}; calls[name] = (fn returning out, inputs needing grad)."""
-    timed, errors = {}, {}
-    for name, (fn, inputs) in calls.items():
-        try:
-            o = fn()
-            if direction == "fwd":
-                timed[name] = fn
-            else:
-                go = torch.randn_like(o)
-                timed[name] = lambda o=o, go=go, inputs=inputs: torch.autograd.grad(
-                    o, inputs, go, retain_graph=True)
-            timed[name]()
-            torch.cuda.synchronize()
-        except Exception as e:
-            errors[name] = repr(e)[:200]
-            timed.pop(name, None)
-    names = list(timed)
-    ms = timing.sustained_ms([timed[n] for n in names], rounds, min_ms) if names else []
-    return {**dict(zip(names, ms)), **errors}
 
 
 def main() -> int:
