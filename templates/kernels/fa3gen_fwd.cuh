@@ -43,9 +43,14 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     if (check_varlen(a.batch, a.heads_q, m_blocks, a.total_q, a.total_k, a.cu_seqlens_q, a.cu_seqlens_k, a.tile_list)) {
       return 1;
     }
-    // One CTA per listed tile (varlen.cuh), the longest sequences' first.
+    // One CTA per listed tile (varlen.cuh), the longest sequences' first; FA3GEN_GRID_PERSISTENT:
+    // one CTA per multiprocessor walking entries b, b + G, ... (short sequences: the prologue
+    // and pipeline fill of each CTA are then paid once per SM, not once per tile).
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, a.seqlen_q, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
+    if (a.grid_mode == FA3GEN_GRID_PERSISTENT) {
+      schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
+    }
     cudaError_t err = launch_varlen_tiles<TileM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
                                                          int(entries), stream);

@@ -169,3 +169,16 @@ def test_compile_with_lengths_that_change(lib, fwd_varlen_key):
         q, k, v, cu, _, m, _ = packed([(n, n) for n in lengths], 4, 2, d, DTYPES[dtype])
         assert torch.equal(f(q, k, v, cu, m),
                            flash_attn_varlen_func(q, k, v, cu, cu, m, m, causal=causal))
+
+
+@pytest.mark.parametrize("case", ["mixed", "long", "ones"])
+def test_forward_persistent_grid(lib, fwd_varlen_key, case, monkeypatch):
+    """FA3GEN_GRID=persistent: one CTA per multiprocessor walks the tile list."""
+    monkeypatch.setenv("FA3GEN_GRID", "persistent")
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS[case] * 40, 4, 2, d, DTYPES[dtype], seed=37)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], f"{fwd_varlen_key} {case}: {res['why'][:1000]}"
