@@ -293,10 +293,10 @@ _VARLEN = (("cu_seqlens_q", "const int32_t*"), ("cu_seqlens_k", "const int32_t*"
            ("tile_list", "int32_t*"), ("total_q", "int32_t"), ("total_k", "int32_t"))
 
 
-def varlen_tiles(total: int, batch: int, max_seqlen: int, tile: int) -> int:
+def varlen_tiles(total: int, batch: int, tile: int) -> int:
     """FA3GEN_VARLEN_TILES of the ABI: a bound of the tiles of `tile` rows over `batch`
-    sequences of `total` rows in all, the longest max_seqlen (sizes the tile_list workspace)."""
-    return min((total + batch * (tile - 1)) // tile, batch * -(-max_seqlen // tile))
+    sequences of `total` rows in all (sizes the tile_list workspace)."""
+    return (total + batch * (tile - 1)) // tile
 
 
 FWD_PARAMS = (

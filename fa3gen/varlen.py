@@ -153,8 +153,8 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) -> None
         return
     p = ops._fwd_call_params(plan, q, k, v, out, lse)
     d = plan.dims
-    tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, d.seqlen_q, plan.info.tile_m)
-                        * d.heads_q, dtype=torch.int32)
+    tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, plan.info.tile_m) * d.heads_q,
+                        dtype=torch.int32)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], k.shape[0])
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
@@ -186,8 +186,8 @@ def _bwd_workspace(q: torch.Tensor, dims: Dims, total_k: int, tile_m: int, tile_
         lse_log2=torch.empty((dims.heads_q, rows), **f32),
         dsum=torch.empty((dims.heads_q, rows), **f32),
         dq_semaphore=torch.empty((dims.heads_q, rows // tile_m) if deterministic else (1,), **i32),
-        tile_list=torch.empty(2 * varlen_tiles(total_k, dims.batch, dims.seqlen_k, tile_n)
-                              * dims.heads_kv, **i32),
+        tile_list=torch.empty(2 * varlen_tiles(total_k, dims.batch, tile_n) * dims.heads_kv,
+                              **i32),
     )
 
 

@@ -127,7 +127,7 @@ def test_backward_params_and_padded_workspace(fake, monkeypatch):
     # (total_q + batch * tile_m) rounded up to tile_m = 64: 202 -> 256 rows per head
     assert work["dq_accum"].shape == (4, 256, 128) and work["lse_log2"].shape == (4, 256)
     assert work["dq_semaphore"].shape == (4, 4)
-    assert work["tile_list"].numel() == 2 * contract.varlen_tiles(12, 3, 5, 128) * 2
+    assert work["tile_list"].numel() == 2 * contract.varlen_tiles(12, 3, 128) * 2
     assert p.dq_accum == work["dq_accum"].data_ptr() and p.tile_list == work["tile_list"].data_ptr()
     assert q.grad is not None and k.grad is not None
 
@@ -148,23 +148,24 @@ def test_tile_bound_matches_the_abi_macro(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    cases = [(10, 3, 7, 128), (1000, 7, 900, 64), (16384, 32, 1024, 128), (5, 5, 1, 80),
-             (0, 1, 1, 128), (2**31 - 1, 16384, 2**20, 64)]
-    body = "".join(f'printf("%lld\\n", (long long)FA3GEN_VARLEN_TILES({t}, {b}, {m}, {tile}));'
-                   for t, b, m, tile in cases)
+    cases = [(10, 3, 128), (1000, 7, 64), (16384, 32, 128), (5, 5, 80), (0, 1, 128),
+             (2**31 - 1, 16384, 64)]
+    body = "".join(f'printf("%lld\\n", (long long)FA3GEN_VARLEN_TILES({t}, {b}, {tile}));'
+                   for t, b, tile in cases)
     src = tmp_path / "bound.c"
     src.write_text(f'#include <stdio.h>\n#include "fa3gen_abi.h"\nint main(void) {{ {body} }}\n')
     subprocess.run([cc, "-I", str(contract.REPO_ROOT / "templates" / "kernels"), str(src), "-o",
                     str(tmp_path / "bound")], check=True)
     got = subprocess.run([str(tmp_path / "bound")], capture_output=True, text=True).stdout.split()
     assert [int(x) for x in got] == [contract.varlen_tiles(*c) for c in cases]
-    # A bound: never fewer than the tiles of any split of the total (here also the max).
+    # The exact maximum over every split of the total, whatever the longest sequence (a
+    # max_seqlen below the real longest cannot make the list too short).
     import itertools
-    for total, batch, longest, tile in [(10, 3, 7, 4), (9, 4, 9, 2), (12, 2, 6, 5)]:
+    for total, batch, tile in [(10, 3, 4), (9, 4, 2), (12, 2, 5)]:
         most = max(sum(-(-n // tile) for n in lengths)
-                   for lengths in itertools.product(range(longest + 1), repeat=batch)
+                   for lengths in itertools.product(range(total + 1), repeat=batch)
                    if sum(lengths) == total)
-        assert contract.varlen_tiles(total, batch, longest, tile) == most
+        assert contract.varlen_tiles(total, batch, tile) == most
 
 
 def test_eager_calls_plan_once_per_signature(fake, monkeypatch):

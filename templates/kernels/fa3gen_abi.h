@@ -36,7 +36,7 @@ typedef struct fa3gen_fwd_params {
   // (batch strides unused), batch = number of sequences, seqlen_q / seqlen_k = the longest
   // ones (max_seqlen). Sequence b is rows [cu_seqlens[b], cu_seqlens[b + 1]) (batch + 1 int32
   // on the device, nondecreasing, last <= total). LSE is (heads_q, total_q). tile_list: int32
-  // workspace of 2 * FA3GEN_VARLEN_TILES(total_q, batch, seqlen_q, tile_m) * heads_q entries,
+  // workspace of 2 * FA3GEN_VARLEN_TILES(total_q, batch, tile_m) * heads_q entries,
   // uninitialised. Other variants ignore all five.
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
@@ -44,12 +44,11 @@ typedef struct fa3gen_fwd_params {
   int32_t total_q, total_k;
 } fa3gen_fwd_params;
 
-// Tiles of `tile` rows over sequences of `total` rows in all, the longest max_seqlen (a bound).
-#define FA3GEN_VARLEN_TILES(total, batch, max_seqlen, tile)                                   \
-  (((int64_t)(total) + (int64_t)(batch) * ((tile) - 1)) / (tile) <                             \
-           (int64_t)(batch) * (((int64_t)(max_seqlen) + (tile) - 1) / (tile))                   \
-       ? ((int64_t)(total) + (int64_t)(batch) * ((tile) - 1)) / (tile)                          \
-       : (int64_t)(batch) * (((int64_t)(max_seqlen) + (tile) - 1) / (tile)))
+// A bound of the tiles of `tile` rows over `batch` sequences of `total` rows in all
+// (sum of ceil(len_b / tile) <= (total + batch * (tile - 1)) / tile). It does not depend on
+// max_seqlen, so a max_seqlen below the longest sequence cannot make the list drop tiles.
+#define FA3GEN_VARLEN_TILES(total, batch, tile) \
+  (((int64_t)(total) + (int64_t)(batch) * ((tile) - 1)) / (tile))
 
 // Forward grid: AUTO is persistent (one CTA per SM, walking several tiles; causal tiles in
 // long/short pairs) except for causal attention over more than 8192 keys, where one CTA per
@@ -99,7 +98,7 @@ typedef struct fa3gen_bwd_params {
   // start at the multiple of tile_m floor((cu_seqlens_q[b] + b * tile_m) / tile_m) * tile_m
   // of the (heads_q, rows) stats and dq_accum, rows = (total_q + batch * tile_m) rounded up
   // to tile_m (that replaces batch * seqlen_q_rounded above). tile_list: 2 *
-  // FA3GEN_VARLEN_TILES(total_k, batch, seqlen_k, tile_n) * heads_kv int32.
+  // FA3GEN_VARLEN_TILES(total_k, batch, tile_n) * heads_kv int32.
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int32_t* tile_list;

@@ -74,7 +74,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   if constexpr (Varlen) {
     // One CTA per listed key tile (varlen.cuh), the sequences with the most queries first; a
     // sequence's key blocks in order (deterministic mode waits on lower ones).
-    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_k, a.batch, a.seqlen_k, TileN) * a.heads_kv;
+    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_k, a.batch, TileN) * a.heads_kv;
     schedule = one_cta_per_tile(int(entries), 1, 1);
     err = launch_varlen_tiles<TileN, false>(a.cu_seqlens_k, a.total_k, a.cu_seqlens_q, a.total_q, a.batch, a.heads_kv,
                                             reinterpret_cast<int2*>(a.tile_list), int(entries), stream);

@@ -46,7 +46,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // One CTA per listed tile (varlen.cuh), the longest sequences' first; FA3GEN_GRID_PERSISTENT:
     // one CTA per multiprocessor walking entries b, b + G, ... (short sequences: the prologue
     // and pipeline fill of each CTA are then paid once per SM, not once per tile).
-    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, a.seqlen_q, TileM) * a.heads_q;
+    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
     if (a.grid_mode == FA3GEN_GRID_PERSISTENT) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);

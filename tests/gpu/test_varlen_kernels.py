@@ -182,3 +182,16 @@ def test_forward_persistent_grid(lib, fwd_varlen_key, case, monkeypatch):
     torch.cuda.synchronize()
     res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
     assert res["ok"], f"{fwd_varlen_key} {case}: {res['why'][:1000]}"
+
+
+def test_understated_max_seqlen_still_computes_every_tile(lib, fwd_varlen_key):
+    """The tile list is sized from the totals, not from max_seqlen: a max_seqlen below the
+    longest sequence (a caller's mistake that FA3GEN_DEBUG_CHECKS reports) still gives the
+    right answer for causal and non-causal attention."""
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["long"], 4, 2, d, DTYPES[dtype], seed=38)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 64, causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], res["why"][:1000]
