@@ -293,6 +293,10 @@ _VARLEN = (("cu_seqlens_q", "const int32_t*"), ("cu_seqlens_k", "const int32_t*"
            ("tile_list", "int32_t*"), ("total_q", "int32_t"), ("total_k", "int32_t"))
 
 
+# FA3GEN_VARLEN_MAX_*: what the varlen tile list can hold (the runtime checks them first).
+VARLEN_LIMITS = {"batch": 16384, "heads": 32767, "tiles_per_seq": 65535}
+
+
 def varlen_tiles(total: int, batch: int, tile: int) -> int:
     """FA3GEN_VARLEN_TILES of the ABI: a bound of the tiles of `tile` rows over `batch`
     sequences of `total` rows in all (sizes the tile_list workspace)."""

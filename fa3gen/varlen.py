@@ -17,7 +17,7 @@ import torch
 
 from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
-from fa3gen.contract import varlen_tiles
+from fa3gen.contract import VARLEN_LIMITS, varlen_tiles
 from fa3gen.errors import Fa3genError, InvalidInputError
 from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES
 
@@ -71,6 +71,10 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
             f"cu_seqlens_q and cu_seqlens_k must have batch + 1 entries each, got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    batch, limits = cu_seqlens_q.shape[0] - 1, VARLEN_LIMITS
+    if batch > limits["batch"] or hq > limits["heads"]:
+        raise InvalidInputError(f"varlen: at most {limits['batch']} sequences and "
+                                f"{limits['heads']} query heads per call, got {batch} and {hq}")
     if max(total_q, total_k) >= 2**31:
         raise InvalidInputError("total_q and total_k must be below 2^31 rows")
     return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])

@@ -61,6 +61,12 @@ def test_struct_fields_match_header(struct, fields):
     assert c_structs(ABI_HEADER)[struct] == list(fields)
 
 
+def test_varlen_limits_match_header():
+    header = {m.lower(): int(v) for m, v in
+              re.findall(r"^#define\s+FA3GEN_VARLEN_MAX_(\w+)\s+(\d+)", ABI_HEADER, re.M)}
+    assert header == contract.VARLEN_LIMITS
+
+
 def test_grid_modes_match_header():
     header = {m.lower(): int(v) for m, v in
               re.findall(r"^#define\s+FA3GEN_GRID_(\w+)\s+(\d+)", ABI_HEADER, re.M)}

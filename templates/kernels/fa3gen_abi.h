@@ -44,6 +44,12 @@ typedef struct fa3gen_fwd_params {
   int32_t total_q, total_k;
 } fa3gen_fwd_params;
 
+// Varlen limits: the tile list holds the batch in one CTA's shared memory and packs
+// head << 16 | block into one int32 (templates/kernels/varlen.cuh).
+#define FA3GEN_VARLEN_MAX_BATCH 16384
+#define FA3GEN_VARLEN_MAX_HEADS 32767
+#define FA3GEN_VARLEN_MAX_TILES_PER_SEQ 65535
+
 // A bound of the tiles of `tile` rows over `batch` sequences of `total` rows in all
 // (sum of ceil(len_b / tile) <= (total + batch * (tile - 1)) / tile). It does not depend on
 // max_seqlen, so a max_seqlen below the longest sequence cannot make the list drop tiles.

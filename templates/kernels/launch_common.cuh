@@ -52,7 +52,8 @@ inline int check_varlen(int batch, int heads, int blocks_per_seq, int total_q, i
     fa3gen_set_error("varlen: total_q and total_k must be >= 0");
     return 1;
   }
-  if (batch > 16384 || heads > 32767 || blocks_per_seq > 65535) {
+  if (batch > FA3GEN_VARLEN_MAX_BATCH || heads > FA3GEN_VARLEN_MAX_HEADS ||
+      blocks_per_seq > FA3GEN_VARLEN_MAX_TILES_PER_SEQ) {
     fa3gen_set_error("varlen: at most 16384 sequences, 32767 heads and 65535 tiles per sequence");
     return 1;
   }

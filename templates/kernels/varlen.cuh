@@ -13,6 +13,7 @@
 #pragma once
 #include <cstdint>
 #include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
 #include "fa3gen_abi.h"  // FA3GEN_VARLEN_TILES: the bound of the list (sum of ceil(len_b / tile))
 #include "tile_scheduler.cuh"
 
@@ -68,6 +69,8 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
       cost_of[b] = len;
     }
   }
+  __shared__ int total_blocks;
+  if (threadIdx.x == 0) total_blocks = 0;
   __syncthreads();
   if (sorted) {
     // Position of b: sequences with more cost first, ties in batch order; its start is the sum
@@ -82,20 +85,28 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
       }
       seq_at[pos] = b;
       start_at[pos] = start;
+      atomicMax(&total_blocks, start + blocks_of[b]);  // the last position's end
     }
-  } else if (threadIdx.x == 0) {  // batch order; a serial scan (thousands of sequences: microseconds)
-    int start = 0;
-    for (int b = 0; b < batch; ++b) {
-      seq_at[b] = b;
-      start_at[b] = start;
-      start += blocks_of[b];
+  } else {
+    // Batch order: a block-wide exclusive scan of the tile counts, blockDim.x at a time.
+    using Scan = cub::BlockScan<int, kVarlenListThreads>;
+    __shared__ typename Scan::TempStorage scan_storage;
+    int carry = 0;
+    for (int base = 0; base < batch; base += kVarlenListThreads) {
+      const int b = base + int(threadIdx.x);
+      int start, chunk;
+      Scan(scan_storage).ExclusiveSum(b < batch ? blocks_of[b] : 0, start, chunk);
+      if (b < batch) {
+        seq_at[b] = b;
+        start_at[b] = carry + start;
+      }
+      carry += chunk;
+      __syncthreads();  // scan_storage is reused by the next chunk
     }
+    if (threadIdx.x == 0) total_blocks = carry;
   }
-  if (threadIdx.x == 0) {
-    int total = 0;
-    for (int b = 0; b < batch; ++b) total += blocks_of[b];
-    start_at[batch] = total;
-  }
+  __syncthreads();
+  if (threadIdx.x == 0) start_at[batch] = total_blocks;
   __syncthreads();
   const int used = start_at[batch] * heads;
   for (int e = threadIdx.x; e < capacity; e += blockDim.x) {
