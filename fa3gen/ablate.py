@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 from fa3gen.bench import DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, provenance, update_markdown, write_json
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
-from fa3gen.timing import WARMUP_SECONDS, random_inputs, tflops, time_ms
+from fa3gen.timing import WARMUP_SECONDS, batch_ms, random_inputs, tflops, time_ms
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 DEFAULT_SPEC = "ablation"  # specs/ablation.yaml, bundled with the generator
@@ -297,9 +297,12 @@ def render_markdown(report: dict) -> str:
         f"- torch {h.get('torch')}, CUDA {h.get('cuda')}; library: {h.get('library')}",
         f"- Reproduce: `{h.get('command') or 'fa3gen ablate'}`",
         f"- Shapes (batch,seqlen,heads,head_dim): {', '.join(shapes) or '—'}; median of "
-        f"{TIMED_BATCHES} batches, each the median of {h.get('iters')} CUDA-event-timed "
-        f"launches after at least {h.get('warmup')} launches and {WARMUP_SECONDS} s of warm-up; "
-        "FLOPs = 4*b*h*s^2*d, halved when causal.",
+        f"{TIMED_BATCHES} batches, " + (
+            f"each at least {h['min_ms']:g} ms of back-to-back launches (sustained, as a "
+            "power-capped board runs in steady use)" if h.get("min_ms") else
+            f"each the median of {h.get('iters')} CUDA-event-timed launches after at least "
+            f"{h.get('warmup')} launches and {WARMUP_SECONDS} s of warm-up") +
+        "; FLOPs = 4*b*h*s^2*d, halved when causal.",
         f"- Every cell was first checked against the fp32 reference on {h.get('check')}; "
         "a wrong cell is listed, never timed.",
         "- ws = warp specialization (producer warpgroup), ov = intra-warpgroup GEMM-softmax "
@@ -540,9 +543,12 @@ def _progress(r: dict) -> str:
 # GPU functions (each cell's correctness check is fa3gen.checks.check_cell).
 
 
-def make_timer(warmup: int, iters: int) -> Callable[[object, dict], list[float]]:
-    """time(cell, shape) -> per-batch median ms of flash_attn_func(variant=cell) on seeded inputs.
-    Inputs are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
+def make_timer(warmup: int, iters: int, min_ms: float | None = None) -> Callable[[object, dict], list[float]]:
+    """time(cell, shape) -> per-batch ms of flash_attn_func(variant=cell) on seeded inputs:
+    min_ms set (the default of the command), each batch is at least min_ms of back-to-back
+    launches between two events (sustained); else the median of `iters` event-timed launches
+    after a warm-up (a burst). Inputs are kept for one (shape, dtype) at a time: cells arrive
+    grouped by dtype."""
     import torch
 
     from fa3gen.ops import TORCH_DTYPES, flash_attn_func
@@ -560,6 +566,10 @@ def make_timer(warmup: int, iters: int) -> Callable[[object, dict], list[float]]
         # Several timed batches per cell: on the H200 single batches of the same cell came out
         # bimodal inside one long ablation process (about 330 or 600 TFLOP/s). The median of
         # the batch medians is reported; every batch is kept in the row (ms_batches).
+        if min_ms:
+            batch_ms(fn, 3)  # warm-up
+            launches = max(3, int(min_ms / batch_ms(fn, 5)))
+            return [batch_ms(fn, launches) for _ in range(TIMED_BATCHES)]
         return [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
 
     return time
@@ -585,11 +595,17 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")
+    p.add_argument("--min-ms", type=float, default=100.0,
+                   help=f"sustained timing: each of the {TIMED_BATCHES} batches per cell is at "
+                        "least this many ms of back-to-back launches (default 100)")
+    p.add_argument("--burst", action="store_true",
+                   help="time each batch as the median of --iters launches after --warmup "
+                        "instead (the old timing)")
     p.add_argument("--warmup", type=count(0), default=5,
-                   help="untimed launches before timing each cell (default 5)")
+                   help="--burst: untimed launches before timing each cell (default 5)")
     p.add_argument("--iters", type=count(1), default=30,
-                   help=f"timed launches per batch ({TIMED_BATCHES} batches per cell, the "
-                        "median is reported; default 30)")
+                   help=f"--burst: timed launches per batch ({TIMED_BATCHES} batches per cell, "
+                        "the median is reported; default 30)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where ablation.json/.csv/.png go (default docs/results)")
     p.add_argument("--doc", type=Path, default=DOCS_DIR / "ABLATION.md",
@@ -621,12 +637,14 @@ def run(args, build_fn=None) -> int:
 
     resources = resources_from_manifest(lib.path.parent.parent / "manifest.json")
     rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),
-                     make_timer(args.warmup, args.iters), resources,
+                     make_timer(args.warmup, args.iters, None if args.burst else args.min_ms),
+                     resources,
                      log=lambda s: print(s, flush=True))
     pruned = [pruned_entry(x) for x in p.enumeration.pruned
               if matches(x.variant.name, args.only, args.exclude)]
     header = provenance(lib)
     header.update(spec=p.spec.name, warmup=args.warmup, iters=args.iters,
+                  min_ms=None if args.burst else args.min_ms,
                   shapes=[shape_str(s) for s in shapes],
                   check=CELL_CHECK_DESCRIPTION)
     report = make_report(header, rows, pruned)

@@ -24,15 +24,17 @@ from pathlib import Path
 
 from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
-from fa3gen.timing import GEMM_N, gemm_tflops, random_inputs, report_failure, tflops, time_or_none
+from fa3gen.timing import (GEMM_N, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
+                           report_failure, sustained_ms, tflops, time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
 DOCS_DIR = REPO_ROOT / "docs" if IN_CHECKOUT else Path(".")
 RESULTS_DIR = DOCS_DIR / "results" if IN_CHECKOUT else Path(".")
 TOTAL_TOKENS = 16384  # batch * seqlen (FA3 paper grid)
 HIDDEN = 2048  # heads * head_dim
-BACKENDS = ("fa3gen", "cudnn", "flash")
-LABELS = {"fa3gen": "fa3gen", "cudnn": "cuDNN", "flash": "FA2"}
+BACKENDS = ("fa3gen", "cudnn", "flash", "fa4")  # fa4: when flash_attn.cute imports
+LABELS = {"fa3gen": "fa3gen", "cudnn": "cuDNN", "flash": "FA2", "fa4": "FA4"}
+PEERS = ("cudnn", "flash", "fa4")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # ---------------------------------------------------------------------------------------------
@@ -61,16 +63,29 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, directio
     return f
 
 
-def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, ms: dict) -> dict:
+def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, ms: dict,
+             power: dict | None = None, clock: dict | None = None) -> dict:
+    """power / clock: mean board W and SM MHz per backend while it ran (sustained timing)."""
     flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                             shape["head_dim"], causal, direction)
+    power, clock = power or {}, clock or {}
     return {
         "direction": direction, "dtype": dtype, "head_dim": shape["head_dim"], "causal": causal,
         "batch": shape["batch"], "seqlen": shape["seqlen"], "heads": shape["heads"],
         "variant": variant, "flops": flops,
         "ms": {b: ms.get(b) for b in BACKENDS},
         "tflops": {b: tflops(flops, ms.get(b)) for b in BACKENDS},
+        "power_w": {b: power.get(b) for b in BACKENDS},
+        "sm_mhz": {b: clock.get(b) for b in BACKENDS},
+        "j_per_pflop": {b: joules_per_pflop(power.get(b), ms.get(b), flops) for b in BACKENDS},
     }
+
+
+def best_peer(row: dict) -> tuple[str | None, float | None]:
+    """The fastest peer of a row (cuDNN, FA2, FA4) and its TFLOP/s."""
+    t = row["tflops"]
+    peers = [(b, t.get(b)) for b in PEERS if t.get(b)]
+    return max(peers, key=lambda p: p[1]) if peers else (None, None)
 
 
 def _groups(rows):
@@ -89,6 +104,7 @@ def _fmt(x, spec=".0f"):
 def render_markdown(report: dict) -> str:
     """The block between the bench markers: provenance header and one table per group."""
     h = report["header"]
+    timing = h.get("timing") or "burst: median of CUDA-event-timed launches"
     lines = [
         BEGIN,
         "## Attention throughput (TFLOP/s)",
@@ -99,24 +115,30 @@ def render_markdown(report: dict) -> str:
         f"- fa3gen library: {h.get('library')}",
         f"- Reproduce: `{h.get('command') or 'fa3gen bench'}`",
         "- Grid: batch*seqlen = 16384, heads*head_dim = 2048; FLOPs = 4*b*h*s^2*d, halved when "
-        "causal (backward 2.5x). Median of timed launches (CUDA events); — = backend failed or "
-        "not built. FA2 = PyTorch SDPA flash backend, cuDNN = SDPA cuDNN backend.",
+        "causal (backward 2.5x). — = backend failed, not built or not installed. FA2 = PyTorch "
+        "SDPA flash backend, cuDNN = SDPA cuDNN backend, FA4 = flash_attn.cute when it imports.",
+        f"- Timing: {timing}. W and J/PFLOP: mean board power (nvidia-smi) while the backend "
+        "ran, and the energy per 10^15 FLOPs at that power.",
     ]
     for (direction, dtype, causal), rows in _groups(report["rows"]).items():
         lines += [
             "",
             f"### {direction}, {dtype}, causal={causal}",
             "",
-            "| head_dim | seqlen | fa3gen | cuDNN | FA2 | fa3gen/cuDNN | variant |",
-            "|---:|---:|---:|---:|---:|---:|:---|",
+            "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer | "
+            "fa3gen W | fa3gen J/PFLOP | best peer J/PFLOP | variant |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
         ]
         for r in rows:
-            t = r["tflops"]
-            ratio = t["fa3gen"] / t["cudnn"] if t.get("fa3gen") and t.get("cudnn") else None
+            t, joules = r["tflops"], r.get("j_per_pflop") or {}
+            peer, peer_t = best_peer(r)
+            ratio = t["fa3gen"] / peer_t if t.get("fa3gen") and peer_t else None
             lines.append(
                 f"| {r['head_dim']} | {r['seqlen']} | {_fmt(t.get('fa3gen'))} | "
-                f"{_fmt(t.get('cudnn'))} | {_fmt(t.get('flash'))} | {_fmt(ratio, '.2f')} | "
-                f"{r.get('variant') or '—'} |"
+                f"{_fmt(t.get('cudnn'))} | {_fmt(t.get('flash'))} | {_fmt(t.get('fa4'))} | "
+                f"{_fmt(ratio, '.2f')}{f' ({LABELS[peer]})' if ratio else ''} | "
+                f"{_fmt((r.get('power_w') or {}).get('fa3gen'))} | {_fmt(joules.get('fa3gen'))} | "
+                f"{_fmt(joules.get(peer) if peer else None)} | {r.get('variant') or '—'} |"
             )
     lines += _candidates_markdown(report["rows"])
     lines.append(END)
@@ -305,10 +327,21 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="forward rows, backward rows or both (default)")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], metavar="DTYPE,...",
                    help="bf16, fp16 or both comma-separated (default bf16)")
+    p.add_argument("--rounds", type=count(1), default=3,
+                   help="sustained timing: rounds per point, backends alternating with the "
+                        "order rotated; the median is reported (default 3)")
+    p.add_argument("--min-ms", type=float, default=100.0,
+                   help="sustained timing: back-to-back launches per round and backend, ms "
+                        "(default 100)")
+    p.add_argument("--burst", action="store_true",
+                   help="time each backend alone in a short burst (--warmup, --iters) instead: "
+                        "reads 5-12%% higher than steady use on a power-capped board")
     p.add_argument("--warmup", type=count(0), default=5,
-                   help="untimed launches before timing each case (default 5)")
+                   help="--burst: untimed launches before timing each case (default 5)")
     p.add_argument("--iters", type=count(1), default=30,
-                   help="timed launches per case; the median is reported (default 30)")
+                   help="--burst: timed launches per case; the median is reported (default 30)")
+    p.add_argument("--no-power", action="store_true",
+                   help="do not sample board power and SM clock with nvidia-smi")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "bench.json",
                    help="JSON report (default docs/results/bench.json)")
     p.add_argument("--markdown", type=Path, default=DOCS_DIR / "BENCHMARKS.md",
@@ -322,6 +355,16 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "'candidates' map): the measurement that picks dispatch defaults")
     p.set_defaults(func=run)
     return p
+
+
+class _Nothing:
+    """A context that yields None (no power sampling)."""
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def provenance(lib) -> dict:
@@ -354,22 +397,30 @@ def run(args) -> int:
 
     header = provenance(lib)
     header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
+    header["timing"] = (f"burst: each backend alone, median of {args.iters} CUDA-event-timed "
+                        f"launches after {args.warmup}" if args.burst else
+                        f"sustained: {args.rounds} rounds of >= {args.min_ms:g} ms of "
+                        "back-to-back launches per backend, backends alternating with the order "
+                        "rotated, median")
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
     directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
-    runs = ((dr, d, c) for dr in directions for d in args.dtype for c in causals)
-    for direction, dt_name, causal in runs:
-        dtype = TORCH_DTYPES[dt_name]
-        bench_shape = bench_fwd_shape if direction == "fwd" else bench_bwd_shape
-        for shape in grid(args.seqlens, args.head_dims):
-            row = bench_shape(lib, shape, causal, dtype, args)
-            rows.append(row)
-            t = row["tflops"]
-            print(f"{direction} {dt_name} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
-                  f"causal={causal!s:<5} fa3gen {_fmt(t['fa3gen']):>4}  cuDNN "
-                  f"{_fmt(t['cudnn']):>4}  FA2 {_fmt(t['flash']):>4}  TFLOP/s  "
-                  f"[{row['variant']}]", flush=True)
+    runs = [(dr, d, c) for dr in directions for d in args.dtype for c in causals]
+    sample = not (args.burst or args.no_power)
+    with PowerSampler(torch.cuda.current_device()) if sample else _Nothing() as sampler:
+        for direction, dt_name, causal in runs:
+            dtype = TORCH_DTYPES[dt_name]
+            bench_shape = bench_fwd_shape if direction == "fwd" else bench_bwd_shape
+            for shape in grid(args.seqlens, args.head_dims):
+                row = bench_shape(lib, shape, causal, dtype, args, sampler)
+                rows.append(row)
+                t = row["tflops"]
+                print(f"{direction} {dt_name} d={shape['head_dim']:<3} s={shape['seqlen']:<6} "
+                      f"causal={causal!s:<5} fa3gen {_fmt(t['fa3gen']):>4}  cuDNN "
+                      f"{_fmt(t['cudnn']):>4}  FA2 {_fmt(t['flash']):>4}  FA4 "
+                      f"{_fmt(t['fa4']):>4}  TFLOP/s  fa3gen "
+                      f"{_fmt(row['power_w']['fa3gen'])} W  [{row['variant']}]", flush=True)
 
     report = {"header": header, "rows": rows}
     if args.all_variants:
@@ -396,14 +447,66 @@ def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
 
 
 def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
-    """TFLOP/s of every built variant of `key` (contract.make_key), each
-    timed as call(variant_name): the `candidates` map of --all-variants."""
-    return {info.name: tflops(flops, time_or_none(info.name, lambda: call(info.name),
-                                                  args.warmup, args.iters))
-            for info in lib.variants if info.key == key}
+    """TFLOP/s of every built variant of `key` (contract.make_key), each timed as
+    call(variant_name), the candidates measured together: the `candidates` map of
+    --all-variants."""
+    fns = {info.name: (lambda name=info.name: call(name)) for info in lib.variants
+           if info.key == key}
+    ms, _, _ = measure_backends(fns, args)
+    return {name: tflops(flops, ms.get(name)) for name in fns}
 
 
-def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
+def _fa4_forward():
+    """FA4's flash_attn_func (flash_attn.cute), or None when it does not import."""
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception:  # an optional column
+        return None
+
+    def call(q, k, v, causal):
+        out = flash_attn_func(q, k, v, causal=causal)
+        return out[0] if isinstance(out, tuple) else out
+    return call
+
+
+def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
+    """(ms, power W, SM MHz) per backend of fns ({name: callable or None}). Each callable runs
+    once first; one that fails is reported and left out. Sustained (the default): all of them
+    interleaved, rounds of at least --min-ms of back-to-back launches (timing.sustained_ms),
+    with the sampler's mean power and clock per backend; --burst: each alone, the median of
+    --iters launches after --warmup (timing.time_ms)."""
+    import torch
+
+    runnable = {}
+    for name, fn in fns.items():
+        if fn is None:
+            continue
+        try:
+            fn()
+            torch.cuda.synchronize()
+            runnable[name] = fn
+        except Exception as e:  # noqa: BLE001 - a failing backend is reported, not fatal
+            report_failure(LABELS.get(name, name), e)
+    ms, power, clock = {}, {}, {}
+    if getattr(args, "burst", False):
+        for name, fn in runnable.items():
+            ms[name] = time_or_none(LABELS.get(name, name), fn, args.warmup, args.iters)
+        return ms, power, clock
+    names = list(runnable)
+    if not names:
+        return ms, power, clock
+    if sampler is not None:
+        sampler.reset()
+    times = sustained_ms([runnable[n] for n in names], args.rounds, args.min_ms,
+                         tag=sampler.tag if sampler is not None else None)
+    ms = dict(zip(names, times))
+    if sampler is not None:
+        for i, (w, mhz) in sampler.means(range(len(names))).items():
+            power[names[i]], clock[names[i]] = w, mhz
+    return ms, power, clock
+
+
+def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -> dict:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -413,17 +516,10 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
     dt_name = _DTYPES[dtype]
     q, k, v = random_inputs(shape, dtype, 3)
-    ms: dict = {}
+    fns: dict = {}
     variant = _find_variant(lib, "fwd", dt_name, d, causal)
     if variant is not None:
-        ms["fa3gen"] = time_or_none(
-            "fa3gen", lambda: flash_attn_func(q, k, v, causal=causal, variant=variant),
-            args.warmup, args.iters)
-    candidates = {}
-    if getattr(args, "all_variants", False):
-        candidates = _time_candidates(
-            lib, make_key("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
-            lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
+        fns["fa3gen"] = lambda: flash_attn_func(q, k, v, causal=causal, variant=variant)
     if not args.no_baselines:
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
 
@@ -433,19 +529,26 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
                     return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
             return fn
 
-        ms["cudnn"] = time_or_none("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION),
-                                   args.warmup, args.iters)
-        ms["flash"] = time_or_none("FA2", sdpa(SDPBackend.FLASH_ATTENTION),
-                                   args.warmup, args.iters)
+        fns["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+        fns["flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+        fa4 = _fa4_forward()
+        if fa4 is not None:
+            fns["fa4"] = lambda: fa4(q, k, v, causal)
+    ms, power, clock = measure_backends(fns, args, sampler)
+    candidates = {}
+    if getattr(args, "all_variants", False):
+        candidates = _time_candidates(
+            lib, make_key("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
+            lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
     del q, k, v
     torch.cuda.empty_cache()
-    row = make_row("fwd", dt_name, shape, causal, variant, ms)
+    row = make_row("fwd", dt_name, shape, causal, variant, ms, power, clock)
     if candidates:
         row["candidates"] = candidates
     return row
 
 
-def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
+def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -> dict:
     """Backward alone: each backend records one forward, then autograd.grad is timed."""
     import torch
     import torch.nn.functional as F
@@ -457,22 +560,37 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
     q, k, v, dout = random_inputs(shape, dtype, 4)
     for t in (q, k, v):
         t.requires_grad_(True)
-    ms: dict = {}
 
-    def timed_grad(label, forward):
+    def grad_of(label, forward):
+        """autograd.grad of one recorded forward, or None when the forward fails."""
         try:
             out = forward()
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             report_failure(f"{label} forward", e)
             return None
-        return time_or_none(
-            label, lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
-            args.warmup, args.iters)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
+    fns: dict = {}
     variant = _find_variant(lib, "bwd", dt_name, d, causal)
     fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal)
     if variant is not None and fwd_variant is not None:
-        ms["fa3gen"] = timed_grad("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
+        fns["fa3gen"] = grad_of("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
+    if not args.no_baselines:
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def sdpa(backend):
+            def fn():
+                with sdpa_kernel([backend]):
+                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                return out.transpose(1, 2)  # the grad of the transposed view is dout
+            return fn
+
+        fns["cudnn"] = grad_of("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION))
+        fns["flash"] = grad_of("FA2", sdpa(SDPBackend.FLASH_ATTENTION))
+        fa4 = _fa4_forward()
+        if fa4 is not None:
+            fns["fa4"] = grad_of("FA4", lambda: fa4(q, k, v, causal))
+    ms, power, clock = measure_backends(fns, args, sampler)
     candidates = {}
     if getattr(args, "all_variants", False) and fwd_variant is not None:
         # Every backward variant of the key, called through the op (same work as the autograd
@@ -486,21 +604,9 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args) -> dict:
             lib, make_key("bwd", dt_name, d, causal), flops,
             lambda name: torch.ops.fa3gen.bwd(dout, qd, kd, vd, out, lse, causal, scale, name, False),
             args)
-    if not args.no_baselines:
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-        def sdpa(backend):
-            def fn():
-                with sdpa_kernel([backend]):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                return out.transpose(1, 2)  # the grad of the transposed view is dout
-            return fn
-
-        ms["cudnn"] = timed_grad("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION))
-        ms["flash"] = timed_grad("FA2", sdpa(SDPBackend.FLASH_ATTENTION))
     del q, k, v, dout
     torch.cuda.empty_cache()
-    row = make_row("bwd", dt_name, shape, causal, variant, ms)
+    row = make_row("bwd", dt_name, shape, causal, variant, ms, power, clock)
     if candidates:
         row["candidates"] = candidates
     return row

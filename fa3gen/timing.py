@@ -61,10 +61,12 @@ def batch_ms(fn, launches: int) -> float:
     return start.elapsed_time(end) / launches
 
 
-def sustained_ms(fns: list, rounds: int, min_ms: float) -> list[float]:
+def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None) -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
     steady use, not a burst): rounds of back-to-back launches lasting at least min_ms, the fns
-    alternating with their order rotated every round."""
+    alternating with their order rotated every round. tag(i) is called before each timed
+    batch of fns[i] and tag(None) after it (a PowerSampler's `tag`)."""
+    tag = tag or (lambda i: None)
     for fn in fns:  # warm-up
         batch_ms(fn, 3)
     launches = max(3, int(min_ms / batch_ms(fns[0], 5)))
@@ -72,8 +74,81 @@ def sustained_ms(fns: list, rounds: int, min_ms: float) -> list[float]:
     for r in range(rounds):
         order = list(range(len(fns)))
         for i in order[r % len(fns):] + order[:r % len(fns)]:
+            tag(i)
             times[i].append(batch_ms(fns[i], launches))
+            tag(None)
     return [statistics.median(t) for t in times]
+
+
+class PowerSampler:
+    """Board power (W) and SM clock (MHz) sampled every period_ms by `nvidia-smi -lms` in the
+    background; samples taken while tag(i) is set count for i. means() gives each tag's mean
+    (power, clock), None for a tag without samples. Without nvidia-smi (or when it fails) the
+    sampler is inert and every mean is None: the numbers are optional in a report."""
+
+    QUERY = "--query-gpu=power.draw.instant,clocks.sm"
+
+    def __init__(self, device_index: int = 0, period_ms: int = 20, command: str = "nvidia-smi"):
+        self.argv = [command, self.QUERY, "--format=csv,noheader,nounits", f"-lms={period_ms}",
+                     f"--id={device_index}"]
+        self.current = None
+        self.samples: dict = {}
+        self.proc = None
+        self.thread = None
+
+    def __enter__(self):
+        import subprocess
+        import threading
+
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                power, clock = (float(x) for x in line.split(","))
+            except ValueError:
+                continue  # "[N/A]" or a header: not a sample
+            tag = self.current
+            if tag is not None:
+                self.samples.setdefault(tag, []).append((power, clock))
+
+    def tag(self, i) -> None:
+        self.current = i
+
+    def reset(self) -> None:
+        """Forget the samples so far (a new measurement reuses the tags)."""
+        self.current = None
+        self.samples = {}
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=5)
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+        return False
+
+    def means(self, tags) -> dict:
+        out = {}
+        for t in tags:
+            got = self.samples.get(t)
+            out[t] = (statistics.fmean(p for p, _ in got), statistics.fmean(c for _, c in got)) \
+                if got else (None, None)
+        return out
+
+
+def joules_per_pflop(power_w: float | None, ms: float | None, flops: float) -> float | None:
+    """Energy per 10^15 FLOPs at the measured mean board power."""
+    if not power_w or not ms or not flops:
+        return None
+    return power_w * ms * 1e-3 / (flops / 1e15)
 
 
 def report_failure(label: str, error: Exception) -> None:

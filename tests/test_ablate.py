@@ -355,7 +355,9 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(A, "check_cell", lambda lib, c: (
         {"status": "wrong", "max_err": 0.5, "detail": "bad"} if c.name == bad
         else {"status": "ok", "max_err": 1e-3, "detail": None}))
-    monkeypatch.setattr(A, "make_timer", lambda warmup, iters: lambda c, s: 4.0)
+    timers = []
+    monkeypatch.setattr(A, "make_timer", lambda warmup, iters, min_ms: timers.append(min_ms) or (
+        lambda c, s: 4.0))
     built = []
     args = cli.build_parser().parse_args([
         "ablate", "--only", "*fp16*nocausal*m128n128_s[12]*", "--exclude", "*ws0_pp0_ov0",
@@ -367,5 +369,7 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     assert next(r for r in rep["rows"] if r["variant"] == name())["registers"] == 168
     assert all("fp16_d128_nocausal_m128n128_s" in p["variant"] for p in rep["pruned"])
     assert (tmp_path / "out/ablation.csv").exists() and (tmp_path / "out/ablation.png").exists()
-    assert A.BEGIN in (tmp_path / "A.md").read_text()
+    text = (tmp_path / "A.md").read_text()
+    assert A.BEGIN in text and "each at least 100 ms of back-to-back launches (sustained" in text
+    assert timers == [100.0] and rep["header"]["min_ms"] == 100.0  # sustained unless --burst
     assert "wrong" in capsys.readouterr().out

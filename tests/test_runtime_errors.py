@@ -485,7 +485,7 @@ def test_markdown_tables_and_markers(tmp_path):
     block = bench.render_markdown(rep)
     assert block.startswith(bench.BEGIN) and block.rstrip().endswith(bench.END)
     assert "### fwd, bf16, causal=False" in block and "### fwd, bf16, causal=True" in block
-    assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | fa3gen/cuDNN |" in block
+    assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer |" in block
     assert "NVIDIA H200" in block and "abc123" in block and "`fa3gen bench`" in block
     assert "| 128 | 512 |" in block and "| — |" in block  # missing FA2 -> dash
     assert "1.20" in block  # ratio 0.6/0.5

@@ -151,7 +151,98 @@ def test_all_variants_times_every_variant_of_the_call_key(monkeypatch):
              "fwd_bf16_d128_nocausal_local_m128n128_s2_ws1_pp1_ov1",
              "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"]
     lib = types.SimpleNamespace(variants=[parse_name(n) for n in names])
-    monkeypatch.setattr(bench, "time_or_none", lambda label, fn, warmup, iters: 2.0)
-    args = types.SimpleNamespace(warmup=1, iters=1)
-    got = bench._time_candidates(lib, make_key("fwd", "bf16", 128, False), 4e12, None, args)
+    timed = []
+    monkeypatch.setattr(bench, "measure_backends",
+                        lambda fns, args: timed.append(sorted(fns)) or ({n: 2.0 for n in fns}, {}, {}))
+    got = bench._time_candidates(lib, make_key("fwd", "bf16", 128, False), 4e12, None, None)
     assert got == {names[0]: 2000.0, names[1]: 2000.0}
+    assert timed == [sorted(names[:2])]  # measured together (interleaved), not one by one
+
+
+def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
+    """Sustained (default): the backends that run are timed together, tagged for the power
+    sampler; one that fails its first call is reported and left out."""
+    import types
+
+    import torch
+
+    from fa3gen import bench
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+
+    def fake_sustained(fns, rounds, min_ms, tag=None):
+        for i, _ in enumerate(fns):
+            tag(i)
+            calls.append(i)
+            tag(None)
+        return [1.0 + i for i in range(len(fns))]
+
+    monkeypatch.setattr(bench, "sustained_ms", fake_sustained)
+
+    class Sampler:
+        def reset(self):
+            self.seen = []
+
+        def tag(self, i):
+            if i is not None:
+                self.seen.append(i)
+
+        def means(self, tags):
+            return {i: (300.0 + i, 1980.0) for i in tags}
+
+    def boom():
+        raise RuntimeError("no kernel for this shape")
+
+    sampler = Sampler()
+    args = types.SimpleNamespace(burst=False, rounds=2, min_ms=5.0)
+    ms, power, clock = bench.measure_backends(
+        {"fa3gen": lambda: None, "cudnn": boom, "flash": None, "fa4": lambda: None}, args, sampler)
+    assert ms == {"fa3gen": 1.0, "fa4": 2.0} and sampler.seen == [0, 1]
+    assert power == {"fa3gen": 300.0, "fa4": 301.0} and clock["fa4"] == 1980.0
+    assert "cuDNN failed: no kernel for this shape" in capsys.readouterr().err
+    monkeypatch.setattr(bench, "time_or_none", lambda label, fn, warmup, iters: 3.0)
+    burst = types.SimpleNamespace(burst=True, warmup=1, iters=2)
+    assert bench.measure_backends({"fa3gen": lambda: None}, burst) == ({"fa3gen": 3.0}, {}, {})
+
+
+def test_power_sampler_tags_samples_from_nvidia_smi(monkeypatch):
+    import sys
+    import time
+    from pathlib import Path
+
+    from fa3gen.timing import PowerSampler, joules_per_pflop
+
+    fake = Path(__file__).parent / "fake_nvidia_smi.py"
+    monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1755")
+    sampler = PowerSampler(0, period_ms=5, command=str(fake))
+    assert Path(sys.executable).exists()
+    with sampler:
+        sampler.tag(1)
+        time.sleep(0.3)
+        sampler.tag(None)
+        time.sleep(0.05)
+    means = sampler.means([0, 1])
+    assert means[0] == (None, None) and means[1] == (600.0, 1755.0)
+    with PowerSampler(0, command="/nonexistent/nvidia-smi") as inert:
+        inert.tag(0)
+    assert inert.means([0]) == {0: (None, None)}
+    # 600 W for 2 ms on 1e12 FLOPs: 1.2 J per 1e12 FLOPs, 1200 J per PFLOP
+    assert joules_per_pflop(600.0, 2.0, 1e12) == pytest.approx(1200.0)
+    assert joules_per_pflop(None, 2.0, 1e12) is None
+
+
+def test_markdown_has_the_fa4_column_best_peer_and_energy():
+    from fa3gen import bench
+
+    shape = {"batch": 4, "seqlen": 4096, "heads": 16, "head_dim": 128}
+    row = bench.make_row("fwd", "bf16", shape, False, "v", {"fa3gen": 1.0, "cudnn": 1.1,
+                                                          "fa4": 0.9},
+                         power={"fa3gen": 650.0, "fa4": 690.0})
+    assert row["j_per_pflop"]["fa3gen"] == pytest.approx(650.0 * 1e-3 / (row["flops"] / 1e15))
+    assert bench.best_peer(row)[0] == "fa4"
+    text = bench.render_markdown({"header": {"timing": "sustained: test"}, "rows": [row]})
+    assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer |" in text
+    line = next(x for x in text.splitlines() if x.startswith("| 128 | 4096 |"))
+    assert "| 0.90 (FA4) |" in line and "| 650 |" in line
+    assert "Timing: sustained: test." in text

@@ -100,7 +100,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       int(q_tiles_padded)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  err = set_smem_limit_once(kernel, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   // Key blocks are the fastest tile index: in deterministic mode a CTA waits only for CTAs of
   // lower key blocks of its head, which the hardware has already started (no deadlock).

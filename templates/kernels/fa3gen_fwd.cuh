@@ -76,7 +76,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  cudaError_t err = set_smem_limit_once(kernel, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   const dim3 grid(static_cast<unsigned>(schedule.ctas));
   kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);

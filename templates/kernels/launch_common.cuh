@@ -1,5 +1,6 @@
 // Host-side helpers shared by the forward and backward launchers.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cuda_runtime.h>
@@ -13,6 +14,23 @@ inline int report(const char* what, cudaError_t err) {
   std::snprintf(buf, sizeof(buf), "%s: %s (%s)", what, cudaGetErrorString(err), cudaGetErrorName(err));
   fa3gen_set_error(buf);
   return int(err) == 0 ? 1 : int(err);
+}
+
+// Raises a kernel's dynamic shared memory limit to `bytes` once per device: the attribute
+// belongs to the function on that device, so every later call skips the driver call (host time
+// per call, and nothing but the launch when a CUDA graph captures the call). Kernel is a
+// distinct function type per variant (its params type), so each variant has its own flags.
+template <class Kernel>
+inline cudaError_t set_smem_limit_once(Kernel kernel, int bytes) {
+  static std::atomic<uint64_t> done{0};  // bit d: done on device d (d < 64; others every call)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
+  return err;
 }
 
 // True when `ptr` and the three strides (in elements of E) allow `elems`-element vector

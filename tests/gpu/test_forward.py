@@ -224,3 +224,27 @@ def test_reference_self_consistency():
     o64, l64 = attention_reference(q.double(), k.double(), v.double(), causal=True, upcast=False)
     torch.testing.assert_close(out, o64.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, l64.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_cuda_graph_capture_and_replay(lib, fwd_default_key):
+    """flash_attn_func inside torch.cuda.graph: the eager path launches on the capture stream
+    and allocates from the graph's pool; replays recompute the same output into the same
+    buffer (inference servers capture decode steps this way)."""
+    dtype, d, causal = fwd_default_key
+    q, k, v = make_qkv(2, 300, 300, 4, 2, d, DTYPES[dtype], seed=41)
+    expected = flash_attn_func(q, k, v, causal=causal)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        flash_attn_func(q, k, v, causal=causal)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_attn_func(q, k, v, causal=causal)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+    q.copy_(torch.randn_like(q))  # new inputs in the same buffers: the replay follows them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flash_attn_func(q, k, v, causal=causal))
