@@ -152,7 +152,7 @@ def study(shapes, seed: int, device: str) -> dict:
 def render_markdown(report: dict) -> str:
     shapes = [r["shape"] for r in report["results"]]
     head = " | ".join(f"RMSE at ({', '.join(map(str, s))})" for s in shapes)
-    lines = [f"Device: {report['device']}, seed {report['seed']}; shapes are (batch, seqlen, heads, "
+    lines = [BEGIN, f"Device: {report['device']}, seed {report['seed']}; shapes are (batch, seqlen, heads, "
              f"head_dim); fp8 scale blocks of {report['block_rows']} rows, P cast to e4m3 times "
              f"{report['p_scale']:g}.", "",
              f"| row | paper | {head} |", "|---|---|" + "---|" * len(shapes)]
@@ -165,7 +165,7 @@ def render_markdown(report: dict) -> str:
                 cells.append(f"not measured: {r['not_measured'].get(name, '-')}")
         paper = f"{PAPER[name]:.1e}" if name in PAPER else "-"
         lines.append(f"| {label} | {paper} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [END]) + "\n"
 
 
 def register(subparsers) -> argparse.ArgumentParser:

@@ -74,5 +74,11 @@ def test_numerics_command_writes_every_row(tmp_path, capsys):
     text = doc.read_text()
     assert "| fp8, block quantization + incoherent processing, emulated | 9.1e-03 |" in text
     assert "fa3gen kernel, bf16 | - | not measured: needs a GPU" in text
+    # A second run replaces its table (between the markers), hand-written text stays.
+    doc.write_text("Prose above.\n\n" + text)
+    assert cli.main(["numerics", "--shape", "1,256,2,64", "--device", "cpu", "--out", str(out),
+                     "--doc", str(doc)]) == 0
+    again = doc.read_text()
+    assert again.startswith("Prose above.") and again.count("| row | paper |") == 1
     with pytest.raises(SystemExit):
         cli.main(["numerics", "--shape", "1,256,2,96"])  # not a power of two
