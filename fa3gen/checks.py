@@ -54,8 +54,9 @@ def probe_masking(variant) -> dict:
 # (name, dtype, head_dim, causal): a runtime VariantInfo or a generator Variant.
 
 
-def _inputs(problem: Problem, variant, gen, count: int) -> list:
-    """q, k, v (and dout when count is 4) of `problem` in the variant's dtype, drawn from gen."""
+def _inputs(problem: Problem, variant, gen, count: int, dtype: str | None = None) -> list:
+    """q, k, v (and dout when count is 4) of `problem` in the variant's dtype (or `dtype`),
+    drawn from gen."""
     import torch
 
     from fa3gen.ops import TORCH_DTYPES
@@ -63,7 +64,7 @@ def _inputs(problem: Problem, variant, gen, count: int) -> list:
     b, sq, sk, hq, hkv = problem
     dims = [(b, sq, hq), (b, sk, hkv), (b, sk, hkv), (b, sq, hq)][:count]
     return [torch.randn(*bsh, variant.head_dim, device="cuda", generator=gen,
-                        dtype=TORCH_DTYPES[variant.dtype]) for bsh in dims]
+                        dtype=TORCH_DTYPES[dtype or variant.dtype]) for bsh in dims]
 
 
 # The packed problem of varlen variants (whatever the Problem's seqlens): (q, k) lengths per
@@ -129,6 +130,8 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
 
     if getattr(variant, "varlen", False):
         return _check_varlen(lib, variant, problem, gen, backward=False)
+    if variant.dtype == "e4m3":
+        return _check_fp8(lib, variant, problem, gen)
     q, k, v = _inputs(problem, variant, gen, 3)
     causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
     out = torch.full_like(q, float("nan"))
@@ -137,6 +140,26 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
     ops._fwd_into(q, k, v, out, lse, causal, scale, variant.name, lib=lib, **extra)
     torch.cuda.synchronize()
     return reference.compare_to_reference(out, lse, q, k, v, causal, scale, **extra)
+
+
+def _check_fp8(lib, variant, problem: Problem, gen) -> dict:
+    """check_forward of an e4m3 variant: fp8 inputs, descales per (batch, heads_kv)."""
+    import torch
+
+    from fa3gen import fp8, ops, reference
+
+    # randn has no 8-bit kernels: bf16 draws, rounded
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs(problem, variant, gen, 3, "bf16"))
+    descales = {n: torch.rand(problem.batch, problem.heads_kv, device="cuda", generator=gen) + 0.5
+                for n in fp8.DESCALE_NAMES}
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
+                     device="cuda", dtype=torch.float32)
+    fp8.fp8_forward(q, k, v, ops.masking(bool(variant.causal)), None, variant.name, descales,
+                    torch.bfloat16, out, lse)
+    torch.cuda.synchronize()
+    return reference.compare_fp8_to_reference(out, lse, q, k, v, descales, bool(variant.causal),
+                                              variant.tile_n)
 
 
 def check_backward(lib, variant, problem: Problem, gen) -> dict:

@@ -36,6 +36,8 @@ class Dtype:
 DTYPES = {d.name: d for d in (
     Dtype("bf16", "cutlass::bfloat16_t", "bfloat16", 2),
     Dtype("fp16", "cutlass::half_t", "float16", 2),
+    # fp8, forward only: q, k, v in e4m3 with descale factors; O in bf16 (or fp16).
+    Dtype("e4m3", "cutlass::float_e4m3_t", "float8_e4m3fn", 1),
 )}
 
 # --------------------------------------------------------------------------- axes
@@ -272,7 +274,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -310,6 +312,10 @@ FWD_PARAMS = (
     *_SIZES,
     ("softmax_scale", "float"), *_MASKING, ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
     *_VARLEN,
+    # The runtime side of dtype e4m3: descale factors and the output dtype.
+    ("q_descale", "const float*"), ("k_descale", "const float*"), ("v_descale", "const float*"),
+    *((f"{t}_descale_{dim}_stride", "int64_t") for t in "qkv" for dim in ("batch", "head")),
+    ("o_fp16", "int32_t"),
 )
 
 BWD_PARAMS = (

@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 
 from fa3gen import runtime
+from fa3gen import fp8 as _fp8
 from fa3gen import tracing as _trace
 from fa3gen.contract import DTYPES, GRID_MODES
 from fa3gen.errors import Fa3genError, InvalidInputError
@@ -764,6 +765,10 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     return_lse: bool = False,
     variant: str | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ):
     """Attention softmax(q k^T * scale) v on Hopper with an fa3gen-generated kernel.
 
@@ -788,11 +793,26 @@ def flash_attn_func(
     float32 when return_lse (or return_attn_probs, FlashAttention-3's name for it).
     The positional order is FlashAttention-3's (q, k, v, softmax_scale, causal); the rest is
     keyword-only.
+    FP8: q, k, v in torch.float8_e4m3fn run the e4m3 forward variants (forward only; causal or
+    not): q_descale, k_descale, v_descale are fp32 factors per (batch, heads_kv) (or one value;
+    None: 1) as in FlashAttention-3, applied to the scores and the output; the output is bf16,
+    or fp16 with out_dtype=torch.float16 (fa3gen.fp8).
     """
     _check_fa3_arguments(softmax_scale)
     mask = masking(causal, window_size, softcap)
     return_lse = bool(return_lse or return_attn_probs)
     _check_tensors(q, k, v)
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    _fp8.check_descale_use(q, k, v, descales, out_dtype)
+    if _fp8.is_fp8(q, k, v):
+        if _captured(q, k, v):
+            raise InvalidInputError("fp8 attention does not run under torch.compile / CUDA "
+                                    "graph capture yet (eager calls only)")
+        out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant, descales,
+                                                out_dtype)
+        if _trace._active:
+            _trace_call(name, variant is None, dims)
+        return (out, lse) if return_lse else out
     if _captured(q, k, v):
         check_device(q, k, v)
         dims = check_inputs(q, k, v)

@@ -327,3 +327,112 @@ def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int 
         acc = acc * rescale + torch.matmul(p8, vb)
         row_max = new_max
     return (acc / row_sum).transpose(1, 2).to(out_dtype)
+
+
+def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale):
+    """q, k, v (b, s, h, d) fp8 times their (b, heads_kv) descales, as fp64 (b, heads_q, s, d)
+    (kv heads repeated for GQA)."""
+    b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
+    group = hq // hkv
+
+    def dequant(x, descale, per_q_head):
+        x = x.double()
+        if descale is not None:
+            ds = descale.double().reshape(-1, 1) if descale.numel() == 1 else descale.double()
+            ds = ds.expand(b, hkv)
+            if per_q_head:
+                ds = ds.repeat_interleave(group, dim=1)
+            x = x * ds[:, None, :, None]
+        return x.transpose(1, 2)
+
+    return (dequant(q, q_descale, True),
+            *(dequant(t, ds, False).repeat_interleave(group, dim=1)
+              for t, ds in ((k, k_descale), (v, v_descale))))
+
+
+def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=None,
+                            causal: bool = False, softmax_scale: float | None = None, *,
+                            key_block: int | None = None, p_scale: float = 256.0):
+    """(out, lse) in fp64 of attention on fp8 (batch, seqlen, heads, d) q, k, v times their
+    descales ((batch, heads_kv) fp32, one value, or None = 1), GQA and bottom-right causal as
+    the kernels. key_block None: the exact softmax of the dequantized inputs (the ground
+    truth). key_block = the kernel's tile_n: its arithmetic (the e4m3 kernels' reference):
+    key blocks from the last down with the online softmax, P * p_scale rounded to e4m3 for
+    the PV product, the row sum of the unrounded P. out (b, sq, hq, d), lse (b, hq, sq)."""
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    qt, kt, vt = _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+    if key_block is None:
+        lse = torch.logsumexp(scores, dim=-1)
+        finite = torch.isfinite(lse)[..., None]
+        p = torch.where(finite, torch.exp(scores - torch.where(finite, lse[..., None], 0.0)), 0.0)
+        return torch.matmul(p, vt).transpose(1, 2), lse
+    row_max = torch.full(qt.shape[:3] + (1,), float("-inf"), dtype=torch.float64, device=q.device)
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros(qt.shape[:3] + (vt.shape[-1],), dtype=torch.float64, device=q.device)
+    for start in reversed(range(0, sk, key_block)):
+        sb = scores[..., start:start + key_block]
+        new_max = torch.maximum(row_max, sb.amax(-1, keepdim=True))
+        safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no key yet
+        rescale = torch.exp(row_max - safe)
+        p = torch.exp(sb - safe)
+        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+        p8 = (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale
+        acc = acc * rescale + torch.matmul(p8, vt[:, :, start:start + key_block])
+        row_max = new_max
+    empty = row_sum == 0
+    out = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, row_sum))
+    lse = torch.where(empty, float("-inf"), row_max + torch.log(torch.where(empty, 1.0, row_sum)))
+    return out.transpose(1, 2), lse[..., 0]
+
+
+def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, tile_n: int) -> dict:
+    """Check an e4m3 kernel's (out, lse) under the fp8 tolerance rule; errors, tolerances and
+    ok/why like compare_to_reference. Against the kernels' arithmetic (key_block = tile_n):
+    RMSE <= 1e-2 RMS(ref) and max error <= 0.15 max |ref| (P values at an e4m3 rounding
+    midpoint may go to the other neighbour: one step is 12.5% of the value); against the exact
+    softmax of the dequantized inputs: RMSE <= 4e-2 RMS(ref) (3 mantissa bits in P); LSE within
+    2e-3 + 2^-10 max_j scale * sum_d |q_d k_jd| per row: FP8 WGMMAs accumulate with about 14
+    bits, not fp32's 24, rounding at each 32-element k-step (measured on the H200: LSE errors
+    of 0.005-0.02 on rows whose scores reach ~100, more at head dim 256), so a score carries an
+    error of that order of its terms' magnitude. NaN anywhere fails."""
+    emu, _ = fp8_attention_reference(q, k, v, **descales, causal=causal, key_block=tile_n)
+    exact, ref_lse = fp8_attention_reference(q, k, v, **descales, causal=causal)
+    o, lse_d = out.double(), lse.double()
+    res = {"ok": True, "why": []}
+
+    def fail(msg):
+        res["ok"] = False
+        res["why"].append(msg)
+
+    def rms(t):
+        return t.pow(2).mean().sqrt().item() if t.numel() else 0.0
+
+    if torch.isnan(o).any() or torch.isnan(lse_d).any():
+        fail("NaN in out / lse: elements not written or NaN math")
+    res["out_err"] = _max_abs(o - emu)
+    res["out_tol"] = 0.15 * (_max_abs(emu) or 1.0)
+    res["rmse_kernel_arith"] = rms(o - emu) / (rms(emu) or 1.0)
+    res["rmse_exact"] = rms(o - exact) / (rms(exact) or 1.0)
+    if not res["out_err"] <= res["out_tol"]:
+        fail(f"max |out - ref| = {res['out_err']:.3g} > {res['out_tol']:.3g}")
+    if not res["rmse_kernel_arith"] <= 1e-2:
+        fail(f"relative RMSE vs the kernels' arithmetic {res['rmse_kernel_arith']:.3g} > 1e-2")
+    if not res["rmse_exact"] <= 4e-2:
+        fail(f"relative RMSE vs the exact softmax {res['rmse_exact']:.3g} > 4e-2")
+    finite = torch.isfinite(ref_lse)
+    if not torch.equal(torch.isneginf(lse_d), ~finite):
+        fail("lse -inf positions differ from the reference")
+    diff = (lse_d - ref_lse).abs()[finite]
+    res["lse_err"] = _max_abs(diff)
+    qt, kt, _ = _fp8_dequantized(q, k, v, descales.get("q_descale"), descales.get("k_descale"),
+                                 descales.get("v_descale"))
+    magnitude = torch.matmul(qt.abs(), kt.abs().transpose(-1, -2)).amax(-1) / math.sqrt(q.shape[-1])
+    if diff.numel() and not bool((diff <= 2e-3 + 2.0**-10 * magnitude[finite]).all()):
+        fail(f"max |lse - ref| = {res['lse_err']:.3g} beyond 2e-3 + 2^-10 sum|q k| scale")
+    res["why"] = "; ".join(res["why"])
+    return res

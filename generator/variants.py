@@ -37,6 +37,7 @@ _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
 SMEM_LIMIT = 232448              # 227 KiB: sm_90 max dynamic shared memory per block
 SMEM_RESERVED = 1024             # barriers, alignment slack
 REG_OVERHEAD = 24                # addresses, loop state, softmax stats per consumer thread
+FP8_V_RAW_SLOTS = 2              # FwdTraits::kVRawSlots
 
 
 def smem_bytes(v: Variant) -> int:
@@ -48,7 +49,9 @@ def smem_bytes(v: Variant) -> int:
         return elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
                        + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
             + 4 * v.tile_m * v.head_dim + SMEM_RESERVED
-    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim) \
+    # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose.
+    raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
+    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v) \
         + SMEM_RESERVED
 
 
@@ -63,6 +66,8 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     if v.direction == "bwd":
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
+    if v.dtype == "e4m3":  # the transposing producers keep 56 registers (FwdTraits)
+        return need + v.tile_n // 8, 224 if consumer_warpgroups(v) <= 2 else 144
     cap = 240 if consumer_warpgroups(v) <= 2 else 160
     return need, cap
 
@@ -73,6 +78,23 @@ def head_dim_supported(v: Variant) -> Optional[str]:
     if v.head_dim not in supported_head_dims(v.direction):
         return (f"backward head_dim {v.head_dim} not in {list(BACKWARD_HEAD_DIMS)} "
                 f"({BACKWARD_HEAD_DIMS_WHY})")
+    return None
+
+
+def fp8_scope(v: Variant) -> Optional[str]:
+    """What the e4m3 forward realizes today."""
+    if v.dtype != "e4m3":
+        return None
+    if v.direction == "bwd":
+        return "e4m3 is forward only (fp8 training is not a goal of the kernels)"
+    if v.local or v.softcap or v.varlen:
+        return ("e4m3 with local, softcap or varlen is not realized yet (the descales are not "
+                "folded into the softcap, and those paths are not tested with fp8)")
+    if not v.warp_specialized:
+        return "e4m3 needs warp_specialized: true (the producer warpgroup transposes V)"
+    if v.tile_n % 64:
+        return (f"e4m3 tile_n {v.tile_n} must be a multiple of 64 (V^T rows of 64 or 128 bytes "
+                f"for the swizzled K-major layout the PV GEMM reads)")
     return None
 
 
@@ -161,6 +183,7 @@ def knob_realized(v: Variant) -> Optional[str]:
 # Order matters: the first failing constraint is the one reported.
 CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("head_dim_supported", head_dim_supported),
+    ("fp8_scope", fp8_scope),
     ("one_mask", one_mask),
     ("backward_knobs", backward_knobs),
     ("mma_m_shape", mma_m_shape),

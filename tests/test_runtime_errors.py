@@ -536,7 +536,7 @@ def test_bench_cli_options():
     (["--head-dims", "64,x"], "argument --head-dims: expected a comma-separated list of positive "
                               "integers (e.g. 64,128), got '64,x'"),
     (["--dtype", "fp8"], "argument --dtype: expected a comma-separated list of dtypes from bf16, "
-                         "fp16 (e.g. bf16,fp16), got 'fp8'"),
+                         "fp16, e4m3 (e.g. bf16,fp16), got 'fp8'"),
 ])
 def test_bench_cli_says_what_a_list_option_expects(argv, expected, capsys):
     import argparse

@@ -12,6 +12,9 @@ enum class BarrierId : uint32_t {
   kFwdTurn1 = 1,
   kFwdTurn2 = 2,
   kFwdQFree = 3,     // no producer warpgroup: every consumer is done with the previous tile's Q
+  // fp8: the producer warpgroup has transposed a raw V slot (ids are per kernel, so the
+  // forward may reuse a backward id).
+  kFwdVTransposed = 4,
   // Backward.
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory

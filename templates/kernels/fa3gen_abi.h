@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 5
+#define FA3GEN_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -42,6 +42,17 @@ typedef struct fa3gen_fwd_params {
   const int32_t* cu_seqlens_k;
   int32_t* tile_list;
   int32_t total_q, total_k;
+  // fp8 (e4m3) variants: fp32 descale factors per (batch, heads_kv) for q, k and v (null
+  // reads 1), strides in floats (0 broadcasts one value). Scores are scaled by
+  // q_descale * k_descale, O by v_descale. O is bf16, or fp16 when o_fp16 is 1. Other
+  // variants ignore these fields (their O has the inputs' dtype).
+  const float* q_descale;
+  const float* k_descale;
+  const float* v_descale;
+  int64_t q_descale_batch_stride, q_descale_head_stride;
+  int64_t k_descale_batch_stride, k_descale_head_stride;
+  int64_t v_descale_batch_stride, v_descale_head_stride;
+  int32_t o_fp16;
 } fa3gen_fwd_params;
 
 // Varlen limits: the tile list holds the batch in one CTA's shared memory and packs

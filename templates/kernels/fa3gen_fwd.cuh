@@ -28,9 +28,19 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   const int batches = Varlen ? 1 : a.batch;
   auto q = rows(a.q, rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
   auto k = rows(a.k, rows_k, a.heads_kv, batches, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
-  auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
-                        make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches),
-                                    make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
+  // V as TMA loads it: V^T straight into the MN-major B operand (16-bit), or rows like K into
+  // the raw slots the fp8 kernel transposes.
+  auto tma_v = [&]() {
+    if constexpr (Traits::kFp8) {
+      auto v = rows(a.v, rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+      return make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutVRaw{}));
+    } else {
+      auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
+                            make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches),
+                                        make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
+      return make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{}));
+    }
+  };
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
   if (int64_t(m_blocks) * a.heads_q * a.batch > INT32_MAX / 2) {  // tile indices (pairs round up, plus 2 * grid) are ints
@@ -66,13 +76,18 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
       make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{})),
-      make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{})),
-      static_cast<E*>(a.o), a.lse,
+      tma_v(),
+      a.o, a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
       masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
       masking.lse_scale, masking.scale_log2,
-      vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule, varlen};
+      vec_aligned<typename Traits::ElementOut>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule,
+      varlen,
+      Descales{a.q_descale, a.k_descale, a.v_descale, a.q_descale_batch_stride, a.q_descale_head_stride,
+               a.k_descale_batch_stride, a.k_descale_head_stride, a.v_descale_batch_stride,
+               a.v_descale_head_stride},
+      a.o_fp16 != 0};
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

@@ -55,17 +55,22 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
   }
 }
 
-// O = O / rowsum in the input dtype and LSE (natural log, fp32) for the rows of the tile that
-// exist; tid is the thread's index among the consumers.
+// O = O / rowsum in the output dtype and LSE (natural log, fp32) for the rows of the tile that
+// exist; tid is the thread's index among the consumers. fp8: lse_scale and o_scale carry the
+// descale factors (and o_scale undoes P's factor 256, fwd_mainloop.cuh).
 template <class Traits, int Rows, class TO>
 __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile, SeqSlice const& seq,
-                                               OnlineSoftmax<Rows>& softmax, TO& tOrO, int tid) {
-  using Element = typename Traits::Element;
+                                               OnlineSoftmax<Rows>& softmax, TO& tOrO, int tid,
+                                               float lse_scale, float o_scale = 1.f) {
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmaPV mma_pv;
   auto thr_pv = mma_pv.get_thread_slice(tid);
   float inv_sum[Rows], lse[Rows];
-  softmax.finalize(p.lse_scale, inv_sum, lse);
+  softmax.finalize(lse_scale, inv_sum, lse);
+  if constexpr (Traits::kFp8) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) inv_sum[r] *= o_scale;
+  }
   Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
   scale_rows(O, inv_sum);
   // Varlen: O and LSE rows of the sequence in the packed tensors (LSE is (heads_q, total_q)).
@@ -87,13 +92,23 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
       if (row < row_end) { lse_row[row] = lse[r]; }
     }
   }
-  Tensor rO = convert_fragment<Element>(tOrO);
-  Element* o_tile = Traits::kVarlen
-                       ? p.o + first_row * p.o_row_stride + tile.head * p.o_head_stride
-                       : p.o + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +
-                             int64_t(tile.block) * kTileM * p.o_row_stride;
-  if (p.o_vector_stores) store_tile_rows_16b<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
-  else store_tile_rows<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+  const int64_t o_offset = Traits::kVarlen
+                              ? first_row * p.o_row_stride + tile.head * p.o_head_stride
+                              : tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +
+                                    int64_t(tile.block) * kTileM * p.o_row_stride;
+  auto store = [&](auto out_type) {
+    using Out = decltype(out_type);
+    Tensor rO = convert_fragment<Out>(tOrO);
+    Out* o_tile = static_cast<Out*>(p.o) + o_offset;
+    if (p.o_vector_stores) store_tile_rows_16b<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+    else store_tile_rows<kTileM, kHeadDim>(thr_pv, rO, o_tile, p.o_row_stride, row_end);
+  };
+  if constexpr (Traits::kFp8) {
+    if (p.o_fp16) store(cutlass::half_t{});
+    else store(cutlass::bfloat16_t{});
+  } else {
+    store(typename Traits::ElementOut{});
+  }
 }
 
 }  // namespace fa3gen

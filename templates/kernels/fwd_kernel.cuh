@@ -32,7 +32,8 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   if constexpr (Traits::kWarpSpecialized) {
     if (warp_idx < 4) {  // producer warpgroup
       cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-      if (threadIdx.x == 0) mainloop.produce(sched);
+      // One thread issues the loads; with fp8 the whole warpgroup also transposes V.
+      if (Traits::kFp8 || threadIdx.x == 0) mainloop.produce(sched);
       return;
     }
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -49,9 +50,20 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     if (!sched.decode(t, tile)) continue;
     const SeqSlice seq = mainloop.seq_of(tile);
     const KeyBlocks blocks = mainloop.mask(seq).key_blocks(tile.block);
-    OnlineSoftmax<Mainloop::kRows> softmax(p.scale_log2);
-    mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
-    store_fwd_tile(p, tile, seq, softmax, tOrO, tid);
+    if constexpr (Traits::kFp8) {
+      // The descales scale the scores (softmax and LSE) and the output, never the data; the
+      // output also drops the factor 256 that P carries in e4m3 (fwd_mainloop.cuh).
+      const int head_kv = tile.head / p.heads_per_kv;
+      const float qk = p.descale.qk(tile.batch, head_kv);
+      OnlineSoftmax<Mainloop::kRows> softmax(p.scale_log2 * qk);
+      mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
+      store_fwd_tile(p, tile, seq, softmax, tOrO, tid, p.lse_scale * qk,
+                     p.descale.v_(tile.batch, head_kv) * (1.f / Mainloop::kPScaleFp8));
+    } else {
+      OnlineSoftmax<Mainloop::kRows> softmax(p.scale_log2);
+      mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
+      store_fwd_tile(p, tile, seq, softmax, tOrO, tid, p.lse_scale);
+    }
   }
   turns.drain();
 }

@@ -11,6 +11,11 @@
 //                    of block j+1 runs while the PV GEMM of block j finishes.
 // Block i of a tile's visiting order is key block blocks.at(i), from the last visible one down:
 // the diagonal (masked) blocks come first.
+// fp8 (e4m3 q, k, v): WGMMA reads 8-bit operands K-major only, so V^T cannot come straight
+// from memory: TMA lands V (keys x head_dim) in a raw slot and the producer warpgroup
+// transposes it into V^T (transpose_v), overlapped with the consumers' GEMMs. P goes from the
+// fp32 accumulator into the e4m3 A operand inside each thread (p_to_fp8); the key order that
+// leaves in P's registers is matched by the order the transpose writes V^T's columns in.
 #pragma once
 #include <cutlass/arch/barrier.h>
 #include "barriers.cuh"
@@ -59,16 +64,21 @@ template <class Traits>
 struct FwdMainloop {
   using Element = typename Traits::Element;
   using Pipeline = typename Traits::Pipeline;
+  using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kStages = Traits::kStages;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
   static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
+  // fp8: P in [0, 1] is stored times 256 in e4m3 (whose normal range starts at 2^-6), so small
+  // probabilities keep their precision; the epilogue divides it out.
+  static constexpr float kPScaleFp8 = 256.f;
 
   FwdParams<Traits> const& p;
   typename Traits::SharedStorage& smem;
-  Pipeline pipe_k, pipe_v;
+  Pipeline pipe_k;
+  PipelineV pipe_v;
   // Consumer side: the read position (shared by K and V, continues across tiles), the inline
   // loader's write positions, and how many tiles with work came before (the Q barriers' phase).
   PipelineState st;
@@ -103,12 +113,27 @@ struct FwdMainloop {
       TmaBarrier::init(&smem.barrier_q[part], 1);
       TmaBarrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);
     }
+    if constexpr (Traits::kFp8) {
+      for (int slot = 0; slot < Traits::kVRawSlots; ++slot) TmaBarrier::init(&smem.barrier_v_raw[slot], 1);
+    }
   }
 
   __device__ __forceinline__ FwdMainloop(FwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe_k(smem_.pipeline_k, params(warp_idx), Shape<_1, _1, _1>{}),
-        pipe_v(smem_.pipeline_v, params(warp_idx), Shape<_1, _1, _1>{}) {}
+        pipe_v(make_pipe_v(smem_, warp_idx)) {}
+
+  __device__ __forceinline__ static PipelineV make_pipe_v(typename Traits::SharedStorage& smem, int warp_idx) {
+    if constexpr (Traits::kFp8) {  // the producer warpgroup's 128 threads write V^T
+      typename PipelineV::Params vp;
+      vp.role = warp_idx < 4 ? PipelineV::ThreadCategory::Producer : PipelineV::ThreadCategory::Consumer;
+      vp.producer_arv_count = 128;
+      vp.consumer_arv_count = Traits::kConsumerThreads;
+      return PipelineV(smem.pipeline_v, vp);
+    } else {
+      return PipelineV(smem.pipeline_v, params(warp_idx), Shape<_1, _1, _1>{});
+    }
+  }
 
   __device__ __forceinline__ static typename Pipeline::Params params(int warp_idx) {
     return tma_pipeline_params<Pipeline>(Traits::kBytesKV, Traits::kWarpSpecialized, warp_idx,
@@ -156,6 +181,10 @@ struct FwdMainloop {
   // need K(i) together with V(i - 1)).
   template <class Scheduler>
   __device__ __forceinline__ void produce(Scheduler const& sched) {
+    if constexpr (Traits::kFp8) {
+      produce_fp8(sched);
+      return;
+    }
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState st_v = st_k;
     int tiles_loaded = 0;  // tiles with work so far: the phase of the Q barriers
@@ -180,7 +209,124 @@ struct FwdMainloop {
     }
   }
 
+  // ---------------- fp8: V through the producer warpgroup ----------------
+  __device__ __forceinline__ void load_v_raw(int n_block, int head_kv, int b, SeqSlice const& seq, int slot) {
+    auto [tg, ts] = row_tiles(p.tma_v, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
+                              Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.v_raw.data(),
+                              typename Traits::SmemLayoutVRaw{});
+    TmaBarrier::arrive_and_expect_tx(&smem.barrier_v_raw[slot], Traits::kBytesKV);
+    copy(p.tma_v.with(smem.barrier_v_raw[slot], 0), tg(_, n_block), ts(_, slot));
+  }
+
+  // V (keys x head_dim, raw slot) -> V^T (head_dim x keys, K-major, pipeline stage), by the 128
+  // producer threads in 4x4-byte blocks: four 4-byte loads along head_dim, a byte transpose in
+  // registers (__byte_perm), four 4-byte stores along the keys. Within each 32-key step of the
+  // PV GEMM, V^T column 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2: the key that
+  // p_to_fp8 puts in byte b of thread t's register for half g (t = lane % 4).
+  __device__ __forceinline__ void transpose_v(int slot, int stage) const {
+    Tensor raw = make_tensor(make_smem_ptr(smem.v_raw.data()), typename Traits::SmemLayoutVRaw{});
+    Tensor vt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = lane & 3, g = (lane >> 2) & 1, dsub = lane >> 3;
+    constexpr int kSteps = kTileN / 32, kWarpTiles = kSteps * (kHeadDim / 16);  // 32 keys x 16 columns each
+#ifndef FA3GEN_FP8_TRANSPOSE_UNROLL
+#define FA3GEN_FP8_TRANSPOSE_UNROLL 1
+#endif
+    constexpr int kTransposeUnroll = FA3GEN_FP8_TRANSPOSE_UNROLL;
+    // Partly unrolled: the addresses of all the blocks at once would not fit in the producers'
+    // 56 registers. FA3GEN_FP8_SKIP_TRANSPOSE (wrong results) times the kernel without it.
+#ifdef FA3GEN_FP8_SKIP_TRANSPOSE
+    if (kWarpTiles > 0) return;
+#endif
+    #pragma unroll kTransposeUnroll
+    for (int wt = warp; wt < kWarpTiles; wt += 4) {
+      const int step = wt % kSteps, d0 = (wt / kSteps) * 16 + dsub * 4;
+      const int key0 = 32 * step + 16 * g + 2 * t, col0 = 32 * step + 16 * g + 4 * t;
+      uint32_t r[4];
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < 4; ++b) {
+        r[b] = *reinterpret_cast<uint32_t const*>(&raw(key0 + 8 * (b >> 1) + (b & 1), d0, slot));
+      }
+      const uint32_t lo01 = __byte_perm(r[0], r[1], 0x5140), hi01 = __byte_perm(r[0], r[1], 0x7362);
+      const uint32_t lo23 = __byte_perm(r[2], r[3], 0x5140), hi23 = __byte_perm(r[2], r[3], 0x7362);
+      const uint32_t w[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(&vt(d0 + j, col0, stage)) = w[j];
+    }
+  }
+
+  // The producer warpgroup with fp8: thread 0 issues the loads as in produce(), one V ahead;
+  // every thread transposes each V once it lands, then hands V^T to the consumers.
+  template <class Scheduler>
+  __device__ __forceinline__ void produce_fp8(Scheduler const& sched) {
+    constexpr int kSlots = Traits::kVRawSlots;
+    const bool leader = threadIdx.x == 0;
+    PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
+    PipelineState st_vt = cutlass::make_producer_start_state<PipelineV>();
+    int v_issued = 0, v_done = 0;  // raw V loads issued / transposed: ring slot and phase
+    int tiles_loaded = 0;
+    for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
+      TileCoord tile;
+      if (!sched.decode(t, tile)) continue;
+      const SeqSlice seq = seq_of(tile);
+      const KeyBlocks blocks = mask(seq).key_blocks(tile.block);
+      const int n_blocks = blocks.count;
+      if (n_blocks == 0) continue;
+      const int head_kv = tile.head / p.heads_per_kv;
+      if (leader) {
+        load_k(blocks.at(0), head_kv, tile.batch, seq, st_k);
+        for (int part = 0; part < Traits::kQParts; ++part) {
+          if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
+          load_q(tile, seq, part);
+        }
+        load_v_raw(blocks.at(0), head_kv, tile.batch, seq, v_issued++ % kSlots);
+      }
+      for (int i = 0; i < n_blocks; ++i) {
+        // The slot V(i + 1) lands in held V(i - 1), transposed before the last barrier below.
+        if (leader && i + 1 < n_blocks) {
+          load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
+          load_v_raw(blocks.at(i + 1), head_kv, tile.batch, seq, v_issued++ % kSlots);
+        }
+        TmaBarrier::wait(&smem.barrier_v_raw[v_done % kSlots], (v_done / kSlots) & 1);
+        pipe_v.producer_acquire(st_vt);
+        transpose_v(v_done % kSlots, st_vt.index());
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
+        pipe_v.producer_commit(st_vt);
+        ++st_vt;
+        ++v_done;
+        barrier_sync<BarrierId::kFwdVTransposed>(128);  // the raw slot may be reloaded
+      }
+      ++tiles_loaded;
+    }
+  }
+
   // ---------------- consumers: one query tile ----------------
+  // fp8: P (fp32, accumulator layout: thread t of a quad holds columns 8j + 2t and 8j + 2t + 1
+  // of rows r and r + 8) times kPScaleFp8 into the e4m3 A operand of each 32-key step, whose
+  // byte b of the register for (row half h, column half g) is operand column 16g + 4t + b.
+  // Filled from accumulator column 8(4 step + 2g + b / 2) + 2t + b % 2 instead: the same
+  // thread's values, no shuffle; transpose_v orders V^T's keys to match.
+  template <class TS, class TP>
+  __device__ __forceinline__ static void p_to_fp8(TS const& tSrS, TP& rP) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int step = 0; step < kTileN / 32; ++step) {
+      cutlass::Array<float, 16> f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < 2; ++g) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int b = 0; b < 4; ++b) {
+            f[b + 4 * h + 8 * g] = tSrS(make_coord(b & 1, h, 4 * step + 2 * g + (b >> 1)), 0, 0) * kPScaleFp8;
+          }
+        }
+      }
+      cutlass::NumericArrayConverter<Element, float, 16, cutlass::FloatRoundStyle::round_to_nearest> convert;
+      *reinterpret_cast<cutlass::Array<Element, 16>*>(&rP(0, 0, step)) = convert(f);
+    }
+  }
+
   // Leaves O (unnormalized) in tOrO and the row statistics in softmax; tid is the thread's
   // index among the consumers.
   template <class TO>
@@ -203,8 +349,18 @@ struct FwdMainloop {
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
-    Tensor rP = make_tensor<Element>(tSrS.layout());
-    Tensor tOrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+    // P as the PV GEMM's A operand: 16-bit P shares the accumulator's layout (acc_as_operand_a
+    // views it); fp8 P is a plain (16 bytes, 1, k-step) fragment filled by p_to_fp8.
+    auto p_layout = [&]() {
+      if constexpr (Traits::kFp8) return Layout<Shape<Shape<_4, _2, _2>, _1, Int<kTileN / 32>>>{};
+      else return tSrS.layout();
+    };
+    Tensor rP = make_tensor<Element>(p_layout());
+    auto p_operand_layout = [&]() {
+      if constexpr (Traits::kFp8) return rP.layout();
+      else return acc_as_operand_a(rP.layout());
+    };
+    Tensor tOrP = make_tensor(rP.data(), p_operand_layout());
     Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
     Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
@@ -255,9 +411,13 @@ struct FwdMainloop {
       softmax.step(S, rescale);
     };
     auto to_p = [&]() {
-      Tensor converted = convert_fragment<Element>(tSrS);
-      CUTLASS_PRAGMA_UNROLL
-      for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
+      if constexpr (Traits::kFp8) {
+        p_to_fp8(tSrS, rP);
+      } else {
+        Tensor converted = convert_fragment<Element>(tSrS);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < size(rP); ++e) { rP(e) = converted(e); }
+      }
     };
 
     clear(tOrO);

@@ -17,11 +17,50 @@
 namespace fa3gen {
 using namespace cute;
 
+// V^T as the PV GEMM's B operand (head_dim x keys, per stage). 16-bit: MN-major, which is V's
+// own layout (head_dim contiguous), so TMA loads it directly. fp8: WGMMA takes K-major 8-bit
+// operands only, so V^T is stored keys-contiguous and written by the in-kernel transpose.
+template <class Element, int HeadDim, int TileN, int Stages>
+constexpr auto smem_layout_vt() {
+  constexpr auto shape = Shape<Int<HeadDim>, Int<TileN>, Int<Stages>>{};
+  if constexpr (sizeof(Element) == 1) return tile_to_shape(smem_atom<Element, TileN, true>(), shape);
+  else return tile_to_shape(smem_atom<Element, HeadDim, false>(), shape);
+}
+
+// fp8 only: the TMA landing slots of V as stored (keys x head_dim), which the producer
+// warpgroup transposes into V^T; the kernel's shared memory holds them in front of Q.
+template <class Element, int Elems, int Slots, bool Present>
+struct VRawStorage {
+  alignas(1024) cute::array_aligned<Element, Elems> v_raw;
+  alignas(8) uint64_t barrier_v_raw[Slots];  // slot landed (TMA transaction barrier)
+};
+template <class Element, int Elems, int Slots>
+struct VRawStorage<Element, Elems, Slots, false> {};  // empty base: 16-bit kernels unchanged
+
+// Per-(batch, kv head) fp8 descale factors (FA3's q/k/v_descale); a null pointer reads 1.
+struct Descales {
+  float const* q;
+  float const* k;
+  float const* v;
+  int64_t q_batch, q_head, k_batch, k_head, v_batch, v_head;  // strides in floats
+  __device__ __forceinline__ static float at(float const* t, int64_t bs, int64_t hs, int b, int h) {
+    return t ? t[b * bs + h * hs] : 1.f;
+  }
+  __device__ __forceinline__ float qk(int b, int h) const { return at(q, q_batch, q_head, b, h) * at(k, k_batch, k_head, b, h); }
+  __device__ __forceinline__ float v_(int b, int h) const { return at(v, v_batch, v_head, b, h); }
+};
+
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
           bool Softcap, bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap>
 struct FwdTraits {
-  using Element = Element_;
-  static_assert(sizeof(Element) == 2, "bf16/fp16 only");
+  using Element = Element_;  // of q, k, v
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  static_assert(sizeof(Element) == 2 || kFp8, "bf16/fp16 or e4m3");
+  static_assert(!kFp8 || WarpSpecialized, "fp8: the producer warpgroup transposes V");
+  static_assert(!kFp8 || TileN % 32 == 0, "fp8: the PV GEMM takes 32 keys per instruction");
+  static_assert(!kFp8 || HeadDim % 16 == 0, "fp8: V is transposed in 16-column strips");
+  // Of O: the input type, or for fp8 bf16 (fp16 when the call asks: FwdParams::o_fp16).
+  using ElementOut = cute::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   static constexpr int kHeadDim = HeadDim, kTileM = TileM, kTileN = TileN, kStages = Stages;
   static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   static constexpr bool kWarpSpecialized = WarpSpecialized, kPingpong = Pingpong, kOverlap = IntraWgOverlap;
@@ -32,8 +71,9 @@ struct FwdTraits {
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + (WarpSpecialized ? 128 : 0);
   // setmaxnreg split: the producer keeps few registers so consumers can hold S, P and O.
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : 24;
-  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
+  // fp8: the producers also transpose V, which needs a few more.
+  static constexpr int kProducerRegs = kFp8 ? 56 : kConsumerWGs == 3 ? 32 : 24;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? (kFp8 ? 144 : 160) : (kFp8 ? 224 : 240);
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap
   // from __launch_bounds__, rounded down to 8, times the threads): asking for more makes the
   // consumers' increase wait forever. 24/240 and 32/160 use exactly the whole pool.
@@ -55,10 +95,11 @@ struct FwdTraits {
                                              Shape<Int<TileM>, Int<HeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
                                              Shape<Int<TileN>, Int<HeadDim>, Int<Stages>>{}));
-  // V is read as the B operand of O = P V with N = head_dim, K = key: head_dim is contiguous
-  // in memory, so the MN-major layout loads V straight from global memory, no transpose.
-  using SmemLayoutVt = decltype(tile_to_shape(smem_atom<Element, HeadDim, false>(),
-                                              Shape<Int<HeadDim>, Int<TileN>, Int<Stages>>{}));
+  // V is read as the B operand of O = P V with N = head_dim, K = key (smem_layout_vt).
+  using SmemLayoutVt = decltype(smem_layout_vt<Element, HeadDim, TileN, Stages>());
+  static constexpr int kVRawSlots = 2;  // fp8: V(i + 1) lands while V(i) is transposed
+  using SmemLayoutVRaw = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+                                                Shape<Int<TileN>, Int<HeadDim>, Int<kVRawSlots>>{}));
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
   using TiledMmaQK = decltype(make_tiled_mma(
@@ -66,7 +107,7 @@ struct FwdTraits {
       AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+                           GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>(),
       AtomLayout{}));
 
   // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch), head_dim contiguous.
@@ -88,22 +129,28 @@ struct FwdTraits {
       TileM / kQParts * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutQPart{}));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{})));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{})));
+  static constexpr auto make_tma_v() {
+    if constexpr (kFp8) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutVRaw{}));
+    else return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{}));
+  }
+  using TmaV = decltype(make_tma_v());
 
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = TileN * HeadDim * sizeof(Element);
 
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
+  // V^T: loaded by TMA (16-bit), or written by the producer warpgroup's transpose (fp8).
+  using PipelineV = cute::conditional_t<kFp8, cutlass::PipelineAsync<Stages>, Pipeline>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  struct SharedStorage {
+  struct SharedStorage : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8> {
     // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
     // and WGMMA derive it from address bits.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutVt>> v;
     typename Pipeline::SharedStorage pipeline_k;
-    typename Pipeline::SharedStorage pipeline_v;
+    typename PipelineV::SharedStorage pipeline_v;
     alignas(8) uint64_t barrier_q[kQParts];       // Q slice landed (TMA transaction barrier)
     alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
@@ -116,7 +163,7 @@ struct FwdParams {
   typename Traits::TmaQ tma_q;
   typename Traits::TmaK tma_k;
   typename Traits::TmaV tma_v;
-  typename Traits::Element* o;
+  void* o;  // Traits::ElementOut, or half_t for an fp8 call with o_fp16
   float* lse;
   int64_t o_batch_stride, o_row_stride, o_head_stride;
   int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
@@ -128,6 +175,8 @@ struct FwdParams {
   bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
   TileSchedule schedule;  // the grid policy the host chose (tile_scheduler.cuh)
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors
+  Descales descale;       // fp8 variants
+  bool o_fp16;            // fp8 variants: O in fp16 instead of bf16
 };
 
 }  // namespace fa3gen

@@ -7,16 +7,18 @@
 namespace fa3gen {
 using namespace cute;
 
-// Widest swizzle whose atom divides the contiguous extent (128B rows need 64 16-bit elements).
+// Widest swizzle whose atom divides the contiguous extent: 128-byte rows need 64 16-bit or
+// 128 8-bit elements.
 template <class Element, int ContiguousExtent, bool KMajor>
 constexpr auto smem_atom() {
+  constexpr int kBytes = ContiguousExtent * int(sizeof(Element));
   if constexpr (KMajor) {
-    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
-    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
+    if constexpr (kBytes % 128 == 0) return GMMA::Layout_K_SW128_Atom<Element>{};
+    else if constexpr (kBytes % 64 == 0) return GMMA::Layout_K_SW64_Atom<Element>{};
     else return GMMA::Layout_K_SW32_Atom<Element>{};
   } else {
-    if constexpr (ContiguousExtent % 64 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
-    else if constexpr (ContiguousExtent % 32 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
+    if constexpr (kBytes % 128 == 0) return GMMA::Layout_MN_SW128_Atom<Element>{};
+    else if constexpr (kBytes % 64 == 0) return GMMA::Layout_MN_SW64_Atom<Element>{};
     else return GMMA::Layout_MN_SW32_Atom<Element>{};
   }
 }

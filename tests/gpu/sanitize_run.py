@@ -29,15 +29,17 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1, help="forward batch size")
     parser.add_argument("--features", action="store_true", help="only local/softcap variants")
     parser.add_argument("--varlen", action="store_true", help="only varlen variants")
+    parser.add_argument("--fp8", action="store_true", help="only e4m3 variants")
     args = parser.parse_args()
     lib = runtime.get_library()
     batch, only = args.batch, args.head_dims
 
     def skip(info):
         return (only and str(info.head_dim) not in only) or (
-            args.features and not (info.local or info.softcap)) or info.varlen != args.varlen
+            args.features and not (info.local or info.softcap)) or info.varlen != args.varlen or (
+            (info.dtype == "e4m3") != args.fp8)
 
-    if args.varlen:
+    if args.varlen or args.fp8:
         gen = torch.Generator(device="cuda").manual_seed(0)
         for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
             for info in lib.defaults(direction):

@@ -1,0 +1,109 @@
+"""The e4m3 forward variants on the GPU: every built fp8 variant against the fp64 reference of
+the dequantized inputs and against the kernels' own arithmetic (fa3gen.reference
+.fp8_attention_reference with key_block = tile_n: online softmax from the last key block down,
+P * 256 rounded to e4m3), outputs poisoned with NaN before each run; the tolerance rule is
+fa3gen.reference.compare_fp8_to_reference's.
+"""
+import pytest
+import torch
+
+from fa3gen import fp8, ops, runtime
+from fa3gen.errors import Fa3genError, InvalidInputError
+from fa3gen.reference import compare_fp8_to_reference, fp8_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _fp8_variants():
+    try:
+        lib = runtime.get_library()
+    except Exception:  # no library: the conftest skips GPU tests without one
+        return []
+    return [v for v in lib.variants if v.dtype == "e4m3"]
+
+
+VARIANTS = _fp8_variants()
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+SHAPES = [(1, 1, 1, 1, 1), (2, 257, 257, 4, 4), (1, 300, 513, 8, 2), (2, 1000, 777, 2, 1),
+          (1, 130, 64, 2, 2)]
+
+
+def _inputs(b, sq, sk, hq, hkv, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) * 2
+               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    descales = {n: torch.rand(b, hkv, device="cuda", generator=g) + 0.5
+                for n in fp8.DESCALE_NAMES}
+    return [t.to(torch.float8_e4m3fn) for t in (q, k, v)], descales
+
+
+def _run(q, k, v, descales, causal, variant, out_dtype=torch.bfloat16):
+    b, sq, hq, d = q.shape
+    out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device="cuda")
+    lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+    fp8.fp8_forward(q, k, v, ops.masking(causal), None, variant, descales, out_dtype, out, lse)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def _check(out, lse, q, k, v, descales, causal, tile_n):
+    res = compare_fp8_to_reference(out, lse, q, k, v, descales, causal, tile_n)
+    assert res["ok"], res["why"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_sq{}_sk{}_h{}x{}".format(*s))
+@pytest.mark.parametrize("info", VARIANTS, ids=lambda v: v.name)
+def test_fp8_variant_matches_reference(info, shape):
+    b, sq, sk, hq, hkv = shape
+    (q, k, v), descales = _inputs(b, sq, sk, hq, hkv, info.head_dim)
+    out, lse = _run(q, k, v, descales, info.causal, info.name)
+    _check(out, lse, q, k, v, descales, info.causal, info.tile_n)
+
+
+@pytest.mark.parametrize("info", [v for v in VARIANTS if v.is_default], ids=lambda v: v.name)
+def test_fp8_public_api_fp16_output_and_no_descale(info):
+    (q, k, v), descales = _inputs(2, 333, 333, 4, 2, info.head_dim, seed=1)
+    out, lse = ops.flash_attn_func(q, k, v, causal=info.causal, out_dtype=torch.float16,
+                                   return_lse=True, **descales)
+    assert out.dtype == torch.float16
+    _check(out, lse, q, k, v, descales, info.causal, info.tile_n)
+    # Without descales: factors of 1; a single value broadcasts.
+    out1 = ops.flash_attn_func(q, k, v, causal=info.causal)
+    ref, _ = fp8_attention_reference(q, k, v, causal=info.causal, key_block=info.tile_n)
+    assert (out1.double() - ref).pow(2).mean().sqrt() <= 1e-2 * ref.pow(2).mean().sqrt()
+    one = torch.tensor([0.5], device="cuda")
+    out2 = ops.flash_attn_func(q, k, v, causal=info.causal, v_descale=one)
+    assert torch.allclose(out2.float(), out1.float() * 0.5, rtol=1e-2, atol=1e-3)
+
+
+def test_fp8_no_keys_gives_zero_rows():
+    if not VARIANTS:
+        pytest.skip("no e4m3 variant built")
+    (q, k, v), _ = _inputs(1, 5, 0, 2, 2, VARIANTS[0].head_dim)
+    out, lse = ops.flash_attn_func(q, k, v, return_lse=True)
+    assert (out == 0).all() and (lse == float("-inf")).all()
+
+
+def test_fp8_errors():
+    if not VARIANTS:
+        pytest.skip("no e4m3 variant built")
+    d = VARIANTS[0].head_dim
+    (q, k, v), descales = _inputs(2, 64, 64, 4, 2, d)
+    with pytest.raises(InvalidInputError, match="one dtype"):
+        ops.flash_attn_func(q, k.to(torch.bfloat16), v)
+    with pytest.raises(InvalidInputError, match=r"k_descale must have shape"):
+        ops.flash_attn_func(q, k, v, k_descale=torch.ones(4, 2, device="cuda"))
+    with pytest.raises(InvalidInputError, match="float32"):
+        ops.flash_attn_func(q, k, v, q_descale=torch.ones(2, 2, device="cuda", dtype=torch.float16))
+    with pytest.raises(InvalidInputError, match="forward only"):
+        ops.flash_attn_func(q.requires_grad_(), k, v)
+    q.requires_grad_(False)
+    with pytest.raises(InvalidInputError, match="out_dtype"):
+        ops.flash_attn_func(q, k, v, out_dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match="window_size or softcap"):
+        ops.flash_attn_func(q, k, v, window_size=(16, 0))
+    with pytest.raises(InvalidInputError, match="float8_e4m3fn q, k, v only"):
+        ops.flash_attn_func(*(t.to(torch.bfloat16) for t in (q, k, v)), **descales)
+    odd = torch.randn(2, 64, 4, 40, device="cuda").to(torch.float8_e4m3fn)
+    with pytest.raises(Fa3genError):
+        ops.flash_attn_func(odd, odd, odd)
