@@ -187,24 +187,37 @@ struct FwdMainloop {
     }
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState st_v = st_k;
+    for_each_tile_loading_q(sched, true, st_k, [&](TileCoord const& tile, SeqSlice const& seq,
+                                                   KeyBlocks const& blocks, int head_kv) {
+      for (int i = 0; i < blocks.count; ++i) {
+        if (i + 1 < blocks.count) load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
+        load_v(blocks.at(i), head_kv, tile.batch, seq, st_v);
+      }
+    });
+  }
+
+  // The producer's walk over this CTA's tiles with work: the leader loads each tile's first K,
+  // then its Q once the previous tile's readers are done with Q; body(tile, seq, blocks,
+  // head_kv) loads the rest of the tile.
+  template <class Scheduler, class Body>
+  __device__ __forceinline__ void for_each_tile_loading_q(Scheduler const& sched, bool leader, PipelineState& st_k,
+                                                         Body&& body) {
     int tiles_loaded = 0;  // tiles with work so far: the phase of the Q barriers
     for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
       const SeqSlice seq = seq_of(tile);
       const KeyBlocks blocks = mask(seq).key_blocks(tile.block);
-      const int n_blocks = blocks.count;
-      if (n_blocks == 0) continue;
+      if (blocks.count == 0) continue;
       const int head_kv = tile.head / p.heads_per_kv;
-      load_k(blocks.at(0), head_kv, tile.batch, seq, st_k);
-      for (int part = 0; part < Traits::kQParts; ++part) {
-        if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
-        load_q(tile, seq, part);
+      if (leader) {
+        load_k(blocks.at(0), head_kv, tile.batch, seq, st_k);
+        for (int part = 0; part < Traits::kQParts; ++part) {
+          if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
+          load_q(tile, seq, part);
+        }
       }
-      for (int i = 0; i < n_blocks; ++i) {
-        if (i + 1 < n_blocks) load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
-        load_v(blocks.at(i), head_kv, tile.batch, seq, st_v);
-      }
+      body(tile, seq, blocks, head_kv);
       ++tiles_loaded;
     }
   }
@@ -224,8 +237,12 @@ struct FwdMainloop {
   // PV GEMM, V^T column 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2: the key that
   // p_to_fp8 puts in byte b of thread t's register for half g (t = lane % 4).
   __device__ __forceinline__ void transpose_v(int slot, int stage) const {
-    Tensor raw = make_tensor(make_smem_ptr(smem.v_raw.data()), typename Traits::SmemLayoutVRaw{});
-    Tensor vt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    // Shared-window addresses, not generic pointers: through a C++ pointer the accesses
+    // compiled to generic 64-bit LD/ST (address translation, 64-bit math) instead of LDS/STS.
+    const uint32_t raw_base = cute::cast_smem_ptr_to_uint(smem.v_raw.data());
+    const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.v.data());
+    constexpr auto raw = typename Traits::SmemLayoutVRaw{};  // byte offsets (1-byte elements)
+    constexpr auto vt = typename Traits::SmemLayoutVt{};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int t = lane & 3, g = (lane >> 2) & 1, dsub = lane >> 3;
     constexpr int kSteps = kTileN / 32, kWarpTiles = kSteps * (kHeadDim / 16);  // 32 keys x 16 columns each
@@ -245,15 +262,23 @@ struct FwdMainloop {
       uint32_t r[4];
       CUTLASS_PRAGMA_UNROLL
       for (int b = 0; b < 4; ++b) {
-        r[b] = *reinterpret_cast<uint32_t const*>(&raw(key0 + 8 * (b >> 1) + (b & 1), d0, slot));
+        r[b] = ld_shared_u32(raw_base + uint32_t(raw(key0 + 8 * (b >> 1) + (b & 1), d0, slot)));
       }
       const uint32_t lo01 = __byte_perm(r[0], r[1], 0x5140), hi01 = __byte_perm(r[0], r[1], 0x7362);
       const uint32_t lo23 = __byte_perm(r[2], r[3], 0x5140), hi23 = __byte_perm(r[2], r[3], 0x7362);
       const uint32_t w[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
                              __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint32_t*>(&vt(d0 + j, col0, stage)) = w[j];
+      for (int j = 0; j < 4; ++j) st_shared_u32(vt_base + uint32_t(vt(d0 + j, col0, stage)), w[j]);
     }
+  }
+  __device__ __forceinline__ static uint32_t ld_shared_u32(uint32_t addr) {
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+  }
+  __device__ __forceinline__ static void st_shared_u32(uint32_t addr, uint32_t v) {
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
   }
 
   // The producer warpgroup with fp8: thread 0 issues the loads as in produce(), one V ahead;
@@ -265,28 +290,22 @@ struct FwdMainloop {
     PipelineState st_k = cutlass::make_producer_start_state<Pipeline>();
     PipelineState st_vt = cutlass::make_producer_start_state<PipelineV>();
     int v_issued = 0, v_done = 0;  // raw V loads issued / transposed: ring slot and phase
-    int tiles_loaded = 0;
-    for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
-      TileCoord tile;
-      if (!sched.decode(t, tile)) continue;
-      const SeqSlice seq = seq_of(tile);
-      const KeyBlocks blocks = mask(seq).key_blocks(tile.block);
+    for_each_tile_loading_q(sched, leader, st_k, [&](TileCoord const& tile, SeqSlice const& seq,
+                                                     KeyBlocks const& blocks, int head_kv) {
       const int n_blocks = blocks.count;
-      if (n_blocks == 0) continue;
-      const int head_kv = tile.head / p.heads_per_kv;
       if (leader) {
-        load_k(blocks.at(0), head_kv, tile.batch, seq, st_k);
-        for (int part = 0; part < Traits::kQParts; ++part) {
-          if (tiles_loaded > 0) TmaBarrier::wait(&smem.barrier_q_free[part], (tiles_loaded - 1) & 1);
-          load_q(tile, seq, part);
+        for (int j = 0; j < kSlots - 1 && j < n_blocks; ++j) {
+          load_v_raw(blocks.at(j), head_kv, tile.batch, seq, v_issued++ % kSlots);
         }
-        load_v_raw(blocks.at(0), head_kv, tile.batch, seq, v_issued++ % kSlots);
       }
       for (int i = 0; i < n_blocks; ++i) {
-        // The slot V(i + 1) lands in held V(i - 1), transposed before the last barrier below.
-        if (leader && i + 1 < n_blocks) {
-          load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
-          load_v_raw(blocks.at(i + 1), head_kv, tile.batch, seq, v_issued++ % kSlots);
+        // V runs kSlots - 1 blocks ahead: the slot V(i + kSlots - 1) lands in held V(i - 1),
+        // transposed before the last barrier below.
+        if (leader) {
+          if (i + 1 < n_blocks) load_k(blocks.at(i + 1), head_kv, tile.batch, seq, st_k);
+          if (i + kSlots - 1 < n_blocks) {
+            load_v_raw(blocks.at(i + kSlots - 1), head_kv, tile.batch, seq, v_issued++ % kSlots);
+          }
         }
         TmaBarrier::wait(&smem.barrier_v_raw[v_done % kSlots], (v_done / kSlots) & 1);
         pipe_v.producer_acquire(st_vt);
@@ -297,8 +316,7 @@ struct FwdMainloop {
         ++v_done;
         barrier_sync<BarrierId::kFwdVTransposed>(128);  // the raw slot may be reloaded
       }
-      ++tiles_loaded;
-    }
+    });
   }
 
   // ---------------- consumers: one query tile ----------------

@@ -97,7 +97,11 @@ struct FwdTraits {
                                              Shape<Int<TileN>, Int<HeadDim>, Int<Stages>>{}));
   // V is read as the B operand of O = P V with N = head_dim, K = key (smem_layout_vt).
   using SmemLayoutVt = decltype(smem_layout_vt<Element, HeadDim, TileN, Stages>());
-  static constexpr int kVRawSlots = 2;  // fp8: V(i + 1) lands while V(i) is transposed
+#ifndef FA3GEN_FP8_V_RAW_SLOTS
+#define FA3GEN_FP8_V_RAW_SLOTS 2
+#endif
+  // fp8: raw V slots; V(i + 1 .. i + slots - 1) land while V(i) is transposed.
+  static constexpr int kVRawSlots = FA3GEN_FP8_V_RAW_SLOTS;
   using SmemLayoutVRaw = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
                                                 Shape<Int<TileN>, Int<HeadDim>, Int<kVRawSlots>>{}));
 
