@@ -232,53 +232,41 @@ struct FwdMainloop {
   }
 
   // V (keys x head_dim, raw slot) -> V^T (head_dim x keys, K-major, pipeline stage), by the 128
-  // producer threads in 4x4-byte blocks: four 4-byte loads along head_dim, a byte transpose in
-  // registers (__byte_perm), four 4-byte stores along the keys. Within each 32-key step of the
-  // PV GEMM, V^T column 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2: the key that
-  // p_to_fp8 puts in byte b of thread t's register for half g (t = lane % 4).
+  // producer threads, one 32-key x 16-column block per warp and step: ldmatrix.x4.trans reads
+  // the block as four 8-key matrices (lane l gets keys 2c, 2c + 1 of each at columns 2r, 2r + 1,
+  // r = l / 4, c = l % 4), four byte permutes regroup them per column, and stmatrix.x4 writes
+  // V^T rows D + 2r and D + 2r + 1, 16 key positions at a time. The key order that leaves in
+  // V^T: within each 32-key step, column 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2,
+  // the key that p_to_fp8 puts in byte b of thread t's register for half g. Both instructions
+  // move 16-byte rows, which the 128-byte swizzle spreads over the banks.
   __device__ __forceinline__ void transpose_v(int slot, int stage) const {
-    // Shared-window addresses, not generic pointers: through a C++ pointer the accesses
-    // compiled to generic 64-bit LD/ST (address translation, 64-bit math) instead of LDS/STS.
     const uint32_t raw_base = cute::cast_smem_ptr_to_uint(smem.v_raw.data());
     const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.v.data());
     constexpr auto raw = typename Traits::SmemLayoutVRaw{};  // byte offsets (1-byte elements)
     constexpr auto vt = typename Traits::SmemLayoutVt{};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int t = lane & 3, g = (lane >> 2) & 1, dsub = lane >> 3;
-    constexpr int kSteps = kTileN / 32, kWarpTiles = kSteps * (kHeadDim / 16);  // 32 keys x 16 columns each
-#ifndef FA3GEN_FP8_TRANSPOSE_UNROLL
-#define FA3GEN_FP8_TRANSPOSE_UNROLL 1
+    const int matrix = lane / 8, row = lane % 8;  // the matrix row whose address this lane gives
+    constexpr int kSteps = kTileN / 32, kBlocks = kSteps * (kHeadDim / 16);
+#ifdef FA3GEN_FP8_SKIP_TRANSPOSE  // measurements only: V^T left as it was (wrong results)
+    if (kBlocks > 0) return;
 #endif
-    constexpr int kTransposeUnroll = FA3GEN_FP8_TRANSPOSE_UNROLL;
-    // Partly unrolled: the addresses of all the blocks at once would not fit in the producers'
-    // 56 registers. FA3GEN_FP8_SKIP_TRANSPOSE (wrong results) times the kernel without it.
-#ifdef FA3GEN_FP8_SKIP_TRANSPOSE
-    if (kWarpTiles > 0) return;
-#endif
-    #pragma unroll kTransposeUnroll
-    for (int wt = warp; wt < kWarpTiles; wt += 4) {
-      const int step = wt % kSteps, d0 = (wt / kSteps) * 16 + dsub * 4;
-      const int key0 = 32 * step + 16 * g + 2 * t, col0 = 32 * step + 16 * g + 4 * t;
-      uint32_t r[4];
-      CUTLASS_PRAGMA_UNROLL
-      for (int b = 0; b < 4; ++b) {
-        r[b] = ld_shared_u32(raw_base + uint32_t(raw(key0 + 8 * (b >> 1) + (b & 1), d0, slot)));
-      }
-      const uint32_t lo01 = __byte_perm(r[0], r[1], 0x5140), hi01 = __byte_perm(r[0], r[1], 0x7362);
-      const uint32_t lo23 = __byte_perm(r[2], r[3], 0x5140), hi23 = __byte_perm(r[2], r[3], 0x7362);
-      const uint32_t w[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 4; ++j) st_shared_u32(vt_base + uint32_t(vt(d0 + j, col0, stage)), w[j]);
+    // Unrolled up to 8 steps per warp; more (tile_n 192: 12) keeps too many addresses live.
+    constexpr int kPerWarp = (kBlocks + 3) / 4, kUnroll = kPerWarp <= 8 ? kPerWarp : 4;
+    #pragma unroll kUnroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int blk = warp + 4 * i;
+      if (kBlocks % 4 != 0 && blk >= kBlocks) break;
+      const int key0 = 32 * (blk % kSteps), d0 = 16 * (blk / kSteps);
+      uint32_t r0, r1, r2, r3;
+      const uint32_t src = raw_base + uint32_t(raw(key0 + 8 * matrix + row, d0, slot));
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(src));
+      const uint32_t w0 = __byte_perm(r0, r1, 0x6420), w2 = __byte_perm(r0, r1, 0x7531);
+      const uint32_t w1 = __byte_perm(r2, r3, 0x6420), w3 = __byte_perm(r2, r3, 0x7531);
+      const uint32_t dst = vt_base + uint32_t(vt(d0 + 2 * row + (matrix >> 1), key0 + 16 * (matrix & 1), stage));
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                   ::"r"(dst), "r"(w0), "r"(w1), "r"(w2), "r"(w3) : "memory");
     }
-  }
-  __device__ __forceinline__ static uint32_t ld_shared_u32(uint32_t addr) {
-    uint32_t v;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(addr));
-    return v;
-  }
-  __device__ __forceinline__ static void st_shared_u32(uint32_t addr, uint32_t v) {
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
   }
 
   // The producer warpgroup with fp8: thread 0 issues the loads as in produce(), one V ahead;

@@ -97,11 +97,9 @@ struct FwdTraits {
                                              Shape<Int<TileN>, Int<HeadDim>, Int<Stages>>{}));
   // V is read as the B operand of O = P V with N = head_dim, K = key (smem_layout_vt).
   using SmemLayoutVt = decltype(smem_layout_vt<Element, HeadDim, TileN, Stages>());
-#ifndef FA3GEN_FP8_V_RAW_SLOTS
-#define FA3GEN_FP8_V_RAW_SLOTS 2
-#endif
-  // fp8: raw V slots; V(i + 1 .. i + slots - 1) land while V(i) is transposed.
-  static constexpr int kVRawSlots = FA3GEN_FP8_V_RAW_SLOTS;
+  // fp8: raw V slots; V(i + 1 .. i + slots - 1) land while V(i) is transposed. 3 measured no
+  // faster than 2 (docs/BENCHMARKS.md); generator/variants.py FP8_V_RAW_SLOTS mirrors it.
+  static constexpr int kVRawSlots = 2;
   using SmemLayoutVRaw = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
                                                 Shape<Int<TileN>, Int<HeadDim>, Int<kVRawSlots>>{}));
 
