@@ -29,7 +29,8 @@ BEGIN, END = "<!-- numerics:begin -->", "<!-- numerics:end -->"
 # The paper's RMSE (FlashAttention-3, section 4.3), by our row names.
 PAPER = {"standard_fp16": 3.2e-4, "flash_fp16": 1.9e-4, "sdpa_fa2_fp16": 1.9e-4,
          "fa3gen_fp16": 1.9e-4, "fp8_per_tensor": 2.4e-2, "fp8_block_hadamard": 9.1e-3,
-         "fp8_hadamard": 9.3e-3, "fp8_block": 2.4e-2}
+         "fp8_hadamard": 9.3e-3, "fp8_block": 2.4e-2, "fa3gen_fp8_per_tensor": 2.4e-2,
+         "fa3gen_fp8_hadamard": 9.3e-3}
 LABELS = {
     "standard_fp16": "standard attention, fp16 (scores and softmax in fp16)",
     "flash_fp16": "FlashAttention-style fp16, emulated (fp32 softmax, P in fp16)",
@@ -41,6 +42,8 @@ LABELS = {
     "fp8_block": "fp8, block quantization only, emulated",
     "fp8_hadamard": "fp8, incoherent processing only, emulated",
     "fp8_block_hadamard": "fp8, block quantization + incoherent processing, emulated",
+    "fa3gen_fp8_per_tensor": "fa3gen e4m3 kernel, per-tensor scales",
+    "fa3gen_fp8_hadamard": "fa3gen e4m3 kernel, per-tensor scales + incoherent processing",
     "cudnn_fp8": "cuDNN fp8 SDPA",
 }
 DEFAULT_SHAPES = ((1, 8192, 2, 128), (1, 4096, 4, 64))  # (batch, seqlen, heads, head_dim)
@@ -119,8 +122,32 @@ def gpu_rows(q, k, v) -> tuple[dict, dict]:
                 qt, kt, vt).transpose(1, 2)
     except Exception as e:
         missing["sdpa_fa2_fp16"] = str(e).splitlines()[0][:200]
+    try:
+        outs.update(fa3gen_fp8_rows(q, k, v))
+    except Exception as e:
+        missing["fa3gen_fp8_per_tensor"] = missing["fa3gen_fp8_hadamard"] = \
+            str(e).splitlines()[0][:200]
     missing["cudnn_fp8"] = "not wired yet (cudnn-frontend's fp8 SDPA graph)"
     return outs, missing
+
+
+def fa3gen_fp8_rows(q, k, v, seed: int = 0) -> dict:
+    """The e4m3 kernel on per-tensor quantized inputs (the scales as its descales), without
+    and with incoherent processing (q and k times the same random-sign Hadamard matrix first,
+    as fp8_attention_emulated does). Block quantization has no kernel yet."""
+    from fa3gen.ops import flash_attn_func
+    from fa3gen.reference import hadamard_transform, quantize_e4m3, random_signs
+
+    rows = {}
+    for name, hadamard in (("fa3gen_fp8_per_tensor", False), ("fa3gen_fp8_hadamard", True)):
+        qi, ki = q.float(), k.float()
+        if hadamard:
+            signs = random_signs(q.shape[-1], seed, q.device)
+            qi, ki = hadamard_transform(qi * signs), hadamard_transform(ki * signs)
+        (q8, sq), (k8, sk), (v8, sv) = (quantize_e4m3(t) for t in (qi, ki, v.float()))
+        rows[name] = flash_attn_func(q8, k8, v8, q_descale=sq.reshape(1), k_descale=sk.reshape(1),
+                                     v_descale=sv.reshape(1))
+    return rows
 
 
 def study(shapes, seed: int, device: str) -> dict:
@@ -138,7 +165,8 @@ def study(shapes, seed: int, device: str) -> dict:
             got, missing = gpu_rows(q, k, v)
             outs.update(got)
         else:
-            for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", "cudnn_fp8"):
+            for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", "fa3gen_fp8_per_tensor",
+                         "fa3gen_fp8_hadamard", "cudnn_fp8"):
                 missing[name] = "needs a GPU (this run: cpu)"
         row = {"shape": list(shape), "rmse": {n: rmse(o, ref) for n, o in outs.items()},
                "not_measured": missing}
