@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "quantize_fp8",
     "trace",
     "Fa3genError",
     "InvalidInputError",
@@ -29,8 +30,9 @@ __all__ = [
 ]
 
 _LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "flash_attn_varlen_func": "fa3gen.varlen",
-               "trace": "fa3gen.tracing"}
-_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing", "varlen"}
+               "quantize_fp8": "fa3gen.fp8", "trace": "fa3gen.tracing"}
+_LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing", "varlen",
+                 "fp8"}
 
 
 def __getattr__(name):

@@ -314,8 +314,9 @@ FWD_PARAMS = (
     *_VARLEN,
     # The runtime side of dtype e4m3: descale factors and the output dtype.
     ("q_descale", "const float*"), ("k_descale", "const float*"), ("v_descale", "const float*"),
-    *((f"{t}_descale_{dim}_stride", "int64_t") for t in "qkv" for dim in ("batch", "head")),
-    ("o_fp16", "int32_t"),
+    *((f"{t}_descale_{dim}_stride", "int64_t") for t in "qkv"
+      for dim in ("batch", "head", "block")),
+    ("q_descale_head_div", "int32_t"), ("o_fp16", "int32_t"),
 )
 
 BWD_PARAMS = (

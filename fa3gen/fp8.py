@@ -1,12 +1,19 @@
 """FP8 (e4m3) attention forward: what `flash_attn_func` runs when q, k, v are float8_e4m3fn.
 
-FlashAttention-3's interface: q, k, v in float8_e4m3fn, optional fp32 descale factors per
-(batch, heads_kv) for each (`q_descale`, `k_descale`, `v_descale`; None is 1; a single value
-broadcasts), so that the attention is computed on q * q_descale, k * k_descale, v * v_descale.
-The kernels scale the scores and the output by them, never the data. The output is bf16, or
-fp16 with out_dtype=torch.float16; the LSE fp32. Forward only.
+FlashAttention-3's interface: q, k, v in float8_e4m3fn, optional fp32 descale factors
+(`q_descale`, `k_descale`, `v_descale`; None is 1), so that the attention is computed on
+q * q_descale, k * k_descale, v * v_descale. Each descale is one value, one per
+(batch, heads_kv) as in FA3, or one per (batch, heads, block) for block quantization: blocks of
+the serving variant's tiles (`block_sizes`), (batch, heads_q, ceil(seqlen_q / tile_m)) for q and
+(batch, heads_kv, ceil(seqlen_k / tile_n)) for k and v. `quantize` makes such tensors. Factors
+must be positive and finite (not checked: that would need the data on the host). The kernels
+scale the scores and the output by them, never the data. The output is bf16, or fp16 with
+out_dtype=torch.float16; the LSE fp32. Forward only.
 """
+
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,24 +39,85 @@ def check_descale_use(q, k, v, descales: dict, out_dtype) -> None:
         raise InvalidInputError(f"{what} apply to float8_e4m3fn q, k, v only (got {q.dtype})")
 
 
-def _descale_view(name: str, t, dims: ops.Dims, device) -> torch.Tensor | None:
-    """t as a (batch, heads_kv) fp32 view on `device` (a single value broadcast, stride 0)."""
+def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows: int):
+    """(t, (batch, head, block) strides in floats, head divisor) of a descale, or None for None:
+    one value (strides 0), (batch, heads_kv), or (batch, heads, blocks) with heads = heads_q
+    for q_descale (heads_kv otherwise) and `blocks` blocks of `block_rows` rows."""
     if t is None:
         return None
-    want = (dims.batch, dims.heads_kv)
+    per_kv = (dims.batch, dims.heads_kv)
+    heads = dims.heads_q if name == "q_descale" else dims.heads_kv
+    per_block = (dims.batch, heads, blocks)
+    want = f"one value, {per_kv} (batch, heads_kv) or {per_block} (batch, heads, blocks of " \
+           f"{block_rows} rows)"
     if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(f"{name} must be a float32 tensor of shape {want} or None, "
-                                f"got {type(t).__name__}")
+        raise InvalidInputError(f"{name} must be a float32 tensor ({want}) or None, got "
+                                f"{type(t).__name__}")
     if t.dtype != torch.float32:
         raise InvalidInputError(f"{name} must be float32, got {t.dtype}")
     if t.device != device:
         raise InvalidInputError(f"{name} must be on {device} like q, got {t.device}")
+    group = dims.heads_q // dims.heads_kv if name == "q_descale" else 1
     if t.numel() == 1:
-        return t.reshape(1, 1).expand(want)
-    if tuple(t.shape) != want:
-        raise InvalidInputError(f"{name} must have shape (batch, heads_kv) = {want} or hold one "
-                                f"value, got {tuple(t.shape)}")
-    return t
+        return t, (0, 0, 0), 1
+    if tuple(t.shape) == per_kv:
+        return t, (t.stride(0), t.stride(1), 0), group
+    if tuple(t.shape) == per_block:
+        return t, (t.stride(0), t.stride(1), t.stride(2) if blocks > 1 else 0), 1
+    raise InvalidInputError(f"{name} must have {want}, got shape {tuple(t.shape)}")
+
+
+def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple[int, int]:
+    """(rows per q block, keys per k/v block) of block-quantized descales for a call on q, k:
+    the tiles (tile_m, tile_n) of the variant that serves it."""
+    dims = ops.Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
+                    "e4m3")
+    info = runtime.get_library().find("fwd", "e4m3", dims.head_dim, bool(causal),
+                                      variant=ops.resolve_variant(dims, bool(causal), variant))
+    return info.tile_m, info.tile_n
+
+
+E4M3_MAX = 448.0
+
+
+def quantize(x: torch.Tensor, block_rows: int | None = None):
+    """(float8_e4m3fn values, fp32 descale) of x (batch, seqlen, heads, d), x ~ values *
+    descale, the largest magnitude of each scope mapped to 448: one scale for the tensor
+    (shape (1,)), or one per (batch, head, block of block_rows rows) (shape (batch, heads,
+    blocks)), the layout flash_attn_func takes (block_rows from block_sizes). PyTorch
+    operations, not a fused kernel."""
+    b, s, h, d = x.shape
+    xf = x.float()
+    if block_rows is None:
+        amax = xf.abs().amax().reshape(1)
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        return (xf / scale).to(FP8_DTYPE), scale
+    blocks = -(-s // block_rows)
+    padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block_rows - s))
+    amax = padded.abs().reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
+    return (xf / rows).to(FP8_DTYPE), scale.permute(0, 2, 1).contiguous()
+
+
+def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: int = 0,
+                 causal: bool = False, variant: str | None = None):
+    """(q8, k8, v8, descales) for flash_attn_func(q8, k8, v8, causal=causal, **descales): q, k, v
+    (batch, seqlen, heads, d, any float dtype) quantized to e4m3 with one scale per (batch,
+    head, block of the serving variant's tiles) (block=True; a library must be loaded) or per
+    tensor. hadamard=True first multiplies q and k along d by the same random orthogonal matrix
+    diag(random signs from `seed`) x Hadamard / sqrt(d) (incoherent processing: q k^T is
+    unchanged in exact arithmetic, outliers are spread; d a power of two). PyTorch operations:
+    about a memory pass per step, not yet the fused quantization kernel the FA3 paper implies;
+    no rotary embedding."""
+    from fa3gen.reference import hadamard_transform, random_signs
+
+    if hadamard:
+        signs = random_signs(q.shape[-1], seed, q.device)
+        q, k = hadamard_transform(q.float() * signs), hadamard_transform(k.float() * signs)
+    block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
+    (q8, qd), (k8, kd), (v8, vd) = quantize(q, block_q), quantize(k, block_k), quantize(v, block_k)
+    return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
 
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
@@ -68,10 +136,14 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     if mask.local or mask.softcap > 0:
         raise InvalidInputError("fp8 attention with window_size or softcap is not supported yet "
                                 "(causal and non-causal are)")
-    views = {n: _descale_view(n, descales.get(n), dims, q.device) for n in DESCALE_NAMES}
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=name, **mask.key())
+    rows = {"q_descale": info.tile_m, "k_descale": info.tile_n, "v_descale": info.tile_n}
+    lengths = {"q_descale": dims.seqlen_q, "k_descale": dims.seqlen_k, "v_descale": dims.seqlen_k}
+    views = {n: _descale_view(n, descales.get(n), dims, q.device,
+                              max(1, math.ceil(lengths[n] / rows[n])), rows[n])
+             for n in DESCALE_NAMES}
     ops.check_layout(q=q, k=k, v=v)
     b, sq, hq, d = q.shape
     if out is None:
@@ -88,11 +160,15 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
         return out, lse, info.name, dims
     p = ops._make_params(q, k, v, out, lse, dims, ops._softmax_scale(softmax_scale, d),
                          ops._num_sms(q.device.index), ops._grid_mode(), mask)
-    for n, t in views.items():
-        if t is not None:
+    p.q_descale_head_div = 1
+    for n, view in views.items():
+        if view is not None:
+            t, strides, head_div = view
             setattr(p, n, t.data_ptr())
-            setattr(p, f"{n}_batch_stride", t.stride(0))
-            setattr(p, f"{n}_head_stride", t.stride(1))
+            for dim, stride in zip(("batch", "head", "block"), strides):
+                setattr(p, f"{n}_{dim}_stride", stride)
+            if n == "q_descale":
+                p.q_descale_head_div = head_div
     p.o_fp16 = int(out_dtype == torch.float16)
     ops._launch(lib, info, q.device, lambda: p)
     return out, lse, info.name, dims

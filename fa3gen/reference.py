@@ -259,7 +259,6 @@ def compare_varlen_grads_to_reference(grads, q, k, v, dout, cu_seqlens_q, cu_seq
 # key block under an online softmax that visits key blocks from the last down, as the kernels
 # do; the row sum is taken in fp32 before that cast.
 
-E4M3_MAX = 448.0
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
@@ -285,18 +284,15 @@ def random_signs(d: int, seed: int, device=None) -> torch.Tensor:
 def quantize_e4m3(x: torch.Tensor, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scales) of x (batch, seqlen, heads, d), x ~ values * scale: one scale
     per tensor (block_rows None) or per (batch, block of block_rows rows, head); the largest
-    magnitude of each scope maps to 448. Scales broadcast against x."""
-    b, s, h, d = x.shape
-    xf = x.float()
+    magnitude of each scope maps to 448. Scales broadcast against x (fa3gen.fp8.quantize gives
+    them in the kernels' (batch, heads, blocks) layout)."""
+    from fa3gen.fp8 import quantize
+
+    vals, scale = quantize(x, block_rows)
     if block_rows is None:
-        amax = xf.abs().amax().reshape(1, 1, 1, 1)
-    else:
-        blocks = -(-s // block_rows)
-        padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block_rows - s))
-        amax = padded.abs().reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
-        amax = amax.repeat_interleave(block_rows, dim=1)[:, :s].unsqueeze(-1)     # (b, s, h, 1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (xf / scale).to(torch.float8_e4m3fn), scale
+        return vals, scale.reshape(1, 1, 1, 1)
+    rows = scale.permute(0, 2, 1).repeat_interleave(block_rows, dim=1)[:, :x.shape[1]]
+    return vals, rows.unsqueeze(-1)
 
 
 def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int | None = None,
@@ -329,30 +325,35 @@ def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int 
     return (acc / row_sum).transpose(1, 2).to(out_dtype)
 
 
-def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale):
-    """q, k, v (b, s, h, d) fp8 times their (b, heads_kv) descales, as fp64 (b, heads_q, s, d)
-    (kv heads repeated for GQA)."""
+def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q=None, block_k=None):
+    """q, k, v (b, s, h, d) fp8 times their descales (one value, (b, heads_kv), or (b, heads,
+    blocks) of block_q / block_k rows), as fp64 (b, heads_q, s, d) (kv heads repeated)."""
     b, hq, hkv = q.shape[0], q.shape[2], k.shape[2]
     group = hq // hkv
 
-    def dequant(x, descale, per_q_head):
+    def dequant(x, descale, per_q_head, block):
         x = x.double()
         if descale is not None:
-            ds = descale.double().reshape(-1, 1) if descale.numel() == 1 else descale.double()
-            ds = ds.expand(b, hkv)
-            if per_q_head:
-                ds = ds.repeat_interleave(group, dim=1)
-            x = x * ds[:, None, :, None]
+            if descale.dim() == 3:  # (b, h, blocks): each row's block
+                ds = descale.double()[:, :, torch.arange(x.shape[1], device=x.device) // block]
+                x = x * ds.permute(0, 2, 1)[..., None]
+            else:
+                ds = descale.double().reshape(-1, 1) if descale.numel() == 1 else descale.double()
+                ds = ds.expand(b, hkv)
+                if per_q_head:
+                    ds = ds.repeat_interleave(group, dim=1)
+                x = x * ds[:, None, :, None]
         return x.transpose(1, 2)
 
-    return (dequant(q, q_descale, True),
-            *(dequant(t, ds, False).repeat_interleave(group, dim=1)
+    return (dequant(q, q_descale, True, block_q),
+            *(dequant(t, ds, False, block_k).repeat_interleave(group, dim=1)
               for t, ds in ((k, k_descale), (v, v_descale))))
 
 
 def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                             causal: bool = False, softmax_scale: float | None = None, *,
-                            key_block: int | None = None, p_scale: float = 256.0):
+                            key_block: int | None = None, p_scale: float = 256.0,
+                            block_q: int | None = None, block_k: int | None = None):
     """(out, lse) in fp64 of attention on fp8 (batch, seqlen, heads, d) q, k, v times their
     descales ((batch, heads_kv) fp32, one value, or None = 1), GQA and bottom-right causal as
     the kernels. key_block None: the exact softmax of the dequantized inputs (the ground
@@ -361,7 +362,7 @@ def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=N
     the PV product, the row sum of the unrounded P. out (b, sq, hq, d), lse (b, hq, sq)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    qt, kt, vt = _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale)
+    qt, kt, vt = _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q, block_k)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     scores = torch.matmul(qt, kt.transpose(-1, -2)) * scale
     if causal:
@@ -390,7 +391,8 @@ def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=N
     return out.transpose(1, 2), lse[..., 0]
 
 
-def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, tile_n: int) -> dict:
+def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, tile_n: int,
+                             block_q: int | None = None) -> dict:
     """Check an e4m3 kernel's (out, lse) under the fp8 tolerance rule; errors, tolerances and
     ok/why like compare_to_reference. Against the kernels' arithmetic (key_block = tile_n):
     RMSE <= 1e-2 RMS(ref) and max error <= 0.15 max |ref| (P values at an e4m3 rounding
@@ -400,8 +402,9 @@ def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, ti
     bits, not fp32's 24, rounding at each 32-element k-step (measured on the H200: LSE errors
     of 0.005-0.02 on rows whose scores reach ~100, more at head dim 256), so a score carries an
     error of that order of its terms' magnitude. NaN anywhere fails."""
-    emu, _ = fp8_attention_reference(q, k, v, **descales, causal=causal, key_block=tile_n)
-    exact, ref_lse = fp8_attention_reference(q, k, v, **descales, causal=causal)
+    blocks = dict(block_q=block_q, block_k=tile_n)  # block descales: the kernel's tiles
+    emu, _ = fp8_attention_reference(q, k, v, **descales, causal=causal, key_block=tile_n, **blocks)
+    exact, ref_lse = fp8_attention_reference(q, k, v, **descales, causal=causal, **blocks)
     o, lse_d = out.double(), lse.double()
     res = {"ok": True, "why": []}
 
@@ -430,7 +433,7 @@ def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, ti
     diff = (lse_d - ref_lse).abs()[finite]
     res["lse_err"] = _max_abs(diff)
     qt, kt, _ = _fp8_dequantized(q, k, v, descales.get("q_descale"), descales.get("k_descale"),
-                                 descales.get("v_descale"))
+                                 descales.get("v_descale"), block_q, tile_n)
     magnitude = torch.matmul(qt.abs(), kt.abs().transpose(-1, -2)).amax(-1) / math.sqrt(q.shape[-1])
     if diff.numel() and not bool((diff <= 2e-3 + 2.0**-10 * magnitude[finite]).all()):
         fail(f"max |lse - ref| = {res['lse_err']:.3g} beyond 2e-3 + 2^-10 sum|q k| scale")

@@ -70,16 +70,63 @@ def test_descales_belong_to_fp8_inputs():
 
 
 def test_descale_views():
-    dims = ops.Dims(2, 8, 8, 4, 2, 64, "e4m3")
+    dims = ops.Dims(2, 300, 200, 4, 2, 64, "e4m3")
     cpu = torch.device("cpu")
-    assert fp8._descale_view("q_descale", None, dims, cpu) is None
-    one = fp8._descale_view("q_descale", torch.tensor([2.0]), dims, cpu)
-    assert one.shape == (2, 2) and one.stride() == (0, 0)
-    full = torch.rand(2, 2)
-    assert fp8._descale_view("k_descale", full, dims, cpu) is full
-    with pytest.raises(InvalidInputError, match=r"shape \(batch, heads_kv\) = \(2, 2\)"):
-        fp8._descale_view("k_descale", torch.rand(2, 4), dims, cpu)
+    assert fp8._descale_view("q_descale", None, dims, cpu, 3, 128) is None
+    one = torch.tensor([2.0])
+    assert fp8._descale_view("q_descale", one, dims, cpu, 3, 128) == (one, (0, 0, 0), 1)
+    per_kv = torch.rand(2, 2)
+    # FA3's (batch, heads_kv) q_descale: query head h reads kv head h // 2
+    assert fp8._descale_view("q_descale", per_kv, dims, cpu, 3, 128) == (per_kv, (2, 1, 0), 2)
+    assert fp8._descale_view("k_descale", per_kv, dims, cpu, 2, 128)[1:] == ((2, 1, 0), 1)
+    blocks = torch.rand(2, 4, 3)
+    assert fp8._descale_view("q_descale", blocks, dims, cpu, 3, 128)[1:] == ((12, 3, 1), 1)
+    with pytest.raises(InvalidInputError, match=r"\(2, 2, 2\) \(batch, heads, blocks of 128 rows\)"):
+        fp8._descale_view("k_descale", torch.rand(2, 2, 3), dims, cpu, 2, 128)
     with pytest.raises(InvalidInputError, match="float32"):
-        fp8._descale_view("v_descale", torch.rand(2, 2).half(), dims, cpu)
+        fp8._descale_view("v_descale", torch.rand(2, 2).half(), dims, cpu, 2, 128)
     with pytest.raises(InvalidInputError, match="must be a float32 tensor"):
-        fp8._descale_view("v_descale", 2.0, dims, cpu)
+        fp8._descale_view("v_descale", 2.0, dims, cpu, 2, 128)
+
+
+def test_quantize_per_tensor_and_blocks():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 300, 3, 64, generator=g)
+    x[0, 5:9, 1] *= 50  # one loud block
+    vals, scale = fp8.quantize(x)
+    assert vals.dtype == torch.float8_e4m3fn and scale.shape == (1,)
+    assert vals.float().abs().max() == 448
+    vals_b, scale_b = fp8.quantize(x, 128)
+    assert scale_b.shape == (2, 3, 3)  # (batch, heads, ceil(300 / 128))
+    rows = scale_b.permute(0, 2, 1).repeat_interleave(128, 1)[:, :300, :, None]
+    back = vals_b.float() * rows
+    # e4m3: 3 mantissa bits (half a step: 1/16 relative), subnormal steps of 2^-9 scale
+    assert ((back - x).abs() <= x.abs() / 16 + 2.0**-10 * rows + 1e-7).all()
+    assert scale_b[0, 1, 0] > 20 * scale_b[0, 0, 0]
+
+
+def test_fp8_reference_with_block_descales_equals_dequantized_attention():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, s, h, 64, generator=g) for s, h in ((200, 4), (300, 2), (300, 2)))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(t, 64) for t in (q, k, v))
+    out, _ = fp8_attention_reference(q8, k8, v8, qd, kd, vd, causal=True, block_q=64, block_k=64)
+    deq = [t8.double() * d.double().permute(0, 2, 1).repeat_interleave(64, 1)[:, :t8.shape[1], :, None]
+           for t8, d in ((q8, qd), (k8, kd), (v8, vd))]
+    ref, _ = attention_reference(*deq, causal=True, upcast=True)
+    assert torch.allclose(out, ref.double(), atol=1e-5)
+    assert (out - attention_reference(q, k, v, causal=True)[0].double()).abs().max() < 0.1
+
+
+def test_quantize_fp8_per_tensor_with_incoherent_processing_keeps_scores():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 100, 2, 64, generator=g) for _ in range(3))
+    scores = q.transpose(1, 2) @ k.transpose(1, 2).transpose(-1, -2)
+    for hadamard in (False, True):
+        q8, k8, v8, ds = fp8.quantize_fp8(q, k, v, block=False, hadamard=hadamard, seed=5)
+        assert all(t.dtype == torch.float8_e4m3fn for t in (q8, k8, v8))
+        assert all(ds[n].shape == (1,) for n in fp8.DESCALE_NAMES)
+        deq = [(t.float() * ds[n]).transpose(1, 2) for t, n in ((q8, "q_descale"), (k8, "k_descale"))]
+        err = deq[0] @ deq[1].transpose(-1, -2) - scores  # the rotation leaves q k^T as it was
+        assert err.pow(2).mean().sqrt() < 0.05 * scores.pow(2).mean().sqrt()
+        assert torch.equal(v8.float() * ds["v_descale"], fp8.quantize(v)[0].float() * fp8.quantize(v)[1])
+    assert not torch.equal(q8.float(), fp8.quantize(q)[0].float())  # the transform was applied

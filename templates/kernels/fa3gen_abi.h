@@ -42,16 +42,21 @@ typedef struct fa3gen_fwd_params {
   const int32_t* cu_seqlens_k;
   int32_t* tile_list;
   int32_t total_q, total_k;
-  // fp8 (e4m3) variants: fp32 descale factors per (batch, heads_kv) for q, k and v (null
-  // reads 1), strides in floats (0 broadcasts one value). Scores are scaled by
-  // q_descale * k_descale, O by v_descale. O is bf16, or fp16 when o_fp16 is 1. Other
-  // variants ignore these fields (their O has the inputs' dtype).
+  // fp8 (e4m3) variants: fp32 descale factors of q, k and v (null reads 1), read at
+  // [b * batch_stride + head * head_stride + block * block_stride] (strides in floats; 0
+  // broadcasts). Blocks are the variant's tiles: query rows [tile_m * block, + tile_m) for q,
+  // keys [tile_n * block, + tile_n) for k and v (block quantization); a block stride of 0 is
+  // one factor per (batch, head). head is the kv head for k and v, and for q the query head
+  // divided by q_descale_head_div (heads_q / heads_kv for FA3's (batch, heads_kv) q_descale,
+  // else 1). Scores are scaled by q_descale * k_descale, O by v_descale. O is bf16, or fp16
+  // when o_fp16 is 1. Other variants ignore these fields (their O has the inputs' dtype).
   const float* q_descale;
   const float* k_descale;
   const float* v_descale;
-  int64_t q_descale_batch_stride, q_descale_head_stride;
-  int64_t k_descale_batch_stride, k_descale_head_stride;
-  int64_t v_descale_batch_stride, v_descale_head_stride;
+  int64_t q_descale_batch_stride, q_descale_head_stride, q_descale_block_stride;
+  int64_t k_descale_batch_stride, k_descale_head_stride, k_descale_block_stride;
+  int64_t v_descale_batch_stride, v_descale_head_stride, v_descale_block_stride;
+  int32_t q_descale_head_div;
   int32_t o_fp16;
 } fa3gen_fwd_params;
 

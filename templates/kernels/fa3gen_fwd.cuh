@@ -85,8 +85,9 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       vec_aligned<typename Traits::ElementOut>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule,
       varlen,
       Descales{a.q_descale, a.k_descale, a.v_descale, a.q_descale_batch_stride, a.q_descale_head_stride,
-               a.k_descale_batch_stride, a.k_descale_head_stride, a.v_descale_batch_stride,
-               a.v_descale_head_stride},
+               a.q_descale_block_stride, a.k_descale_batch_stride, a.k_descale_head_stride,
+               a.k_descale_block_stride, a.v_descale_batch_stride, a.v_descale_head_stride,
+               a.v_descale_block_stride, a.q_descale_head_div > 0 ? a.q_descale_head_div : 1},
       a.o_fp16 != 0};
 
   auto kernel = fwd_kernel<Traits>;

@@ -84,6 +84,9 @@ struct FwdMainloop {
   PipelineState st;
   PipelineState st_load_k = cutlass::make_producer_start_state<Pipeline>(), st_load_v = st_load_k;
   int q_iter = 0;
+  // fp8 with V block descales: O is accumulated in units of the last block's descale, which
+  // the epilogue multiplies back (1 otherwise).
+  float o_units = 1.f;
 
   // The mask of a tile's sequence. Built where it is used: dense bounds then stay in the
   // kernel's parameter space instead of occupying registers across the loop (and `seq`, which
@@ -410,11 +413,31 @@ struct FwdMainloop {
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, s.index()), tOrO);
     };
     float rescale[kRows];
+    o_units = 1.f;
     auto softmax_block = [&](int i) {
       const int n_block = blocks.at(i);
+      if constexpr (Traits::kFp8) {  // block quantization of K: this block's factor on its scores
+        if (p.descale.k_blocks()) {
+          const float k_descale = p.descale.k_(tile.batch, head_kv, n_block);
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < size(S); ++e) S(e) *= k_descale;
+        }
+      }
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       softmax.step(S, rescale);
+      if constexpr (Traits::kFp8) {
+        // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
+        // adds in units of this one, so O is rescaled by their ratio along with the softmax's
+        // factor (O is still 0 at the first block).
+        if (p.descale.v_blocks()) {
+          const float v_descale = p.descale.v_(tile.batch, head_kv, n_block);
+          const float ratio = o_units / v_descale;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kRows; ++r) rescale[r] *= ratio;
+          o_units = v_descale;
+        }
+      }
     };
     auto to_p = [&]() {
       if constexpr (Traits::kFp8) {

@@ -37,17 +37,30 @@ struct VRawStorage {
 template <class Element, int Elems, int Slots>
 struct VRawStorage<Element, Elems, Slots, false> {};  // empty base: 16-bit kernels unchanged
 
-// Per-(batch, kv head) fp8 descale factors (FA3's q/k/v_descale); a null pointer reads 1.
+// fp8 descale factors (fa3gen_abi.h): per (batch, head) as FA3's q/k/v_descale, or per
+// (batch, head, tile-aligned block) for block quantization; a null pointer reads 1.
 struct Descales {
   float const* q;
   float const* k;
   float const* v;
-  int64_t q_batch, q_head, k_batch, k_head, v_batch, v_head;  // strides in floats
-  __device__ __forceinline__ static float at(float const* t, int64_t bs, int64_t hs, int b, int h) {
-    return t ? t[b * bs + h * hs] : 1.f;
+  int64_t q_batch, q_head, q_block, k_batch, k_head, k_block, v_batch, v_head, v_block;  // strides in floats
+  int q_head_div;  // query head -> q descale head
+  __device__ __forceinline__ static float at(float const* t, int64_t bs, int64_t hs, int64_t ks, int b, int h,
+                                             int blk) {
+    return t ? t[b * bs + h * hs + blk * ks] : 1.f;
   }
-  __device__ __forceinline__ float qk(int b, int h) const { return at(q, q_batch, q_head, b, h) * at(k, k_batch, k_head, b, h); }
-  __device__ __forceinline__ float v_(int b, int h) const { return at(v, v_batch, v_head, b, h); }
+  __device__ __forceinline__ float q_(int b, int head_q, int m_block) const {
+    return at(q, q_batch, q_head, q_block, b, head_q / q_head_div, m_block);
+  }
+  __device__ __forceinline__ float k_(int b, int head_kv, int n_block) const {
+    return at(k, k_batch, k_head, k_block, b, head_kv, n_block);
+  }
+  __device__ __forceinline__ float v_(int b, int head_kv, int n_block) const {
+    return at(v, v_batch, v_head, v_block, b, head_kv, n_block);
+  }
+  // Per key block (the mainloop applies them block by block) or one per tile (folded outside).
+  __device__ __forceinline__ bool k_blocks() const { return k != nullptr && k_block != 0; }
+  __device__ __forceinline__ bool v_blocks() const { return v != nullptr && v_block != 0; }
 };
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
