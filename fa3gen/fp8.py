@@ -120,12 +120,8 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
 
 
-def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
-                out=None, lse=None):
-    """(out, lse, variant name, dims) of the fp8 forward; every check first, one error each.
-    out, lse: preallocated outputs (the tests pass poisoned ones), else new."""
-    ops.check_device(q, k, v)
-    dims = ops.check_inputs(q, k, v)  # one dtype for q, k, v
+def check_call(q, k, v, mask: ops.Masking, out_dtype) -> torch.dtype:
+    """What an fp8 call may not ask for, before any tracing or launch; the output dtype."""
     if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
         raise InvalidInputError("fp8 attention is forward only: q, k, v must not require grad "
                                 "(run it under torch.no_grad() or detach them)")
@@ -136,6 +132,37 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     if mask.local or mask.softcap > 0:
         raise InvalidInputError("fp8 attention with window_size or softcap is not supported yet "
                                 "(causal and non-causal are)")
+    return out_dtype
+
+
+@torch.library.custom_op("fa3gen::fwd_fp8", mutates_args=())
+def _fwd_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
+                v_descale: torch.Tensor | None, causal: bool, softmax_scale: float, variant: str,
+                out_fp16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """What torch.compile / export traces for an fp8 call (flash_attn_func resolves `variant`
+    first: the key's default, whatever the traced length)."""
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    out, lse, _, _ = fp8_forward(q, k, v, ops.masking(causal), softmax_scale, variant, descales,
+                                 torch.float16 if out_fp16 else torch.bfloat16)
+    return out, lse
+
+
+@_fwd_fp8_op.register_fake
+def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, variant,
+                  out_fp16):
+    b, sq, hq, d = q.shape
+    out = q.new_empty((b, sq, hq, d), dtype=torch.float16 if out_fp16 else torch.bfloat16)
+    return out, q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
+                out=None, lse=None):
+    """(out, lse, variant name, dims) of the fp8 forward; every check first, one error each.
+    out, lse: preallocated outputs (the tests pass poisoned ones), else new."""
+    ops.check_device(q, k, v)
+    dims = ops.check_inputs(q, k, v)  # one dtype for q, k, v
+    out_dtype = check_call(q, k, v, mask, out_dtype)
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=name, **mask.key())

@@ -806,12 +806,21 @@ def flash_attn_func(
     _fp8.check_descale_use(q, k, v, descales, out_dtype)
     if _fp8.is_fp8(q, k, v):
         if _captured(q, k, v):
-            raise InvalidInputError("fp8 attention does not run under torch.compile / CUDA "
-                                    "graph capture yet (eager calls only)")
-        out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant, descales,
-                                                out_dtype)
-        if _trace._active:
-            _trace_call(name, variant is None, dims)
+            check_device(q, k, v)
+            dims = check_inputs(q, k, v)
+            out_dtype = _fp8.check_call(q, k, v, mask, out_dtype)
+            name = resolve_variant(dims, mask, variant, by_length=False)
+            check_layout(q=q, k=k, v=v)
+            if _trace._active:
+                _trace_call(name, variant is None, dims)
+            out, lse = torch.ops.fa3gen.fwd_fp8(
+                q, k, v, q_descale, k_descale, v_descale, mask.causal,
+                _softmax_scale(softmax_scale, dims.head_dim), name, out_dtype == torch.float16)
+        else:
+            out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant,
+                                                    descales, out_dtype)
+            if _trace._active:
+                _trace_call(name, variant is None, dims)
         return (out, lse) if return_lse else out
     if _captured(q, k, v):
         check_device(q, k, v)

@@ -130,3 +130,63 @@ def test_quantize_fp8_per_tensor_with_incoherent_processing_keeps_scores():
         assert err.pow(2).mean().sqrt() < 0.05 * scores.pow(2).mean().sqrt()
         assert torch.equal(v8.float() * ds["v_descale"], fp8.quantize(v)[0].float() * fp8.quantize(v)[1])
     assert not torch.equal(q8.float(), fp8.quantize(q)[0].float())  # the transform was applied
+
+
+@pytest.fixture
+def fake_launch(tmp_path, monkeypatch):
+    """flash_attn_func on CPU tensors up to the launch, against the fake library (which has an
+    e4m3 d128 causal variant): returns the list of (variant, params) launched."""
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    launched = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
+        (info.name, make())))
+    return launched
+
+
+def test_fp8_call_fills_the_descale_fields(fake_launch):
+    b, sq, sk, hq, hkv = 2, 300, 200, 4, 2
+    q = torch.zeros(b, sq, hq, 128, dtype=torch.float8_e4m3fn)
+    k = v = torch.zeros(b, sk, hkv, 128, dtype=torch.float8_e4m3fn)
+    qd = torch.ones(b, hkv)                # FA3's (batch, heads_kv)
+    kd = torch.ones(b, hkv, 2)             # blocks of 128 keys
+    vd = torch.tensor([0.5])               # one value
+    out, lse = fa3gen_flash(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                            out_dtype=torch.float16, return_lse=True)
+    assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (b, hq, sq)
+    ((name, p),) = fake_launch
+    assert name == "fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1" and p.o_fp16 == 1
+    assert p.q_descale == qd.data_ptr() and p.q_descale_head_div == hq // hkv
+    assert (p.q_descale_batch_stride, p.q_descale_head_stride, p.q_descale_block_stride) == (2, 1, 0)
+    assert (p.k_descale_batch_stride, p.k_descale_head_stride, p.k_descale_block_stride) == (4, 2, 1)
+    assert (p.v_descale_batch_stride, p.v_descale_head_stride, p.v_descale_block_stride) == (0, 0, 0)
+    fa3gen_flash(q, k, v, causal=True)  # no descales: null pointers (the kernel reads 1)
+    p2 = fake_launch[1][1]
+    assert not p2.q_descale and not p2.k_descale and not p2.v_descale and p2.o_fp16 == 0
+    assert p2.q_descale_head_div == 1
+    with pytest.raises(InvalidInputError, match="blocks of 128 rows"):
+        fa3gen_flash(q, k, v, causal=True, k_descale=torch.ones(b, hkv, 3))
+    with pytest.raises(InvalidInputError, match="window_size or softcap"):
+        fa3gen_flash(q, k, v, causal=True, softcap=5.0)
+
+
+def fa3gen_flash(*args, **kwargs):
+    return ops.flash_attn_func(*args, **kwargs)
+
+
+def test_fp8_under_torch_compile_on_cpu(fake_launch):
+    """torch.compile(fullgraph=True) traces fp8 calls through the fa3gen::fwd_fp8 custom op
+    (launch stubbed), block descales and the fp16 output included."""
+    f = torch.compile(lambda q, k, v, kd: ops.flash_attn_func(
+        q, k, v, causal=True, k_descale=kd, out_dtype=torch.float16), fullgraph=True,
+        backend="eager")
+    for seqlen in (200, 300):
+        q = torch.zeros(1, seqlen, 2, 128, dtype=torch.float8_e4m3fn)
+        kd = torch.ones(1, 2, -(-seqlen // 128))
+        out = f(q, q, q, kd)
+        assert out.dtype == torch.float16 and out.shape == q.shape
+    assert [n for n, _ in fake_launch] == ["fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1"] * 2
+    assert fake_launch[1][1].seqlen_q == 300 and fake_launch[1][1].k_descale_block_stride == 1
