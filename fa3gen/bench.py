@@ -116,7 +116,8 @@ def render_markdown(report: dict) -> str:
         f"- Reproduce: `{h.get('command') or 'fa3gen bench'}`",
         "- Grid: batch*seqlen = 16384, heads*head_dim = 2048; FLOPs = 4*b*h*s^2*d, halved when "
         "causal (backward 2.5x). — = backend failed, not built or not installed. FA2 = PyTorch "
-        "SDPA flash backend, cuDNN = SDPA cuDNN backend, FA4 = flash_attn.cute when it imports.",
+        "SDPA flash backend, cuDNN = SDPA cuDNN backend (e4m3 rows: cuDNN's fp8 SDPA through "
+        "cudnn-frontend when `cudnn` imports, e4m3 output), FA4 = flash_attn.cute when it imports.",
         f"- Timing: {timing}. W and J/PFLOP: mean board power (nvidia-smi) while the backend "
         "ran, and the energy per 10^15 FLOPs at that power.",
     ]
@@ -456,6 +457,50 @@ def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
     return {name: tflops(flops, ms.get(name)) for name in fns}
 
 
+def _cudnn_fp8_forward(q8, k8, v8, causal: bool):
+    """cuDNN's fp8 SDPA forward (cudnn-frontend's graph API) on e4m3 (b, s, h, d) q8, k8, v8 as
+    a callable, or None when `cudnn` does not import. Per-tensor descales of 1; its output is
+    e4m3 (fa3gen's is bf16: cuDNN stores half the bytes). Built once per shape here."""
+    try:
+        import cudnn
+    except Exception:  # an optional column
+        return None
+    import torch
+
+    handle = cudnn.create_handle()
+    cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    b, s, h, d = q8.shape
+
+    def bhsd(t):  # cuDNN's (b, h, s, d) dims over fa3gen's (b, s, h, d) memory, as bytes
+        return t.view(torch.uint8).permute(0, 2, 1, 3)
+    q, k, v = bhsd(q8), bhsd(k8), bhsd(v8)
+    o = torch.empty(b, s, h, d, device=q8.device, dtype=torch.uint8).permute(0, 2, 1, 3)
+    stats = torch.empty(b, h, s, 1, device=q8.device, dtype=torch.float32)
+    ones = {n: torch.ones(1, 1, 1, 1, device=q8.device) for n in ("dq", "dk", "dv", "ds", "ss", "so")}
+    amax = {n: torch.zeros(1, 1, 1, 1, device=q8.device) for n in ("s", "o")}
+    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
+                      handle=handle)
+    tq, tk, tv = (g.tensor_like(t).set_data_type(e4m3) for t in (q, k, v))
+    ts = {n: g.tensor_like(t) for n, t in ones.items()}
+    to, tstats, tamax_s, tamax_o = g.sdpa_fp8(
+        q=tq, k=tk, v=tv, descale_q=ts["dq"], descale_k=ts["dk"], descale_v=ts["dv"],
+        descale_s=ts["ds"], scale_s=ts["ss"], scale_o=ts["so"], generate_stats=True,
+        attn_scale=d ** -0.5, use_causal_mask=causal, use_padding_mask=False)
+    for t, like, dt in ((to, o, e4m3), (tstats, stats, f32), (tamax_s, amax["s"], f32),
+                        (tamax_o, amax["o"], f32)):
+        t.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride())).set_data_type(dt)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    workspace = torch.empty(g.get_workspace_size(), device=q8.device, dtype=torch.uint8)
+    pack = {tq: q, tk: k, tv: v, to: o, tstats: stats, tamax_s: amax["s"], tamax_o: amax["o"],
+            **{ts[n]: ones[n] for n in ones}}
+    return lambda: g.execute(pack, workspace, handle=handle)
+
+
 def _fa4_forward():
     """FA4's flash_attn_func (flash_attn.cute), or None when it does not import."""
     try:
@@ -520,7 +565,12 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
     variant = _find_variant(lib, "fwd", dt_name, d, causal)
     if variant is not None:
         fns["fa3gen"] = lambda: flash_attn_func(q, k, v, causal=causal, variant=variant)
-    if not args.no_baselines and dtype.itemsize > 1:  # the peers here take no fp8 inputs
+    if not args.no_baselines and dtype.itemsize == 1:  # fp8: cuDNN's fp8 SDPA, when it imports
+        try:
+            fns["cudnn"] = _cudnn_fp8_forward(q, k, v, causal)
+        except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
+            report_failure("cuDNN fp8", e)
+    if not args.no_baselines and dtype.itemsize > 1:  # SDPA and FA4 take no fp8 inputs
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
 
         def sdpa(backend):
