@@ -43,7 +43,7 @@ def test_spec_matrix_and_pruned_reasons():
     p = plan(REPO_ROOT / "specs/ablation.yaml")
     kept = {v.name for v in p.variants}
     pruned = {x.variant.name: (x.constraint, x.reason) for x in p.enumeration.pruned}
-    assert len(kept) == 66 and len(pruned) == 38
+    assert len(kept) == 70 and len(pruned) == 42
     assert not p.defaults or not p.spec.dispatch_required
     for dtype in ("fp16", "bf16"):
         for tile in ((128, 128), (128, 176)):
@@ -60,6 +60,10 @@ def test_spec_matrix_and_pruned_reasons():
                                 assert "warp specialization" in why
                             else:
                                 assert n in kept
+    fp8 = {n for n in kept if "_e4m3_" in n}
+    assert fp8 == {f"fwd_e4m3_d128_nocausal_m128n128_s2_ws1_pp{pp}_ov{ov}" for pp in (0, 1)
+                   for ov in (0, 1)}
+    assert {c for n, (c, _) in pruned.items() if "_e4m3_" in n} == {"fp8_scope"}
     causal = {n for n in kept if "_causal_" in n}
     assert causal == {name("fp16", True, ws=ws, pp=pp, ov=ov) for ws in (0, 1) for pp in (0, 1)
                       for ov in (0, 1) if ws or not pp}
@@ -211,7 +215,7 @@ def test_csv_and_json(tmp_path):
     back = json.loads((tmp_path / "r/ablation.json").read_text())
     assert back == rep and {"rows", "pruned", "knob_effects", "paper_table"} <= set(back)
     assert {p["constraint"] for p in back["pruned"]} == {"smem_budget",
-                                                         "pingpong_needs_two_consumers"}
+                                                         "pingpong_needs_two_consumers", "fp8_scope"}
 
 
 def test_markdown_block_and_markers(tmp_path):
