@@ -645,22 +645,30 @@ def _eager_forward(plan: _Plan, q, k, v):
     return out, lse
 
 
+def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
+    """(plan, dout as the kernels take it, copied) of an eager backward whose signature is
+    `key`: make_plan(dout) runs the checks and the dispatch once per signature. Autograd may
+    hand over dout with strides TMA cannot read; then every call copies it (`ready` makes the
+    copy the plan is checked on; default _tma_ready)."""
+    found = plans.get(key)
+    if found is None:
+        ready_dout = (ready or _tma_ready)(dout)
+        found = _remember(plans, key, (make_plan(ready_dout), ready_dout is not dout))
+    plan, copied = found
+    return plan, (dout.contiguous() if copied else dout), copied
+
+
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked)."""
-    key = (fwd, deterministic, _signature(dout))
-    found = _bwd_plans.get(key)
-    if found is None:
-        name = resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask, fwd.dims.seqlen_k)
-        ready = _tma_ready(dout)  # autograd may hand over any strides: copy what TMA cannot read
-        found = _remember(_bwd_plans, key, (_bwd_plan(
-            ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask, fwd.scale, name,
-            deterministic, fwd.lib), ready is not dout))
-    plan, copy_dout = found
+    plan, dout, copied = _backward_plan_once(
+        _bwd_plans, (fwd, deterministic, _signature(dout)), dout,
+        lambda ready: _bwd_plan(ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask,
+                                fwd.scale, resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,
+                                                               fwd.dims.seqlen_k),
+                                deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)
-    if copy_dout:
-        dout = dout.contiguous()
-    elif dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+    if not copied and dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
         return _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
                          deterministic)
     dq, dk, dv = _empty_grads(q, k, v)

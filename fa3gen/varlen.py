@@ -342,20 +342,15 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen)."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
-    key = (fwd, deterministic, ops._signature(dout))
-    found = _bwd_plans.get(key)
-    if found is None:
-        name = _backward_variant(q, fwd.mask)
-        ready = _tma_ready(dout)  # autograd may hand over any strides
-        grads = (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
-        found = ops._remember(_bwd_plans, key, (_bwd_plan(
-            ready, q, k, v, out, lse, cu_q, cu_k, *sizes, *grads, fwd.mask, fwd.scale, name,
-            deterministic, fwd.lib), ready is not dout))
-    plan, copy_dout = found
+    plan, dout, copied = ops._backward_plan_once(
+        _bwd_plans, (fwd, deterministic, ops._signature(dout)), dout,
+        lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
+                                q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                                fwd.mask, fwd.scale, _backward_variant(q, fwd.mask), deterministic,
+                                fwd.lib),
+        ready=_tma_ready)
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
-    if copy_dout:
-        dout = dout.contiguous()
-    elif dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+    if not copied and dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
         return _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
                          plan.info.name, deterministic)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
