@@ -80,6 +80,7 @@ def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple
 E4M3_MAX = 448.0
 
 
+@torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
 def quantize(x: torch.Tensor, block_rows: int | None = None):
     """(float8_e4m3fn values, fp32 descale) of x (batch, seqlen, heads, d), x ~ values *
     descale, the largest magnitude of each scope mapped to 448: one scale for the tensor
@@ -100,6 +101,7 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     return (xf / rows).to(FP8_DTYPE), scale.permute(0, 2, 1).contiguous()
 
 
+@torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
 def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: int = 0,
                  causal: bool = False, variant: str | None = None):
     """(q8, k8, v8, descales) for flash_attn_func(q8, k8, v8, causal=causal, **descales): q, k, v

@@ -202,3 +202,11 @@ def test_cudnn_fp8_column_is_optional():
         assert bench._cudnn_fp8_forward(None, None, None, False) is None
     else:
         pytest.skip("cudnn-frontend is installed: the column is built on the GPU")
+
+
+def test_quantizing_inputs_that_require_grad_gives_plain_fp8_tensors():
+    x = torch.randn(1, 10, 2, 64, requires_grad=True)
+    vals, scale = fp8.quantize(x, 4)
+    assert not vals.requires_grad and not scale.requires_grad
+    q8, _, _, ds = fp8.quantize_fp8(x, x, x, block=False)
+    assert not q8.requires_grad and not ds["q_descale"].requires_grad
