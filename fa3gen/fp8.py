@@ -160,44 +160,36 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
                 out=None, lse=None):
-    """(out, lse, variant name, dims) of the fp8 forward; every check first, one error each.
-    out, lse: preallocated outputs (the tests pass poisoned ones), else new."""
+    """(out, lse, variant name, dims) of the fp8 forward: ops' checks, plan and launch, plus the
+    descale fields. out, lse: preallocated outputs (the tests pass poisoned ones), else new."""
     ops.check_device(q, k, v)
     dims = ops.check_inputs(q, k, v)  # one dtype for q, k, v
     out_dtype = check_call(q, k, v, mask, out_dtype)
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
-    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=name, **mask.key())
-    rows = {"q_descale": info.tile_m, "k_descale": info.tile_n, "v_descale": info.tile_n}
+    if out is None:
+        b, sq, hq, d = q.shape
+        out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
+        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    plan = ops._fwd_plan(q, k, v, out, lse, mask, ops._softmax_scale(softmax_scale, dims.head_dim),
+                         name, lib, out_dtype)
+    rows = {"q_descale": plan.info.tile_m, "k_descale": plan.info.tile_n,
+            "v_descale": plan.info.tile_n}
     lengths = {"q_descale": dims.seqlen_q, "k_descale": dims.seqlen_k, "v_descale": dims.seqlen_k}
     views = {n: _descale_view(n, descales.get(n), dims, q.device,
                               max(1, math.ceil(lengths[n] / rows[n])), rows[n])
              for n in DESCALE_NAMES}
-    ops.check_layout(q=q, k=k, v=v)
-    b, sq, hq, d = q.shape
-    if out is None:
-        out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
-        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    elif (out.shape != (b, sq, hq, d) or out.dtype != out_dtype or not out.is_contiguous()
-          or lse.shape != (b, hq, sq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
-        raise InvalidInputError(f"out must be a contiguous {out_dtype} {(b, sq, hq, d)} and lse "
-                                f"a contiguous float32 {(b, hq, sq)}")
-    if not (dims.batch and dims.seqlen_q and dims.heads_q and dims.seqlen_k):
-        if out.numel() and dims.seqlen_k == 0:  # no key: the fully-masked-row convention
-            out.zero_()
-            lse.fill_(float("-inf"))
-        return out, lse, info.name, dims
-    p = ops._make_params(q, k, v, out, lse, dims, ops._softmax_scale(softmax_scale, d),
-                         ops._num_sms(q.device.index), ops._grid_mode(), mask)
-    p.q_descale_head_div = 1
-    for n, view in views.items():
-        if view is not None:
-            t, strides, head_div = view
-            setattr(p, n, t.data_ptr())
-            for dim, stride in zip(("batch", "head", "block"), strides):
-                setattr(p, f"{n}_{dim}_stride", stride)
-            if n == "q_descale":
-                p.q_descale_head_div = head_div
-    p.o_fp16 = int(out_dtype == torch.float16)
-    ops._launch(lib, info, q.device, lambda: p)
-    return out, lse, info.name, dims
+    if plan.params is not None:  # None: nothing to launch (a zero size)
+        p = plan.params
+        p.q_descale_head_div = 1
+        for n, view in views.items():
+            if view is not None:
+                t, strides, head_div = view
+                setattr(p, n, t.data_ptr())
+                for dim, stride in zip(("batch", "head", "block"), strides):
+                    setattr(p, f"{n}_{dim}_stride", stride)
+                if n == "q_descale":
+                    p.q_descale_head_div = head_div
+        p.o_fp16 = int(out_dtype == torch.float16)
+    ops._fwd_run(plan, q, k, v, out, lse)
+    return out, lse, plan.info.name, dims

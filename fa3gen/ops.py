@@ -193,12 +193,15 @@ def _data_ptr(t: torch.Tensor) -> int:
         return 0
 
 
-def _check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, dims: Dims) -> None:
+def _check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, dims: Dims,
+                   out_dtype=None) -> None:
+    """out_dtype: of O, when not q's (fp8 inputs give bf16/fp16)."""
     want_o = (dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim)
     want_l = (dims.batch, dims.heads_q, dims.seqlen_q)
-    if tuple(out.shape) != want_o or out.dtype != q.dtype or out.device != q.device:
+    out_dtype = out_dtype or q.dtype
+    if tuple(out.shape) != want_o or out.dtype != out_dtype or out.device != q.device:
         raise InvalidInputError(
-            f"out must be {q.dtype} {want_o} on {q.device}, "
+            f"out must be {out_dtype} {want_o} on {q.device}, "
             f"got {out.dtype} {tuple(out.shape)} on {out.device}"
         )
     if tuple(lse.shape) != want_l or lse.dtype != torch.float32 or lse.device != q.device:
@@ -297,11 +300,13 @@ class _Plan:
     deterministic: bool = False
 
 
-def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib) -> _Plan:
-    """Every check of a forward call, in the order of its error messages."""
+def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
+              out_dtype=None) -> _Plan:
+    """Every check of a forward call, in the order of its error messages (out_dtype: of O when
+    not q's)."""
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
-    _check_outputs(out, lse, q, dims)
+    _check_outputs(out, lse, q, dims, out_dtype)
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
     launches = dims.batch and dims.seqlen_q and dims.heads_q and dims.seqlen_k

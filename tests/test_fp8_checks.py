@@ -154,7 +154,7 @@ def test_fp8_call_fills_the_descale_fields(fake_launch):
     qd = torch.ones(b, hkv)                # FA3's (batch, heads_kv)
     kd = torch.ones(b, hkv, 2)             # blocks of 128 keys
     vd = torch.tensor([0.5])               # one value
-    out, lse = fa3gen_flash(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+    out, lse = ops.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
                             out_dtype=torch.float16, return_lse=True)
     assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (b, hq, sq)
     ((name, p),) = fake_launch
@@ -163,18 +163,14 @@ def test_fp8_call_fills_the_descale_fields(fake_launch):
     assert (p.q_descale_batch_stride, p.q_descale_head_stride, p.q_descale_block_stride) == (2, 1, 0)
     assert (p.k_descale_batch_stride, p.k_descale_head_stride, p.k_descale_block_stride) == (4, 2, 1)
     assert (p.v_descale_batch_stride, p.v_descale_head_stride, p.v_descale_block_stride) == (0, 0, 0)
-    fa3gen_flash(q, k, v, causal=True)  # no descales: null pointers (the kernel reads 1)
+    ops.flash_attn_func(q, k, v, causal=True)  # no descales: null pointers (the kernel reads 1)
     p2 = fake_launch[1][1]
     assert not p2.q_descale and not p2.k_descale and not p2.v_descale and p2.o_fp16 == 0
     assert p2.q_descale_head_div == 1
     with pytest.raises(InvalidInputError, match="blocks of 128 rows"):
-        fa3gen_flash(q, k, v, causal=True, k_descale=torch.ones(b, hkv, 3))
+        ops.flash_attn_func(q, k, v, causal=True, k_descale=torch.ones(b, hkv, 3))
     with pytest.raises(InvalidInputError, match="window_size or softcap"):
-        fa3gen_flash(q, k, v, causal=True, softcap=5.0)
-
-
-def fa3gen_flash(*args, **kwargs):
-    return ops.flash_attn_func(*args, **kwargs)
+        ops.flash_attn_func(q, k, v, causal=True, softcap=5.0)
 
 
 def test_fp8_under_torch_compile_on_cpu(fake_launch):
