@@ -331,6 +331,15 @@ BWD_PARAMS = (
 )
 
 
+# fa3gen_quantize_params: the fp8 quantizer's (fa3gen_quantize_fp8, libraries with e4m3 variants).
+QUANTIZE_PARAMS = (
+    ("x", "const void*"), ("out", "void*"), ("descale", "float*"), ("signs", "const float*"),
+    ("amax_workspace", "float*"), *((f"x_{dim}_stride", "int64_t") for dim in ("batch", "row", "head")),
+    *((n, "int32_t") for n in ("batch", "seqlen", "heads", "head_dim", "block_rows", "x_fp16")),
+)
+QUANTIZE_SYMBOL = "fa3gen_quantize_fp8"
+
+
 @dataclass(frozen=True)
 class Launcher:
     """A direction's kernel entry point (templates/kernels/fa3gen_<direction>.cuh) and how the

@@ -105,21 +105,68 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
 def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: int = 0,
                  causal: bool = False, variant: str | None = None):
     """(q8, k8, v8, descales) for flash_attn_func(q8, k8, v8, causal=causal, **descales): q, k, v
-    (batch, seqlen, heads, d, any float dtype) quantized to e4m3 with one scale per (batch,
-    head, block of the serving variant's tiles) (block=True; a library must be loaded) or per
-    tensor. hadamard=True first multiplies q and k along d by the same random orthogonal matrix
+    (batch, seqlen, heads, d) quantized to e4m3 with one scale per (batch, head, block of the
+    serving variant's tiles) (block=True; a library must be loaded) or per tensor.
+    hadamard=True first multiplies q and k along d by the same random orthogonal matrix
     diag(random signs from `seed`) x Hadamard / sqrt(d) (incoherent processing: q k^T is
-    unchanged in exact arithmetic, outliers are spread; d a power of two). PyTorch operations:
-    about a memory pass per step, not yet the fused quantization kernel the FA3 paper implies;
-    no rotary embedding."""
+    unchanged in exact arithmetic, outliers are spread; d a power of two). On bf16/fp16 CUDA
+    tensors with head dim 64, 128 or 256 and a library that has the quantizer (specs with e4m3
+    variants), one fused kernel per tensor does it all; otherwise PyTorch operations (`quantize`)
+    give the same values. No rotary embedding."""
     from fa3gen.reference import hadamard_transform, random_signs
 
-    if hadamard:
-        signs = random_signs(q.shape[-1], seed, q.device)
-        q, k = hadamard_transform(q.float() * signs), hadamard_transform(k.float() * signs)
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
-    (q8, qd), (k8, kd), (v8, vd) = quantize(q, block_q), quantize(k, block_k), quantize(v, block_k)
+    signs = random_signs(q.shape[-1], seed, q.device).float() if hadamard else None
+    lib = _quantizer_library(q)
+    out = []
+    for x, rows, rotate in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
+        s = signs if rotate else None
+        if lib is not None and _kernel_serves(x):
+            out.append(_quantize_kernel(lib, x, rows, s))
+        else:
+            xr = hadamard_transform(x.float() * s) if s is not None else x
+            out.append(quantize(xr, rows))
+    (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+def _quantizer_library(x):
+    """The loaded library when it has the fp8 quantizer and x is on a GPU, else None."""
+    if not (isinstance(x, torch.Tensor) and x.is_cuda):
+        return None
+    try:
+        lib = runtime.get_library()
+    except Exception:  # no library: PyTorch operations serve
+        return None
+    return lib if lib.has_quantizer else None
+
+
+def _kernel_serves(x) -> bool:
+    b, s, h, d = x.shape
+    return (x.dtype in (torch.bfloat16, torch.float16) and d in (64, 128, 256)
+            and min(b, s, h) >= 1)
+
+
+def _quantize_kernel(lib, x, block_rows: int | None, signs):
+    """fa3gen_quantize_fp8 on x: (e4m3 values, descale) as `quantize` returns them."""
+    if x.stride(-1) != 1 or any(x.stride(i) % 8 for i in range(3)) or x.data_ptr() % 16:
+        x = x.contiguous()  # the kernel reads 16-byte vectors
+    b, s, h, d = x.shape
+    out = torch.empty((b, s, h, d), dtype=FP8_DTYPE, device=x.device)
+    blocks = -(-s // block_rows) if block_rows else 0
+    descale = torch.empty((b, h, blocks) if block_rows else (1,), dtype=torch.float32,
+                          device=x.device)
+    work = torch.empty(1, dtype=torch.float32, device=x.device)
+    p = runtime.QuantizeParams()
+    p.x, p.out, p.descale, p.amax_workspace = x.data_ptr(), out.data_ptr(), descale.data_ptr(), \
+        work.data_ptr()
+    p.signs = signs.data_ptr() if signs is not None else None
+    p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
+    p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
+    p.block_rows, p.x_fp16 = block_rows or 0, int(x.dtype == torch.float16)
+    with torch.cuda.device(x.device):
+        lib.quantize_fp8(p, torch.cuda.current_stream().cuda_stream)
+    return out, descale
 
 
 def check_call(q, k, v, mask: ops.Masking, out_dtype) -> torch.dtype:

@@ -66,6 +66,10 @@ class BwdParams(ctypes.Structure):
 
 
 PARAMS = {"fwd": FwdParams, "bwd": BwdParams}  # by direction
+
+
+class QuantizeParams(ctypes.Structure):
+    _fields_ = _ctypes_fields(contract.QUANTIZE_PARAMS)
 _LAUNCH_FN_TYPES = {
     launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
     for d, launcher in LAUNCHERS.items()
@@ -252,6 +256,11 @@ class Library:
         dll.fa3gen_build_info.argtypes = []
         dll.fa3gen_last_error.restype = ctypes.c_char_p
         dll.fa3gen_last_error.argtypes = []
+        # The fp8 quantizer: only in libraries of specs with e4m3 variants.
+        self._quantize = getattr(dll, contract.QUANTIZE_SYMBOL, None)
+        if self._quantize is not None:
+            self._quantize.restype = ctypes.c_int
+            self._quantize.argtypes = [ctypes.POINTER(QuantizeParams), ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
         self.spec_name = spec_name or _spec_from_build_info(self.build_info)
@@ -303,6 +312,18 @@ class Library:
     def last_error(self) -> str:
         msg = self._dll.fa3gen_last_error()
         return msg.decode(errors="replace") if msg else "(no message)"
+
+    @property
+    def has_quantizer(self) -> bool:
+        return self._quantize is not None
+
+    def quantize_fp8(self, params: QuantizeParams, stream_handle: int) -> None:
+        """Run the library's fp8 quantizer (fa3gen_quantize_fp8) on a CUDA stream."""
+        if self._quantize is None:
+            raise Fa3genError(f"{self.path} has no fp8 quantizer (its spec has no e4m3 variant)")
+        rc = self._quantize(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
+        if rc != 0:
+            raise Fa3genError(f"fa3gen fp8 quantizer failed (code {rc}): {self.last_error()}")
 
     def launch(self, info: VariantInfo, params: FwdParams | BwdParams, stream_handle: int) -> None:
         """Run info's launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy).

@@ -131,6 +131,11 @@ class RenderResult:
     removed: list[Path] = field(default_factory=list)
 
 
+def has_quantizer(variants: Iterable[Variant]) -> bool:
+    """A library with e4m3 variants also holds the fp8 quantizer (src/quantize.cu)."""
+    return any(v.dtype == "e4m3" for v in variants)
+
+
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
                  spec_variants: Optional[Iterable[Variant]] = None,
@@ -148,6 +153,10 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
     keep = {v.name for v in everything} | {"dispatch"}
+    if has_quantizer(variants):
+        files[out_dir / "src" / "quantize.cu"] = env.get_template("quantize.cu.j2").render(
+            spec_name=spec_name)
+        keep.add("quantize")
     stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
     return RenderPlan(files, stale)

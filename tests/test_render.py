@@ -194,3 +194,19 @@ def test_build_ninja_names_the_interpreter_one_way(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "executable", exe)
         texts.append(render_build_ninja("s", [v], tc))
     assert texts[0] == texts[1]
+
+
+def test_specs_with_e4m3_variants_get_the_quantizer(tmp_path):
+    """src/quantize.cu and its edge (fa3gen_quantize_fp8) only where the spec has e4m3 variants."""
+    f8 = parse_name("fwd_e4m3_d128_nocausal_m128n128_s2_ws1_pp1_ov1")
+    info = {"spec": "t", "fingerprint": "f"}
+    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info)
+    assert not any(p.name == "quantize.cu" for p in plan.files)
+    plan = plan_sources(tmp_path, "t", [V1, f8], {V1.name, f8.name}, "f", info)
+    quantize = plan.files[tmp_path / "src" / "quantize.cu"]
+    assert "fa3gen_quantize_fp8" in quantize and '#include "quantize_fp8.cuh"' in quantize
+    assert "quantize" not in render_build_ninja("t", [V1], fake_toolchain())
+    text = render_build_ninja("t", [V1, f8], fake_toolchain())
+    assert "build obj/quantize.o: nvcc_plain src/quantize.cu | fingerprint.txt" in text
+    assert "quantize_fp8.cuh" in text  # the kernel header rebuilds it (no depfile on this rule)
+    assert f"obj/dispatch.o obj/quantize.o | fingerprint.txt" in text

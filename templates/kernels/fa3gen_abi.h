@@ -127,7 +127,26 @@ typedef struct fa3gen_bwd_params {
   int32_t total_q, total_k;
 } fa3gen_bwd_params;
 
+// FP8 quantization (libraries of specs with e4m3 variants export fa3gen_quantize_fp8): x
+// (batch, seqlen, heads, head_dim 64/128/256) bf16 (x_fp16 = 0) or fp16, strides in elements,
+// multiples of 8, head_dim contiguous, 16-byte aligned -> out, e4m3, contiguous, and descale
+// fp32: (batch, heads, ceil(seqlen / block_rows)) contiguous when block_rows > 0, else one
+// value (amax_workspace: one float of scratch). signs (head_dim floats, +-1) or null: rows
+// are multiplied by diag(signs) H / sqrt(head_dim) first (incoherent processing).
+typedef struct fa3gen_quantize_params {
+  const void* x;
+  void* out;
+  float* descale;
+  const float* signs;
+  float* amax_workspace;
+  int64_t x_batch_stride, x_row_stride, x_head_stride;
+  int32_t batch, seqlen, heads, head_dim;
+  int32_t block_rows;
+  int32_t x_fp16;
+} fa3gen_quantize_params;
+
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
+typedef int (*fa3gen_quantize_fn)(const fa3gen_quantize_params* params, void* cuda_stream);
 typedef int (*fa3gen_fwd_launch_fn)(const fa3gen_fwd_params* params, void* cuda_stream);
 typedef int (*fa3gen_bwd_launch_fn)(const fa3gen_bwd_params* params, void* cuda_stream);
 
@@ -153,6 +172,8 @@ const fa3gen_variant_info* fa3gen_variant(int32_t index);
 const char* fa3gen_build_info(void);   // JSON: spec name, fingerprint
 const char* fa3gen_last_error(void);   // thread-local message of the last failed call
 void fa3gen_set_error(const char* message);
+// Only in libraries of specs with e4m3 variants (look it up as an optional symbol).
+int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* cuda_stream);
 
 #ifdef __cplusplus
 }
