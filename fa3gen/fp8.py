@@ -116,7 +116,7 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     from fa3gen.reference import hadamard_transform, random_signs
 
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
-    signs = random_signs(q.shape[-1], seed, q.device).float() if hadamard else None
+    signs = random_signs(q.shape[-1], seed, q.device) if hadamard else None
     lib = _quantizer_library(q)
     out = []
     for x, rows, rotate in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
