@@ -66,6 +66,10 @@ class BwdParams(ctypes.Structure):
 
 
 PARAMS = {"fwd": FwdParams, "bwd": BwdParams}  # by direction
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = _ctypes_fields(contract.DECODE_PARAMS)
 _LAUNCH_FN_TYPES = {
     launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
     for d, launcher in LAUNCHERS.items()
@@ -252,6 +256,11 @@ class Library:
         dll.fa3gen_build_info.argtypes = []
         dll.fa3gen_last_error.restype = ctypes.c_char_p
         dll.fa3gen_last_error.argtypes = []
+        # Decode over a KV cache: libraries built before it lack the symbol.
+        self._decode = getattr(dll, contract.DECODE_SYMBOL, None)
+        if self._decode is not None:
+            self._decode.restype = ctypes.c_int
+            self._decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
         self.spec_name = spec_name or _spec_from_build_info(self.build_info)
@@ -303,6 +312,15 @@ class Library:
     def last_error(self) -> str:
         msg = self._dll.fa3gen_last_error()
         return msg.decode(errors="replace") if msg else "(no message)"
+
+    def decode(self, params: DecodeParams, stream_handle: int) -> None:
+        """Run the library's decode attention (fa3gen_decode_fwd) on a CUDA stream."""
+        if self._decode is None:
+            raise Fa3genError(f"{self.path} has no decode kernels: add `decode: true` to spec "
+                              f"{self.spec_name!r} and build it again")
+        rc = self._decode(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
+        if rc != 0:
+            raise Fa3genError(f"fa3gen decode kernel failed (code {rc}): {self.last_error()}")
 
     def launch(self, info: VariantInfo, params: FwdParams | BwdParams, stream_handle: int) -> None:
         """Run info's launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy).

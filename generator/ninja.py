@@ -75,7 +75,7 @@ def _interpreter() -> str:
 def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
                        env: jinja2.Environment | None = None,
-                       spec_variants: list[Variant] | None = None) -> str:
+                       spec_variants: list[Variant] | None = None, decode: bool = False) -> str:
     """build.ninja linking `variants`, with a compile edge for each of `spec_variants` (all the
     spec keeps; default: `variants`), so that a filtered build leaves the others' records."""
     env = env or environment()
@@ -92,6 +92,8 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
+        decode_headers=" ".join(_path(Path(kernels_dir) / h) for h in ("decode.cuh", "launch_common.cuh"))
+        if decode else None,
         library=library_name(spec_name))
 
 
