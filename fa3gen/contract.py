@@ -337,7 +337,7 @@ DECODE_PARAMS = (
     *((n, "const int32_t*") for n in ("cache_seqlens", "cache_batch_idx", "block_table")),
     ("o_accum", "float*"), ("lse_accum", "float*"),
     *_strides("q", "k", "v", "out"), ("block_table_batch_stride", "int64_t"), *_SIZES,
-    *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16")),
+    *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16", "cache_rows")),
     ("softmax_scale", "float"),
 )
 DECODE_SYMBOL = "fa3gen_decode_fwd"

@@ -97,6 +97,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         capacity = block_table.shape[1] * rows_per
     else:
         capacity = rows_per
+        if cache_batch_idx is None and pages_or_b < b:
+            raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
+                                    "(pass cache_batch_idx to map them)")
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise InvalidInputError(f"cache_seqlens {cache_seqlens} outside [0, {capacity}]")
@@ -129,6 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             setattr(p, f"{name}_{dim}_stride", stride)
     p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim = b, sq, capacity, hq, hkv, d
     p.page_size = rows_per if paged else 0
+    p.cache_rows = pages_or_b
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
     if splits > 1:  # freed when this returns: the allocator orders its reuse on the stream

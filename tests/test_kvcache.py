@@ -34,7 +34,7 @@ def test_contiguous_cache_params(launched):
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
     assert p.causal == 1 and p.fp16 == 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
     assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132) == 4
-    assert p.o_accum and p.lse_accum
+    assert p.o_accum and p.lse_accum and p.cache_rows == 3  # indices are clamped to it
 
 
 def test_paged_cache_params(launched):
@@ -44,7 +44,7 @@ def test_paged_cache_params(launched):
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=300, block_table=table, num_splits=1)
     (p,) = launched
     assert p.page_size == 64 and p.seqlen_k == 640 and p.block_table_batch_stride == 10
-    assert p.num_splits == 1 and not p.o_accum and p.fp16 == 1
+    assert p.num_splits == 1 and not p.o_accum and p.fp16 == 1 and p.cache_rows == 50
     assert (p.k_batch_stride, p.k_row_stride) == (64 * 2 * 64, 2 * 64)
 
 
@@ -74,6 +74,8 @@ def test_shape_errors(launched):
     with pytest.raises(InvalidInputError, match="head_dim 96"):
         k96 = torch.zeros(3, 100, 2, 96, dtype=BF)
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 96, dtype=BF), k96, k96)
+    with pytest.raises(InvalidInputError, match="holds 3 sequences for a batch of 4"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(4, 1, 2, 128, dtype=BF), kc, kc)
     table = torch.zeros(1, 4, dtype=torch.int32)
     with pytest.raises(InvalidInputError, match="needs cache_seqlens"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=BF), kc, kc, block_table=table)

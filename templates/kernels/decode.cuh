@@ -49,7 +49,8 @@ __device__ __forceinline__ void load_cache_row(const fa3gen_decode_params& p, co
                                                int head, int lane, float (&out)[E]) {
   int64_t offset;
   if (p.block_table != nullptr) {
-    const int page = p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size];
+    const int page = min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size], 0),
+                         p.cache_rows - 1);  // a bad table gives wrong numbers, not a bad read
     offset = int64_t(page) * batch_stride + int64_t(key % p.page_size) * row_stride;
   } else {
     offset = int64_t(cache_b) * batch_stride + int64_t(key) * row_stride;
@@ -71,8 +72,9 @@ __global__ void __launch_bounds__(32) split_kernel(const fa3gen_decode_params p)
   constexpr int E = HeadDim / 32;
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
-  const int seqlen_k = p.cache_seqlens ? p.cache_seqlens[b] : p.seqlen_k;
-  const int cache_b = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+  // Clamped (bad values give wrong numbers, never reads outside the cache).
+  const int seqlen_k = p.cache_seqlens ? min(max(p.cache_seqlens[b], 0), p.seqlen_k) : p.seqlen_k;
+  const int cache_b = p.cache_batch_idx ? min(max(p.cache_batch_idx[b], 0), p.cache_rows - 1) : b;
   const int per_split = ((seqlen_k + p.num_splits - 1) / p.num_splits + 31) / 32 * 32;
   const int start = split * per_split, end = min(seqlen_k, start + per_split);
   const float scale_log2 = p.softmax_scale * float(M_LOG2E);
@@ -228,9 +230,11 @@ inline int launch_decode(const fa3gen_decode_params& p, cudaStream_t stream) {
   const int rows = p.heads_kv > 0 ? p.heads_q / p.heads_kv * p.seqlen_q : 0;
   if (p.batch < 1 || p.seqlen_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || rows > 8 ||
       p.num_splits < 1 || p.batch > 65535 || p.heads_kv > 65535 || p.num_splits > 65535 ||
-      (p.block_table != nullptr && p.page_size < 1) || (p.num_splits > 1 && p.o_accum == nullptr)) {
+      (p.block_table != nullptr && p.page_size < 1) || (p.num_splits > 1 && p.o_accum == nullptr) ||
+      p.cache_rows < 1 || (p.block_table == nullptr && p.cache_batch_idx == nullptr && p.cache_rows < p.batch)) {
     fa3gen_set_error("decode: invalid sizes (rows = heads_q / heads_kv * seqlen_q must be 1..8, "
-                     "num_splits >= 1 with a workspace when > 1, page_size >= 1 when paged)");
+                     "num_splits >= 1 with a workspace when > 1, page_size >= 1 when paged, "
+                     "cache_rows >= 1 and >= batch without cache_batch_idx)");
     return 1;
   }
   const bool fp16 = p.fp16 != 0;

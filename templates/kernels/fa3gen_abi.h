@@ -134,7 +134,9 @@ typedef struct fa3gen_bwd_params {
 // batch strides are then per page). cache_seqlens (batch) int32 or null (every sequence is
 // seqlen_k long); cache_batch_idx (batch) int32 or null (cache batch = batch). Causal is
 // bottom-right aligned to each sequence's length. Strides in elements, multiples of 8, head_dim
-// contiguous. out like q; lse fp32 (batch, heads_q, seqlen_q). num_splits > 1: the key range is
+// contiguous. out like q; lse fp32 (batch, heads_q, seqlen_q). Bad cache_seqlens, block_table
+// or cache_batch_idx values give wrong numbers, never out-of-bounds reads: lengths are clamped
+// to the capacity, page and cache row indices into [0, cache_rows). num_splits > 1: the key range is
 // split across CTAs, with workspace o_accum (batch * heads_q * seqlen_q * num_splits *
 // head_dim) and lse_accum (batch * heads_q * seqlen_q * num_splits) fp32.
 typedef struct fa3gen_decode_params {
@@ -155,6 +157,7 @@ typedef struct fa3gen_decode_params {
   int64_t block_table_batch_stride;
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   int32_t page_size, num_splits, causal, fp16;
+  int32_t cache_rows;  // pages (paged) or cache batch rows: indices are clamped into range
   float softmax_scale;
 } fa3gen_decode_params;
 
