@@ -70,6 +70,9 @@ __device__ __forceinline__ void load_cache_row(const fa3gen_decode_params& p, co
 template <class T, int HeadDim, int Rows>
 __global__ void __launch_bounds__(32) split_kernel(const fa3gen_decode_params p) {
   constexpr int E = HeadDim / 32;
+  // K/V rows in flight per warp: one warp per CTA and at most 32 CTAs per SM, so each warp
+  // must keep several reads outstanding to cover the memory latency (~16 KB per SM in flight).
+  constexpr int kAhead = E <= 4 ? 8 : 4;
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
   // Clamped (bad values give wrong numbers, never reads outside the cache).
@@ -106,18 +109,28 @@ __global__ void __launch_bounds__(32) split_kernel(const fa3gen_decode_params p)
 #pragma unroll
     for (int r = 0; r < Rows; ++r) s[r] = -INFINITY;
     const int keys = min(32, end - chunk);
-    for (int j = 0; j < keys; ++j) {
-      float kr[E];
-      load_cache_row<T, E>(p, kc, p.k_batch_stride, p.k_row_stride, p.k_head_stride, cache_b, b, chunk + j, head_kv,
-                           lane, kr);
+    for (int j0 = 0; j0 < keys; j0 += kAhead) {
+      // kAhead rows loaded before any is used: one warp keeps that many reads in flight.
+      float kr[kAhead][E];
 #pragma unroll
-      for (int r = 0; r < Rows; ++r) {
-        float dot = 0.f;
+      for (int u = 0; u < kAhead; ++u) {
+        if (j0 + u < keys) {
+          load_cache_row<T, E>(p, kc, p.k_batch_stride, p.k_row_stride, p.k_head_stride, cache_b, b, chunk + j0 + u,
+                               head_kv, lane, kr[u]);
+        }
+      }
 #pragma unroll
-        for (int i = 0; i < E; ++i) dot = fmaf(qr[r][i], kr[i], dot);
-        dot = warp_sum(dot);
-        const bool visible = chunk + j <= last_key[r];
-        if (lane == j) s[r] = visible ? dot : -INFINITY;
+      for (int u = 0; u < kAhead; ++u) {
+        if (j0 + u >= keys) break;
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) {
+          float dot = 0.f;
+#pragma unroll
+          for (int i = 0; i < E; ++i) dot = fmaf(qr[r][i], kr[u][i], dot);
+          dot = warp_sum(dot);
+          const bool visible = chunk + j0 + u <= last_key[r];
+          if (lane == j0 + u) s[r] = visible ? dot : -INFINITY;
+        }
       }
     }
     // Online softmax over the chunk, then O += P V with P broadcast from the lane of its key.
@@ -133,15 +146,24 @@ __global__ void __launch_bounds__(32) split_kernel(const fa3gen_decode_params p)
 #pragma unroll
       for (int i = 0; i < E; ++i) o[r][i] *= alpha;
     }
-    for (int j = 0; j < keys; ++j) {
-      float vr[E];
-      load_cache_row<T, E>(p, vc, p.v_batch_stride, p.v_row_stride, p.v_head_stride, cache_b, b, chunk + j, head_kv,
-                           lane, vr);
+    for (int j0 = 0; j0 < keys; j0 += kAhead) {
+      float vr[kAhead][E];
 #pragma unroll
-      for (int r = 0; r < Rows; ++r) {
-        const float pj = __shfl_sync(0xffffffff, pr[r], j);
+      for (int u = 0; u < kAhead; ++u) {
+        if (j0 + u < keys) {
+          load_cache_row<T, E>(p, vc, p.v_batch_stride, p.v_row_stride, p.v_head_stride, cache_b, b, chunk + j0 + u,
+                               head_kv, lane, vr[u]);
+        }
+      }
 #pragma unroll
-        for (int i = 0; i < E; ++i) o[r][i] = fmaf(pj, vr[i], o[r][i]);
+      for (int u = 0; u < kAhead; ++u) {
+        if (j0 + u >= keys) break;
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) {
+          const float pj = __shfl_sync(0xffffffff, pr[r], j0 + u);
+#pragma unroll
+          for (int i = 0; i < E; ++i) o[r][i] = fmaf(pj, vr[u][i], o[r][i]);
+        }
       }
     }
   }
