@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "quantize_fp8",
     "trace",
     "Fa3genError",
@@ -30,9 +31,10 @@ __all__ = [
 ]
 
 _LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "flash_attn_varlen_func": "fa3gen.varlen",
+               "flash_attn_with_kvcache": "fa3gen.kvcache",
                "quantize_fp8": "fa3gen.fp8", "trace": "fa3gen.tracing"}
 _LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing", "varlen",
-                 "fp8"}
+                 "fp8", "kvcache"}
 
 
 def __getattr__(name):

@@ -339,6 +339,17 @@ QUANTIZE_PARAMS = (
 )
 QUANTIZE_SYMBOL = "fa3gen_quantize_fp8"
 
+# fa3gen_decode_params: decode attention over a KV cache (fa3gen_decode_fwd, specs with `decode: true`).
+DECODE_PARAMS = (
+    *((n, "const void*") for n in ("q", "k_cache", "v_cache")), ("out", "void*"), ("lse", "float*"),
+    *((n, "const int32_t*") for n in ("cache_seqlens", "cache_batch_idx", "block_table")),
+    ("o_accum", "float*"), ("lse_accum", "float*"),
+    *_strides("q", "k", "v", "out"), ("block_table_batch_stride", "int64_t"), *_SIZES,
+    *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16", "cache_rows")),
+    ("softmax_scale", "float"),
+)
+DECODE_SYMBOL = "fa3gen_decode_fwd"
+
 
 @dataclass(frozen=True)
 class Launcher:

@@ -21,7 +21,7 @@ from fa3gen import __version__, contract
 from fa3gen.errors import Fa3genError
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "fp8", "ops", "varlen")
+RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache")
 REQUIRES = ("torch>=2.4", "pyyaml")
 
 

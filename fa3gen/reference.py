@@ -439,3 +439,28 @@ def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, ti
         fail(f"max |lse - ref| = {res['lse_err']:.3g} beyond 2e-3 + 2^-10 sum|q k| scale")
     res["why"] = "; ".join(res["why"])
     return res
+
+
+def kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
+                                cache_batch_idx=None, causal=False, softmax_scale=None):
+    """(out fp32, lse fp32 (b, hq, sq)) of flash_attn_with_kvcache's semantics: each sequence's
+    keys gathered from the contiguous or paged cache, then attention_reference (causal
+    bottom-right aligned to that sequence's length)."""
+    b, sq, hq, d = q.shape
+    rows_per = k_cache.shape[1]
+    outs, lses = [], []
+    for i in range(b):
+        n = int(cache_seqlens[i]) if cache_seqlens is not None else (
+            block_table.shape[1] * rows_per if block_table is not None else rows_per)
+        if block_table is not None:
+            pages = block_table[i, :-(-n // rows_per)].long()
+            k = k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n]
+            v = v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n]
+        else:
+            row = int(cache_batch_idx[i]) if cache_batch_idx is not None else i
+            k, v = k_cache[row, :n], v_cache[row, :n]
+        o, lse = attention_reference(q[i:i + 1], k[None], v[None], causal, softmax_scale,
+                                     upcast=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)

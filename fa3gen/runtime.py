@@ -70,6 +70,12 @@ PARAMS = {"fwd": FwdParams, "bwd": BwdParams}  # by direction
 
 class QuantizeParams(ctypes.Structure):
     _fields_ = _ctypes_fields(contract.QUANTIZE_PARAMS)
+
+
+class DecodeParams(ctypes.Structure):
+    _fields_ = _ctypes_fields(contract.DECODE_PARAMS)
+
+
 _LAUNCH_FN_TYPES = {
     launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
     for d, launcher in LAUNCHERS.items()
@@ -261,6 +267,11 @@ class Library:
         if self._quantize is not None:
             self._quantize.restype = ctypes.c_int
             self._quantize.argtypes = [ctypes.POINTER(QuantizeParams), ctypes.c_void_p]
+        # Decode over a KV cache: libraries built before it lack the symbol.
+        self._decode = getattr(dll, contract.DECODE_SYMBOL, None)
+        if self._decode is not None:
+            self._decode.restype = ctypes.c_int
+            self._decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
         self.spec_name = spec_name or _spec_from_build_info(self.build_info)
@@ -319,11 +330,22 @@ class Library:
 
     def quantize_fp8(self, params: QuantizeParams, stream_handle: int) -> None:
         """Run the library's fp8 quantizer (fa3gen_quantize_fp8) on a CUDA stream."""
-        if self._quantize is None:
-            raise Fa3genError(f"{self.path} has no fp8 quantizer (its spec has no e4m3 variant)")
-        rc = self._quantize(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
+        self._call_optional(self._quantize, params, stream_handle, "fp8 quantizer",
+                            "no fp8 quantizer (its spec has no e4m3 variant)")
+
+    def decode(self, params: DecodeParams, stream_handle: int) -> None:
+        """Run the library's decode attention (fa3gen_decode_fwd) on a CUDA stream."""
+        self._call_optional(self._decode, params, stream_handle, "decode kernel",
+                            f"no decode kernels: add `decode: true` to spec {self.spec_name!r} "
+                            f"and build it again")
+
+    def _call_optional(self, fn, params, stream_handle: int, what: str, missing: str) -> None:
+        """Call an optional entry point (None when the library lacks it); raise on failure."""
+        if fn is None:
+            raise Fa3genError(f"{self.path} has {missing}")
+        rc = fn(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
-            raise Fa3genError(f"fa3gen fp8 quantizer failed (code {rc}): {self.last_error()}")
+            raise Fa3genError(f"fa3gen {what} failed (code {rc}): {self.last_error()}")
 
     def launch(self, info: VariantInfo, params: FwdParams | BwdParams, stream_handle: int) -> None:
         """Run info's launcher on a CUDA stream (a cudaStream_t as an int; 0 = legacy).

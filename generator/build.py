@@ -152,10 +152,11 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}
     if p.seqlen_defaults:
         info["seqlen_dispatch"] = p.seqlen_dispatch()
+    info["decode"] = p.spec.decode
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
-                           spec_variants=p.enumeration.kept, env=env)
+                           spec_variants=p.enumeration.kept, env=env, decode=p.spec.decode)
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,
-                                    spec_variants=p.enumeration.kept)
+                                    spec_variants=p.enumeration.kept, decode=p.spec.decode)
     lib = out / library_name(p.spec.name)
     filtered = len(p.variants) < len(p.enumeration.kept)
     log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s)"

@@ -75,7 +75,7 @@ def _interpreter() -> str:
 def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
                        env: jinja2.Environment | None = None,
-                       spec_variants: list[Variant] | None = None) -> str:
+                       spec_variants: list[Variant] | None = None, decode: bool = False) -> str:
     """build.ninja linking `variants`, with a compile edge for each of `spec_variants` (all the
     spec keeps; default: `variants`), so that a filtered build leaves the others' records."""
     env = env or environment()
@@ -92,8 +92,14 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
-        quantizer=_path(Path(kernels_dir) / "quantize_fp8.cuh") if has_quantizer(variants) else None,
+        quantize_headers=_headers(kernels_dir, "quantize_fp8.cuh") if has_quantizer(variants) else None,
+        decode_headers=_headers(kernels_dir, "decode.cuh") if decode else None,
         library=library_name(spec_name))
+
+
+def _headers(kernels_dir, kernel: str) -> str:
+    """What a CuTe-free kernel TU includes (its rule has no depfile, so edges name them)."""
+    return " ".join(_path(Path(kernels_dir) / h) for h in (kernel, "launch_common.cuh", "simt_common.cuh"))
 
 
 def write_build_ninja(out_dir: Path, text: str) -> bool:

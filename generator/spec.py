@@ -21,7 +21,7 @@ from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES
 from .errors import SpecError
 from .paths import SPECS_DIR
 
-TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required")
+TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required", "decode")
 GROUP_KEYS = ("name", "axes")
 DISPATCH_KEYS = ("when", "use", "seqlen_k")
 SEQLEN_MAX = 2**31 - 1  # the open upper end of a seqlen_k range
@@ -94,6 +94,7 @@ class Spec:
     exclude: tuple[Match, ...] = ()
     dispatch: tuple[DispatchEntry, ...] = ()
     dispatch_required: bool = True  # false: keys with several variants may have no default
+    decode: bool = False  # the library also gets the KV-cache decode kernels (flash_attn_with_kvcache)
     # What validation accepted but a reader should hear of (a value repeated in one list),
     # each "<file>: <key path>: <message>".
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -254,7 +255,10 @@ class _Validator:
         required = data.get("dispatch_required", True)
         if not isinstance(required, bool):
             raise self.fail("dispatch_required", "expected true or false", required)
-        return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required,
+        decode = data.get("decode", False)
+        if not isinstance(decode, bool):
+            raise self.fail("decode", "expected true or false", decode)
+        return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required, decode,
                     tuple(self.warnings))
 
     def list_of(self, raw: Any, path: str) -> list:

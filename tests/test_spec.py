@@ -214,7 +214,7 @@ def test_exclude_unknown_key(tmp_path):
 def test_whole_spec_not_a_mapping(tmp_path, text, got):
     msg = error_of(tmp_path, text)
     assert msg.startswith(f"{tmp_path / 's.yaml'}: the spec must be a mapping with keys name, "
-                          "axes, groups, exclude, dispatch, dispatch_required (")
+                          "axes, groups, exclude, dispatch, dispatch_required, decode (")
     assert msg.endswith(f"({got})") and ": :" not in msg
 
 
@@ -243,3 +243,14 @@ def test_missing_file():
 def test_parse_spec_from_text():
     spec = parse_spec(FULL_AXES, "inline.yaml", default_name="inline")
     assert spec.name == "inline" and spec.path == "inline.yaml"
+
+
+def test_decode_key(tmp_path):
+    assert load_spec(SPECS_DIR / "h100.yaml").decode is True
+    assert load_spec(SPECS_DIR / "ablation.yaml").decode is False
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\ndecode: 1\naxes: {direction: fwd, dtype: bf16, head_dim: 64, causal: false,"
+                   " tile: [128, 128], stages: 2, warp_specialized: true, pingpong: false,"
+                   " intra_wg_overlap: false}\n")
+    with pytest.raises(Exception, match="decode: expected true or false"):
+        load_spec(bad)

@@ -144,6 +144,39 @@ typedef struct fa3gen_quantize_params {
   int32_t block_rows;
   int32_t x_fp16;
 } fa3gen_quantize_params;
+// Decode attention over a KV cache (fa3gen_decode_fwd): q (batch, seqlen_q, heads_q,
+// head_dim 64/128/256) bf16 (fp16 = 0) or fp16, rows = heads_q / heads_kv * seqlen_q <= 8;
+// k_cache/v_cache contiguous (cache batch, seqlen_k = capacity, heads_kv, head_dim) or, with a
+// block_table (batch, max pages) int32, paged (pages, page_size, heads_kv, head_dim) (the
+// batch strides are then per page). cache_seqlens (batch) int32 or null (every sequence is
+// seqlen_k long); cache_batch_idx (batch) int32 or null (cache batch = batch). Causal is
+// bottom-right aligned to each sequence's length. Strides in elements, multiples of 8, head_dim
+// contiguous. out like q; lse fp32 (batch, heads_q, seqlen_q). Bad cache_seqlens, block_table
+// or cache_batch_idx values give wrong numbers, never out-of-bounds reads: lengths are clamped
+// to the capacity, page and cache row indices into [0, cache_rows). num_splits > 1: the key range is
+// split across CTAs, with workspace o_accum (batch * heads_q * seqlen_q * num_splits *
+// head_dim) and lse_accum (batch * heads_q * seqlen_q * num_splits) fp32.
+typedef struct fa3gen_decode_params {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  void* out;
+  float* lse;
+  const int32_t* cache_seqlens;
+  const int32_t* cache_batch_idx;
+  const int32_t* block_table;
+  float* o_accum;
+  float* lse_accum;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t out_batch_stride, out_row_stride, out_head_stride;
+  int64_t block_table_batch_stride;
+  int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
+  int32_t page_size, num_splits, causal, fp16;
+  int32_t cache_rows;  // pages (paged) or cache batch rows: indices are clamped into range
+  float softmax_scale;
+} fa3gen_decode_params;
 
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
 typedef int (*fa3gen_quantize_fn)(const fa3gen_quantize_params* params, void* cuda_stream);
@@ -174,6 +207,8 @@ const char* fa3gen_last_error(void);   // thread-local message of the last faile
 void fa3gen_set_error(const char* message);
 // Only in libraries of specs with e4m3 variants (look it up as an optional symbol).
 int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* cuda_stream);
+// Only in libraries of specs with `decode: true` (no CuTe: a few seconds to compile).
+int fa3gen_decode_fwd(const fa3gen_decode_params* params, void* cuda_stream);
 
 #ifdef __cplusplus
 }

@@ -16,39 +16,23 @@
 #include <cstdint>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
+#include "simt_common.cuh"
 
 namespace fa3gen {
 namespace quantize {
 
-template <bool C, class A, class B>
-struct Pick { using type = A; };
-template <class A, class B>
-struct Pick<false, A, B> { using type = B; };
-template <bool C, class A, class B>
-using cute_free_conditional_t = typename Pick<C, A, B>::type;  // no CuTe in this TU: fast compile
+using namespace simt;
 
 constexpr int kWarps = 4;
 constexpr int kTensorRows = 128;  // rows per CTA for a per-tensor scale
 constexpr float kE4m3Max = 448.f;
-
-// E consecutive 16-bit elements (E = head_dim / 32: 2, 4 or 8) or bytes in one access.
-template <int Bytes>
-using Vec = cute_free_conditional_t<Bytes == 2, uint16_t,
-            cute_free_conditional_t<Bytes == 4, uint32_t, cute_free_conditional_t<Bytes == 8, uint2, uint4>>>;
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 
 // The E = HeadDim / 32 elements of row `row` that this lane owns, transformed when signs != null.
 template <class T, int HeadDim>
 __device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const T* x, int64_t row_offset,
                                          int lane, const float* signs, float (&v)[HeadDim / 32]) {
   constexpr int E = HeadDim / 32;
-  // One vector load (the runtime checks 16-byte strides and base).
-  const Vec<E * sizeof(T)> raw = *reinterpret_cast<const Vec<E * sizeof(T)>*>(x + row_offset + lane * E);
-  const T* elems = reinterpret_cast<const T*>(&raw);
-  #pragma unroll
-  for (int i = 0; i < E; ++i) v[i] = to_float(elems[i]);
+  load_floats<T, E>(x + row_offset + lane * E, v);
   if (signs == nullptr) return;
   #pragma unroll
   for (int i = 0; i < E; ++i) v[i] *= signs[lane * E + i];
@@ -77,11 +61,6 @@ __device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const 
   constexpr float kSqrtD = HeadDim == 64 ? 8.f : HeadDim == 128 ? 11.3137085f : 16.f;
   #pragma unroll
   for (int i = 0; i < E; ++i) v[i] = __fdiv_rn(v[i], kSqrtD);
-}
-
-__device__ __forceinline__ float warp_max(float x) {
-  for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, m));
-  return x;
 }
 
 // Largest magnitude of the CTA's rows (after the transform).

@@ -1,0 +1,47 @@
+// Small device helpers of the CuTe-free kernels (decode, fp8 quantizer): conversions, warp
+// reductions and one vector load of a lane's consecutive elements. No CuTe, so the
+// translation units that include it compile in seconds.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+namespace fa3gen {
+namespace simt {
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ void from_float(float x, __nv_bfloat16& y) { y = __float2bfloat16(x); }
+__device__ __forceinline__ void from_float(float x, __half& y) { y = __float2half(x); }
+
+// The unsigned type of Bytes bytes (2 to 16), for one vector access.
+template <int Bytes> struct VecOf { using type = uint4; };
+template <> struct VecOf<2> { using type = uint16_t; };
+template <> struct VecOf<4> { using type = uint32_t; };
+template <> struct VecOf<8> { using type = uint2; };
+template <int Bytes>
+using Vec = typename VecOf<Bytes>::type;
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffff, x, m);
+  return x;
+}
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, m));
+  return x;
+}
+
+// E consecutive 16-bit elements at src as floats, in one vector load (callers check that src
+// is aligned to E * sizeof(T) bytes: the runtimes require 16-byte strides and bases).
+template <class T, int E>
+__device__ __forceinline__ void load_floats(const T* src, float (&out)[E]) {
+  const Vec<E * int(sizeof(T))> raw = *reinterpret_cast<const Vec<E * int(sizeof(T))>*>(src);
+  const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < E; ++i) out[i] = to_float(elems[i]);
+}
+
+}  // namespace simt
+}  // namespace fa3gen

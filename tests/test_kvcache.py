@@ -1,0 +1,118 @@
+"""flash_attn_with_kvcache on CPU: argument checks, what a call writes into the decode params
+(the launch stubbed), the split heuristic and the reference. The kernels:
+tests/gpu/test_kvcache_kernels.py."""
+import pytest
+import torch
+
+from fa3gen import kvcache, ops
+from fa3gen.errors import InvalidInputError
+from fa3gen.reference import kvcache_attention_reference
+
+BF = torch.bfloat16
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    return calls
+
+
+def test_contiguous_cache_params(launched):
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = vc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    seqlens = torch.tensor([700, 5], dtype=torch.int32)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                               cache_batch_idx=idx, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == BF and lse.shape == (2, 8, 1)
+    (p,) = launched
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim) == (2, 1, 1000, 8, 2, 128)
+    assert p.cache_seqlens and p.cache_batch_idx and not p.block_table and p.page_size == 0
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
+    assert p.causal == 1 and p.fp16 == 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
+    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132) == 4
+    assert p.o_accum and p.lse_accum and p.cache_rows == 3  # indices are clamped to it
+
+
+def test_paged_cache_params(launched):
+    q = torch.zeros(2, 2, 4, 64, dtype=torch.float16)
+    kc = vc = torch.zeros(50, 64, 2, 64, dtype=torch.float16)
+    table = torch.arange(20, dtype=torch.int32).reshape(2, 10)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=300, block_table=table, num_splits=1)
+    (p,) = launched
+    assert p.page_size == 64 and p.seqlen_k == 640 and p.block_table_batch_stride == 10
+    assert p.num_splits == 1 and not p.o_accum and p.fp16 == 1 and p.cache_rows == 50
+    assert (p.k_batch_stride, p.k_row_stride) == (64 * 2 * 64, 2 * 64)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(k=torch.zeros(1)), "appending k, v"),
+    (dict(window_size=(16, 0)), "window_size and softcap"),
+    (dict(softcap=5.0), "window_size and softcap"),
+    (dict(num_splits=-1), "num_splits"),
+    (dict(cache_seqlens=2000), "outside"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), "cache_seqlens must be int32"),
+    (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), r"cache_batch_idx must be int32 of shape \(2,\)"),
+])
+def test_errors(launched, kwargs, match):
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, **kwargs)
+    assert not launched
+
+
+def test_shape_errors(launched):
+    kc = torch.zeros(3, 100, 2, 128, dtype=BF)
+    with pytest.raises(InvalidInputError, match="at most 8"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 2, 16, 128, dtype=BF), kc, kc)
+    with pytest.raises(InvalidInputError, match="one dtype"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=torch.float16), kc, kc)
+    with pytest.raises(InvalidInputError, match="head_dim 96"):
+        k96 = torch.zeros(3, 100, 2, 96, dtype=BF)
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 96, dtype=BF), k96, k96)
+    with pytest.raises(InvalidInputError, match="holds 3 sequences for a batch of 4"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(4, 1, 2, 128, dtype=BF), kc, kc)
+    table = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="needs cache_seqlens"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=BF), kc, kc, block_table=table)
+    with pytest.raises(InvalidInputError, match="contiguous cache, not a paged"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=BF), kc, kc, block_table=table,
+                                        cache_seqlens=10, cache_batch_idx=torch.zeros(1, dtype=torch.int32))
+
+
+def test_debug_checks_catch_out_of_range_pages(launched, monkeypatch):
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    q = torch.zeros(1, 1, 2, 64, dtype=BF)
+    kc = torch.zeros(4, 16, 2, 64, dtype=BF)
+    table = torch.tensor([[0, 9]], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="block_table row 0"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=20, block_table=table)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=16, block_table=table)  # page 9 unused
+
+
+def test_split_heuristic():
+    assert kvcache.num_splits_heuristic(1, 8, 131072, 132) == 33  # 264 CTAs
+    assert kvcache.num_splits_heuristic(256, 8, 4096, 132) == 1
+    assert kvcache.num_splits_heuristic(1, 1, 100, 132) == 1      # short: one split
+
+
+def test_reference_paged_equals_contiguous():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 64, generator=g)
+    cont = torch.randn(2, 96, 2, 64, generator=g), torch.randn(2, 96, 2, 64, generator=g)
+    # the same keys in 16-row pages, sequence 0 on pages 5, 1, ..., sequence 1 on 0, 2, ...
+    order = [[5, 1, 7, 3, 9, 11], [0, 2, 4, 6, 8, 10]]
+    paged = [torch.zeros(12, 16, 2, 64) for _ in range(2)]
+    for b in range(2):
+        for j, page in enumerate(order[b]):
+            for t, c in zip(paged, cont):
+                t[page] = c[b, 16 * j:16 * (j + 1)]
+    seqlens = torch.tensor([90, 17], dtype=torch.int32)
+    table = torch.tensor(order, dtype=torch.int32)
+    a, la = kvcache_attention_reference(q, *cont, seqlens, causal=True)
+    b_, lb = kvcache_attention_reference(q, *paged, seqlens, block_table=table, causal=True)
+    assert torch.allclose(a, b_) and torch.allclose(la, lb)
