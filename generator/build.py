@@ -190,13 +190,18 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
     out = p.out_dir
     dispatch_edge, link_edge = "NVCC obj/dispatch.o", f"LINK {library_name(p.spec.name)}"
     changed = sources.changed  # reads every file once
+    # The CuTe-free TUs beside the variants (src/quantize.cu, src/decode.cu), compiled like dispatch.
+    variant_names = {v.name for v in p.variants} | {v.name for v in p.enumeration.kept}
+    plain = [path.stem for path in sources.files
+             if path.parent.name == "src" and path.stem not in variant_names and path.stem != "dispatch"]
     for path in changed:
         log(f"  would write: {path.relative_to(out)}")
     for path in sources.stale:
         log(f"  would remove: {path.relative_to(out)}")
     if out / "fingerprint.txt" in changed:
         why = "no build yet" if not (out / "fingerprint.txt").exists() else "the toolchain, flags or templates changed"
-        edges = [f"NVCC {v.name}" for v in p.variants] + [dispatch_edge, link_edge]
+        edges = ([f"NVCC {v.name}" for v in p.variants] + [dispatch_edge]
+                 + [f"NVCC obj/{name}.o" for name in plain] + [link_edge])
         log(f"fa3gen: {why}: every variant compiles")
     else:
         edges = []
@@ -213,6 +218,11 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
                 edges.append(edge)
         if "dispatch.cu" in changed_names and dispatch_edge not in edges:
             edges.append(dispatch_edge)
+        for name in plain:
+            edge = f"NVCC obj/{name}.o"
+            fresh = (out / "obj" / f"{name}.o").exists() and f"{name}.cu" not in changed_names
+            if not fresh and edge not in edges:
+                edges.append(edge)
         if edges and link_edge not in edges:
             edges.append(link_edge)
         for obj in objects_without_deps(out):

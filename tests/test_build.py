@@ -327,3 +327,15 @@ def test_long_build_reports_progress(fake, monkeypatch, capfd):
     monkeypatch.setattr(B, "run_ninja", lambda *a, **k: real(*a, **{**k, "progress_every": 0.3}))
     B.build(spec, toolchain=tc, jobs=1, log=quiet)
     assert "; compiling fwd_bf16_d128_" in capfd.readouterr().out
+
+
+def test_dry_run_lists_the_decode_translation_unit(fake):
+    """A spec with `decode: true` compiles src/decode.cu beside the variants; the dry run says
+    so before the first build and is empty after it."""
+    spec, tc, calls = fake
+    spec.write_text("decode: true\n" + SPEC)
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+    assert "NVCC obj/decode.o" in planned and planned[-1] == "LINK lib/libfa3gen_t.so"
+    B.build(spec, toolchain=tc, log=quiet)
+    assert "decode.cu" in take_calls(calls)
+    assert B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned == []
