@@ -78,6 +78,9 @@ def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple
 
 
 E4M3_MAX = 448.0
+# descale = amax times this (one rounded multiply, as the fused kernel: PyTorch's CUDA division
+# by a Python number multiplies by its reciprocal, the CPU's divides; this is the same on both).
+INV_E4M3_MAX = 1.0 / E4M3_MAX
 
 
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
@@ -91,12 +94,12 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     xf = x.float()
     if block_rows is None:
         amax = xf.abs().amax().reshape(1)
-        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
         return (xf / scale).to(FP8_DTYPE), scale
     blocks = -(-s // block_rows)
     padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block_rows - s))
     amax = padded.abs().reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
     rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
     return (xf / rows).to(FP8_DTYPE), scale.permute(0, 2, 1).contiguous()
 

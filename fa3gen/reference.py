@@ -272,7 +272,7 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
         y = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
         y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
         h *= 2
-    return y.reshape(x.shape) / math.sqrt(d)
+    return y.reshape(x.shape) * (1.0 / math.sqrt(d))  # one multiply on CPU and CUDA alike
 
 
 def random_signs(d: int, seed: int, device=None) -> torch.Tensor:

@@ -25,7 +25,7 @@ using namespace simt;
 
 constexpr int kWarps = 4;
 constexpr int kTensorRows = 128;  // rows per CTA for a per-tensor scale
-constexpr float kE4m3Max = 448.f;
+constexpr float kInvE4m3Max = float(1.0 / 448.0);  // as fa3gen.fp8.INV_E4M3_MAX
 
 // The E = HeadDim / 32 elements of row `row` that this lane owns, transformed when signs != null.
 template <class T, int HeadDim>
@@ -57,10 +57,10 @@ __device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const 
       v[i] = upper ? other - v[i] : v[i] + other;
     }
   }
-  // Divided (rounded as PyTorch's x / sqrt(d) in fp32, so the two paths agree bit for bit).
-  constexpr float kSqrtD = HeadDim == 64 ? 8.f : HeadDim == 128 ? 11.3137085f : 16.f;
+  // Times 1/sqrt(d) rounded to float (as reference.hadamard_transform: bit for bit).
+  constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
   #pragma unroll
-  for (int i = 0; i < E; ++i) v[i] = __fdiv_rn(v[i], kSqrtD);
+  for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], kInvSqrtD);
 }
 
 // Largest magnitude of the CTA's rows (after the transform).
@@ -109,7 +109,7 @@ __device__ void write_block(const fa3gen_quantize_params& p, int row0, int rows,
 }
 
 __device__ __forceinline__ float descale_of(float amax) {
-  return amax > 0.f ? __fdiv_rn(amax, kE4m3Max) : 1.f;  // exact division even with fast math
+  return amax > 0.f ? __fmul_rn(amax, kInvE4m3Max) : 1.f;  // as fp8.quantize, bit for bit
 }
 
 // Block scales: amax, descale, then the values, in one pass over the CTA's block.

@@ -26,7 +26,7 @@ def main():
                lambda: fp8.quantize(x, 128)]
         ms = timing.sustained_ms(fns, 3, 100)
         moved = x.numel() * 3  # bytes: bf16 in, e4m3 out
-        gbs = [2 * src.numel() / m / 1e6] + [moved / m / 1e6 for m in ms[1:]]
+        gbs = [2 * src.numel() / ms[0] / 1e6] + [moved / m / 1e6 for m in ms[1:]]
         print(f"(b, s, h, d) = {(b, s, h, d)}: copy {gbs[0]:.0f} GB/s; quantizer blocks "
               f"{gbs[1]:.0f} ({gbs[1] / gbs[0]:.0%}), with Hadamard {gbs[2]:.0f} "
               f"({gbs[2] / gbs[0]:.0%}), per tensor {gbs[3]:.0f} ({gbs[3] / gbs[0]:.0%}); "
