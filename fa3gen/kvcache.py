@@ -1,8 +1,8 @@
 """Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and argument
-order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 8) against a
+order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
 contiguous or paged cache, the key range split across CTAs (split-KV) and merged; forward
 only. What it does not do yet is an error, never a different answer: appending k/v into the
-cache, cache_leftpad, rotary, sliding windows, softcap, more than 8 rows per kv head (use
+cache, cache_leftpad, rotary, sliding windows, softcap, more than 16 rows per kv head (use
 flash_attn_func for prefill), fp8 caches.
 """
 from __future__ import annotations
@@ -14,17 +14,31 @@ import torch
 from fa3gen import ops, runtime
 from fa3gen.errors import InvalidInputError
 
-MAX_ROWS = 8          # seqlen_q * heads_q / heads_kv per kv head (decode.cuh)
+MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
 HEAD_DIMS = (64, 128, 256)
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 512
+MAX_SPLITS = 128
+# CTAs of the split kernel resident per SM, from its shared memory (decode.cuh's Config: 66, 100
+# and 200 KB of the 227 KB an H100/H200 SM offers).
+CTAS_PER_SM = {64: 3, 128: 2, 256: 1}
 
 
-def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int) -> int:
-    """Enough CTAs (one per split, kv head and sequence) to fill the GPU about twice, and no
-    split shorter than MIN_KEYS_PER_SPLIT keys."""
-    ctas = max(1, batch * heads_kv)
-    want = max(1, -(-2 * num_sms // ctas))
-    return max(1, min(want, -(-seqlen_k // MIN_KEYS_PER_SPLIT), 65535))
+def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
+                         head_dim: int = 128) -> int:
+    """The fewest splits whose CTAs (one per split, kv head and sequence) fill the GPU's
+    resident CTA slots nearly as evenly as the best count does (within 85%: the last wave of a
+    memory-bound kernel runs at the bandwidth of the CTAs in it), and no split shorter than
+    MIN_KEYS_PER_SPLIT keys."""
+    pairs = max(1, batch * heads_kv)
+    slots = num_sms * CTAS_PER_SM.get(head_dim, 1)
+    most = max(1, min(seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS))
+
+    def filled(splits):  # the share of the slots busy, averaged over the waves
+        ctas = pairs * splits
+        return ctas / (-(-ctas // slots) * slots)
+
+    best = max(filled(s) for s in range(1, most + 1))
+    return next(s for s in range(1, most + 1) if filled(s) >= 0.85 * best)
 
 
 def _int32_vector(name, t, batch, device):
@@ -44,7 +58,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256, seqlen_q * heads_q / heads_kv
-    at most 8. Cache contiguous: k_cache, v_cache (cache batch, capacity, heads_kv, d), with
+    at most 16. Cache contiguous: k_cache, v_cache (cache batch, capacity, heads_kv, d), with
     cache_batch_idx (batch,) int32 choosing a cache row per sequence (default: the same index);
     or paged: k_cache, v_cache (pages, page_size, heads_kv, d) with block_table (batch, max
     pages) int32. cache_seqlens (batch,) int32 or an int: the keys each sequence has (default:
@@ -118,8 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     if b == 0 or sq == 0 or hq == 0:
         return (out, lse) if return_lse else out
-    splits = num_splits or num_splits_heuristic(b, hkv, capacity, ops._num_sms(q.device.index))
-    splits = max(1, min(splits, 65535))
+    splits = num_splits or num_splits_heuristic(b, hkv, capacity, ops._num_sms(q.device.index), d)
+    splits = max(1, min(splits, 65535, -(-capacity // 64)))  # 64 keys: one CTA step
     p = runtime.DecodeParams()
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()

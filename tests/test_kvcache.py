@@ -33,8 +33,14 @@ def test_contiguous_cache_params(launched):
     assert p.cache_seqlens and p.cache_batch_idx and not p.block_table and p.page_size == 0
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
     assert p.causal == 1 and p.fp16 == 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
-    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132) == 4
-    assert p.o_accum and p.lse_accum and p.cache_rows == 3  # indices are clamped to it
+    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132, 128) == 1  # < 2 x 512 keys
+    assert not p.o_accum and p.cache_rows == 3  # indices are clamped to it
+    launched.clear()
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=4, cache_batch_idx=idx)
+    assert launched[0].num_splits == 4 and launched[0].o_accum and launched[0].lse_accum
+    launched.clear()
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=100, cache_batch_idx=idx)
+    assert launched[0].num_splits == 16  # at most one split per 64 keys of capacity
 
 
 def test_paged_cache_params(launched):
@@ -67,8 +73,8 @@ def test_errors(launched, kwargs, match):
 
 def test_shape_errors(launched):
     kc = torch.zeros(3, 100, 2, 128, dtype=BF)
-    with pytest.raises(InvalidInputError, match="at most 8"):
-        kvcache.flash_attn_with_kvcache(torch.zeros(1, 2, 16, 128, dtype=BF), kc, kc)
+    with pytest.raises(InvalidInputError, match="at most 16"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 3, 16, 128, dtype=BF), kc, kc)
     with pytest.raises(InvalidInputError, match="one dtype"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=torch.float16), kc, kc)
     with pytest.raises(InvalidInputError, match="head_dim 96"):
@@ -95,9 +101,13 @@ def test_debug_checks_catch_out_of_range_pages(launched, monkeypatch):
 
 
 def test_split_heuristic():
-    assert kvcache.num_splits_heuristic(1, 8, 131072, 132) == 33  # 264 CTAs
-    assert kvcache.num_splits_heuristic(256, 8, 4096, 132) == 1
-    assert kvcache.num_splits_heuristic(1, 1, 100, 132) == 1      # short: one split
+    # b=1, 8 kv heads, d128 (2 CTAs per SM: 264 slots): 29 splits (232 CTAs) is the fewest
+    # within 85% of filling every slot (33 splits)
+    assert kvcache.num_splits_heuristic(1, 8, 131072, 132, 128) == 29
+    assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 128) == 4     # 256 of 264 slots
+    assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 256) == 2     # 1 CTA per SM: 128 of 132
+    assert kvcache.num_splits_heuristic(256, 8, 4096, 132, 128) == 1
+    assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 1       # short: one split
 
 
 def test_reference_paged_equals_contiguous():

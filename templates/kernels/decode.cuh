@@ -2,19 +2,21 @@
 // head against a long cache, contiguous (batch, capacity, heads_kv, d) or paged
 // (pages, page_size, heads_kv, d) through a block table, the key range split across CTAs
 // (split-KV) and merged by a combine kernel.
-//   GQA packing: the heads_q / heads_kv query heads of one kv head, times seqlen_q, are the
-//   Rows rows of one warp, so each K and V row is read once per kv head, not once per query
-//   head.
-//   One warp per (split, kv head, batch). Per key: each lane holds head_dim / 32 columns of
-//   K and V (coalesced 16-bit loads), dots reduced across the warp; keys go in chunks of 32 so
-//   that lane j owns the score of key j: one exp2 per key and row, a max per chunk.
-// Memory-bound by design for Rows <= 8 (two FMAs per byte of K and V per row).
+//   GQA packing: the heads_q / heads_kv query heads of one kv head, times seqlen_q, are the up
+//   to 16 rows of one M=16 tile, so each K and V row is read once per kv head, not once per
+//   query head.
+//   One CTA of 4 warps per (split, kv head, batch). Each warp takes every fourth 16-key slice
+//   of the split and streams it through its own cp.async ring (no CTA barrier in the loop),
+//   with tensor cores (mma.sync m16n8k16, fp32 accumulators) for S = Q K^T and O += P V and an
+//   online softmax in registers, as the prefill kernels; the four warps' partial results merge
+//   in shared memory at the end. Memory-bound: the rings keep 2-3 slices per warp in flight.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
 #include "simt_common.cuh"
@@ -24,148 +26,311 @@ namespace decode {
 
 using namespace simt;
 
-// The E columns [lane * E, + E) of cache row (b, key, head) as floats; pages through the
-// block table when there is one.
-template <class T, int E>
-__device__ __forceinline__ void load_cache_row(const fa3gen_decode_params& p, const T* cache, int64_t batch_stride,
-                                               int64_t row_stride, int64_t head_stride, int cache_b, int b, int key,
-                                               int head, int lane, float (&out)[E]) {
-  int64_t offset;
-  if (p.block_table != nullptr) {
-    const int page = min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size], 0),
-                         p.cache_rows - 1);  // a bad table gives wrong numbers, not a bad read
-    offset = int64_t(page) * batch_stride + int64_t(key % p.page_size) * row_stride;
-  } else {
-    offset = int64_t(cache_b) * batch_stride + int64_t(key) * row_stride;
-  }
-  const T* src = cache + offset + int64_t(head) * head_stride + lane * E;
-  load_floats<T, E>(src, out);
+constexpr int kWarps = 4;
+constexpr int kRows = 16;   // query rows per kv head: M of the mma
+constexpr int kSlice = 16;  // keys per warp and stage: K of the P V mma
+
+template <int HeadDim>
+struct Config {
+  static constexpr int kChunks = HeadDim / 8;             // 16-byte chunks per row
+  static constexpr int kStages = HeadDim <= 64 ? 4 : 3;   // slices per warp ring
+  static constexpr int kSliceBytes = kSlice * HeadDim * 2;  // one K or V slice
+  static constexpr int kQBytes = kRows * HeadDim * 2;
+  static constexpr int kRingBytes = kStages * 2 * kSliceBytes;  // per warp: K and V slices
+  static constexpr int kSmemBytes = kQBytes + kWarps * kRingBytes;
+  // The final merge reuses the rings for (warp, row, column) fp32 partial outputs.
+  static_assert(kWarps * kRows * HeadDim * 4 <= kWarps * kRingBytes, "merge buffer");
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of HeadDim-wide 16-bit rows,
+// swizzled (chunk ^ row % 8) so that ldmatrix's eight row addresses hit distinct banks.
+template <int HeadDim>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * (HeadDim * 2) + ((chunk ^ (row & 7)) << 4);
 }
 
-// Keys [start, end) of one split for Rows rows (r = local query head * seqlen_q + query
-// index) of kv head `head_kv`: partial O (normalized) and LSE, into the final output when there
-// is one split, else into the fp32 workspace the combine kernel reads.
-template <class T, int HeadDim, int Rows>
-__global__ void __launch_bounds__(32) split_kernel(const fa3gen_decode_params p) {
-  constexpr int E = HeadDim / 32;
-  // K/V rows in flight per warp: one warp per CTA and at most 32 CTAs per SM, so each warp
-  // must keep several reads outstanding to cover the memory latency (~16 KB per SM in flight).
-  constexpr int kAhead = E <= 4 ? 8 : 4;
-  const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z, lane = threadIdx.x;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c += a b, one m16n8k16 tile: a 16x16 (row-major fragment), b 16x8 (column-major), fp32 c.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as one register of two 16-bit values, the first in the low half.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// Where key row `key` of sequence b lives (in elements from the cache base, before the head
+// offset): through the block table when there is one. Indices are clamped: a bad table or
+// cache_batch_idx gives wrong numbers, never a read outside the cache.
+__device__ __forceinline__ int64_t cache_row_offset(const fa3gen_decode_params& p, int64_t batch_stride,
+                                                    int64_t row_stride, int cache_b, int b, int key) {
+  if (p.block_table != nullptr) {
+    const int page = min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size], 0),
+                         p.cache_rows - 1);
+    return int64_t(page) * batch_stride + int64_t(key % p.page_size) * row_stride;
+  }
+  return int64_t(cache_b) * batch_stride + int64_t(key) * row_stride;
+}
+
+// Keys [start, end) of one split for the rows r = local query head * seqlen_q + query index of
+// kv head `head_kv`: the normalized partial O and its LSE, into the output when there is one
+// split, else into the fp32 workspace the combine kernel reads.
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_params p) {
+  using C = Config<HeadDim>;
+  constexpr int kSteps = HeadDim / 16;  // k steps of Q K^T
+  constexpr int kLoads = kSlice * C::kChunks / 32;  // 16-byte chunks per lane per K (or V) slice
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows], row_m[kRows], row_l[kRows];
+
+  const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
-  // Clamped (bad values give wrong numbers, never reads outside the cache).
   const int seqlen_k = p.cache_seqlens ? min(max(p.cache_seqlens[b], 0), p.seqlen_k) : p.seqlen_k;
   const int cache_b = p.cache_batch_idx ? min(max(p.cache_batch_idx[b], 0), p.cache_rows - 1) : b;
-  const int per_split = ((seqlen_k + p.num_splits - 1) / p.num_splits + 31) / 32 * 32;
+  constexpr int kSplitAlign = kWarps * kSlice;
+  const int per_split = ((seqlen_k + p.num_splits - 1) / p.num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
   const int start = split * per_split, end = min(seqlen_k, start + per_split);
+  const int slices = end > start ? (end - start + kSlice - 1) / kSlice : 0;
+  const int my_slices = slices > warp ? (slices - 1 - warp) / kWarps + 1 : 0;  // slices warp, warp + 4, ...
   const float scale_log2 = p.softmax_scale * float(M_LOG2E);
-  const T* q = static_cast<const T*>(p.q);
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
 
-  float qr[Rows][E], o[Rows][E], m[Rows], l[Rows];
-  int last_key[Rows];  // causal: the last key row r sees (bottom-right aligned)
-#pragma unroll
-  for (int r = 0; r < Rows; ++r) {
-    const int g = r / p.seqlen_q, qi = r % p.seqlen_q;
-    const int head = head_kv * group + g;
-    last_key[r] = p.causal ? seqlen_k - p.seqlen_q + qi : seqlen_k - 1;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      qr[r][i] = r < rows ? to_float(q[int64_t(b) * p.q_batch_stride + int64_t(qi) * p.q_row_stride +
-                                         int64_t(head) * p.q_head_stride + lane * E + i])
-                          : 0.f;
-      o[r][i] = 0.f;
+  // Q: the rows of this kv head, zero-padded to 16, into shared memory (swizzled).
+  uint8_t* q_smem = smem;
+  for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+    const int r = i / C::kChunks, chunk = i % C::kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + int64_t(b) * p.q_batch_stride +
+                                          int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
+                                          chunk * 8);
     }
-    m[r] = -INFINITY;
-    l[r] = 0.f;
+    *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = v;
   }
 
-  for (int chunk = start; chunk < end; chunk += 32) {
-    // Scores: lane j keeps the score of key chunk + j for every row.
-    float s[Rows];
+  // This lane's two rows (g and g + 8): the last key each sees (causal: bottom-right aligned).
+  int last_key[2];
 #pragma unroll
-    for (int r = 0; r < Rows; ++r) s[r] = -INFINITY;
-    const int keys = min(32, end - chunk);
-    for (int j0 = 0; j0 < keys; j0 += kAhead) {
-      // kAhead rows loaded before any is used: one warp keeps that many reads in flight.
-      float kr[kAhead][E];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        if (j0 + u < keys) {
-          load_cache_row<T, E>(p, kc, p.k_batch_stride, p.k_row_stride, p.k_head_stride, cache_b, b, chunk + j0 + u,
-                               head_kv, lane, kr[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        if (j0 + u >= keys) break;
-#pragma unroll
-        for (int r = 0; r < Rows; ++r) {
-          float dot = 0.f;
-#pragma unroll
-          for (int i = 0; i < E; ++i) dot = fmaf(qr[r][i], kr[u][i], dot);
-          dot = warp_sum(dot);
-          const bool visible = chunk + j0 + u <= last_key[r];
-          if (lane == j0 + u) s[r] = visible ? dot : -INFINITY;
-        }
-      }
-    }
-    // Online softmax over the chunk, then O += P V with P broadcast from the lane of its key.
-    float pr[Rows];
-#pragma unroll
-    for (int r = 0; r < Rows; ++r) {
-      const float m_new = fmaxf(m[r], warp_max(s[r]));
-      const float m_safe = m_new == -INFINITY ? 0.f : m_new;  // no visible key yet: keep 0s
-      const float alpha = exp2f((m[r] - m_safe) * scale_log2);
-      pr[r] = exp2f((s[r] - m_safe) * scale_log2);
-      l[r] = l[r] * alpha + warp_sum(pr[r]);
-      m[r] = m_new;
-#pragma unroll
-      for (int i = 0; i < E; ++i) o[r][i] *= alpha;
-    }
-    for (int j0 = 0; j0 < keys; j0 += kAhead) {
-      float vr[kAhead][E];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        if (j0 + u < keys) {
-          load_cache_row<T, E>(p, vc, p.v_batch_stride, p.v_row_stride, p.v_head_stride, cache_b, b, chunk + j0 + u,
-                               head_kv, lane, vr[u]);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u) {
-        if (j0 + u >= keys) break;
-#pragma unroll
-        for (int r = 0; r < Rows; ++r) {
-          const float pj = __shfl_sync(0xffffffff, pr[r], j0 + u);
-#pragma unroll
-          for (int i = 0; i < E; ++i) o[r][i] = fmaf(pj, vr[u][i], o[r][i]);
-        }
-      }
-    }
+  for (int j = 0; j < 2; ++j) {
+    const int r = g + 8 * j;
+    last_key[j] = (p.causal && r < rows) ? seqlen_k - p.seqlen_q + r % p.seqlen_q : seqlen_k - 1;
   }
 
-  // Normalized partial output and its LSE (natural log); -inf and zeros for a row without keys.
+  uint8_t* ring = smem + C::kQBytes + warp * C::kRingBytes;  // stage s: K at 2s, V at 2s + 1
+  auto load_slice = [&](int n) {  // the warp's n-th slice into stage n % kStages
+    const int key0 = start + (warp + n * kWarps) * kSlice;
+    uint8_t* k_dst = ring + (n % C::kStages) * 2 * C::kSliceBytes;
+    uint8_t* v_dst = k_dst + C::kSliceBytes;
 #pragma unroll
-  for (int r = 0; r < Rows; ++r) {
-    if (r >= rows) continue;
-    const int g = r / p.seqlen_q, qi = r % p.seqlen_q, head = head_kv * group + g;
-    const bool empty = !(l[r] > 0.f);
-    const float inv = empty ? 0.f : 1.f / l[r];
-    const float lse = empty ? -INFINITY : m[r] * p.softmax_scale + logf(l[r]);
+    for (int i = 0; i < kLoads; ++i) {
+      const int idx = lane + 32 * i, row = idx / C::kChunks, chunk = idx % C::kChunks;
+      const int key = key0 + row;
+      const bool valid = key < end;
+      const int safe_key = valid ? key : start;  // any row inside the cache; not read
+      const int64_t k_off = cache_row_offset(p, p.k_batch_stride, p.k_row_stride, cache_b, b, safe_key) +
+                            int64_t(head_kv) * p.k_head_stride + chunk * 8;
+      const int64_t v_off = cache_row_offset(p, p.v_batch_stride, p.v_row_stride, cache_b, b, safe_key) +
+                            int64_t(head_kv) * p.v_head_stride + chunk * 8;
+      cp_async_16(smem_addr(k_dst + swizzled<HeadDim>(row, chunk)), kc + k_off, valid);
+      cp_async_16(smem_addr(v_dst + swizzled<HeadDim>(row, chunk)), vc + v_off, valid);
+    }
+  };
+#pragma unroll
+  for (int n = 0; n < C::kStages - 1; ++n) {
+    if (n < my_slices) load_slice(n);
+    cp_async_commit();  // empty groups keep the count uniform
+  }
+  __syncthreads();  // Q is in shared memory
+
+  float o[HeadDim / 8][4];
+#pragma unroll
+  for (int n = 0; n < HeadDim / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this lane's part of the row sum
+
+  for (int n = 0; n < my_slices; ++n) {
+    if (n + C::kStages - 1 < my_slices) load_slice(n + C::kStages - 1);
+    cp_async_commit();
+    cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
+    __syncwarp();                     // ... and every lane's
+    const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kSliceBytes;
+    const uint8_t* v_tile = k_tile + C::kSliceBytes;
+    const int key0 = start + (warp + n * kWarps) * kSlice;
+
+    // S (16 rows x 16 keys) = Q K^T: s[nb] holds keys 8 nb + 2t, +1 of rows g (0, 1), g + 8 (2, 3).
+    float s[2][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < kSteps; ++ks) {
+      uint32_t a[4], kb[4];
+      const int mi = lane / 8;
+      ldmatrix_x4(a, smem_addr(q_smem + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, 2 * ks + (mi >> 1))));
+      ldmatrix_x4(kb, smem_addr(k_tile + swizzled<HeadDim>((mi >> 1) * 8 + lane % 8, 2 * ks + (mi & 1))));
+      mma_16816<T>(s[0], a, kb[0], kb[1]);
+      mma_16816<T>(s[1], a, kb[2], kb[3]);
+    }
+    // Mask (past the split's end, causal), online softmax; P as the A fragment of P V.
+    float alpha[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = key0 + nb * 8 + 2 * t + e;
+          float& x = s[nb][2 * j + e];
+          x = (key < end && key <= last_key[j]) ? x : -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[j], mx);
+      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet: keep 0s
+      alpha[j] = exp2f(m[j] * scale_log2 - m_scaled);
+      m[j] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[nb][2 * j + e];
+          x = exp2f(fmaf(x, scale_log2, -m_scaled));
+          sum += x;
+        }
+      }
+      l[j] = l[j] * alpha[j] + sum;
+    }
+    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]),
+                            pack2<T>(s[1][0], s[1][1]), pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int nd = 0; nd < HeadDim / 8; nd += 2) {
+      uint32_t vb[4];
+      const int mi = lane / 8;
+      ldmatrix_x4_trans(vb, smem_addr(v_tile + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, nd + (mi >> 1))));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        o[nd + h][0] *= alpha[0];
+        o[nd + h][1] *= alpha[0];
+        o[nd + h][2] *= alpha[1];
+        o[nd + h][3] *= alpha[1];
+        mma_16816<T>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
+      }
+    }
+    __syncwarp();  // every lane is done with this stage before a later load_slice refills it
+  }
+  cp_async_wait<0>();
+
+  // Merge the four warps: row max and sum, then the rescaled partial outputs summed.
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    l[j] += __shfl_xor_sync(0xffffffff, l[j], 1);
+    l[j] += __shfl_xor_sync(0xffffffff, l[j], 2);
+    if (t == 0) {
+      warp_m[warp][g + 8 * j] = m[j];
+      warp_l[warp][g + 8 * j] = l[j];
+    }
+  }
+  __syncthreads();  // also: every warp is done with its ring, reused below
+  if (threadIdx.x < kRows) {
+    const int r = threadIdx.x;
+    float mx = -INFINITY, sum = 0.f;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w][r]);
+    if (mx != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) sum += warp_l[w][r] * exp2f((warp_m[w][r] - mx) * scale_log2);
+    }
+    row_m[r] = mx;
+    row_l[r] = sum;
+  }
+  __syncthreads();
+  float* merged = reinterpret_cast<float*>(smem + C::kQBytes);  // (warp, row, column)
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int r = g + 8 * j;
+    const float f = row_m[r] == -INFINITY ? 0.f : exp2f((m[j] - row_m[r]) * scale_log2);
+#pragma unroll
+    for (int n = 0; n < HeadDim / 8; ++n) {
+      *reinterpret_cast<float2*>(merged + (warp * kRows + r) * HeadDim + n * 8 + 2 * t) =
+          make_float2(o[n][2 * j] * f, o[n][2 * j + 1] * f);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * C::kChunks; i += kWarps * 32) {
+    const int r = i / C::kChunks, col = (i % C::kChunks) * 8;
+    const float inv = row_l[r] > 0.f ? 1.f / row_l[r] : 0.f;
+    float v[8] = {};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4* src = reinterpret_cast<const float4*>(merged + (w * kRows + r) * HeadDim + col);
+      const float4 x0 = src[0], x1 = src[1];
+      v[0] += x0.x; v[1] += x0.y; v[2] += x0.z; v[3] += x0.w;
+      v[4] += x1.x; v[5] += x1.y; v[6] += x1.z; v[7] += x1.w;
+    }
+    const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
     const int64_t row = (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;  // (b, hq, sq)
     if (p.num_splits == 1) {
-      T* out = static_cast<T*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(qi) * p.out_row_stride +
-               int64_t(head) * p.out_head_stride + lane * E;
+      uint4 packed;
+      uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
-      for (int i = 0; i < E; ++i) from_float(o[r][i] * inv, out[i]);
-      if (lane == 0) p.lse[row] = lse;
+      for (int e = 0; e < 4; ++e) words[e] = pack2<T>(v[2 * e] * inv, v[2 * e + 1] * inv);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + int64_t(b) * p.out_batch_stride +
+                                int64_t(qi) * p.out_row_stride + int64_t(head) * p.out_head_stride + col) = packed;
     } else {
-      float* acc = p.o_accum + (row * p.num_splits + split) * HeadDim + lane * E;
-#pragma unroll
-      for (int i = 0; i < E; ++i) acc[i] = o[r][i] * inv;
-      if (lane == 0) p.lse_accum[row * p.num_splits + split] = lse;
+      float4* acc = reinterpret_cast<float4*>(p.o_accum + (row * p.num_splits + split) * HeadDim + col);
+      acc[0] = make_float4(v[0] * inv, v[1] * inv, v[2] * inv, v[3] * inv);
+      acc[1] = make_float4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv);
+    }
+  }
+  if (threadIdx.x < rows) {  // LSE in natural log; -inf for a row without keys
+    const int r = threadIdx.x;
+    const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
+    const int64_t row = (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;
+    const float lse = row_l[r] > 0.f ? row_m[r] * p.softmax_scale + logf(row_l[r]) : -INFINITY;
+    if (p.num_splits == 1) {
+      p.lse[row] = lse;
+    } else {
+      p.lse_accum[row * p.num_splits + split] = lse;
     }
   }
 }
@@ -204,23 +369,18 @@ __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params 
   if (lane == 0) p.lse[row] = lse;
 }
 
-template <class T, int HeadDim, int Rows>
+template <class T, int HeadDim>
 int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
+  constexpr int smem = Config<HeadDim>::kSmemBytes;
+  cudaError_t err = set_smem_limit_once(split_kernel<T, HeadDim>, smem);
+  if (err != cudaSuccess) return report("cudaFuncSetAttribute (decode shared memory)", err);
   const dim3 grid(p.num_splits, p.heads_kv, p.batch);
-  split_kernel<T, HeadDim, Rows><<<grid, 32, 0, stream>>>(p);
+  split_kernel<T, HeadDim><<<grid, kWarps * 32, smem, stream>>>(p);
   if (p.num_splits > 1) {
     combine_kernel<T, HeadDim><<<unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q), 32, 0, stream>>>(p);
   }
-  cudaError_t err = cudaGetLastError();
+  err = cudaGetLastError();
   return err == cudaSuccess ? 0 : report("decode kernel launch", err);
-}
-
-template <class T, int HeadDim>
-int launch_rows(const fa3gen_decode_params& p, cudaStream_t stream, int rows) {
-  if (rows <= 1) return launch<T, HeadDim, 1>(p, stream);
-  if (rows <= 2) return launch<T, HeadDim, 2>(p, stream);
-  if (rows <= 4) return launch<T, HeadDim, 4>(p, stream);
-  return launch<T, HeadDim, 8>(p, stream);
 }
 
 }  // namespace decode
@@ -228,23 +388,23 @@ int launch_rows(const fa3gen_decode_params& p, cudaStream_t stream, int rows) {
 // The C entry point's body: checks, then the instantiation for dtype, head dim and rows.
 inline int launch_decode(const fa3gen_decode_params& p, cudaStream_t stream) {
   const int rows = p.heads_kv > 0 ? p.heads_q / p.heads_kv * p.seqlen_q : 0;
-  if (p.batch < 1 || p.seqlen_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || rows > 8 ||
+  if (p.batch < 1 || p.seqlen_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || rows > decode::kRows ||
       p.num_splits < 1 || p.batch > 65535 || p.heads_kv > 65535 || p.num_splits > 65535 ||
       (p.block_table != nullptr && p.page_size < 1) || (p.num_splits > 1 && p.o_accum == nullptr) ||
       p.cache_rows < 1 || (p.block_table == nullptr && p.cache_batch_idx == nullptr && p.cache_rows < p.batch)) {
-    fa3gen_set_error("decode: invalid sizes (rows = heads_q / heads_kv * seqlen_q must be 1..8, "
+    fa3gen_set_error("decode: invalid sizes (rows = heads_q / heads_kv * seqlen_q must be 1..16, "
                      "num_splits >= 1 with a workspace when > 1, page_size >= 1 when paged, "
                      "cache_rows >= 1 and >= batch without cache_batch_idx)");
     return 1;
   }
   const bool fp16 = p.fp16 != 0;
   switch (p.head_dim) {
-    case 64: return fp16 ? decode::launch_rows<__half, 64>(p, stream, rows)
-                         : decode::launch_rows<__nv_bfloat16, 64>(p, stream, rows);
-    case 128: return fp16 ? decode::launch_rows<__half, 128>(p, stream, rows)
-                          : decode::launch_rows<__nv_bfloat16, 128>(p, stream, rows);
-    case 256: return fp16 ? decode::launch_rows<__half, 256>(p, stream, rows)
-                          : decode::launch_rows<__nv_bfloat16, 256>(p, stream, rows);
+    case 64: return fp16 ? decode::launch<__half, 64>(p, stream)
+                         : decode::launch<__nv_bfloat16, 64>(p, stream);
+    case 128: return fp16 ? decode::launch<__half, 128>(p, stream)
+                          : decode::launch<__nv_bfloat16, 128>(p, stream);
+    case 256: return fp16 ? decode::launch<__half, 256>(p, stream)
+                          : decode::launch<__nv_bfloat16, 256>(p, stream);
     default:
       fa3gen_set_error("decode: head_dim must be 64, 128 or 256");
       return 1;

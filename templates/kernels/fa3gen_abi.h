@@ -145,7 +145,7 @@ typedef struct fa3gen_quantize_params {
   int32_t x_fp16;
 } fa3gen_quantize_params;
 // Decode attention over a KV cache (fa3gen_decode_fwd): q (batch, seqlen_q, heads_q,
-// head_dim 64/128/256) bf16 (fp16 = 0) or fp16, rows = heads_q / heads_kv * seqlen_q <= 8;
+// head_dim 64/128/256) bf16 (fp16 = 0) or fp16, rows = heads_q / heads_kv * seqlen_q <= 16;
 // k_cache/v_cache contiguous (cache batch, seqlen_k = capacity, heads_kv, head_dim) or, with a
 // block_table (batch, max pages) int32, paged (pages, page_size, heads_kv, head_dim) (the
 // batch strides are then per page). cache_seqlens (batch) int32 or null (every sequence is

@@ -1,6 +1,6 @@
 """flash_attn_with_kvcache's decode kernels on the GPU against kvcache_attention_reference (fp32
 attention over each sequence's keys gathered from the cache): contiguous and paged caches (pages
-of 16, 64 and 256 rows), GQA packing up to 8 rows per kv head, causal with seqlen_q > 1, ragged
+of 16, 64 and 256 rows), GQA packing up to 16 rows per kv head, causal with seqlen_q > 1, ragged
 cache_seqlens including 0, cache_batch_idx, one split and many.
 
 Tolerance: max |out - ref| <= 1e-2 max |ref| + 2e-3 (the output is rounded to bf16/fp16; the
@@ -34,6 +34,7 @@ def _check(out, lse, ref, ref_lse):
 
 CASES = [  # (batch, seqlen_q, heads_q, heads_kv, capacity)
     (3, 1, 8, 8, 1000), (2, 1, 32, 8, 3000), (2, 2, 16, 4, 517), (1, 4, 16, 8, 4096), (4, 1, 8, 1, 129),
+    (2, 4, 32, 8, 20000), (1, 16, 4, 4, 3333),
 ]
 
 
