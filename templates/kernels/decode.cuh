@@ -159,29 +159,51 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   }
 
   uint8_t* ring = smem + C::kQBytes + warp * C::kRingBytes;  // stage s: K at 2s, V at 2s + 1
-  auto load_slice = [&](int n) {  // the warp's n-th slice into stage n % kStages
+  // Pages of a multiple of 16 rows hold whole slices (slices start at multiples of 16): one
+  // block-table read per slice, issued an iteration before its copies need it. Other page
+  // sizes read the table per row.
+  const bool paged = p.block_table != nullptr, slice_in_page = paged && p.page_size % kSlice == 0;
+  auto slice_page = [&](int n) {  // the page of the warp's n-th slice (0 when not needed)
+    const int key0 = start + (warp + n * kWarps) * kSlice;
+    if (!slice_in_page || n >= my_slices) return 0;
+    return min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key0 / p.page_size], 0),
+               p.cache_rows - 1);
+  };
+  auto load_slice = [&](int n, int page) {  // the warp's n-th slice into stage n % kStages
     const int key0 = start + (warp + n * kWarps) * kSlice;
     uint8_t* k_dst = ring + (n % C::kStages) * 2 * C::kSliceBytes;
     uint8_t* v_dst = k_dst + C::kSliceBytes;
+    // The slice's first row: in its page, or in the sequence's row of a contiguous cache.
+    const int64_t first_row = slice_in_page ? key0 % p.page_size : key0;
+    const int64_t k_base = (slice_in_page ? int64_t(page) : int64_t(cache_b)) * p.k_batch_stride +
+                           int64_t(head_kv) * p.k_head_stride;
+    const int64_t v_base = (slice_in_page ? int64_t(page) : int64_t(cache_b)) * p.v_batch_stride +
+                           int64_t(head_kv) * p.v_head_stride;
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       const int idx = lane + 32 * i, row = idx / C::kChunks, chunk = idx % C::kChunks;
-      const int key = key0 + row;
-      const bool valid = key < end;
-      const int safe_key = valid ? key : start;  // any row inside the cache; not read
-      const int64_t k_off = cache_row_offset(p, p.k_batch_stride, p.k_row_stride, cache_b, b, safe_key) +
-                            int64_t(head_kv) * p.k_head_stride + chunk * 8;
-      const int64_t v_off = cache_row_offset(p, p.v_batch_stride, p.v_row_stride, cache_b, b, safe_key) +
-                            int64_t(head_kv) * p.v_head_stride + chunk * 8;
-      cp_async_16(smem_addr(k_dst + swizzled<HeadDim>(row, chunk)), kc + k_off, valid);
-      cp_async_16(smem_addr(v_dst + swizzled<HeadDim>(row, chunk)), vc + v_off, valid);
+      const bool valid = key0 + row < end;
+      const int safe_row = valid ? row : 0;  // keeps the (unread) address inside the cache
+      int64_t k_off, v_off;
+      if (paged && !slice_in_page) {
+        k_off = cache_row_offset(p, p.k_batch_stride, p.k_row_stride, cache_b, b, key0 + safe_row) +
+                int64_t(head_kv) * p.k_head_stride;
+        v_off = cache_row_offset(p, p.v_batch_stride, p.v_row_stride, cache_b, b, key0 + safe_row) +
+                int64_t(head_kv) * p.v_head_stride;
+      } else {
+        k_off = k_base + (first_row + safe_row) * p.k_row_stride;
+        v_off = v_base + (first_row + safe_row) * p.v_row_stride;
+      }
+      cp_async_16(smem_addr(k_dst + swizzled<HeadDim>(row, chunk)), kc + k_off + chunk * 8, valid);
+      cp_async_16(smem_addr(v_dst + swizzled<HeadDim>(row, chunk)), vc + v_off + chunk * 8, valid);
     }
   };
 #pragma unroll
   for (int n = 0; n < C::kStages - 1; ++n) {
-    if (n < my_slices) load_slice(n);
+    if (n < my_slices) load_slice(n, slice_page(n));
     cp_async_commit();  // empty groups keep the count uniform
   }
+  int next_page = slice_page(C::kStages - 1);
   __syncthreads();  // Q is in shared memory
 
   float o[HeadDim / 8][4];
@@ -190,7 +212,8 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // l: this lane's part of the row sum
 
   for (int n = 0; n < my_slices; ++n) {
-    if (n + C::kStages - 1 < my_slices) load_slice(n + C::kStages - 1);
+    if (n + C::kStages - 1 < my_slices) load_slice(n + C::kStages - 1, next_page);
+    next_page = slice_page(n + C::kStages);  // read now, used by the next iteration
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
     __syncwarp();                     // ... and every lane's
@@ -370,9 +393,13 @@ __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params 
 }
 
 template <class T, int HeadDim>
+struct SplitKernelTag {};
+
+template <class T, int HeadDim>
 int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
   constexpr int smem = Config<HeadDim>::kSmemBytes;
-  cudaError_t err = set_smem_limit_once(split_kernel<T, HeadDim>, smem);
+  // Every split_kernel instance has the same function type: the tag keeps their flags apart.
+  cudaError_t err = set_smem_limit_once<SplitKernelTag<T, HeadDim>>(split_kernel<T, HeadDim>, smem);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute (decode shared memory)", err);
   const dim3 grid(p.num_splits, p.heads_kv, p.batch);
   split_kernel<T, HeadDim><<<grid, kWarps * 32, smem, stream>>>(p);

@@ -18,9 +18,10 @@ inline int report(const char* what, cudaError_t err) {
 
 // Raises a kernel's dynamic shared memory limit to `bytes` once per device: the attribute
 // belongs to the function on that device, so every later call skips the driver call (host time
-// per call, and nothing but the launch when a CUDA graph captures the call). Kernel is a
-// distinct function type per variant (its params type), so each variant has its own flags.
-template <class Kernel>
+// per call, and nothing but the launch when a CUDA graph captures the call). The flags belong
+// to the template instance: Kernel is a distinct function type per variant (its params type);
+// kernels that share a signature (the decode kernels) name themselves with a distinct Tag.
+template <class Tag = void, class Kernel>
 inline cudaError_t set_smem_limit_once(Kernel kernel, int bytes) {
   static std::atomic<uint64_t> done{0};  // bit d: done on device d (d < 64; others every call)
   int device = 0;

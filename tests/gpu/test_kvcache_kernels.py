@@ -58,7 +58,7 @@ def test_contiguous(lib, dtype, d, case, splits):
         _check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("page", [16, 24, 64, 256])
 @pytest.mark.parametrize("d", [64, 128])
 def test_paged(lib, page, d):
     b, sq, hq, hkv = 3, 1, 32, 8
