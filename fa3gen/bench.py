@@ -327,7 +327,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--direction", choices=("fwd", "bwd", "both"), default="both",
                    help="forward rows, backward rows or both (default)")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], metavar="DTYPE,...",
-                   help="bf16, fp16 or both comma-separated (default bf16)")
+                   help="bf16, fp16, e4m3 (forward only), comma-separated (default bf16)")
     p.add_argument("--rounds", type=count(1), default=3,
                    help="sustained timing: rounds per point, backends alternating with the "
                         "order rotated; the median is reported (default 3)")

@@ -27,13 +27,11 @@ constexpr int kWarps = 4;
 constexpr int kTensorRows = 128;  // rows per CTA for a per-tensor scale
 constexpr float kInvE4m3Max = float(1.0 / 448.0);  // as fa3gen.fp8.INV_E4M3_MAX
 
-// The E = HeadDim / 32 elements of row `row` that this lane owns, transformed when signs != null.
-template <class T, int HeadDim>
-__device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const T* x, int64_t row_offset,
-                                         int lane, const float* signs, float (&v)[HeadDim / 32]) {
+// Incoherent processing of one row held by a warp (E = HeadDim / 32 consecutive elements per
+// lane): times diag(signs), then the Sylvester-Hadamard matrix, then 1/sqrt(d).
+template <int HeadDim>
+__device__ __forceinline__ void transform_row(float (&v)[HeadDim / 32], int lane, const float* signs) {
   constexpr int E = HeadDim / 32;
-  load_floats<T, E>(x + row_offset + lane * E, v);
-  if (signs == nullptr) return;
   #pragma unroll
   for (int i = 0; i < E; ++i) v[i] *= signs[lane * E + i];
   // Element e = lane * E + i. Strides below E pair elements inside the thread ...
@@ -61,6 +59,14 @@ __device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const 
   constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
   #pragma unroll
   for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], kInvSqrtD);
+}
+
+// The E = HeadDim / 32 elements of a row that this lane owns, transformed when signs != null.
+template <class T, int HeadDim>
+__device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const T* x, int64_t row_offset,
+                                         int lane, const float* signs, float (&v)[HeadDim / 32]) {
+  load_floats<T, HeadDim / 32>(x + row_offset + lane * (HeadDim / 32), v);
+  if (signs != nullptr) transform_row<HeadDim>(v, lane, signs);
 }
 
 // Largest magnitude of the CTA's rows (after the transform).
@@ -122,6 +128,65 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
   write_block<T, HeadDim>(p, row0, rows, head, b, descale);
 }
 
+// Block scales with the block held in registers: one read of the input. 16 warps; a lane holds
+// up to 64 values (R rows of E), so blocks of up to 16 R rows (d64: 512, d128: 256, d256: 128).
+constexpr int kResidentWarps = 16;
+template <int HeadDim>
+struct Resident {
+  static constexpr int E = HeadDim / 32, R = 64 / E, kMaxRows = kResidentWarps * R;
+};
+
+template <class T, int HeadDim>
+__global__ void __launch_bounds__(kResidentWarps * 32) quantize_blocks_resident(const fa3gen_quantize_params p) {
+  constexpr int E = Resident<HeadDim>::E, R = Resident<HeadDim>::R;
+  const int blk = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
+  const int row0 = blk * p.block_rows, rows = min(p.block_rows, p.seqlen - row0);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const T* x = static_cast<const T*>(p.x) + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride +
+               lane * E;
+  // Every load issued before any is used (rows warp, warp + 16, ...).
+  Vec<E * int(sizeof(T))> raw[R];
+  #pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = warp + i * kResidentWarps;
+    if (r < rows) raw[i] = *reinterpret_cast<const Vec<E * int(sizeof(T))>*>(x + int64_t(row0 + r) * p.x_row_stride);
+  }
+  float v[R][E];
+  float amax = 0.f;
+  #pragma unroll
+  for (int i = 0; i < R; ++i) {
+    if (warp + i * kResidentWarps >= rows) continue;  // warp-uniform: the shuffles stay converged
+    const T* elems = reinterpret_cast<const T*>(&raw[i]);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) v[i][e] = to_float(elems[e]);
+    if (p.signs != nullptr) transform_row<HeadDim>(v[i], lane, p.signs);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+  }
+  __shared__ float warp_amax[kResidentWarps];
+  amax = warp_max(amax);
+  if (lane == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+  #pragma unroll
+  for (int w = 1; w < kResidentWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
+  const float descale = descale_of(amax);
+  if (threadIdx.x == 0) p.descale[(int64_t(b) * p.heads + head) * gridDim.x + blk] = descale;
+  uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim + lane * E;
+  #pragma unroll
+  for (int i = 0; i < R; ++i) {
+    const int r = warp + i * kResidentWarps;
+    if (r >= rows) continue;
+    Vec<E> packed;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(&packed);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+      bytes[e] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i][e], descale), __NV_SATFINITE, __NV_E4M3);
+    }
+    *reinterpret_cast<Vec<E>*>(out + int64_t(r) * p.heads * HeadDim) = packed;
+  }
+}
+
 // One scale for the tensor: every CTA's amax into *amax (non-negative floats order like their
 // bits as ints, so an integer atomicMax serves), then a second launch writes the values.
 template <class T, int HeadDim>
@@ -143,7 +208,9 @@ template <class T, int HeadDim>
 int launch(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const int rows = p.block_rows > 0 ? p.block_rows : kTensorRows;
   const dim3 grid((p.seqlen + rows - 1) / rows, p.heads, p.batch);
-  if (p.block_rows > 0) {
+  if (p.block_rows > 0 && p.block_rows <= Resident<HeadDim>::kMaxRows) {
+    quantize_blocks_resident<T, HeadDim><<<grid, kResidentWarps * 32, 0, stream>>>(p);
+  } else if (p.block_rows > 0) {
     quantize_blocks<T, HeadDim><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {
     cudaError_t err = cudaMemsetAsync(p.amax_workspace, 0, sizeof(float), stream);

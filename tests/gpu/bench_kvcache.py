@@ -1,42 +1,123 @@
-"""Decode bandwidth against a device-to-device copy (issue 17: >= 80% of the copy's bandwidth
-when at least 64 MB of K and V are read), sustained:
-    python3 tests/gpu/bench_kvcache.py
-seqlen_q 1 and 4, heads_q 32 over heads_kv 8, d128, bf16, contiguous and paged (64-row pages)
-caches; bytes = K and V rows read + q + out. Not a pytest module."""
+"""Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
+of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
+    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick]
+Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16; batch 1, 8, 64, 256;
+cache lengths 1k to 128k (cases above 8 GB of KV left out); contiguous and paged (64-row pages,
+shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
+process and rounds: FA4 (flash_attn.cute, paged through its page_table, and contiguous) and
+PyTorch SDPA's cuDNN backend (contiguous, GQA). Not a pytest module."""
+import argparse
+import json
+import sys
+
 import torch
 
 from fa3gen import kvcache, timing
 
+MB = 1e6
+
+
+def _fa4():
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - a missing peer is a column of n/a, not an error
+        print(f"FA4: not available ({type(e).__name__}: {e})")
+        return None
+
+
+def _peer(fn):
+    """fn if one call runs, else the reason it does not (a peer may lack the case)."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return fn, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
 
 def main():
-    hq, hkv, d = 32, 8, 128
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true", help="a few cases")
+    args = ap.parse_args()
+    fa4 = _fa4()
+    hq, d, page, dt = 32, 128, 64, torch.bfloat16
     big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     other = torch.empty_like(big)
     copy_ms = timing.sustained_ms([lambda: other.copy_(big)], 3, 100)[0]
-    copy_gbs = 2 * big.numel() / copy_ms / 1e6
+    copy_gbs = 2 * big.numel() / copy_ms / MB
     print(f"device copy: {copy_gbs:.0f} GB/s")
     del big, other
-    for sq in (1, 4):
-        rows = sq * hq // hkv
-        if rows > kvcache.MAX_ROWS:
-            print(f"seqlen_q {sq}: {rows} rows per kv head, above the kernels' {kvcache.MAX_ROWS}")
+    rows = []
+    grid = [(sq, hkv, b, n) for sq in (1, 4) for hkv in (8, 32) for b in (1, 8, 64, 256)
+            for n in (1024, 4096, 16384, 65536, 131072)]
+    if args.quick:
+        grid = [(1, 8, 1, 131072), (1, 8, 64, 4096), (4, 8, 8, 32768), (1, 32, 256, 1024)]
+    for sq, hkv, b, n in grid:
+        kv_bytes = 2 * b * n * hkv * d * 2
+        if kv_bytes > 8e9:
             continue
-        for b, n in ((1, 131072), (8, 32768), (64, 4096), (256, 1024)):
-            q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
-            kc = torch.randn(b, n, hkv, d, device="cuda", dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            pages = kc.reshape(b * n // 64, 64, hkv, d)
-            vpages = vc.reshape(b * n // 64, 64, hkv, d)
-            table = torch.arange(b * n // 64, device="cuda", dtype=torch.int32).reshape(b, -1)
-            fns = [lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=n),
-                   lambda: kvcache.flash_attn_with_kvcache(q, pages, vpages, cache_seqlens=n,
-                                                           block_table=table)]
-            ms = timing.sustained_ms(fns, 3, 100)
-            moved = 2 * kc.numel() * 2 + 2 * q.numel() * 2
-            gbs = [moved / m / 1e6 for m in ms]
-            print(f"sq={sq} b={b} n={n} ({moved / 1e6:.0f} MB): contiguous {ms[0] * 1e3:.0f} us "
-                  f"{gbs[0]:.0f} GB/s ({gbs[0] / copy_gbs:.0%}), paged {ms[1] * 1e3:.0f} us "
-                  f"{gbs[1]:.0f} GB/s ({gbs[1] / copy_gbs:.0%})")
+        g = torch.Generator(device="cuda").manual_seed(n + b)
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt, generator=g)
+        kc = torch.randn(b, n, hkv, d, device="cuda", dtype=dt, generator=g)
+        vc = torch.randn(b, n, hkv, d, device="cuda", dtype=dt, generator=g)
+        pages = kc.reshape(b * n // page, page, hkv, d)
+        vpages = vc.reshape(b * n // page, page, hkv, d)
+        table = torch.randperm(b * n // page, device="cuda", generator=g).to(torch.int32).reshape(b, -1)
+        seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
+        fns = {
+            "fa3gen": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens),
+            "fa3gen_paged": lambda: kvcache.flash_attn_with_kvcache(q, pages, vpages, cache_seqlens=seqlens,
+                                                                    block_table=table),
+        }
+        skipped = {}
+        if fa4 is not None:
+            for name, fn in (
+                    ("fa4", lambda: fa4(q, kc, vc, seqused_k=seqlens, num_splits=0)),
+                    ("fa4_paged", lambda: fa4(q, pages, vpages, seqused_k=seqlens, page_table=table,
+                                              num_splits=0))):
+                fn, why = _peer(fn)
+                if fn is None:  # FA4 may refuse split-KV on sm90: its default, one split
+                    fn, why = _peer(lambda n_=name: fa4(q, kc if n_ == "fa4" else pages,
+                                                        vc if n_ == "fa4" else vpages, seqused_k=seqlens,
+                                                        page_table=None if n_ == "fa4" else table))
+                if fn is None:
+                    skipped[name] = why
+                else:
+                    fns[name] = fn
+        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+
+        def cudnn():
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hkv != hq)
+        fn, why = _peer(cudnn)
+        if fn is None:
+            skipped["cudnn"] = why
+        else:
+            fns["cudnn"] = fn
+        names = list(fns)
+        ms = timing.sustained_ms([fns[k] for k in names], 2, 60)
+        moved = kv_bytes + 2 * q.numel() * 2
+        row = {"seqlen_q": sq, "heads_q": hq, "heads_kv": hkv, "batch": b, "cache_len": n, "head_dim": d,
+               "page_size": page, "mb_moved": round(moved / MB, 1), "copy_gbs": round(copy_gbs),
+               "us": {k: round(m * 1e3, 2) for k, m in zip(names, ms)},
+               "gbs": {k: round(moved / m / MB) for k, m in zip(names, ms)}, "skipped": skipped}
+        rows.append(row)
+        cols = "  ".join(f"{k} {row['us'][k]:.0f}us {row['gbs'][k] / copy_gbs:.0%}" for k in names)
+        print(f"sq={sq} hkv={hkv} b={b} n={n} ({moved / MB:.0f} MB): {cols}"
+              + (f"  [n/a: {', '.join(skipped)}]" if skipped else ""))
+        del q, kc, vc, pages, vpages, table
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs),
+                       "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 60 ms, order rotated",
+                       "rows": rows}, f, indent=1)
+    reasons = {k: v for r in rows for k, v in r["skipped"].items()}
+    for k, v in reasons.items():
+        print(f"{k} n/a in some cases, e.g.: {v}", file=sys.stderr)
 
 
 if __name__ == "__main__":
