@@ -8,6 +8,8 @@ flash_attn_func for prefill), fp8 caches.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -23,6 +25,7 @@ MAX_SPLITS = 128
 CTAS_PER_SM = {64: 3, 128: 2, 256: 1}
 
 
+@lru_cache(maxsize=4096)
 def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
                          head_dim: int = 128) -> int:
     """The fewest splits whose CTAs (one per split, kv head and sequence) fill the GPU's
@@ -71,6 +74,48 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if k is not None or v is not None:
         raise InvalidInputError("appending k, v into the cache is not supported yet: write them "
                                 "into k_cache/v_cache and pass the new cache_seqlens")
+    args = (cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
+            softcap, num_splits)
+    try:
+        key = (ops._signature(q), ops._signature(k_cache), ops._signature(v_cache),
+               *(_arg_signature(a) for a in args))
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+        key, plan = None, None
+    if plan is None:
+        plan = _plan(q, k_cache, v_cache, *args)
+        if key is not None:
+            ops._remember(_plans, key, plan)
+    return _run(plan, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, return_lse)
+
+
+# Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
+# step: its checks, split count and static params are computed once.
+_plans: dict = {}
+
+
+def _arg_signature(a):
+    if isinstance(a, torch.Tensor):
+        return ops._signature(a)
+    if isinstance(a, (list, tuple)):
+        return type(a), tuple(_arg_signature(x) for x in a)
+    return type(a), a
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    params: bytes            # DecodeParams with every field but the pointers
+    out_shape: tuple
+    lse_shape: tuple
+    accum: tuple | None      # (o_accum, lse_accum) element counts when split
+    seqlens_tensor: bool     # cache_seqlens is a tensor (an int went into seqlen_k)
+    empty: bool
+    debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
+
+
+def _plan(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+          causal, window_size, softcap, num_splits) -> _DecodePlan:
+    """Every check that the tensors' metadata and the arguments allow, and the static params."""
     mask = ops.masking(causal, window_size, softcap)
     if mask.local or mask.softcap > 0:
         raise InvalidInputError("flash_attn_with_kvcache: window_size and softcap are not "
@@ -103,6 +148,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                 block_table.device != q.device:
             raise InvalidInputError(f"block_table must be int32 (batch={b}, max pages) on "
                                     f"{q.device}")
+        if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+            raise InvalidInputError("block_table's rows must be contiguous (stride(1) == 1); "
+                                    "pass block_table.contiguous()")
         if cache_seqlens is None:
             raise InvalidInputError("a paged cache needs cache_seqlens")
         if cache_batch_idx is not None:
@@ -114,44 +162,65 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if cache_batch_idx is None and pages_or_b < b:
             raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
                                     "(pass cache_batch_idx to map them)")
+    seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity:
             raise InvalidInputError(f"cache_seqlens {cache_seqlens} outside [0, {capacity}]")
-        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+        seqlen_k = cache_seqlens  # every sequence that long: no tensor needed
     elif cache_seqlens is not None:
-        cache_seqlens = _int32_vector("cache_seqlens", cache_seqlens, b, q.device)
+        _int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     if cache_batch_idx is not None:
-        cache_batch_idx = _int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
+        _int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
-    if os.environ.get("FA3GEN_DEBUG_CHECKS") == "1":
-        _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity)
 
-    out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    if b == 0 or sq == 0 or hq == 0:
-        return (out, lse) if return_lse else out
-    splits = num_splits or num_splits_heuristic(b, hkv, capacity, ops._num_sms(q.device.index), d)
-    splits = max(1, min(splits, 65535, -(-capacity // 64)))  # 64 keys: one CTA step
+    splits = num_splits or num_splits_heuristic(b, hkv, seqlen_k, ops._num_sms(q.device.index), d)
+    splits = max(1, min(splits, 65535, -(-seqlen_k // 64)))  # 64 keys: one CTA step
+    out_strides = (sq * hq * d, hq * d, d)  # out is allocated contiguous
     p = runtime.DecodeParams()
-    p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-    p.out, p.lse = out.data_ptr(), lse.data_ptr()
-    p.cache_seqlens = cache_seqlens.data_ptr() if cache_seqlens is not None else None
-    p.cache_batch_idx = cache_batch_idx.data_ptr() if cache_batch_idx is not None else None
-    p.block_table = block_table.data_ptr() if paged else None
     p.block_table_batch_stride = block_table.stride(0) if paged else 0
-    for name, t in (("q", q), ("k", k_cache), ("v", v_cache), ("out", out)):
-        for dim, stride in zip(("batch", "row", "head"), t.stride()[:3]):
+    for name, strides in (("q", q.stride()), ("k", k_cache.stride()), ("v", v_cache.stride()),
+                          ("out", out_strides)):
+        for dim, stride in zip(("batch", "row", "head"), strides[:3]):
             setattr(p, f"{name}_{dim}_stride", stride)
-    p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim = b, sq, capacity, hq, hkv, d
+    p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim = b, sq, seqlen_k, hq, hkv, d
     p.page_size = rows_per if paged else 0
     p.cache_rows = pages_or_b
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
-    if splits > 1:  # freed when this returns: the allocator orders its reuse on the stream
-        o_accum = torch.empty(b * hq * sq * splits * d, dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(b * hq * sq * splits, dtype=torch.float32, device=q.device)
+    return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
+                       (b * hq * sq * splits * d, b * hq * sq * splits) if splits > 1 else None,
+                       isinstance(cache_seqlens, torch.Tensor), b == 0 or sq == 0 or hq == 0,
+                       (pages_or_b, rows_per, capacity))
+
+
+def _run(plan: _DecodePlan, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
+         return_lse):
+    """One call of a planned signature: the pointers, the outputs, the launch."""
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    if plan.empty:
+        return (out, lse) if return_lse else out
+    seqlens = cache_seqlens.contiguous() if plan.seqlens_tensor else None
+    batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if ops._data_ptr(t) % 16:  # the strides were checked with the plan; the address varies
+            ops.check_layout(**{name: t})
+    if os.environ.get("FA3GEN_DEBUG_CHECKS") == "1":
+        lengths = seqlens if seqlens is not None else torch.full(
+            (q.shape[0],), runtime.DecodeParams.from_buffer_copy(plan.params).seqlen_k,
+            dtype=torch.int32, device=q.device)
+        _debug_checks(lengths, batch_idx, block_table, *plan.debug)
+    p = runtime.DecodeParams.from_buffer_copy(plan.params)
+    p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    p.out, p.lse = out.data_ptr(), lse.data_ptr()
+    p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
+    p.cache_batch_idx = batch_idx.data_ptr() if batch_idx is not None else None
+    p.block_table = block_table.data_ptr() if block_table is not None else None
+    if plan.accum:  # freed when this returns: the allocator orders its reuse on the stream
+        o_accum = torch.empty(plan.accum[0], dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(plan.accum[1], dtype=torch.float32, device=q.device)
         p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
     _launch_decode(q.device, p)
     return (out, lse) if return_lse else out

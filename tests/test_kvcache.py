@@ -49,7 +49,8 @@ def test_paged_cache_params(launched):
     table = torch.arange(20, dtype=torch.int32).reshape(2, 10)
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=300, block_table=table, num_splits=1)
     (p,) = launched
-    assert p.page_size == 64 and p.seqlen_k == 640 and p.block_table_batch_stride == 10
+    # an int cache_seqlens is every sequence's length: seqlen_k, no tensor
+    assert p.page_size == 64 and p.seqlen_k == 300 and not p.cache_seqlens and p.block_table_batch_stride == 10
     assert p.num_splits == 1 and not p.o_accum and p.fp16 == 1 and p.cache_rows == 50
     assert (p.k_batch_stride, p.k_row_stride) == (64 * 2 * 64, 2 * 64)
 
@@ -126,3 +127,23 @@ def test_reference_paged_equals_contiguous():
     a, la = kvcache_attention_reference(q, *cont, seqlens, causal=True)
     b_, lb = kvcache_attention_reference(q, *paged, seqlens, block_table=table, causal=True)
     assert torch.allclose(a, b_) and torch.allclose(la, lb)
+
+
+def test_a_repeated_signature_is_planned_once(launched, monkeypatch):
+    """The checks and static params run once per call signature; pointers change per call."""
+    planned = []
+    real = kvcache._plan
+    monkeypatch.setattr(kvcache, "_plan", lambda *a: planned.append(1) or real(*a))
+    kvcache._plans.clear()
+    kc = torch.zeros(2, 256, 2, 64, dtype=BF)
+    seqlens = torch.tensor([200, 7], dtype=torch.int32)
+    for _ in range(3):
+        q = torch.randn(2, 1, 4, 64).to(BF)
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens)
+    assert len(planned) == 1 and len(launched) == 3
+    assert len({p.q for p in launched}) == 3 and launched[0].num_splits == launched[2].num_splits
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, causal=True)
+    assert len(planned) == 2 and launched[-1].causal == 1
+    with pytest.raises(InvalidInputError, match="rows must be contiguous"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens,
+                                        block_table=torch.zeros(4, 2, dtype=torch.int32).t())

@@ -128,16 +128,17 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
   write_block<T, HeadDim>(p, row0, rows, head, b, descale);
 }
 
-// Block scales with the block held in registers: one read of the input. 16 warps; a lane holds
-// up to 64 values (R rows of E), so blocks of up to 16 R rows (d64: 512, d128: 256, d256: 128).
-constexpr int kResidentWarps = 16;
+// Block scales with the block held in registers: one read of the input. 8 warps (two CTAs fit
+// an SM, so one loads while the other converts); a lane holds up to 64 values (R rows of E), so
+// blocks of up to 8 R rows (d64: 256, d128: 128, d256: 64).
+constexpr int kResidentWarps = 8;
 template <int HeadDim>
 struct Resident {
   static constexpr int E = HeadDim / 32, R = 64 / E, kMaxRows = kResidentWarps * R;
 };
 
 template <class T, int HeadDim>
-__global__ void __launch_bounds__(kResidentWarps * 32) quantize_blocks_resident(const fa3gen_quantize_params p) {
+__global__ void __launch_bounds__(kResidentWarps * 32, 2) quantize_blocks_resident(const fa3gen_quantize_params p) {
   constexpr int E = Resident<HeadDim>::E, R = Resident<HeadDim>::R;
   const int blk = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
   const int row0 = blk * p.block_rows, rows = min(p.block_rows, p.seqlen - row0);
