@@ -65,6 +65,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="a few cases")
+    ap.add_argument("--graph-peers", action="store_true", help="also capture the peers in graphs")
     args = ap.parse_args()
     fa4 = _fa4()
     hq, d, page, dt = 32, 128, 64, torch.bfloat16
@@ -123,7 +124,8 @@ def main():
         else:
             fns["cudnn"] = fn
         names = list(fns)
-        graphs = {k: g for k in names if (g := _graphed(fns[k])) is not None}
+        graphs = {k: g for k in names if (args.graph_peers or k.startswith("fa3gen"))
+                  and (g := _graphed(fns[k])) is not None}
         gnames = list(graphs)
         ms = timing.sustained_ms([fns[k] for k in names] + [graphs[k] for k in gnames], 2, 50)
         eager, replay = ms[:len(names)], [m / GRAPH_CALLS for m in ms[len(names):]]
