@@ -1,9 +1,9 @@
 """Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and argument
 order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
-contiguous or paged cache, the key range split across CTAs (split-KV) and merged; forward
-only. What it does not do yet is an error, never a different answer: appending k/v into the
-cache, cache_leftpad, rotary, sliding windows, softcap, more than 16 rows per kv head (use
-flash_attn_func for prefill), fp8 caches.
+contiguous or paged cache, new keys and values appended first when given, the key range split
+across CTAs (split-KV) and merged; forward only. What it does not do yet is an error, never a
+different answer: cache_leftpad, rotary, sliding windows, softcap, more than 16 rows per kv
+head (use flash_attn_func for prefill), fp8 caches.
 """
 from __future__ import annotations
 
@@ -67,14 +67,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     pages) int32. cache_seqlens (batch,) int32 or an int: the keys each sequence has (default:
     the capacity; required when paged). causal: query i of seqlen_q sees keys
     j <= cache_seqlen - seqlen_q + i. num_splits: 0 chooses. Returns out (like q), and lse
-    (batch, heads_q, seqlen_q) fp32 when return_lse. k, v (appending new keys) are not supported
-    yet. FA3GEN_DEBUG_CHECKS=1 checks on the host that block_table and cache_batch_idx stay in
-    range (that needs a device sync)."""
+    (batch, heads_q, seqlen_q) fp32 when return_lse. k, v (batch, seqlen_new, heads_kv, d):
+    new keys and values written into the cache (in place) at positions cache_seqlens ..
+    cache_seqlens + seqlen_new - 1 of each sequence before attending, which then covers
+    cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
+    them is an error when cache_seqlens is an int; with a tensor that check needs the data on
+    the host: FA3GEN_DEBUG_CHECKS=1 makes it (with the range checks of block_table and
+    cache_batch_idx; a device sync), otherwise rows past the capacity are not written (the
+    cache's last row may then keep its old value) and nothing is read or written outside it."""
     ops._check_tensors(q, k_cache, v_cache)
-    if k is not None or v is not None:
-        raise InvalidInputError("appending k, v into the cache is not supported yet: write them "
-                                "into k_cache/v_cache and pass the new cache_seqlens")
-    args = (cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
+    args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits)
     try:
         key = (ops._signature(q), ops._signature(k_cache), ops._signature(v_cache),
@@ -86,7 +88,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         plan = _plan(q, k_cache, v_cache, *args)
         if key is not None:
             ops._remember(_plans, key, plan)
-    return _run(plan, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, return_lse)
+    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                return_lse)
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
@@ -111,9 +114,11 @@ class _DecodePlan:
     seqlens_tensor: bool     # cache_seqlens is a tensor (an int went into seqlen_k)
     empty: bool
     debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
+    append: int              # seqlen_new of k, v (0: nothing to append)
+    int_seqlen: int | None   # cache_seqlens when an int (before the append)
 
 
-def _plan(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
           causal, window_size, softcap, num_splits) -> _DecodePlan:
     """Every check that the tensors' metadata and the arguments allow, and the static params."""
     mask = ops.masking(causal, window_size, softcap)
@@ -162,11 +167,14 @@ def _plan(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, soft
         if cache_batch_idx is None and pages_or_b < b:
             raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
                                     "(pass cache_batch_idx to map them)")
+    append = _check_new_kv(k, v, k_cache, b, cache_seqlens)
     seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity:
-            raise InvalidInputError(f"cache_seqlens {cache_seqlens} outside [0, {capacity}]")
-        seqlen_k = cache_seqlens  # every sequence that long: no tensor needed
+        if not 0 <= cache_seqlens <= capacity - append:
+            raise InvalidInputError(
+                f"cache_seqlens {cache_seqlens} outside [0, {capacity - append}]"
+                + (f" (the cache holds {capacity} rows, {append} are appended)" if append else ""))
+        seqlen_k = cache_seqlens + append  # every sequence that long: no tensor needed
     elif cache_seqlens is not None:
         _int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     if cache_batch_idx is not None:
@@ -192,11 +200,64 @@ def _plan(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, soft
     return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
                        (b * hq * sq * splits * d, b * hq * sq * splits) if splits > 1 else None,
                        isinstance(cache_seqlens, torch.Tensor), b == 0 or sq == 0 or hq == 0,
-                       (pages_or_b, rows_per, capacity))
+                       (pages_or_b, rows_per, capacity), append,
+                       cache_seqlens if isinstance(cache_seqlens, int) else None)
 
 
-def _run(plan: _DecodePlan, q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table,
-         return_lse):
+def _check_new_kv(k, v, k_cache, batch, cache_seqlens) -> int:
+    """seqlen_new of the keys and values to append (0 when there are none)."""
+    if k is None and v is None:
+        return 0
+    if k is None or v is None:
+        raise InvalidInputError("pass both k and v to append to the cache, or neither")
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+        raise TypeError("k and v must be torch.Tensors")
+    want = (batch, k.shape[1] if k.dim() == 4 else -1, *k_cache.shape[2:])
+    if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want or k.shape[1] < 1:
+        raise InvalidInputError(f"k and v must be (batch={batch}, seqlen_new >= 1, "
+                                f"{k_cache.shape[2]}, {k_cache.shape[3]}); got {tuple(k.shape)} "
+                                f"and {tuple(v.shape)}")
+    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or k.device != k_cache.device or \
+            v.device != k_cache.device:
+        raise InvalidInputError(f"k and v must match the cache's dtype and device "
+                                f"({k_cache.dtype} on {k_cache.device})")
+    if cache_seqlens is None:
+        raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
+    return k.shape[1]
+
+
+def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
+    """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
+    host sync). Rows past the capacity are not written: their positions clamp to the cache's
+    last row, and every write there carries the same value (the sequence's last new row that
+    fits, or the row's old value when none fits), so nothing outside the cache is touched and
+    the duplicate writes cannot race."""
+    cache_rows, page_size, capacity = plan.debug
+    b, n = k.shape[:2]
+    device = k.device
+    steps = torch.arange(n, device=device)
+    if seqlens is None:  # an int, the same for every sequence
+        start = torch.full((b, 1), plan.int_seqlen, dtype=torch.long, device=device)
+    else:
+        start = seqlens.long()[:, None].clamp(min=0)
+    pos = (start + steps).clamp(max=capacity - 1)
+    last_fit = capacity - 1 - start                      # (b, 1): the last new row that fits
+    src = steps.clamp(max=last_fit.clamp(min=0))        # the new row each position receives
+    any_fit = (last_fit >= 0)[..., None, None]
+    if block_table is not None:
+        pages = block_table.long().gather(1, pos // page_size).clamp(0, cache_rows - 1)
+        where = (pages, pos % page_size)
+    else:
+        rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(b, device=device)).clamp(0, cache_rows - 1)
+        where = (rows[:, None].expand(b, n), pos)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        fitted = new.gather(1, src[:, :, None, None].expand_as(new))
+        cache[where] = torch.where(any_fit, fitted, cache[where])
+
+
+def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
+         block_table, return_lse):
     """One call of a planned signature: the pointers, the outputs, the launch."""
     out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
@@ -209,9 +270,13 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, cache_seqlens, cache_batch_idx,
             ops.check_layout(**{name: t})
     if os.environ.get("FA3GEN_DEBUG_CHECKS") == "1":
         lengths = seqlens if seqlens is not None else torch.full(
-            (q.shape[0],), runtime.DecodeParams.from_buffer_copy(plan.params).seqlen_k,
+            (q.shape[0],), runtime.DecodeParams.from_buffer_copy(plan.params).seqlen_k - plan.append,
             dtype=torch.int32, device=q.device)
-        _debug_checks(lengths, batch_idx, block_table, *plan.debug)
+        _debug_checks(lengths, batch_idx, block_table, *plan.debug, appended=plan.append)
+    if plan.append:
+        _append(plan, k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+        if seqlens is not None:
+            seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
@@ -233,12 +298,16 @@ def _launch_decode(device, params) -> None:
         lib.decode(params, torch.cuda.current_stream().cuda_stream)
 
 
-def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity):
+def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,
+                  appended=0):
     """FA3GEN_DEBUG_CHECKS=1: what needs the data on the host."""
     if cache_seqlens is not None:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if lo < 0 or hi > capacity:
-            raise InvalidInputError(f"cache_seqlens in [{lo}, {hi}], outside [0, {capacity}]")
+        if lo < 0 or hi > capacity - appended:
+            raise InvalidInputError(
+                f"cache_seqlens in [{lo}, {hi}], outside [0, {capacity - appended}]"
+                + (f" (the cache holds {capacity} rows, {appended} are appended)" if appended else ""))
+        cache_seqlens = cache_seqlens + appended  # the pages the attention reads
     if cache_batch_idx is not None:
         lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
         if lo < 0 or hi >= pages_or_b:

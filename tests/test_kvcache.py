@@ -56,7 +56,7 @@ def test_paged_cache_params(launched):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(k=torch.zeros(1)), "appending k, v"),
+    (dict(k=torch.zeros(1)), "both k and v"),
     (dict(window_size=(16, 0)), "window_size and softcap"),
     (dict(softcap=5.0), "window_size and softcap"),
     (dict(num_splits=-1), "num_splits"),
@@ -147,3 +147,78 @@ def test_a_repeated_signature_is_planned_once(launched, monkeypatch):
     with pytest.raises(InvalidInputError, match="rows must be contiguous"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens,
                                         block_table=torch.zeros(4, 2, dtype=torch.int32).t())
+
+
+def _lengths(p, batch):
+    """The int32 lengths a launch got (CPU memory, alive while the stubbed launch runs)."""
+    import ctypes
+    return list((ctypes.c_int32 * batch).from_address(p.cache_seqlens)) if p.cache_seqlens else None
+
+
+def test_append_contiguous(monkeypatch):
+    """k, v land at cache_seqlens[b] + i of cache row cache_batch_idx[b]; nothing else changes;
+    the attention covers the new length; the caller's cache_seqlens is unchanged."""
+    seen = []
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: seen.append((p, _lengths(p, 2))))
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(3, 40, 2, 64, generator=g).to(BF) for _ in range(2))
+    k0, v0 = kc.clone(), vc.clone()
+    k, v = (torch.randn(2, 3, 2, 64, generator=g).to(BF) for _ in range(2))
+    seqlens = torch.tensor([5, 37], dtype=torch.int32)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    q = torch.zeros(2, 3, 4, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, cache_batch_idx=idx)
+    assert torch.equal(kc[2, 5:8], k[0]) and torch.equal(vc[2, 5:8], v[0])
+    assert torch.equal(kc[0, 37:40], k[1]) and torch.equal(vc[0, 37:40], v[1])
+    changed = (kc != k0).any(dim=(2, 3))
+    assert changed.sum() <= 6 and not changed[1].any()
+    assert not (kc[2, :5] != k0[2, :5]).any() and not (kc[0, :37] != k0[0, :37]).any()
+    assert seen[0][1] == [8, 40] and seqlens.tolist() == [5, 37]
+    # an int cache_seqlens: the same positions for every sequence, the length in seqlen_k
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=10)
+    assert torch.equal(kc[1, 10:13], k[1]) and seen[-1][0].seqlen_k == 13 and not seen[-1][0].cache_seqlens
+    before = kc.clone()  # no row fits: nothing is written
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([40, 45], dtype=torch.int32))
+    assert torch.equal(kc, before)
+    with pytest.raises(InvalidInputError, match=r"outside \[0, 37\] \(the cache holds 40 rows, 3 are appended\)"):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=38)
+
+
+def test_append_paged_crosses_pages_and_never_writes_past_the_cache(monkeypatch):
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    g = torch.Generator().manual_seed(1)
+    kc, vc = (torch.randn(6, 16, 1, 64, generator=g).to(BF) for _ in range(2))
+    k0 = kc.clone()
+    table = torch.tensor([[4, 1], [0, 5]], dtype=torch.int32)  # 32 rows per sequence
+    k, v = (torch.randn(2, 4, 1, 64, generator=g).to(BF) for _ in range(2))
+    q = torch.zeros(2, 1, 1, 64, dtype=BF)
+    seqlens = torch.tensor([14, 30], dtype=torch.int32)  # 14..17 crosses page 4 -> 1; 30..33 overflows
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(kc[4, 14:16], k[0, :2]) and torch.equal(kc[1, 0:2], k[0, 2:])
+    assert torch.equal(vc[4, 14:16], v[0, :2]) and torch.equal(vc[1, 0:2], v[0, 2:])
+    assert torch.equal(kc[5, 14:16], k[1, :2])  # rows 30, 31; 32 and 33 are past the capacity
+    expect = k0.clone()
+    expect[4, 14:16], expect[1, 0:2], expect[5, 14:16] = k[0, :2], k[0, 2:], k[1, :2]
+    assert torch.equal(kc, expect)
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    with pytest.raises(InvalidInputError, match="4 are appended"):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(v=None), "both k and v"),
+    (dict(k=torch.zeros(2, 1, 2, 32, dtype=BF)), r"k and v must be \(batch=2, seqlen_new >= 1, 2, 64\)"),
+    (dict(k=torch.zeros(2, 1, 2, 64), v=torch.zeros(2, 1, 2, 64)), "match the cache's dtype"),
+    (dict(cache_seqlens=None), "needs cache_seqlens"),
+])
+def test_append_errors(launched, kwargs, match):
+    kc = torch.zeros(2, 32, 2, 64, dtype=BF)
+    args = dict(k=torch.zeros(2, 1, 2, 64, dtype=BF), v=torch.zeros(2, 1, 2, 64, dtype=BF),
+                cache_seqlens=3)
+    args.update(kwargs)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc, **args)

@@ -75,3 +75,37 @@ def test_paged(lib, page, d):
         torch.cuda.synchronize()
         ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, block_table=table, causal=causal)
         _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_append_then_attend(lib, paged):
+    """k, v appended in place (crossing a 16-row page boundary), then attention over the longer
+    sequences: the cache holds the new rows and nothing else changed; the output matches the
+    reference on the updated cache."""
+    b, sq, hq, hkv, d, new, cap = 3, 2, 8, 2, 128, 5, 64
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    seqlens = torch.tensor([13, 0, 59], dtype=torch.int32, device="cuda")
+    if paged:
+        kc, vc = (torch.randn(b * cap // 16 + 2, 16, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(2))
+        table = torch.randperm(kc.shape[0], device="cuda", generator=g)[:b * cap // 16].reshape(b, -1).to(torch.int32)
+        extra = dict(block_table=table)
+    else:
+        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        extra = {}
+    k0 = kc.clone()
+    for causal in (False, True):
+        kc.copy_(k0)
+        out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal,
+                                                   return_lse=True, **extra)
+        torch.cuda.synchronize()
+        ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens + new, causal=causal, **extra)
+        _check(out, lse, ref, ref_lse)
+    for i in range(b):
+        for j in range(new):
+            pos = int(seqlens[i]) + j
+            row = kc[table[i, pos // 16], pos % 16] if paged else kc[i, pos]
+            assert torch.equal(row, k[i, j])
+    assert int((kc != k0).any(dim=(-1, -2)).sum()) <= b * new
