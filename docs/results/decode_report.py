@@ -1,0 +1,57 @@
+"""The decode table and plot of docs/BENCHMARKS.md from docs/results/decode.json (written by
+tests/gpu/bench_kvcache.py, two runs merged): prints the markdown table, writes decode.png.
+    python3 docs/results/decode_report.py"""
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def _key(r):
+    return r["seqlen_q"], r["heads_kv"], r["batch"], r["cache_len"]
+
+
+def main():
+    data = json.loads((HERE / "decode.json").read_text())
+    first, second = data["runs"]
+    peers = {_key(r): r for r in first["rows"]}
+    roof = second["copy_gbs"]
+    print("| seqlen_q | kv heads | batch | cache | MB | fa3gen GPU us (contig / paged) | % of copy | "
+          "fa3gen eager us | cuDNN eager us | FA4 eager us (contig / paged) [run 1] |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in second["rows"]:
+        g, e, p = r["graph_us"], r["us"], peers.get(_key(r), {}).get("us", {})
+        pct = f"{r['graph_gbs']['fa3gen'] / roof:.0%} / {r['graph_gbs']['fa3gen_paged'] / roof:.0%}"
+        fa4 = f"{p['fa4']:.0f} / {p['fa4_paged']:.0f}" if "fa4" in p else "n/a"
+        print(f"| {r['seqlen_q']} | {r['heads_kv']} | {r['batch']} | {r['cache_len'] // 1024}k | "
+              f"{r['mb_moved']} | {g['fa3gen']:.0f} / {g['fa3gen_paged']:.0f} | {pct} | "
+              f"{e['fa3gen']:.0f} | {e.get('cudnn', float('nan')):.0f} | {fa4} |")
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series = [("fa3gen, contiguous (graph replay)", second, "graph_us", "fa3gen", "o"),
+              ("fa3gen, paged 64 (graph replay)", second, "graph_us", "fa3gen_paged", "s"),
+              ("cuDNN SDPA, contiguous (eager)", second, "us", "cudnn", "^"),
+              ("FA4, paged 64 (eager, run 1)", first, "us", "fa4_paged", "v")]
+    for label, run, field, name, marker in series:
+        pts = [(r["mb_moved"], r["mb_moved"] / r[field][name] * 1e3) for r in run["rows"]
+               if name in r.get(field, {})]
+        ax.scatter(*zip(*pts), label=label, marker=marker, s=22, alpha=0.8)
+    ax.axhline(roof, color="k", linestyle="--", linewidth=1)
+    ax.text(2, roof * 1.02, f"device-to-device copy: {roof} GB/s", fontsize=8)
+    ax.axhline(0.8 * roof, color="gray", linestyle=":", linewidth=1)
+    ax.text(2, 0.8 * roof * 1.02, "80% of copy (issue 17's target)", fontsize=8, color="gray")
+    ax.axvline(64, color="gray", linestyle=":", linewidth=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("MB of K, V, q and out moved per call")
+    ax.set_ylabel("GB/s")
+    ax.set_title("Decode over a KV cache, H200, bf16, d128, 32 query heads")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(HERE / "decode.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
