@@ -106,7 +106,8 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
 
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
 def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: int = 0,
-                 causal: bool = False, variant: str | None = None):
+                 causal: bool = False, variant: str | None = None, rotary=None,
+                 rotary_interleaved: bool = False):
     """(q8, k8, v8, descales) for flash_attn_func(q8, k8, v8, causal=causal, **descales): q, k, v
     (batch, seqlen, heads, d) quantized to e4m3 with one scale per (batch, head, block of the
     serving variant's tiles) (block=True; a library must be loaded) or per tensor.
@@ -115,15 +116,22 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     unchanged in exact arithmetic, outliers are spread; d a power of two). On bf16/fp16 CUDA
     tensors with head dim 64, 128 or 256 and a library that has the quantizer (specs with e4m3
     variants), one fused kernel per tensor does it all; otherwise PyTorch operations (`quantize`)
-    give the same values. No rotary embedding."""
-    from fa3gen.reference import hadamard_transform, random_signs
+    give the same values. rotary=(cos, sin), each (>= seqlen, rotary_dim / 2): rotary position
+    embedding of q and k first (positions 0, 1, ...; flash-attn's apply_rotary_emb, halves
+    rotated together, or adjacent pairs with rotary_interleaved), in fp32 before the Hadamard
+    transform and the rounding, so the embedding adds no rounding of its own; q and k then take
+    the PyTorch path (the fused kernel has no rotary yet)."""
+    from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
 
+    _check_rotary(rotary, q, k)
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
     signs = random_signs(q.shape[-1], seed, q.device) if hadamard else None
     lib = _quantizer_library(q)
     out = []
-    for x, rows, rotate in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
-        s = signs if rotate else None
+    for x, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
+        s = signs if qk else None
+        if rotary is not None and qk:
+            x = apply_rotary(x, *rotary, interleaved=rotary_interleaved)
         if lib is not None and _kernel_serves(x):
             out.append(_quantize_kernel(lib, x, rows, s))
         else:
@@ -131,6 +139,24 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
             out.append(quantize(xr, rows))
     (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+def _check_rotary(rotary, q, k) -> None:
+    if rotary is None:
+        return
+    try:
+        cos, sin = rotary
+    except (TypeError, ValueError):
+        raise InvalidInputError("rotary must be a pair (cos, sin) of tensors") from None
+    s, d = max(q.shape[1], k.shape[1]), q.shape[-1]
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point() or \
+                t.device != q.device or t.shape != cos.shape or t.shape[0] < s or \
+                not 1 <= t.shape[1] <= d // 2:
+            raise InvalidInputError(
+                f"rotary {name} must be a floating-point tensor (>= seqlen = {s}, rotary_dim / 2 "
+                f"in [1, {d // 2}]) on {q.device}, cos and sin alike; got "
+                f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
 
 
 def _quantizer_library(x):

@@ -275,6 +275,25 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return y.reshape(x.shape) * (1.0 / math.sqrt(d))  # one multiply on CPU and CUDA alike
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 interleaved: bool = False) -> torch.Tensor:
+    """Rotary position embedding of x (batch, seqlen, heads, d), in fp32, as flash-attn's
+    apply_rotary_emb: cos, sin (>= seqlen, rotary_dim / 2) for positions 0, 1, ...; the first
+    rotary_dim entries of each row rotate in pairs (the two halves, or (0, 1), (2, 3), ... when
+    interleaved), the rest pass through."""
+    s, half = x.shape[1], cos.shape[-1]
+    xf = x.float()
+    c, sn = cos[:s, None, :].float(), sin[:s, None, :].float()  # (s, 1, half): over the heads
+    if interleaved:
+        x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
+    else:
+        x1, x2 = xf[..., :half], xf[..., half:2 * half]
+    o1, o2 = x1 * c - x2 * sn, x1 * sn + x2 * c
+    rotated = (torch.stack((o1, o2), dim=-1).flatten(-2) if interleaved
+               else torch.cat((o1, o2), dim=-1))
+    return torch.cat((rotated, xf[..., 2 * half:]), dim=-1)
+
+
 def random_signs(d: int, seed: int, device=None) -> torch.Tensor:
     """The diagonal of a random +-1 matrix (the random part of incoherent processing)."""
     g = torch.Generator().manual_seed(seed)

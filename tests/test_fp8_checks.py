@@ -206,3 +206,45 @@ def test_quantizing_inputs_that_require_grad_gives_plain_fp8_tensors():
     assert not vals.requires_grad and not scale.requires_grad
     q8, _, _, ds = fp8.quantize_fp8(x, x, x, block=False)
     assert not q8.requires_grad and not ds["q_descale"].requires_grad
+
+
+def test_apply_rotary_matches_complex_rotation():
+    """apply_rotary rotates each pair (x1, x2) by angle theta as the complex product
+    (x1 + i x2) e^{i theta}, for the halves layout and the interleaved one; the rest of the
+    head dim passes through."""
+    from fa3gen.reference import apply_rotary
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, generator=g)
+    theta = torch.rand(7, 4, generator=g) * 6  # rotary_dim 8 of 16, 7 >= seqlen positions
+    cos, sin = theta.cos(), theta.sin()
+    e = torch.polar(torch.ones(5, 1, 4), theta[:5, None, :])
+    halves = apply_rotary(x, cos, sin)
+    want = torch.complex(x[..., :4], x[..., 4:8]) * e
+    assert torch.allclose(halves[..., :4], want.real, atol=1e-6) and torch.allclose(halves[..., 4:8], want.imag, atol=1e-6)
+    assert torch.equal(halves[..., 8:], x[..., 8:])
+    inter = apply_rotary(x, cos, sin, interleaved=True)
+    want = torch.complex(x[..., 0:8:2], x[..., 1:8:2]) * e
+    assert torch.allclose(inter[..., 0:8:2], want.real, atol=1e-6) and torch.allclose(inter[..., 1:8:2], want.imag, atol=1e-6)
+
+
+def test_quantize_fp8_with_rotary():
+    """rotary=(cos, sin) embeds q and k (not v) before the transform and the rounding."""
+    from fa3gen.reference import apply_rotary
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    theta = torch.arange(64.)[:, None] * torch.rand(1, 32, generator=g)
+    rot = (theta.cos(), theta.sin())
+    q8, k8, v8, ds = fp8.quantize_fp8(q, k, v, block=False, rotary=rot)
+    for got, d, x in ((q8, ds["q_descale"], q), (k8, ds["k_descale"], k)):
+        want, want_d = fp8.quantize(apply_rotary(x, *rot), None)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)) and torch.equal(d, want_d)
+    want, _ = fp8.quantize(v, None)
+    assert torch.equal(v8.view(torch.uint8), want.view(torch.uint8))
+    # the scores of the embedded q, k survive as with plain quantization
+    s_ref = torch.einsum("bshd,bthd->bhst", apply_rotary(q, *rot), apply_rotary(k, *rot))
+    s8 = torch.einsum("bshd,bthd->bhst", q8.float() * ds["q_descale"], k8.float() * ds["k_descale"])
+    assert (s8 - s_ref).abs().max() <= 0.1 * s_ref.abs().max()
+    with pytest.raises(InvalidInputError, match="rotary cos must be"):
+        fp8.quantize_fp8(q, k, v, block=False, rotary=(theta[:10].cos(), theta[:10].sin()))
+    with pytest.raises(InvalidInputError, match="pair"):
+        fp8.quantize_fp8(q, k, v, block=False, rotary=theta)
