@@ -38,6 +38,14 @@ def cmd_list(args: argparse.Namespace) -> int:
     defaults = {v.name for v in p.defaults.values()}
     for v in sorted(p.variants):  # field order: d64 before d128
         print(f"{'*' if v.name in defaults else ' '} {v.name}")
+    also = []  # the CuTe-free kernels the library holds beside the variants (not variants)
+    if p.spec.decode:
+        also.append("the KV-cache decode kernels (spec `decode: true`; bf16/fp16, head dims 64, "
+                    "128, 256)")
+    if any(v.dtype == "e4m3" for v in p.variants):
+        also.append("the fp8 quantizer (fa3gen.quantize_fp8; e4m3 variants)")
+    if also:
+        print(f"# the library also holds {' and '.join(also)}", file=sys.stderr)
     if args.explain:
         for x in sorted(p.enumeration.pruned, key=lambda x: x.variant):
             print(f"- {x.variant.name}  pruned by {x.constraint}: {x.reason}")

@@ -33,6 +33,15 @@ def test_list_marks_defaults(capsys):
     assert defaults and len(defaults) < len(en.kept)   # both marks are exercised
 
 
+def test_list_names_the_kernels_beside_the_variants(capsys):
+    """stdout stays one variant per line; the decode kernels and the quantizer go to stderr."""
+    rc, out, err = run(["list", "--spec", "h100", "--only", "fwd_e4m3_*"], capsys)
+    assert rc == 0 and all(line[2:].startswith("fwd_e4m3_") for line in out.splitlines())
+    assert "KV-cache decode kernels" in err and "fp8 quantizer" in err
+    rc, out, err = run(["list", "--spec", "h100", "--only", "fwd_bf16_*"], capsys)
+    assert "decode kernels" in err and "quantizer" not in err
+
+
 def test_list_by_bare_name_and_explain(capsys):
     rc, out, err = run(["list", "--spec", "h100", "--explain"], capsys)
     assert rc == 0
