@@ -80,7 +80,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             softcap, num_splits)
     try:
         key = (ops._signature(q), ops._signature(k_cache), ops._signature(v_cache),
-               *(_arg_signature(a) for a in args))
+               *(_arg_signature(a) for a in args[:2]), _seqlens_signature(cache_seqlens),
+               *(_arg_signature(a) for a in args[3:]))
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the checks below say what is wrong with it
         key, plan = None, None
@@ -97,6 +98,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 _plans: dict = {}
 
 
+def _seqlens_signature(cache_seqlens):
+    """An int cache_seqlens grows by one every decode step: one plan serves every value."""
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        return int
+    return _arg_signature(cache_seqlens)
+
+
 def _arg_signature(a):
     if isinstance(a, torch.Tensor):
         return ops._signature(a)
@@ -111,11 +119,13 @@ class _DecodePlan:
     out_shape: tuple
     lse_shape: tuple
     accum: tuple | None      # (o_accum, lse_accum) element counts when split
-    seqlens_tensor: bool     # cache_seqlens is a tensor (an int went into seqlen_k)
+    seqlens_tensor: bool     # cache_seqlens is a tensor
+    seqlens_int: bool        # cache_seqlens is an int: seqlen_k and the split count per call
+    split_args: tuple        # (num_splits, batch, heads_kv, SMs, head_dim) for _split_count
+    rows: int                # batch * heads_q * seqlen_q: the workspace's rows
     empty: bool
     debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
     append: int              # seqlen_new of k, v (0: nothing to append)
-    int_seqlen: int | None   # cache_seqlens when an int (before the append)
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
@@ -169,12 +179,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                     "(pass cache_batch_idx to map them)")
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens)
     seqlen_k = capacity
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity - append:
-            raise InvalidInputError(
-                f"cache_seqlens {cache_seqlens} outside [0, {capacity - append}]"
-                + (f" (the cache holds {capacity} rows, {append} are appended)" if append else ""))
-        seqlen_k = cache_seqlens + append  # every sequence that long: no tensor needed
+    seqlens_int = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
+    if seqlens_int:
+        seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed
     elif cache_seqlens is not None:
         _int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     if cache_batch_idx is not None:
@@ -183,8 +190,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
 
-    splits = num_splits or num_splits_heuristic(b, hkv, seqlen_k, ops._num_sms(q.device.index), d)
-    splits = max(1, min(splits, 65535, -(-seqlen_k // 64)))  # 64 keys: one CTA step
+    split_args = (num_splits, b, hkv, ops._num_sms(q.device.index), d)
+    splits = _split_count(seqlen_k, *split_args)
     out_strides = (sq * hq * d, hq * d, d)  # out is allocated contiguous
     p = runtime.DecodeParams()
     p.block_table_batch_stride = block_table.stride(0) if paged else 0
@@ -197,11 +204,26 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.cache_rows = pages_or_b
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
+    rows = b * hq * sq
     return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
-                       (b * hq * sq * splits * d, b * hq * sq * splits) if splits > 1 else None,
-                       isinstance(cache_seqlens, torch.Tensor), b == 0 or sq == 0 or hq == 0,
-                       (pages_or_b, rows_per, capacity), append,
-                       cache_seqlens if isinstance(cache_seqlens, int) else None)
+                       (rows * splits * d, rows * splits) if splits > 1 else None,
+                       isinstance(cache_seqlens, torch.Tensor), seqlens_int, split_args, rows,
+                       b == 0 or sq == 0 or hq == 0, (pages_or_b, rows_per, capacity), append)
+
+
+def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
+    """The keys every sequence has after the append, for an int cache_seqlens."""
+    if not 0 <= cache_seqlens <= capacity - append:
+        raise InvalidInputError(
+            f"cache_seqlens {cache_seqlens} outside [0, {capacity - append}]"
+            + (f" (the cache holds {capacity} rows, {append} are appended)" if append else ""))
+    return cache_seqlens + append
+
+
+def _split_count(keys: int, num_splits: int, batch: int, heads_kv: int, num_sms: int,
+                 head_dim: int) -> int:
+    splits = num_splits or num_splits_heuristic(batch, heads_kv, keys, num_sms, head_dim)
+    return max(1, min(splits, 65535, -(-keys // 64)))  # 64 keys: one CTA step
 
 
 def _check_new_kv(k, v, k_cache, batch, cache_seqlens) -> int:
@@ -236,8 +258,8 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
     b, n = k.shape[:2]
     device = k.device
     steps = torch.arange(n, device=device)
-    if seqlens is None:  # an int, the same for every sequence
-        start = torch.full((b, 1), plan.int_seqlen, dtype=torch.long, device=device)
+    if isinstance(seqlens, int):  # the same for every sequence
+        start = torch.full((b, 1), seqlens, dtype=torch.long, device=device)
     else:
         start = seqlens.long()[:, None].clamp(min=0)
     pos = (start + steps).clamp(max=capacity - 1)
@@ -268,24 +290,30 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if ops._data_ptr(t) % 16:  # the strides were checked with the plan; the address varies
             ops.check_layout(**{name: t})
+    p = runtime.DecodeParams.from_buffer_copy(plan.params)
+    accum = plan.accum
+    if plan.seqlens_int:  # this call's length: seqlen_k and the split count follow it
+        p.seqlen_k = _int_length(cache_seqlens, plan.debug[2], plan.append)
+        p.num_splits = _split_count(p.seqlen_k, *plan.split_args)
+        accum = (plan.rows * p.num_splits * q.shape[-1], plan.rows * p.num_splits) \
+            if p.num_splits > 1 else None
     if os.environ.get("FA3GEN_DEBUG_CHECKS") == "1":
         lengths = seqlens if seqlens is not None else torch.full(
-            (q.shape[0],), runtime.DecodeParams.from_buffer_copy(plan.params).seqlen_k - plan.append,
-            dtype=torch.int32, device=q.device)
+            (q.shape[0],), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.debug, appended=plan.append)
     if plan.append:
-        _append(plan, k_cache, v_cache, k, v, seqlens, batch_idx, block_table)
+        _append(plan, k_cache, v_cache, k, v, cache_seqlens if plan.seqlens_int else seqlens,
+                batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
-    p = runtime.DecodeParams.from_buffer_copy(plan.params)
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
     p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
     p.cache_batch_idx = batch_idx.data_ptr() if batch_idx is not None else None
     p.block_table = block_table.data_ptr() if block_table is not None else None
-    if plan.accum:  # freed when this returns: the allocator orders its reuse on the stream
-        o_accum = torch.empty(plan.accum[0], dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(plan.accum[1], dtype=torch.float32, device=q.device)
+    if accum:  # freed when this returns: the allocator orders its reuse on the stream
+        o_accum = torch.empty(accum[0], dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(accum[1], dtype=torch.float32, device=q.device)
         p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
     _launch_decode(q.device, p)
     return (out, lse) if return_lse else out

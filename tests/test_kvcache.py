@@ -137,13 +137,22 @@ def test_a_repeated_signature_is_planned_once(launched, monkeypatch):
     kvcache._plans.clear()
     kc = torch.zeros(2, 256, 2, 64, dtype=BF)
     seqlens = torch.tensor([200, 7], dtype=torch.int32)
-    for _ in range(3):
-        q = torch.randn(2, 1, 4, 64).to(BF)
+    qs = [torch.randn(2, 1, 4, 64).to(BF) for _ in range(3)]  # alive: three addresses
+    for q in qs:
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens)
     assert len(planned) == 1 and len(launched) == 3
     assert len({p.q for p in launched}) == 3 and launched[0].num_splits == launched[2].num_splits
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, causal=True)
     assert len(planned) == 2 and launched[-1].causal == 1
+    # an int length that grows every step: one plan; seqlen_k and the splits follow the value
+    long_cache = torch.zeros(2, 4096, 2, 64, dtype=BF)
+    for n in (1, 2, 3000):
+        kvcache.flash_attn_with_kvcache(q, long_cache, long_cache, cache_seqlens=n)
+    assert len(planned) == 3 and [p.seqlen_k for p in launched[-3:]] == [1, 2, 3000]
+    assert [p.num_splits for p in launched[-3:]] == [1, 1, kvcache.num_splits_heuristic(2, 2, 3000, 132, 64)]
+    assert launched[-1].num_splits > 1 and launched[-1].o_accum and not launched[-3].o_accum
+    with pytest.raises(InvalidInputError, match=r"cache_seqlens 4097 outside \[0, 4096\]"):
+        kvcache.flash_attn_with_kvcache(q, long_cache, long_cache, cache_seqlens=4097)
     with pytest.raises(InvalidInputError, match="rows must be contiguous"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens,
                                         block_table=torch.zeros(4, 2, dtype=torch.int32).t())
