@@ -274,7 +274,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -345,8 +345,9 @@ DECODE_PARAMS = (
     *((n, "const int32_t*") for n in ("cache_seqlens", "cache_batch_idx", "block_table")),
     ("o_accum", "float*"), ("lse_accum", "float*"),
     *_strides("q", "k", "v", "out"), ("block_table_batch_stride", "int64_t"), *_SIZES,
-    *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16", "cache_rows")),
-    ("softmax_scale", "float"),
+    *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16", "cache_rows",
+                               "window_left", "window_right")),
+    ("softmax_scale", "float"), ("softcap", "float"),
 )
 DECODE_SYMBOL = "fa3gen_decode_fwd"
 

@@ -2,8 +2,8 @@
 order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
 contiguous or paged cache, new keys and values appended first when given, the key range split
 across CTAs (split-KV) and merged; forward only. What it does not do yet is an error, never a
-different answer: cache_leftpad, rotary, sliding windows, softcap, more than 16 rows per kv
-head (use flash_attn_func for prefill), fp8 caches.
+different answer: cache_leftpad, rotary, more than 16 rows per kv head (use flash_attn_func
+for prefill), fp8 caches.
 """
 from __future__ import annotations
 
@@ -65,8 +65,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     cache_batch_idx (batch,) int32 choosing a cache row per sequence (default: the same index);
     or paged: k_cache, v_cache (pages, page_size, heads_kv, d) with block_table (batch, max
     pages) int32. cache_seqlens (batch,) int32 or an int: the keys each sequence has (default:
-    the capacity; required when paged). causal: query i of seqlen_q sees keys
-    j <= cache_seqlen - seqlen_q + i. num_splits: 0 chooses. Returns out (like q), and lse
+    the capacity; required when paged). Query i of seqlen_q sits at position
+    p = cache_seqlen - seqlen_q + i; causal: it sees keys j <= p; window_size (left, right):
+    p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
+    softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:
+    0 chooses. Returns out (like q), and lse
     (batch, heads_q, seqlen_q) fp32 when return_lse. k, v (batch, seqlen_new, heads_kv, d):
     new keys and values written into the cache (in place) at positions cache_seqlens ..
     cache_seqlens + seqlen_new - 1 of each sequence before attending, which then covers
@@ -121,7 +124,7 @@ class _DecodePlan:
     accum: tuple | None      # (o_accum, lse_accum) element counts when split
     seqlens_tensor: bool     # cache_seqlens is a tensor
     seqlens_int: bool        # cache_seqlens is an int: seqlen_k and the split count per call
-    split_args: tuple        # (num_splits, batch, heads_kv, SMs, head_dim) for _split_count
+    split_args: tuple        # (num_splits, batch, heads_kv, SMs, head_dim, window keys): _split_count
     rows: int                # batch * heads_q * seqlen_q: the workspace's rows
     empty: bool
     debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
@@ -132,9 +135,6 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
           causal, window_size, softcap, num_splits) -> _DecodePlan:
     """Every check that the tensors' metadata and the arguments allow, and the static params."""
     mask = ops.masking(causal, window_size, softcap)
-    if mask.local or mask.softcap > 0:
-        raise InvalidInputError("flash_attn_with_kvcache: window_size and softcap are not "
-                                "supported yet")
     ops.check_device(q, k_cache, v_cache)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise InvalidInputError("q, k_cache and v_cache must be 4-D (batch or pages, seqlen, "
@@ -190,7 +190,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
 
-    split_args = (num_splits, b, hkv, ops._num_sms(q.device.index), d)
+    # A window: the splits share only the keys some query sees, the last window_left + seqlen_q.
+    window_keys = mask.window_left + sq + 15 if mask.window_left >= 0 else None
+    split_args = (num_splits, b, hkv, ops._num_sms(q.device.index), d, window_keys)
     splits = _split_count(seqlen_k, *split_args)
     out_strides = (sq * hq * d, hq * d, d)  # out is allocated contiguous
     p = runtime.DecodeParams()
@@ -204,6 +206,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.cache_rows = pages_or_b
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
+    p.window_left, p.window_right, p.softcap = mask.window_left, mask.window_right, mask.softcap
     rows = b * hq * sq
     return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
                        (rows * splits * d, rows * splits) if splits > 1 else None,
@@ -221,7 +224,9 @@ def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
 
 
 def _split_count(keys: int, num_splits: int, batch: int, heads_kv: int, num_sms: int,
-                 head_dim: int) -> int:
+                 head_dim: int, window_keys: int | None) -> int:
+    if window_keys is not None:
+        keys = min(keys, window_keys)
     splits = num_splits or num_splits_heuristic(batch, heads_kv, keys, num_sms, head_dim)
     return max(1, min(splits, 65535, -(-keys // 64)))  # 64 keys: one CTA step
 

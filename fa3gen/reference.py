@@ -461,7 +461,8 @@ def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, ti
 
 
 def kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens=None, block_table=None,
-                                cache_batch_idx=None, causal=False, softmax_scale=None):
+                                cache_batch_idx=None, causal=False, softmax_scale=None,
+                                window_size=(-1, -1), softcap=0.0):
     """(out fp32, lse fp32 (b, hq, sq)) of flash_attn_with_kvcache's semantics: each sequence's
     keys gathered from the contiguous or paged cache, then attention_reference (causal
     bottom-right aligned to that sequence's length)."""
@@ -479,7 +480,7 @@ def kvcache_attention_reference(q, k_cache, v_cache, cache_seqlens=None, block_t
             row = int(cache_batch_idx[i]) if cache_batch_idx is not None else i
             k, v = k_cache[row, :n], v_cache[row, :n]
         o, lse = attention_reference(q[i:i + 1], k[None], v[None], causal, softmax_scale,
-                                     upcast=True)
+                                     upcast=True, window_size=window_size, softcap=softcap)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)

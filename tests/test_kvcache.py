@@ -57,8 +57,8 @@ def test_paged_cache_params(launched):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(k=torch.zeros(1)), "both k and v"),
-    (dict(window_size=(16, 0)), "window_size and softcap"),
-    (dict(softcap=5.0), "window_size and softcap"),
+    (dict(window_size=(-2, 0)), "window_size left must be an int >= -1"),
+    (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
     (dict(num_splits=-1), "num_splits"),
     (dict(cache_seqlens=2000), "outside"),
     (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), "cache_seqlens must be int32"),
@@ -231,3 +231,20 @@ def test_append_errors(launched, kwargs, match):
     args.update(kwargs)
     with pytest.raises(InvalidInputError, match=match):
         kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc, **args)
+
+
+def test_window_and_softcap_params(launched):
+    """flash-attn's window and softcap reach the kernel as the forward's masking() gives them;
+    the split count follows the keys the window leaves, not the cache."""
+    kc = torch.zeros(1, 65536, 2, 128, dtype=BF)
+    q = torch.zeros(1, 1, 8, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=65536, window_size=(1024, 0), softcap=30.0)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=65536, causal=True)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=65536, window_size=(100, 7))
+    windowed, causal, both_sides = launched
+    assert (windowed.window_left, windowed.window_right, windowed.causal) == (1024, 0, 0)
+    assert windowed.softcap == 30.0 and causal.softcap == 0.0
+    assert (causal.window_left, causal.window_right, causal.causal) == (-1, -1, 1)
+    assert (both_sides.window_left, both_sides.window_right) == (100, 7)
+    assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 2
+    assert causal.num_splits == kvcache.num_splits_heuristic(1, 2, 65536, 132, 128) > windowed.num_splits

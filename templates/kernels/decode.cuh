@@ -127,12 +127,23 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
   const int seqlen_k = p.cache_seqlens ? min(max(p.cache_seqlens[b], 0), p.seqlen_k) : p.seqlen_k;
   const int cache_b = p.cache_batch_idx ? min(max(p.cache_batch_idx[b], 0), p.cache_rows - 1) : b;
+  // Query i of the sequence sits at position seqlen_k - seqlen_q + i (bottom-right aligned) and
+  // sees keys [position - left, position + right]; -1: unbounded. The splits share the keys
+  // that some row sees (from the first query's window start, down to a slice boundary), so
+  // the work grows with the window, not with the cache.
+  const int left = p.window_left, right = p.causal ? 0 : p.window_right;
+  const int lo = left >= 0 ? max(0, seqlen_k - p.seqlen_q - left) / kSlice * kSlice : 0;
   constexpr int kSplitAlign = kWarps * kSlice;
-  const int per_split = ((seqlen_k + p.num_splits - 1) / p.num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-  const int start = split * per_split, end = min(seqlen_k, start + per_split);
+  const int span = seqlen_k - lo;
+  const int per_split = ((span + p.num_splits - 1) / p.num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  const int start = lo + split * per_split, end = min(seqlen_k, start + per_split);
   const int slices = end > start ? (end - start + kSlice - 1) / kSlice : 0;
   const int my_slices = slices > warp ? (slices - 1 - warp) / kWarps + 1 : 0;  // slices warp, warp + 4, ...
-  const float scale_log2 = p.softmax_scale * float(M_LOG2E);
+  // Softcap: scores become softcap * tanh(scale * s / softcap), already scaled for the softmax.
+  const bool capped = p.softcap > 0.f;
+  const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
+  const float score_scale = capped ? 1.f : p.softmax_scale;  // of the scores the softmax sees
+  const float scale_log2 = score_scale * float(M_LOG2E);
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
 
@@ -150,12 +161,13 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = v;
   }
 
-  // This lane's two rows (g and g + 8): the last key each sees (causal: bottom-right aligned).
-  int last_key[2];
+  // This lane's two rows (g and g + 8): the first and last key each sees.
+  int first_key[2], last_key[2];
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
-    const int r = g + 8 * j;
-    last_key[j] = (p.causal && r < rows) ? seqlen_k - p.seqlen_q + r % p.seqlen_q : seqlen_k - 1;
+    const int r = g + 8 * j, position = seqlen_k - p.seqlen_q + r % p.seqlen_q;
+    first_key[j] = (left >= 0 && r < rows) ? position - left : 0;
+    last_key[j] = (right >= 0 && r < rows) ? position + right : seqlen_k - 1;
   }
 
   uint8_t* ring = smem + C::kQBytes + warp * C::kRingBytes;  // stage s: K at 2s, V at 2s + 1
@@ -243,7 +255,8 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         for (int e = 0; e < 2; ++e) {
           const int key = key0 + nb * 8 + 2 * t + e;
           float& x = s[nb][2 * j + e];
-          x = (key < end && key <= last_key[j]) ? x : -INFINITY;
+          if (capped) x = p.softcap * tanhf(x * cap_in);
+          x = (key < end && key >= first_key[j] && key <= last_key[j]) ? x : -INFINITY;
           mx = fmaxf(mx, x);
         }
       }
@@ -349,7 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     const int r = threadIdx.x;
     const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
     const int64_t row = (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;
-    const float lse = row_l[r] > 0.f ? row_m[r] * p.softmax_scale + logf(row_l[r]) : -INFINITY;
+    const float lse = row_l[r] > 0.f ? row_m[r] * score_scale + logf(row_l[r]) : -INFINITY;
     if (p.num_splits == 1) {
       p.lse[row] = lse;
     } else {

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 6
+#define FA3GEN_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -175,7 +175,9 @@ typedef struct fa3gen_decode_params {
   int32_t batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim;
   int32_t page_size, num_splits, causal, fp16;
   int32_t cache_rows;  // pages (paged) or cache batch rows: indices are clamped into range
+  int32_t window_left, window_right;  // query at position i sees keys [i - left, i + right]; -1: unbounded
   float softmax_scale;
+  float softcap;  // > 0: scores (scaled) become softcap * tanh(score / softcap); 0: none
 } fa3gen_decode_params;
 
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.

@@ -109,3 +109,31 @@ def test_append_then_attend(lib, paged):
             row = kc[table[i, pos // 16], pos % 16] if paged else kc[i, pos]
             assert torch.equal(row, k[i, j])
     assert int((kc != k0).any(dim=(-1, -2)).sum()) <= b * new
+
+
+@pytest.mark.parametrize("window,softcap", [((100, 0), 0.0), ((37, 5), 0.0), ((-1, -1), 15.0), ((300, 0), 20.0)],
+                         ids=["w100_0", "w37_5", "cap15", "w300_0_cap20"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+@pytest.mark.parametrize("splits", [1, 0], ids=["one_split", "auto"])
+def test_window_and_softcap(lib, window, softcap, paged, splits):
+    """Sliding windows (bottom-right aligned per sequence, rows whose window is empty give 0 and
+    LSE -inf) and softcap against the reference, seqlen_q 1 and 4 with GQA 4."""
+    b, hq, hkv, d, cap = 3, 16, 4, 128, 5120
+    g = torch.Generator(device="cuda").manual_seed(11)
+    seqlens = torch.tensor([1, 777, 5000], dtype=torch.int32, device="cuda")
+    if paged:
+        kc, vc = (torch.randn(b * cap // 64 + 3, 64, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(2))
+        table = torch.randperm(kc.shape[0], device="cuda", generator=g)[:b * cap // 64].reshape(b, -1).to(torch.int32)
+        extra = dict(block_table=table)
+    else:
+        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        extra = {}
+    for sq in (1, 4):
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g) * 3
+        out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, window_size=window,
+                                                   softcap=softcap, num_splits=splits, return_lse=True, **extra)
+        torch.cuda.synchronize()
+        ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, window_size=window, softcap=softcap,
+                                                   **extra)
+        _check(out, lse, ref, ref_lse)
