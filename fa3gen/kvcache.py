@@ -129,6 +129,7 @@ class _DecodePlan:
     empty: bool
     debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
     append: int              # seqlen_new of k, v (0: nothing to append)
+    prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
@@ -152,10 +153,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         raise InvalidInputError(f"head_dim {d}: the decode kernels serve {list(HEAD_DIMS)}")
     if hkv < 1 or hq % hkv:
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
-    if sq * (hq // hkv) > MAX_ROWS:
-        raise InvalidInputError(
-            f"seqlen_q x heads_q / heads_kv = {sq * (hq // hkv)} query rows per kv head; the "
-            f"decode kernels serve at most {MAX_ROWS} (use flash_attn_func for prefill)")
+    prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
     paged = block_table is not None
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
@@ -211,7 +209,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
                        (rows * splits * d, rows * splits) if splits > 1 else None,
                        isinstance(cache_seqlens, torch.Tensor), seqlens_int, split_args, rows,
-                       b == 0 or sq == 0 or hq == 0, (pages_or_b, rows_per, capacity), append)
+                       b == 0 or sq == 0 or hq == 0, (pages_or_b, rows_per, capacity), append,
+                       (mask, p.softmax_scale) if prefill else None)
 
 
 def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
@@ -286,9 +285,9 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
          block_table, return_lse):
     """One call of a planned signature: the pointers, the outputs, the launch."""
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     if plan.empty:
+        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     seqlens = cache_seqlens.contiguous() if plan.seqlens_tensor else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
@@ -311,6 +310,11 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                 batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
+    if plan.prefill:
+        return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
+                        batch_idx, block_table, return_lse)
+    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
     p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
@@ -321,6 +325,58 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         lse_accum = torch.empty(accum[1], dtype=torch.float32, device=q.device)
         p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
     _launch_decode(q.device, p)
+    return (out, lse) if return_lse else out
+
+
+def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse):
+    """More query rows per kv head than the decode kernels take (chunked prefill): the forward
+    kernels over the cached keys. One sequence length for all (an int cache_seqlens, or batch
+    1) on a contiguous cache: flash_attn_func on a view of the cache, no copy. Otherwise each
+    sequence's keys are gathered into a packed copy for flash_attn_varlen_func, which needs
+    the lengths on the host (a device sync)."""
+    from fa3gen.varlen import flash_attn_varlen_func
+
+    mask, scale = plan.prefill
+    kwargs = dict(causal=mask.causal, window_size=(mask.window_left, mask.window_right),
+                  softcap=mask.softcap)
+    b, sq, hq, d = q.shape
+    capacity = plan.debug[2]
+    # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
+    seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
+    if block_table is None and (length is not None or b == 1):
+        if length is None:
+            length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size
+        if batch_idx is not None:
+            rows = batch_idx.tolist()  # a sync; consecutive rows stay a view
+            pick = (slice(rows[0], rows[0] + b) if rows == list(range(rows[0], rows[0] + b))
+                    else torch.tensor(rows, device=k_cache.device))
+        else:
+            pick = slice(0, b)
+        out, lse = ops.flash_attn_func(q, k_cache[pick, :length], v_cache[pick, :length], scale,
+                                       return_lse=True, **kwargs)
+        return (out, lse) if return_lse else out
+    lengths = ([min(max(n, 0), capacity) for n in seqlens.tolist()] if seqlens is not None
+               else [length] * b)
+    ks, vs = [], []
+    for i, n in enumerate(lengths):
+        if block_table is not None:
+            pages = block_table[i, :-(-n // k_cache.shape[1])].long()
+            ks.append(k_cache[pages].flatten(0, 1)[:n])
+            vs.append(v_cache[pages].flatten(0, 1)[:n])
+        else:
+            row = batch_idx[i] if batch_idx is not None else i
+            ks.append(k_cache[row, :n])
+            vs.append(v_cache[row, :n])
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    cu_k = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=q.device)
+    out, lse = flash_attn_varlen_func(q.reshape(b * sq, hq, d), torch.cat(ks), torch.cat(vs), cu_q,
+                                      cu_k, sq, max(1, max(lengths)), softmax_scale=scale,
+                                      return_lse=True, **kwargs)
+    out = out.view(b, sq, hq, d)
+    lse = lse.view(hq, b, sq).permute(1, 0, 2)
     return (out, lse) if return_lse else out
 
 

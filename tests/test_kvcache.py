@@ -74,8 +74,6 @@ def test_errors(launched, kwargs, match):
 
 def test_shape_errors(launched):
     kc = torch.zeros(3, 100, 2, 128, dtype=BF)
-    with pytest.raises(InvalidInputError, match="at most 16"):
-        kvcache.flash_attn_with_kvcache(torch.zeros(1, 3, 16, 128, dtype=BF), kc, kc)
     with pytest.raises(InvalidInputError, match="one dtype"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=torch.float16), kc, kc)
     with pytest.raises(InvalidInputError, match="head_dim 96"):
@@ -248,3 +246,39 @@ def test_window_and_softcap_params(launched):
     assert (both_sides.window_left, both_sides.window_right) == (100, 7)
     assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 2
     assert causal.num_splits == kvcache.num_splits_heuristic(1, 2, 65536, 132, 128) > windowed.num_splits
+
+
+def test_more_rows_than_decode_takes_go_to_the_forward_kernels(launched, monkeypatch):
+    """Chunked prefill (more than 16 query rows per kv head): one length and a contiguous cache
+    call flash_attn_func on a view of the cache (no copy); ragged lengths or pages gather each
+    sequence's keys for flash_attn_varlen_func; window, softcap, scale and causal pass through."""
+    import fa3gen.varlen as varlen
+    calls = []
+    monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, scale, **kw: calls.append(
+        ("dense", k, v, scale, kw)) or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, v, cu_q, cu_k, mq, mk, **kw: calls.append(
+        ("varlen", k, v, cu_q, cu_k, mq, mk, kw)) or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(3, 100, 2, 64, generator=g).to(BF) for _ in range(2))
+    q = torch.zeros(2, 9, 4, 64, dtype=BF)  # 18 rows per kv head
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40, causal=True, softcap=5.0,
+                                               return_lse=True)
+    kind, k, v, scale, kw = calls[-1]
+    assert kind == "dense" and k.shape == (2, 40, 2, 64) and k.data_ptr() == kc.data_ptr()
+    assert kw["causal"] and kw["softcap"] == 5.0 and scale == pytest.approx(64 ** -0.5)
+    assert out.shape == q.shape and lse.shape == (2, 4, 9) and not launched
+    seqlens = torch.tensor([30, 7], dtype=torch.int32)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, window_size=(16, 0),
+                                               cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+                                               return_lse=True)
+    kind, k, v, cu_q, cu_k, mq, mk, kw = calls[-1]
+    assert kind == "varlen" and cu_k.tolist() == [0, 30, 37] and cu_q.tolist() == [0, 9, 18]
+    assert (mq, mk) == (9, 30) and kw["window_size"] == (16, 0) and not kw["causal"]
+    assert torch.equal(k[:30], kc[2, :30]) and torch.equal(v[30:], vc[0, :7])
+    assert out.shape == q.shape and lse.shape == (2, 4, 9)
+    table = torch.tensor([[1, 0], [2, 1]], dtype=torch.int32)  # kc as 3 pages of 100 rows
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([150, 50], dtype=torch.int32),
+                                    block_table=table)
+    kind, k, v, cu_q, cu_k, mq, mk, kw = calls[-1]
+    assert kind == "varlen" and cu_k.tolist() == [0, 150, 200] and mk == 150
+    assert torch.equal(k[:100], kc[1]) and torch.equal(k[100:150], kc[0, :50]) and torch.equal(k[150:], kc[2, :50])

@@ -137,3 +137,28 @@ def test_window_and_softcap(lib, window, softcap, paged, splits):
         ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, window_size=window, softcap=softcap,
                                                    **extra)
         _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("layout", ["one_length", "ragged", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_chunked_prefill(lib, layout, causal):
+    """More than 16 query rows per kv head go to the forward kernels (a view of the cache, or
+    the gathered keys through the varlen forward): same semantics as the decode kernels."""
+    b, sq, hq, hkv, d, cap = 2, 96, 8, 2, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    extra = {}
+    if layout == "paged":
+        kc, vc = (torch.randn(b * cap // 64, 64, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(2))
+        extra["block_table"] = torch.randperm(b * cap // 64, device="cuda", generator=g).reshape(b, -1).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    seqlens = (torch.tensor([1500, 1500] if layout == "one_length" else [1777, 96], dtype=torch.int32,
+                            device="cuda"))
+    lengths = 1500 if layout == "one_length" else seqlens
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal, return_lse=True,
+                                               **extra)
+    torch.cuda.synchronize()
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, **extra)
+    _check(out, lse, ref, ref_lse)
