@@ -77,6 +77,20 @@ def test_paged(lib, page, d):
         _check(out, lse, ref, ref_lse)
 
 
+def _cache(b, capacity, hkv, d, g, page=None):
+    """(k_cache, v_cache, extra kwargs): contiguous (b, capacity, hkv, d), or pages of `page`
+    rows (a few spare) with a shuffled block table."""
+    if page is None:
+        kc, vc = (torch.randn(b, capacity, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                  for _ in range(2))
+        return kc, vc, {}
+    pages = b * capacity // page
+    kc, vc = (torch.randn(pages + 3, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+              for _ in range(2))
+    table = torch.randperm(pages + 3, device="cuda", generator=g)[:pages].reshape(b, -1).to(torch.int32)
+    return kc, vc, {"block_table": table}
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
 def test_append_then_attend(lib, paged):
     """k, v appended in place (crossing a 16-row page boundary), then attention over the longer
@@ -87,14 +101,7 @@ def test_append_then_attend(lib, paged):
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(b, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     seqlens = torch.tensor([13, 0, 59], dtype=torch.int32, device="cuda")
-    if paged:
-        kc, vc = (torch.randn(b * cap // 16 + 2, 16, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                  for _ in range(2))
-        table = torch.randperm(kc.shape[0], device="cuda", generator=g)[:b * cap // 16].reshape(b, -1).to(torch.int32)
-        extra = dict(block_table=table)
-    else:
-        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        extra = {}
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 16 if paged else None)
     k0 = kc.clone()
     for causal in (False, True):
         kc.copy_(k0)
@@ -106,7 +113,7 @@ def test_append_then_attend(lib, paged):
     for i in range(b):
         for j in range(new):
             pos = int(seqlens[i]) + j
-            row = kc[table[i, pos // 16], pos % 16] if paged else kc[i, pos]
+            row = kc[extra["block_table"][i, pos // 16], pos % 16] if paged else kc[i, pos]
             assert torch.equal(row, k[i, j])
     assert int((kc != k0).any(dim=(-1, -2)).sum()) <= b * new
 
@@ -121,14 +128,7 @@ def test_window_and_softcap(lib, window, softcap, paged, splits):
     b, hq, hkv, d, cap = 3, 16, 4, 128, 5120
     g = torch.Generator(device="cuda").manual_seed(11)
     seqlens = torch.tensor([1, 777, 5000], dtype=torch.int32, device="cuda")
-    if paged:
-        kc, vc = (torch.randn(b * cap // 64 + 3, 64, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                  for _ in range(2))
-        table = torch.randperm(kc.shape[0], device="cuda", generator=g)[:b * cap // 64].reshape(b, -1).to(torch.int32)
-        extra = dict(block_table=table)
-    else:
-        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        extra = {}
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if paged else None)
     for sq in (1, 4):
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g) * 3
         out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, window_size=window,
@@ -147,13 +147,7 @@ def test_chunked_prefill(lib, layout, causal):
     b, sq, hq, hkv, d, cap = 2, 96, 8, 2, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    extra = {}
-    if layout == "paged":
-        kc, vc = (torch.randn(b * cap // 64, 64, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                  for _ in range(2))
-        extra["block_table"] = torch.randperm(b * cap // 64, device="cuda", generator=g).reshape(b, -1).to(torch.int32)
-    else:
-        kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if layout == "paged" else None)
     seqlens = (torch.tensor([1500, 1500] if layout == "one_length" else [1777, 96], dtype=torch.int32,
                             device="cuda"))
     lengths = 1500 if layout == "one_length" else seqlens
