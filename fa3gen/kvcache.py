@@ -13,11 +13,11 @@ from functools import lru_cache
 
 import torch
 
-from fa3gen import ops, runtime
-from fa3gen.errors import InvalidInputError
+from fa3gen import contract, ops, runtime, tracing
+from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = contract.DECODE_HEAD_DIMS
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 128
 # CTAs of the split kernel resident per SM, from its shared memory (decode.cuh's Config: 66, 100
@@ -89,8 +89,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         plan = _plan(q, k_cache, v_cache, *args)
         if key is not None:
             ops._remember(_plans, key, plan)
-    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                return_lse)
+    result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  return_lse)
+    if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
+        tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
+    return result
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
@@ -150,6 +153,14 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                 f"{d}); got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if d not in HEAD_DIMS:
         raise InvalidInputError(f"head_dim {d}: the decode kernels serve {list(HEAD_DIMS)}")
+    dtype = "fp16" if q.dtype == torch.float16 else "bf16"
+    built = _built_decode_pairs()
+    if (dtype, d) not in built and not (sq * (hq // hkv) > MAX_ROWS):  # prefill: the forward
+        have = ", ".join(f"[{dt}, {hd}]" for dt, hd in sorted(built)) or "none"
+        raise VariantNotBuiltError(
+            f"decode over a KV cache, {dtype} head_dim {d}", [f"decode kernels: {have}"],
+            f"add [{dtype}, {d}] to the spec's `decode:` list (or `decode: true`) and build it "
+            f"again: fa3gen build --spec {_spec_name()}", lead="")
     if hkv < 1 or hq % hkv:
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     if sq * (hq // hkv) > MAX_ROWS:
@@ -317,6 +328,18 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
     _launch_decode(q.device, p)
     return (out, lse) if return_lse else out
+
+
+def _built_decode_pairs() -> frozenset:
+    """The (dtype, head_dim) pairs of the loaded library's decode kernels."""
+    return runtime.get_library().decode_kernels
+
+
+def _spec_name() -> str:
+    try:
+        return runtime.get_library().spec_name
+    except Exception:  # noqa: BLE001 - only a hint
+        return "<spec>"
 
 
 def _launch_decode(device, params) -> None:
