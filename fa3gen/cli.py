@@ -40,8 +40,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(f"{'*' if v.name in defaults else ' '} {v.name}")
     also = []  # the CuTe-free kernels the library holds beside the variants (not variants)
     if p.spec.decode:
-        also.append("the KV-cache decode kernels (spec `decode: true`; bf16/fp16, head dims 64, "
-                    "128, 256)")
+        also.append("the KV-cache decode kernels for "
+                    + ", ".join(f"{dtype} d{head_dim}" for dtype, head_dim in p.spec.decode))
     if any(v.dtype == "e4m3" for v in p.variants):
         also.append("the fp8 quantizer (fa3gen.quantize_fp8; e4m3 variants)")
     if also:

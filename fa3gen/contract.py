@@ -339,7 +339,12 @@ QUANTIZE_PARAMS = (
 )
 QUANTIZE_SYMBOL = "fa3gen_quantize_fp8"
 
-# fa3gen_decode_params: decode attention over a KV cache (fa3gen_decode_fwd, specs with `decode: true`).
+# The decode kernels a spec's `decode:` may ask for (decode.cuh instantiates each pair).
+DECODE_DTYPES = ("bf16", "fp16")
+DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_PAIRS = tuple((dt, d) for dt in DECODE_DTYPES for d in DECODE_HEAD_DIMS)
+
+# fa3gen_decode_params: decode attention over a KV cache (fa3gen_decode_fwd, specs with `decode:`).
 DECODE_PARAMS = (
     *((n, "const void*") for n in ("q", "k_cache", "v_cache")), ("out", "void*"), ("lse", "float*"),
     *((n, "const int32_t*") for n in ("cache_seqlens", "cache_batch_idx", "block_table")),

@@ -13,11 +13,11 @@ from functools import lru_cache
 
 import torch
 
-from fa3gen import ops, runtime
-from fa3gen.errors import InvalidInputError
+from fa3gen import contract, ops, runtime, tracing
+from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = contract.DECODE_HEAD_DIMS
 MIN_KEYS_PER_SPLIT = 512
 MAX_SPLITS = 128
 # CTAs of the split kernel resident per SM, from its shared memory (decode.cuh's Config: 66, 100
@@ -92,8 +92,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         plan = _plan(q, k_cache, v_cache, *args)
         if key is not None:
             ops._remember(_plans, key, plan)
-    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                return_lse)
+    result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+                  return_lse)
+    if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
+        tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
+    return result
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
@@ -154,6 +157,14 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     if hkv < 1 or hq % hkv:
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
+    dtype = "fp16" if q.dtype == torch.float16 else "bf16"
+    built = _built_decode_pairs()
+    if (dtype, d) not in built and not prefill:
+        have = ", ".join(f"[{dt}, {hd}]" for dt, hd in sorted(built)) or "none"
+        raise VariantNotBuiltError(
+            f"decode over a KV cache, {dtype} head_dim {d}", [f"decode kernels: {have}"],
+            f"add [{dtype}, {d}] to the spec's `decode:` list (or `decode: true`) and build it "
+            f"again: fa3gen build --spec {_spec_name()}", lead="")
     paged = block_table is not None
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
@@ -378,6 +389,17 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     out = out.view(b, sq, hq, d)
     lse = lse.view(hq, b, sq).permute(1, 0, 2)
     return (out, lse) if return_lse else out
+
+def _built_decode_pairs() -> frozenset:
+    """The (dtype, head_dim) pairs of the loaded library's decode kernels."""
+    return runtime.get_library().decode_kernels
+
+
+def _spec_name() -> str:
+    try:
+        return runtime.get_library().spec_name
+    except Exception:  # noqa: BLE001 - only a hint
+        return "<spec>"
 
 
 def _launch_decode(device, params) -> None:

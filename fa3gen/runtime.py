@@ -274,6 +274,7 @@ class Library:
             self._decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
+        self.decode_kernels = decode_pairs(self.build_info, self._decode is not None)
         self.spec_name = spec_name or _spec_from_build_info(self.build_info)
         self.variants: list[VariantInfo] = []
         for i in range(dll.fa3gen_num_variants()):
@@ -358,6 +359,17 @@ class Library:
         rc = info.launch(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
             raise Fa3genError(f"fa3gen kernel {info.name} failed (code {rc}): {self.last_error()}")
+
+
+def decode_pairs(build_info: dict, has_symbol: bool) -> frozenset:
+    """The (dtype, head_dim) pairs of a library's decode kernels, from its build info (a list
+    of pairs; true in libraries built before `decode:` took pairs: every pair)."""
+    decode = build_info.get("decode", False) if has_symbol else False
+    if decode is True:
+        return frozenset(contract.DECODE_PAIRS)
+    if not isinstance(decode, list):
+        return frozenset()
+    return frozenset(tuple(p) for p in decode if isinstance(p, list) and tuple(p) in contract.DECODE_PAIRS)
 
 
 def _seqlen_dispatch(build_info: dict, by_name: dict) -> dict[tuple, list]:

@@ -6,8 +6,9 @@ write the smallest spec that builds exactly those.
     fa3gen spec --from-trace used.yaml -o specs/mymodel.yaml
 
 Forward calls are recorded when flash_attn_func resolves its variant, backward ones when
-autograd runs the backward (under torch.compile: while compiling, once per graph). Each entry
-keeps the call count and the range of every size seen. No torch import here.
+autograd runs the backward (under torch.compile: while compiling, once per graph), decode calls
+(flash_attn_with_kvcache) as the (dtype, head_dim) pairs of the decode kernels they ran. Each
+entry keeps the call count and the range of every size seen. No torch import here.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class Trace:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.entries: dict[tuple[str, bool], Entry] = {}
+        self.decode: set[tuple[str, int]] = set()  # (dtype, head_dim) of flash_attn_with_kvcache calls
         self._lock = threading.Lock()
 
     def add(self, variant: str, default: bool, sizes: dict) -> None:
@@ -58,7 +60,10 @@ class Trace:
             calls.append({**_spec_values(v, KEY_AXES), "variant": e.variant,
                           "default": e.default, "count": e.count,
                           **{k: e.ranges[k] for k in SIZES if k in e.ranges}})
-        return {"format": FORMAT, "calls": calls}
+        data = {"format": FORMAT, "calls": calls}
+        if self.decode:
+            data["decode"] = [list(pair) for pair in sorted(self.decode)]
+        return data
 
     def write(self) -> None:
         import yaml  # kept out of import time: ops imports this module
@@ -78,6 +83,13 @@ def record(variant: str, default: bool, **sizes: int) -> None:
     """Called by fa3gen.ops for every dispatched call while a trace is active."""
     for t in _active:
         t.add(variant, default, sizes)
+
+
+def record_decode(dtype: str, head_dim: int) -> None:
+    """Called by fa3gen.kvcache for every decode call while a trace is active."""
+    for t in _active:
+        with t._lock:
+            t.decode.add((dtype, head_dim))
 
 
 @contextmanager
@@ -105,7 +117,7 @@ _trace_whole_program()
 
 # --------------------------------------------------------------------------- trace -> spec
 
-def _read(path: Path) -> list[dict]:
+def _read(path: Path) -> tuple[list[dict], list]:
     import yaml
 
     try:
@@ -117,8 +129,12 @@ def _read(path: Path) -> list[dict]:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
         raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
     if not data["calls"]:
-        raise TraceError(f"{path}: the trace recorded no call (was anything run inside it?)")
-    return data["calls"]
+        what = " but decode calls (a spec needs a flash_attn_func variant too)" if data.get("decode") else ""
+        raise TraceError(f"{path}: the trace recorded no call{what or ' (was anything run inside it?)'}")
+    decode = data.get("decode", [])
+    if not isinstance(decode, list) or not all(isinstance(p, list) and len(p) == 2 for p in decode):
+        raise TraceError(f"{path}: decode must be a list of [dtype, head_dim] pairs, got {decode!r}")
+    return data["calls"], decode
 
 
 def _spec_values(v, axes) -> dict:
@@ -133,7 +149,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     one its calls resolved to by default."""
     import yaml
 
-    calls = _read(Path(path))
+    calls, decode = _read(Path(path))
     variants = {}
     for c in calls:
         try:
@@ -157,6 +173,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         dispatch.append({"when": _spec_values(defaults[0], KEY_AXES),
                          "use": _spec_values(defaults[0], KNOB_AXES)})
     spec = {"name": name, "groups": groups}
+    if decode:  # the decode kernels flash_attn_with_kvcache used
+        spec["decode"] = decode
     if dispatch:
         spec["dispatch"] = dispatch
     if not required:

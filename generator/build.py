@@ -152,7 +152,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}
     if p.seqlen_defaults:
         info["seqlen_dispatch"] = p.seqlen_dispatch()
-    info["decode"] = p.spec.decode
+    info["decode"] = [list(pair) for pair in p.spec.decode]  # the runtime's check of a call
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
                            spec_variants=p.enumeration.kept, env=env, decode=p.spec.decode)
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,

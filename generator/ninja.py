@@ -75,7 +75,7 @@ def _interpreter() -> str:
 def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
                        env: jinja2.Environment | None = None,
-                       spec_variants: list[Variant] | None = None, decode: bool = False) -> str:
+                       spec_variants: list[Variant] | None = None, decode: tuple = ()) -> str:
     """build.ninja linking `variants`, with a compile edge for each of `spec_variants` (all the
     spec keeps; default: `variants`), so that a filtered build leaves the others' records."""
     env = env or environment()

@@ -139,7 +139,7 @@ def has_quantizer(variants: Iterable[Variant]) -> bool:
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
                  spec_variants: Optional[Iterable[Variant]] = None,
-                 env: jinja2.Environment | None = None, decode: bool = False) -> RenderPlan:
+                 env: jinja2.Environment | None = None, decode: tuple = ()) -> RenderPlan:
     """src/<name>.cu per variant of the spec, src/dispatch.cu (the table of `variants`, the
     ones linked) and fingerprint.txt; as stale, the sources and build products of variants
     that are not in the spec. spec_variants: every variant the spec keeps (default:
@@ -157,9 +157,9 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
         files[out_dir / "src" / "quantize.cu"] = env.get_template("quantize.cu.j2").render(
             spec_name=spec_name)
         keep.add("quantize")
-    if decode:  # the spec's `decode: true`: the KV-cache decode kernels
+    if decode:  # the spec's `decode:` (dtype, head_dim) pairs: the KV-cache decode kernels
         files[out_dir / "src" / "decode.cu"] = env.get_template("decode.cu.j2").render(
-            spec_name=spec_name)
+            spec_name=spec_name, pairs=decode)
         keep.add("decode")
     stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]

@@ -16,7 +16,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES
+from fa3gen.contract import (AXES, AXIS_BY_NAME, DECODE_DTYPES, DECODE_HEAD_DIMS, DECODE_PAIRS,
+                             KEY_AXES, KNOB_AXES)
 
 from .errors import SpecError
 from .paths import SPECS_DIR
@@ -94,7 +95,9 @@ class Spec:
     exclude: tuple[Match, ...] = ()
     dispatch: tuple[DispatchEntry, ...] = ()
     dispatch_required: bool = True  # false: keys with several variants may have no default
-    decode: bool = False  # the library also gets the KV-cache decode kernels (flash_attn_with_kvcache)
+    # The KV-cache decode kernels the library also gets (flash_attn_with_kvcache): (dtype,
+    # head_dim) pairs; `decode: true` is every pair, false or absent none.
+    decode: tuple[tuple[str, int], ...] = ()
     # What validation accepted but a reader should hear of (a value repeated in one list),
     # each "<file>: <key path>: <message>".
     warnings: tuple[str, ...] = field(default=(), compare=False)
@@ -255,11 +258,24 @@ class _Validator:
         required = data.get("dispatch_required", True)
         if not isinstance(required, bool):
             raise self.fail("dispatch_required", "expected true or false", required)
-        decode = data.get("decode", False)
-        if not isinstance(decode, bool):
-            raise self.fail("decode", "expected true or false", decode)
+        decode = self.decode_pairs(data.get("decode", False))
         return Spec(name, self.source, groups, tuple(exclude), tuple(dispatch), required, decode,
                     tuple(self.warnings))
+
+    def decode_pairs(self, raw: Any) -> tuple[tuple[str, int], ...]:
+        """`decode:` true (every pair), false, or a list of [dtype, head_dim] pairs."""
+        if isinstance(raw, bool):
+            return DECODE_PAIRS if raw else ()
+        want = (f"true, false or a list of [dtype, head_dim] pairs (dtype in "
+                f"{', '.join(DECODE_DTYPES)}; head_dim in {', '.join(map(str, DECODE_HEAD_DIMS))})")
+        if not isinstance(raw, list) or not raw:
+            raise self.fail("decode", f"expected {want}", raw)
+        pairs = []
+        for i, item in enumerate(raw):
+            if not (isinstance(item, list) and len(item) == 2 and tuple(item) in DECODE_PAIRS):
+                raise self.fail(f"decode[{i}]", f"expected {want}", item)
+            pairs.append(tuple(item))
+        return tuple(p for p in DECODE_PAIRS if p in pairs)  # one order, no repeats
 
     def list_of(self, raw: Any, path: str) -> list:
         if raw is None:

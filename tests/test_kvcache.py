@@ -11,6 +11,13 @@ from fa3gen.reference import kvcache_attention_reference
 BF = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def every_decode_kernel(monkeypatch):
+    """The tests run without a library: as if it had every decode kernel."""
+    from fa3gen import contract
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+
+
 @pytest.fixture
 def launched(monkeypatch):
     calls = []
@@ -282,3 +289,20 @@ def test_more_rows_than_decode_takes_go_to_the_forward_kernels(launched, monkeyp
     kind, k, v, cu_q, cu_k, mq, mk, kw = calls[-1]
     assert kind == "varlen" and cu_k.tolist() == [0, 150, 200] and mk == 150
     assert torch.equal(k[:100], kc[1]) and torch.equal(k[100:150], kc[0, :50]) and torch.equal(k[150:], kc[2, :50])
+
+
+def test_a_decode_kernel_the_library_lacks(launched, monkeypatch):
+    """A spec's `decode:` may list some pairs: a call for another gets VariantNotBuiltError
+    with the line to add; the runtime reads the pairs from the build info."""
+    from fa3gen import runtime
+    from fa3gen.errors import VariantNotBuiltError
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset({("bf16", 128)}))
+    monkeypatch.setattr(kvcache, "_spec_name", lambda: "mymodel")
+    kc = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    with pytest.raises(VariantNotBuiltError, match=r"fp16 head_dim 64(.|\n)*decode kernels: \[bf16, 128\]"
+                                                   r"(.|\n)*add \[fp16, 64\] to the spec's `decode:` list"
+                                                   r"(.|\n)*fa3gen build --spec mymodel"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=torch.float16), kc, kc)
+    assert runtime.decode_pairs({"decode": [["bf16", 128], ["fp16", 96]]}, True) == {("bf16", 128)}
+    assert runtime.decode_pairs({"decode": True}, True) == set(kvcache.contract.DECODE_PAIRS)
+    assert runtime.decode_pairs({"decode": True}, False) == set() == runtime.decode_pairs({}, True)

@@ -211,12 +211,17 @@ def test_specs_with_e4m3_variants_get_the_quantizer(tmp_path):
     assert "quantize_fp8.cuh" in text  # the kernel header rebuilds it (no depfile on this rule)
     assert f"obj/dispatch.o obj/quantize.o | fingerprint.txt" in text
 def test_decode_kernels_only_where_the_spec_asks(tmp_path):
-    """`decode: true` renders src/decode.cu (fa3gen_decode_fwd) and links it; others do not."""
+    """`decode:` renders src/decode.cu (fa3gen_decode_fwd) with one instantiation per listed
+    (dtype, head_dim) pair, and links it; other specs get none."""
     info = {"spec": "t", "fingerprint": "f"}
     assert not any(p.name == "decode.cu" for p in plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info).files)
-    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, decode=True)
-    assert "fa3gen_decode_fwd" in plan.files[tmp_path / "src" / "decode.cu"]
+    pairs = (("bf16", 128), ("fp16", 64))
+    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, decode=pairs)
+    src = plan.files[tmp_path / "src" / "decode.cu"]
+    assert "fa3gen_decode_fwd" in src and "fa3gen::check_decode(*p)" in src
+    assert "launch<__nv_bfloat16, 128>" in src and "launch<__half, 64>" in src
+    assert src.count("fa3gen::decode::launch<") == 2 and "decode: lists bf16 d128, fp16 d64)" in src
     assert "decode" not in render_build_ninja("t", [V1], fake_toolchain())
-    text = render_build_ninja("t", [V1], fake_toolchain(), decode=True)
+    text = render_build_ninja("t", [V1], fake_toolchain(), decode=pairs)
     assert "build obj/decode.o: nvcc_plain src/decode.cu | fingerprint.txt" in text
     assert "decode.cuh" in text and "obj/dispatch.o obj/decode.o | fingerprint.txt" in text

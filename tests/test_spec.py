@@ -246,11 +246,19 @@ def test_parse_spec_from_text():
 
 
 def test_decode_key(tmp_path):
-    assert load_spec(SPECS_DIR / "h100.yaml").decode is True
-    assert load_spec(SPECS_DIR / "ablation.yaml").decode is False
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\ndecode: 1\naxes: {direction: fwd, dtype: bf16, head_dim: 64, causal: false,"
-                   " tile: [128, 128], stages: 2, warp_specialized: true, pingpong: false,"
-                   " intra_wg_overlap: false}\n")
-    with pytest.raises(Exception, match="decode: expected true or false"):
-        load_spec(bad)
+    """decode: true is every (dtype, head_dim) pair of the decode kernels, a list names some."""
+    from fa3gen.contract import DECODE_PAIRS
+    assert load_spec(SPECS_DIR / "h100.yaml").decode == DECODE_PAIRS
+    assert load_spec(SPECS_DIR / "ablation.yaml").decode == ()
+    axes = ("axes: {direction: fwd, dtype: bf16, head_dim: 64, causal: false, tile: [128, 128], "
+            "stages: 2, warp_specialized: true, pingpong: false, intra_wg_overlap: false}\n")
+    some = tmp_path / "some.yaml"
+    some.write_text("name: some\ndecode: [[fp16, 64], [bf16, 128], [fp16, 64]]\n" + axes)
+    assert load_spec(some).decode == (("bf16", 128), ("fp16", 64))  # one order, no repeats
+    for value, where in (("1", "decode"), ("[]", "decode"), ("[[bf16, 96]]", r"decode\[0\]"),
+                         ("[bf16, 128]", r"decode\[0\]"), ("[[e4m3, 128]]", r"decode\[0\]")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(f"name: bad\ndecode: {value}\n" + axes)
+        with pytest.raises(Exception, match=where + ": expected true, false or a list of "
+                                                    r"\[dtype, head_dim\] pairs"):
+            load_spec(bad)

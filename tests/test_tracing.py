@@ -86,3 +86,27 @@ def test_whole_program_trace_from_the_environment(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
     calls = yaml.safe_load(path.read_text())["calls"]
     assert calls[0]["variant"] == D128 and calls[0]["seqlen_k"] == [3, 3]
+
+
+def test_decode_calls_put_their_kernels_in_the_spec(tmp_path, monkeypatch):
+    """flash_attn_with_kvcache calls are traced as (dtype, head_dim) pairs, and the spec
+    written from the trace lists exactly those under `decode:`."""
+    import torch
+    from fa3gen import contract, kvcache, ops
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    path = tmp_path / "serve.yaml"
+    with fa3gen.trace(path):
+        tracing.record(D128, True, batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1)
+        for _ in range(2):
+            kc = torch.zeros(1, 64, 2, 128, dtype=torch.bfloat16)
+            kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 4, 128, dtype=torch.bfloat16), kc, kc,
+                                            cache_seqlens=10)
+        kc = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 4, 64, dtype=torch.float16), kc, kc)
+    assert yaml.safe_load(path.read_text())["decode"] == [["bf16", 128], ["fp16", 64]]
+    out = tmp_path / "serve_spec.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    assert plan(out).spec.decode == (("bf16", 128), ("fp16", 64))

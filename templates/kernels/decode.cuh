@@ -425,8 +425,9 @@ int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
 
 }  // namespace decode
 
-// The C entry point's body: checks, then the instantiation for dtype, head dim and rows.
-inline int launch_decode(const fa3gen_decode_params& p, cudaStream_t stream) {
+// The checks of fa3gen_decode_fwd before it picks an instantiation (templates/decode.cu.j2
+// instantiates the (dtype, head dim) pairs its spec's `decode:` lists).
+inline int check_decode(const fa3gen_decode_params& p) {
   const int rows = p.heads_kv > 0 ? p.heads_q / p.heads_kv * p.seqlen_q : 0;
   if (p.batch < 1 || p.seqlen_q < 1 || p.heads_kv < 1 || p.heads_q % p.heads_kv != 0 || rows > decode::kRows ||
       p.num_splits < 1 || p.batch > 65535 || p.heads_kv > 65535 || p.num_splits > 65535 ||
@@ -437,18 +438,7 @@ inline int launch_decode(const fa3gen_decode_params& p, cudaStream_t stream) {
                      "cache_rows >= 1 and >= batch without cache_batch_idx)");
     return 1;
   }
-  const bool fp16 = p.fp16 != 0;
-  switch (p.head_dim) {
-    case 64: return fp16 ? decode::launch<__half, 64>(p, stream)
-                         : decode::launch<__nv_bfloat16, 64>(p, stream);
-    case 128: return fp16 ? decode::launch<__half, 128>(p, stream)
-                          : decode::launch<__nv_bfloat16, 128>(p, stream);
-    case 256: return fp16 ? decode::launch<__half, 256>(p, stream)
-                          : decode::launch<__nv_bfloat16, 256>(p, stream);
-    default:
-      fa3gen_set_error("decode: head_dim must be 64, 128 or 256");
-      return 1;
-  }
+  return 0;
 }
 
 }  // namespace fa3gen
