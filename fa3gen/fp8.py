@@ -14,6 +14,7 @@ out_dtype=torch.float16; the LSE fp32. Forward only.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -237,16 +238,30 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
                 out=None, lse=None):
     """(out, lse, variant name, dims) of the fp8 forward: ops' checks, plan and launch, plus the
-    descale fields. out, lse: preallocated outputs (the tests pass poisoned ones), else new."""
+    descale fields. out, lse: preallocated outputs (the tests pass poisoned ones), else new.
+    The checks and the params are planned once per call signature (the tensors' shapes,
+    strides, dtypes and devices, the descales' too, and the other arguments)."""
+    key = None
+    if out is None:
+        try:
+            key = (ops._signature(q), ops._signature(k), ops._signature(v), mask, softmax_scale,
+                   variant, out_dtype, os.environ.get("FA3GEN_GRID"),
+                   *(_descale_signature(descales.get(n)) for n in DESCALE_NAMES))
+            plan = _plans.get(key)
+        except (TypeError, AttributeError):  # not tensors: the checks below say what is wrong
+            key, plan = None, None
+        if plan is not None and plan.lib is runtime.get_library():
+            out_dtype = check_call(q, k, v, mask, out_dtype)  # grad mode is not in the signature
+            out, lse = _fp8_outputs(q, plan.dims, out_dtype)
+            ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
+            return out, lse, plan.info.name, plan.dims
     ops.check_device(q, k, v)
     dims = ops.check_inputs(q, k, v)  # one dtype for q, k, v
     out_dtype = check_call(q, k, v, mask, out_dtype)
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     if out is None:
-        b, sq, hq, d = q.shape
-        out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
-        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        out, lse = _fp8_outputs(q, dims, out_dtype)
     plan = ops._fwd_plan(q, k, v, out, lse, mask, ops._softmax_scale(softmax_scale, dims.head_dim),
                          name, lib, out_dtype)
     rows = {"q_descale": plan.info.tile_m, "k_descale": plan.info.tile_n,
@@ -256,16 +271,39 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
                               max(1, math.ceil(lengths[n] / rows[n])), rows[n])
              for n in DESCALE_NAMES}
     if plan.params is not None:  # None: nothing to launch (a zero size)
-        p = plan.params
+        p = plan.params  # the plan's template: these fields are the same for every call
         p.q_descale_head_div = 1
         for n, view in views.items():
             if view is not None:
-                t, strides, head_div = view
-                setattr(p, n, t.data_ptr())
+                _, strides, head_div = view
                 for dim, stride in zip(("batch", "head", "block"), strides):
                     setattr(p, f"{n}_{dim}_stride", stride)
                 if n == "q_descale":
                     p.q_descale_head_div = head_div
         p.o_fp16 = int(out_dtype == torch.float16)
-    ops._fwd_run(plan, q, k, v, out, lse)
+    if key is not None:
+        ops._remember(_plans, key, plan)
+    ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
     return out, lse, plan.info.name, dims
+
+
+# fp8 call signature -> ops._Plan whose params hold the descale strides (pointers per call).
+_plans: dict = {}
+
+
+def _descale_signature(t):
+    return None if t is None else (ops._signature(t) if isinstance(t, torch.Tensor) else (type(t),))
+
+
+def _descale_pointers(descales: dict) -> dict:
+    """This call's descale pointer fields (a null pointer for an absent descale: the kernel
+    reads 1)."""
+    return {n: (descales[n].data_ptr() if descales.get(n) is not None else None)
+            for n in DESCALE_NAMES}
+
+
+def _fp8_outputs(q, dims: ops.Dims, out_dtype):
+    out = torch.empty((dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim), dtype=out_dtype,
+                      device=q.device)
+    return out, torch.empty((dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32,
+                            device=q.device)

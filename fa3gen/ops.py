@@ -315,14 +315,17 @@ def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
     return _Plan(lib, info, dims, mask, scale, q.device, params)
 
 
-def _fwd_run(plan: _Plan, q, k, v, out, lse) -> None:
-    """Launch plan on tensors of its signature (out, lse: as _empty_outputs makes them)."""
+def _fwd_run(plan: _Plan, q, k, v, out, lse, pointers: dict | None = None) -> None:
+    """Launch plan on tensors of its signature (out, lse: as _empty_outputs makes them).
+    pointers: more of this call's pointer fields (the fp8 descales)."""
     if plan.params is None:
         if out.numel() and plan.dims.seqlen_k == 0:  # no key: the fully-masked-row convention
             out.zero_()
             lse.fill_(float("-inf"))
         return
     p = _fwd_call_params(plan, q, k, v, out, lse)
+    for name, value in (pointers or {}).items():
+        setattr(p, name, value)
     _launch(plan.lib, plan.info, plan.device, lambda: p)
 
 

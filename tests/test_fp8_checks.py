@@ -248,3 +248,42 @@ def test_quantize_fp8_with_rotary():
         fp8.quantize_fp8(q, k, v, block=False, rotary=(theta[:10].cos(), theta[:10].sin()))
     with pytest.raises(InvalidInputError, match="pair"):
         fp8.quantize_fp8(q, k, v, block=False, rotary=theta)
+
+
+def test_fp8_calls_are_planned_once_per_signature(fake_launch, monkeypatch):
+    """A repeated fp8 call reuses its plan (descale strides included) and sets only pointers;
+    another descale layout plans again; grad mode is still checked on every call."""
+    planned = []
+    real = ops._fwd_plan
+    monkeypatch.setattr(ops, "_fwd_plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    fp8._plans.clear()
+    b, s, h = 1, 256, 2
+    q = k = v = torch.zeros(b, s, h, 128, dtype=torch.float8_e4m3fn)
+    kds = [torch.ones(b, h, 2) for _ in range(2)]  # alive: two addresses
+    for kd in kds:
+        ops.flash_attn_func(q, k, v, causal=True, k_descale=kd)
+    assert len(planned) == 1
+    (_, p1), (_, p2) = fake_launch
+    assert (p1.k_descale, p2.k_descale) == (kds[0].data_ptr(), kds[1].data_ptr())
+    assert (p2.k_descale_batch_stride, p2.k_descale_head_stride, p2.k_descale_block_stride) == (4, 2, 1)
+    assert not p2.q_descale and not p2.v_descale
+    ops.flash_attn_func(q, k, v, causal=True, k_descale=torch.ones(b, h))  # (batch, heads_kv)
+    assert len(planned) == 2 and fake_launch[-1][1].k_descale_block_stride == 0
+    ops.flash_attn_func(q, k, v, causal=True, k_descale=kds[0], out_dtype=torch.float16)
+    assert len(planned) == 3 and fake_launch[-1][1].o_fp16 == 1
+    ops.flash_attn_func(q, k, v, causal=True, k_descale=kds[1])
+    assert len(planned) == 3 and fake_launch[-1][1].o_fp16 == 0
+    with pytest.raises(InvalidInputError, match="forward only"):  # checked on a planned signature
+        _grad_call(q, k, v, kds[0])
+    assert len(planned) == 3
+
+
+def _grad_call(q, k, v, kd):
+    """An fp8 call whose inputs claim to need grad (fp8 tensors cannot require grad in
+    PyTorch, so a stand-in that says it does)."""
+    class Needy(torch.Tensor):
+        @property
+        def requires_grad(self):
+            return True
+    return fp8.fp8_forward(q.as_subclass(Needy), k, v, ops.masking(True), None, None,
+                           {"k_descale": kd}, None)
