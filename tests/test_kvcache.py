@@ -306,3 +306,9 @@ def test_a_decode_kernel_the_library_lacks(launched, monkeypatch):
     assert runtime.decode_pairs({"decode": [["bf16", 128], ["fp16", 96]]}, True) == {("bf16", 128)}
     assert runtime.decode_pairs({"decode": True}, True) == set(kvcache.contract.DECODE_PAIRS)
     assert runtime.decode_pairs({"decode": True}, False) == set() == runtime.decode_pairs({}, True)
+
+
+def test_no_kv_heads_is_an_input_error(launched):
+    kc = torch.zeros(1, 64, 0, 128, dtype=BF)
+    with pytest.raises(InvalidInputError, match="multiple of heads_kv"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 4, 128, dtype=BF), kc, kc)
