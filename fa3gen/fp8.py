@@ -194,8 +194,7 @@ def _quantize_kernel(lib, x, block_rows: int | None, signs):
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
     p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
     p.block_rows, p.x_fp16 = block_rows or 0, int(x.dtype == torch.float16)
-    with torch.cuda.device(x.device):
-        lib.quantize_fp8(p, torch.cuda.current_stream().cuda_stream)
+    ops.on_current_stream(x.device, lambda stream: lib.quantize_fp8(p, stream))
     return out, descale
 
 

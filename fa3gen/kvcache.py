@@ -405,8 +405,7 @@ def _spec_name() -> str:
 def _launch_decode(device, params) -> None:
     """The library's decode kernels on the current stream (the CPU tests replace this)."""
     lib = runtime.get_library()
-    with torch.cuda.device(device):
-        lib.decode(params, torch.cuda.current_stream().cuda_stream)
+    ops.on_current_stream(device, lambda stream: lib.decode(params, stream))
 
 
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,

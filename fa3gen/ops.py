@@ -352,12 +352,17 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 def _launch(lib, info, device, make_params) -> None:
     """info's launcher on the current stream of `device`, with the params make_params() builds
     (the CPU tests replace this, the one place that needs a GPU)."""
+    on_current_stream(device, lambda stream: lib.launch(info, make_params(), stream))
+
+
+def on_current_stream(device, call):
+    """call(the raw current stream of `device`) with that device current, as the library's
+    entry points want it; the common case (already current) costs no context switch."""
     index = device.index
     if index != torch.cuda.current_device():
         with torch.cuda.device(device):
-            return _launch(lib, info, device, make_params)
-    stream = _raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream
-    lib.launch(info, make_params(), stream)
+            return on_current_stream(device, call)
+    return call(_raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream)
 
 
 def _empty_outputs(q: torch.Tensor):
