@@ -193,8 +193,7 @@ def _quantize_kernel(lib, x, block_rows: int | None, signs):
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
     p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
     p.block_rows, p.x_fp16 = block_rows or 0, int(x.dtype == torch.float16)
-    with torch.cuda.device(x.device):
-        lib.quantize_fp8(p, torch.cuda.current_stream().cuda_stream)
+    ops.on_current_stream(x.device, lambda stream: lib.quantize_fp8(p, stream))
     return out, descale
 
 
@@ -229,9 +228,7 @@ def _fwd_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @_fwd_fp8_op.register_fake
 def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, variant,
                   out_fp16):
-    b, sq, hq, d = q.shape
-    out = q.new_empty((b, sq, hq, d), dtype=torch.float16 if out_fp16 else torch.bfloat16)
-    return out, q.new_empty((b, hq, sq), dtype=torch.float32)
+    return ops._empty_outputs(q, torch.float16 if out_fp16 else torch.bfloat16)
 
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
@@ -244,9 +241,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     if out is None:
-        b, sq, hq, d = q.shape
-        out = torch.empty((b, sq, hq, d), dtype=out_dtype, device=q.device)
-        lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        out, lse = ops._empty_outputs(q, out_dtype)
     plan = ops._fwd_plan(q, k, v, out, lse, mask, ops._softmax_scale(softmax_scale, dims.head_dim),
                          name, lib, out_dtype)
     rows = {"q_descale": plan.info.tile_m, "k_descale": plan.info.tile_n,
