@@ -32,6 +32,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from generator.build import plan
+    from generator.render import has_quantizer
     p = plan(args.spec, args.only, args.exclude)
     for warning in p.warnings:
         print(f"fa3gen: warning: {warning}", file=sys.stderr)
@@ -42,7 +43,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if p.spec.decode:
         also.append("the KV-cache decode kernels for "
                     + ", ".join(f"{dtype} d{head_dim}" for dtype, head_dim in p.spec.decode))
-    if any(v.dtype == "e4m3" for v in p.variants):
+    if has_quantizer(p.variants):
         also.append("the fp8 quantizer (fa3gen.quantize_fp8; e4m3 variants)")
     if also:
         print(f"# the library also holds {' and '.join(also)}", file=sys.stderr)

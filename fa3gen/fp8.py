@@ -229,9 +229,7 @@ def _fwd_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @_fwd_fp8_op.register_fake
 def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scale, variant,
                   out_fp16):
-    b, sq, hq, d = q.shape
-    out = q.new_empty((b, sq, hq, d), dtype=torch.float16 if out_fp16 else torch.bfloat16)
-    return out, q.new_empty((b, hq, sq), dtype=torch.float32)
+    return ops._empty_outputs(q, torch.float16 if out_fp16 else torch.bfloat16)
 
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
@@ -251,7 +249,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
             key, plan = None, None
         if plan is not None and plan.lib is runtime.get_library():
             out_dtype = check_call(q, k, v, mask, out_dtype)  # grad mode is not in the signature
-            out, lse = _fp8_outputs(q, plan.dims, out_dtype)
+            out, lse = ops._empty_outputs(q, out_dtype)
             ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
             return out, lse, plan.info.name, plan.dims
     ops.check_device(q, k, v)
@@ -260,7 +258,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     if out is None:
-        out, lse = _fp8_outputs(q, dims, out_dtype)
+        out, lse = ops._empty_outputs(q, out_dtype)
     plan = ops._fwd_plan(q, k, v, out, lse, mask, ops._softmax_scale(softmax_scale, dims.head_dim),
                          name, lib, out_dtype)
     rows = {"q_descale": plan.info.tile_m, "k_descale": plan.info.tile_n,
@@ -299,10 +297,3 @@ def _descale_pointers(descales: dict) -> dict:
     reads 1)."""
     return {n: (descales[n].data_ptr() if descales.get(n) is not None else None)
             for n in DESCALE_NAMES}
-
-
-def _fp8_outputs(q, dims: ops.Dims, out_dtype):
-    out = torch.empty((dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim), dtype=out_dtype,
-                      device=q.device)
-    return out, torch.empty((dims.batch, dims.heads_q, dims.seqlen_q), dtype=torch.float32,
-                            device=q.device)

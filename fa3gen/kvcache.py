@@ -7,7 +7,6 @@ for prefill), fp8 caches.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -15,6 +14,7 @@ import torch
 
 from fa3gen import contract, ops, runtime, tracing
 from fa3gen.errors import InvalidInputError, VariantNotBuiltError
+from fa3gen.varlen import debug_checks_enabled
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
 HEAD_DIMS = contract.DECODE_HEAD_DIMS
@@ -44,14 +44,13 @@ def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
     return next(s for s in range(1, most + 1) if filled(s) >= 0.85 * best)
 
 
-def _int32_vector(name, t, batch, device):
+def _check_int32_vector(name, t, batch, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be an int32 tensor of shape ({batch},), got "
                                 f"{type(t).__name__}")
     if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
         raise InvalidInputError(f"{name} must be int32 of shape ({batch},) on {device}, got "
                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
-    return t.contiguous()
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
@@ -122,15 +121,9 @@ def _arg_signature(a):
 @dataclass(frozen=True)
 class _DecodePlan:
     params: bytes            # DecodeParams with every field but the pointers
-    out_shape: tuple
-    lse_shape: tuple
-    accum: tuple | None      # (o_accum, lse_accum) element counts when split
-    seqlens_tensor: bool     # cache_seqlens is a tensor
-    seqlens_int: bool        # cache_seqlens is an int: seqlen_k and the split count per call
+    out_shape: tuple         # (batch, seqlen_q, heads_q, head_dim)
     split_args: tuple        # (num_splits, batch, heads_kv, SMs, head_dim, window keys): _split_count
-    rows: int                # batch * heads_q * seqlen_q: the workspace's rows
-    empty: bool
-    debug: tuple             # what _debug_checks needs: (cache rows, page size, capacity)
+    geometry: tuple          # (cache rows: pages or sequences, page size, capacity)
     append: int              # seqlen_new of k, v (0: nothing to append)
     prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
 
@@ -188,13 +181,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                                     "(pass cache_batch_idx to map them)")
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens)
     seqlen_k = capacity
-    seqlens_int = isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool)
-    if seqlens_int:
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed
     elif cache_seqlens is not None:
-        _int32_vector("cache_seqlens", cache_seqlens, b, q.device)
+        _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     if cache_batch_idx is not None:
-        _int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
+        _check_int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
@@ -216,12 +208,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
     p.window_left, p.window_right, p.softcap = mask.window_left, mask.window_right, mask.softcap
-    rows = b * hq * sq
-    return _DecodePlan(bytes(p), (b, sq, hq, d), (b, hq, sq),
-                       (rows * splits * d, rows * splits) if splits > 1 else None,
-                       isinstance(cache_seqlens, torch.Tensor), seqlens_int, split_args, rows,
-                       b == 0 or sq == 0 or hq == 0, (pages_or_b, rows_per, capacity), append,
-                       (mask, p.softmax_scale) if prefill else None)
+    return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, (pages_or_b, rows_per, capacity),
+                       append, (mask, p.softmax_scale) if prefill else None)
 
 
 def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
@@ -269,7 +257,7 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
     last row, and every write there carries the same value (the sequence's last new row that
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
-    cache_rows, page_size, capacity = plan.debug
+    cache_rows, page_size, capacity = plan.geometry
     b, n = k.shape[:2]
     device = k.device
     steps = torch.arange(n, device=device)
@@ -296,44 +284,42 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
          block_table, return_lse):
     """One call of a planned signature: the pointers, the outputs, the launch."""
-    if plan.empty:
-        out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    b, sq, hq, d = plan.out_shape
+    if 0 in (b, sq, hq):
+        out, lse = ops._empty_outputs(q)
         return (out, lse) if return_lse else out
-    seqlens = cache_seqlens.contiguous() if plan.seqlens_tensor else None
+    length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
+    seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if ops._data_ptr(t) % 16:  # the strides were checked with the plan; the address varies
             ops.check_layout(**{name: t})
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
-    accum = plan.accum
-    if plan.seqlens_int:  # this call's length: seqlen_k and the split count follow it
-        p.seqlen_k = _int_length(cache_seqlens, plan.debug[2], plan.append)
+    if length is not None:  # this call's length: seqlen_k and the split count follow it
+        p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)
         p.num_splits = _split_count(p.seqlen_k, *plan.split_args)
-        accum = (plan.rows * p.num_splits * q.shape[-1], plan.rows * p.num_splits) \
-            if p.num_splits > 1 else None
-    if os.environ.get("FA3GEN_DEBUG_CHECKS") == "1":
+    if debug_checks_enabled():
         lengths = seqlens if seqlens is not None else torch.full(
-            (q.shape[0],), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
-        _debug_checks(lengths, batch_idx, block_table, *plan.debug, appended=plan.append)
+            (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
+        _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
     if plan.append:
-        _append(plan, k_cache, v_cache, k, v, cache_seqlens if plan.seqlens_int else seqlens,
+        _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if plan.prefill:
         return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
                         batch_idx, block_table, return_lse)
-    out = torch.empty(plan.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(plan.lse_shape, dtype=torch.float32, device=q.device)
+    out, lse = ops._empty_outputs(q)
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
     p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
     p.cache_batch_idx = batch_idx.data_ptr() if batch_idx is not None else None
     p.block_table = block_table.data_ptr() if block_table is not None else None
-    if accum:  # freed when this returns: the allocator orders its reuse on the stream
-        o_accum = torch.empty(accum[0], dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(accum[1], dtype=torch.float32, device=q.device)
+    if p.num_splits > 1:  # freed when this returns: the allocator orders its reuse on the stream
+        rows = b * hq * sq * p.num_splits
+        o_accum = torch.empty(rows * d, dtype=torch.float32, device=q.device)
+        lse_accum = torch.empty(rows, dtype=torch.float32, device=q.device)
         p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
     _launch_decode(q.device, p)
     return (out, lse) if return_lse else out
@@ -351,7 +337,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     kwargs = dict(causal=mask.causal, window_size=(mask.window_left, mask.window_right),
                   softcap=mask.softcap)
     b, sq, hq, d = q.shape
-    capacity = plan.debug[2]
+    capacity = plan.geometry[2]
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
     if block_table is None and (length is not None or b == 1):

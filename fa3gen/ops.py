@@ -365,9 +365,11 @@ def on_current_stream(device, call):
     return call(_raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream)
 
 
-def _empty_outputs(q: torch.Tensor):
+def _empty_outputs(q: torch.Tensor, out_dtype: torch.dtype | None = None):
+    """(out, lse) for q: out (b, sq, hq, d) contiguous whatever q's strides are, in out_dtype
+    (default q's; fp8 inputs give bf16/fp16), lse fp32 (b, hq, sq)."""
     b, sq, hq, d = q.shape
-    out = q.new_empty((b, sq, hq, d))  # contiguous whatever q's strides are
+    out = q.new_empty((b, sq, hq, d), dtype=out_dtype or q.dtype)
     lse = q.new_empty((b, hq, sq), dtype=torch.float32)
     return out, lse
 
@@ -825,34 +827,28 @@ def flash_attn_func(
     _check_tensors(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _fp8.check_descale_use(q, k, v, descales, out_dtype)
-    if _fp8.is_fp8(q, k, v):
-        if _captured(q, k, v):
-            check_device(q, k, v)
-            dims = check_inputs(q, k, v)
-            out_dtype = _fp8.check_call(q, k, v, mask, out_dtype)
-            name = resolve_variant(dims, mask, variant, by_length=False)
-            check_layout(q=q, k=k, v=v)
-            if _trace._active:
-                _trace_call(name, variant is None, dims)
-            out, lse = torch.ops.fa3gen.fwd_fp8(
-                q, k, v, q_descale, k_descale, v_descale, mask.causal,
-                _softmax_scale(softmax_scale, dims.head_dim), name, out_dtype == torch.float16)
-        else:
-            out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant,
-                                                    descales, out_dtype)
-            if _trace._active:
-                _trace_call(name, variant is None, dims)
-        return (out, lse) if return_lse else out
-    if _captured(q, k, v):
+    fp8 = _fp8.is_fp8(q, k, v)
+    if _captured(q, k, v):  # the custom ops: the checks here, the launch when the graph runs
         check_device(q, k, v)
         dims = check_inputs(q, k, v)
+        if fp8:
+            out_dtype = _fp8.check_call(q, k, v, mask, out_dtype)
         name = resolve_variant(dims, mask, variant, by_length=False)
         check_layout(q=q, k=k, v=v)
         if _trace._active:  # a call that passed every check
             _trace_call(name, variant is None, dims)
-        out, lse = torch.ops.fa3gen.fwd(
-            q, k, v, mask.causal, _softmax_scale(softmax_scale, dims.head_dim), name,
-            bool(deterministic), mask.window_left, mask.window_right, mask.softcap)
+        scale = _softmax_scale(softmax_scale, dims.head_dim)
+        if fp8:
+            out, lse = torch.ops.fa3gen.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
+                                                mask.causal, scale, name, out_dtype == torch.float16)
+        else:
+            out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, bool(deterministic),
+                                            mask.window_left, mask.window_right, mask.softcap)
+    elif fp8:
+        out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant, descales,
+                                                out_dtype)
+        if _trace._active:
+            _trace_call(name, variant is None, dims)
     else:
         plan = _eager_fwd_plan(q, k, v, mask, softmax_scale, variant)
         if _trace._active:

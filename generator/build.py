@@ -18,7 +18,7 @@ from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run
                     write_build_ninja)
 from .paths import resolve_spec_path
 from .lock import build_lock
-from .render import RenderPlan, environment, holds, plan_sources
+from .render import RenderPlan, environment, holds, plain_units, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
 from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
@@ -190,10 +190,7 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
     out = p.out_dir
     dispatch_edge, link_edge = "NVCC obj/dispatch.o", f"LINK {library_name(p.spec.name)}"
     changed = sources.changed  # reads every file once
-    # The CuTe-free TUs beside the variants (src/quantize.cu, src/decode.cu), compiled like dispatch.
-    variant_names = {v.name for v in p.variants} | {v.name for v in p.enumeration.kept}
-    plain = [path.stem for path in sources.files
-             if path.parent.name == "src" and path.stem not in variant_names and path.stem != "dispatch"]
+    plain = plain_units(p.variants, p.spec.decode)  # compiled like dispatch
     for path in changed:
         log(f"  would write: {path.relative_to(out)}")
     for path in sources.stale:

@@ -24,7 +24,8 @@ from fa3gen.contract import Variant, library_name
 from .errors import ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
-from .render import environment, has_quantizer, needs_extended_mma_shapes, write_if_changed
+from .render import (PLAIN_UNIT_HEADERS, environment, needs_extended_mma_shapes, plain_units,
+                     write_if_changed)
 from .toolchain import Toolchain
 
 
@@ -92,8 +93,8 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
-        quantize_headers=_headers(kernels_dir, "quantize_fp8.cuh") if has_quantizer(variants) else None,
-        decode_headers=_headers(kernels_dir, "decode.cuh") if decode else None,
+        plain_units={unit: _headers(kernels_dir, PLAIN_UNIT_HEADERS[unit])
+                     for unit in plain_units(variants, decode)},
         library=library_name(spec_name))
 
 

@@ -136,6 +136,16 @@ def has_quantizer(variants: Iterable[Variant]) -> bool:
     return any(v.dtype == "e4m3" for v in variants)
 
 
+# The CuTe-free translation units a library may hold beside its variants: src/<name>.cu from
+# templates/<name>.cu.j2, its kernel header in templates/kernels.
+PLAIN_UNIT_HEADERS = {"quantize": "quantize_fp8.cuh", "decode": "decode.cuh"}
+
+
+def plain_units(variants: Iterable[Variant], decode: bool) -> tuple[str, ...]:
+    """The names of the CuTe-free units a library of `variants` holds (decode: the spec's)."""
+    return (("quantize",) if has_quantizer(variants) else ()) + (("decode",) if decode else ())
+
+
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
                  spec_variants: Optional[Iterable[Variant]] = None,
@@ -153,14 +163,10 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
     keep = {v.name for v in everything} | {"dispatch"}
-    if has_quantizer(variants):
-        files[out_dir / "src" / "quantize.cu"] = env.get_template("quantize.cu.j2").render(
-            spec_name=spec_name)
-        keep.add("quantize")
-    if decode:  # the spec's `decode:` (dtype, head_dim) pairs: the KV-cache decode kernels
-        files[out_dir / "src" / "decode.cu"] = env.get_template("decode.cu.j2").render(
-            spec_name=spec_name, pairs=decode)
-        keep.add("decode")
+    for unit in plain_units(variants, decode):
+        files[out_dir / "src" / f"{unit}.cu"] = env.get_template(f"{unit}.cu.j2").render(
+            spec_name=spec_name, pairs=decode)  # decode.cu: the spec's (dtype, head_dim) pairs
+        keep.add(unit)
     stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
     return RenderPlan(files, stale)

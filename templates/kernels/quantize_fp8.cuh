@@ -4,10 +4,11 @@
 // each scope mapped to 448 (fa3gen.fp8.quantize is the PyTorch reference). Optionally the rows
 // are first multiplied by diag(signs) H / sqrt(d), H the Sylvester-Hadamard matrix (incoherent
 // processing; fa3gen.reference.hadamard_transform).
-// One CTA of 4 warps per (block, head, batch); a warp owns whole rows, each lane head_dim / 32
+// One CTA per (block, head, batch); a warp owns whole rows, each lane head_dim / 32
 // consecutive elements (vector loads), so the Hadamard butterflies are in-thread for the lowest
-// strides and warp shuffles for the rest. Memory-bound: the block is read twice (the second
-// read hits L2: a CTA's block is at most 64 KB), written once in 8 bits.
+// strides and warp shuffles for the rest. Memory-bound: blocks that fit the registers of 8 warps
+// are read once (quantize_blocks_resident); larger blocks and per-tensor scales are read twice
+// (the amax, then the values; a block's second read hits L2), and written once in 8 bits.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

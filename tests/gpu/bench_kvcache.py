@@ -99,19 +99,16 @@ def main():
         }
         skipped = {}
         if fa4 is not None:
-            for name, fn in (
-                    ("fa4", lambda: fa4(q, kc, vc, seqused_k=seqlens, num_splits=0)),
-                    ("fa4_paged", lambda: fa4(q, pages, vpages, seqused_k=seqlens, page_table=table,
-                                              num_splits=0))):
-                fn, why = _peer(fn)
-                if fn is None:  # FA4 may refuse split-KV on sm90: its default, one split
-                    fn, why = _peer(lambda n_=name: fa4(q, kc if n_ == "fa4" else pages,
-                                                        vc if n_ == "fa4" else vpages, seqused_k=seqlens,
-                                                        page_table=None if n_ == "fa4" else table))
-                if fn is None:
-                    skipped[name] = why
+            for name, kcache, vcache, pt in (("fa4", kc, vc, None), ("fa4_paged", pages, vpages, table)):
+                # FA4's own split heuristic first; it may refuse split-KV on sm90: one split
+                for splits in (0, 1):
+                    fn, why = _peer(lambda kcache=kcache, vcache=vcache, pt=pt, splits=splits: fa4(
+                        q, kcache, vcache, seqused_k=seqlens, page_table=pt, num_splits=splits))
+                    if fn is not None:
+                        fns[name] = fn
+                        break
                 else:
-                    fns[name] = fn
+                    skipped[name] = why
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
 
         def cudnn():
