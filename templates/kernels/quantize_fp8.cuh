@@ -64,10 +64,37 @@ __device__ __forceinline__ void transform_row(float (&v)[HeadDim / 32], int lane
 
 // The E = HeadDim / 32 elements of a row that this lane owns, transformed when signs != null.
 template <class T, int HeadDim>
-__device__ __forceinline__ void load_row(const fa3gen_quantize_params& p, const T* x, int64_t row_offset,
-                                         int lane, const float* signs, float (&v)[HeadDim / 32]) {
+__device__ __forceinline__ void load_row(const T* x, int64_t row_offset, int lane, const float* signs,
+                                         float (&v)[HeadDim / 32]) {
   load_floats<T, HeadDim / 32>(x + row_offset + lane * (HeadDim / 32), v);
   if (signs != nullptr) transform_row<HeadDim>(v, lane, signs);
+}
+
+// The largest of every thread's amax in a CTA of Warps warps (all threads get it).
+template <int Warps>
+__device__ __forceinline__ float cta_max(float amax) {
+  __shared__ float warp_amax[Warps];
+  const int warp = threadIdx.x / 32;
+  amax = warp_max(amax);
+  if (threadIdx.x % 32 == 0) warp_amax[warp] = amax;
+  __syncthreads();
+  amax = warp_amax[0];
+  #pragma unroll
+  for (int w = 1; w < Warps; ++w) amax = fmaxf(amax, warp_amax[w]);
+  return amax;
+}
+
+// A lane's E values divided by descale (as fa3gen.fp8.quantize: x / scale, rounded to nearest
+// even, saturated at 448), stored as E e4m3 bytes at dst in one access.
+template <int E>
+__device__ __forceinline__ void store_e4m3(uint8_t* dst, const float (&v)[E], float descale) {
+  Vec<E> packed;
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(&packed);
+  #pragma unroll
+  for (int i = 0; i < E; ++i) {
+    bytes[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], descale), __NV_SATFINITE, __NV_E4M3);
+  }
+  *reinterpret_cast<Vec<E>*>(dst) = packed;
 }
 
 // Largest magnitude of the CTA's rows (after the transform).
@@ -78,22 +105,15 @@ __device__ float block_amax(const fa3gen_quantize_params& p, int row0, int rows,
   float amax = 0.f;
   for (int r = warp; r < rows; r += kWarps) {
     float v[HeadDim / 32];
-    load_row<T, HeadDim>(p, x, int64_t(b) * p.x_batch_stride + int64_t(row0 + r) * p.x_row_stride + head * p.x_head_stride,
+    load_row<T, HeadDim>(x, int64_t(b) * p.x_batch_stride + int64_t(row0 + r) * p.x_row_stride + head * p.x_head_stride,
                          lane, p.signs, v);
     #pragma unroll
     for (int i = 0; i < HeadDim / 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
   }
-  __shared__ float warp_amax[kWarps];
-  amax = warp_max(amax);
-  if (lane == 0) warp_amax[warp] = amax;
-  __syncthreads();
-  amax = warp_amax[0];
-  for (int w = 1; w < kWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
-  return amax;
+  return cta_max<kWarps>(amax);
 }
 
-// The CTA's rows divided by descale (as fa3gen.fp8.quantize: x / scale, rounded to nearest even,
-// saturated at 448), written as e4m3 into the contiguous (batch, seqlen, heads, head_dim) out.
+// The CTA's rows as e4m3 (store_e4m3) in the contiguous (batch, seqlen, heads, head_dim) out.
 template <class T, int HeadDim>
 __device__ void write_block(const fa3gen_quantize_params& p, int row0, int rows, int head, int b, float descale) {
   constexpr int E = HeadDim / 32;
@@ -102,16 +122,10 @@ __device__ void write_block(const fa3gen_quantize_params& p, int row0, int rows,
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int r = warp; r < rows; r += kWarps) {
     float v[E];
-    load_row<T, HeadDim>(p, x, int64_t(b) * p.x_batch_stride + int64_t(row0 + r) * p.x_row_stride + head * p.x_head_stride,
+    load_row<T, HeadDim>(x, int64_t(b) * p.x_batch_stride + int64_t(row0 + r) * p.x_row_stride + head * p.x_head_stride,
                          lane, p.signs, v);
-    Vec<E> packed;
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(&packed);
-    #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      bytes[i] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i], descale), __NV_SATFINITE, __NV_E4M3);
-    }
-    uint8_t* dst = out + ((int64_t(b) * p.seqlen + row0 + r) * p.heads + head) * HeadDim + lane * E;
-    *reinterpret_cast<Vec<E>*>(dst) = packed;
+    store_e4m3<E>(out + ((int64_t(b) * p.seqlen + row0 + r) * p.heads + head) * HeadDim + lane * E, v,
+                  descale);
   }
 }
 
@@ -146,7 +160,7 @@ __global__ void __launch_bounds__(kResidentWarps * 32, 2) quantize_blocks_reside
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const T* x = static_cast<const T*>(p.x) + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride +
                lane * E;
-  // Every load issued before any is used (rows warp, warp + 16, ...).
+  // Every load issued before any is used (rows warp, warp + kResidentWarps, ...).
   Vec<E * int(sizeof(T))> raw[R];
   #pragma unroll
   for (int i = 0; i < R; ++i) {
@@ -165,27 +179,13 @@ __global__ void __launch_bounds__(kResidentWarps * 32, 2) quantize_blocks_reside
     #pragma unroll
     for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
   }
-  __shared__ float warp_amax[kResidentWarps];
-  amax = warp_max(amax);
-  if (lane == 0) warp_amax[warp] = amax;
-  __syncthreads();
-  amax = warp_amax[0];
-  #pragma unroll
-  for (int w = 1; w < kResidentWarps; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float descale = descale_of(amax);
+  const float descale = descale_of(cta_max<kResidentWarps>(amax));
   if (threadIdx.x == 0) p.descale[(int64_t(b) * p.heads + head) * gridDim.x + blk] = descale;
   uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim + lane * E;
   #pragma unroll
   for (int i = 0; i < R; ++i) {
     const int r = warp + i * kResidentWarps;
-    if (r >= rows) continue;
-    Vec<E> packed;
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(&packed);
-    #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      bytes[e] = __nv_cvt_float_to_fp8(__fdiv_rn(v[i][e], descale), __NV_SATFINITE, __NV_E4M3);
-    }
-    *reinterpret_cast<Vec<E>*>(out + int64_t(r) * p.heads * HeadDim) = packed;
+    if (r < rows) store_e4m3<E>(out + int64_t(r) * p.heads * HeadDim, v[i], descale);
   }
 }
 
