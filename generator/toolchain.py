@@ -83,6 +83,9 @@ def compile_flags(cutlass_include: Path, debug: bool = False, lineinfo: bool = F
         flags.append("-DNDEBUG")  # device asserts cost a lot of speed
     # CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED: defined by the TUs that need it (generator/render.py)
     flags += ["-Xcompiler", "-fPIC", "-Xptxas", "-v"]     # -v: registers/spills per kernel
+    # Export only FA3GEN_API (fa3gen_abi.h): C++ template instances and their statics stay
+    # private to each library, so that two libraries load side by side in one process.
+    flags += ["-Xcompiler", "-fvisibility=hidden"]
     if debug or lineinfo:
         flags.append("-lineinfo")
     flags += [f"-I{KERNELS_DIR}", f"-I{cutlass_include}"]

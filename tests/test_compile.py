@@ -41,6 +41,12 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
                     "fa3gen_num_variants", "fa3gen_build_info", "fa3gen_last_error",
                     "fa3gen_abi_version"):
             assert any(line.split()[-1] == sym for line in syms.splitlines()), sym
+        # Nothing else: an exported template instance or function-local static (GNU unique)
+        # binds across libraries, and a second library's kernels then fail to launch.
+        # (libstdc++'s headers give a few of their inline members default visibility.)
+        exported = [line.split()[-1] for line in syms.splitlines() if line.strip()]
+        ours = [s for s in exported if not s.startswith(("fa3gen_", "_ZNSt", "_ZNKSt", "_ZSt"))]
+        assert ours == []
 
     m = json.loads((tmp_path / "tiny" / "manifest.json").read_text())
     assert sorted(row["name"] for row in m["variants"]) == names

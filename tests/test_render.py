@@ -23,7 +23,7 @@ def fake_toolchain() -> Toolchain:
 def test_variant_tu():
     text = render_variant(V1)
     assert '#include "fa3gen_fwd.cuh"' in text
-    assert ('extern "C" int fa3gen_launch_fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1('
+    assert ('extern "C" FA3GEN_API int fa3gen_launch_fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1('
             'const fa3gen_fwd_params* p, void* stream)') in text
     assert ("fa3gen::launch_fwd<cutlass::bfloat16_t, 128, 128, 176, 2, false, false, false, false, "
             "true, true, true>"
@@ -45,7 +45,7 @@ V3 = Variant("bwd", "bf16", 128, True, False, False, False, 64, 128, 2, True, Fa
 def test_backward_variant_tu():
     text = render_variant(V3)
     assert '#include "fa3gen_bwd.cuh"' in text and "fa3gen_fwd.cuh" not in text
-    assert (f'extern "C" int fa3gen_launch_{V3.name}(const fa3gen_bwd_params* p, '
+    assert (f'extern "C" FA3GEN_API int fa3gen_launch_{V3.name}(const fa3gen_bwd_params* p, '
             'void* stream)') in text
     assert ("fa3gen::launch_bwd<cutlass::bfloat16_t, 128, 64, 128, 2, true, false, false, false>"
             "(*p, ") in text

@@ -7,6 +7,11 @@
 
 #define FA3GEN_ABI_VERSION 7
 
+// The library is compiled with hidden visibility (generator/toolchain.py) and exports only
+// what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
+// each other's template instances or function-local statics.
+#define FA3GEN_API __attribute__((visibility("default")))
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -201,16 +206,16 @@ typedef struct fa3gen_variant_info {
   fa3gen_bwd_launch_fn launch_bwd;  // NULL for a forward variant
 } fa3gen_variant_info;
 
-int32_t fa3gen_abi_version(void);
-int32_t fa3gen_num_variants(void);
-const fa3gen_variant_info* fa3gen_variant(int32_t index);
-const char* fa3gen_build_info(void);   // JSON: spec name, fingerprint
-const char* fa3gen_last_error(void);   // thread-local message of the last failed call
-void fa3gen_set_error(const char* message);
+FA3GEN_API int32_t fa3gen_abi_version(void);
+FA3GEN_API int32_t fa3gen_num_variants(void);
+FA3GEN_API const fa3gen_variant_info* fa3gen_variant(int32_t index);
+FA3GEN_API const char* fa3gen_build_info(void);   // JSON: spec name, fingerprint
+FA3GEN_API const char* fa3gen_last_error(void);   // thread-local message of the last failed call
+FA3GEN_API void fa3gen_set_error(const char* message);
 // Only in libraries of specs with e4m3 variants (look it up as an optional symbol).
-int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* cuda_stream);
+FA3GEN_API int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* cuda_stream);
 // Only in libraries of specs with `decode: true` (no CuTe: a few seconds to compile).
-int fa3gen_decode_fwd(const fa3gen_decode_params* params, void* cuda_stream);
+FA3GEN_API int fa3gen_decode_fwd(const fa3gen_decode_params* params, void* cuda_stream);
 
 #ifdef __cplusplus
 }
