@@ -123,6 +123,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows], row_m[kRows], row_l[kRows];
 
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
+  asm volatile("griddepcontrol.launch_dependents;");  // the combine kernel may be placed now
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
   const int seqlen_k = p.cache_seqlens ? min(max(p.cache_seqlens[b], 0), p.seqlen_k) : p.seqlen_k;
@@ -147,20 +148,6 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   const T* kc = static_cast<const T*>(p.k_cache);
   const T* vc = static_cast<const T*>(p.v_cache);
 
-  // Q: the rows of this kv head, zero-padded to 16, into shared memory (swizzled).
-  uint8_t* q_smem = smem;
-  for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-    const int r = i / C::kChunks, chunk = i % C::kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
-      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + int64_t(b) * p.q_batch_stride +
-                                          int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
-                                          chunk * 8);
-    }
-    *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = v;
-  }
-
   // This lane's two rows (g and g + 8): the first and last key each sees.
   int first_key[2], last_key[2];
 #pragma unroll
@@ -170,6 +157,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     last_key[j] = (right >= 0 && r < rows) ? position + right : seqlen_k - 1;
   }
 
+  uint8_t* q_smem = smem;
   uint8_t* ring = smem + C::kQBytes + warp * C::kRingBytes;  // stage s: K at 2s, V at 2s + 1
   // Pages of a multiple of 16 rows hold whole slices (slices start at multiples of 16): one
   // block-table read per slice, issued an iteration before its copies need it. Other page
@@ -215,6 +203,20 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     if (n < my_slices) load_slice(n, slice_page(n));
     cp_async_commit();  // empty groups keep the count uniform
   }
+  // Q: the rows of this kv head, zero-padded to 16, into shared memory (swizzled); after the
+  // first K/V copies are issued, so that its load latency overlaps theirs.
+  for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+    const int r = i / C::kChunks, chunk = i % C::kChunks;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
+      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + int64_t(b) * p.q_batch_stride +
+                                          int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
+                                          chunk * 8);
+    }
+    *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = v;
+  }
+
   int next_page = slice_page(C::kStages - 1);
   __syncthreads();  // Q is in shared memory
 
@@ -371,10 +373,15 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   }
 }
 
-// Merge the splits of one (b, head, query) row: O = sum_s exp(lse_s - lse) O_s.
+// Merge the splits of one (b, head, query) row: O = sum_s exp(lse_s - lse) O_s. Launched as a
+// programmatic dependent of the split kernel: its blocks are placed while the split kernel
+// drains and wait here until its partials are complete and visible.
 template <class T, int HeadDim>
 __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params p) {
-  constexpr int E = HeadDim / 32;
+  constexpr int E = HeadDim / 32;  // columns per lane
+  constexpr int kBatch = 8;        // splits whose partials are in flight at once
+  struct alignas(E * 4 <= 16 ? E * 4 : 16) Part { float v[E]; };
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   const int64_t row = blockIdx.x;  // (b, hq, sq) flattened
   const int lane = threadIdx.x, splits = p.num_splits;
   const float* lses = p.lse_accum + row * splits;
@@ -389,11 +396,22 @@ __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params 
   const float lse = lmax == -INFINITY ? -INFINITY : lmax + logf(total);
   float o[E] = {};
   if (lmax != -INFINITY) {
-    for (int s = 0; s < splits; ++s) {
-      const float w = expf(lses[s] - lse);  // 0 for an empty split
-      const float* acc = p.o_accum + (row * splits + s) * HeadDim + lane * E;
+    // kBatch splits' loads issued before their FMAs: one L2 round trip per batch, not per split.
+    for (int s0 = 0; s0 < splits; s0 += kBatch) {
+      Part part[kBatch];
+      float w[kBatch];
 #pragma unroll
-      for (int i = 0; i < E; ++i) o[i] = fmaf(w, acc[i], o[i]);
+      for (int j = 0; j < kBatch; ++j) {
+        const int s = min(s0 + j, splits - 1);
+        part[j] = *reinterpret_cast<const Part*>(p.o_accum + (row * splits + s) * HeadDim + lane * E);
+        w[j] = s0 + j < splits ? lses[s] : -INFINITY;
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float wj = expf(w[j] - lse);  // 0 for an empty split and past the last one
+#pragma unroll
+        for (int i = 0; i < E; ++i) o[i] = fmaf(wj, part[j].v[i], o[i]);
+      }
     }
   }
   const int qi = int(row % p.seqlen_q), head = int((row / p.seqlen_q) % p.heads_q);
@@ -417,7 +435,19 @@ int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
   const dim3 grid(p.num_splits, p.heads_kv, p.batch);
   split_kernel<T, HeadDim><<<grid, kWarps * 32, smem, stream>>>(p);
   if (p.num_splits > 1) {
-    combine_kernel<T, HeadDim><<<unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q), 32, 0, stream>>>(p);
+    // Programmatic dependent launch: the combine grid is set up while the split kernel's last
+    // CTAs run (it waits on griddepcontrol.wait), instead of after they all retire.
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q));
+    config.blockDim = dim3(32);
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, combine_kernel<T, HeadDim>, p);
+    if (err != cudaSuccess) return report("decode combine launch", err);
   }
   err = cudaGetLastError();
   return err == cudaSuccess ? 0 : report("decode kernel launch", err);
