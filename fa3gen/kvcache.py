@@ -18,7 +18,10 @@ from fa3gen.varlen import debug_checks_enabled
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
 HEAD_DIMS = contract.DECODE_HEAD_DIMS
-MIN_KEYS_PER_SPLIT = 512
+# One 16-key slice per warp of the split kernel's 4. Splits that short pay: a small cache is
+# latency-bound, and more CTAs keep more loads in flight (H200, batch 1, 8 kv heads, 1k keys:
+# 15 us at 2 splits, 7.2 us at 16; 2026-11-30).
+MIN_KEYS_PER_SPLIT = 64
 MAX_SPLITS = 128
 # CTAs of the split kernel resident per SM, from its shared memory (decode.cuh's Config: 66, 100
 # and 200 KB of the 227 KB an H100/H200 SM offers).
@@ -375,6 +378,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     out = out.view(b, sq, hq, d)
     lse = lse.view(hq, b, sq).permute(1, 0, 2)
     return (out, lse) if return_lse else out
+
 
 def _built_decode_pairs() -> frozenset:
     """The (dtype, head_dim) pairs of the loaded library's decode kernels."""

@@ -40,8 +40,8 @@ def test_contiguous_cache_params(launched):
     assert p.cache_seqlens and p.cache_batch_idx and not p.block_table and p.page_size == 0
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
     assert p.causal == 1 and p.fp16 == 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
-    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132, 128) == 1  # < 2 x 512 keys
-    assert not p.o_accum and p.cache_rows == 3  # indices are clamped to it
+    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132, 128) == 13  # 85% of 15 splits of 64 keys
+    assert p.o_accum and p.cache_rows == 3  # indices are clamped to it
     launched.clear()
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=4, cache_batch_idx=idx)
     assert launched[0].num_splits == 4 and launched[0].o_accum and launched[0].lse_accum
@@ -113,7 +113,8 @@ def test_split_heuristic():
     assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 128) == 4     # 256 of 264 slots
     assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 256) == 2     # 1 CTA per SM: 128 of 132
     assert kvcache.num_splits_heuristic(256, 8, 4096, 132, 128) == 1
-    assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 1       # short: one split
+    assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 13      # 85% of 15 splits of 64 keys
+    assert kvcache.num_splits_heuristic(1, 1, 100, 132, 64) == 1
 
 
 def test_reference_paged_equals_contiguous():
@@ -251,7 +252,7 @@ def test_window_and_softcap_params(launched):
     assert windowed.softcap == 30.0 and causal.softcap == 0.0
     assert (causal.window_left, causal.window_right, causal.causal) == (-1, -1, 1)
     assert (both_sides.window_left, both_sides.window_right) == (100, 7)
-    assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 2
+    assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 14
     assert causal.num_splits == kvcache.num_splits_heuristic(1, 2, 65536, 132, 128) > windowed.num_splits
 
 
