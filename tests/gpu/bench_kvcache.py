@@ -1,8 +1,8 @@
 """Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
 of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
-    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick]
+    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300]
 Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16; batch 1, 8, 64, 256;
-cache lengths 1k to 128k (cases above 8 GB of KV left out); contiguous and paged (64-row pages,
+cache lengths 1k to 128k (cases above 8 GB of KV, or --max-mb, left out); contiguous and paged (64-row pages,
 shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
 process and rounds: FA4 (flash_attn.cute, paged through its page_table, and contiguous) and
 PyTorch SDPA's cuDNN backend (contiguous, GQA). Each backend twice: eager calls back to back
@@ -66,6 +66,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="a few cases")
     ap.add_argument("--graph-peers", action="store_true", help="also capture the peers in graphs")
+    ap.add_argument("--max-mb", type=float, default=8000, help="leave out cases with more KV bytes")
     args = ap.parse_args()
     fa4 = _fa4()
     hq, d, page, dt = 32, 128, 64, torch.bfloat16
@@ -82,7 +83,7 @@ def main():
         grid = [(1, 8, 1, 131072), (1, 8, 64, 4096), (4, 8, 8, 32768), (1, 32, 256, 1024)]
     for sq, hkv, b, n in grid:
         kv_bytes = 2 * b * n * hkv * d * 2
-        if kv_bytes > 8e9:
+        if kv_bytes > args.max_mb * MB:
             continue
         g = torch.Generator(device="cuda").manual_seed(n + b)
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt, generator=g)

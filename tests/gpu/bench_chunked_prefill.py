@@ -1,0 +1,83 @@
+"""Chunked prefill against a KV cache (issue 17: within 5% of fa3gen's dense forward rate at the
+same sizes), sustained, one process:
+    python3 tests/gpu/bench_chunked_prefill.py [--out chunked_prefill.json]
+A chunk of seqlen_q new query rows (bf16, d128, 32 query heads over 8 kv heads, batch 1,
+causal: bottom-right aligned) attends to a cache of seqlen_k keys. Rows: flash_attn_func on
+plain (1, seqlen_k, 8, 128) K and V (the dense rate); flash_attn_with_kvcache on a contiguous
+cache with room for 4096 more keys, cache_seqlens given as an int and as a tensor (a view of the
+cache either way; the tensor costs a device sync for the view's length); and on a paged cache
+(64-row pages, shuffled), whose keys are gathered into a packed copy first. TFLOP/s count the
+visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
+Not a pytest module."""
+import argparse
+import json
+import sys
+
+import torch
+
+import fa3gen
+from fa3gen import kvcache, timing
+
+HQ, HKV, D, PAGE, ROOM = 32, 8, 128, 64, 4096
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--seqlens-q", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--seqlens-k", type=int, nargs="+", default=[16384, 65536])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-ms", type=float, default=60)
+    args = ap.parse_args()
+    dt, rows = torch.bfloat16, []
+    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | int / dense | paged / dense |")
+    print("|---|---|---|---|---|---|---|---|")
+    for sk in args.seqlens_k:
+        for sq in args.seqlens_q:
+            g = torch.Generator(device="cuda").manual_seed(sq + sk)
+            q = torch.randn(1, sq, HQ, D, device="cuda", dtype=dt, generator=g)
+            kc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
+            vc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
+            k, v = kc[:, :sk].contiguous(), vc[:, :sk].contiguous()
+            n_pages = -(-(sk + ROOM) // PAGE)
+            order = torch.randperm(n_pages, device="cuda", generator=g)
+            kp = torch.zeros(n_pages, PAGE, HKV, D, device="cuda", dtype=dt)
+            vp = torch.zeros_like(kp)
+            kp[order] = kc[0].reshape(n_pages, PAGE, HKV, D)
+            vp[order] = vc[0].reshape(n_pages, PAGE, HKV, D)
+            table = order.to(torch.int32).reshape(1, -1)
+            lengths = torch.full((1,), sk, dtype=torch.int32, device="cuda")
+            fns = {
+                "dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True),
+                "cache_int": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, causal=True),
+                "cache_tensor": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                                        causal=True),
+                "paged": lambda: kvcache.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lengths,
+                                                                 block_table=table, causal=True),
+            }
+            ref = fns["dense"]()
+            for name, fn in fns.items():  # every path computes the same thing
+                err = (fn().float() - ref.float()).abs().max().item()
+                if err > 2e-2:
+                    print(f"{name}: differs from dense by {err}", file=sys.stderr)
+                    return 1
+            ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms)
+            pairs = sq * (sk - sq) + sq * (sq + 1) / 2
+            tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
+            row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf}
+            rows.append(row)
+            print(f"| {sq} | {sk} | {tf['dense']:.0f} | {tf['cache_int']:.0f} | {tf['cache_tensor']:.0f} | "
+                  f"{tf['paged']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | {tf['paged'] / tf['dense']:.3f} |",
+                  flush=True)
+            del kc, vc, k, v, kp, vp
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "dtype": "bf16", "heads_q": HQ, "heads_kv": HKV,
+                       "head_dim": D, "page_size": PAGE, "causal": True,
+                       "command": "python3 tests/gpu/bench_chunked_prefill.py", "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
