@@ -330,10 +330,11 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
 
 def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse):
     """More query rows per kv head than the decode kernels take (chunked prefill): the forward
-    kernels over the cached keys. One sequence length for all (an int cache_seqlens, or batch
-    1) on a contiguous cache: flash_attn_func on a view of the cache, no copy. Otherwise each
-    sequence's keys are gathered into a packed copy for flash_attn_varlen_func, which needs
-    the lengths on the host (a device sync)."""
+    kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
+    contiguous cache: flash_attn_func on a view of the cache, no copy. Batch 1 with a tensor
+    cache_seqlens on a contiguous cache: flash_attn_varlen_func over the cache row, no copy
+    and no sync. Otherwise each sequence's keys are gathered into a packed copy for
+    flash_attn_varlen_func, which needs the lengths on the host (a device sync)."""
     from fa3gen.varlen import flash_attn_varlen_func
 
     mask, scale = plan.prefill
@@ -343,6 +344,16 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     capacity = plan.geometry[2]
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
+    if block_table is None and seqlens is not None and b == 1 and batch_idx is None:
+        # One sequence whose length is on the device: the varlen forward over the cache row,
+        # cu_seqlens_k built on the device, the capacity as max_seqlen_k (an upper bound).
+        # No device sync and no copy.
+        cu_k = torch.cat([seqlens.new_zeros(1), seqlens.clamp(0, capacity)])
+        cu_q = torch.arange(0, sq + 1, sq, dtype=torch.int32, device=q.device)
+        out, lse = flash_attn_varlen_func(q[0], k_cache[0], v_cache[0], cu_q, cu_k, sq, max(1, capacity),
+                                          softmax_scale=scale, return_lse=True, **kwargs)
+        out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # lse (hq, sq) -> (1, hq, sq)
+        return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size

@@ -139,16 +139,17 @@ def test_window_and_softcap(lib, window, softcap, paged, splits):
         _check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("layout", ["one_length", "ragged", "paged"])
+@pytest.mark.parametrize("layout", ["one_length", "ragged", "paged", "one_sequence"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_chunked_prefill(lib, layout, causal):
-    """More than 16 query rows per kv head go to the forward kernels (a view of the cache, or
-    the gathered keys through the varlen forward): same semantics as the decode kernels."""
-    b, sq, hq, hkv, d, cap = 2, 96, 8, 2, 128, 2048
+    """More than 16 query rows per kv head go to the forward kernels (a view of the cache, the
+    varlen forward over one sequence's cache row, or the gathered keys through the varlen
+    forward): same semantics as the decode kernels."""
+    b, sq, hq, hkv, d, cap = (1 if layout == "one_sequence" else 2), 96, 8, 2, 128, 2048
     g = torch.Generator(device="cuda").manual_seed(5)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if layout == "paged" else None)
-    seqlens = (torch.tensor([1500, 1500] if layout == "one_length" else [1777, 96], dtype=torch.int32,
+    seqlens = (torch.tensor([1500, 1500] if layout == "one_length" else [1777, 96][:b], dtype=torch.int32,
                             device="cuda"))
     lengths = 1500 if layout == "one_length" else seqlens
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal, return_lse=True,
