@@ -58,6 +58,9 @@ def main() -> int:
     rows = []
     print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
     for info in libs[0].defaults():
+        if info.varlen:  # packed batches need cu_seqlens: tests/gpu/bench_varlen.py times them
+            print(f"skipped {info.name}: varlen", file=sys.stderr)
+            continue
         if libs[1].get(info.name) is None:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
             continue
