@@ -274,7 +274,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -353,6 +353,10 @@ DECODE_PARAMS = (
     *((n, "int32_t") for n in ("page_size", "num_splits", "causal", "fp16", "cache_rows",
                                "window_left", "window_right")),
     ("softmax_scale", "float"), ("softcap", "float"),
+    # An e4m3 cache and its dequantization factors.
+    ("k_scale", "const float*"), ("v_scale", "const float*"),
+    ("kv_scale_batch_stride", "int64_t"), ("kv_scale_head_stride", "int64_t"),
+    ("k_scale_value", "float"), ("v_scale_value", "float"), ("kv_fp8", "int32_t"),
 )
 DECODE_SYMBOL = "fa3gen_decode_fwd"
 

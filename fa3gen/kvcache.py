@@ -1,12 +1,13 @@
 """Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and argument
 order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
-contiguous or paged cache, new keys and values appended first when given, the key range split
-across CTAs (split-KV) and merged; forward only. What it does not do yet is an error, never a
-different answer: cache_leftpad, rotary, more than 16 rows per kv head (use flash_attn_func
-for prefill), fp8 caches.
+contiguous or paged cache of q's dtype or e4m3 (with dequantization factors), new keys and
+values appended first when given, the key range split across CTAs (split-KV) and merged;
+more rows per kv head (chunked prefill) go to the forward kernels; forward only. Not there
+yet: cache_leftpad and rotary (no such argument).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -59,7 +60,7 @@ def _check_int32_vector(name, t, batch, device) -> None:
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False):
+                            return_lse=False, k_scale=None, v_scale=None):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256, seqlen_q * heads_q / heads_kv
@@ -79,10 +80,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     them is an error when cache_seqlens is an int; with a tensor that check needs the data on
     the host: FA3GEN_DEBUG_CHECKS=1 makes it (with the range checks of block_table and
     cache_batch_idx; a device sync), otherwise rows past the capacity are not written (the
-    cache's last row may then keep its old value) and nothing is read or written outside it."""
+    cache's last row may then keep its old value) and nothing is read or written outside it.
+
+    An e4m3 cache (k_cache, v_cache float8_e4m3fn; q bf16/fp16): the cached values are
+    value * k_scale (v_scale), each None (1), a float, or an fp32 tensor of shape (heads_kv,) or
+    (batch, heads_kv) on q's device (two tensors of one shape). Appended k, v in q's dtype are
+    quantized with those factors (value / factor, saturated to +-448); e4m3 k, v are written as
+    they are. The decode kernels read the e4m3 bytes (half the traffic of a 16-bit cache);
+    chunked prefill dequantizes the keys it reads into q's dtype first (a copy)."""
     ops._check_tensors(q, k_cache, v_cache)
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
-            softcap, num_splits)
+            softcap, num_splits, k_scale, v_scale)
     try:
         key = (ops._signature(q), ops._signature(k_cache), ops._signature(v_cache),
                *(_arg_signature(a) for a in args[:2]), _seqlens_signature(cache_seqlens),
@@ -95,7 +103,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if key is not None:
             ops._remember(_plans, key, plan)
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                  return_lse)
+                  return_lse, k_scale, v_scale)
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
@@ -129,20 +137,23 @@ class _DecodePlan:
     geometry: tuple          # (cache rows: pages or sequences, page size, capacity)
     append: int              # seqlen_new of k, v (0: nothing to append)
     prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
+    kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
 
 
 def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-          causal, window_size, softcap, num_splits) -> _DecodePlan:
+          causal, window_size, softcap, num_splits, k_scale, v_scale) -> _DecodePlan:
     """Every check that the tensors' metadata and the arguments allow, and the static params."""
     mask = ops.masking(causal, window_size, softcap)
     ops.check_device(q, k_cache, v_cache)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise InvalidInputError("q, k_cache and v_cache must be 4-D (batch or pages, seqlen, "
                                 "heads, head_dim)")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.bfloat16,
-                                                                         torch.float16):
-        raise InvalidInputError(f"q, k_cache, v_cache must share one dtype, bf16 or fp16; got "
-                                f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    kv_fp8 = k_cache.dtype == v_cache.dtype == FP8
+    if q.dtype not in (torch.bfloat16, torch.float16) or \
+            not (kv_fp8 or q.dtype == k_cache.dtype == v_cache.dtype):
+        raise InvalidInputError(f"q must be bf16 or fp16 and k_cache, v_cache of q's dtype or "
+                                f"both float8_e4m3fn; got {q.dtype}, {k_cache.dtype}, "
+                                f"{v_cache.dtype}")
     b, sq, hq, d = q.shape
     pages_or_b, rows_per, hkv, dk = k_cache.shape
     if tuple(v_cache.shape) != tuple(k_cache.shape) or dk != d:
@@ -182,7 +193,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         if cache_batch_idx is None and pages_or_b < b:
             raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
                                     "(pass cache_batch_idx to map them)")
-    append = _check_new_kv(k, v, k_cache, b, cache_seqlens)
+    scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
+    append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
     seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed
@@ -211,8 +223,42 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
     p.window_left, p.window_right, p.softcap = mask.window_left, mask.window_right, mask.softcap
+    p.kv_fp8 = int(kv_fp8)
+    p.kv_scale_batch_stride, p.kv_scale_head_stride = scale_strides
+    p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
+                                        for s in (k_scale, v_scale))
     return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, (pages_or_b, rows_per, capacity),
-                       append, (mask, p.softmax_scale) if prefill else None)
+                       append, (mask, p.softmax_scale) if prefill else None, kv_fp8)
+
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
+    """The (batch, head) strides of the factor tensors ((0, 0) without one)."""
+    given = [(n, s) for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
+    if given and not kv_fp8:
+        raise InvalidInputError("k_scale and v_scale dequantize an e4m3 cache (k_cache, v_cache "
+                                "float8_e4m3fn); this cache holds 16-bit values")
+    tensors = []
+    for name, s in given:
+        if isinstance(s, torch.Tensor):
+            if s.dtype != torch.float32 or s.device != device or \
+                    tuple(s.shape) not in ((heads_kv,), (batch, heads_kv)):
+                raise InvalidInputError(f"{name} must be fp32 of shape ({heads_kv},) or ({batch}, "
+                                        f"{heads_kv}) on {device}, got {s.dtype} "
+                                        f"{tuple(s.shape)} on {s.device}")
+            tensors.append(s)
+        elif isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
+            raise InvalidInputError(f"{name} must be a positive float or an fp32 tensor, got {s!r}")
+    if not tensors:
+        return 0, 0
+    if len(tensors) == 2 and (tensors[0].shape != tensors[1].shape or
+                              tensors[0].stride() != tensors[1].stride()):
+        raise InvalidInputError("k_scale and v_scale tensors must share one shape and strides")
+    t = tensors[0]
+    return (0, t.stride(0)) if t.dim() == 1 else (t.stride(0) if batch > 1 else 0, t.stride(1))
 
 
 def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
@@ -232,7 +278,7 @@ def _split_count(keys: int, num_splits: int, batch: int, heads_kv: int, num_sms:
     return max(1, min(splits, 65535, -(-keys // 64)))  # 64 keys: one CTA step
 
 
-def _check_new_kv(k, v, k_cache, batch, cache_seqlens) -> int:
+def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
     """seqlen_new of the keys and values to append (0 when there are none)."""
     if k is None and v is None:
         return 0
@@ -245,10 +291,12 @@ def _check_new_kv(k, v, k_cache, batch, cache_seqlens) -> int:
         raise InvalidInputError(f"k and v must be (batch={batch}, seqlen_new >= 1, "
                                 f"{k_cache.shape[2]}, {k_cache.shape[3]}); got {tuple(k.shape)} "
                                 f"and {tuple(v.shape)}")
-    if k.dtype != k_cache.dtype or v.dtype != k_cache.dtype or k.device != k_cache.device or \
+    # An e4m3 cache also takes k, v in q's dtype (quantized on the way in).
+    dtypes = (k_cache.dtype, q_dtype) if k_cache.dtype == FP8 else (k_cache.dtype,)
+    if k.dtype != v.dtype or k.dtype not in dtypes or k.device != k_cache.device or \
             v.device != k_cache.device:
         raise InvalidInputError(f"k and v must match the cache's dtype and device "
-                                f"({k_cache.dtype} on {k_cache.device})")
+                                f"({' or '.join(map(str, dtypes))} on {k_cache.device})")
     if cache_seqlens is None:
         raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
     return k.shape[1]
@@ -280,12 +328,14 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
                 else torch.arange(b, device=device)).clamp(0, cache_rows - 1)
         where = (rows[:, None].expand(b, n), pos)
     for cache, new in ((k_cache, k), (v_cache, v)):
+        if cache.dtype == FP8:  # as bytes: PyTorch's indexing and where take no float8
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         fitted = new.gather(1, src[:, :, None, None].expand_as(new))
         cache[where] = torch.where(any_fit, fitted, cache[where])
 
 
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-         block_table, return_lse):
+         block_table, return_lse, k_scale=None, v_scale=None):
     """One call of a planned signature: the pointers, the outputs, the launch."""
     b, sq, hq, d = plan.out_shape
     if 0 in (b, sq, hq):
@@ -306,19 +356,24 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
             (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
     if plan.append:
+        if plan.kv_fp8:
+            k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
         _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if plan.prefill:
         return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
-                        batch_idx, block_table, return_lse)
+                        batch_idx, block_table, return_lse, (k_scale, v_scale))
     out, lse = ops._empty_outputs(q)
     p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
     p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
     p.cache_batch_idx = batch_idx.data_ptr() if batch_idx is not None else None
     p.block_table = block_table.data_ptr() if block_table is not None else None
+    if plan.kv_fp8:
+        p.k_scale, p.v_scale = (s.data_ptr() if isinstance(s, torch.Tensor) else None
+                                for s in (k_scale, v_scale))
     if p.num_splits > 1:  # freed when this returns: the allocator orders its reuse on the stream
         rows = b * hq * sq * p.num_splits
         o_accum = torch.empty(rows * d, dtype=torch.float32, device=q.device)
@@ -328,7 +383,33 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     return (out, lse) if return_lse else out
 
 
-def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse):
+def _quantize_new(x, factor):
+    """New keys or values for an e4m3 cache: x / factor (per kv head, or per sequence and kv
+    head), saturated to the e4m3 range; e4m3 input is written as it is."""
+    if x.dtype == FP8:
+        return x
+    y = x.float()
+    if isinstance(factor, torch.Tensor):
+        y = y / (factor[:, None, :, None] if factor.dim() == 2 else factor[None, None, :, None])
+    elif factor is not None:
+        y = y / float(factor)
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _dequantize(x, factor, sequences, dtype):
+    """Cached e4m3 rows x (.., rows, heads_kv, d) of the given sequences (a slice or index of
+    the batch; an int for one) as `dtype`, multiplied by their factors."""
+    y = x.float()
+    if isinstance(factor, torch.Tensor):
+        f = factor[sequences] if factor.dim() == 2 else factor
+        y = y * (f[..., None, :, None] if f.dim() == 2 else f[:, None])
+    elif factor is not None:
+        y = y * float(factor)
+    return y.to(dtype)
+
+
+def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse,
+             scales=(None, None)):
     """More query rows per kv head than the decode kernels take (chunked prefill): the forward
     kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
     contiguous cache: flash_attn_func on a view of the cache, no copy. Batch 1 with a tensor
@@ -338,6 +419,13 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     from fa3gen.varlen import flash_attn_varlen_func
 
     mask, scale = plan.prefill
+    if plan.kv_fp8:  # the forward kernels take one dtype: the keys read become q's
+        def kv(cache_k, cache_v, sequences):
+            return (_dequantize(cache_k, scales[0], sequences, q.dtype),
+                    _dequantize(cache_v, scales[1], sequences, q.dtype))
+    else:
+        def kv(cache_k, cache_v, sequences):
+            return cache_k, cache_v
     kwargs = dict(causal=mask.causal, window_size=(mask.window_left, mask.window_right),
                   softcap=mask.softcap)
     b, sq, hq, d = q.shape
@@ -350,7 +438,8 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         # No device sync and no copy.
         cu_k = torch.cat([seqlens.new_zeros(1), seqlens.clamp(0, capacity)])
         cu_q = torch.arange(0, sq + 1, sq, dtype=torch.int32, device=q.device)
-        out, lse = flash_attn_varlen_func(q[0], k_cache[0], v_cache[0], cu_q, cu_k, sq, max(1, capacity),
+        k0, v0 = kv(k_cache[0], v_cache[0], 0)
+        out, lse = flash_attn_varlen_func(q[0], k0, v0, cu_q, cu_k, sq, max(1, capacity),
                                           softmax_scale=scale, return_lse=True, **kwargs)
         out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # lse (hq, sq) -> (1, hq, sq)
         return (out, lse) if return_lse else out
@@ -363,8 +452,8 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
                     else torch.tensor(rows, device=k_cache.device))
         else:
             pick = slice(0, b)
-        out, lse = ops.flash_attn_func(q, k_cache[pick, :length], v_cache[pick, :length], scale,
-                                       return_lse=True, **kwargs)
+        kb, vb = kv(k_cache[pick, :length], v_cache[pick, :length], slice(0, b))
+        out, lse = ops.flash_attn_func(q, kb, vb, scale, return_lse=True, **kwargs)
         return (out, lse) if return_lse else out
     lengths = ([min(max(n, 0), capacity) for n in seqlens.tolist()] if seqlens is not None
                else [length] * b)
@@ -372,12 +461,13 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     for i, n in enumerate(lengths):
         if block_table is not None:
             pages = block_table[i, :-(-n // k_cache.shape[1])].long()
-            ks.append(k_cache[pages].flatten(0, 1)[:n])
-            vs.append(v_cache[pages].flatten(0, 1)[:n])
+            ki, vi = k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n]
         else:
             row = batch_idx[i] if batch_idx is not None else i
-            ks.append(k_cache[row, :n])
-            vs.append(v_cache[row, :n])
+            ki, vi = k_cache[row, :n], v_cache[row, :n]
+        ki, vi = kv(ki, vi, i)
+        ks.append(ki)
+        vs.append(vi)
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)

@@ -9,6 +9,7 @@ from fa3gen.errors import InvalidInputError
 from fa3gen.reference import kvcache_attention_reference
 
 BF = torch.bfloat16
+FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +82,10 @@ def test_errors(launched, kwargs, match):
 
 def test_shape_errors(launched):
     kc = torch.zeros(3, 100, 2, 128, dtype=BF)
-    with pytest.raises(InvalidInputError, match="one dtype"):
+    with pytest.raises(InvalidInputError, match="of q's dtype or both float8_e4m3fn"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=torch.float16), kc, kc)
+    with pytest.raises(InvalidInputError, match="of q's dtype or both float8_e4m3fn"):  # one e4m3
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 128, dtype=BF), kc.to(FP8), kc)
     with pytest.raises(InvalidInputError, match="head_dim 96"):
         k96 = torch.zeros(3, 100, 2, 96, dtype=BF)
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 96, dtype=BF), k96, k96)
@@ -323,3 +326,86 @@ def test_no_kv_heads_is_an_input_error(launched):
     kc = torch.zeros(1, 64, 0, 128, dtype=BF)
     with pytest.raises(InvalidInputError, match="multiple of heads_kv"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 4, 128, dtype=BF), kc, kc)
+
+
+def test_fp8_cache_params(launched):
+    """An e4m3 cache: kv_fp8, the factors as pointers (per (batch, head) or per head) or values,
+    strides in elements (bytes)."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = vc = torch.zeros(3, 1000, 2, 128, dtype=FP8)
+    ks = torch.ones(2, 2)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=500, k_scale=ks, v_scale=0.5)
+    p = launched[-1]
+    assert p.kv_fp8 == 1 and p.k_scale == ks.data_ptr() and not p.v_scale
+    assert (p.kv_scale_batch_stride, p.kv_scale_head_stride) == (2, 1)
+    assert (p.k_scale_value, p.v_scale_value) == (1.0, 0.5)
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
+    per_head = torch.ones(2)
+    kvcache.flash_attn_with_kvcache(q.half(), kc, vc, cache_seqlens=500, k_scale=per_head, v_scale=per_head)
+    p = launched[-1]
+    assert p.fp16 == 1 and p.k_scale == p.v_scale == per_head.data_ptr()
+    assert (p.kv_scale_batch_stride, p.kv_scale_head_stride) == (0, 1)
+    kvcache.flash_attn_with_kvcache(q, kc, vc)
+    assert launched[-1].kv_fp8 == 1 and (launched[-1].k_scale_value, launched[-1].v_scale_value) == (1.0, 1.0)
+    kvcache.flash_attn_with_kvcache(q, kc.to(BF), vc.to(BF))
+    assert launched[-1].kv_fp8 == 0
+
+
+def test_fp8_cache_errors(launched):
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=FP8)
+    with pytest.raises(InvalidInputError, match="dequantize an e4m3 cache"):
+        kvcache.flash_attn_with_kvcache(q, kc.to(BF), kc.to(BF), k_scale=2.0)
+    for bad in (torch.ones(3), torch.ones(2, 2, dtype=torch.float64), torch.ones(1, 2)):
+        with pytest.raises(InvalidInputError, match=r"k_scale must be fp32 of shape \(2,\) or \(2, 2\)"):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=bad)
+    for bad in (0.0, -1.0, float("nan"), True, "2"):
+        with pytest.raises(InvalidInputError, match="v_scale must be a positive float"):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, v_scale=bad)
+    with pytest.raises(InvalidInputError, match="one shape and strides"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(2), v_scale=torch.ones(2, 2))
+    with pytest.raises(InvalidInputError, match="float8_e4m3fn or torch.bfloat16"):  # k, v of another dtype
+        new = torch.zeros(2, 1, 2, 128, dtype=torch.float16)
+        kvcache.flash_attn_with_kvcache(q, kc, kc, k=new, v=new, cache_seqlens=5)
+    with pytest.raises(InvalidInputError, match="multiple of 16"):  # e4m3 rows: 16-byte strides
+        k8 = torch.zeros(3, 100, 2, 136, dtype=FP8)[..., :128]
+        kvcache.flash_attn_with_kvcache(q, k8, k8)
+
+
+def test_fp8_cache_append_quantizes(launched):
+    """New 16-bit keys and values go into an e4m3 cache as value / factor, saturated; e4m3 ones
+    as they are."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.zeros(2, 1, 8, 64, dtype=BF)
+    kc, vc = (torch.zeros(2, 32, 2, 64, dtype=FP8) for _ in range(2))
+    k, v = (torch.randn(2, 3, 2, 64, generator=g).to(BF) * 40 for _ in range(2))
+    ks = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([4, 10], dtype=torch.int32),
+                                    k_scale=ks, v_scale=0.125)
+    want_k = (k.float() / ks[:, None, :, None]).clamp(-448, 448).to(FP8)
+    want_v = (v.float() / 0.125).clamp(-448, 448).to(FP8)
+    assert (v.float() / 0.125).abs().max() > 448  # saturation is exercised
+    for cache, want in ((kc, want_k), (vc, want_v)):
+        assert torch.equal(cache[0, 4:7].view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(cache[1, 10:13].view(torch.uint8), want[1].view(torch.uint8))
+        assert cache.view(torch.uint8)[0, :4].eq(0).all() and cache.view(torch.uint8)[1, 13:].eq(0).all()
+    k8 = k.float().clamp(-448, 448).to(FP8)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k=k8, v=k8, cache_seqlens=20)
+    assert torch.equal(kc[:, 20:23].view(torch.uint8), k8.view(torch.uint8))
+
+
+def test_fp8_cache_prefill_dequantizes(launched, monkeypatch):
+    """Chunked prefill over an e4m3 cache hands the forward kernels keys in q's dtype,
+    multiplied by their factors."""
+    calls = []
+    monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, scale, **kw: calls.append((k, v)) or (
+        torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    g = torch.Generator().manual_seed(4)
+    kc, vc = (torch.randn(2, 50, 2, 64, generator=g).to(FP8) for _ in range(2))
+    q = torch.zeros(2, 9, 4, 64, dtype=torch.float16)
+    ks = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=30, k_scale=ks, v_scale=3.0)
+    k, v = calls[-1]
+    assert k.dtype == torch.float16 and k.shape == (2, 30, 2, 64)
+    assert torch.equal(k, (kc[:, :30].float() * ks[:, None, :, None]).half())
+    assert torch.equal(v, (vc[:, :30].float() * 3.0).half())

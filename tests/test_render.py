@@ -219,8 +219,9 @@ def test_decode_kernels_only_where_the_spec_asks(tmp_path):
     plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, decode=pairs)
     src = plan.files[tmp_path / "src" / "decode.cu"]
     assert "fa3gen_decode_fwd" in src and "fa3gen::check_decode(*p)" in src
-    assert "launch<__nv_bfloat16, 128>" in src and "launch<__half, 64>" in src
-    assert src.count("fa3gen::decode::launch<") == 2 and "decode: lists bf16 d128, fp16 d64)" in src
+    for kv_fp8 in ("false", "true"):  # each pair for a 16-bit and an e4m3 cache
+        assert f"launch<__nv_bfloat16, 128, {kv_fp8}>" in src and f"launch<__half, 64, {kv_fp8}>" in src
+    assert src.count("fa3gen::decode::launch<") == 4 and "decode: lists bf16 d128, fp16 d64)" in src
     assert "decode" not in render_build_ninja("t", [V1], fake_toolchain())
     text = render_build_ninja("t", [V1], fake_toolchain(), decode=pairs)
     assert "build obj/decode.o: nvcc_plain src/decode.cu | fingerprint.txt" in text

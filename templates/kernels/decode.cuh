@@ -13,6 +13,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cmath>
 #include <cstdint>
@@ -30,13 +31,21 @@ constexpr int kWarps = 4;
 constexpr int kRows = 16;   // query rows per kv head: M of the mma
 constexpr int kSlice = 16;  // keys per warp and stage: K of the P V mma
 
-template <int HeadDim>
+// KvFp8: the cache holds e4m3 (one byte per element). Its slices land in the ring as they are
+// and each warp converts the current one into a 16-bit K and V tile (kTileBytes) before the
+// mma; the ring gets more stages for the same bytes in flight and the same shared memory
+// (66 / 100 / 200 KB: kvcache.CTAS_PER_SM holds for both caches).
+template <int HeadDim, bool KvFp8 = false>
 struct Config {
-  static constexpr int kChunks = HeadDim / 8;             // 16-byte chunks per row
-  static constexpr int kStages = HeadDim <= 64 ? 4 : 3;   // slices per warp ring
-  static constexpr int kSliceBytes = kSlice * HeadDim * 2;  // one K or V slice
+  static constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per 16-bit row (Q, the mma tiles, out)
+  static constexpr int kElemBytes = KvFp8 ? 1 : 2;  // of the cache
+  static constexpr int kCacheChunks = HeadDim * kElemBytes / 16;  // 16-byte chunks per cache row
+  static constexpr int kStages = KvFp8 ? (HeadDim <= 64 ? 6 : 4) : (HeadDim <= 64 ? 4 : 3);  // per warp ring
+  static constexpr int kSliceBytes = kSlice * HeadDim * 2;  // one K or V slice, 16-bit
+  static constexpr int kCacheSliceBytes = kSlice * HeadDim * kElemBytes;  // as the cache stores it
   static constexpr int kQBytes = kRows * HeadDim * 2;
-  static constexpr int kRingBytes = kStages * 2 * kSliceBytes;  // per warp: K and V slices
+  static constexpr int kTileBytes = KvFp8 ? 2 * kSliceBytes : 0;  // the converted K and V slice
+  static constexpr int kRingBytes = kStages * 2 * kCacheSliceBytes + kTileBytes;  // per warp
   static constexpr int kSmemBytes = kQBytes + kWarps * kRingBytes;
   // The final merge reuses the rings for (warp, row, column) fp32 partial outputs.
   static_assert(kWarps * kRows * HeadDim * 4 <= kWarps * kRingBytes, "merge buffer");
@@ -98,6 +107,48 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Two e4m3 values (the first in the low byte) as one register of two T, the first in the low
+// half. Exact: every e4m3 value is a bf16 and an fp16 value.
+template <class T>
+__device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  if constexpr (std::is_same_v<T, __half>) {
+    return uint32_t(h.x) | (uint32_t(h.y) << 16);
+  } else {
+    const float2 f = __half22float2(__half2(h));
+    return pack2<T>(f.x, f.y);
+  }
+}
+
+// One warp: a K and a V slice of e4m3 rows (HeadDim bytes each, as landed) into the swizzled
+// 16-bit tiles the mma loads read.
+template <class T, int HeadDim>
+__device__ __forceinline__ void convert_slices(const uint8_t* src, uint8_t* dst, int lane) {
+  using C = Config<HeadDim, true>;
+#pragma unroll
+  for (int kv = 0; kv < 2; ++kv) {
+#pragma unroll
+    for (int i = 0; i < kSlice * C::kCacheChunks / 32; ++i) {
+      const int idx = lane + 32 * i, row = idx / C::kCacheChunks, chunk = idx % C::kCacheChunks;
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * C::kCacheSliceBytes + row * HeadDim + chunk * 16);
+      const uint4 lo = make_uint4(fp8x2_to<T>(raw.x), fp8x2_to<T>(raw.x >> 16), fp8x2_to<T>(raw.y),
+                                  fp8x2_to<T>(raw.y >> 16));
+      const uint4 hi = make_uint4(fp8x2_to<T>(raw.z), fp8x2_to<T>(raw.z >> 16), fp8x2_to<T>(raw.w),
+                                  fp8x2_to<T>(raw.w >> 16));
+      uint8_t* tile = dst + kv * C::kSliceBytes;
+      *reinterpret_cast<uint4*>(tile + swizzled<HeadDim>(row, 2 * chunk)) = lo;
+      *reinterpret_cast<uint4*>(tile + swizzled<HeadDim>(row, 2 * chunk + 1)) = hi;
+    }
+  }
+}
+
+// The dequantization factor of an e4m3 cache for (batch b, kv head): per (batch, head) or per
+// head through the pointer, or one value.
+__device__ __forceinline__ float kv_scale(const float* t, float value, const fa3gen_decode_params& p, int b,
+                                          int head_kv) {
+  return t ? t[int64_t(b) * p.kv_scale_batch_stride + int64_t(head_kv) * p.kv_scale_head_stride] : value;
+}
+
 // Where key row `key` of sequence b lives (in elements from the cache base, before the head
 // offset): through the block table when there is one. Indices are clamped: a bad table or
 // cache_batch_idx gives wrong numbers, never a read outside the cache.
@@ -114,11 +165,12 @@ __device__ __forceinline__ int64_t cache_row_offset(const fa3gen_decode_params& 
 // Keys [start, end) of one split for the rows r = local query head * seqlen_q + query index of
 // kv head `head_kv`: the normalized partial O and its LSE, into the output when there is one
 // split, else into the fp32 workspace the combine kernel reads.
-template <class T, int HeadDim>
+template <class T, int HeadDim, bool KvFp8>
 __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_params p) {
-  using C = Config<HeadDim>;
+  using C = Config<HeadDim, KvFp8>;
+  using CacheT = std::conditional_t<KvFp8, uint8_t, T>;
   constexpr int kSteps = HeadDim / 16;  // k steps of Q K^T
-  constexpr int kLoads = kSlice * C::kChunks / 32;  // 16-byte chunks per lane per K (or V) slice
+  constexpr int kLoads = kSlice * C::kCacheChunks / 32;  // 16-byte chunks per lane per K (or V) slice
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows], row_m[kRows], row_l[kRows];
 
@@ -141,12 +193,16 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   const int slices = end > start ? (end - start + kSlice - 1) / kSlice : 0;
   const int my_slices = slices > warp ? (slices - 1 - warp) / kWarps + 1 : 0;  // slices warp, warp + 4, ...
   // Softcap: scores become softcap * tanh(scale * s / softcap), already scaled for the softmax.
+  // An e4m3 cache: K's factor joins the softmax scale, V's the output's normalization.
+  const float k_factor = KvFp8 ? kv_scale(p.k_scale, p.k_scale_value, p, b, head_kv) : 1.f;
+  const float v_factor = KvFp8 ? kv_scale(p.v_scale, p.v_scale_value, p, b, head_kv) : 1.f;
+  const float qk_scale = p.softmax_scale * k_factor;
   const bool capped = p.softcap > 0.f;
-  const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
-  const float score_scale = capped ? 1.f : p.softmax_scale;  // of the scores the softmax sees
+  const float cap_in = capped ? qk_scale / p.softcap : 0.f;
+  const float score_scale = capped ? 1.f : qk_scale;  // of the scores the softmax sees
   const float scale_log2 = score_scale * float(M_LOG2E);
-  const T* kc = static_cast<const T*>(p.k_cache);
-  const T* vc = static_cast<const T*>(p.v_cache);
+  const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
+  const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
 
   // This lane's two rows (g and g + 8): the first and last key each sees.
   int first_key[2], last_key[2];
@@ -171,8 +227,8 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   };
   auto load_slice = [&](int n, int page) {  // the warp's n-th slice into stage n % kStages
     const int key0 = start + (warp + n * kWarps) * kSlice;
-    uint8_t* k_dst = ring + (n % C::kStages) * 2 * C::kSliceBytes;
-    uint8_t* v_dst = k_dst + C::kSliceBytes;
+    uint8_t* k_dst = ring + (n % C::kStages) * 2 * C::kCacheSliceBytes;
+    uint8_t* v_dst = k_dst + C::kCacheSliceBytes;
     // The slice's first row: in its page, or in the sequence's row of a contiguous cache.
     const int64_t first_row = slice_in_page ? key0 % p.page_size : key0;
     const int64_t k_base = (slice_in_page ? int64_t(page) : int64_t(cache_b)) * p.k_batch_stride +
@@ -181,7 +237,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
                            int64_t(head_kv) * p.v_head_stride;
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
-      const int idx = lane + 32 * i, row = idx / C::kChunks, chunk = idx % C::kChunks;
+      const int idx = lane + 32 * i, row = idx / C::kCacheChunks, chunk = idx % C::kCacheChunks;
       const bool valid = key0 + row < end;
       const int safe_row = valid ? row : 0;  // keeps the (unread) address inside the cache
       int64_t k_off, v_off;
@@ -194,8 +250,12 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         k_off = k_base + (first_row + safe_row) * p.k_row_stride;
         v_off = v_base + (first_row + safe_row) * p.v_row_stride;
       }
-      cp_async_16(smem_addr(k_dst + swizzled<HeadDim>(row, chunk)), kc + k_off + chunk * 8, valid);
-      cp_async_16(smem_addr(v_dst + swizzled<HeadDim>(row, chunk)), vc + v_off + chunk * 8, valid);
+      // e4m3 rows land unswizzled (convert_slices reads them 16 bytes a lane); 16-bit rows
+      // swizzled for the mma loads.
+      const int dst = KvFp8 ? row * HeadDim + chunk * 16 : swizzled<HeadDim>(row, chunk);
+      constexpr int kPerChunk = 16 / sizeof(CacheT);
+      cp_async_16(smem_addr(k_dst + dst), kc + k_off + chunk * kPerChunk, valid);
+      cp_async_16(smem_addr(v_dst + dst), vc + v_off + chunk * kPerChunk, valid);
     }
   };
 #pragma unroll
@@ -231,7 +291,13 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
     __syncwarp();                     // ... and every lane's
-    const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kSliceBytes;
+    const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kCacheSliceBytes;
+    if constexpr (KvFp8) {  // into the warp's 16-bit tiles, behind the ring
+      uint8_t* tiles = ring + C::kStages * 2 * C::kCacheSliceBytes;
+      convert_slices<T, HeadDim>(k_tile, tiles, lane);
+      __syncwarp();
+      k_tile = tiles;
+    }
     const uint8_t* v_tile = k_tile + C::kSliceBytes;
     const int key0 = start + (warp + n * kWarps) * kSlice;
 
@@ -336,7 +402,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   __syncthreads();
   for (int i = threadIdx.x; i < rows * C::kChunks; i += kWarps * 32) {
     const int r = i / C::kChunks, col = (i % C::kChunks) * 8;
-    const float inv = row_l[r] > 0.f ? 1.f / row_l[r] : 0.f;
+    const float inv = row_l[r] > 0.f ? v_factor / row_l[r] : 0.f;
     float v[8] = {};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
@@ -423,17 +489,18 @@ __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params 
   if (lane == 0) p.lse[row] = lse;
 }
 
-template <class T, int HeadDim>
+template <class T, int HeadDim, bool KvFp8>
 struct SplitKernelTag {};
 
-template <class T, int HeadDim>
+template <class T, int HeadDim, bool KvFp8>
 int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
-  constexpr int smem = Config<HeadDim>::kSmemBytes;
+  constexpr int smem = Config<HeadDim, KvFp8>::kSmemBytes;
   // Every split_kernel instance has the same function type: the tag keeps their flags apart.
-  cudaError_t err = set_smem_limit_once<SplitKernelTag<T, HeadDim>>(split_kernel<T, HeadDim>, smem);
+  cudaError_t err =
+      set_smem_limit_once<SplitKernelTag<T, HeadDim, KvFp8>>(split_kernel<T, HeadDim, KvFp8>, smem);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute (decode shared memory)", err);
   const dim3 grid(p.num_splits, p.heads_kv, p.batch);
-  split_kernel<T, HeadDim><<<grid, kWarps * 32, smem, stream>>>(p);
+  split_kernel<T, HeadDim, KvFp8><<<grid, kWarps * 32, smem, stream>>>(p);
   if (p.num_splits > 1) {
     // Programmatic dependent launch: the combine grid is set up while the split kernel's last
     // CTAs run (it waits on griddepcontrol.wait), instead of after they all retire.

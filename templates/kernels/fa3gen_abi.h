@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 7
+#define FA3GEN_ABI_VERSION 8
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -183,6 +183,14 @@ typedef struct fa3gen_decode_params {
   int32_t window_left, window_right;  // query at position i sees keys [i - left, i + right]; -1: unbounded
   float softmax_scale;
   float softcap;  // > 0: scores (scaled) become softcap * tanh(score / softcap); 0: none
+  // kv_fp8 = 1: k_cache and v_cache hold e4m3 (strides multiples of 16), dequantized as
+  // value * factor: k_scale/v_scale[b * batch stride + kv head * head stride] (fp32; the batch
+  // stride 0 for one factor per head), or k_scale_value/v_scale_value when the pointer is null.
+  const float* k_scale;
+  const float* v_scale;
+  int64_t kv_scale_batch_stride, kv_scale_head_stride;
+  float k_scale_value, v_scale_value;
+  int32_t kv_fp8;
 } fa3gen_decode_params;
 
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.

@@ -1,6 +1,6 @@
 """Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
 of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
-    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300]
+    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300] [--kv-fp8]
 Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16; batch 1, 8, 64, 256;
 cache lengths 1k to 128k (cases above 8 GB of KV, or --max-mb, left out); contiguous and paged (64-row pages,
 shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
@@ -67,8 +67,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few cases")
     ap.add_argument("--graph-peers", action="store_true", help="also capture the peers in graphs")
     ap.add_argument("--max-mb", type=float, default=8000, help="leave out cases with more KV bytes")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="e4m3 caches with per-head factors under bf16 queries (fa3gen alone: no peer has it)")
     args = ap.parse_args()
-    fa4 = _fa4()
+    fa4 = None if args.kv_fp8 else _fa4()
+    elem = 1 if args.kv_fp8 else 2  # bytes per cached value
     hq, d, page, dt = 32, 128, 64, torch.bfloat16
     big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     other = torch.empty_like(big)
@@ -82,21 +85,25 @@ def main():
     if args.quick:
         grid = [(1, 8, 1, 131072), (1, 8, 64, 4096), (4, 8, 8, 32768), (1, 32, 256, 1024)]
     for sq, hkv, b, n in grid:
-        kv_bytes = 2 * b * n * hkv * d * 2
+        kv_bytes = 2 * b * n * hkv * d * elem
         if kv_bytes > args.max_mb * MB:
             continue
         g = torch.Generator(device="cuda").manual_seed(n + b)
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dt, generator=g)
         kc = torch.randn(b, n, hkv, d, device="cuda", dtype=dt, generator=g)
         vc = torch.randn(b, n, hkv, d, device="cuda", dtype=dt, generator=g)
+        factors = {}
+        if args.kv_fp8:
+            kc, vc = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)
+            factors = {"k_scale": torch.full((hkv,), 0.5, device="cuda"), "v_scale": torch.full((hkv,), 2.0, device="cuda")}
         pages = kc.reshape(b * n // page, page, hkv, d)
         vpages = vc.reshape(b * n // page, page, hkv, d)
         table = torch.randperm(b * n // page, device="cuda", generator=g).to(torch.int32).reshape(b, -1)
         seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         fns = {
-            "fa3gen": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens),
+            "fa3gen": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **factors),
             "fa3gen_paged": lambda: kvcache.flash_attn_with_kvcache(q, pages, vpages, cache_seqlens=seqlens,
-                                                                    block_table=table),
+                                                                    block_table=table, **factors),
         }
         skipped = {}
         if fa4 is not None:
@@ -116,7 +123,7 @@ def main():
             from torch.nn.attention import SDPBackend, sdpa_kernel
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hkv != hq)
-        fn, why = _peer(cudnn)
+        fn, why = (None, "no e4m3 cache") if args.kv_fp8 else _peer(cudnn)
         if fn is None:
             skipped["cudnn"] = why
         else:
@@ -145,6 +152,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs),
+                       "cache": "e4m3, per-head factors" if args.kv_fp8 else "bf16",
                        "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 50 ms, order rotated; "
                                  "us: eager calls, graph_us: CUDA graph replay of 20 calls / 20",
                        "rows": rows}, f, indent=1)

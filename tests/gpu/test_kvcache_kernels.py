@@ -157,3 +157,77 @@ def test_chunked_prefill(lib, layout, causal):
     torch.cuda.synchronize()
     ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, **extra)
     _check(out, lse, ref, ref_lse)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def _factors(kind, b, hkv, g):
+    """(k_scale, v_scale) of an e4m3 cache: none, one value each, per kv head, per (batch, head)."""
+    if kind == "none":
+        return None, None
+    if kind == "value":
+        return 0.3, 1.7
+    shape = (hkv,) if kind == "per_head" else (b, hkv)
+    return tuple(torch.rand(shape, device="cuda", generator=g) + 0.5 for _ in range(2))
+
+
+def _dequantized(cache, factor):
+    """An e4m3 cache as fp32 values times their factors (contiguous: (batch, rows, heads, d))."""
+    x = cache.float()
+    if isinstance(factor, torch.Tensor):
+        return x * (factor[:, None, :, None] if factor.dim() == 2 else factor[None, None, :, None])
+    return x * (factor if factor is not None else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("factors", ["none", "value", "per_head", "per_batch_head"])
+def test_fp8_cache(lib, dtype, d, factors):
+    """An e4m3 cache under bf16/fp16 queries: the kernels against attention over the dequantized
+    cache, with one split and many, causal and not, an empty-ish and a full sequence."""
+    b, sq, hq, hkv, cap = 3, 2, 16, 4, 3000
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    kc, vc = ((torch.randn(b, cap, hkv, d, device="cuda", generator=g) * 2).to(FP8) for _ in range(2))
+    ks, vs = _factors(factors, b, hkv, g)
+    seqlens = torch.tensor([cap, 1, 1777], dtype=torch.int32, device="cuda")
+    ref_k, ref_v = _dequantized(kc, ks), _dequantized(vc, vs)
+    for causal, splits in ((False, 0), (True, 1), (False, 7)):
+        out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=causal,
+                                                   num_splits=splits, return_lse=True, k_scale=ks, v_scale=vs)
+        torch.cuda.synchronize()
+        ref, ref_lse = kvcache_attention_reference(q, ref_k, ref_v, seqlens, causal=causal)
+        _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_cache_paged_window_softcap_append(lib, d):
+    """A paged e4m3 cache (64-row pages, shuffled, per-head factors): new bf16 keys appended
+    (quantized on the way in) across a page boundary, then a windowed, softcapped attention."""
+    b, sq, hq, hkv, page = 2, 1, 32, 8, 64
+    g = torch.Generator(device="cuda").manual_seed(d + 1)
+    per = 40
+    pages = b * per + 3
+    kc, vc = (torch.randn(pages, page, hkv, d, device="cuda", generator=g).to(FP8) for _ in range(2))
+    table = torch.randperm(pages, device="cuda", generator=g)[:b * per].reshape(b, per).to(torch.int32)
+    ks, vs = _factors("per_head", b, hkv, g)
+    seqlens = torch.tensor([2000, 127], dtype=torch.int32, device="cuda")
+    k, v = (torch.randn(b, 3, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens, block_table=table,
+                                               window_size=(700, 0), softcap=20.0, return_lse=True,
+                                               k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    # the appended rows hold k / factor in e4m3
+    for i, start in enumerate(seqlens.tolist()):
+        for j in range(3):
+            pos = start + j
+            row = kc[table[i, pos // page].long(), pos % page]
+            want = (k[i, j].float() / ks[:, None]).clamp(-448, 448).to(FP8)
+            assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
+    ref_k = kc.float() * ks[None, None, :, None]
+    ref_v = vc.float() * vs[None, None, :, None]
+    ref, ref_lse = kvcache_attention_reference(q, ref_k, ref_v, seqlens + 3, block_table=table,
+                                               window_size=(700, 0), softcap=20.0)
+    _check(out, lse, ref, ref_lse)
