@@ -92,9 +92,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
     try:
-        key = (ops._signature(q), ops._signature(k_cache), ops._signature(v_cache),
-               *(_arg_signature(a) for a in args[:2]), _seqlens_signature(cache_seqlens),
-               *(_arg_signature(a) for a in args[3:]))
+        key = _call_key(q, k_cache, v_cache, args)
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument: the checks below say what is wrong with it
         key, plan = None, None
@@ -114,19 +112,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 _plans: dict = {}
 
 
-def _seqlens_signature(cache_seqlens):
-    """An int cache_seqlens grows by one every decode step: one plan serves every value."""
-    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return int
-    return _arg_signature(cache_seqlens)
-
-
-def _arg_signature(a):
-    if isinstance(a, torch.Tensor):
-        return ops._signature(a)
-    if isinstance(a, (list, tuple)):
-        return type(a), tuple(_arg_signature(x) for x in a)
-    return type(a), a
+def _call_key(q, k_cache, v_cache, args) -> tuple:
+    """The plan's key: tensors by shape, strides, dtype and device, other arguments by type and
+    value (an unhashable one raises TypeError), except an int cache_seqlens (args[2]), which
+    grows by one every decode step: one plan serves every value. Flat: it runs every call."""
+    sig = ops._signature
+    key = [sig(q), sig(k_cache), sig(v_cache)]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            key.append(sig(a))
+        elif i == 2 and type(a) is int:
+            key.append(int)
+        else:  # a tuple of ints (window_size) hashes as it is; a list of tensors is refused
+            key.append((type(a), a))
+    return tuple(key)
 
 
 @dataclass(frozen=True)
@@ -344,9 +343,9 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
     seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if ops._data_ptr(t) % 16:  # the strides were checked with the plan; the address varies
-            ops.check_layout(**{name: t})
+    pointers = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    if (pointers[0] | pointers[1] | pointers[2]) % 16:  # the plan checked the strides, not these
+        ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)
@@ -366,7 +365,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
                         batch_idx, block_table, return_lse, (k_scale, v_scale))
     out, lse = ops._empty_outputs(q)
-    p.q, p.k_cache, p.v_cache = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    p.q, p.k_cache, p.v_cache = pointers
     p.out, p.lse = out.data_ptr(), lse.data_ptr()
     p.cache_seqlens = seqlens.data_ptr() if seqlens is not None else None
     p.cache_batch_idx = batch_idx.data_ptr() if batch_idx is not None else None
