@@ -375,9 +375,9 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                                 for s in (k_scale, v_scale))
     if p.num_splits > 1:  # freed when this returns: the allocator orders its reuse on the stream
         rows = b * hq * sq * p.num_splits
-        o_accum = torch.empty(rows * d, dtype=torch.float32, device=q.device)
-        lse_accum = torch.empty(rows, dtype=torch.float32, device=q.device)
-        p.o_accum, p.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
+        accum = torch.empty(rows * (d + 1), dtype=torch.float32, device=q.device)  # O, then LSE
+        p.o_accum = accum.data_ptr()
+        p.lse_accum = p.o_accum + rows * d * 4
     _launch_decode(q.device, p)
     return (out, lse) if return_lse else out
 
