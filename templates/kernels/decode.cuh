@@ -169,6 +169,9 @@ template <class T, int HeadDim, bool KvFp8>
 __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_params p) {
   using C = Config<HeadDim, KvFp8>;
   using CacheT = std::conditional_t<KvFp8, uint8_t, T>;
+  // The mma's 16-bit type. An e4m3 cache converts to f16 in one instruction per pair (to bf16
+  // it takes three), so its mma runs in f16 whatever q's dtype (bf16 q: see the Q staging).
+  using M = std::conditional_t<KvFp8, __half, T>;
   constexpr int kSteps = HeadDim / 16;  // k steps of Q K^T
   constexpr int kLoads = kSlice * C::kCacheChunks / 32;  // 16-byte chunks per lane per K (or V) slice
   extern __shared__ __align__(128) uint8_t smem[];
@@ -196,11 +199,6 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   // An e4m3 cache: K's factor joins the softmax scale, V's the output's normalization.
   const float k_factor = KvFp8 ? kv_scale(p.k_scale, p.k_scale_value, p, b, head_kv) : 1.f;
   const float v_factor = KvFp8 ? kv_scale(p.v_scale, p.v_scale_value, p, b, head_kv) : 1.f;
-  const float qk_scale = p.softmax_scale * k_factor;
-  const bool capped = p.softcap > 0.f;
-  const float cap_in = capped ? qk_scale / p.softcap : 0.f;
-  const float score_scale = capped ? 1.f : qk_scale;  // of the scores the softmax sees
-  const float scale_log2 = score_scale * float(M_LOG2E);
   const CacheT* kc = static_cast<const CacheT*>(p.k_cache);
   const CacheT* vc = static_cast<const CacheT*>(p.v_cache);
 
@@ -265,17 +263,56 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   }
   // Q: the rows of this kv head, zero-padded to 16, into shared memory (swizzled); after the
   // first K/V copies are issued, so that its load latency overlaps theirs.
-  for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-    const int r = i / C::kChunks, chunk = i % C::kChunks;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
-      v = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + int64_t(b) * p.q_batch_stride +
-                                          int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
-                                          chunk * 8);
+  auto q_chunk = [&](int r, int chunk) {  // 8 values of row r (zeros past the rows)
+    if (r >= rows) return make_uint4(0, 0, 0, 0);
+    const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
+    return *reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + int64_t(b) * p.q_batch_stride +
+                                           int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
+                                           chunk * 8);
+  };
+  float q_pow = 1.f;  // q entered the mma as q / q_pow
+  if constexpr (KvFp8 && !std::is_same_v<T, __half>) {
+    // bf16 q into the f16 mma: scaled by 2^-e, e the least that keeps this CTA's largest |q|
+    // below 2^15 (f16 tops at 65504); exact (a power of two), and f16 keeps bf16's 8 bits.
+    __shared__ int q_amax_bits;  // a non-negative float's bits order as ints
+    if (threadIdx.x == 0) q_amax_bits = 0;
+    __syncthreads();
+    float amax = 0.f;
+    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+      const uint4 v = q_chunk(i / C::kChunks, i % C::kChunks);
+      for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+      }
     }
-    *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = v;
+    amax = warp_max(amax);
+    if (lane == 0) atomicMax(&q_amax_bits, __float_as_int(amax));
+    __syncthreads();
+    const int e = max(0, ((q_amax_bits >> 23) & 0xff) - 127 - 14);
+    q_pow = exp2f(float(e));
+    const float q_mul = exp2f(float(-e));
+    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+      const int r = i / C::kChunks, chunk = i % C::kChunks;
+      const uint4 v = q_chunk(r, chunk);
+      uint4 h;
+      uint32_t* out = reinterpret_cast<uint32_t*>(&h);
+      const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        out[w] = pack2<__half>(__uint_as_float(in[w] << 16) * q_mul, __uint_as_float(in[w] & 0xffff0000u) * q_mul);
+      }
+      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = h;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+      const int r = i / C::kChunks, chunk = i % C::kChunks;
+      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = q_chunk(r, chunk);
+    }
   }
+  const float qk_scale = p.softmax_scale * k_factor * q_pow;
+  const bool capped = p.softcap > 0.f;
+  const float cap_in = capped ? qk_scale / p.softcap : 0.f;
+  const float score_scale = capped ? 1.f : qk_scale;  // of the scores the softmax sees
+  const float scale_log2 = score_scale * float(M_LOG2E);
 
   int next_page = slice_page(C::kStages - 1);
   __syncthreads();  // Q is in shared memory
@@ -294,7 +331,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kCacheSliceBytes;
     if constexpr (KvFp8) {  // into the warp's 16-bit tiles, behind the ring
       uint8_t* tiles = ring + C::kStages * 2 * C::kCacheSliceBytes;
-      convert_slices<T, HeadDim>(k_tile, tiles, lane);
+      convert_slices<M, HeadDim>(k_tile, tiles, lane);
       __syncwarp();
       k_tile = tiles;
     }
@@ -309,8 +346,8 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       const int mi = lane / 8;
       ldmatrix_x4(a, smem_addr(q_smem + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, 2 * ks + (mi >> 1))));
       ldmatrix_x4(kb, smem_addr(k_tile + swizzled<HeadDim>((mi >> 1) * 8 + lane % 8, 2 * ks + (mi & 1))));
-      mma_16816<T>(s[0], a, kb[0], kb[1]);
-      mma_16816<T>(s[1], a, kb[2], kb[3]);
+      mma_16816<M>(s[0], a, kb[0], kb[1]);
+      mma_16816<M>(s[1], a, kb[2], kb[3]);
     }
     // Mask (past the split's end, causal), online softmax; P as the A fragment of P V.
     float alpha[2];
@@ -346,8 +383,8 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       }
       l[j] = l[j] * alpha[j] + sum;
     }
-    const uint32_t pa[4] = {pack2<T>(s[0][0], s[0][1]), pack2<T>(s[0][2], s[0][3]),
-                            pack2<T>(s[1][0], s[1][1]), pack2<T>(s[1][2], s[1][3])};
+    const uint32_t pa[4] = {pack2<M>(s[0][0], s[0][1]), pack2<M>(s[0][2], s[0][3]),
+                            pack2<M>(s[1][0], s[1][1]), pack2<M>(s[1][2], s[1][3])};
 #pragma unroll
     for (int nd = 0; nd < HeadDim / 8; nd += 2) {
       uint32_t vb[4];
@@ -359,7 +396,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         o[nd + h][1] *= alpha[0];
         o[nd + h][2] *= alpha[1];
         o[nd + h][3] *= alpha[1];
-        mma_16816<T>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
+        mma_16816<M>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
       }
     }
     __syncwarp();  // every lane is done with this stage before a later load_slice refills it

@@ -1,7 +1,7 @@
 """Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
 of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
-    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300] [--kv-fp8]
-Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16; batch 1, 8, 64, 256;
+    python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300] [--kv-fp8] [--dtype fp16]
+Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16 (--dtype); batch 1, 8, 64, 256;
 cache lengths 1k to 128k (cases above 8 GB of KV, or --max-mb, left out); contiguous and paged (64-row pages,
 shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
 process and rounds: FA4 (flash_attn.cute, paged through its page_table, and contiguous) and
@@ -67,12 +67,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a few cases")
     ap.add_argument("--graph-peers", action="store_true", help="also capture the peers in graphs")
     ap.add_argument("--max-mb", type=float, default=8000, help="leave out cases with more KV bytes")
+    ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="q's (and a 16-bit cache's)")
     ap.add_argument("--kv-fp8", action="store_true",
                     help="e4m3 caches with per-head factors under bf16 queries (fa3gen alone: no peer has it)")
     args = ap.parse_args()
     fa4 = None if args.kv_fp8 else _fa4()
     elem = 1 if args.kv_fp8 else 2  # bytes per cached value
-    hq, d, page, dt = 32, 128, 64, torch.bfloat16
+    hq, d, page = 32, 128, 64
+    dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     other = torch.empty_like(big)
     copy_ms = timing.sustained_ms([lambda: other.copy_(big)], 3, 100)[0]
@@ -152,7 +154,7 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs),
-                       "cache": "e4m3, per-head factors" if args.kv_fp8 else "bf16",
+                       "q": args.dtype, "cache": "e4m3, per-head factors" if args.kv_fp8 else args.dtype,
                        "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 50 ms, order rotated; "
                                  "us: eager calls, graph_us: CUDA graph replay of 20 calls / 20",
                        "rows": rows}, f, indent=1)

@@ -231,3 +231,22 @@ def test_fp8_cache_paged_window_softcap_append(lib, d):
     ref, ref_lse = kvcache_attention_reference(q, ref_k, ref_v, seqlens + 3, block_table=table,
                                                window_size=(700, 0), softcap=20.0)
     _check(out, lse, ref, ref_lse)
+
+
+def test_fp8_cache_bf16_queries_beyond_f16_range(lib):
+    """bf16 q over an e4m3 cache runs the mma in f16, q scaled into its range by a power of
+    two: queries far past 65504 (and rows of tiny ones beside them) still match."""
+    b, sq, hq, hkv, d, cap = 2, 1, 8, 2, 128, 1500
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(b, sq, hq, d, device="cuda", generator=g)
+    q[0] *= 3e5  # past f16's range
+    q[1, :, :4] *= 1e-3  # small beside ordinary ones
+    q = q.to(torch.bfloat16)
+    kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", generator=g).to(FP8) for _ in range(2))
+    ks, vs = _factors("per_head", b, hkv, g)
+    seqlens = torch.tensor([cap, 999], dtype=torch.int32, device="cuda")
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, return_lse=True,
+                                               k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    ref, ref_lse = kvcache_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), seqlens)
+    _check(out, lse, ref, ref_lse)
