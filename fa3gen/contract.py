@@ -274,7 +274,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -311,7 +311,7 @@ FWD_PARAMS = (
     *_strides("q", "k", "v", "o"),
     *_SIZES,
     ("softmax_scale", "float"), *_MASKING, ("num_sms", "int32_t"), ("grid_mode", "int32_t"),
-    *_VARLEN,
+    *_VARLEN, ("seqused_k", "const int32_t*"),
     # The runtime side of dtype e4m3: descale factors and the output dtype.
     ("q_descale", "const float*"), ("k_descale", "const float*"), ("v_descale", "const float*"),
     *((f"{t}_descale_{dim}_stride", "int64_t") for t in "qkv"

@@ -411,10 +411,10 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
              scales=(None, None)):
     """More query rows per kv head than the decode kernels take (chunked prefill): the forward
     kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
-    contiguous cache: flash_attn_func on a view of the cache, no copy. Batch 1 with a tensor
-    cache_seqlens on a contiguous cache: flash_attn_varlen_func over the cache row, no copy
-    and no sync. Otherwise each sequence's keys are gathered into a packed copy for
-    flash_attn_varlen_func, which needs the lengths on the host (a device sync)."""
+    contiguous cache: flash_attn_func on a view of the cache, no copy. A tensor cache_seqlens
+    on a contiguous cache without cache_batch_idx: flash_attn_varlen_func over the cache rows
+    with seqused_k, no copy and no sync. Otherwise each sequence's keys are gathered into a
+    packed copy for flash_attn_varlen_func, which needs the lengths on the host (a sync)."""
     from fa3gen.varlen import flash_attn_varlen_func
 
     mask, scale = plan.prefill
@@ -431,16 +431,22 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     capacity = plan.geometry[2]
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
-    if block_table is None and seqlens is not None and b == 1 and batch_idx is None:
-        # One sequence whose length is on the device: the varlen forward over the cache row,
-        # cu_seqlens_k built on the device, the capacity as max_seqlen_k (an upper bound).
-        # No device sync and no copy.
-        cu_k = torch.cat([seqlens.new_zeros(1), seqlens.clamp(0, capacity)])
-        cu_q = torch.arange(0, sq + 1, sq, dtype=torch.int32, device=q.device)
-        k0, v0 = kv(k_cache[0], v_cache[0], 0)
-        out, lse = flash_attn_varlen_func(q[0], k0, v0, cu_q, cu_k, sq, max(1, capacity),
-                                          softmax_scale=scale, return_lse=True, **kwargs)
-        out, lse = out.unsqueeze(0), lse.unsqueeze(0)  # lse (hq, sq) -> (1, hq, sq)
+    rows_k = k_cache[:b]
+    if (block_table is None and seqlens is not None and batch_idx is None
+            and not (torch.is_grad_enabled() and q.requires_grad)
+            and rows_k.stride(0) == capacity * rows_k.stride(1)):
+        # Lengths on the device, a contiguous cache: the varlen forward over the cache rows
+        # themselves, sequence i at rows [i * capacity, ..) using its first length keys
+        # (seqused_k). No copy, no device sync.
+        cu_k = torch.arange(0, (b + 1) * capacity, capacity, dtype=torch.int32, device=q.device)
+        cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=q.device)
+        kb, vb = kv(rows_k, v_cache[:b], slice(0, b))
+        out, lse = flash_attn_varlen_func(q.reshape(b * sq, hq, d), kb.flatten(0, 1),
+                                          vb.flatten(0, 1), cu_q, cu_k, sq,
+                                          max(1, capacity), softmax_scale=scale, return_lse=True,
+                                          seqused_k=seqlens.clamp(0, capacity), **kwargs)
+        out = out.view(b, sq, hq, d)
+        lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:

@@ -148,7 +148,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     return _Plan(lib, info, dims, mask, scale, q.device, params)
 
 
-def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) -> None:
+def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k=None) -> None:
     if plan.params is None:
         return
     if k.shape[0] == 0:  # no key in any sequence: every row is fully masked
@@ -160,16 +160,35 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse) -> None
     tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, plan.info.tile_m) * d.heads_q,
                         dtype=torch.int32)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], k.shape[0])
+    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
+def _check_seqused_k(seqused_k, cu_seqlens_k, requires_grad: bool) -> None:
+    """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device; forward only."""
+    if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or \
+            seqused_k.dim() != 1 or not isinstance(cu_seqlens_k, torch.Tensor) or \
+            seqused_k.device != cu_seqlens_k.device or \
+            seqused_k.shape[0] != cu_seqlens_k.shape[0] - 1:
+        got = (f"{seqused_k.dtype} {tuple(seqused_k.shape)} on {seqused_k.device}"
+               if isinstance(seqused_k, torch.Tensor) else type(seqused_k).__name__)
+        raise InvalidInputError(f"seqused_k must be int32 of shape (batch,) = "
+                                f"(len(cu_seqlens_k) - 1,) on cu_seqlens_k's device, got {got}")
+    if not seqused_k.is_contiguous():
+        raise InvalidInputError("seqused_k must be contiguous")
+    if requires_grad:
+        raise InvalidInputError("seqused_k: forward only (the backward kernels do not take it "
+                                "yet); run under torch.no_grad() or pass cu_seqlens_k that bound "
+                                "the used keys")
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
-             variant):
+             variant, seqused_k=None):
     """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q))."""
     out, lse = _empty_outputs(q)
     plan = _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
                      mask, scale, variant, runtime.get_library())
-    _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+    _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
     return out, lse
 
 
@@ -262,11 +281,11 @@ def _varlen_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
     softmax_scale: float, variant: str, deterministic: bool, window_left: int,
-    window_right: int, softcap: float,
+    window_right: int, softcap: float, seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     ops.masking(causal, (window_left, window_right), softcap), softmax_scale,
-                    variant)
+                    variant, seqused_k)
 
 
 @_varlen_fwd_op.register_fake
@@ -293,7 +312,8 @@ def _varlen_bwd_fake(dout, q, k, v, *args):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, _variant, deterministic, wl, wr,
-     softcap) = inputs
+     softcap, seqused_k) = inputs
+    ctx.seqused = seqused_k is not None
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.sizes, ctx.scale, ctx.deterministic = (max_q, max_k), scale, deterministic
@@ -302,6 +322,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _op_backward(ctx, dout, _dlse):
+    if ctx.seqused:
+        raise InvalidInputError("seqused_k: forward only (the backward kernels do not take it yet)")
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     m = ctx.mask
     name = _backward_variant(q, m)
@@ -309,7 +331,7 @@ def _op_backward(ctx, dout, _dlse):
     dq, dk, dv = torch.ops.fa3gen.varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, m.causal, ctx.scale, name,
         ctx.deterministic, m.window_left, m.window_right, m.softcap)
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 12
 
 
 _varlen_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -384,7 +406,7 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     return_lse: bool = False,
     seqused_q: None = None,
-    seqused_k: None = None,
+    seqused_k: torch.Tensor | None = None,
     variant: str | None = None,
 ):
     """Attention over variable-length sequences packed along the rows, as flash-attn's
@@ -402,14 +424,18 @@ def flash_attn_varlen_func(
     sync per call).
     Everything after max_seqlen_k is keyword-only: flash-attn 2 (dropout_p) and
     FlashAttention-3 (seqused_q, seqused_k) put different things in the 8th position, so a
-    positional call fails instead of meaning something else. seqused_q / seqused_k are not
-    supported (None only).
+    positional call fails instead of meaning something else. seqused_k (FA3): int32 (batch,)
+    on the device, sequence b using only the first seqused_k[b] keys of its cu_seqlens_k range
+    (causal aligned to that length); forward only for now. seqused_q is not supported.
     Differentiable in q, k, v. Returns out (total_q, heads_q, head_dim), plus lse
     (heads_q, total_q) float32 when return_lse (or return_attn_probs).
     """
-    if seqused_q is not None or seqused_k is not None:
-        raise InvalidInputError("seqused_q / seqused_k are not supported by fa3gen; pass "
-                                "cu_seqlens that bound the used rows instead")
+    if seqused_q is not None:
+        raise InvalidInputError("seqused_q is not supported by fa3gen; pass cu_seqlens_q that "
+                                "bound the used rows instead")
+    if seqused_k is not None:
+        _check_seqused_k(seqused_k, cu_seqlens_k, torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad))
     ops._check_fa3_arguments(softmax_scale)
     mask = ops.masking(causal, window_size, softcap)
     return_lse = bool(return_lse or return_attn_probs)
@@ -430,7 +456,7 @@ def flash_attn_varlen_func(
         out, lse = torch.ops.fa3gen.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
             ops._softmax_scale(softmax_scale, dims.head_dim), name, bool(deterministic),
-            mask.window_left, mask.window_right, mask.softcap)
+            mask.window_left, mask.window_right, mask.softcap, seqused_k)
         return (out, lse) if return_lse else out
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                        softmax_scale, variant)
@@ -440,7 +466,7 @@ def flash_attn_varlen_func(
                                                bool(deterministic))
     else:
         out, lse = _empty_outputs(q)
-        _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse)
+        _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
     return (out, lse) if return_lse else out
 
 

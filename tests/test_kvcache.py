@@ -293,16 +293,18 @@ def test_more_rows_than_decode_takes_go_to_the_forward_kernels(launched, monkeyp
     kind, k, v, cu_q, cu_k, mq, mk, kw = calls[-1]
     assert kind == "varlen" and cu_k.tolist() == [0, 150, 200] and mk == 150
     assert torch.equal(k[:100], kc[1]) and torch.equal(k[100:150], kc[0, :50]) and torch.equal(k[150:], kc[2, :50])
-    # One sequence, its length a tensor: the varlen forward over the cache row itself (no copy;
-    # cu_seqlens_k built on the device, lengths clamped to the capacity; no .tolist() sync)
+    # Lengths as a tensor, a contiguous cache, no cache_batch_idx: the varlen forward over the
+    # cache rows themselves (no copy), sequence i at rows i * capacity, seqused_k = its length
+    # clamped to the capacity; cu_seqlens built on the device (no .tolist() sync)
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: pytest.fail("host sync"))
-    out, lse = kvcache.flash_attn_with_kvcache(q[:1], kc, vc, cache_seqlens=torch.tensor([130], dtype=torch.int32),
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([130, 7], dtype=torch.int32),
                                                causal=True, return_lse=True)
     kind, k, v, cu_q, cu_k, mq, mk, kw = calls[-1]
     monkeypatch.undo()
-    assert kind == "varlen" and k.data_ptr() == kc.data_ptr() and k.shape == (100, 2, 64)
-    assert cu_k.tolist() == [0, 100] and cu_q.tolist() == [0, 9] and (mq, mk) == (9, 100) and kw["causal"]
-    assert out.shape == (1, 9, 4, 64) and lse.shape == (1, 4, 9)
+    assert kind == "varlen" and k.data_ptr() == kc.data_ptr() and k.shape == (200, 2, 64)
+    assert cu_k.tolist() == [0, 100, 200] and cu_q.tolist() == [0, 9, 18] and (mq, mk) == (9, 100)
+    assert kw["seqused_k"].tolist() == [100, 7] and kw["causal"]
+    assert out.shape == q.shape and lse.shape == (2, 4, 9)
 
 
 def test_a_decode_kernel_the_library_lacks(launched, monkeypatch):

@@ -46,8 +46,22 @@ def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
     # flash-attn 2 puts dropout_p 8th, FlashAttention-3 seqused_q: neither may mean the scale.
     with pytest.raises(TypeError, match="positional"):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, 0.0)
-    with pytest.raises(InvalidInputError, match="seqused_q / seqused_k are not supported"):
-        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=CU_K)
+    with pytest.raises(InvalidInputError, match="seqused_q is not supported"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_q=CU_Q[1:])
+
+
+def test_seqused_k_checks():
+    """seqused_k (FA3's): int32 (batch,) beside cu_seqlens_k, forward only."""
+    q, k, v = qkv()
+    for bad in (CU_K, CU_K[1:].long(), CU_K[1:][None], [5, 2, 5]):
+        with pytest.raises(InvalidInputError, match=r"seqused_k must be int32 of shape \(batch,\)"):
+            flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=bad)
+    with pytest.raises(InvalidInputError, match="seqused_k must be contiguous"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5,
+                               seqused_k=torch.zeros(6, dtype=torch.int32)[::2])
+    q, k, v = qkv(grad=True)
+    with pytest.raises(InvalidInputError, match="seqused_k: forward only"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=CU_K[1:].contiguous())
 
 
 @pytest.mark.parametrize("change, message", [

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 8
+#define FA3GEN_ABI_VERSION 9
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -47,6 +47,9 @@ typedef struct fa3gen_fwd_params {
   const int32_t* cu_seqlens_k;
   int32_t* tile_list;
   int32_t total_q, total_k;
+  // Varlen, optional (null: unused): sequence b uses only its first seqused_k[b] keys of
+  // [cu_seqlens_k[b], cu_seqlens_k[b + 1]) (FA3's seqused_k; batch int32 on the device).
+  const int32_t* seqused_k;
   // fp8 (e4m3) variants: fp32 descale factors of q, k and v (null reads 1), read at
   // [b * batch_stride + head * head_stride + block * block_stride] (strides in floats; 0
   // broadcasts). Blocks are the variant's tiles: query rows [tile_m * block, + tile_m) for q,

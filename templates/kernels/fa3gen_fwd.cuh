@@ -48,7 +48,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     return 1;
   }
   TileSchedule schedule;
-  VarlenArgs varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list)};
+  VarlenArgs varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
+                    a.seqused_k};
   if constexpr (Varlen) {
     if (check_varlen(a.batch, a.heads_q, m_blocks, a.total_q, a.total_k, a.cu_seqlens_q, a.cu_seqlens_k, a.tile_list)) {
       return 1;

@@ -29,6 +29,7 @@ struct VarlenArgs {
   const int* cu_seqlens_k;
   int total_q, total_k;     // rows of the packed tensors
   const int2* tiles;        // varlen_tiles_kernel's list: {batch, head << 16 | block}, batch -1: none
+  const int* seqused_k = nullptr;  // forward, optional: the keys of each sequence actually used
 };
 
 __device__ __forceinline__ void clamped_range(const int* cu, int b, int total, int& offset, int& len) {
@@ -41,6 +42,7 @@ __device__ __forceinline__ SeqSlice seq_slice(VarlenArgs const& v, int b) {
   SeqSlice s;
   clamped_range(v.cu_seqlens_q, b, v.total_q, s.offset_q, s.seqlen_q);
   clamped_range(v.cu_seqlens_k, b, v.total_k, s.offset_k, s.seqlen_k);
+  if (v.seqused_k != nullptr) s.seqlen_k = min(s.seqlen_k, max(v.seqused_k[b], 0));
   return s;
 }
 

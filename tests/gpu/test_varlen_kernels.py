@@ -53,6 +53,23 @@ def test_forward(lib, fwd_varlen_key, case, heads):
     assert res["ok"], f"{fwd_varlen_key} {case}: {res['why']}"
 
 
+def test_forward_seqused_k(lib, fwd_varlen_key):
+    """seqused_k (FA3's): sequence b uses the first seqused_k[b] keys of its cu_seqlens_k range
+    (causal aligned to that length): the same as packing only those keys."""
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=33)
+    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
+    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
+                                      seqused_k=seqused)
+    torch.cuda.synchronize()
+    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
+    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
+    res = compare_varlen_to_reference(out, lse, q, k[keep], v[keep], cu_q, cu_used, causal)
+    assert res["ok"], f"{fwd_varlen_key}: {res['why']}"
+
+
 def test_forward_into_poisoned_outputs_and_scale(lib, fwd_varlen_key):
     """Every row of every sequence written (NaN-filled buffers), a key-less sequence gives 0
     and lse -inf, and softmax_scale reaches the kernel."""
