@@ -413,6 +413,7 @@ struct FwdMainloop {
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, s.index()), tOrO);
     };
     float rescale[kRows];
+    bool rescale_o = true;  // this thread's O rows need their factors (softmax.cuh: threshold)
     o_units = 1.f;
     auto softmax_block = [&](int i) {
       const int n_block = blocks.at(i);
@@ -425,7 +426,7 @@ struct FwdMainloop {
       }
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
-      softmax.step(S, rescale);
+      rescale_o = softmax.step(S, rescale);
       if constexpr (Traits::kFp8) {
         // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
         // adds in units of this one, so O is rescaled by their ratio along with the softmax's
@@ -436,8 +437,14 @@ struct FwdMainloop {
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) rescale[r] *= ratio;
           o_units = v_descale;
+          rescale_o = true;
         }
       }
+    };
+    // Skipped when no row of the warp moved its maximum (warp-uniform: a predicated multiply
+    // would still cost its issue slot).
+    auto rescale_o_if_needed = [&]() {
+      if (__any_sync(0xffffffffu, rescale_o)) scale_rows(O, rescale);
     };
     auto to_p = [&]() {
       if constexpr (Traits::kFp8) {
@@ -461,7 +468,7 @@ struct FwdMainloop {
         release_q_if_last(i);
         refill_k(i);
         softmax_block(i);
-        scale_rows(O, rescale);
+        rescale_o_if_needed();
         to_p();
         issue_pv(st, true);
         turns.pass_turn();
@@ -494,7 +501,7 @@ struct FwdMainloop {
         warpgroup_wait<0>();
         pipe_v.consumer_release(st_v);
         refill_v(i - 1);
-        scale_rows(O, rescale);
+        rescale_o_if_needed();
         to_p();
         st_v = st;
         ++st;

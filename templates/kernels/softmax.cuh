@@ -8,6 +8,15 @@
 
 namespace fa3gen {
 
+// A row whose new maximum exceeds the one in use by at most this much (log2 units) keeps the
+// old one: its probabilities then reach up to 2^threshold (256), which fp32 sums, 16-bit P and
+// e4m3 P (max 448) all hold, and its O needs no rescale. The final LSE uses the maximum in use,
+// so the result is the same softmax. A negative value rescales on every block (the A/B
+// baseline).
+#ifndef FA3GEN_RESCALE_THRESHOLD
+#define FA3GEN_RESCALE_THRESHOLD 8.0f
+#endif
+
 template <int Rows>
 struct OnlineSoftmax {
   float row_max[Rows];
@@ -20,20 +29,30 @@ struct OnlineSoftmax {
   }
 
   // Turns scores S into unnormalized probabilities in place; rescale[r] is the factor the
-  // running output row r must be multiplied by (0 on the first block, where O is still 0).
+  // running output row r must be multiplied by (0 on the first block, where O is still 0, 1
+  // where the row kept its maximum). Returns whether any of this thread's rows needs one.
   template <class TS>
-  __device__ __forceinline__ void step(TS& S, float (&rescale)[Rows]) {
+  __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows]) {
     static_assert(decltype(size<0>(S))::value == Rows);
+    bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
       float m = row_max[r];
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) { m = fmaxf(m, S(r, c)); }
       m = quad_allreduce_max<4>(m);
-      // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-      float m_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-      rescale[r] = exp2f(row_max[r] * scale_log2 - m_scaled);
-      row_max[r] = m;
+      // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
+      const float grew = (m - row_max[r]) * scale_log2;
+      if (!(grew <= FA3GEN_RESCALE_THRESHOLD)) {
+        // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+        const float m_new_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+        rescale[r] = exp2f(row_max[r] * scale_log2 - m_new_scaled);
+        row_max[r] = m;
+        any = true;
+      } else {
+        rescale[r] = 1.f;
+      }
+      const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) {
@@ -43,6 +62,7 @@ struct OnlineSoftmax {
       }
       row_sum[r] = row_sum[r] * rescale[r] + sum;
     }
+    return any;
   }
 
   // 1/rowsum (0 for a row with no visible key) and the natural-log LSE (-inf for such rows).
