@@ -100,7 +100,8 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
 
 def _headers(kernels_dir, kernel: str) -> str:
     """What a CuTe-free kernel TU includes (its rule has no depfile, so edges name them)."""
-    return " ".join(_path(Path(kernels_dir) / h) for h in (kernel, "launch_common.cuh", "simt_common.cuh"))
+    return " ".join(_path(Path(kernels_dir) / h)
+                    for h in (kernel, "launch_common.cuh", "simt_common.cuh", "rescale_threshold.cuh"))
 
 
 def write_build_ninja(out_dir: Path, text: str) -> bool:

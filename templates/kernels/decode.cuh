@@ -20,6 +20,7 @@
 #include <type_traits>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
+#include "rescale_threshold.cuh"
 #include "simt_common.cuh"
 
 namespace fa3gen {
@@ -367,10 +368,16 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      // rescale_threshold.cuh: the running maximum stays while a slice raises it by at most
+      // the threshold (P below 256), and O is then left as it is.
       const float m_new = fmaxf(m[j], mx);
-      const float m_scaled = m_new == -INFINITY ? 0.f : m_new * scale_log2;  // no key yet: keep 0s
-      alpha[j] = exp2f(m[j] * scale_log2 - m_scaled);
-      m[j] = m_new;
+      if (!((m_new - m[j]) * scale_log2 <= FA3GEN_RESCALE_THRESHOLD)) {  // NaN (no key yet): update
+        alpha[j] = exp2f(m[j] * scale_log2 - (m_new == -INFINITY ? 0.f : m_new * scale_log2));
+        m[j] = m_new;
+      } else {
+        alpha[j] = 1.f;
+      }
+      const float m_scaled = m[j] == -INFINITY ? 0.f : m[j] * scale_log2;  // no key yet: keep 0s
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb) {
@@ -385,19 +392,22 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     }
     const uint32_t pa[4] = {pack2<M>(s[0][0], s[0][1]), pack2<M>(s[0][2], s[0][3]),
                             pack2<M>(s[1][0], s[1][1]), pack2<M>(s[1][2], s[1][3])};
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // warp-uniform
+#pragma unroll
+      for (int n = 0; n < HeadDim / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+    }
 #pragma unroll
     for (int nd = 0; nd < HeadDim / 8; nd += 2) {
       uint32_t vb[4];
       const int mi = lane / 8;
       ldmatrix_x4_trans(vb, smem_addr(v_tile + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, nd + (mi >> 1))));
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        o[nd + h][0] *= alpha[0];
-        o[nd + h][1] *= alpha[0];
-        o[nd + h][2] *= alpha[1];
-        o[nd + h][3] *= alpha[1];
-        mma_16816<M>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
-      }
+      for (int h = 0; h < 2; ++h) mma_16816<M>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
     }
     __syncwarp();  // every lane is done with this stage before a later load_slice refills it
   }

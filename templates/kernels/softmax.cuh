@@ -5,17 +5,9 @@
 #pragma once
 #include <cmath>
 #include "fragments.cuh"
+#include "rescale_threshold.cuh"
 
 namespace fa3gen {
-
-// A row whose new maximum exceeds the one in use by at most this much (log2 units) keeps the
-// old one: its probabilities then reach up to 2^threshold (256), which fp32 sums, 16-bit P and
-// e4m3 P (max 448) all hold, and its O needs no rescale. The final LSE uses the maximum in use,
-// so the result is the same softmax. A negative value rescales on every block (the A/B
-// baseline).
-#ifndef FA3GEN_RESCALE_THRESHOLD
-#define FA3GEN_RESCALE_THRESHOLD 8.0f
-#endif
 
 template <int Rows>
 struct OnlineSoftmax {
