@@ -331,18 +331,22 @@ def _fwd_run(plan: _Plan, q, k, v, out, lse, pointers: dict | None = None) -> No
 
 def _fwd_call_params(plan: _Plan, q, k, v, out, lse):
     """A copy of plan's params with this call's pointers (checked for alignment)."""
-    _check_aligned(q=q, k=k, v=v, out=out)
     p = runtime.FwdParams.from_buffer_copy(plan.params)
-    p.q, p.k, p.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    p.o, p.lse = out.data_ptr(), lse.data_ptr()
+    p.q, p.k, p.v, p.o = _aligned_pointers(q=q, k=k, v=v, out=out)
+    p.lse = lse.data_ptr()
     return p
 
 
-def _check_aligned(**tensors: torch.Tensor) -> None:
-    """The per-call part of check_layout (strides are part of a plan's signature)."""
-    for name, t in tensors.items():
-        if t.data_ptr() % _TMA_ALIGN_BYTES:
-            check_layout(**{name: t})  # raises with the message
+def _aligned_pointers(**tensors: torch.Tensor) -> list[int]:
+    """The tensors' addresses, checked for TMA alignment: the per-call part of check_layout
+    (strides are part of a plan's signature). One test of their OR on the common path."""
+    pointers = [t.data_ptr() for t in tensors.values()]
+    combined = 0
+    for ptr in pointers:
+        combined |= ptr
+    if combined % _TMA_ALIGN_BYTES:
+        check_layout(**tensors)  # raises with the message of the first misaligned one
+    return pointers
 
 
 # torch's own fast accessor of the current stream (what compiled graphs use); public fallback.
@@ -516,10 +520,11 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
 def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dict):
     """A copy of plan's params with this call's pointers (checked for alignment) and those of
     its workspace (the _WORKSPACE buffers of `work`)."""
-    _check_aligned(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     p = runtime.BwdParams.from_buffer_copy(plan.params)
-    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv,
-                          **{name: work[name] for name in _WORKSPACE}))
+    p.q, p.k, p.v, p.o, p.dout, p.dq, p.dk, p.dv = _aligned_pointers(
+        q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+    p.lse = lse.data_ptr()
+    _set_pointers(p, {name: work[name] for name in _WORKSPACE})
     return p
 
 
