@@ -254,6 +254,14 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def repo_relative(path) -> str:
+    """path relative to the repository when inside it (the docs name no machine's layout)."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO_ROOT.resolve()))
+    except ValueError:
+        return str(path)
+
+
 def git_commit() -> str | None:
     """FA3GEN_COMMIT when set (a copied tree's .git can be stale), else git's HEAD."""
     if os.environ.get("FA3GEN_COMMIT"):
@@ -379,7 +387,7 @@ def provenance(lib) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
-        "library": str(lib.path),
+        "library": repo_relative(lib.path),
         "build_info": lib.build_info,
         "command": shlex.join(["fa3gen", *sys.argv[1:]]),
     }
