@@ -15,6 +15,7 @@ import torch
 
 from fa3gen import contract, ops, runtime, tracing
 from fa3gen.errors import InvalidInputError, VariantNotBuiltError
+from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
 from fa3gen.varlen import debug_checks_enabled
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
@@ -230,10 +231,6 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                        append, (mask, p.softmax_scale) if prefill else None, kv_fp8)
 
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-
-
 def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
     """The (batch, head) strides of the factor tensors ((0, 0) without one)."""
     given = [(n, s) for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
@@ -274,7 +271,7 @@ def _split_count(keys: int, num_splits: int, batch: int, heads_kv: int, num_sms:
     if window_keys is not None:
         keys = min(keys, window_keys)
     splits = num_splits or num_splits_heuristic(batch, heads_kv, keys, num_sms, head_dim)
-    return max(1, min(splits, 65535, -(-keys // 64)))  # 64 keys: one CTA step
+    return max(1, min(splits, 65535, -(-keys // MIN_KEYS_PER_SPLIT)))  # a split: a slice per warp
 
 
 def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
@@ -343,9 +340,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
     seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
-    pointers = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
-    if (pointers[0] | pointers[1] | pointers[2]) % 16:  # the plan checked the strides, not these
-        ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
+    pointers = ops._aligned_pointers(q=q, k_cache=k_cache, v_cache=v_cache)  # plan: the strides
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)
@@ -382,29 +377,28 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     return (out, lse) if return_lse else out
 
 
+def _factor(factor, sequences=slice(None)):
+    """An e4m3 cache's factor (None: 1, a float, or (heads_kv,) / (batch, heads_kv) fp32) as a
+    multiplier of rows (.., rows, heads_kv, d) of the given sequences (a slice of the batch, or
+    an int for one)."""
+    if not isinstance(factor, torch.Tensor):
+        return 1.0 if factor is None else float(factor)
+    f = factor[sequences] if factor.dim() == 2 else factor
+    return f[..., None, :, None] if f.dim() == 2 else f[:, None]
+
+
 def _quantize_new(x, factor):
-    """New keys or values for an e4m3 cache: x / factor (per kv head, or per sequence and kv
-    head), saturated to the e4m3 range; e4m3 input is written as it is."""
+    """New keys or values (batch, seqlen_new, heads_kv, d) for an e4m3 cache: x / factor,
+    saturated to the e4m3 range; e4m3 input is written as it is."""
     if x.dtype == FP8:
         return x
-    y = x.float()
-    if isinstance(factor, torch.Tensor):
-        y = y / (factor[:, None, :, None] if factor.dim() == 2 else factor[None, None, :, None])
-    elif factor is not None:
-        y = y / float(factor)
-    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return (x.float() / _factor(factor)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
 
 
 def _dequantize(x, factor, sequences, dtype):
-    """Cached e4m3 rows x (.., rows, heads_kv, d) of the given sequences (a slice or index of
-    the batch; an int for one) as `dtype`, multiplied by their factors."""
-    y = x.float()
-    if isinstance(factor, torch.Tensor):
-        f = factor[sequences] if factor.dim() == 2 else factor
-        y = y * (f[..., None, :, None] if f.dim() == 2 else f[:, None])
-    elif factor is not None:
-        y = y * float(factor)
-    return y.to(dtype)
+    """Cached e4m3 rows x (.., rows, heads_kv, d) of the given sequences as `dtype`, multiplied
+    by their factors."""
+    return (x.float() * _factor(factor, sequences)).to(dtype)
 
 
 def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse,

@@ -150,15 +150,18 @@ __device__ __forceinline__ float kv_scale(const float* t, float value, const fa3
   return t ? t[int64_t(b) * p.kv_scale_batch_stride + int64_t(head_kv) * p.kv_scale_head_stride] : value;
 }
 
+// The page that holds key `key` of sequence b, clamped into the cache.
+__device__ __forceinline__ int page_of(const fa3gen_decode_params& p, int b, int key) {
+  return min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size], 0), p.cache_rows - 1);
+}
+
 // Where key row `key` of sequence b lives (in elements from the cache base, before the head
 // offset): through the block table when there is one. Indices are clamped: a bad table or
 // cache_batch_idx gives wrong numbers, never a read outside the cache.
 __device__ __forceinline__ int64_t cache_row_offset(const fa3gen_decode_params& p, int64_t batch_stride,
                                                     int64_t row_stride, int cache_b, int b, int key) {
   if (p.block_table != nullptr) {
-    const int page = min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key / p.page_size], 0),
-                         p.cache_rows - 1);
-    return int64_t(page) * batch_stride + int64_t(key % p.page_size) * row_stride;
+    return int64_t(page_of(p, b, key)) * batch_stride + int64_t(key % p.page_size) * row_stride;
   }
   return int64_t(cache_b) * batch_stride + int64_t(key) * row_stride;
 }
@@ -221,8 +224,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   auto slice_page = [&](int n) {  // the page of the warp's n-th slice (0 when not needed)
     const int key0 = start + (warp + n * kWarps) * kSlice;
     if (!slice_in_page || n >= my_slices) return 0;
-    return min(max(p.block_table[int64_t(b) * p.block_table_batch_stride + key0 / p.page_size], 0),
-               p.cache_rows - 1);
+    return page_of(p, b, key0);
   };
   auto load_slice = [&](int n, int page) {  // the warp's n-th slice into stage n % kStages
     const int key0 = start + (warp + n * kWarps) * kSlice;
