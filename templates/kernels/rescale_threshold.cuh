@@ -1,11 +1,17 @@
 // The online softmax's rescale rule, shared by the forward (softmax.cuh) and the decode kernels
 // (decode.cuh, which has no CuTe): a row keeps its running maximum while a new block raises
 // it by at most this much (log2 units). Its probabilities then reach up to 2^threshold (256),
-// which fp32 sums, 16-bit P and e4m3 P (max 448) all hold, and its output needs no rescale;
-// the final LSE uses the maximum in use, so the result is the same softmax. A negative value
-// rescales on every block (the A/B baseline: -DFA3GEN_RESCALE_THRESHOLD=-1).
+// which fp32 sums and 16-bit P hold, and its output needs no rescale; the final LSE uses the
+// maximum in use, so the result is the same softmax. A negative value rescales on every block
+// (the A/B baseline: -DFA3GEN_RESCALE_THRESHOLD=-1).
 #pragma once
 
 #ifndef FA3GEN_RESCALE_THRESHOLD
 #define FA3GEN_RESCALE_THRESHOLD 8.0f
 #endif
+
+namespace fa3gen {
+// The fp8 forward stores P times 256 in e4m3, whose largest value is 448: P may reach only
+// 448 / 256 = 2^0.807 there (the mainloop asserts it against its own factor).
+constexpr float kRescaleThresholdFp8P = FA3GEN_RESCALE_THRESHOLD < 0.8f ? FA3GEN_RESCALE_THRESHOLD : 0.8f;
+}  // namespace fa3gen

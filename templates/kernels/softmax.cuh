@@ -14,8 +14,10 @@ struct OnlineSoftmax {
   float row_max[Rows];
   float row_sum[Rows];
   float scale_log2;
+  float threshold;  // rescale_threshold.cuh (a constant once inlined)
 
-  __device__ explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+  __device__ explicit OnlineSoftmax(float scale_log2_, float threshold_ = FA3GEN_RESCALE_THRESHOLD)
+      : scale_log2(scale_log2_), threshold(threshold_) {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
@@ -35,7 +37,7 @@ struct OnlineSoftmax {
       m = quad_allreduce_max<4>(m);
       // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
       const float grew = (m - row_max[r]) * scale_log2;
-      if (!(grew <= FA3GEN_RESCALE_THRESHOLD)) {
+      if (!(grew <= threshold)) {
         // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
         const float m_new_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
         rescale[r] = exp2f(row_max[r] * scale_log2 - m_new_scaled);
