@@ -33,30 +33,37 @@ constexpr int kRows = 16;   // query rows per kv head: M of the mma
 constexpr int kSlice = 16;  // keys per warp and stage: K of the P V mma
 
 // KvFp8: the cache holds e4m3 (one byte per element). Its slices land in the ring as they are
-// and each warp converts the current one into a 16-bit K and V tile (kTileBytes) before the
-// mma; the ring gets more stages for the same bytes in flight and the same shared memory
+// and the mma fragments are read from the bytes and converted in registers (qk_fp8, pv_fp8);
+// the ring gets twice the stages for the same bytes in flight and the same shared memory
 // (66 / 100 / 200 KB: kvcache.CTAS_PER_SM holds for both caches).
 template <int HeadDim, bool KvFp8 = false>
 struct Config {
-  static constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per 16-bit row (Q, the mma tiles, out)
+  static constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per 16-bit row (Q, out)
   static constexpr int kElemBytes = KvFp8 ? 1 : 2;  // of the cache
   static constexpr int kCacheChunks = HeadDim * kElemBytes / 16;  // 16-byte chunks per cache row
-  static constexpr int kStages = KvFp8 ? (HeadDim <= 64 ? 6 : 4) : (HeadDim <= 64 ? 4 : 3);  // per warp ring
-  static constexpr int kSliceBytes = kSlice * HeadDim * 2;  // one K or V slice, 16-bit
-  static constexpr int kCacheSliceBytes = kSlice * HeadDim * kElemBytes;  // as the cache stores it
+  static constexpr int kStages = (HeadDim <= 64 ? 4 : 3) * (KvFp8 ? 2 : 1);  // per warp ring
+  static constexpr int kCacheSliceBytes = kSlice * HeadDim * kElemBytes;  // one K or V slice as stored
   static constexpr int kQBytes = kRows * HeadDim * 2;
-  static constexpr int kTileBytes = KvFp8 ? 2 * kSliceBytes : 0;  // the converted K and V slice
-  static constexpr int kRingBytes = kStages * 2 * kCacheSliceBytes + kTileBytes;  // per warp
+  static constexpr int kRingBytes = kStages * 2 * kCacheSliceBytes;  // per warp
   static constexpr int kSmemBytes = kQBytes + kWarps * kRingBytes;
   // The final merge reuses the rings for (warp, row, column) fp32 partial outputs.
   static_assert(kWarps * kRows * HeadDim * 4 <= kWarps * kRingBytes, "merge buffer");
 };
 
-// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of HeadDim-wide 16-bit rows,
-// swizzled (chunk ^ row % 8) so that ldmatrix's eight row addresses hit distinct banks.
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of RowBytes-wide rows, swizzled
+// so that the eight row addresses of an ldmatrix (eight consecutive rows, one chunk) hit
+// distinct banks: chunk ^ row % 8 for rows of 128 bytes or more, chunk ^ (row / 2) % 4 for
+// 64-byte rows (two to a 128-byte line).
+template <int RowBytes>
+__device__ __forceinline__ int swizzled_row(int row, int chunk) {
+  static_assert(RowBytes >= 64 && RowBytes % 64 == 0, "rows of 64 bytes or whole 128-byte lines");
+  const int x = RowBytes >= 128 ? (row & 7) : ((row >> 1) & 3);
+  return row * RowBytes + ((chunk ^ x) << 4);
+}
+// 16-bit rows of HeadDim values (Q, a 16-bit cache's slices).
 template <int HeadDim>
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * (HeadDim * 2) + ((chunk ^ (row & 7)) << 4);
+  return swizzled_row<HeadDim * 2>(row, chunk);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -78,6 +85,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t selector) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(x), "r"(selector));
+  return r;
 }
 
 // c += a b, one m16n8k16 tile: a 16x16 (row-major fragment), b 16x8 (column-major), fp32 c.
@@ -108,37 +120,64 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// Two e4m3 values (the first in the low byte) as one register of two T, the first in the low
-// half. Exact: every e4m3 value is a bf16 and an fp16 value.
-template <class T>
-__device__ __forceinline__ uint32_t fp8x2_to(uint32_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  if constexpr (std::is_same_v<T, __half>) {
-    return uint32_t(h.x) | (uint32_t(h.y) << 16);
-  } else {
-    const float2 f = __half22float2(__half2(h));
-    return pack2<T>(f.x, f.y);
+// Two e4m3 values (the first in the low byte of `two`) as one register of two f16, the first
+// in the low half. Exact: every e4m3 value is an f16 value.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two & 0xffffu), __NV_E4M3);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// e4m3 slices are read into the f16 mma fragments straight from the ring (rows of HeadDim
+// bytes, swizzled_row<HeadDim>), through ldmatrix on byte pairs:
+//  - K (S = Q K^T): a plain ldmatrix of 8 keys x 16 bytes gives lane (g, t) bytes 4t..4t+3 of
+//    key g. Converted, the first pair is the B fragment's k = 2t, 2t+1 and the second its
+//    k = 2t + 8, 2t + 9: within each 16 columns the mma's k order is d = 0 1 4 5 8 9 12 13,
+//    2 3 6 7 10 11 14 15, and Q is staged in that order (stage_q_fp8_order), so the sum is the same.
+//  - V (O += P V): a transposing ldmatrix gives lane (g, t) the byte pairs (2g, 2g + 1) of keys
+//    2t and 2t + 1; one byte permute makes (key 2t, key 2t + 1) pairs for column 2g (low half)
+//    and 2g + 1 (high half): the B fragments of two n8 blocks, even and odd columns. So o[2c]
+//    holds columns 16c + 4t, 16c + 4t + 2 and o[2c + 1] columns 16c + 4t + 1, 16c + 4t + 3.
+// Per 16 keys x 16 columns a lane does half an ldmatrix.x4, 4 conversions and (V) 2 permutes,
+// with no 16-bit copy of the slice in shared memory.
+template <int HeadDim>
+__device__ __forceinline__ uint32_t fp8_fragment_addr(const uint8_t* tile, int lane, int chunk) {
+  // The x4's matrices: (keys 0-7, chunk), (keys 8-15, chunk), (keys 0-7, chunk + 1), (8-15, chunk + 1).
+  const int mi = lane / 8;
+  return smem_addr(tile + swizzled_row<HeadDim>((mi & 1) * 8 + lane % 8, chunk + (mi >> 1)));
+}
+
+template <int HeadDim>
+__device__ __forceinline__ void qk_fp8(float (&s)[2][4], const uint8_t* q_smem, const uint8_t* k_tile, int lane) {
+#pragma unroll
+  for (int ks = 0; ks < HeadDim / 16; ks += 2) {  // two 16-column k steps per x4
+    uint32_t kb[4];
+    ldmatrix_x4(kb, fp8_fragment_addr<HeadDim>(k_tile, lane, ks));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t a[4];
+      const int mi = lane / 8;
+      ldmatrix_x4(a, smem_addr(q_smem + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, 2 * (ks + h) + (mi >> 1))));
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const uint32_t b = kb[2 * h + nb];
+        mma_16816<__half>(s[nb], a, e4m3x2_to_f16x2(b), e4m3x2_to_f16x2(b >> 16));
+      }
+    }
   }
 }
 
-// One warp: a K and a V slice of e4m3 rows (HeadDim bytes each, as landed) into the swizzled
-// 16-bit tiles the mma loads read.
-template <class T, int HeadDim>
-__device__ __forceinline__ void convert_slices(const uint8_t* src, uint8_t* dst, int lane) {
-  using C = Config<HeadDim, true>;
+template <int HeadDim>
+__device__ __forceinline__ void pv_fp8(float (&o)[HeadDim / 8][4], const uint32_t (&pa)[4], const uint8_t* v_tile,
+                                       int lane) {
 #pragma unroll
-  for (int kv = 0; kv < 2; ++kv) {
+  for (int c = 0; c < HeadDim / 16; c += 2) {
+    uint32_t vb[4];
+    ldmatrix_x4_trans(vb, fp8_fragment_addr<HeadDim>(v_tile, lane, c));
 #pragma unroll
-    for (int i = 0; i < kSlice * C::kCacheChunks / 32; ++i) {
-      const int idx = lane + 32 * i, row = idx / C::kCacheChunks, chunk = idx % C::kCacheChunks;
-      const uint4 raw = *reinterpret_cast<const uint4*>(src + kv * C::kCacheSliceBytes + row * HeadDim + chunk * 16);
-      const uint4 lo = make_uint4(fp8x2_to<T>(raw.x), fp8x2_to<T>(raw.x >> 16), fp8x2_to<T>(raw.y),
-                                  fp8x2_to<T>(raw.y >> 16));
-      const uint4 hi = make_uint4(fp8x2_to<T>(raw.z), fp8x2_to<T>(raw.z >> 16), fp8x2_to<T>(raw.w),
-                                  fp8x2_to<T>(raw.w >> 16));
-      uint8_t* tile = dst + kv * C::kSliceBytes;
-      *reinterpret_cast<uint4*>(tile + swizzled<HeadDim>(row, 2 * chunk)) = lo;
-      *reinterpret_cast<uint4*>(tile + swizzled<HeadDim>(row, 2 * chunk + 1)) = hi;
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t lo_keys = byte_perm(vb[2 * h], 0x3120), hi_keys = byte_perm(vb[2 * h + 1], 0x3120);
+      mma_16816<__half>(o[2 * (c + h)], pa, e4m3x2_to_f16x2(lo_keys), e4m3x2_to_f16x2(hi_keys));
+      mma_16816<__half>(o[2 * (c + h) + 1], pa, e4m3x2_to_f16x2(lo_keys >> 16), e4m3x2_to_f16x2(hi_keys >> 16));
     }
   }
 }
@@ -173,9 +212,8 @@ template <class T, int HeadDim, bool KvFp8>
 __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_params p) {
   using C = Config<HeadDim, KvFp8>;
   using CacheT = std::conditional_t<KvFp8, uint8_t, T>;
-  // The mma's 16-bit type. An e4m3 cache converts to f16 in one instruction per pair (to bf16
-  // it takes three), so its mma runs in f16 whatever q's dtype (bf16 q: see the Q staging).
-  using M = std::conditional_t<KvFp8, __half, T>;
+  // An e4m3 cache converts to f16 in one instruction per pair (to bf16 it takes three), so its
+  // mma runs in f16 whatever q's dtype (bf16 q: see the Q staging).
   constexpr int kSteps = HeadDim / 16;  // k steps of Q K^T
   constexpr int kLoads = kSlice * C::kCacheChunks / 32;  // 16-byte chunks per lane per K (or V) slice
   extern __shared__ __align__(128) uint8_t smem[];
@@ -251,9 +289,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         k_off = k_base + (first_row + safe_row) * p.k_row_stride;
         v_off = v_base + (first_row + safe_row) * p.v_row_stride;
       }
-      // e4m3 rows land unswizzled (convert_slices reads them 16 bytes a lane); 16-bit rows
-      // swizzled for the mma loads.
-      const int dst = KvFp8 ? row * HeadDim + chunk * 16 : swizzled<HeadDim>(row, chunk);
+      const int dst = swizzled_row<HeadDim * C::kElemBytes>(row, chunk);
       constexpr int kPerChunk = 16 / sizeof(CacheT);
       cp_async_16(smem_addr(k_dst + dst), kc + k_off + chunk * kPerChunk, valid);
       cp_async_16(smem_addr(v_dst + dst), vc + v_off + chunk * kPerChunk, valid);
@@ -274,36 +310,45 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
                                            chunk * 8);
   };
   float q_pow = 1.f;  // q entered the mma as q / q_pow
-  if constexpr (KvFp8 && !std::is_same_v<T, __half>) {
-    // bf16 q into the f16 mma: scaled by 2^-e, e the least that keeps this CTA's largest |q|
+  if constexpr (KvFp8) {
+    // The f16 mma. bf16 q is scaled by 2^-e, e the least that keeps this CTA's largest |q|
     // below 2^15 (f16 tops at 65504); exact (a power of two), and f16 keeps bf16's 8 bits.
-    __shared__ int q_amax_bits;  // a non-negative float's bits order as ints
-    if (threadIdx.x == 0) q_amax_bits = 0;
-    __syncthreads();
-    float amax = 0.f;
-    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-      const uint4 v = q_chunk(i / C::kChunks, i % C::kChunks);
-      for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
-        amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+    float q_mul = 1.f;
+    if constexpr (!std::is_same_v<T, __half>) {
+      __shared__ int q_amax_bits;  // a non-negative float's bits order as ints
+      if (threadIdx.x == 0) q_amax_bits = 0;
+      __syncthreads();
+      float amax = 0.f;
+      for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
+        const uint4 v = q_chunk(i / C::kChunks, i % C::kChunks);
+        for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+        }
       }
+      amax = warp_max(amax);
+      if (lane == 0) atomicMax(&q_amax_bits, __float_as_int(amax));
+      __syncthreads();
+      const int e = max(0, ((q_amax_bits >> 23) & 0xff) - 127 - 14);
+      q_pow = exp2f(float(e));
+      q_mul = exp2f(float(-e));
     }
-    amax = warp_max(amax);
-    if (lane == 0) atomicMax(&q_amax_bits, __float_as_int(amax));
-    __syncthreads();
-    const int e = max(0, ((q_amax_bits >> 23) & 0xff) - 127 - 14);
-    q_pow = exp2f(float(e));
-    const float q_mul = exp2f(float(-e));
-    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-      const int r = i / C::kChunks, chunk = i % C::kChunks;
-      const uint4 v = q_chunk(r, chunk);
-      uint4 h;
-      uint32_t* out = reinterpret_cast<uint32_t*>(&h);
-      const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+    auto f16_chunk = [&](int r, int chunk) {  // 8 values of row r in f16
+      uint4 v = q_chunk(r, chunk);
+      if constexpr (!std::is_same_v<T, __half>) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        out[w] = pack2<__half>(__uint_as_float(in[w] << 16) * q_mul, __uint_as_float(in[w] & 0xffff0000u) * q_mul);
+        for (int i = 0; i < 4; ++i) {
+          w[i] = pack2<__half>(__uint_as_float(w[i] << 16) * q_mul, __uint_as_float(w[i] & 0xffff0000u) * q_mul);
+        }
       }
-      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = h;
+      return v;
+    };
+    // Each 16 columns in the order qk_fp8's K fragments take: value pairs 0 2 4 6, then 1 3 5 7.
+    for (int i = threadIdx.x; i < kRows * C::kChunks / 2; i += kWarps * 32) {
+      const int r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
+      const uint4 v0 = f16_chunk(r, c), v1 = f16_chunk(r, c + 1);
+      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c)) = make_uint4(v0.x, v0.z, v1.x, v1.z);
+      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c + 1)) = make_uint4(v0.y, v0.w, v1.y, v1.w);
     }
   } else {
     for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
@@ -332,25 +377,23 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
     __syncwarp();                     // ... and every lane's
     const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kCacheSliceBytes;
-    if constexpr (KvFp8) {  // into the warp's 16-bit tiles, behind the ring
-      uint8_t* tiles = ring + C::kStages * 2 * C::kCacheSliceBytes;
-      convert_slices<M, HeadDim>(k_tile, tiles, lane);
-      __syncwarp();
-      k_tile = tiles;
-    }
-    const uint8_t* v_tile = k_tile + C::kSliceBytes;
+    const uint8_t* v_tile = k_tile + C::kCacheSliceBytes;
     const int key0 = start + (warp + n * kWarps) * kSlice;
 
     // S (16 rows x 16 keys) = Q K^T: s[nb] holds keys 8 nb + 2t, +1 of rows g (0, 1), g + 8 (2, 3).
     float s[2][4] = {};
+    if constexpr (KvFp8) {
+      qk_fp8<HeadDim>(s, q_smem, k_tile, lane);
+    } else {
 #pragma unroll
-    for (int ks = 0; ks < kSteps; ++ks) {
-      uint32_t a[4], kb[4];
-      const int mi = lane / 8;
-      ldmatrix_x4(a, smem_addr(q_smem + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, 2 * ks + (mi >> 1))));
-      ldmatrix_x4(kb, smem_addr(k_tile + swizzled<HeadDim>((mi >> 1) * 8 + lane % 8, 2 * ks + (mi & 1))));
-      mma_16816<M>(s[0], a, kb[0], kb[1]);
-      mma_16816<M>(s[1], a, kb[2], kb[3]);
+      for (int ks = 0; ks < kSteps; ++ks) {
+        uint32_t a[4], kb[4];
+        const int mi = lane / 8;
+        ldmatrix_x4(a, smem_addr(q_smem + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, 2 * ks + (mi >> 1))));
+        ldmatrix_x4(kb, smem_addr(k_tile + swizzled<HeadDim>((mi >> 1) * 8 + lane % 8, 2 * ks + (mi & 1))));
+        mma_16816<T>(s[0], a, kb[0], kb[1]);
+        mma_16816<T>(s[1], a, kb[2], kb[3]);
+      }
     }
     // Mask (past the split's end, causal), online softmax; P as the A fragment of P V.
     float alpha[2];
@@ -392,6 +435,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       }
       l[j] = l[j] * alpha[j] + sum;
     }
+    using M = std::conditional_t<KvFp8, __half, T>;  // the mma's 16-bit type
     const uint32_t pa[4] = {pack2<M>(s[0][0], s[0][1]), pack2<M>(s[0][2], s[0][3]),
                             pack2<M>(s[1][0], s[1][1]), pack2<M>(s[1][2], s[1][3])};
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // warp-uniform
@@ -403,13 +447,17 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         o[n][3] *= alpha[1];
       }
     }
+    if constexpr (KvFp8) {
+      pv_fp8<HeadDim>(o, pa, v_tile, lane);
+    } else {
 #pragma unroll
-    for (int nd = 0; nd < HeadDim / 8; nd += 2) {
-      uint32_t vb[4];
-      const int mi = lane / 8;
-      ldmatrix_x4_trans(vb, smem_addr(v_tile + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, nd + (mi >> 1))));
+      for (int nd = 0; nd < HeadDim / 8; nd += 2) {
+        uint32_t vb[4];
+        const int mi = lane / 8;
+        ldmatrix_x4_trans(vb, smem_addr(v_tile + swizzled<HeadDim>((mi & 1) * 8 + lane % 8, nd + (mi >> 1))));
 #pragma unroll
-      for (int h = 0; h < 2; ++h) mma_16816<M>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
+        for (int h = 0; h < 2; ++h) mma_16816<T>(o[nd + h], pa, vb[2 * h], vb[2 * h + 1]);
+      }
     }
     __syncwarp();  // every lane is done with this stage before a later load_slice refills it
   }
@@ -442,10 +490,18 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   for (int j = 0; j < 2; ++j) {
     const int r = g + 8 * j;
     const float f = row_m[r] == -INFINITY ? 0.f : exp2f((m[j] - row_m[r]) * scale_log2);
+    float* row_out = merged + (warp * kRows + r) * HeadDim;
+    if constexpr (KvFp8) {  // o[2c], o[2c + 1]: columns 16c + 4t + (0, 2), (1, 3) (pv_fp8)
 #pragma unroll
-    for (int n = 0; n < HeadDim / 8; ++n) {
-      *reinterpret_cast<float2*>(merged + (warp * kRows + r) * HeadDim + n * 8 + 2 * t) =
-          make_float2(o[n][2 * j] * f, o[n][2 * j + 1] * f);
+      for (int c = 0; c < HeadDim / 16; ++c) {
+        *reinterpret_cast<float4*>(row_out + 16 * c + 4 * t) =
+            make_float4(o[2 * c][2 * j] * f, o[2 * c + 1][2 * j] * f, o[2 * c][2 * j + 1] * f, o[2 * c + 1][2 * j + 1] * f);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < HeadDim / 8; ++n) {
+        *reinterpret_cast<float2*>(row_out + n * 8 + 2 * t) = make_float2(o[n][2 * j] * f, o[n][2 * j + 1] * f);
+      }
     }
   }
   __syncthreads();
