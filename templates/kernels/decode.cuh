@@ -209,7 +209,7 @@ __device__ __forceinline__ int64_t cache_row_offset(const fa3gen_decode_params& 
 // kv head `head_kv`: the normalized partial O and its LSE, into the output when there is one
 // split, else into the fp32 workspace the combine kernel reads.
 template <class T, int HeadDim, bool KvFp8>
-__global__ void __launch_bounds__(kWarps * 32, 1) split_kernel(const fa3gen_decode_params p) {
+__global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_params p) {
   using C = Config<HeadDim, KvFp8>;
   using CacheT = std::conditional_t<KvFp8, uint8_t, T>;
   // An e4m3 cache converts to f16 in one instruction per pair (to bf16 it takes three), so its
@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) split_kernel(const fa3gen_deco
   uint8_t* q_smem = smem;
   uint8_t* ring = smem + C::kQBytes + warp * C::kRingBytes;  // stage s: K at 2s, V at 2s + 1
   // Pages of a multiple of 16 rows hold whole slices (slices start at multiples of 16): one
-  // block-table read per slice, issued two iterations before its copies need it. Other page
+  // block-table read per slice, issued an iteration before its copies need it. Other page
   // sizes read the table per row.
   const bool paged = p.block_table != nullptr, slice_in_page = paged && p.page_size % kSlice == 0;
   auto slice_page = [&](int n) {  // the page of the warp's n-th slice (0 when not needed)
@@ -362,9 +362,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) split_kernel(const fa3gen_deco
   const float score_scale = capped ? 1.f : qk_scale;  // of the scores the softmax sees
   const float scale_log2 = score_scale * float(M_LOG2E);
 
-  // Block-table reads run two iterations ahead of the copies that use them: one iteration of an
-  // e4m3 slice is shorter than the read's latency.
-  int next_page = slice_page(C::kStages - 1), later_page = slice_page(C::kStages);
+  int next_page = slice_page(C::kStages - 1);
   __syncthreads();  // Q is in shared memory
 
   float o[HeadDim / 8][4];
@@ -374,8 +372,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) split_kernel(const fa3gen_deco
 
   for (int n = 0; n < my_slices; ++n) {
     if (n + C::kStages - 1 < my_slices) load_slice(n + C::kStages - 1, next_page);
-    next_page = later_page;
-    later_page = slice_page(n + C::kStages + 1);  // read now, used two iterations on
+    next_page = slice_page(n + C::kStages);  // read now, used by the next iteration
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
     __syncwarp();                     // ... and every lane's
