@@ -3,8 +3,9 @@
 // each query block into a `Stages`-deep ring (produce); its warp 1 is the dQ writer, which adds
 // each query block's dQ from shared memory to the fp32 accumulator in global memory with one
 // bulk reduction (write_dq), so the consumers never wait on global memory. The consumer
-// warpgroups (64 keys each) recompute P from the saved LSE and accumulate dK and dV in
-// registers over every query block (mma).
+// warpgroups (64 keys each, or half of head_dim each: bwd_traits.cuh, kSplitHeadDim)
+// recompute P from the saved LSE and accumulate dK and dV in registers over every query block
+// (mma).
 // Deterministic mode orders the dQ additions: the CTA of key block n adds its part of a query
 // block's dQ only after the CTA of key block n - 1 has (a semaphore per query block).
 #pragma once
@@ -149,6 +150,7 @@ struct BwdMainloop {
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
 
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
     Tensor tSrV = thr_sdp.partition_fragment_A(sV);
@@ -174,6 +176,15 @@ struct BwdMainloop {
     Tensor tdSsdS = [&] {
       if constexpr (Traits::kDqTransposed) return thr_sdp.partition_C(sdSt);  // accumulator layout
       else return thr_r2s_ds.partition_D(sdSt);                               // (CPY, CPY_N, CPY_M, 2)
+    }();
+    // kSplitHeadDim: the A operands of dV and dK, from shared memory.
+    auto tdVsPt = [&] {
+      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
+      else return 0;
+    }();
+    auto tdKsdSt = [&] {
+      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sdSt);
+      else return 0;
     }();
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
@@ -240,14 +251,19 @@ struct BwdMainloop {
         }
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
-        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-        // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the warpgroups
-        // meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps the dK GEMM,
-        // spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
-        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-        wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
         const int buf = iter & 1;
+        if constexpr (Traits::kSplitHeadDim) {
+          // Each warpgroup holds half of the queries of P^T: the dV GEMMs need all of them.
+          copy(r2s_ds, thr_r2s_ds.retile_S(rP), thr_r2s_ds.partition_D(sPt)(_, _, _, buf));
+        } else {
+          // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the
+          // warpgroups meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps
+          // the dK GEMM, spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
+          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+          wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+        }
         if constexpr (Traits::kDqTransposed) {
           CUTLASS_PRAGMA_UNROLL
           for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
@@ -256,6 +272,10 @@ struct BwdMainloop {
         }
         cutlass::arch::fence_view_async_shared();
         barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+        if constexpr (Traits::kSplitHeadDim) {
+          wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buf), tdVrdOt(_, _, _, st.index()), tdVrdV);
+          wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buf), tdKrQt(_, _, _, st.index()), tdKrdK);
+        }
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
         if constexpr (Traits::kDqTransposed) {
           wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
