@@ -50,15 +50,15 @@ FP8_V_RAW_SLOTS = 2              # FwdTraits::kVRawSlots
 
 def smem_bytes(v: Variant) -> int:
     """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
-    Q and dO per stage, two dS buffers (tile_m x tile_n; two more for P^T when the warpgroups
-    split head_dim), LSE and D rows per stage, and one fp32 dQ tile (tile_m x head_dim) for
-    the dQ writer."""
+    Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage, and one
+    fp32 dQ tile (tile_m x head_dim) for the dQ writer; when the warpgroups split head_dim,
+    two P^T buffers more and no dQ tile (dQ is handed over in the Q and dO buffers)."""
     elem = DTYPES[v.dtype].bytes
     if v.direction == "bwd":
-        score_buffers = 4 if bwd_splits_head_dim(v) else 2
+        split = bwd_splits_head_dim(v)
         return elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
-                       + score_buffers * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
-            + 4 * v.tile_m * v.head_dim + SMEM_RESERVED
+                       + (4 if split else 2) * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
+            + (0 if split else 4 * v.tile_m * v.head_dim) + SMEM_RESERVED
     # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose.
     raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
     return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v) \

@@ -38,8 +38,9 @@ struct BwdMainloop {
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
+             // kSplitHeadDim: the dQ writer frees a stage once it has read dQ out of it
              tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
-                                           Traits::kConsumerThreads),
+                                           Traits::kSplitHeadDim ? 1 : Traits::kConsumerThreads),
              Shape<_1, _1, _1>{}) {}
 
   // ---------------- producer: the loader thread ----------------
@@ -96,6 +97,7 @@ struct BwdMainloop {
     constexpr int kTileElems = kTileM * kHeadDim;
     const bool leader = threadIdx.x % 32 == 0;
     const int head0 = tile.head * p.heads_per_kv;
+    PipelineState st;  // the stage of each query block, as the consumers see it (kSplitHeadDim)
     int64_t dq_tile = Traits::kVarlen ? q_tile_base(p, tile.batch, head0, seq) + m_first
                                       : dq_tile_index(tile.batch, head0, p.heads_q, m_blocks, m_first);
     // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
@@ -104,13 +106,26 @@ struct BwdMainloop {
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+        // kSplitHeadDim: the buffer is the stage's, freed below through the pipeline; "empty"
+        // only keeps the consumers from arriving at kBwdDqFull twice before this warp has.
+        if constexpr (Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
             const int turn = tile.block - mask.key_blocks(m_block).first;
             while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
           }
-          bulk_reduce_add(p.dq_accum + dq_tile * kTileElems, smem.dq.data(), Traits::kBytesdQ);
+          float* dq_gmem = p.dq_accum + dq_tile * kTileElems;
+          if constexpr (Traits::kSplitHeadDim) {  // halves in the stage's Q and dO buffers (dq_slot)
+            const int s = st.index();
+            bulk_reduce_add(dq_gmem, reinterpret_cast<const float*>(smem.q.data() + s * kTileM * kHeadDim),
+                            Traits::kBytesdQ / 2);
+            bulk_reduce_add(dq_gmem + kTileElems / 2,
+                            reinterpret_cast<const float*>(smem.dout.data() + s * kTileM * kHeadDim),
+                            Traits::kBytesdQ / 2);
+          } else {
+            bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ);
+          }
           if (p.deterministic) {
             bulk_wait_done();  // the additions are complete before the next key block's turn
             asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -119,12 +134,18 @@ struct BwdMainloop {
           } else {
             bulk_wait_read();
           }
+          // The consumers do not release the stage then: the producer may refill it now.
+          if constexpr (Traits::kSplitHeadDim) smem.pipeline_q.empty_barrier_[st.index()].arrive();
         }
+        ++st;
         __syncwarp();
-        barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        if constexpr (!Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
       }
     }
     if (leader) bulk_wait_done();
+    // kSplitHeadDim: so that the epilogue's staging does not overwrite the last dQ.
+    __syncwarp();
+    if constexpr (Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqDrained>(kWriterThreads);
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -284,21 +305,43 @@ struct BwdMainloop {
         }
         warpgroup_wait<0>();
 
-        // Hand dQ to the writer warp (once it has read the previous query block's).
-        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-        float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-          sdQ[dq_slot<Traits::kConsumerThreads>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+        if constexpr (Traits::kSplitHeadDim) {
+          // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
+          // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
+          constexpr int kHalfSlots = kTileM * kHeadDim / 4, kHalfChunks = size(tdQrdQ) / 4;  // float2 per half
+          float2* sdQ_q = reinterpret_cast<float2*>(smem.q.data() + st.index() * kTileM * kHeadDim);
+          float2* sdQ_do = reinterpret_cast<float2*>(smem.dout.data() + st.index() * kTileM * kHeadDim);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // j < kHalfChunks: the first half (dq_slot)
+            const float2 v = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+            if (j < kHalfChunks) sdQ_q[dq_slot<Traits>(tid, j)] = v;
+            else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
+          }
+          if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);  // took the previous block
+        } else {
+          // Hand dQ to the writer warp (once it has read the previous query block's).
+          if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+          float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+            sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+          }
         }
         cutlass::arch::fence_view_async_shared();
         barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-        pipe.consumer_release(st);  // Q, dO, LSE, D of this block are no longer read
+        // Q, dO, LSE, D of this block are no longer read (kSplitHeadDim: the writer releases
+        // the stage once it has read dQ out of it).
+        if constexpr (!Traits::kSplitHeadDim) pipe.consumer_release(st);
         ++st;
       }
     }
-    // The writer signals "empty" after every block; take the last one so no arrival is left over.
+    // The writer signals "empty" after every block; take the last one so that no arrival is
+    // left over (and, kSplitHeadDim, wait until it has read the last dQ: the epilogue stages
+    // dK and dV over the Q and dO buffers).
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    if constexpr (Traits::kSplitHeadDim) {
+      if (iter > 0) barrier_sync<BarrierId::kBwdDqDrained>(kWriterThreads);
+    }
   }
 };
 
