@@ -52,13 +52,16 @@ def smem_bytes(v: Variant) -> int:
     """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
     Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage, and one
     fp32 dQ tile (tile_m x head_dim) for the dQ writer; when the warpgroups split head_dim,
-    two P^T buffers more and no dQ tile (dQ is handed over in the Q and dO buffers)."""
+    two P^T buffers more, and no dQ tile if it does not fit (dQ is then handed over in the Q
+    and dO buffers: BwdTraits::kDqInStages)."""
     elem = DTYPES[v.dtype].bytes
     if v.direction == "bwd":
         split = bwd_splits_head_dim(v)
-        return elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
+        core = elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
                        + (4 if split else 2) * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
-            + (0 if split else 4 * v.tile_m * v.head_dim) + SMEM_RESERVED
+            + SMEM_RESERVED
+        dq_tile = 4 * v.tile_m * v.head_dim
+        return core if split and core + dq_tile > SMEM_LIMIT else core + dq_tile
     # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose.
     raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
     return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v) \

@@ -174,7 +174,8 @@ def test_each_constraint_prunes(change, constraint, monkeypatch):
 @pytest.mark.parametrize("head_dim,stages", [(192, 3), (256, 2)])
 def test_backward_above_128_splits_head_dim_over_64_keys(head_dim, stages):
     """Two consumer warpgroups over one 64-key block, half of head_dim each: fits the
-    registers and, with dQ handed over in the Q and dO buffers, two stages of d256."""
+    registers and, with dQ handed over in the Q and dO buffers where its tile does not fit,
+    the shared memory (d256 two stages, d192 three)."""
     v = dataclasses.replace(BASE, direction="bwd", head_dim=head_dim, tile_m=64, tile_n=64,
                             stages=stages)
     assert check(v) is None

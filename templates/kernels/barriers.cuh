@@ -16,10 +16,9 @@ enum class BarrierId : uint32_t {
   // forward may reuse a backward id).
   kFwdVTransposed = 4,
   // Backward.
-  kBwdDqDrained = 0,  // dQ writer -> consumers (kSplitHeadDim): the last dQ has been read
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory
-  kBwdDqEmpty = 6,   // dQ writer -> consumers: the dQ buffer has been read (kSplitHeadDim: taken)
+  kBwdDqEmpty = 6,   // dQ writer -> consumers: the dQ buffer has been read
   kBwdStaged = 7,    // consumers: dK and dV are staged in shared memory
 };
 static_assert(uint32_t(BarrierId::kBwdStaged) + uint32_t(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier) < 16,

@@ -38,9 +38,9 @@ struct BwdMainloop {
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
-             // kSplitHeadDim: the dQ writer frees a stage once it has read dQ out of it
+             // kDqInStages: the dQ writer frees a stage once it has read dQ out of it
              tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
-                                           Traits::kSplitHeadDim ? 1 : Traits::kConsumerThreads),
+                                           Traits::kDqInStages ? 1 : Traits::kConsumerThreads),
              Shape<_1, _1, _1>{}) {}
 
   // ---------------- producer: the loader thread ----------------
@@ -97,7 +97,7 @@ struct BwdMainloop {
     constexpr int kTileElems = kTileM * kHeadDim;
     const bool leader = threadIdx.x % 32 == 0;
     const int head0 = tile.head * p.heads_per_kv;
-    PipelineState st;  // the stage of each query block, as the consumers see it (kSplitHeadDim)
+    PipelineState st;  // the stage of each query block, as the consumers see it (kDqInStages)
     int64_t dq_tile = Traits::kVarlen ? q_tile_base(p, tile.batch, head0, seq) + m_first
                                       : dq_tile_index(tile.batch, head0, p.heads_q, m_blocks, m_first);
     // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
@@ -106,9 +106,6 @@ struct BwdMainloop {
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
-        // kSplitHeadDim: the buffer is the stage's, freed below through the pipeline; "empty"
-        // only keeps the consumers from arriving at kBwdDqFull twice before this warp has.
-        if constexpr (Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
@@ -116,7 +113,7 @@ struct BwdMainloop {
             while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
           }
           float* dq_gmem = p.dq_accum + dq_tile * kTileElems;
-          if constexpr (Traits::kSplitHeadDim) {  // halves in the stage's Q and dO buffers (dq_slot)
+          if constexpr (Traits::kDqInStages) {  // halves in the stage's Q and dO buffers (dq_slot)
             const int s = st.index();
             bulk_reduce_add(dq_gmem, reinterpret_cast<const float*>(smem.q.data() + s * kTileM * kHeadDim),
                             Traits::kBytesdQ / 2);
@@ -135,17 +132,14 @@ struct BwdMainloop {
             bulk_wait_read();
           }
           // The consumers do not release the stage then: the producer may refill it now.
-          if constexpr (Traits::kSplitHeadDim) smem.pipeline_q.empty_barrier_[st.index()].arrive();
+          if constexpr (Traits::kDqInStages) smem.pipeline_q.empty_barrier_[st.index()].arrive();
         }
         ++st;
         __syncwarp();
-        if constexpr (!Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
       }
     }
     if (leader) bulk_wait_done();
-    // kSplitHeadDim: so that the epilogue's staging does not overwrite the last dQ.
-    __syncwarp();
-    if constexpr (Traits::kSplitHeadDim) barrier_arrive<BarrierId::kBwdDqDrained>(kWriterThreads);
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -305,7 +299,9 @@ struct BwdMainloop {
         }
         warpgroup_wait<0>();
 
-        if constexpr (Traits::kSplitHeadDim) {
+        // Hand dQ to the writer warp (once it has read the previous query block's).
+        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        if constexpr (Traits::kDqInStages) {
           // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
           // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
           constexpr int kHalfSlots = kTileM * kHeadDim / 4, kHalfChunks = size(tdQrdQ) / 4;  // float2 per half
@@ -317,10 +313,7 @@ struct BwdMainloop {
             if (j < kHalfChunks) sdQ_q[dq_slot<Traits>(tid, j)] = v;
             else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
           }
-          if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);  // took the previous block
         } else {
-          // Hand dQ to the writer warp (once it has read the previous query block's).
-          if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
           float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
@@ -329,19 +322,15 @@ struct BwdMainloop {
         }
         cutlass::arch::fence_view_async_shared();
         barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-        // Q, dO, LSE, D of this block are no longer read (kSplitHeadDim: the writer releases
+        // Q, dO, LSE, D of this block are no longer read (kDqInStages: the writer releases
         // the stage once it has read dQ out of it).
-        if constexpr (!Traits::kSplitHeadDim) pipe.consumer_release(st);
+        if constexpr (!Traits::kDqInStages) pipe.consumer_release(st);
         ++st;
       }
     }
     // The writer signals "empty" after every block; take the last one so that no arrival is
-    // left over (and, kSplitHeadDim, wait until it has read the last dQ: the epilogue stages
-    // dK and dV over the Q and dO buffers).
+    // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-    if constexpr (Traits::kSplitHeadDim) {
-      if (iter > 0) barrier_sync<BarrierId::kBwdDqDrained>(kWriterThreads);
-    }
   }
 };
 

@@ -138,27 +138,32 @@ struct BwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  struct SharedStorage {
+  template <bool DqTile>
+  struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
     alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? cosize_v<SmemLayoutdS> : 8> p;  // P^T, kSplitHeadDim
-    // one query block's dQ, dq_slot order (kSplitHeadDim: in the block's Q and dO buffers)
-    alignas(128) cute::array_aligned<float, kSplitHeadDim ? 4 : TileM * HeadDim> dq;
+    alignas(128) cute::array_aligned<float, DqTile ? TileM * HeadDim : 4> dq;  // one query block's dQ, dq_slot order
     alignas(16) float lse_log2[Stages][TileM];  // LSE * log2(e) of the stage's query rows
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
   };
-  static constexpr int kSmemBytes = sizeof(SharedStorage);
-  // kSplitHeadDim hands dQ over in the Q and dO buffers of its stage (dq_slot): each holds
-  // half of the fp32 tile, and warpgroup w's columns of Q are the w-th half of the buffer.
-  static_assert(!kSplitHeadDim || (2 * kBytesQ == kBytesdQ &&
-                                   SmemLayoutQ{}(0, kDkvCols, 0) == TileM * HeadDim / 2 &&
-                                   SmemLayoutQ{}(TileM - 1, kDkvCols - 1, 0) < TileM * HeadDim / 2),
+  // When the dQ tile does not fit beside the stages (d256: 290 KB with two), kSplitHeadDim
+  // hands dQ over in the Q and dO buffers of its own stage (dq_slot): each holds half of the
+  // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the dQ writer,
+  // not the consumers, frees the stage once it has read them. Where the tile fits (d192) it is
+  // kept: the stage is then freed a bulk read earlier, and the next block's load starts sooner.
+  static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > 232448;
+  using SharedStorage = SharedStorageT<!kDqInStages>;
+  static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ &&
+                                 SmemLayoutQ{}(0, kDkvCols, 0) == TileM * HeadDim / 2 &&
+                                 SmemLayoutQ{}(TileM - 1, kDkvCols - 1, 0) < TileM * HeadDim / 2),
                 "dQ hand-off in the stage buffers: each warpgroup's columns must be one half");
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
   // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
   // their fragments directly.
