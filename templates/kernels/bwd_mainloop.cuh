@@ -38,9 +38,9 @@ struct BwdMainloop {
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
-             // kDqInStages: the dQ writer frees a stage once it has read dQ out of it
+             // kDqInStages: the dQ writer's arrival too, once it has read dQ out of the stage
              tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
-                                           Traits::kDqInStages ? 1 : Traits::kConsumerThreads),
+                                           Traits::kConsumerThreads + (Traits::kDqInStages ? 1 : 0)),
              Shape<_1, _1, _1>{}) {}
 
   // ---------------- producer: the loader thread ----------------
@@ -131,7 +131,7 @@ struct BwdMainloop {
           } else {
             bulk_wait_read();
           }
-          // The consumers do not release the stage then: the producer may refill it now.
+          // The stage's last arrival (the consumers' come when they are done with it).
           if constexpr (Traits::kDqInStages) smem.pipeline_q.empty_barrier_[st.index()].arrive();
         }
         ++st;
@@ -322,9 +322,9 @@ struct BwdMainloop {
         }
         cutlass::arch::fence_view_async_shared();
         barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-        // Q, dO, LSE, D of this block are no longer read (kDqInStages: the writer releases
-        // the stage once it has read dQ out of it).
-        if constexpr (!Traits::kDqInStages) pipe.consumer_release(st);
+        // Q, dO, LSE, D of this block are no longer read (kDqInStages: the stage is free once
+        // the writer has also read dQ out of it).
+        pipe.consumer_release(st);
         ++st;
       }
     }

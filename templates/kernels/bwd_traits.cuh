@@ -154,9 +154,9 @@ struct BwdTraits {
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two), kSplitHeadDim
   // hands dQ over in the Q and dO buffers of its own stage (dq_slot): each holds half of the
-  // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the dQ writer,
-  // not the consumers, frees the stage once it has read them. Where the tile fits (d192) it is
-  // kept: the stage is then freed a bulk read earlier, and the next block's load starts sooner.
+  // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the stage is
+  // free once the dQ writer has read them too. Where the tile fits (d192) it is kept: the
+  // stage is then freed a bulk read earlier, and the next block's load starts sooner.
   static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > 232448;
   using SharedStorage = SharedStorageT<!kDqInStages>;
   static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ &&
