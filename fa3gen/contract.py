@@ -145,16 +145,13 @@ KEY_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "key")
 KNOB_AXES = tuple(a.name for a in AXIS_TABLE if a.role == "knob")
 DIRECTIONS = AXIS_BY_NAME["direction"].choices
 
-# Head dims the kernel templates realize (generator/variants.py prunes any other; the runtime
-# says so when a call asks for one). The backward has fewer: its consumers keep dK and dV
-# (head_dim fp32 registers per thread each) for the whole key block, which 192 and 256 exceed.
+# Head dims the kernel templates realize, forward and backward (generator/variants.py prunes
+# any other; the runtime says so when a call asks for one).
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
-BACKWARD_HEAD_DIMS = (64, 96, 128)
-BACKWARD_HEAD_DIMS_WHY = "dK and dV accumulators of 192 or 256 columns do not fit in 240 registers"
-
-
-def supported_head_dims(direction: str) -> tuple[int, ...]:
-    return BACKWARD_HEAD_DIMS if direction == "bwd" else SUPPORTED_HEAD_DIMS
+# Above this head dim the backward's two consumer warpgroups split head_dim over one block of
+# 64 keys (templates/kernels/bwd_traits.cuh, kSplitHeadDim): dK and dV of a whole 64-key block
+# would need head_dim fp32 registers per thread each.
+BACKWARD_SPLIT_HEAD_DIM_ABOVE = 128
 
 # (field, Python type) of a Variant, in order.
 VARIANT_FIELDS = tuple((f, _PYTHON_TYPE[a.kind]) for a in AXIS_TABLE for f in a.fields)

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fa3gen import contract
-from fa3gen.contract import (ABI_VERSION, BACKWARD_HEAD_DIMS_WHY, KEY_AXES, LAUNCHERS, Variant,
-                             make_key, supported_head_dims)
+from fa3gen.contract import (ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant,
+                             make_key)
 from fa3gen.errors import (
     AbiMismatchError,
     Fa3genError,
@@ -183,16 +183,11 @@ def select_variant(
         if filters:
             hint += (f" (if {spec_file} gives it a default, the build's filter {filters} left "
                      "it out: rebuild without the filter)")
-    elif key[2] not in supported_head_dims(direction):
+    elif key[2] not in SUPPORTED_HEAD_DIMS:
         lead = "Not supported: "
-        dims = ", ".join(map(str, supported_head_dims(direction)))
-        if direction == "bwd" and key[2] in supported_head_dims("fwd"):
-            hint = (f"the backward of head_dim {key[2]} is not realized by the fa3gen kernels "
-                    f"yet ({BACKWARD_HEAD_DIMS_WHY}; backward head dims: {dims}); no spec can "
-                    "build it, the forward alone runs (inputs without requires_grad)")
-        else:
-            hint = (f"head_dim {key[2]} is not supported by the fa3gen kernels (supported head "
-                    f"dims: {dims}); no spec can build it")
+        dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        hint = (f"head_dim {key[2]} is not supported by the fa3gen kernels (supported head "
+                f"dims: {dims}); no spec can build it")
     elif filters:
         hint = (f"{spec_file} has this key, but the library was built with the filter "
                 f"{filters}, which left it out; rebuild without the filter: {build}")

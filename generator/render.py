@@ -16,6 +16,7 @@ from fa3gen.contract import (LAUNCHERS, Variant, launch_symbol, template_args,
                              variant_info_values, variant_info_zero)
 
 from .paths import TEMPLATES_DIR
+from .variants import bwd_splits_head_dim, consumer_warpgroups
 
 
 def c_string(text: str) -> str:
@@ -53,10 +54,12 @@ def wgmma_n_sizes(v: Variant) -> set[int]:
     bwd_traits.cuh); the traits assert that each is available, so a drift fails to compile."""
     if v.direction == "fwd":
         return {v.tile_n, v.head_dim}            # S = Q K^T, O += P V
+    if bwd_splits_head_dim(v):                   # two warpgroups: half the queries, half of d
+        return {v.tile_m // 2, v.head_dim // 2}
     if v.tile_m % 64:                            # dQ^T = K^T dS^T: N = tile_m
         dq_n = v.tile_m
     else:                                        # dQ split over the consumer warpgroups
-        dq_n = v.head_dim // ((v.tile_n // 64) // (v.tile_m // 64))
+        dq_n = v.head_dim // (consumer_warpgroups(v) // (v.tile_m // 64))
     return {v.tile_m, v.head_dim, dq_n}          # S^T and dP^T, dK and dV, dQ
 
 

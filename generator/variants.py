@@ -9,16 +9,24 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
-from fa3gen.contract import (AXES, AXIS_BY_NAME, BACKWARD_HEAD_DIMS, BACKWARD_HEAD_DIMS_WHY, DTYPES,
-                             KEY_AXES, KNOB_AXES, SUPPORTED_HEAD_DIMS, Variant, key_str,
-                             supported_head_dims)
+from fa3gen.contract import (AXES, AXIS_BY_NAME, BACKWARD_SPLIT_HEAD_DIM_ABOVE, DTYPES, KEY_AXES,
+                             KNOB_AXES, SUPPORTED_HEAD_DIMS, Variant, key_str)
 
 from .spec import Spec, fmt_value
 
 
 def consumer_warpgroups(v: Variant) -> int:
-    """Forward consumer warpgroups: one per 64 query rows (WGMMA M = 64)."""
+    """Forward: one per 64 query rows (WGMMA M = 64). Backward: one per 64 keys, or two that
+    split head_dim over 64 keys (bwd_splits_head_dim)."""
+    if v.direction == "bwd":
+        return 2 if bwd_splits_head_dim(v) else v.tile_n // 64
     return v.tile_m // 64
+
+
+def bwd_splits_head_dim(v: Variant) -> bool:
+    """Backward above BACKWARD_SPLIT_HEAD_DIM_ABOVE: two consumer warpgroups over 64 keys, each
+    with half of head_dim's columns of dK, dV and dQ; P^T goes through shared memory."""
+    return v.direction == "bwd" and v.head_dim > BACKWARD_SPLIT_HEAD_DIM_ABOVE
 
 
 # --------------------------------------------------------------------------- constraints
@@ -43,12 +51,17 @@ FP8_V_RAW_SLOTS = 2              # FwdTraits::kVRawSlots
 def smem_bytes(v: Variant) -> int:
     """Forward: Q tile once + K and V tiles per pipeline stage. Backward: K and V once,
     Q and dO per stage, two dS buffers (tile_m x tile_n), LSE and D rows per stage, and one
-    fp32 dQ tile (tile_m x head_dim) for the dQ writer."""
+    fp32 dQ tile (tile_m x head_dim) for the dQ writer; when the warpgroups split head_dim,
+    two P^T buffers more, and no dQ tile if it does not fit (dQ is then handed over in the Q
+    and dO buffers: BwdTraits::kDqInStages)."""
     elem = DTYPES[v.dtype].bytes
     if v.direction == "bwd":
-        return elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
-                       + 2 * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
-            + 4 * v.tile_m * v.head_dim + SMEM_RESERVED
+        split = bwd_splits_head_dim(v)
+        core = elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
+                       + (4 if split else 2) * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
+            + SMEM_RESERVED
+        dq_tile = 4 * v.tile_m * v.head_dim
+        return core if split and core + dq_tile > SMEM_LIMIT else core + dq_tile
     # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose.
     raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
     return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v) \
@@ -62,7 +75,12 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     O = 64 x head_dim accumulators, i.e. tile_n/2 + head_dim/2 per thread. setmaxnreg gives
     consumers 240 with two consumer warpgroups but only 160 with three.
     Backward: a consumer warpgroup owns 64 keys: dK and dV (64 x head_dim each) live all the
-    time, S^T and dP^T (64 x tile_m each) per query block: head_dim + tile_m per thread."""
+    time, S^T and dP^T (64 x tile_m each) per query block: head_dim + tile_m per thread. When
+    two warpgroups split head_dim, each holds half of dK and dV, of S^T and dP^T (half of the
+    queries) and of dQ (tile_m x head_dim, live while S^T and dP^T are not)."""
+    if bwd_splits_head_dim(v):
+        dq = v.tile_m * v.head_dim // 256
+        return v.head_dim // 2 + max(v.tile_m // 2, dq) + REG_OVERHEAD, 240
     if v.direction == "bwd":
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
@@ -75,9 +93,6 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
 def head_dim_supported(v: Variant) -> Optional[str]:
     if v.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"head_dim {v.head_dim} not in {list(SUPPORTED_HEAD_DIMS)}"
-    if v.head_dim not in supported_head_dims(v.direction):
-        return (f"backward head_dim {v.head_dim} not in {list(BACKWARD_HEAD_DIMS)} "
-                f"({BACKWARD_HEAD_DIMS_WHY})")
     return None
 
 
@@ -132,6 +147,12 @@ def mma_m_shape(v: Variant) -> Optional[str]:
 
 def mma_n_shape(v: Variant) -> Optional[str]:
     if v.direction == "bwd":
+        if bwd_splits_head_dim(v):
+            if v.tile_n != 64 or v.tile_m != 64:
+                return (f"backward head_dim {v.head_dim} (above {BACKWARD_SPLIT_HEAD_DIM_ABOVE}) "
+                        f"takes tile 64x64: two warpgroups split head_dim over 64 keys and "
+                        f"64 query rows (tile {v.tile_m}x{v.tile_n})")
+            return None
         if v.tile_n not in (64, 128):
             return f"backward tile_n {v.tile_n} must be 64 or 128 (one consumer warpgroup per 64 keys)"
         if v.tile_m % 64:  # dQ^T tiles: mma_m_shape checks their split

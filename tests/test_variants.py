@@ -9,6 +9,7 @@ from fa3gen.contract import KEY_AXES, Variant, make_key, parse_name
 from generator import variants as V
 from generator.errors import SpecError
 from generator.paths import SPECS_DIR
+from generator.render import wgmma_n_sizes
 from generator.spec import load_spec, parse_spec
 from generator.variants import CONSTRAINTS, check, enumerate_variants, resolve_dispatch
 
@@ -146,7 +147,9 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(direction="bwd", tile_m=64, tile_n=176), "mma_n_shape"),
     (dict(direction="bwd", tile_m=128, tile_n=64), "mma_n_shape"),   # dQ rows cannot be split
     (dict(direction="bwd", tile_m=128), "smem_budget"),
-    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=64, stages=1), "head_dim_supported"),
+    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=64, stages=3), "smem_budget"),
+    (dict(direction="bwd", head_dim=256, tile_m=64, tile_n=128, stages=1), "mma_n_shape"),
+    (dict(direction="bwd", head_dim=192, tile_m=128, tile_n=64), "mma_n_shape"),
     (dict(tile_m=96), "mma_m_shape"),
     (dict(tile_m=256), "mma_m_shape"),
     (dict(tile_n=120), "mma_n_shape"),
@@ -166,6 +169,18 @@ def test_each_constraint_prunes(change, constraint, monkeypatch):
     v = dataclasses.replace(BASE, **change)
     failed = check(v)
     assert failed is not None and failed[0] == constraint, failed
+
+
+@pytest.mark.parametrize("head_dim,stages", [(192, 3), (256, 2)])
+def test_backward_above_128_splits_head_dim_over_64_keys(head_dim, stages):
+    """Two consumer warpgroups over one 64-key block, half of head_dim each: fits the
+    registers and, with dQ handed over in the Q and dO buffers where its tile does not fit,
+    the shared memory (d256 two stages, d192 three)."""
+    v = dataclasses.replace(BASE, direction="bwd", head_dim=head_dim, tile_m=64, tile_n=64,
+                            stages=stages)
+    assert check(v) is None
+    assert V.consumer_warpgroups(v) == 2 and V.smem_bytes(v) <= V.SMEM_LIMIT
+    assert wgmma_n_sizes(v) == {32, head_dim // 2}
 
 
 @pytest.mark.parametrize("change", [

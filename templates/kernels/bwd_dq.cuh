@@ -21,8 +21,22 @@ __device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.w
 // pairs, stored 8 bytes per thread by consecutive threads (contiguous, no bank conflicts), and
 // the bulk reduction is one contiguous block per query block. bwd_convert_dq_kernel maps it
 // back to (row, column) with the same TiledMma.
-template <int Threads>
-__device__ __forceinline__ int dq_slot(int tid, int chunk) { return chunk * Threads + tid; }
+// When dQ is handed over in the query block's own Q and dO stage buffers instead (half of the
+// tile each; Traits::kDqInStages, where two warpgroups split head_dim), the order is
+// [half][warpgroup][element / 2 within the half][thread of the warpgroup][2], so that each
+// warpgroup's share of a half lands on the bytes of its own head_dim columns, which only its
+// own (finished) dK / dV GEMMs read.
+template <class Traits>
+__device__ __forceinline__ int dq_slot(int tid, int chunk) {
+  constexpr int kThreads = Traits::kConsumerThreads;
+  if constexpr (Traits::kDqInStages) {
+    constexpr int kHalf = Traits::kTileM * Traits::kHeadDim / (4 * kThreads);  // chunks per half
+    const int half = chunk / kHalf, wg = tid / 128;
+    return ((half * 2 + wg) * kHalf + chunk % kHalf) * 128 + tid % 128;
+  } else {
+    return chunk * kThreads + tid;
+  }
+}
 // The accumulator holds one TileM x d tile per (batch, query head, query block), in that order.
 __device__ __forceinline__ int64_t dq_tile_index(int b, int head, int heads_q, int m_blocks, int m_block) {
   return (int64_t(b) * heads_q + head) * m_blocks + m_block;

@@ -3,8 +3,9 @@
 // each query block into a `Stages`-deep ring (produce); its warp 1 is the dQ writer, which adds
 // each query block's dQ from shared memory to the fp32 accumulator in global memory with one
 // bulk reduction (write_dq), so the consumers never wait on global memory. The consumer
-// warpgroups (64 keys each) recompute P from the saved LSE and accumulate dK and dV in
-// registers over every query block (mma).
+// warpgroups (64 keys each, or half of head_dim each: bwd_traits.cuh, kSplitHeadDim)
+// recompute P from the saved LSE and accumulate dK and dV in registers over every query block
+// (mma).
 // Deterministic mode orders the dQ additions: the CTA of key block n adds its part of a query
 // block's dQ only after the CTA of key block n - 1 has (a semaphore per query block).
 #pragma once
@@ -37,8 +38,9 @@ struct BwdMainloop {
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
+             // kDqInStages: the dQ writer's arrival too, once it has read dQ out of the stage
              tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
-                                           Traits::kConsumerThreads),
+                                           Traits::kConsumerThreads + (Traits::kDqInStages ? 1 : 0)),
              Shape<_1, _1, _1>{}) {}
 
   // ---------------- producer: the loader thread ----------------
@@ -95,6 +97,7 @@ struct BwdMainloop {
     constexpr int kTileElems = kTileM * kHeadDim;
     const bool leader = threadIdx.x % 32 == 0;
     const int head0 = tile.head * p.heads_per_kv;
+    PipelineState st;  // the stage of each query block, as the consumers see it (kDqInStages)
     int64_t dq_tile = Traits::kVarlen ? q_tile_base(p, tile.batch, head0, seq) + m_first
                                       : dq_tile_index(tile.batch, head0, p.heads_q, m_blocks, m_first);
     // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
@@ -109,7 +112,17 @@ struct BwdMainloop {
             const int turn = tile.block - mask.key_blocks(m_block).first;
             while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
           }
-          bulk_reduce_add(p.dq_accum + dq_tile * kTileElems, smem.dq.data(), Traits::kBytesdQ);
+          float* dq_gmem = p.dq_accum + dq_tile * kTileElems;
+          if constexpr (Traits::kDqInStages) {  // halves in the stage's Q and dO buffers (dq_slot)
+            const int s = st.index();
+            bulk_reduce_add(dq_gmem, reinterpret_cast<const float*>(smem.q.data() + s * kTileM * kHeadDim),
+                            Traits::kBytesdQ / 2);
+            bulk_reduce_add(dq_gmem + kTileElems / 2,
+                            reinterpret_cast<const float*>(smem.dout.data() + s * kTileM * kHeadDim),
+                            Traits::kBytesdQ / 2);
+          } else {
+            bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ);
+          }
           if (p.deterministic) {
             bulk_wait_done();  // the additions are complete before the next key block's turn
             asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -118,7 +131,10 @@ struct BwdMainloop {
           } else {
             bulk_wait_read();
           }
+          // The stage's last arrival (the consumers' come when they are done with it).
+          if constexpr (Traits::kDqInStages) smem.pipeline_q.empty_barrier_[st.index()].arrive();
         }
+        ++st;
         __syncwarp();
         barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
       }
@@ -149,6 +165,7 @@ struct BwdMainloop {
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
 
     Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
     Tensor tSrV = thr_sdp.partition_fragment_A(sV);
@@ -174,6 +191,15 @@ struct BwdMainloop {
     Tensor tdSsdS = [&] {
       if constexpr (Traits::kDqTransposed) return thr_sdp.partition_C(sdSt);  // accumulator layout
       else return thr_r2s_ds.partition_D(sdSt);                               // (CPY, CPY_N, CPY_M, 2)
+    }();
+    // kSplitHeadDim: the A operands of dV and dK, from shared memory.
+    auto tdVsPt = [&] {
+      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
+      else return 0;
+    }();
+    auto tdKsdSt = [&] {
+      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sdSt);
+      else return 0;
     }();
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
@@ -240,14 +266,19 @@ struct BwdMainloop {
         }
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
-        Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-        Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-        // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the warpgroups
-        // meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps the dK GEMM,
-        // spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
-        wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-        wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
         const int buf = iter & 1;
+        if constexpr (Traits::kSplitHeadDim) {
+          // Each warpgroup holds half of the queries of P^T: the dV GEMMs need all of them.
+          copy(r2s_ds, thr_r2s_ds.retile_S(rP), thr_r2s_ds.partition_D(sPt)(_, _, _, buf));
+        } else {
+          // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the
+          // warpgroups meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps
+          // the dK GEMM, spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
+          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+          wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+        }
         if constexpr (Traits::kDqTransposed) {
           CUTLASS_PRAGMA_UNROLL
           for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
@@ -256,6 +287,10 @@ struct BwdMainloop {
         }
         cutlass::arch::fence_view_async_shared();
         barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+        if constexpr (Traits::kSplitHeadDim) {
+          wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buf), tdVrdOt(_, _, _, st.index()), tdVrdV);
+          wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buf), tdKrQt(_, _, _, st.index()), tdKrdK);
+        }
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
         if constexpr (Traits::kDqTransposed) {
           wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
@@ -266,18 +301,35 @@ struct BwdMainloop {
 
         // Hand dQ to the writer warp (once it has read the previous query block's).
         if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-        float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-          sdQ[dq_slot<Traits::kConsumerThreads>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+        if constexpr (Traits::kDqInStages) {
+          // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
+          // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
+          constexpr int kHalfSlots = kTileM * kHeadDim / 4, kHalfChunks = size(tdQrdQ) / 4;  // float2 per half
+          float2* sdQ_q = reinterpret_cast<float2*>(smem.q.data() + st.index() * kTileM * kHeadDim);
+          float2* sdQ_do = reinterpret_cast<float2*>(smem.dout.data() + st.index() * kTileM * kHeadDim);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // j < kHalfChunks: the first half (dq_slot)
+            const float2 v = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+            if (j < kHalfChunks) sdQ_q[dq_slot<Traits>(tid, j)] = v;
+            else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
+          }
+        } else {
+          float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+            sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+          }
         }
         cutlass::arch::fence_view_async_shared();
         barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-        pipe.consumer_release(st);  // Q, dO, LSE, D of this block are no longer read
+        // Q, dO, LSE, D of this block are no longer read (kDqInStages: the stage is free once
+        // the writer has also read dQ out of it).
+        pipe.consumer_release(st);
         ++st;
       }
     }
-    // The writer signals "empty" after every block; take the last one so no arrival is left over.
+    // The writer signals "empty" after every block; take the last one so that no arrival is
+    // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
   }
 };

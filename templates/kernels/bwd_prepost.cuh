@@ -148,7 +148,7 @@ bwd_convert_dq_kernel(const BwdDqParams p) {
       p.dq_accum + tile_index * (kTileM * kHeadDim));
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < size(acc) / 2; ++j) {
-    const float2 v = tile[dq_slot<kThreads>(tid, j)];
+    const float2 v = tile[dq_slot<Traits>(tid, j)];
     acc(2 * j) = v.x * p.softmax_scale;
     acc(2 * j + 1) = v.y * p.softmax_scale;
   }

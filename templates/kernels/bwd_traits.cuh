@@ -9,6 +9,11 @@
 //                                         accumulator in global memory (bulk reduction)
 // Computing the transposed products keeps P^T and dS^T in the accumulator layout that the RS
 // GEMMs take as their A operand, so only dS makes a trip through shared memory.
+// Head dims above 128 split head_dim instead (kSplitHeadDim): dK and dV of 64 keys x 256
+// columns would need 256 fp32 registers per thread in one warpgroup. There TileN is 64, two
+// consumer warpgroups compute S^T and dP^T for half of the queries each, P^T joins dS^T in
+// shared memory, and each warpgroup accumulates its half of the columns of dK, dV and dQ with
+// SS GEMMs (d256: 64 + 64 + 64 accumulator registers per thread).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -35,8 +40,15 @@ struct BwdTraits {
   static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
-  // One consumer warpgroup per 64 keys, plus the producer warpgroup (TMA loads).
-  static constexpr int kConsumerWGs = TileN / 64;
+  // One consumer warpgroup per 64 keys, or two over 64 keys that split head_dim, plus the
+  // producer warpgroup (TMA loads).
+  static constexpr bool kSplitHeadDim = HeadDim > 128;
+  static_assert(!kSplitHeadDim || TileN == 64, "head_dim above 128: TileN 64 (two warpgroups split head_dim)");
+  static constexpr int kConsumerWGs = kSplitHeadDim ? 2 : TileN / 64;
+  // Columns of head_dim per dK / dV accumulator; the smem atoms of Q, dO, K and V are chosen
+  // on that extent so that each warpgroup's columns start on a swizzle atom (d192: 96 columns,
+  // 64-byte swizzle).
+  static constexpr int kDkvCols = kSplitHeadDim ? HeadDim / 2 : HeadDim;
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
   // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly);
@@ -59,40 +71,50 @@ struct BwdTraits {
   static constexpr int kDqWgM = kDqTransposed ? kConsumerWGs : TileM / 64;
   static_assert(kConsumerWGs % kDqWgM == 0, "dQ tile: TileM / 64 must divide the consumer warpgroups");
   static constexpr int kDqWgN = kConsumerWGs / kDqWgM;
-  static_assert(HeadDim % (64 * kDqWgN) == 0 || kDqWgN == 1,
-                "dQ tile: each warpgroup's share of head_dim must be whole 64-column swizzle atoms");
-  static_assert(gmma_n_available(TileM) && gmma_n_available(HeadDim) &&
+  using AtomRows = decltype(smem_atom<Element, kDkvCols, true>());
+  static_assert(kDqWgN == 1 || (HeadDim / kDqWgN) % size<1>(AtomRows{}) == 0,
+                "dQ tile: each warpgroup's share of head_dim must be whole swizzle atoms");
+  static constexpr int kSdPN = kSplitHeadDim ? TileM / 2 : TileM;  // queries per warpgroup in S^T
+  static_assert(gmma_n_available(kSdPN) && gmma_n_available(kDkvCols) &&
                     gmma_n_available(kDqTransposed ? TileM : HeadDim / kDqWgN),
                 "WGMMA N outside CuTe's standard shapes: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
 
   // Q and dO: (TileM, d) per stage, d contiguous. Read K-major as the B operand of S^T / dP^T,
   // and as (d, TileM) MN-major (the same bytes, transposed view) as the B operand of dK / dV.
-  using SmemLayoutQ = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+  using SmemLayoutQ = decltype(tile_to_shape(AtomRows{},
                                              Shape<Int<TileM>, Int<HeadDim>, Int<Stages>>{}));
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_layout(Shape<Int<HeadDim>, Int<TileM>, Int<Stages>>{},
                                  Stride<Int<TileM>, _1, Int<TileM * HeadDim>>{})));
   // K and V: (TileN, d), loaded once. K is also read as (d, TileN) MN-major by dQ = dS K.
-  using SmemLayoutK = decltype(tile_to_shape(smem_atom<Element, HeadDim, true>(),
+  using SmemLayoutK = decltype(tile_to_shape(AtomRows{},
                                              Shape<Int<TileN>, Int<HeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<HeadDim>, Int<TileN>>{}, Stride<Int<TileN>, _1>{})));
   // dS: (TileM, TileN) with TileM contiguous (MN-major A operand of dQ = dS K, or B operand
-  // of dQ^T = K^T dS^T); two buffers so
-  // that one iteration's writes never race the previous iteration's dQ GEMM.
+  // of dQ^T = K^T dS^T; its transposed view is the K-major A operand of dK = dS^T Q when
+  // kSplitHeadDim, and P^T's buffer has the same layout); two buffers so that one
+  // iteration's writes never race the previous iteration's GEMMs.
   using SmemLayoutdS = decltype(tile_to_shape(smem_atom<Element, TileM, false>(),
                                               Shape<Int<TileM>, Int<TileN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_layout(Shape<Int<TileN>, Int<TileM>, _2>{},
                                   Stride<Int<TileM>, _1, Int<TileM * TileN>>{})));
 
+  // S^T and dP^T: the warpgroups split the keys, or (kSplitHeadDim) the queries.
+  using SdPLayout = cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileM>, Int<HeadDim>>>(),
-      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPN>, Int<HeadDim>>>(), SdPLayout{}));
+  // dV += P^T dO and dK += dS^T Q: A from the S^T accumulators (RS), or from shared memory
+  // with the warpgroups splitting head_dim (SS).
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kConsumerWGs>, _1, _1>>{}));
+      cute::conditional_t<
+          kSplitHeadDim,
+          decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDkvCols>, Int<TileM>>,
+                                        GMMA::Major::K, GMMA::Major::MN>()),
+          decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
+                                        GMMA::Major::K, GMMA::Major::MN>())>{},
+      cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>{}));
   // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
@@ -116,18 +138,31 @@ struct BwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  struct SharedStorage {
+  template <bool DqTile>
+  struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(128) cute::array_aligned<float, TileM * HeadDim> dq;  // one query block's dQ, dq_slot order
+    alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? cosize_v<SmemLayoutdS> : 8> p;  // P^T, kSplitHeadDim
+    alignas(128) cute::array_aligned<float, DqTile ? TileM * HeadDim : 4> dq;  // one query block's dQ, dq_slot order
     alignas(16) float lse_log2[Stages][TileM];  // LSE * log2(e) of the stage's query rows
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
   };
+  // When the dQ tile does not fit beside the stages (d256: 290 KB with two), kSplitHeadDim
+  // hands dQ over in the Q and dO buffers of its own stage (dq_slot): each holds half of the
+  // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the stage is
+  // free once the dQ writer has read them too. Where the tile fits (d192) it is kept: the
+  // stage is then freed a bulk read earlier, and the next block's load starts sooner.
+  static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > 232448;
+  using SharedStorage = SharedStorageT<!kDqInStages>;
+  static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ &&
+                                 SmemLayoutQ{}(0, kDkvCols, 0) == TileM * HeadDim / 2 &&
+                                 SmemLayoutQ{}(TileM - 1, kDkvCols - 1, 0) < TileM * HeadDim / 2),
+                "dQ hand-off in the stage buffers: each warpgroup's columns must be one half");
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
