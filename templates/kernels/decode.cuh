@@ -120,6 +120,11 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Two bf16 values (the first in the low half of `two`) as floats: a bf16 is a float's high half.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t two) {
+  return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
+}
+
 // Two e4m3 values (the first in the low byte of `two`) as one register of two f16, the first
 // in the low half. Exact: every e4m3 value is an f16 value.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
@@ -311,18 +316,29 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   };
   float q_pow = 1.f;  // q entered the mma as q / q_pow
   if constexpr (KvFp8) {
+    // Each thread's pairs of chunks (c, c + 1 of row r), read from global memory once.
+    constexpr int kPairs = kRows * C::kChunks / 2, kPairsPerThread = (kPairs + kWarps * 32 - 1) / (kWarps * 32);
+    uint4 q_pairs[kPairsPerThread][2];
+#pragma unroll
+    for (int k = 0; k < kPairsPerThread; ++k) {
+      const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
+      q_pairs[k][0] = i < kPairs ? q_chunk(r, c) : make_uint4(0, 0, 0, 0);
+      q_pairs[k][1] = i < kPairs ? q_chunk(r, c + 1) : make_uint4(0, 0, 0, 0);
+    }
     // The f16 mma. bf16 q is scaled by 2^-e, e the least that keeps this CTA's largest |q|
     // below 2^15 (f16 tops at 65504); exact (a power of two), and f16 keeps bf16's 8 bits.
-    float q_mul = 1.f;
     if constexpr (!std::is_same_v<T, __half>) {
       __shared__ int q_amax_bits;  // a non-negative float's bits order as ints
       if (threadIdx.x == 0) q_amax_bits = 0;
       __syncthreads();
       float amax = 0.f;
-      for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-        const uint4 v = q_chunk(i / C::kChunks, i % C::kChunks);
-        for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
-          amax = fmaxf(amax, fmaxf(fabsf(__uint_as_float(w << 16)), fabsf(__uint_as_float(w & 0xffff0000u))));
+#pragma unroll
+      for (int k = 0; k < kPairsPerThread; ++k) {
+        for (const uint4& v : q_pairs[k]) {
+          for (const uint32_t w : {v.x, v.y, v.z, v.w}) {
+            const float2 f = bf16x2_to_float2(w);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
         }
       }
       amax = warp_max(amax);
@@ -330,25 +346,26 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       __syncthreads();
       const int e = max(0, ((q_amax_bits >> 23) & 0xff) - 127 - 14);
       q_pow = exp2f(float(e));
-      q_mul = exp2f(float(-e));
-    }
-    auto f16_chunk = [&](int r, int chunk) {  // 8 values of row r in f16
-      uint4 v = q_chunk(r, chunk);
-      if constexpr (!std::is_same_v<T, __half>) {
-        uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+      const float q_mul = exp2f(float(-e));
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          w[i] = pack2<__half>(__uint_as_float(w[i] << 16) * q_mul, __uint_as_float(w[i] & 0xffff0000u) * q_mul);
+      for (int k = 0; k < kPairsPerThread; ++k) {
+        for (uint4& v : q_pairs[k]) {
+          for (uint32_t* w : {&v.x, &v.y, &v.z, &v.w}) {
+            const float2 f = bf16x2_to_float2(*w);
+            *w = pack2<__half>(f.x * q_mul, f.y * q_mul);
+          }
         }
       }
-      return v;
-    };
+    }
     // Each 16 columns in the order qk_fp8's K fragments take: value pairs 0 2 4 6, then 1 3 5 7.
-    for (int i = threadIdx.x; i < kRows * C::kChunks / 2; i += kWarps * 32) {
-      const int r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
-      const uint4 v0 = f16_chunk(r, c), v1 = f16_chunk(r, c + 1);
-      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c)) = make_uint4(v0.x, v0.z, v1.x, v1.z);
-      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c + 1)) = make_uint4(v0.y, v0.w, v1.y, v1.w);
+#pragma unroll
+    for (int k = 0; k < kPairsPerThread; ++k) {
+      const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
+      const uint4 v0 = q_pairs[k][0], v1 = q_pairs[k][1];
+      if (i < kPairs) {
+        *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c)) = make_uint4(v0.x, v0.z, v1.x, v1.z);
+        *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c + 1)) = make_uint4(v0.y, v0.w, v1.y, v1.w);
+      }
     }
   } else {
     for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
