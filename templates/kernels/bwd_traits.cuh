@@ -157,7 +157,7 @@ struct BwdTraits {
   // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the stage is
   // free once the dQ writer has read them too. Where the tile fits (d192) it is kept: the
   // stage is then freed a bulk read earlier, and the next block's load starts sooner.
-  static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > 232448;
+  static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > kSmemPerBlockLimit;
   using SharedStorage = SharedStorageT<!kDqInStages>;
   static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ &&
                                  SmemLayoutQ{}(0, kDkvCols, 0) == TileM * HeadDim / 2 &&
@@ -171,7 +171,7 @@ struct BwdTraits {
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
                 "dK/dV staging does not fit in the Q, dO, K and V buffers");
-  static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
+  static_assert(kSmemBytes <= kSmemPerBlockLimit, "tile does not fit in the 227 KiB of shared memory");
 };
 
 template <class Traits>

@@ -170,7 +170,7 @@ struct FwdTraits {
     alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static_assert(kSmemBytes <= 232448, "tile does not fit in the 227 KiB of shared memory");
+  static_assert(kSmemBytes <= kSmemPerBlockLimit, "tile does not fit in the 227 KiB of shared memory");
 };
 
 template <class Traits>

@@ -7,6 +7,9 @@
 namespace fa3gen {
 using namespace cute;
 
+// sm_90's largest dynamic shared memory per block, 227 KiB (generator/variants.py SMEM_LIMIT).
+constexpr int kSmemPerBlockLimit = 232448;
+
 // Widest swizzle whose atom divides the contiguous extent: 128-byte rows need 64 16-bit or
 // 128 8-bit elements.
 template <class Element, int ContiguousExtent, bool KMajor>
