@@ -74,8 +74,9 @@ struct FwdMainloop {
   // fp8: P in [0, 1] is stored times 256 in e4m3 (whose normal range starts at 2^-6), so small
   // probabilities keep their precision; the epilogue divides it out.
   static constexpr float kPScaleFp8 = 256.f;
-  // P reaches 2^kRescaleThresholdFp8P before a rescale (rescale_threshold.cuh; 2^0.8 < 1.7412).
-  static_assert(kPScaleFp8 * 1.7412f <= 448.f, "e4m3 P would overflow before its rescale");
+  // P reaches 2^kRescaleThresholdFp8P before a rescale (rescale_threshold.cuh).
+  static_assert(kPScaleFp8 * exp2_constexpr(kRescaleThresholdFp8P) <= kE4m3Max,
+                "e4m3 P would overflow before its rescale");
 
   FwdParams<Traits> const& p;
   typename Traits::SharedStorage& smem;
