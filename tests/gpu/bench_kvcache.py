@@ -7,14 +7,19 @@ shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, i
 process and rounds: FA4 (flash_attn.cute, paged through its page_table, and contiguous) and
 PyTorch SDPA's cuDNN backend (contiguous, GQA). Each backend twice: eager calls back to back
 (host time included, as a Python loop sees it) and CUDA-graph replays of 20 calls (the GPU
-time, as a serving engine that captures its decode step sees it). Not a pytest module."""
+time, as a serving engine that captures its decode step sees it). --out is rewritten after every
+case ("complete": false until the last), so a run cut short by a time limit keeps what it
+measured. Not a pytest module."""
 import argparse
+import datetime
 import json
+import os
 import sys
 
 import torch
 
 from fa3gen import kvcache, timing
+from fa3gen.bench import git_commit
 
 MB = 1e6
 
@@ -145,22 +150,34 @@ def main():
                "graph_gbs": {k: round(moved / m / MB) for k, m in zip(gnames, replay)},
                "skipped": skipped}
         rows.append(row)
+        write_report(args, copy_gbs, rows, complete=False)  # a run cut short keeps its rows
         cols = "  ".join(f"{k} {row['us'][k]:.0f}us" + (f"/{row['graph_us'][k]:.0f}us "
                          f"{row['graph_gbs'][k] / copy_gbs:.0%}" if k in graphs else "") for k in names)
         print(f"sq={sq} hkv={hkv} b={b} n={n} ({moved / MB:.0f} MB): {cols}"
               + (f"  [n/a: {', '.join(skipped)}]" if skipped else ""))
         del q, kc, vc, pages, vpages, table
         torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": round(copy_gbs),
-                       "q": args.dtype, "cache": "e4m3, per-head factors" if args.kv_fp8 else args.dtype,
-                       "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 50 ms, order rotated; "
-                                 "us: eager calls, graph_us: CUDA graph replay of 20 calls / 20",
-                       "rows": rows}, f, indent=1)
+    write_report(args, copy_gbs, rows, complete=True)
     reasons = {k: v for r in rows for k, v in r["skipped"].items()}
     for k, v in reasons.items():
         print(f"{k} n/a in some cases, e.g.: {v}", file=sys.stderr)
+
+
+def write_report(args, copy_gbs, rows, complete):
+    """The JSON report (--out), rewritten whole and atomically after each case."""
+    if not args.out:
+        return
+    report = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "complete": complete, "copy_gbs": round(copy_gbs),
+              "q": args.dtype, "cache": "e4m3, per-head factors" if args.kv_fp8 else args.dtype,
+              "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 50 ms, order rotated; "
+                        "us: eager calls, graph_us: CUDA graph replay of 20 calls / 20",
+              "rows": rows}
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":
