@@ -30,7 +30,7 @@ template <class Traits>
 __device__ __forceinline__ int dq_slot(int tid, int chunk) {
   constexpr int kThreads = Traits::kConsumerThreads;
   if constexpr (Traits::kDqInStages) {
-    constexpr int kHalf = Traits::kTileM * Traits::kHeadDim / (4 * kThreads);  // chunks per half
+    constexpr int kHalf = Traits::kDqChunks / 2;
     const int half = chunk / kHalf, wg = tid / 128;
     return ((half * 2 + wg) * kHalf + chunk % kHalf) * 128 + tid % 128;
   } else {

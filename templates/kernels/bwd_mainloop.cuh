@@ -43,6 +43,12 @@ struct BwdMainloop {
                                            Traits::kConsumerThreads + (Traits::kDqInStages ? 1 : 0)),
              Shape<_1, _1, _1>{}) {}
 
+  // kDqInStages: half `half` of a query block's dQ lives in its stage's Q (0) or dO (1) buffer.
+  __device__ __forceinline__ float* dq_stage_half(int stage, int half) const {
+    Element* buffer = (half == 0 ? smem.q.data() : smem.dout.data()) + stage * kTileM * kHeadDim;
+    return reinterpret_cast<float*>(buffer);
+  }
+
   // ---------------- producer: the loader thread ----------------
   // Query blocks [m_first, m_end) of each query head of the kv head.
   // TMA partitions of row tiles of Q, dO, K or V (tma_pipeline.cuh).
@@ -114,12 +120,8 @@ struct BwdMainloop {
           }
           float* dq_gmem = p.dq_accum + dq_tile * kTileElems;
           if constexpr (Traits::kDqInStages) {  // halves in the stage's Q and dO buffers (dq_slot)
-            const int s = st.index();
-            bulk_reduce_add(dq_gmem, reinterpret_cast<const float*>(smem.q.data() + s * kTileM * kHeadDim),
-                            Traits::kBytesdQ / 2);
-            bulk_reduce_add(dq_gmem + kTileElems / 2,
-                            reinterpret_cast<const float*>(smem.dout.data() + s * kTileM * kHeadDim),
-                            Traits::kBytesdQ / 2);
+            bulk_reduce_add(dq_gmem, dq_stage_half(st.index(), 0), Traits::kBytesdQ / 2);
+            bulk_reduce_add(dq_gmem + kTileElems / 2, dq_stage_half(st.index(), 1), Traits::kBytesdQ / 2);
           } else {
             bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ);
           }
@@ -131,7 +133,8 @@ struct BwdMainloop {
           } else {
             bulk_wait_read();
           }
-          // The stage's last arrival (the consumers' come when they are done with it).
+          // The stage's last arrival (the consumers' come when they are done with it); on the
+          // barrier itself, as consumer_release traps outside a consumer warpgroup in debug builds.
           if constexpr (Traits::kDqInStages) smem.pipeline_q.empty_barrier_[st.index()].arrive();
         }
         ++st;
@@ -304,13 +307,14 @@ struct BwdMainloop {
         if constexpr (Traits::kDqInStages) {
           // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
           // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
-          constexpr int kHalfSlots = kTileM * kHeadDim / 4, kHalfChunks = size(tdQrdQ) / 4;  // float2 per half
-          float2* sdQ_q = reinterpret_cast<float2*>(smem.q.data() + st.index() * kTileM * kHeadDim);
-          float2* sdQ_do = reinterpret_cast<float2*>(smem.dout.data() + st.index() * kTileM * kHeadDim);
+          constexpr int kHalfSlots = kTileM * kHeadDim / 4;  // float2 per half
+          static_assert(size(tdQrdQ) / 2 == Traits::kDqChunks);
+          float2* sdQ_q = reinterpret_cast<float2*>(dq_stage_half(st.index(), 0));
+          float2* sdQ_do = reinterpret_cast<float2*>(dq_stage_half(st.index(), 1));
           CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // j < kHalfChunks: the first half (dq_slot)
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // the first half's chunks first (dq_slot)
             const float2 v = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
-            if (j < kHalfChunks) sdQ_q[dq_slot<Traits>(tid, j)] = v;
+            if (j < Traits::kDqChunks / 2) sdQ_q[dq_slot<Traits>(tid, j)] = v;
             else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
           }
         } else {

@@ -101,10 +101,12 @@ struct BwdTraits {
       SmemLayoutdS{}, make_layout(Shape<Int<TileN>, Int<TileM>, _2>{},
                                   Stride<Int<TileM>, _1, Int<TileM * TileN>>{})));
 
-  // S^T and dP^T: the warpgroups split the keys, or (kSplitHeadDim) the queries.
-  using SdPLayout = cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>;
+  // The consumer warpgroups over the M (keys) of S^T, dP^T, dV and dK, or (kSplitHeadDim) over
+  // their N: the queries of S^T and dP^T, the head_dim columns of dV and dK.
+  using ConsumerWgLayout =
+      cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPN>, Int<HeadDim>>>(), SdPLayout{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPN>, Int<HeadDim>>>(), ConsumerWgLayout{}));
   // dV += P^T dO and dK += dS^T Q: A from the S^T accumulators (RS), or from shared memory
   // with the warpgroups splitting head_dim (SS).
   using TiledMmadKV = decltype(make_tiled_mma(
@@ -114,7 +116,7 @@ struct BwdTraits {
                                         GMMA::Major::K, GMMA::Major::MN>()),
           decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
                                         GMMA::Major::K, GMMA::Major::MN>())>{},
-      cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>{}));
+      ConsumerWgLayout{}));
   // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
@@ -134,6 +136,7 @@ struct BwdTraits {
   static constexpr uint32_t kBytesK = TileN * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesRowStats = TileM * sizeof(float);
   static constexpr uint32_t kBytesdQ = TileM * HeadDim * sizeof(float);
+  static constexpr int kDqChunks = TileM * HeadDim / (2 * kConsumerThreads);  // float2 per consumer thread
 
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = typename cutlass::PipelineState<Stages>;

@@ -137,7 +137,7 @@ __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
 //  - K (S = Q K^T): a plain ldmatrix of 8 keys x 16 bytes gives lane (g, t) bytes 4t..4t+3 of
 //    key g. Converted, the first pair is the B fragment's k = 2t, 2t+1 and the second its
 //    k = 2t + 8, 2t + 9: within each 16 columns the mma's k order is d = 0 1 4 5 8 9 12 13,
-//    2 3 6 7 10 11 14 15, and Q is staged in that order (stage_q_fp8_order), so the sum is the same.
+//    2 3 6 7 10 11 14 15, and Q is staged in that order (the KvFp8 Q staging), so the sum is the same.
 //  - V (O += P V): a transposing ldmatrix gives lane (g, t) the byte pairs (2g, 2g + 1) of keys
 //    2t and 2t + 1; one byte permute makes (key 2t, key 2t + 1) pairs for column 2g (low half)
 //    and 2g + 1 (high half): the B fragments of two n8 blocks, even and odd columns. So o[2c]
