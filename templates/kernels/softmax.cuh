@@ -9,7 +9,7 @@
 
 namespace fa3gen {
 
-template <int Rows>
+template <int Rows, int Chains>
 struct OnlineSoftmax {
   float row_max[Rows];
   float row_sum[Rows];
@@ -22,11 +22,11 @@ struct OnlineSoftmax {
     for (int r = 0; r < Rows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
 
-  // A row's max and sum run as kChains independent chains (column c in chain c % kChains):
+  // A row's max and sum run as Chains independent chains (column c in chain c % Chains):
   // while one warpgroup's softmax runs, the other holds the tensor cores and no other warp on
-  // the scheduler has work, so one serial chain of dependent FMNMX/FADD would expose its full
-  // latency.
-  static constexpr int kChains = 4;
+  // the scheduler has work, so one serial chain of dependent FMNMX/FADD exposes its latency
+  // (FwdTraits::kSoftmaxChains says how many each variant uses).
+  static constexpr int kChains = Chains;
   template <class TS>
   __device__ __forceinline__ static float chains_max(TS const& S, int r) {
     constexpr int kCols = decltype(size<1>(S))::value;
