@@ -71,6 +71,7 @@ struct FwdMainloop {
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
   static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
+  using Softmax = OnlineSoftmax<kRows, Traits::kSoftmaxChains>;
   // fp8: P in [0, 1] is stored times 256 in e4m3 (whose normal range starts at 2^-6), so small
   // probabilities keep their precision; the epilogue divides it out.
   static constexpr float kPScaleFp8 = 256.f;
@@ -344,7 +345,7 @@ struct FwdMainloop {
   template <class TO>
   __device__ __forceinline__ void mma(TileCoord const& tile, SeqSlice const& seq, KeyBlocks const& blocks,
                                       GemmTurns<Traits> const& turns,
-                      OnlineSoftmax<kRows>& softmax, TO& tOrO, int tid) {
+                      Softmax& softmax, TO& tOrO, int tid) {
     const int n_blocks = blocks.count;
     const bool inline_loader = !Traits::kWarpSpecialized && threadIdx.x == 0;
     const int head_kv = tile.head / p.heads_per_kv;

@@ -9,7 +9,7 @@
 
 namespace fa3gen {
 
-template <int Rows>
+template <int Rows, int Chains>
 struct OnlineSoftmax {
   float row_max[Rows];
   float row_sum[Rows];
@@ -22,6 +22,32 @@ struct OnlineSoftmax {
     for (int r = 0; r < Rows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
 
+  // A row's max and sum run as Chains independent chains (column c in chain c % Chains):
+  // while one warpgroup's softmax runs, the other holds the tensor cores and no other warp on
+  // the scheduler has work, so one serial chain of dependent FMNMX/FADD exposes its latency
+  // (FwdTraits::kSoftmaxChains says how many each variant uses).
+  static constexpr int kChains = Chains;
+  template <class TS>
+  __device__ __forceinline__ static float chains_max(TS const& S, int r) {
+    constexpr int kCols = decltype(size<1>(S))::value;
+    static_assert(kCols % kChains == 0, "columns per thread split evenly into the chains");
+    float m[kChains];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kChains; ++k) m[k] = S(r, k);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = kChains; c < kCols; ++c) m[c % kChains] = fmaxf(m[c % kChains], S(r, c));
+    float out = m[0];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 1; k < kChains; ++k) out = fmaxf(out, m[k]);
+    return out;
+  }
+  __device__ __forceinline__ static float chains_total(float const (&sum)[kChains]) {
+    float out = sum[0];
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 1; k < kChains; ++k) out += sum[k];
+    return out;
+  }
+
   // Turns scores S into unnormalized probabilities in place; rescale[r] is the factor the
   // running output row r must be multiplied by (0 on the first block, where O is still 0, 1
   // where the row kept its maximum). Returns whether any of this thread's rows needs one.
@@ -31,10 +57,7 @@ struct OnlineSoftmax {
     bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
-      float m = row_max[r];
-      CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) { m = fmaxf(m, S(r, c)); }
-      m = quad_allreduce_max<4>(m);
+      float m = quad_allreduce_max<4>(fmaxf(row_max[r], chains_max(S, r)));
       // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
       const float grew = (m - row_max[r]) * scale_log2;
       if (!(grew <= threshold)) {
@@ -47,14 +70,14 @@ struct OnlineSoftmax {
         rescale[r] = 1.f;
       }
       const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
-      float sum = 0.f;
+      float sum[kChains] = {};
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) {
         float p = exp2f(fmaf(S(r, c), scale_log2, -m_scaled));
         S(r, c) = p;
-        sum += p;
+        sum[c % kChains] += p;
       }
-      row_sum[r] = row_sum[r] * rescale[r] + sum;
+      row_sum[r] = row_sum[r] * rescale[r] + chains_total(sum);
     }
     return any;
   }
