@@ -95,10 +95,10 @@ struct FwdTraits {
                 kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
                 "setmaxnreg split exceeds the CTA's register allocation (the kernel would hang)");
 
-  // Softmax row max and sum as 4 independent chains where a row holds 32 or more columns per
-  // thread, 16-bit (H200 A/B against one chain, 2026-12-01: d64 192x128 causal +2-3%, d128
-  // causal 128x128 +1-2%, the rest within 1%); d256's 16-20 columns (-1.5% on 128x80) and
-  // e4m3 (-2%) keep one.
+  // Softmax row max and sum as 4 independent chains where a thread holds 32 or more columns
+  // of a row, 16-bit (H200 A/B against one chain, 2026-12-01, docs/results/
+  // ab_softmax_chains.json: d64 192x128 causal +2-3%, d128 128x128 causal +0-2%, the rest
+  // within 1%). d256's 16-20 columns gained nothing (0.96-1.0) and e4m3 lost 1-5%: one chain.
   static constexpr int kSoftmaxChains = (kFp8 || TileN < 128) ? 1 : 4;
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
