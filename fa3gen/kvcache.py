@@ -170,7 +170,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
         have = ", ".join(f"[{dt}, {hd}]" for dt, hd in sorted(built)) or "none"
         raise VariantNotBuiltError(
             f"decode over a KV cache, {dtype} head_dim {d}", [f"decode kernels: {have}"],
-            f"add [{dtype}, {d}] to the spec's `decode:` list (or `decode: true`) and build it "
+            f"add dtype {dtype} and head_dim {d} to the spec's `decode:` axes (or [{dtype}, {d}] to "
+            f"its list of pairs) and build it "
             f"again: fa3gen build --spec {_spec_name()}", lead="")
     paged = block_table is not None
     if paged:

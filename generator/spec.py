@@ -263,11 +263,16 @@ class _Validator:
                     tuple(self.warnings))
 
     def decode_pairs(self, raw: Any) -> tuple[tuple[str, int], ...]:
-        """`decode:` true (every pair), false, or a list of [dtype, head_dim] pairs."""
+        """`decode:` true (every pair), false, axes `{dtype: .., head_dim: ..}` (each a value or
+        a list, an axis left out is all its values; the pairs are their product), or a list of
+        [dtype, head_dim] pairs."""
         if isinstance(raw, bool):
             return DECODE_PAIRS if raw else ()
-        want = (f"true, false or a list of [dtype, head_dim] pairs (dtype in "
-                f"{', '.join(DECODE_DTYPES)}; head_dim in {', '.join(map(str, DECODE_HEAD_DIMS))})")
+        if isinstance(raw, dict):
+            return self.decode_axes(raw)
+        want = (f"true, false, axes {{dtype, head_dim}} or a list of [dtype, head_dim] pairs "
+                f"(dtype in {', '.join(DECODE_DTYPES)}; head_dim in "
+                f"{', '.join(map(str, DECODE_HEAD_DIMS))})")
         if not isinstance(raw, list) or not raw:
             raise self.fail("decode", f"expected {want}", raw)
         pairs = []
@@ -276,6 +281,26 @@ class _Validator:
                 raise self.fail(f"decode[{i}]", f"expected {want}", item)
             pairs.append(tuple(item))
         return tuple(p for p in DECODE_PAIRS if p in pairs)  # one order, no repeats
+
+    def decode_axes(self, raw: dict) -> tuple[tuple[str, int], ...]:
+        """`decode: {dtype: .., head_dim: ..}`: the only two axes of the decode kernels."""
+        for key in raw:
+            if key not in ("dtype", "head_dim"):
+                raise self.fail(f"decode.{key}", "unknown decode axis: the decode axes are dtype and "
+                                "head_dim (cache layout, split-KV, GQA packing and an e4m3 cache are "
+                                "chosen per call by the kernel of each pair)")
+        chosen = []
+        for axis, allowed in (("dtype", DECODE_DTYPES), ("head_dim", DECODE_HEAD_DIMS)):
+            values = raw.get(axis, list(allowed))
+            values = values if isinstance(values, list) else [values]
+            if not values:
+                raise self.fail(f"decode.{axis}", "expected a value or a non-empty list", values)
+            for value in values:
+                if isinstance(value, bool) or value not in allowed:
+                    raise self.fail(f"decode.{axis}", f"expected one of {', '.join(map(str, allowed))}",
+                                    value)
+            chosen.append(values)
+        return tuple(p for p in DECODE_PAIRS if p[0] in chosen[0] and p[1] in chosen[1])
 
     def list_of(self, raw: Any, path: str) -> list:
         if raw is None:

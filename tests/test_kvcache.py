@@ -316,7 +316,7 @@ def test_a_decode_kernel_the_library_lacks(launched, monkeypatch):
     monkeypatch.setattr(kvcache, "_spec_name", lambda: "mymodel")
     kc = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
     with pytest.raises(VariantNotBuiltError, match=r"fp16 head_dim 64(.|\n)*decode kernels: \[bf16, 128\]"
-                                                   r"(.|\n)*add \[fp16, 64\] to the spec's `decode:` list"
+                                                   r"(.|\n)*add dtype fp16 and head_dim 64 to the spec's `decode:` axes \(or \[fp16, 64\]"
                                                    r"(.|\n)*fa3gen build --spec mymodel"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=torch.float16), kc, kc)
     assert runtime.decode_pairs({"decode": [["bf16", 128], ["fp16", 96]]}, True) == {("bf16", 128)}

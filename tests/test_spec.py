@@ -259,6 +259,29 @@ def test_decode_key(tmp_path):
                          ("[bf16, 128]", r"decode\[0\]"), ("[[e4m3, 128]]", r"decode\[0\]")):
         bad = tmp_path / "bad.yaml"
         bad.write_text(f"name: bad\ndecode: {value}\n" + axes)
-        with pytest.raises(Exception, match=where + ": expected true, false or a list of "
-                                                    r"\[dtype, head_dim\] pairs"):
+        with pytest.raises(Exception, match=where + r": expected true, false, axes \{dtype, head_dim\} "
+                                                    r"or a list of \[dtype, head_dim\] pairs"):
             load_spec(bad)
+
+
+def test_decode_axes(tmp_path):
+    """decode: {dtype, head_dim} is the product of the two axes (an axis left out: all of its
+    values); any other axis, or a value without a kernel, is an error naming the axis."""
+    axes = ("axes: {direction: fwd, dtype: bf16, head_dim: 64, causal: false, tile: [128, 128], "
+            "stages: 2, warp_specialized: true, pingpong: false, intra_wg_overlap: false}\n")
+    spec = tmp_path / "s.yaml"
+    for value, pairs in (("{dtype: [bf16, fp16], head_dim: [64, 128, 256]}", "all"),
+                         ("{dtype: fp16, head_dim: [256, 64]}", (("fp16", 64), ("fp16", 256))),
+                         ("{head_dim: 128}", (("bf16", 128), ("fp16", 128))),
+                         ("{dtype: bf16}", (("bf16", 64), ("bf16", 128), ("bf16", 256)))):
+        spec.write_text(f"name: s\ndecode: {value}\n" + axes)
+        from fa3gen.contract import DECODE_PAIRS
+        assert load_spec(spec).decode == (DECODE_PAIRS if pairs == "all" else pairs), value
+    for value, match in (("{kv_layout: [dense, paged]}", r"decode\.kv_layout: unknown decode axis: the "
+                                                          r"decode axes are dtype and head_dim"),
+                         ("{head_dim: 96}", r"decode\.head_dim: expected one of 64, 128, 256, got 96"),
+                         ("{dtype: e4m3}", r"decode\.dtype: expected one of bf16, fp16, got"),
+                         ("{dtype: []}", r"decode\.dtype: expected a value or a non-empty list")):
+        spec.write_text(f"name: s\ndecode: {value}\n" + axes)
+        with pytest.raises(Exception, match=match):
+            load_spec(spec)
