@@ -269,13 +269,13 @@ def test_decode_axes(tmp_path):
     values); any other axis, or a value without a kernel, is an error naming the axis."""
     axes = ("axes: {direction: fwd, dtype: bf16, head_dim: 64, causal: false, tile: [128, 128], "
             "stages: 2, warp_specialized: true, pingpong: false, intra_wg_overlap: false}\n")
+    from fa3gen.contract import DECODE_PAIRS
     spec = tmp_path / "s.yaml"
     for value, pairs in (("{dtype: [bf16, fp16], head_dim: [64, 128, 256]}", "all"),
                          ("{dtype: fp16, head_dim: [256, 64]}", (("fp16", 64), ("fp16", 256))),
                          ("{head_dim: 128}", (("bf16", 128), ("fp16", 128))),
                          ("{dtype: bf16}", (("bf16", 64), ("bf16", 128), ("bf16", 256)))):
         spec.write_text(f"name: s\ndecode: {value}\n" + axes)
-        from fa3gen.contract import DECODE_PAIRS
         assert load_spec(spec).decode == (DECODE_PAIRS if pairs == "all" else pairs), value
     for value, match in (("{kv_layout: [dense, paged]}", r"decode\.kv_layout: unknown decode axis: the "
                                                           r"decode axes are dtype and head_dim"),

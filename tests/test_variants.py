@@ -171,6 +171,14 @@ def test_each_constraint_prunes(change, constraint, monkeypatch):
     assert failed is not None and failed[0] == constraint, failed
 
 
+def test_smem_limit_is_the_kernels_limit():
+    """The pruning budget and the kernels' static_asserts (smem_atoms.cuh) name one limit."""
+    import re
+    from generator.paths import KERNELS_DIR
+    text = (KERNELS_DIR / "smem_atoms.cuh").read_text()
+    assert int(re.search(r"constexpr int kSmemPerBlockLimit = (\d+);", text).group(1)) == V.SMEM_LIMIT
+
+
 @pytest.mark.parametrize("head_dim,stages", [(192, 3), (256, 2)])
 def test_backward_above_128_splits_head_dim_over_64_keys(head_dim, stages):
     """Two consumer warpgroups over one 64-key block, half of head_dim each: fits the

@@ -13,11 +13,12 @@ import sys
 
 import torch
 
+from fa3gen import bench, timing
+
 
 def main() -> int:
     which, d, causal, s = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-    b, h = 16384 // s, 2048 // d
-    q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    q, k, v = timing.random_inputs(bench.grid([s], [d])[0], torch.bfloat16, 3)
     if which == "fa4":
         from flash_attn.cute.interface import flash_attn_func
     else:
