@@ -138,6 +138,9 @@ AXIS_TABLE = (
     Axis("warp_specialized", "bool", "knob", tag="ws"),
     Axis("pingpong", "bool", "knob", tag="pp"),
     Axis("intra_wg_overlap", "bool", "knob", tag="ov"),
+    # Forward: the key blocks that need the mask peeled out of the steady-state loop (a second
+    # copy of the loop body without mask code; templates/kernels/fwd_mainloop.cuh).
+    Axis("peel_masked", "bool", "knob", words=("", "peel")),
 )
 AXIS_BY_NAME = {a.name: a for a in AXIS_TABLE}
 AXES = tuple(AXIS_BY_NAME)
@@ -155,6 +158,10 @@ BACKWARD_SPLIT_HEAD_DIM_ABOVE = 128
 
 # (field, Python type) of a Variant, in order.
 VARIANT_FIELDS = tuple((f, _PYTHON_TYPE[a.kind]) for a in AXIS_TABLE for f in a.fields)
+# Optional flags after the last required axis default to false, so a Variant spelled with the
+# fields of the axes before them still means the variant without them.
+_TRAILING_OPTIONAL = len(VARIANT_FIELDS) - next(
+    i for i, a in enumerate(reversed(AXIS_TABLE)) if not a.optional)
 _AXIS_OF_FIELD = {f: a for a in AXIS_TABLE for f in a.fields}
 
 # Key axes are scalars, so their fields are the key; attrgetter keeps it a ~0.1 us lookup.
@@ -192,8 +199,9 @@ class _VariantBehaviour:
 
 # Built from the axis table so that an axis is one edit. Frozen (hashable, a dict key) and
 # ordered; e.g. Variant("fwd", "bf16", 128, False, False, False, False, 128, 176, 2, True, True, True).
-Variant = make_dataclass("Variant", VARIANT_FIELDS, bases=(_VariantBehaviour,),
-                         frozen=True, order=True)
+Variant = make_dataclass("Variant", [(f, t, field(default=False)) if i >= _TRAILING_OPTIONAL else (f, t)
+                                     for i, (f, t) in enumerate(VARIANT_FIELDS)],
+                         bases=(_VariantBehaviour,), frozen=True, order=True)
 Variant.__module__ = __name__  # make_dataclass leaves it elsewhere on Python < 3.12 (pickling)
 Variant.__doc__ = f"One kernel configuration, named {NAME_FORMAT}."
 
@@ -271,7 +279,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -375,7 +383,7 @@ _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_
                  ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
                  ("Local", "local"), ("Softcap", "softcap"), ("Varlen", "varlen"),
                  ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
-                 ("IntraWgOverlap", "intra_wg_overlap"))
+                 ("IntraWgOverlap", "intra_wg_overlap"), ("PeelMasked", "peel_masked"))
 
 LAUNCHERS = {
     "fwd": Launcher("fa3gen_fwd.cuh", "fa3gen::launch_fwd", "fa3gen_fwd_params", FWD_PARAMS,

@@ -76,12 +76,13 @@ def _yaml_value(axis: str, value) -> str:
 
 def render_dispatch(defaults: dict, notes: dict, ranges: dict | None = None) -> str:
     """The `dispatch:` block: one exact entry per key (`when` names the key's axes, the
-    features only when set; `use` every knob of the default), each preceded by its note, then
+    features only when set; `use` every knob of the default, optional flags only when set: an
+    entry that does not name one means it off), each preceded by its note, then
     the key's seqlen_k range entries ({key: [(lo, hi, variant)]})."""
     def entry(v, rng=None):
         axes = v.axes()
         when = [(a, axes[a]) for a in KEY_AXES if not AXIS_BY_NAME[a].optional or axes[a]]
-        use = [(a, axes[a]) for a in KNOB_AXES]
+        use = [(a, axes[a]) for a in KNOB_AXES if not AXIS_BY_NAME[a].optional or axes[a]]
         out = ["  - when: {" + ", ".join(f"{a}: {_yaml_value(a, x)}" for a, x in when) + "}"]
         if rng is not None:
             out.append(f"    seqlen_k: [{rng[0]}, {rng[1]}]")

@@ -52,12 +52,13 @@ class Match:
     def matches(self, axes: Mapping[str, Any]) -> bool:
         return all(axes[k] in vals for k, vals in self.items)
 
-    def matches_key(self, key_axes: Mapping[str, Any]) -> bool:
-        """A dispatch `when`: like matches, and a feature axis (local, softcap) it does not
-        name must be off, so that entries written before the axis existed keep their meaning."""
+    def matches_flags_off(self, axes: Mapping[str, Any]) -> bool:
+        """A dispatch `when` (over key axes) or `use` (over knobs): like matches, and an
+        optional flag it does not name (local, softcap, varlen, peel_masked) must be off, so
+        that entries written before the axis existed keep their meaning."""
         named = {k for k, _ in self.items}
-        return self.matches(key_axes) and not any(
-            key_axes[a] for a in key_axes if a not in named and AXIS_BY_NAME[a].optional)
+        return self.matches(axes) and not any(
+            axes[a] for a in axes if a not in named and AXIS_BY_NAME[a].optional)
 
     def describe(self) -> str:
         parts = [f"{k}: {fmt_value(v[0] if len(v) == 1 else list(v))}" for k, v in self.items]

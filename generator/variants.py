@@ -29,6 +29,12 @@ def bwd_splits_head_dim(v: Variant) -> bool:
     return v.direction == "bwd" and v.head_dim > BACKWARD_SPLIT_HEAD_DIM_ABOVE
 
 
+def knobs_of(v: Variant) -> dict:
+    """A variant's knob values by axis (what a dispatch entry's `use` matches)."""
+    axes = v.axes()
+    return {a: axes[a] for a in KNOB_AXES}
+
+
 # --------------------------------------------------------------------------- constraints
 # Each returns None when the variant is fine, else a short reason.
 
@@ -38,6 +44,7 @@ REALIZED_KNOBS = {
     ("warp_specialized", True), ("warp_specialized", False),
     ("pingpong", False), ("pingpong", True),
     ("intra_wg_overlap", False), ("intra_wg_overlap", True),
+    ("peel_masked", False), ("peel_masked", True),
 }
 # A new on/off knob is checked too: pruned until its values are added above.
 _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
@@ -187,6 +194,12 @@ def register_budget(v: Variant) -> Optional[str]:
     return None
 
 
+def peel_needs_overlap(v: Variant) -> Optional[str]:
+    if v.peel_masked and (v.direction != "fwd" or not v.intra_wg_overlap):
+        return "peel_masked is realized in the forward's overlapped loop (fwd, intra_wg_overlap: true) only"
+    return None
+
+
 def pingpong_needs_two_consumers(v: Variant) -> Optional[str]:
     if v.pingpong and (consumer_warpgroups(v) < 2 or not v.warp_specialized):
         return "pingpong needs warp specialization and at least 2 consumer warpgroups"
@@ -213,6 +226,7 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("smem_budget", smem_budget),
     ("register_budget", register_budget),
     ("pingpong_needs_two_consumers", pingpong_needs_two_consumers),
+    ("peel_needs_overlap", peel_needs_overlap),
     ("knob_realized", knob_realized),
 )
 
@@ -299,11 +313,11 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
     defaults: dict[tuple, Variant] = {}
     for key, cands in sorted(by_key.items(), key=lambda kv: kv[1][0].name):
         key_axes = dict(zip(KEY_AXES, key))
-        entries = [e for e in spec.dispatch if e.when.matches_key(key_axes) and e.seqlen_k is None]
+        entries = [e for e in spec.dispatch if e.when.matches_flags_off(key_axes) and e.seqlen_k is None]
         names = ", ".join(v.name for v in cands)
         if entries:
             used.update(e.where for e in entries)
-            left = [v for v in cands if all(e.use.matches(v.axes()) for e in entries)]
+            left = [v for v in cands if all(e.use.matches_flags_off(knobs_of(v)) for e in entries)]
             if len(left) != 1:
                 what = "; ".join(e.describe() for e in entries)
                 picked = ", ".join(v.name for v in left) or "none"
@@ -333,7 +347,7 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
         by_key.setdefault(v.key, []).append(v)
     out: dict[tuple, list] = {}
     for e in (e for e in spec.dispatch if e.seqlen_k is not None):
-        keys = [k for k in by_key if e.when.matches_key(dict(zip(KEY_AXES, k)))]
+        keys = [k for k in by_key if e.when.matches_flags_off(dict(zip(KEY_AXES, k)))]
         if not keys:
             raise spec.error(f"{e.describe()} matches no kept variant key")
         for key in keys:
@@ -348,8 +362,8 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
                     raise spec.error(f"{e.describe()}: its range overlaps [{lo}, {hi}] of "
                                      f"another entry for {key_str(key)}")
             same = [x for x in spec.dispatch if x.seqlen_k == e.seqlen_k
-                    and x.when.matches_key(dict(zip(KEY_AXES, key)))]
-            left = [v for v in by_key[key] if all(x.use.matches(v.axes()) for x in same)]
+                    and x.when.matches_flags_off(dict(zip(KEY_AXES, key)))]
+            left = [v for v in by_key[key] if all(x.use.matches_flags_off(knobs_of(v)) for x in same)]
             if len(left) != 1:
                 raise spec.error(f"{'; '.join(x.describe() for x in same)}: must leave exactly "
                                  f"one variant for {key_str(key)}, leaves {len(left)}")

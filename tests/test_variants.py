@@ -11,13 +11,14 @@ from generator.errors import SpecError
 from generator.paths import SPECS_DIR
 from generator.render import wgmma_n_sizes
 from generator.spec import load_spec, parse_spec
-from generator.variants import CONSTRAINTS, check, enumerate_variants, resolve_dispatch
+from generator.variants import CONSTRAINTS, check, enumerate_variants, knobs_of, resolve_dispatch
 
 BASE = Variant("fwd", "bf16", 128, False, False, False, False, 128, 128, 2, True, False, False)
 
 # Every knob value is realized today; the knob_realized tests narrow the table to the state
 # before pingpong/overlap/non-ws landed, so the mechanism stays proven for future knobs.
-NARROW_KNOBS = {("warp_specialized", True), ("pingpong", False), ("intra_wg_overlap", False)}
+NARROW_KNOBS = {("warp_specialized", True), ("pingpong", False), ("intra_wg_overlap", False),
+                ("peel_masked", False)}
 
 
 @pytest.fixture
@@ -201,7 +202,7 @@ def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
         "head_dim_supported", "fp8_scope", "one_mask", "backward_knobs", "mma_m_shape", "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
-        "knob_realized"]
+        "peel_needs_overlap", "knob_realized"]
 
 
 def test_first_failing_constraint_reported():
@@ -260,10 +261,10 @@ def test_h100_dispatch_resolves():
     assert en.kept and set(d) == keys                  # every key served by exactly one default
     for key, default in d.items():
         assert default in en.kept and default.key == key
-        entries = [e for e in spec.dispatch if e.when.matches_key(dict(zip(KEY_AXES, key)))]
+        entries = [e for e in spec.dispatch if e.when.matches_flags_off(dict(zip(KEY_AXES, key)))]
         cands = [v for v in en.kept if v.key == key]
         # The default is what the key's `use` entries name, and they name only it.
-        assert [v for v in cands if all(e.use.matches(v.axes()) for e in entries)] == [default]
+        assert [v for v in cands if all(e.use.matches_flags_off(knobs_of(v)) for e in entries)] == [default]
         assert entries or len(cands) == 1
 
 

@@ -419,7 +419,9 @@ struct FwdMainloop {
     float rescale[kRows];
     bool rescale_o = true;  // this thread's O rows need their factors (softmax.cuh: threshold)
     o_units = 1.f;
-    auto softmax_block = [&](int i) {
+    // masked (std::true_type / false_type): whether block i may need the mask (then checked
+    // per block); the peeled loop's unmasked run has no mask code.
+    auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
       if constexpr (Traits::kFp8) {  // block quantization of K: this block's factor on its scores
         if (p.descale.k_blocks()) {
@@ -429,7 +431,9 @@ struct FwdMainloop {
         }
       }
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
-      if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
+      if constexpr (decltype(masked)::value) {
+        if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
+      }
       rescale_o = softmax.step(S, rescale);
       if constexpr (Traits::kFp8) {
         // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
@@ -471,7 +475,7 @@ struct FwdMainloop {
         pipe_k.consumer_release(st);
         release_q_if_last(i);
         refill_k(i);
-        softmax_block(i);
+        softmax_block(i, std::true_type{});
         rescale_o_if_needed();
         to_p();
         issue_pv(st, true);
@@ -489,26 +493,61 @@ struct FwdMainloop {
       pipe_k.consumer_release(st);
       release_q_if_last(0);
       refill_k(0);
-      softmax_block(0);
+      softmax_block(0, std::true_type{});
       to_p();
       PipelineState st_v = st;  // V slot of the block whose P is in rP
       ++st;
-      for (int i = 1; i < n_blocks; ++i) {
-        issue_s(st, true);
-        issue_pv(st_v, false);
-        turns.pass_turn();
-        warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
-        pipe_k.consumer_release(st);
-        release_q_if_last(i);
-        refill_k(i);
-        softmax_block(i);
-        warpgroup_wait<0>();
-        pipe_v.consumer_release(st_v);
-        refill_v(i - 1);
-        rescale_o_if_needed();
-        to_p();
-        st_v = st;
-        ++st;
+      if constexpr (Traits::kPeelMasked) {
+        // The loop below as a step over whether the block may need the mask, run over the
+        // masked and unmasked runs of the visiting order (mask.cuh, masked_runs). Written out
+        // again because the unpeeled loop through this lambda compiles differently (a 4-byte
+        // spill on d128 varlen 128x176).
+        auto step = [&](int i, auto masked) {
+          issue_s(st, true);
+          issue_pv(st_v, false);
+          turns.pass_turn();
+          warpgroup_wait<1>();
+          pipe_k.consumer_release(st);
+          release_q_if_last(i);
+          refill_k(i);
+          softmax_block(i, masked);
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(st_v);
+          refill_v(i - 1);
+          rescale_o_if_needed();
+          to_p();
+          st_v = st;
+          ++st;
+        };
+        if constexpr (Traits::Mask::kMasksFirstBlockOnly) {  // block 0 was the masked one
+          for (int i = 1; i < n_blocks; ++i) step(i, std::false_type{});
+        } else {
+          const auto runs = mask(seq).masked_runs(tile.block, blocks);
+          const int front_end = max(1, runs.front), back_begin = max(front_end, n_blocks - runs.back);
+          for (int i = 1; i < front_end; ++i) step(i, std::true_type{});
+          for (int i = front_end; i < back_begin; ++i) step(i, std::false_type{});
+          if constexpr (Traits::kLocal) {
+            for (int i = back_begin; i < n_blocks; ++i) step(i, std::true_type{});
+          }
+        }
+      } else {
+        for (int i = 1; i < n_blocks; ++i) {
+          issue_s(st, true);
+          issue_pv(st_v, false);
+          turns.pass_turn();
+          warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
+          pipe_k.consumer_release(st);
+          release_q_if_last(i);
+          refill_k(i);
+          softmax_block(i, std::true_type{});
+          warpgroup_wait<0>();
+          pipe_v.consumer_release(st_v);
+          refill_v(i - 1);
+          rescale_o_if_needed();
+          to_p();
+          st_v = st;
+          ++st;
+        }
       }
       issue_pv(st_v, false);
       warpgroup_wait<0>();

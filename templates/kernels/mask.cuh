@@ -23,6 +23,9 @@ template <bool Causal, bool Local, int TileM, int TileN>
 struct AttentionMask {
   static_assert(!(Causal && Local), "a local window includes the causal case (window_right = 0)");
   static constexpr bool kRightBound = Causal || Local;
+  // Without a causal or window bound only the block holding the end of the keys can need the
+  // mask, and it is the first one visited (KeyBlocks::at(0)).
+  static constexpr bool kMasksFirstBlockOnly = !kRightBound;
   int seqlen_q, seqlen_k;
   // Local only, >= 0: the host replaces -1 (unbounded) by seqlen_q + seqlen_k, which no row reaches.
   int window_left, window_right;
@@ -75,6 +78,21 @@ struct AttentionMask {
     }
     if constexpr (Local) crosses = crosses || n_block * TileN < key_begin((m_block + 1) * TileM - 1);
     return crosses;
+  }
+
+  // A query block's visiting order (KeyBlocks::at) starts with the blocks that need the mask
+  // (the end of the keys, the diagonal) and, with a window, ends with those at its left edge;
+  // the run between needs none. front + back <= blocks.count.
+  struct MaskedRuns { int front, back; };
+  __device__ __forceinline__ MaskedRuns masked_runs(int m_block, KeyBlocks const& blocks) const {
+    MaskedRuns runs{0, 0};
+    while (runs.front < blocks.count && needs_mask(m_block, blocks.at(runs.front))) ++runs.front;
+    if constexpr (Local) {
+      while (runs.back < blocks.count - runs.front && needs_mask(m_block, blocks.at(blocks.count - 1 - runs.back))) {
+        ++runs.back;
+      }
+    }
+    return runs;
   }
 
   // S and coords are (query, key) views of an accumulator; coords are tile-local.
