@@ -37,14 +37,8 @@ struct GemmTurns {
   int wg;                               // consumer warpgroup index
   template <bool Arrive>
   __device__ __forceinline__ static void barrier(int wg_turn) {
-    auto op = [](auto id) {
-      if constexpr (Arrive) barrier_arrive<decltype(id)::value>(kThreads);
-      else barrier_sync<decltype(id)::value>(kThreads);
-    };
-    using B = BarrierId;
-    if (wg_turn == 0) op(std::integral_constant<B, B::kFwdTurn0>{});
-    else if (wg_turn == 1) op(std::integral_constant<B, B::kFwdTurn1>{});
-    else op(std::integral_constant<B, B::kFwdTurn2>{});
+    if constexpr (Arrive) barrier_arrive_at<BarrierId::kFwdTurn0>(wg_turn, kThreads);
+    else barrier_sync_at<BarrierId::kFwdTurn0>(wg_turn, kThreads);
   }
   __device__ __forceinline__ void seed() const {
     if constexpr (Traits::kPingpong) { if (wg == Traits::kConsumerWGs - 1) barrier<true>(0); }
