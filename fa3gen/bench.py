@@ -447,9 +447,10 @@ def run(args) -> int:
 # GPU measurement (timing itself is fa3gen.timing's).
 
 
-def _find_variant(lib, direction, dt_name, d, causal) -> str | None:
+def _find_variant(lib, direction, dt_name, d, causal, seqlen_k) -> str | None:
+    """The variant flash_attn_func dispatches to at this seqlen_k (range defaults included)."""
     try:
-        return lib.find(direction, dt_name, d, causal).name
+        return lib.find(direction, dt_name, d, causal, seqlen_k=seqlen_k).name
     except Fa3genError as e:
         print(f"  fa3gen: {str(e).splitlines()[0]}", file=sys.stderr)
         return None
@@ -570,7 +571,7 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
     dt_name = _DTYPES[dtype]
     q, k, v = random_inputs(shape, dtype, 3)
     fns: dict = {}
-    variant = _find_variant(lib, "fwd", dt_name, d, causal)
+    variant = _find_variant(lib, "fwd", dt_name, d, causal, s)
     if variant is not None:
         fns["fa3gen"] = lambda: flash_attn_func(q, k, v, causal=causal, variant=variant)
     if not args.no_baselines and dtype.itemsize == 1:  # fp8: cuDNN's fp8 SDPA, when it imports
@@ -629,8 +630,8 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
         return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     fns: dict = {}
-    variant = _find_variant(lib, "bwd", dt_name, d, causal)
-    fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal)
+    variant = _find_variant(lib, "bwd", dt_name, d, causal, shape["seqlen"])
+    fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal, shape["seqlen"])
     if variant is not None and fwd_variant is not None:
         fns["fa3gen"] = grad_of("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
     if not args.no_baselines:
