@@ -10,7 +10,8 @@ keep, `--batch B` (default 1) for the forward: B = 40 gives more query tiles tha
 persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
 `--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
 and cap, as every variant is); `--varlen`: only the varlen variants, on fa3gen.checks'
-packed problem (unequal lengths, empty sequences), forward and backward.
+packed problem (unequal lengths, empty sequences), forward and backward. `--all`: every built
+forward variant instead of the defaults (a candidate spec such as specs/peel.yaml, FA3GEN_LIB).
 """
 
 import argparse
@@ -30,9 +31,14 @@ def main() -> int:
     parser.add_argument("--features", action="store_true", help="only local/softcap variants")
     parser.add_argument("--varlen", action="store_true", help="only varlen variants")
     parser.add_argument("--fp8", action="store_true", help="only e4m3 variants")
+    parser.add_argument("--all", action="store_true",
+                        help="every built forward variant, not only the dispatch defaults")
     args = parser.parse_args()
     lib = runtime.get_library()
     batch, only = args.batch, args.head_dims
+
+    def forwards():
+        return [v for v in lib.variants if v.direction == "fwd"] if args.all else lib.defaults("fwd")
 
     def skip(info):
         return (only and str(info.head_dim) not in only) or (
@@ -42,13 +48,13 @@ def main() -> int:
     if args.varlen or args.fp8:
         gen = torch.Generator(device="cuda").manual_seed(0)
         for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
-            for info in lib.defaults(direction):
+            for info in forwards() if direction == "fwd" else lib.defaults(direction):
                 if not skip(info):
                     res = check(lib, info, checks.QUICK_PROBLEM, gen)
                     print(f"{info.name}: {'ok' if res['ok'] else 'FAIL ' + res['why']}", flush=True)
         return 0
 
-    for info in lib.defaults("fwd"):
+    for info in forwards():
         if skip(info):
             continue
         dtype = TORCH_DTYPES[info.dtype]
