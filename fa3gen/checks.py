@@ -188,8 +188,9 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
 
 
 def quick_check(spec=None, verbose: bool = True) -> list[dict]:
-    """QUICK_PROBLEM once per default forward and backward variant of the library, against the
-    fp32 references under the tolerance rule. Raises Fa3genError listing the failures."""
+    """QUICK_PROBLEM once per forward and backward variant the library dispatches to (key
+    defaults and seqlen_k range defaults), against the fp32 references under the tolerance
+    rule. Raises Fa3genError listing the failures."""
     import torch
 
     from fa3gen import runtime
@@ -199,8 +200,8 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     lib = runtime.get_library(spec)
     gen = torch.Generator(device="cuda").manual_seed(0)
     results, failed = [], []
-    checks = [(info, check_forward) for info in lib.defaults("fwd")]
-    checks += [(info, check_backward) for info in lib.defaults("bwd")]
+    checks = [(info, check_forward) for info in lib.dispatched("fwd")]
+    checks += [(info, check_backward) for info in lib.dispatched("bwd")]
     for info, check in checks:
         res = _checked(check, lib, info, gen)
         results.append(res)

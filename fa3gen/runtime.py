@@ -290,6 +290,16 @@ class Library:
     def defaults(self, direction: str | None = None) -> list[VariantInfo]:
         return [v for v in self.variants if v.is_default and direction in (None, v.direction)]
 
+    def dispatched(self, direction: str | None = None) -> list[VariantInfo]:
+        """Every variant a call without `variant=` can reach: the key defaults, then the seqlen_k
+        range defaults that are not key defaults (each once)."""
+        out = self.defaults(direction)
+        for rows in self.seqlen_dispatch.values():
+            for _, _, v in rows:
+                if direction in (None, v.direction) and v not in out:
+                    out.append(v)
+        return out
+
     def get(self, name: str) -> VariantInfo | None:
         return self._by_name.get(name)
 

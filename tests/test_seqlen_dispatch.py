@@ -83,6 +83,9 @@ def test_runtime_picks_by_seqlen(tmp_path, monkeypatch):
     assert lib.find("fwd", "bf16", 128, False, seqlen_k=64).name == other
     assert lib.find("fwd", "bf16", 128, False, seqlen_k=101).name == default
     assert lib.find("fwd", "bf16", 128, False).name == default
+    # quick_check and the A/B script walk the range defaults too
+    assert [v.name for v in lib.dispatched("fwd") if v.key == lib.get(default).key] == [default, other]
+    assert other not in [v.name for v in lib.dispatched("bwd")]
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(info.name))
     for seqlen in (64, 300):

@@ -1,5 +1,6 @@
-"""A/B of two built libraries of one spec: every dispatch default (forward and backward) of the
-first, timed against the same variant name in the second, in one process.
+"""A/B of two built libraries of one spec: every variant the first dispatches to (forward and
+backward; key and seqlen_k range defaults), timed against the same variant name in the
+second, in one process.
 
     python3 tests/gpu/ab_libraries.py A.so B.so --seqlens 1024 4096 16384 --json ab.json
 
@@ -57,7 +58,7 @@ def main() -> int:
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
     rows = []
     print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
-    for info in libs[0].defaults():
+    for info in libs[0].dispatched():
         if info.varlen:  # packed batches need cu_seqlens: tests/gpu/bench_varlen.py times them
             print(f"skipped {info.name}: varlen", file=sys.stderr)
             continue
