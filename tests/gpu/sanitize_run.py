@@ -1,5 +1,6 @@
-"""One small launch per default forward variant, and one forward + backward (deterministic
-and not) per default backward variant, meant to run under compute-sanitizer:
+"""One small launch per forward variant the dispatch reaches (key and seqlen_k range
+defaults), and one forward + backward (deterministic and not) per such backward variant,
+meant to run under compute-sanitizer:
 
     compute-sanitizer --tool memcheck  python3 tests/gpu/sanitize_run.py
     compute-sanitizer --tool racecheck python3 tests/gpu/sanitize_run.py
@@ -38,7 +39,7 @@ def main() -> int:
     batch, only = args.batch, args.head_dims
 
     def forwards():
-        return [v for v in lib.variants if v.direction == "fwd"] if args.all else lib.defaults("fwd")
+        return [v for v in lib.variants if v.direction == "fwd"] if args.all else lib.dispatched("fwd")
 
     def skip(info):
         return (only and str(info.head_dim) not in only) or (
@@ -48,7 +49,7 @@ def main() -> int:
     if args.varlen or args.fp8:
         gen = torch.Generator(device="cuda").manual_seed(0)
         for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
-            for info in forwards() if direction == "fwd" else lib.defaults(direction):
+            for info in forwards() if direction == "fwd" else lib.dispatched(direction):
                 if not skip(info):
                     res = check(lib, info, checks.QUICK_PROBLEM, gen)
                     print(f"{info.name}: {'ok' if res['ok'] else 'FAIL ' + res['why']}", flush=True)
@@ -65,7 +66,7 @@ def main() -> int:
         out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name, **probe_masking(info))
         torch.cuda.synchronize()
         print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)
-    for info in lib.defaults("bwd"):
+    for info in lib.dispatched("bwd"):
         if skip(info):
             continue
         dtype = TORCH_DTYPES[info.dtype]
