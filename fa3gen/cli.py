@@ -37,8 +37,16 @@ def cmd_list(args: argparse.Namespace) -> int:
     for warning in p.warnings:
         print(f"fa3gen: warning: {warning}", file=sys.stderr)
     defaults = {v.name for v in p.defaults.values()}
+    ranges: dict[str, list[str]] = {}  # range defaults: name -> ["lo-hi", ...]
+    for *_, lo, hi, name in p.seqlen_dispatch():
+        ranges.setdefault(name, []).append(f"{lo}-{hi}")
     for v in sorted(p.variants):  # field order: d64 before d128
-        print(f"{'*' if v.name in defaults else ' '} {v.name}")
+        if v.name in defaults:
+            print(f"* {v.name}")
+        elif v.name in ranges:
+            print(f"+ {v.name}  (seqlen_k {', '.join(ranges[v.name])})")
+        else:
+            print(f"  {v.name}")
     also = []  # the CuTe-free kernels the library holds beside the variants (not variants)
     if p.spec.decode:
         also.append("the KV-cache decode kernels for "
@@ -51,7 +59,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for x in sorted(p.enumeration.pruned, key=lambda x: x.variant):
             print(f"- {x.variant.name}  pruned by {x.constraint}: {x.reason}")
         print(f"# {len(p.variants)} variant(s), {len(p.enumeration.pruned)} pruned; "
-              "* = dispatch default", file=sys.stderr)
+              "* = dispatch default, + = default for a seqlen_k range", file=sys.stderr)
     return 0
 
 

@@ -6,6 +6,7 @@ import fnmatch
 
 from fa3gen import cli
 from generator import variants as V
+from generator.build import plan
 from generator.paths import REPO_ROOT, SPECS_DIR
 from generator.spec import load_spec
 from generator.variants import enumerate_variants, resolve_dispatch
@@ -28,9 +29,15 @@ def test_list_marks_defaults(capsys):
     rc, out, _ = run(["list", "--spec", str(SPECS_DIR / "h100.yaml")], capsys)
     assert rc == 0
     en, defaults = h100()
-    assert out.splitlines() == [f"{'*' if v.name in defaults else ' '} {v.name}"
-                                for v in sorted(en.kept)]  # field order: d64 before d128
-    assert defaults and len(defaults) < len(en.kept)   # both marks are exercised
+    ranges = {name: f"{lo}-{hi}" for *_, lo, hi, name in plan("h100").seqlen_dispatch()}
+    assert ranges and not set(ranges) & defaults  # h100 has a seqlen_k range default
+
+    def line(v):
+        if v.name in defaults:
+            return f"* {v.name}"
+        return f"+ {v.name}  (seqlen_k {ranges[v.name]})" if v.name in ranges else f"  {v.name}"
+    assert out.splitlines() == [line(v) for v in sorted(en.kept)]  # field order: d64 before d128
+    assert defaults and len(defaults) + len(ranges) < len(en.kept)   # all three marks exercised
 
 
 def test_list_names_the_kernels_beside_the_variants(capsys):
