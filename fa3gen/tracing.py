@@ -143,20 +143,41 @@ def _spec_values(v, axes) -> dict:
     return {a: list(values[a]) if AXIS_BY_NAME[a].kind == "tile" else values[a] for a in axes}
 
 
+def _by_length(defaults: list, seqlen_k: dict) -> list | None:
+    """[(variant, [lo, hi] or None)] for one key whose dispatched calls went to several
+    variants by length: the one of the longest lengths is the key's default, each other one
+    a range up to the next one's shortest traced length. None when the traced lengths overlap
+    (e.g. a CUDA graph that baked in the key's default) or are missing."""
+    if not all(v in seqlen_k for v in defaults):
+        return None
+    ordered = sorted(defaults, key=lambda v: seqlen_k[v][0])
+    if any(seqlen_k[a][1] >= seqlen_k[b][0] for a, b in zip(ordered, ordered[1:])):
+        return None
+    out, lo = [(ordered[-1], None)], 0
+    for a, b in zip(ordered, ordered[1:]):
+        out.append((a, [lo, seqlen_k[b][0] - 1]))
+        lo = seqlen_k[b][0]
+    return out
+
+
 def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     """The YAML text of the smallest spec that builds the traced variants: one group per
     variant, every axis fixed; a key served by several variants gets a dispatch entry for the
-    one its calls resolved to by default."""
+    one its calls resolved to by default, and where the dispatch chose by seqlen_k (the
+    library's range defaults), entries that reproduce that choice for every traced length."""
     import yaml
 
     calls, decode = _read(Path(path))
     variants = {}
+    seqlen_k: dict = {}  # variant -> [min, max] seqlen_k of its dispatched calls
     for c in calls:
         try:
             v = parse_name(c["variant"])
         except (KeyError, TypeError, ValueError) as e:
             raise TraceError(f"{path}: bad call entry {c!r}: {e}") from e
         variants[v] = variants.get(v, False) or bool(c.get("default"))
+        if c.get("default") and isinstance(c.get("seqlen_k"), list):
+            seqlen_k[v] = c["seqlen_k"]
     groups, dispatch = [], []
     by_key: dict[tuple, list] = {}
     for v, is_default in sorted(variants.items()):
@@ -167,11 +188,14 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if len(served) == 1:
             continue
         defaults = [v for v, d in served if d]
-        if len(defaults) != 1:  # only named variants (variant=) were traced for this key
+        entries = (_by_length(defaults, seqlen_k) if len(defaults) > 1 else
+                   [(defaults[0], None)] if defaults else None)
+        if not entries:  # only named variants (variant=) were traced, or lengths overlap
             required = False
             continue
-        dispatch.append({"when": _spec_values(defaults[0], KEY_AXES),
-                         "use": _spec_values(defaults[0], KNOB_AXES)})
+        for v, rng in entries:
+            entry = {"when": _spec_values(v, KEY_AXES), "use": _spec_values(v, KNOB_AXES)}
+            dispatch.append({**entry, "seqlen_k": rng} if rng else entry)
     spec = {"name": name, "groups": groups}
     if decode:  # the decode kernels flash_attn_with_kvcache used
         spec["decode"] = decode

@@ -66,6 +66,30 @@ def test_spec_from_trace_round_trip(tmp_path):
                                                           parse_name(BWD).key: BWD}
 
 
+def test_spec_from_trace_keeps_the_choice_by_length(tmp_path):
+    """A key the dispatch served with two variants by seqlen_k (h100's d256 causal): the
+    longer lengths' variant is the key's default, the other one a range below the first length
+    the default served; lengths that overlap (a graph baked in one name) fall back to no entry."""
+    short, long = ("fwd_bf16_d256_causal_m128n64_s2_ws1_pp0_ov1",
+                   "fwd_bf16_d256_causal_m128n80_s2_ws1_pp0_ov1_peel")
+    path = tmp_path / "used.yaml"
+    with fa3gen.trace(path):
+        for name, seqlen in ((short, 512), (short, 1024), (long, 4096), (long, 16384)):
+            tracing.record(name, True, batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=8, heads_kv=8)
+    out = tmp_path / "m.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    p = plan(out)
+    key = parse_name(long).key
+    assert p.defaults[key].name == long
+    assert p.seqlen_dispatch() == [[*key, 0, 4095, short]]
+    with fa3gen.trace(path):  # the long variant also ran at 1024: no length rule fits
+        tracing.record(short, True, batch=1, seqlen_q=1024, seqlen_k=1024, heads_q=8, heads_kv=8)
+        tracing.record(long, True, batch=1, seqlen_q=1024, seqlen_k=1024, heads_q=8, heads_kv=8)
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    spec = yaml.safe_load(out.read_text())
+    assert "dispatch" not in spec and spec["dispatch_required"] is False
+
+
 def test_spec_from_a_bad_trace_says_what_is_wrong(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("calls: []\n")
