@@ -1,0 +1,29 @@
+"""tests/gpu/sass_loops.py's parser (the compile and disassembly need nvcc and nvdisasm): loops
+are backward branches, counted with their opcodes, predicates dropped."""
+import importlib.util
+
+from generator.paths import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("sass_loops", REPO_ROOT / "tests/gpu/sass_loops.py")
+sass_loops = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_loops)
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   R2UR UR20, R22 ;
+        /*0020*/                   HGMMA.64x176x16.F32.BF16 R24, gdesc[UR20], R24 ;
+        /*0030*/                   HGMMA.64x176x16.F32.BF16 R24, gdesc[UR20], R24, gsb0 ;
+        /*0040*/              @!P0 NANOSLEEP.SYNCS 0x989680 ;
+        /*0050*/              @!P0 BRA `(.L_x_1) ;
+        /*0060*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+
+
+def test_loops_are_backward_branches_with_their_opcodes():
+    (count, ops), = sass_loops.loops(SASS, min_hgmma=2)
+    assert count == 5 and ops["HGMMA"] == 2 and ops["R2UR"] == 1
+    assert ops["NANOSLEEP"] == 1 and ops["BRA"] == 1   # predicated instructions count too
+    assert sass_loops.loops(SASS, min_hgmma=3) == []   # too few GEMMs: not a main loop
