@@ -79,8 +79,8 @@ struct FwdTraits {
   static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   static constexpr bool kWarpSpecialized = WarpSpecialized, kPingpong = Pingpong, kOverlap = IntraWgOverlap;
   // The masked key blocks in their own copy of the overlapped loop (fwd_mainloop.cuh), so the
-  // steady-state loop has no mask code: H200 A/B (2026-12-01) +1.5-7% on d64 192x128, -3 to
-  // -7% on d128 causal 128x128; it lets d256 causal 128x80 build without a spill.
+  // steady-state loop has no mask code; it lets d256 causal 128x80 build without a spill.
+  // Per-key gains and losses: docs/BENCHMARKS.md, "The masked-block peel as a knob".
   static constexpr bool kPeelMasked = PeelMasked;
   static_assert(!PeelMasked || IntraWgOverlap, "the peel is realized in the overlapped loop");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
