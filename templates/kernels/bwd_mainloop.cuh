@@ -155,9 +155,10 @@ struct BwdMainloop {
     typename Traits::TiledMmaSdP mma_sdp;
     typename Traits::TiledMmadKV mma_dkv;
     typename Traits::TiledMmadQ mma_dq;
-    auto thr_sdp = mma_sdp.get_thread_slice(tid);
-    auto thr_dkv = mma_dkv.get_thread_slice(tid);
-    auto thr_dq = mma_dq.get_thread_slice(tid);
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);  // accumulators: per thread
+    auto wg_sdp = warpgroup_slice(mma_sdp, tid);    // shared-memory operands: per warpgroup
+    auto wg_dkv = warpgroup_slice(mma_dkv, tid);
+    auto wg_dq = warpgroup_slice(mma_dq, tid);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
@@ -170,20 +171,20 @@ struct BwdMainloop {
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
 
-    Tensor tSrK = thr_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = thr_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
-    Tensor tSrdO = thr_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
-    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
     Tensor tdQrdS = [&] {
-      if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_B(sdS);
-      else return thr_dq.partition_fragment_A(sdS);
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
+      else return wg_dq.partition_fragment_A(sdS);
     }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
     Tensor tdQrKt = [&] {
-      if constexpr (Traits::kDqTransposed) return thr_dq.partition_fragment_A(sKt);
-      else return thr_dq.partition_fragment_B(sKt);
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
+      else return wg_dq.partition_fragment_B(sKt);
     }();
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
@@ -197,11 +198,11 @@ struct BwdMainloop {
     }();
     // kSplitHeadDim: the A operands of dV and dK, from shared memory.
     auto tdVsPt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
+      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
       else return 0;
     }();
     auto tdKsdSt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return thr_dkv.partition_fragment_A(sdSt);
+      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sdSt);
       else return 0;
     }();
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));

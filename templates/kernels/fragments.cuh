@@ -29,6 +29,16 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
 }
 
+// The slice of a warpgroup-level TiledMma for its shared-memory operands (descriptors). A
+// descriptor depends only on the warpgroup, so slicing at the warpgroup's first thread, with
+// the index broadcast from lane 0, lets ptxas see the values as warp-uniform and keep them in
+// uniform registers (sliced with the thread index, every GEMM moved them over with R2UR).
+template <class TiledMma>
+__device__ __forceinline__ auto warpgroup_slice(TiledMma const& tiled_mma, int tid) {
+  const int warpgroup = __shfl_sync(0xffffffff, tid / 128, 0);
+  return tiled_mma.get_thread_slice(warpgroup * 128);
+}
+
 // A WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): (column pair,
 // row half, 8-column block). View it as (rows, cols) so that softmax can reduce along rows.
 template <class Layout>
