@@ -352,7 +352,10 @@ struct FwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+    // Q's descriptors per warpgroup (fragments.cuh, warpgroup_slice): they stay in uniform
+    // registers. K's and V's stay per thread: sliced per warpgroup too, ptxas nearly doubled
+    // the UMOV of the loop and the forward did not get faster (docs/BENCHMARKS.md).
+    Tensor tSrQ = warpgroup_slice(mma_qk, tid).partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) smem descriptors
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
@@ -491,56 +494,43 @@ struct FwdMainloop {
       to_p();
       PipelineState st_v = st;  // V slot of the block whose P is in rP
       ++st;
-      if constexpr (Traits::kPeelMasked) {
-        // The loop below as a step over whether the block may need the mask, run over the
-        // masked and unmasked runs of the visiting order (mask.cuh, masked_runs). Written out
-        // again because the unpeeled loop through this lambda compiles differently (a 4-byte
-        // spill on d128 varlen 128x176).
-        auto step = [&](int i, auto masked) {
-          issue_s(st, true);
-          issue_pv(st_v, false);
-          turns.pass_turn();
-          warpgroup_wait<1>();
-          pipe_k.consumer_release(st);
-          release_q_if_last(i);
-          refill_k(i);
-          softmax_block(i, masked);
-          warpgroup_wait<0>();
-          pipe_v.consumer_release(st_v);
-          refill_v(i - 1);
-          rescale_o_if_needed();
-          to_p();
-          st_v = st;
-          ++st;
-        };
-        if constexpr (Traits::Mask::kMasksFirstBlockOnly) {  // block 0 was the masked one
-          for (int i = 1; i < n_blocks; ++i) step(i, std::false_type{});
-        } else {
-          const auto runs = mask(seq).masked_runs(tile.block, blocks);
-          const int front_end = max(1, runs.front), back_begin = max(front_end, n_blocks - runs.back);
-          for (int i = 1; i < front_end; ++i) step(i, std::true_type{});
-          for (int i = front_end; i < back_begin; ++i) step(i, std::false_type{});
-          if constexpr (Traits::kLocal) {
-            for (int i = back_begin; i < n_blocks; ++i) step(i, std::true_type{});
-          }
-        }
+      // One step of the steady state: S(i) and P(i-1) V(i-1) in flight together. `masked`
+      // says whether block i may need the mask (then checked per block). Forced inline: as a
+      // plain lambda the unpeeled loop compiled differently (a 4-byte spill on d128 varlen
+      // 128x176).
+      auto step = [&](int i, auto masked) __attribute__((always_inline)) {
+        issue_s(st, true);
+        issue_pv(st_v, false);
+        turns.pass_turn();
+        warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
+        pipe_k.consumer_release(st);
+        release_q_if_last(i);
+        refill_k(i);
+        softmax_block(i, masked);
+        warpgroup_wait<0>();
+        pipe_v.consumer_release(st_v);
+        refill_v(i - 1);
+        rescale_o_if_needed();
+        to_p();
+        st_v = st;
+        ++st;
+      };
+      if constexpr (!Traits::kPeelMasked) {
+        for (int i = 1; i < n_blocks; ++i) step(i, std::true_type{});
+      } else if constexpr (Traits::Mask::kMasksFirstBlockOnly) {  // block 0 was the masked one
+        for (int i = 1; i < n_blocks; ++i) step(i, std::false_type{});
       } else {
-        for (int i = 1; i < n_blocks; ++i) {
-          issue_s(st, true);
-          issue_pv(st_v, false);
-          turns.pass_turn();
-          warpgroup_wait<1>();  // groups retire in order: S(i) is done, P(i-1) V(i-1) may still run
-          pipe_k.consumer_release(st);
-          release_q_if_last(i);
-          refill_k(i);
-          softmax_block(i, std::true_type{});
-          warpgroup_wait<0>();
-          pipe_v.consumer_release(st_v);
-          refill_v(i - 1);
-          rescale_o_if_needed();
-          to_p();
-          st_v = st;
-          ++st;
+        // The masked and unmasked runs of the visiting order (mask.cuh, masked_runs). Their
+        // bounds are broadcast from lane 0 so that ptxas sees them warp-uniform: otherwise it
+        // put WARPSYNCs before the turn barriers and moved the Q descriptors with twice the
+        // R2UR in every step.
+        const auto runs = mask(seq).masked_runs(tile.block, blocks);
+        const int front_end = __shfl_sync(0xffffffff, max(1, runs.front), 0);
+        const int back_begin = __shfl_sync(0xffffffff, max(front_end, n_blocks - runs.back), 0);
+        for (int i = 1; i < front_end; ++i) step(i, std::true_type{});
+        for (int i = front_end; i < back_begin; ++i) step(i, std::false_type{});
+        if constexpr (Traits::kLocal) {
+          for (int i = back_begin; i < n_blocks; ++i) step(i, std::true_type{});
         }
       }
       issue_pv(st_v, false);
