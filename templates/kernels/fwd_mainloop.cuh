@@ -352,10 +352,9 @@ struct FwdMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
-    // Q's descriptors per warpgroup (fragments.cuh, warpgroup_slice): they stay in uniform
-    // registers. K's and V's stay per thread: sliced per warpgroup too, ptxas nearly doubled
-    // the UMOV of the loop and the forward did not get faster (docs/BENCHMARKS.md).
-    Tensor tSrQ = warpgroup_slice(mma_qk, tid).partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K) smem descriptors
+    // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
+    // alone cost the pingpong variants 1-2% and all of them 1% (docs/BENCHMARKS.md).
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
