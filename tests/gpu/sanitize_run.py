@@ -46,18 +46,21 @@ def main() -> int:
             args.features and not (info.local or info.softcap)) or info.varlen != args.varlen or (
             (info.dtype == "e4m3") != args.fp8)
 
+    ran = 0
     if args.varlen or args.fp8:
         gen = torch.Generator(device="cuda").manual_seed(0)
         for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
             for info in forwards() if direction == "fwd" else lib.dispatched(direction):
                 if not skip(info):
                     res = check(lib, info, checks.QUICK_PROBLEM, gen)
+                    ran += 1
                     print(f"{info.name}: {'ok' if res['ok'] else 'FAIL ' + res['why']}", flush=True)
-        return 0
+        return _ran_any(ran, lib, args)
 
     for info in forwards():
         if skip(info):
             continue
+        ran += 1
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(batch, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
@@ -69,6 +72,7 @@ def main() -> int:
     for info in lib.dispatched("bwd"):
         if skip(info):
             continue
+        ran += 1
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(1)
         shapes = ((1, 150, 4, info.head_dim), (1, 200, 2, info.head_dim), (1, 200, 2, info.head_dim))
@@ -81,7 +85,18 @@ def main() -> int:
             torch.cuda.synchronize()
             print(f"{info.name} deterministic={deterministic}: ok, "
                   f"|dq|max={dq.abs().max().item():.3f}", flush=True)
-    return 0
+    return _ran_any(ran, lib, args)
+
+
+def _ran_any(ran: int, lib, args) -> int:
+    """1, with a message, when the filters left nothing to launch (the sanitizer would only say
+    the process ended before its first CUDA call): e.g. a candidate spec without dispatch
+    defaults needs --all."""
+    if ran:
+        return 0
+    print(f"sanitize_run: no variant of {lib.path} matched (head dims {args.head_dims or 'any'}; "
+          "a library without dispatch defaults needs --all)", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
