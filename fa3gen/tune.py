@@ -270,7 +270,9 @@ def run(args) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"header": provenance(lib), "keys": []}
     report["header"].update(spec=str(spec_path), seqlens=args.seqlens, rounds=args.rounds,
-                            min_ms=args.min_ms)
+                            min_ms=args.min_ms, complete=False)
+    out = Path(str(args.out).replace("<spec>", spec_path.stem))
+    out.parent.mkdir(parents=True, exist_ok=True)
     winners, notes, ranges = {}, {}, {}
     for key, variants in sorted(multi.items(), key=lambda kv: kv[1][0].name):
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
@@ -297,8 +299,9 @@ def run(args) -> int:
         change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
         print(f"{key_str(key)}: {best}{change}; " + ", ".join(
             f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)
-    out = Path(str(args.out).replace("<spec>", spec_path.stem))
-    out.parent.mkdir(parents=True, exist_ok=True)
+        # after every key, so that a run that dies keeps what it measured (complete: false)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    report["header"]["complete"] = True
     out.write_text(json.dumps(report, indent=1) + "\n")
     if args.dry_run:
         print(f"wrote {out}; --dry-run: {spec_path} unchanged")

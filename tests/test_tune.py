@@ -161,3 +161,34 @@ def test_tune_writes_ranges_that_resolve(spec_file, tmp_path, monkeypatch, capsy
     assert [(lo, hi, v.name) for lo, hi, v in p.seqlen_defaults[NC_KEY]] == [(0, 2048, NC_128)]
     report = json.loads((tmp_path / "t.json").read_text())
     assert report["keys"][0]["seqlen_ranges"] == [[0, 2048, NC_128]]
+
+
+def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeypatch):
+    """The JSON is written after every key: an error in a later key (a bug, the GPU lost) leaves
+    the earlier keys' measurements on disk, marked incomplete, and the spec untouched."""
+    import torch
+
+    from fa3gen import runtime
+
+    two_keys = SPEC.replace("exclude:\n  - {head_dim: 128, tile: [128, 176], causal: true}\n", "")
+    spec_file.write_text(two_keys.replace("name: tunetest\n", "name: tunetest\ndispatch_required: false\n"))
+    c_128, c_176 = (n.replace("nocausal", "causal") for n in (NC_128, NC_176))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: types.SimpleNamespace(
+        variants=[parse_name(n) for n in (NC_128, NC_176, c_128, c_176)], path=tmp_path / "x.so"))
+    monkeypatch.setattr(tune, "provenance", lambda lib: {})
+
+    def measure(lib, key, names, shapes, rounds, min_ms):
+        if NC_128 in names:  # keys go in name order: causal, then nocausal
+            raise RuntimeError("second key fails")
+        return {c_128: [1.0, 1.0, 1.0], c_176: [1.1, 1.1, 1.1]}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    out = tmp_path / "tune.json"
+    before = spec_file.read_text()
+    with pytest.raises(RuntimeError, match="second key fails"):
+        cli.main(["tune", "--spec", str(spec_file), "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["header"]["complete"] is False
+    assert [k["winner"] for k in report["keys"]] == [c_128]
+    assert spec_file.read_text() == before
