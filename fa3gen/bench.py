@@ -376,8 +376,18 @@ class _Nothing:
         return False
 
 
+def _command() -> str:
+    """The command line that produced a report: `fa3gen ...` for the CLI, `python3 script ...`
+    for the GPU scripts under tests/gpu."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("fa3gen")
+    if script.name in ("fa3gen", "cli.py", "__main__.py", "-c"):
+        return shlex.join(["fa3gen", *sys.argv[1:]])
+    return shlex.join(["python3", *sys.argv])
+
+
 def provenance(lib) -> dict:
-    """Report header shared by bench and ablate: where, when and how the numbers were taken."""
+    """Report header shared by bench, ablate, tune and the GPU scripts: where, when and how the
+    numbers were taken."""
     import torch
 
     return {
@@ -389,7 +399,7 @@ def provenance(lib) -> dict:
         "cudnn": torch.backends.cudnn.version(),
         "library": repo_relative(lib.path),
         "build_info": lib.build_info,
-        "command": shlex.join(["fa3gen", *sys.argv[1:]]),
+        "command": _command(),
     }
 
 

@@ -248,3 +248,24 @@ def test_markdown_has_the_fa4_column_best_peer_and_energy():
     line = next(x for x in text.splitlines() if x.startswith("| 128 | 4096 |"))
     assert "| 0.90 (FA4) |" in line and "| 650 |" in line
     assert "Timing: sustained: test." in text
+
+
+def test_provenance_names_the_command_that_ran(monkeypatch, tmp_path):
+    """Reports say how to reproduce them: the CLI as `fa3gen ...`, a GPU script under tests/gpu
+    as `python3 script ...`, with date, commit (FA3GEN_COMMIT wins) and the library's build."""
+    import sys
+    import types
+
+    from fa3gen import bench
+
+    torch = pytest.importorskip("torch")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake GPU")
+    monkeypatch.setenv("FA3GEN_COMMIT", "abc1234")
+    lib = types.SimpleNamespace(path=tmp_path / "libfa3gen_x.so", build_info={"spec": "x"})
+    monkeypatch.setattr(sys, "argv", ["/site/fa3gen/cli.py", "bench", "--spec", "h100"])
+    head = bench.provenance(lib)
+    assert head["command"] == "fa3gen bench --spec h100"
+    assert (head["gpu"], head["commit"], head["build_info"]) == ("fake GPU", "abc1234", {"spec": "x"})
+    monkeypatch.setattr(sys, "argv", ["tests/gpu/bench_features.py", "--kinds", "softcap"])
+    assert bench.provenance(lib)["command"] == "python3 tests/gpu/bench_features.py --kinds softcap"

@@ -12,7 +12,6 @@ over its rounds. Prints one markdown row per point with B / A.
 
 import argparse
 import json
-import shlex
 import statistics
 import sys
 
@@ -83,8 +82,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             header = bench.provenance(libs[1])  # date, GPU, commit of this tree, B's build
-            header.update(command=shlex.join(["python3", *sys.argv]),
-                          build_info_a=libs[0].build_info)
+            header["build_info_a"] = libs[0].build_info
             json.dump({"header": header, "lib_a": args.lib_a, "lib_b": args.lib_b,
                        "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0

@@ -16,7 +16,7 @@ import sys
 import torch
 
 import fa3gen
-from fa3gen import kvcache, timing
+from fa3gen import bench, kvcache, runtime, timing
 
 HQ, HKV, D, PAGE, ROOM = 32, 8, 128, 64, 4096
 
@@ -73,9 +73,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "dtype": "bf16", "heads_q": HQ, "heads_kv": HKV,
-                       "head_dim": D, "page_size": PAGE, "causal": True,
-                       "command": "python3 tests/gpu/bench_chunked_prefill.py", "rows": rows}, f, indent=1)
+            json.dump({"header": bench.provenance(runtime.get_library()), "dtype": "bf16", "heads_q": HQ, "heads_kv": HKV,
+                       "head_dim": D, "page_size": PAGE, "causal": True, "rows": rows}, f, indent=1)
     return 0
 
 

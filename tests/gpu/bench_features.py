@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from fa3gen import timing
+from fa3gen import bench, runtime, timing
 from fa3gen.ops import flash_attn_func
 from sustained_backends import measure
 
@@ -102,7 +102,7 @@ def main() -> int:
         del q, k, v
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rounds": args.rounds, "min_ms": args.min_ms, "rows": rows}, fh, indent=1)
+            json.dump({"header": bench.provenance(runtime.get_library()), "rounds": args.rounds, "min_ms": args.min_ms, "rows": rows}, fh, indent=1)
     return 0
 
 
