@@ -77,6 +77,23 @@ def test_fp8_public_api_fp16_output_and_no_descale(info):
     assert torch.allclose(out2.float(), out1.float() * 0.5, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("info", [v for v in VARIANTS if v.is_default and v.head_dim == 128],
+                         ids=lambda v: v.name)
+def test_fp8_under_torch_compile(info):
+    """torch.compile(fullgraph=True) runs fp8 calls through the fa3gen::fwd_fp8 custom op: the
+    same kernel as eager, so the same bits (block descales and the fp16 output included), at
+    two lengths (the second one a new shape for the compiled graph)."""
+    f = torch.compile(lambda q, k, v, kd: ops.flash_attn_func(
+        q, k, v, causal=info.causal, k_descale=kd, out_dtype=torch.float16), fullgraph=True)
+    for seqlen in (200, 333):
+        (q, k, v), _ = _inputs(2, seqlen, seqlen, 4, 2, info.head_dim, seed=seqlen)
+        kd = torch.rand(2, 2, -(-seqlen // info.tile_n), device="cuda") + 0.5
+        compiled = f(q, k, v, kd)
+        eager = ops.flash_attn_func(q, k, v, causal=info.causal, k_descale=kd,
+                                    out_dtype=torch.float16)
+        assert compiled.dtype == torch.float16 and torch.equal(compiled, eager)
+
+
 def test_fp8_no_keys_gives_zero_rows():
     if not VARIANTS:
         pytest.skip("no e4m3 variant built")
