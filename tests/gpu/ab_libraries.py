@@ -54,7 +54,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--min-ms", type=float, default=100.0)
     parser.add_argument("--json")
+    parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
+                                           "ab_trees.py passes it)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("ab_libraries.py times kernels: it needs a CUDA GPU (Hopper sm_90)")
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
     rows = []
     print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
@@ -82,7 +86,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             header = bench.provenance(libs[1])  # date, GPU, commit of this tree, B's build
-            header["build_info_a"] = libs[0].build_info
+            header.update(build_info_a=libs[0].build_info, commit_a=args.commit_a)
             json.dump({"header": header, "lib_a": args.lib_a, "lib_b": args.lib_b,
                        "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     return 0

@@ -1,0 +1,107 @@
+"""A/B of a kernel change in one GPU session: the same variants built from an earlier commit
+and from this tree, then timed side by side by ab_libraries.py.
+
+    python3 tests/gpu/ab_trees.py export REV          # where git has REV: its build inputs
+                                                      # into ab_base/ (ignored by git)
+    python3 tests/gpu/ab_trees.py run --spec h100 --only 'fwd_bf16_d128_*' [--only ...]
+        [-j 16] [--seqlens 1024 4096 16384] [--rounds 3] [--min-ms 100] [--json ab.json]
+
+`run` needs the GPU host to have ab_base/ (carry it with the tree when the host is another
+machine) and builds both libraries at once, each into its own generated root under
+--work (default /tmp/fa3gen_ab: A from ab_base, B from this tree; the tree's generated/ is
+left alone), then runs ab_libraries.py on them; its JSON header names the base commit.
+
+Not a pytest module.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_DIR = ROOT / "ab_base"
+# What a build reads: the generator, the templates and specs, the runtime's contract.
+BUILD_INPUTS = ("build.py", "pyproject.toml", "generator", "templates", "specs", "fa3gen")
+
+
+def export(rev: str, dest: Path = BASE_DIR) -> str:
+    """REV's build inputs into dest (replacing what was there); returns REV's full hash."""
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    if dest.exists():
+        subprocess.run(["rm", "-rf", str(dest)], check=True)
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", commit, *BUILD_INPUTS],
+                               stdout=subprocess.PIPE)
+    subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout, check=True)
+    if archive.wait() != 0:
+        raise SystemExit(f"git archive {commit} failed")
+    (dest / "AB_BASE_COMMIT").write_text(commit + "\n")
+    return commit
+
+
+def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR):
+    """[(cwd, env additions, argv)] of the two builds: A in `base`, B in this tree."""
+    args = ["--spec", spec, "-j", str(max(1, jobs // 2))]
+    for glob in only:
+        args += ["--only", glob]
+    return [(tree, {"FA3GEN_GENERATED": str(work / side), "PYTHONPATH": str(tree)},
+             [sys.executable, "build.py", *args])
+            for tree, side in ((base, "A"), (ROOT, "B"))]
+
+
+def library(work: Path, side: str, spec: str) -> Path:
+    name = Path(spec).stem
+    return work / side / name / "lib" / f"libfa3gen_{name}.so"
+
+
+def run(args, ab_args: list[str]) -> int:
+    base = BASE_DIR
+    if not (base / "AB_BASE_COMMIT").is_file():
+        raise SystemExit(f"{base} is missing: run `python3 {Path(__file__).name} export REV` "
+                         "where git has REV, and bring ab_base/ along")
+    commit = (base / "AB_BASE_COMMIT").read_text().strip()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    builds = []
+    for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base),
+                                        "AB"):
+        log = open(work / f"build_{side}.log", "w")
+        builds.append((cwd, log, subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra},
+                                                  stdout=log, stderr=subprocess.STDOUT)))
+    failed = [f"{cwd}: see {log.name}" for cwd, log, proc in builds if proc.wait() != 0]
+    if failed:
+        raise SystemExit("build failed: " + "; ".join(failed))
+    print(f"built A ({commit[:10]}) and B (this tree) under {work}", flush=True)
+    cmd = [sys.executable, str(Path(__file__).with_name("ab_libraries.py")),
+           str(library(work, "A", args.spec)), str(library(work, "B", args.spec)),
+           "--commit-a", commit, *ab_args]
+    return subprocess.run(cmd).returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_export = sub.add_parser("export", help="REV's build inputs into ab_base/")
+    p_export.add_argument("rev")
+    p_run = sub.add_parser("run", help="build A and B, then ab_libraries.py (other arguments "
+                                       "go to it)")
+    p_run.add_argument("--spec", default="h100")
+    p_run.add_argument("--only", action="append", required=True,
+                       help="variants to build on both sides (repeatable glob)")
+    p_run.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 2,
+                       help="compiles in all, split between the two builds")
+    p_run.add_argument("--work", default="/tmp/fa3gen_ab")
+    args, rest = parser.parse_known_args()
+    if args.command == "export":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        print(f"ab_base/ holds {export(args.rev)}")
+        return 0
+    return run(args, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""tests/gpu/ab_trees.py without a GPU: `export` copies a commit's build inputs (and names the
+commit), `run`'s two builds go to their own generated roots from their own trees."""
+import importlib.util
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from generator.paths import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("ab_trees", REPO_ROOT / "tests/gpu/ab_trees.py")
+ab_trees = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ab_trees)
+
+
+def _head() -> str:
+    return subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.skipif(not (REPO_ROOT / ".git").exists(), reason="needs the git checkout")
+def test_export_copies_the_commits_build_inputs(tmp_path):
+    dest = tmp_path / "ab_base"
+    (dest / "stale").mkdir(parents=True)  # an earlier export is replaced, not merged
+    commit = ab_trees.export("HEAD", dest)
+    assert commit == _head() and (dest / "AB_BASE_COMMIT").read_text().strip() == commit
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        [*ab_trees.BUILD_INPUTS, "AB_BASE_COMMIT"])
+    committed = subprocess.run(["git", "-C", str(REPO_ROOT), "show", "HEAD:templates/kernels/fwd_mainloop.cuh"],
+                               check=True, capture_output=True, text=True).stdout
+    assert (dest / "templates/kernels/fwd_mainloop.cuh").read_text() == committed
+    with pytest.raises(subprocess.CalledProcessError):
+        ab_trees.export("no-such-rev-anywhere", dest)
+
+
+def test_run_builds_each_tree_into_its_own_root(tmp_path):
+    base = tmp_path / "ab_base"
+    (a_cwd, a_env, a_argv), (b_cwd, b_env, b_argv) = ab_trees.build_commands(
+        "h100", ["fwd_bf16_d128_*", "bwd_*"], 16, tmp_path / "work", base)
+    assert (a_cwd, b_cwd) == (base, ab_trees.ROOT)
+    assert a_env == {"FA3GEN_GENERATED": str(tmp_path / "work/A"), "PYTHONPATH": str(base)}
+    assert b_env["FA3GEN_GENERATED"] == str(tmp_path / "work/B")
+    assert a_argv[1:] == b_argv[1:] == ["build.py", "--spec", "h100", "-j", "8",
+                                        "--only", "fwd_bf16_d128_*", "--only", "bwd_*"]
+    assert ab_trees.library(tmp_path, "A", "specs/peel.yaml") == \
+        tmp_path / "A/peel/lib/libfa3gen_peel.so"
+
+
+def test_run_without_an_export_says_how_to_make_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(ab_trees, "BASE_DIR", tmp_path / "ab_base")
+    args = type("Args", (), {"spec": "h100", "only": ["x"], "jobs": 2, "work": str(tmp_path)})
+    with pytest.raises(SystemExit, match="export REV"):
+        ab_trees.run(args, [])
+
+
+def test_run_times_the_two_libraries_with_the_base_commit(monkeypatch, tmp_path):
+    base = tmp_path / "ab_base"
+    base.mkdir()
+    (base / "AB_BASE_COMMIT").write_text("abc123\n")
+    monkeypatch.setattr(ab_trees, "BASE_DIR", base)
+    started, ran = [], []
+
+    class Build:
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            started.append((cwd, env["FA3GEN_GENERATED"]))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", Build)
+    monkeypatch.setattr(ab_trees.subprocess, "run",
+                        lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    args = type("Args", (), {"spec": "h100", "only": ["fwd_*"], "jobs": 4,
+                             "work": str(tmp_path / "w")})
+    assert ab_trees.run(args, ["--seqlens", "1024"]) == 0
+    assert started == [(base, str(tmp_path / "w/A")), (ab_trees.ROOT, str(tmp_path / "w/B"))]
+    (cmd,) = ran
+    assert cmd[1].endswith("tests/gpu/ab_libraries.py")
+    assert cmd[2:] == [str(tmp_path / "w/A/h100/lib/libfa3gen_h100.so"),
+                       str(tmp_path / "w/B/h100/lib/libfa3gen_h100.so"),
+                       "--commit-a", "abc123", "--seqlens", "1024"]
