@@ -353,7 +353,7 @@ struct FwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
     // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
-    // alone cost the pingpong variants 1-2% and all of them 1% (docs/BENCHMARKS.md).
+    // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md).
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
