@@ -23,7 +23,14 @@ SASS = """
 
 
 def test_loops_are_backward_branches_with_their_opcodes():
-    (count, ops), = sass_loops.loops(SASS, min_hgmma=2)
-    assert count == 5 and ops["HGMMA"] == 2 and ops["R2UR"] == 1
+    (count, ops), = sass_loops.loops(SASS, min_gmma=2)
+    assert count == 5 and ops["HGMMA"] == ops["GMMA"] == 2 and ops["R2UR"] == 1
     assert ops["NANOSLEEP"] == 1 and ops["BRA"] == 1   # predicated instructions count too
-    assert sass_loops.loops(SASS, min_hgmma=3) == []   # too few GEMMs: not a main loop
+    assert sass_loops.loops(SASS, min_gmma=3) == []   # too few GEMMs: not a main loop
+
+
+def test_fp8_gemms_count_too():
+    """fp8 WGMMAs disassemble as QGMMA: an e4m3 main loop is found like a 16-bit one."""
+    fp8 = SASS.replace("HGMMA.64x176x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3")
+    (count, ops), = sass_loops.loops(fp8, min_gmma=2)
+    assert ops["QGMMA"] == ops["GMMA"] == 2 and ops["HGMMA"] == 0

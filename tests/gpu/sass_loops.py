@@ -1,6 +1,7 @@
 """The static SASS of variants' main loops, without a GPU: render each named variant, compile it
 to a cubin with the build's flags, disassemble it and print every loop that issues at least
---min-hgmma HGMMA, with its instruction count and the opcodes that tell overhead apart.
+--min-gmma warpgroup GEMMs (HGMMA for 16-bit, QGMMA for fp8), with its instruction count and
+the opcodes that tell overhead apart.
 
     python3 tests/gpu/sass_loops.py fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1 [more names]
     python3 tests/gpu/sass_loops.py --cubin x.cubin
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHOWN = ("HGMMA", "BRA", "WARPSYNC", "BAR", "ISETP", "R2UR", "UMOV", "UIADD3", "PLOP3", "FSEL",
+SHOWN = ("GMMA", "BRA", "WARPSYNC", "BAR", "ISETP", "R2UR", "UMOV", "UIADD3", "PLOP3", "FSEL",
          "NANOSLEEP")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _INSN = re.compile(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;")
@@ -40,8 +41,12 @@ def opcode(insn: str) -> str:
     return insn.split()[0].split(".")[0]
 
 
-def loops(sass: str, min_hgmma: int) -> list[tuple[int, collections.Counter]]:
-    """(instruction count, opcode counts) of each backward-branch loop with enough HGMMA."""
+GMMA_OPS = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")  # warpgroup MMA by operand type
+
+
+def loops(sass: str, min_gmma: int) -> list[tuple[int, collections.Counter]]:
+    """(instruction count, opcode counts) of each backward-branch loop with enough warpgroup
+    GEMMs; the counts gain "GMMA", their sum over operand types."""
     labels, insns = {}, []
     for line in sass.splitlines():
         m = _LABEL.match(line)
@@ -56,7 +61,8 @@ def loops(sass: str, min_hgmma: int) -> list[tuple[int, collections.Counter]]:
         m = _BRANCH.search(insn)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
             ops = collections.Counter(opcode(x) for x in insns[labels[m.group(1)]:i + 1])
-            if ops["HGMMA"] >= min_hgmma:
+            ops["GMMA"] = sum(ops[op] for op in GMMA_OPS)
+            if ops["GMMA"] >= min_gmma:
                 out.append((i + 1 - labels[m.group(1)], ops))
     return sorted(out, key=lambda x: x[0])
 
@@ -85,7 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", help="variant names to render and compile")
     parser.add_argument("--cubin", action="append", default=[], help="a compiled cubin instead")
-    parser.add_argument("--min-hgmma", type=int, default=10)
+    parser.add_argument("--min-gmma", "--min-hgmma", type=int, default=10,
+                        help="report loops with at least this many warpgroup GEMMs (fp8 steps "
+                             "have half as many as 16-bit ones at the same tile)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cubins = [(Path(c).name, Path(c)) for c in args.cubin]
@@ -93,8 +101,8 @@ def main() -> int:
             print(name)
             cubins.append((name, compile_variant(name, Path(tmp))))
         for label, cubin in cubins:
-            print(f"{label}: loops with >= {args.min_hgmma} HGMMA (static instruction counts)")
-            for count, ops in loops(disassemble(cubin), args.min_hgmma):
+            print(f"{label}: loops with >= {args.min_gmma} GMMA (static instruction counts)")
+            for count, ops in loops(disassemble(cubin), args.min_gmma):
                 print(f"  {count:5d} instructions; " + " ".join(f"{k} {ops[k]}" for k in SHOWN))
     return 0
 
