@@ -24,10 +24,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, provenance, update_markdown, write_json
+from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _Nothing, _fmt, attention_flops, count, provenance,
+                          update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
-from fa3gen.timing import WARMUP_SECONDS, batch_ms, random_inputs, tflops, time_ms
+from fa3gen.timing import WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, tflops, time_ms
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 DEFAULT_SPEC = "ablation"  # specs/ablation.yaml, bundled with the generator
@@ -506,7 +507,9 @@ def run_cells(cells, shapes: list[dict], check: Callable[[object], dict],
 
     check(cell) -> {"status": "ok" | "wrong" | "error", "max_err": float|None, "detail": str}
     time(cell, shape) -> milliseconds, or a list of per-batch milliseconds (the row reports their
-    median and keeps them in ms_batches). An exception in either makes the cell "error"."""
+    median and keeps them in ms_batches), or {"ms": [...], "sm_mhz": [...], "power_w": [...]}
+    (per batch; the row keeps the clocks and power as sm_mhz_batches and power_w_batches). An
+    exception in either makes the cell "error"."""
     rows = []
     resources = resources or {}
     for cell in cells:
@@ -516,17 +519,22 @@ def run_cells(cells, shapes: list[dict], check: Callable[[object], dict],
             res = {"status": "error", "max_err": None, "detail": f"{type(e).__name__}: {e}"}
         for shape in (s for s in shapes if s["head_dim"] == cell.head_dim):
             status, ms, batches, detail = res["status"], None, None, res.get("detail")
+            per_batch = {}
             if status == "ok":
                 try:
                     ms = time(cell, shape)
                 except Exception as e:  # noqa: BLE001 - reported in the row
                     status, detail = "error", f"{type(e).__name__}: {e}"
+            if isinstance(ms, dict):
+                per_batch = {f"{k}_batches": v for k, v in ms.items() if k != "ms"}
+                ms = ms["ms"]
             if isinstance(ms, (list, tuple)):
                 batches, ms = list(ms), statistics.median(ms)
             row = make_row(cell, shape, status, ms, res.get("max_err"), detail,
                            resources.get(cell.name))
             if batches:
                 row["ms_batches"] = batches
+                row.update(per_batch)
             rows.append(row)
             log(_progress(row))
     return rows
@@ -543,12 +551,14 @@ def _progress(r: dict) -> str:
 # GPU functions (each cell's correctness check is fa3gen.checks.check_cell).
 
 
-def make_timer(warmup: int, iters: int, min_ms: float | None = None) -> Callable[[object, dict], list[float]]:
+def make_timer(warmup: int, iters: int, min_ms: float | None = None,
+               sampler=None) -> Callable[[object, dict], list[float] | dict]:
     """time(cell, shape) -> per-batch ms of flash_attn_func(variant=cell) on seeded inputs:
     min_ms set (the default of the command), each batch is at least min_ms of back-to-back
     launches between two events (sustained); else the median of `iters` event-timed launches
-    after a warm-up (a burst). Inputs are kept for one (shape, dtype) at a time: cells arrive
-    grouped by dtype."""
+    after a warm-up (a burst). With a PowerSampler (sustained only) it returns {"ms", "sm_mhz",
+    "power_w"}, each per batch: a slow batch shows whether the clock dropped with it. Inputs
+    are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
     import torch
 
     from fa3gen.ops import TORCH_DTYPES, flash_attn_func
@@ -569,7 +579,17 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None) -> Callable
         if min_ms:
             batch_ms(fn, 3)  # warm-up
             launches = max(3, int(min_ms / batch_ms(fn, 5)))
-            return [batch_ms(fn, launches) for _ in range(TIMED_BATCHES)]
+            if sampler is None:
+                return [batch_ms(fn, launches) for _ in range(TIMED_BATCHES)]
+            sampler.reset()
+            times = []
+            for b in range(TIMED_BATCHES):
+                sampler.tag(b)
+                times.append(batch_ms(fn, launches))
+                sampler.tag(None)
+            means = sampler.means(range(TIMED_BATCHES))
+            return {"ms": times, "sm_mhz": [means[b][1] for b in range(TIMED_BATCHES)],
+                    "power_w": [means[b][0] for b in range(TIMED_BATCHES)]}
         return [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
 
     return time
@@ -606,6 +626,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--iters", type=count(1), default=30,
                    help=f"--burst: timed launches per batch ({TIMED_BATCHES} batches per cell, "
                         "the median is reported; default 30)")
+    p.add_argument("--no-power", action="store_true",
+                   help="do not sample the SM clock and board power per batch (nvidia-smi)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where ablation.json/.csv/.png go (default docs/results)")
     p.add_argument("--doc", type=Path, default=DOCS_DIR / "ABLATION.md",
@@ -636,10 +658,13 @@ def run(args, build_fn=None) -> int:
                   f"(shape {shape_str(s)} is skipped)", file=sys.stderr)
 
     resources = resources_from_manifest(lib.path.parent.parent / "manifest.json")
-    rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),
-                     make_timer(args.warmup, args.iters, None if args.burst else args.min_ms),
-                     resources,
-                     log=lambda s: print(s, flush=True))
+    sample = not (args.burst or args.no_power)
+    with PowerSampler(torch.cuda.current_device()) if sample else _Nothing() as sampler:
+        rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),
+                         make_timer(args.warmup, args.iters, None if args.burst else args.min_ms,
+                                    sampler),
+                         resources,
+                         log=lambda s: print(s, flush=True))
     pruned = [pruned_entry(x) for x in p.enumeration.pruned
               if matches(x.variant.name, args.only, args.exclude)]
     header = provenance(lib)

@@ -303,6 +303,38 @@ def test_batched_timings_give_the_median_and_are_kept():
     assert rows[0]["ms"] == 4.0 and rows[0]["ms_batches"] == [5.0, 3.0, 4.0]
 
 
+def test_sustained_batches_carry_their_clock_and_power(monkeypatch):
+    """With a sampler, each timed batch is tagged: the row keeps the SM clock and board power of
+    every batch beside its time (a slow batch at a low clock is the board, not the kernel)."""
+    pytest.importorskip("torch")
+    monkeypatch.setattr(A, "random_inputs", lambda shape, dtype, n: [None] * n)
+    times = iter([1.0, 1.0, 5.0, 7.0, 5.0])  # two calibration batches, then three timed ones
+    monkeypatch.setattr(A, "batch_ms", lambda fn, launches: next(times))
+
+    class Sampler:
+        def __init__(self):
+            self.tags, self.resets = [], 0
+
+        def reset(self):
+            self.resets += 1
+
+        def tag(self, i):
+            self.tags.append(i)
+
+        def means(self, tags):
+            return {t: (600.0 + t, [1980.0, 990.0, 1980.0][t]) for t in tags}
+
+    sampler = Sampler()
+    got = A.make_timer(5, 30, 100.0, sampler)(cell(name(ws=1)), SHAPE)
+    assert got == {"ms": [5.0, 7.0, 5.0], "sm_mhz": [1980.0, 990.0, 1980.0],
+                   "power_w": [600.0, 601.0, 602.0]}
+    assert sampler.tags == [0, None, 1, None, 2, None] and sampler.resets == 1
+    ok = lambda c_: {"status": "ok", "max_err": 1e-3, "detail": None}  # noqa: E731
+    row, = A.run_cells([cell(name(ws=1))], [SHAPE], ok, lambda c_, s: got, log=lambda m: None)
+    assert row["ms"] == 5.0 and row["ms_batches"] == [5.0, 7.0, 5.0]
+    assert row["sm_mhz_batches"] == [1980.0, 990.0, 1980.0] and row["power_w_batches"][1] == 601.0
+
+
 # ---- CLI --------------------------------------------------------------------------------------
 
 
@@ -343,6 +375,8 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     from fa3gen import runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi: the power sampler stays inert
     lib_dir = tmp_path / "gen/ablation/lib"
     lib_dir.mkdir(parents=True)
     manifest = {"variants": [{"name": name(), "smem_bytes_estimate": 230400,
@@ -360,8 +394,8 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
         {"status": "wrong", "max_err": 0.5, "detail": "bad"} if c.name == bad
         else {"status": "ok", "max_err": 1e-3, "detail": None}))
     timers = []
-    monkeypatch.setattr(A, "make_timer", lambda warmup, iters, min_ms: timers.append(min_ms) or (
-        lambda c, s: 4.0))
+    monkeypatch.setattr(A, "make_timer", lambda warmup, iters, min_ms, sampler: timers.append(
+        (min_ms, type(sampler).__name__)) or (lambda c, s: 4.0))
     built = []
     args = cli.build_parser().parse_args([
         "ablate", "--only", "*fp16*nocausal*m128n128_s[12]*", "--exclude", "*ws0_pp0_ov0",
@@ -375,5 +409,5 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "out/ablation.csv").exists() and (tmp_path / "out/ablation.png").exists()
     text = (tmp_path / "A.md").read_text()
     assert A.BEGIN in text and "each at least 100 ms of back-to-back launches (sustained" in text
-    assert timers == [100.0] and rep["header"]["min_ms"] == 100.0  # sustained unless --burst
+    assert timers == [(100.0, "PowerSampler")] and rep["header"]["min_ms"] == 100.0  # sustained unless --burst
     assert "wrong" in capsys.readouterr().out
