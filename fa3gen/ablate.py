@@ -15,6 +15,7 @@ registers, spill_bytes, smem_bytes, compile_s}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import fnmatch
 import io
@@ -24,8 +25,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _Nothing, _fmt, attention_flops, count, provenance,
-                          update_markdown, write_json)
+from fa3gen.bench import DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, provenance, update_markdown, write_json
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, tflops, time_ms
@@ -579,17 +579,18 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
         if min_ms:
             batch_ms(fn, 3)  # warm-up
             launches = max(3, int(min_ms / batch_ms(fn, 5)))
-            if sampler is None:
-                return [batch_ms(fn, launches) for _ in range(TIMED_BATCHES)]
-            sampler.reset()
+            if sampler is not None:
+                sampler.reset()
+            tag = sampler.tag if sampler is not None else (lambda b: None)
             times = []
             for b in range(TIMED_BATCHES):
-                sampler.tag(b)
+                tag(b)
                 times.append(batch_ms(fn, launches))
-                sampler.tag(None)
-            means = sampler.means(range(TIMED_BATCHES))
-            return {"ms": times, "sm_mhz": [means[b][1] for b in range(TIMED_BATCHES)],
-                    "power_w": [means[b][0] for b in range(TIMED_BATCHES)]}
+                tag(None)
+            if sampler is None:
+                return times
+            power, clock = zip(*(sampler.means(range(TIMED_BATCHES)).values()))
+            return {"ms": times, "sm_mhz": list(clock), "power_w": list(power)}
         return [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
 
     return time
@@ -659,7 +660,7 @@ def run(args, build_fn=None) -> int:
 
     resources = resources_from_manifest(lib.path.parent.parent / "manifest.json")
     sample = not (args.burst or args.no_power)
-    with PowerSampler(torch.cuda.current_device()) if sample else _Nothing() as sampler:
+    with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),
                          make_timer(args.warmup, args.iters, None if args.burst else args.min_ms,
                                     sampler),

@@ -12,6 +12,7 @@ time of the backward alone (autograd.grad of a recorded forward) for every backe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import math
 import json
@@ -366,16 +367,6 @@ def register(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-class _Nothing:
-    """A context that yields None (no power sampling)."""
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _command() -> str:
     """The command line that produced a report: `fa3gen ...` for the CLI, `python3 script ...`
     for the GPU scripts under tests/gpu."""
@@ -427,7 +418,7 @@ def run(args) -> int:
     directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
     runs = [(dr, d, c) for dr in directions for d in args.dtype for c in causals]
     sample = not (args.burst or args.no_power)
-    with PowerSampler(torch.cuda.current_device()) if sample else _Nothing() as sampler:
+    with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         for direction, dt_name, causal in runs:
             dtype = TORCH_DTYPES[dt_name]
             bench_shape = bench_fwd_shape if direction == "fwd" else bench_bwd_shape

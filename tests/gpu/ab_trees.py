@@ -16,9 +16,14 @@ Not a pytest module.
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from fa3gen.contract import library_name
+from generator.paths import resolve_spec_path
+from generator.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE_DIR = ROOT / "ab_base"
@@ -30,8 +35,7 @@ def export(rev: str, dest: Path = BASE_DIR) -> str:
     """REV's build inputs into dest (replacing what was there); returns REV's full hash."""
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{rev}^{{commit}}"],
                             check=True, capture_output=True, text=True).stdout.strip()
-    if dest.exists():
-        subprocess.run(["rm", "-rf", str(dest)], check=True)
+    shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
     archive = subprocess.Popen(["git", "-C", str(ROOT), "archive", commit, *BUILD_INPUTS],
                                stdout=subprocess.PIPE)
@@ -53,8 +57,10 @@ def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path
 
 
 def library(work: Path, side: str, spec: str) -> Path:
-    name = Path(spec).stem
-    return work / side / name / "lib" / f"libfa3gen_{name}.so"
+    """Where side's build of `spec` (a name in specs/ or a path from the root) puts its library."""
+    path = resolve_spec_path(spec)
+    name = load_spec(path if path.is_absolute() else ROOT / path).name
+    return work / side / name / library_name(name)
 
 
 def run(args, ab_args: list[str]) -> int:
