@@ -279,7 +279,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -341,6 +341,8 @@ QUANTIZE_PARAMS = (
     ("x", "const void*"), ("out", "void*"), ("descale", "float*"), ("signs", "const float*"),
     ("amax_workspace", "float*"), *((f"x_{dim}_stride", "int64_t") for dim in ("batch", "row", "head")),
     *((n, "int32_t") for n in ("batch", "seqlen", "heads", "head_dim", "block_rows", "x_fp16")),
+    ("rotary_cos", "const float*"), ("rotary_sin", "const float*"),
+    ("rotary_half", "int32_t"), ("rotary_interleaved", "int32_t"),
 )
 QUANTIZE_SYMBOL = "fa3gen_quantize_fp8"
 

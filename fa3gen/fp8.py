@@ -120,8 +120,9 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     give the same values. rotary=(cos, sin), each (>= seqlen, rotary_dim / 2): rotary position
     embedding of q and k first (positions 0, 1, ...; flash-attn's apply_rotary_emb, halves
     rotated together, or adjacent pairs with rotary_interleaved), in fp32 before the Hadamard
-    transform and the rounding, so the embedding adds no rounding of its own; q and k then take
-    the PyTorch path (the fused kernel has no rotary yet)."""
+    transform and the rounding, so the embedding adds no rounding of its own; inside the fused
+    kernel for block scales (blocks of at most 32768 / d rows) with adjacent pairs or with
+    rotary_dim d or d / 2, else by PyTorch operations first."""
     from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
 
     _check_rotary(rotary, q, k)
@@ -131,10 +132,12 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     out = []
     for x, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
         s = signs if qk else None
-        if rotary is not None and qk:
-            x = apply_rotary(x, *rotary, interleaved=rotary_interleaved)
+        rot = rotary if qk else None
+        if rot is not None and not (lib is not None and _kernel_serves(x)
+                                    and _kernel_rotates(x, rows, rot, rotary_interleaved)):
+            x, rot = apply_rotary(x, *rot, interleaved=rotary_interleaved), None
         if lib is not None and _kernel_serves(x):
-            out.append(_quantize_kernel(lib, x, rows, s))
+            out.append(_quantize_kernel(lib, x, rows, s, rot, rotary_interleaved))
         else:
             xr = hadamard_transform(x.float() * s) if s is not None else x
             out.append(quantize(xr, rows))
@@ -177,8 +180,22 @@ def _kernel_serves(x) -> bool:
             and min(b, s, h) >= 1)
 
 
-def _quantize_kernel(lib, x, block_rows: int | None, signs):
-    """fa3gen_quantize_fp8 on x: (e4m3 values, descale) as `quantize` returns them."""
+# The fused kernel's limits (quantize_fp8.cuh): block scales come from the one-read kernel (and
+# rotary with them) for blocks of at most this many values (rows x head_dim).
+KERNEL_BLOCK_VALUES = 32768
+
+
+def _kernel_rotates(x, block_rows: int | None, rotary, interleaved: bool) -> bool:
+    """Whether the fused kernel applies `rotary` itself on x: block scales of a size it holds,
+    and rotated pairs that stay inside a thread (adjacent pairs, or halves of d or d / 2)."""
+    d, half = x.shape[-1], rotary[0].shape[-1]
+    return (block_rows is not None and block_rows * d <= KERNEL_BLOCK_VALUES
+            and (interleaved or half in (d // 4, d // 2)))
+
+
+def _quantize_kernel(lib, x, block_rows: int | None, signs, rotary=None, interleaved: bool = False):
+    """fa3gen_quantize_fp8 on x: (e4m3 values, descale) as `quantize` returns them (of
+    apply_rotary(x, *rotary) when rotary is given: _kernel_rotates must hold)."""
     if x.stride(-1) != 1 or any(x.stride(i) % 8 for i in range(3)) or x.data_ptr() % 16:
         x = x.contiguous()  # the kernel reads 16-byte vectors
     b, s, h, d = x.shape
@@ -194,6 +211,11 @@ def _quantize_kernel(lib, x, block_rows: int | None, signs):
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
     p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
     p.block_rows, p.x_fp16 = block_rows or 0, int(x.dtype == torch.float16)
+    if rotary is not None:  # fp32 rows of rotary_dim / 2, 16-byte aligned (vector loads)
+        cos, sin = (t[:s].to(torch.float32).contiguous() for t in rotary)
+        cos, sin = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (cos, sin))
+        p.rotary_cos, p.rotary_sin = cos.data_ptr(), sin.data_ptr()
+        p.rotary_half, p.rotary_interleaved = cos.shape[-1], int(interleaved)
     ops.on_current_stream(x.device, lambda stream: lib.quantize_fp8(p, stream))
     return out, descale
 

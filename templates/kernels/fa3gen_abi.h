@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 10
+#define FA3GEN_ABI_VERSION 11
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -139,7 +139,7 @@ typedef struct fa3gen_bwd_params {
 // (batch, seqlen, heads, head_dim 64/128/256) bf16 (x_fp16 = 0) or fp16, strides in elements,
 // multiples of 8, head_dim contiguous, 16-byte aligned -> out, e4m3, contiguous, and descale
 // fp32: (batch, heads, ceil(seqlen / block_rows)) contiguous when block_rows > 0, else one
-// value (amax_workspace: one float of scratch). signs (head_dim floats, +-1) or null: rows
+// value (amax_workspace: one float of scratch). signs (head_dim floats, exactly +-1) or null: rows
 // are multiplied by diag(signs) H / sqrt(head_dim) first (incoherent processing).
 typedef struct fa3gen_quantize_params {
   const void* x;
@@ -151,6 +151,14 @@ typedef struct fa3gen_quantize_params {
   int32_t batch, seqlen, heads, head_dim;
   int32_t block_rows;
   int32_t x_fp16;
+  // Rotary embedding of each row first (rotary_half > 0; block scales only): rotary_cos and
+  // rotary_sin fp32 (>= seqlen, rotary_half) contiguous, positions 0, 1, ...; the first
+  // 2 * rotary_half values of a row rotate in adjacent pairs (rotary_interleaved = 1) or as two
+  // halves (rotary_half head_dim / 4 or head_dim / 2), in fp32 before the signs.
+  const float* rotary_cos;
+  const float* rotary_sin;
+  int32_t rotary_half;
+  int32_t rotary_interleaved;
 } fa3gen_quantize_params;
 // Decode attention over a KV cache (fa3gen_decode_fwd): q (batch, seqlen_q, heads_q,
 // head_dim 64/128/256) bf16 (fp16 = 0) or fp16, rows = heads_q / heads_kv * seqlen_q <= 16;

@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#include <algorithm>
 #include <cstdint>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
@@ -143,50 +144,240 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
   write_block<T, HeadDim>(p, row0, rows, head, b, descale);
 }
 
-// Block scales with the block held in registers: one read of the input. 8 warps (two CTAs fit
-// an SM, so one loads while the other converts); a lane holds up to 64 values (R rows of E), so
-// blocks of up to 8 R rows (d64: 256, d128: 128, d256: 64).
-constexpr int kResidentWarps = 8;
+// Block scales, one read of the input: a persistent CTA streams its blocks through a ring of
+// kStages shared-memory stages (cp.async, so the next blocks load while this one converts) and
+// holds a block in registers between its amax and its store. A row's 32 x T elements belong to
+// T = HeadDim / 32 consecutive lanes, 32 each: lane t of a row owns its 16-byte chunks
+// t, t + T, t + 2T, t + 3T (element e = 8 (t + T k) + i is value j = 8 k + i), so the Hadamard
+// butterflies cross lanes for log2 T strides only (the rest are in-thread: 2T log2 T shuffles a
+// row instead of 20 for d128 with a lane per 4 elements), and rotary pairs are in-thread.
+constexpr int kStagedThreads = 512;
+constexpr int kStages = 3;
 template <int HeadDim>
-struct Resident {
-  static constexpr int E = HeadDim / 32, R = 64 / E, kMaxRows = kResidentWarps * R;
+struct Staged {
+  static constexpr int T = HeadDim / 32;                    // lanes per row
+  static constexpr int kRowsPerPass = kStagedThreads / T;  // rows per 32 registers a thread
+  static constexpr int kChunks = HeadDim / 8;               // 16-byte chunks of a 16-bit row
+  static constexpr int kRowBytes = HeadDim * 2;
+  // Bank swizzle of a row's chunks: the 8 lanes of one shared-memory phase (8 / T rows) read
+  // 8 distinct 16-byte bank groups.
+  __device__ static int swizzle(int row) { return (row % (8 / T)) * T; }
 };
 
-template <class T, int HeadDim>
-__global__ void __launch_bounds__(kResidentWarps * 32, 2) quantize_blocks_resident(const fa3gen_quantize_params p) {
-  constexpr int E = Resident<HeadDim>::E, R = Resident<HeadDim>::R;
-  const int blk = blockIdx.x, head = blockIdx.y, b = blockIdx.z;
-  const int row0 = blk * p.block_rows, rows = min(p.block_rows, p.seqlen - row0);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const T* x = static_cast<const T*>(p.x) + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride +
-               lane * E;
-  // Every load issued before any is used (rows warp, warp + kResidentWarps, ...).
-  Vec<E * int(sizeof(T))> raw[R];
+// The largest block the staged kernel takes: two passes of its rows (64 values a thread).
+template <int HeadDim>
+constexpr int staged_max_rows() { return 2 * Staged<HeadDim>::kRowsPerPass; }
+
+// x * (1 / d) corrected to x / d rounded to nearest (Markstein: rcp = 1 / d correctly rounded,
+// the residual exact in one FMA): as fa3gen.fp8.quantize's division, in 3 instructions instead
+// of a division's 8 and a slow-path check. Callers keep d normal and >= 2^-100 (no over- or
+// underflow in rcp; tiny quotients become e4m3 zeros either way).
+__device__ __forceinline__ float div_by(float x, float d, float rcp) {
+  const float q = __fmul_rn(x, rcp);
+  return __fmaf_rn(__fmaf_rn(-q, d, x), rcp, q);
+}
+
+// Rotary embedding of a thread's 32 values of row `pos` in fp32, as reference.apply_rotary
+// (separately rounded products, no FMA). Halves (KShift = half / 8T in {1, 2}: the partner of
+// chunk k is chunk k + KShift, same lane) or adjacent pairs (interleaved; any even rotary_dim).
+template <int HeadDim, int KShift>
+__device__ __forceinline__ void rotate_halves(float (&v)[32], const float* cos, const float* sin, int half,
+                                              int64_t pos, int t) {
+  constexpr int T = HeadDim / 32;
   #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int r = warp + i * kResidentWarps;
-    if (r < rows) raw[i] = *reinterpret_cast<const Vec<E * int(sizeof(T))>*>(x + int64_t(row0 + r) * p.x_row_stride);
-  }
-  float v[R][E];
-  float amax = 0.f;
-  #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (warp + i * kResidentWarps >= rows) continue;  // warp-uniform: the shuffles stay converged
-    const T* elems = reinterpret_cast<const T*>(&raw[i]);
+  for (int k = 0; k < KShift; ++k) {
+    float c[8], s[8];
+    const int64_t at = pos * half + 8 * (t + T * k);
+    *reinterpret_cast<float4*>(c) = *reinterpret_cast<const float4*>(cos + at);
+    *reinterpret_cast<float4*>(c + 4) = *reinterpret_cast<const float4*>(cos + at + 4);
+    *reinterpret_cast<float4*>(s) = *reinterpret_cast<const float4*>(sin + at);
+    *reinterpret_cast<float4*>(s + 4) = *reinterpret_cast<const float4*>(sin + at + 4);
     #pragma unroll
-    for (int e = 0; e < E; ++e) v[i][e] = to_float(elems[e]);
-    if (p.signs != nullptr) transform_row<HeadDim>(v[i], lane, p.signs);
-    #pragma unroll
-    for (int e = 0; e < E; ++e) amax = fmaxf(amax, fabsf(v[i][e]));
+    for (int i = 0; i < 8; ++i) {
+      const float x1 = v[8 * k + i], x2 = v[8 * (k + KShift) + i];
+      v[8 * k + i] = __fsub_rn(__fmul_rn(x1, c[i]), __fmul_rn(x2, s[i]));
+      v[8 * (k + KShift) + i] = __fadd_rn(__fmul_rn(x1, s[i]), __fmul_rn(x2, c[i]));
+    }
   }
-  const float descale = descale_of(cta_max<kResidentWarps>(amax));
-  if (threadIdx.x == 0) p.descale[(int64_t(b) * p.heads + head) * gridDim.x + blk] = descale;
-  uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim + lane * E;
+}
+template <int HeadDim>
+__device__ __forceinline__ void rotate_pairs(float (&v)[32], const float* cos, const float* sin, int half,
+                                             int64_t pos, int t) {
+  constexpr int T = HeadDim / 32;
   #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    const int r = warp + i * kResidentWarps;
-    if (r < rows) store_e4m3<E>(out + int64_t(r) * p.heads * HeadDim, v[i], descale);
+  for (int k = 0; k < 4; ++k) {
+    const int j0 = 4 * (t + T * k);  // the chunk's first pair
+    if (j0 >= half) continue;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (j0 + i >= half) break;
+      const float c = cos[pos * half + j0 + i], s = sin[pos * half + j0 + i];
+      const float x1 = v[8 * k + 2 * i], x2 = v[8 * k + 2 * i + 1];
+      v[8 * k + 2 * i] = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+      v[8 * k + 2 * i + 1] = __fadd_rn(__fmul_rn(x1, s), __fmul_rn(x2, c));
+    }
   }
+}
+
+// Incoherent processing of the 32 values a thread owns (see Staged): sign flips (bit j of neg),
+// then the butterflies in stride order 1, 2, 4 (in a chunk), 8 .. 4T (across the row's lanes),
+// 8T, 16T (across chunks), the lower index keeping a + b, then 1/sqrt(d): the operations of
+// reference.hadamard_transform in its order, so the same bits.
+template <int HeadDim>
+__device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, int lane) {
+  constexpr int T = HeadDim / 32;
+  #pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = __int_as_float(__float_as_int(v[j]) ^ (((neg >> j) & 1u) << 31));
+  #pragma unroll
+  for (int h = 1; h < 32; h *= 2) {
+    if (h == 8) {  // the lane strides come between the in-chunk and the cross-chunk ones
+      #pragma unroll
+      for (int m = 1; m < T; m *= 2) {
+        const bool upper = lane & m;
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          const float other = __shfl_xor_sync(0xffffffff, v[j], m);
+          v[j] = upper ? other - v[j] : v[j] + other;
+        }
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      if (j & h) continue;
+      const float a = v[j], b = v[j + h];
+      v[j] = a + b;
+      v[j + h] = a - b;
+    }
+  }
+  constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
+  #pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = __fmul_rn(v[j], kInvSqrtD);
+}
+
+// A block's values / descale as e4m3 (8 bytes a chunk) into out (the block's first row).
+template <int HeadDim, int Passes, bool Divide>
+__device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, int tid, const float (&v)[Passes][32],
+                                            float descale) {
+  using S = Staged<HeadDim>;
+  const int t = tid % S::T;
+  const float rcp = __frcp_rn(descale);
+  #pragma unroll
+  for (int ps = 0; ps < Passes; ++ps) {
+    const int r = ps * S::kRowsPerPass + tid / S::T;
+    if (r >= rows) continue;
+    #pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      uint2 packed;
+      uint16_t* pairs = reinterpret_cast<uint16_t*>(&packed);
+      #pragma unroll
+      for (int i = 0; i < 8; i += 2) {
+        const float a = v[ps][8 * k + i], b = v[ps][8 * k + i + 1];
+        const float2 q = Divide ? make_float2(__fdiv_rn(a, descale), __fdiv_rn(b, descale))
+                                : make_float2(div_by(a, descale, rcp), div_by(b, descale, rcp));
+        pairs[i / 2] = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+      }
+      *reinterpret_cast<uint2*>(out + int64_t(r) * heads * HeadDim + 8 * (t + S::T * k)) = packed;
+    }
+  }
+}
+
+template <class T, int HeadDim, int Passes, bool Rotary>
+__global__ void __launch_bounds__(kStagedThreads, 1)
+    quantize_blocks_staged(const fa3gen_quantize_params p) {
+  using S = Staged<HeadDim>;
+  extern __shared__ __align__(16) uint8_t ring[];
+  __shared__ float warp_amax[2][kStagedThreads / 32];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, t = tid % S::T;
+  const int nblk = (p.seqlen + p.block_rows - 1) / p.block_rows;
+  const int items = nblk * p.heads * p.batch;  // block fastest, then head, batch (< 2^31: launch)
+  const int stage_bytes = p.block_rows * S::kRowBytes;
+  const T* x = static_cast<const T*>(p.x);
+
+  // Item -> (its first row, rows, head, batch), and its copies into a stage (one group).
+  auto where = [&](int item, int& row0, int& rows, int& head, int& b) {
+    const int blk = item % nblk;
+    head = item / nblk % p.heads;
+    b = item / nblk / p.heads;
+    row0 = blk * p.block_rows;
+    rows = min(p.block_rows, p.seqlen - row0);
+  };
+  auto load = [&](int item, int stage) {
+    if (item < items) {
+      int row0, rows, head, b;
+      where(item, row0, rows, head, b);
+      const T* src = x + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride;
+      const uint32_t dst = smem_addr(ring + stage * stage_bytes);
+      for (int c = tid; c < rows * S::kChunks; c += kStagedThreads) {
+        const int r = c / S::kChunks, ch = c % S::kChunks;
+        cp_async_16(dst + r * S::kRowBytes + ((ch ^ S::swizzle(r)) << 4),
+                    src + int64_t(row0 + r) * p.x_row_stride + ch * 8, true);
+      }
+    }
+    cp_async_commit();  // empty groups keep the count uniform
+  };
+
+  uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
+  if (p.signs != nullptr) {
+    #pragma unroll
+    for (int j = 0; j < 32; ++j) neg |= uint32_t(p.signs[8 * (t + S::T * (j / 8)) + j % 8] < 0.f) << j;
+  }
+  const int kshift = p.rotary_half * 4 / HeadDim;  // halves: rotary_half / 8T (1 or 2)
+
+  #pragma unroll 1
+  for (int s = 0; s < kStages; ++s) load(blockIdx.x + s * gridDim.x, s);
+  int n = 0;
+  for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
+    const int stage = n % kStages;
+    int row0, rows, head, b;
+    where(item, row0, rows, head, b);
+    cp_async_wait<kStages - 1>();  // this item's group has landed (this thread's copies) ...
+    __syncthreads();               // ... and everyone's
+
+    float v[Passes][32];
+    float amax = 0.f;
+    #pragma unroll
+    for (int ps = 0; ps < Passes; ++ps) {
+      const int r = ps * S::kRowsPerPass + tid / S::T;
+      if (r < rows) {
+        const uint8_t* row = ring + stage * stage_bytes + r * S::kRowBytes;
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(row + (((t + S::T * k) ^ S::swizzle(r)) << 4));
+          const T* e = reinterpret_cast<const T*>(&raw);
+          #pragma unroll
+          for (int i = 0; i < 8; ++i) v[ps][8 * k + i] = to_float(e[i]);
+        }
+        if (Rotary) {  // a template flag: the registers of a call without it stay free
+          const int64_t pos = row0 + r;
+          if (p.rotary_interleaved) rotate_pairs<HeadDim>(v[ps], p.rotary_cos, p.rotary_sin, p.rotary_half, pos, t);
+          else if (kshift == 1) rotate_halves<HeadDim, 1>(v[ps], p.rotary_cos, p.rotary_sin, p.rotary_half, pos, t);
+          else rotate_halves<HeadDim, 2>(v[ps], p.rotary_cos, p.rotary_sin, p.rotary_half, pos, t);
+        }
+      } else {
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;  // rows past the end: zeros, never stored
+      }
+      // Every lane of the warp shuffles (whole rows are live or not, but a warp may hold both).
+      if (p.signs != nullptr) transform_owned<HeadDim>(v[ps], neg, lane);
+      #pragma unroll
+      for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
+    }
+    amax = warp_max(amax);
+    if (lane == 0) warp_amax[n & 1][warp] = amax;
+    __syncthreads();  // the stage is read: refill it with the item kStages ahead
+    load(item + kStages * gridDim.x, stage);
+    amax = warp_amax[n & 1][0];
+    #pragma unroll
+    for (int w = 1; w < kStagedThreads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
+    const float descale = descale_of(amax);
+    if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + row0 / p.block_rows] = descale;
+
+    uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim;
+    // div_by needs a normal 1 / descale; blocks of tiny or infinite magnitudes divide.
+    if (descale >= 0x1p-100f && !isinf(descale)) store_owned<HeadDim, Passes, false>(out, p.heads, rows, tid, v, descale);
+    else store_owned<HeadDim, Passes, true>(out, p.heads, rows, tid, v, descale);
+  }
+  cp_async_wait<0>();  // no copy outlives the CTA (the refills past the last item are empty)
 }
 
 // One scale for the tensor: every CTA's amax into *amax (non-negative floats order like their
@@ -206,12 +397,41 @@ __global__ void __launch_bounds__(kWarps * 32) tensor_write(const fa3gen_quantiz
   write_block<T, HeadDim>(p, row0, rows, blockIdx.y, blockIdx.z, descale);
 }
 
+// One persistent CTA per slot the ring's shared memory leaves on each SM.
+template <class T, int HeadDim, int Passes, bool Rotary>
+int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
+  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary>;
+  const int smem = kStages * p.block_rows * Staged<HeadDim>::kRowBytes;
+  cudaError_t err = set_smem_limit_once(kernel, kStages * staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes);
+  int device = 0, sms = 0, per_sm = 0;
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStagedThreads, smem);
+  if (err != cudaSuccess) return report("quantize_fp8 launch setup", err);
+  const int64_t items = int64_t((p.seqlen + p.block_rows - 1) / p.block_rows) * p.heads * p.batch;
+  if (items + int64_t(kStages + 1) * sms * std::max(per_sm, 1) >= (int64_t(1) << 31)) {
+    fa3gen_set_error("quantize_fp8: more than 2^31 blocks (batch x heads x blocks of rows)");
+    return 1;
+  }
+  const int grid = int(std::min<int64_t>(items, int64_t(sms) * std::max(per_sm, 1)));
+  kernel<<<grid, kStagedThreads, smem, stream>>>(p);
+  err = cudaGetLastError();
+  return err == cudaSuccess ? 0 : report("quantize kernel launch", err);
+}
+
 template <class T, int HeadDim>
 int launch(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const int rows = p.block_rows > 0 ? p.block_rows : kTensorRows;
   const dim3 grid((p.seqlen + rows - 1) / rows, p.heads, p.batch);
-  if (p.block_rows > 0 && p.block_rows <= Resident<HeadDim>::kMaxRows) {
-    quantize_blocks_resident<T, HeadDim><<<grid, kResidentWarps * 32, 0, stream>>>(p);
+  if (p.block_rows > 0 && p.block_rows <= staged_max_rows<HeadDim>()) {
+    const bool one_pass = p.block_rows <= Staged<HeadDim>::kRowsPerPass;
+    if (p.rotary_half > 0) {
+      return one_pass ? launch_staged<T, HeadDim, 1, true>(p, stream) : launch_staged<T, HeadDim, 2, true>(p, stream);
+    }
+    return one_pass ? launch_staged<T, HeadDim, 1, false>(p, stream) : launch_staged<T, HeadDim, 2, false>(p, stream);
+  } else if (p.rotary_half > 0) {
+    fa3gen_set_error("quantize_fp8: rotary needs block scales of at most 32768 / head_dim rows");
+    return 1;
   } else if (p.block_rows > 0) {
     quantize_blocks<T, HeadDim><<<grid, kWarps * 32, 0, stream>>>(p);
   } else {

@@ -1,5 +1,5 @@
 // Small device helpers of the CuTe-free kernels (decode, fp8 quantizer): conversions, warp
-// reductions and one vector load of a lane's consecutive elements. No CuTe, so the
+// reductions, cp.async and one vector load of a lane's consecutive elements. No CuTe, so the
 // translation units that include it compile in seconds.
 #pragma once
 #include <cuda_bf16.h>
@@ -32,6 +32,18 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int m = 16; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, m));
   return x;
 }
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global -> shared, bypassing L1; zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // E consecutive 16-bit elements at src as floats, in one vector load (callers check that src
 // is aligned to E * sizeof(T) bytes: the runtimes require 16-byte strides and bases).

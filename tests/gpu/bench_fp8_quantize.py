@@ -1,36 +1,78 @@
 """The fp8 quantizer's bandwidth against a device-to-device copy, sustained (issue 14: at least
 70% of the copy's bandwidth):
-    python3 tests/gpu/bench_fp8_quantize.py
+    python3 tests/gpu/bench_fp8_quantize.py [--baseline-so OLD.so] [--json out.json]
 Shapes of the bench grid's 16k tokens (batch x seqlen = 16384, heads x head_dim = 2048) and a
-larger one; bytes counted: the bf16 input read once and the e4m3 output written once. Also the
-PyTorch path (fp8.quantize) and the attention it feeds, for the cost a user pays in all. Not a
-pytest module."""
+larger one; bytes counted: the 16-bit input read once and the e4m3 output written once (rotary
+tables not counted). Columns: block scales of 128 rows; with the Hadamard transform; with
+rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; one scale per
+tensor; the PyTorch path (fp8.quantize). --baseline-so times another library's
+fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
+this one's) in the same process, interleaved. Not a pytest module."""
+import argparse
+import ctypes
+import json
+
 import torch
 
-from fa3gen import fp8, runtime, timing
+from fa3gen import bench, fp8, runtime, timing
+
+
+class _RawQuantizer:
+    """A library file's fa3gen_quantize_fp8 called directly (no ABI check: an A/B baseline)."""
+
+    def __init__(self, path: str):
+        self._fn = ctypes.CDLL(path).fa3gen_quantize_fp8
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(runtime.QuantizeParams), ctypes.c_void_p]
+
+    def quantize_fp8(self, p, stream) -> None:
+        if self._fn(ctypes.byref(p), stream) != 0:
+            raise RuntimeError("baseline quantizer failed")
+
+
+SHAPES = ((1, 16384, 16, 128), (8, 8192, 16, 128), (1, 16384, 8, 256), (1, 16384, 32, 64))
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline-so", help="a library whose quantizer is timed beside this one")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--min-ms", type=float, default=100)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
     lib = runtime.get_library()
     if not lib.has_quantizer:
         raise SystemExit("the library has no fp8 quantizer: build a spec with e4m3 variants")
-    for b, s, h, d in ((1, 16384, 16, 128), (8, 8192, 16, 128), (1, 16384, 8, 256)):
+    base = _RawQuantizer(args.baseline_so) if args.baseline_so else None
+    rows = []
+    for b, s, h, d in SHAPES:
         x = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         src = torch.empty(x.numel() * 3 // 2, dtype=torch.uint8, device="cuda")  # 2 + 1 bytes
         dst = torch.empty_like(src)
         signs = torch.ones(d, device="cuda")
-        fns = [lambda: dst.copy_(src),
-               lambda: fp8._quantize_kernel(lib, x, 128, None),
-               lambda: fp8._quantize_kernel(lib, x, 128, signs),
-               lambda: fp8._quantize_kernel(lib, x, None, None),
-               lambda: fp8.quantize(x, 128)]
-        ms = timing.sustained_ms(fns, 3, 100)
+        angle = torch.rand(s, d // 2, device="cuda")
+        rot = (angle.cos(), angle.sin())
+        fns = {"copy": lambda: dst.copy_(src),
+               "blocks": lambda: fp8._quantize_kernel(lib, x, 128, None),
+               "hadamard": lambda: fp8._quantize_kernel(lib, x, 128, signs),
+               "rotary_hadamard": lambda: fp8._quantize_kernel(lib, x, 128, signs, rot),
+               "tensor": lambda: fp8._quantize_kernel(lib, x, None, None),
+               "pytorch": lambda: fp8.quantize(x, 128)}
+        if base is not None:
+            fns["baseline_blocks"] = lambda: fp8._quantize_kernel(base, x, 128, None)
+            fns["baseline_hadamard"] = lambda: fp8._quantize_kernel(base, x, 128, signs)
+        ms = dict(zip(fns, timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms)))
         moved = x.numel() * 3  # bytes: bf16 in, e4m3 out
-        gbs = [2 * src.numel() / ms[0] / 1e6] + [moved / m / 1e6 for m in ms[1:]]
-        print(f"(b, s, h, d) = {(b, s, h, d)}: copy {gbs[0]:.0f} GB/s; quantizer blocks "
-              f"{gbs[1]:.0f} ({gbs[1] / gbs[0]:.0%}), with Hadamard {gbs[2]:.0f} "
-              f"({gbs[2] / gbs[0]:.0%}), per tensor {gbs[3]:.0f} ({gbs[3] / gbs[0]:.0%}); "
-              f"PyTorch path {gbs[4]:.0f} GB/s; times {[f'{m * 1e3:.0f} us' for m in ms]}")
+        gbs = {k: (2 * src.numel() if k == "copy" else moved) / m / 1e6 for k, m in ms.items()}
+        row = {"shape": [b, s, h, d], "gb_s": gbs, "us": {k: m * 1e3 for k, m in ms.items()},
+               "of_copy": {k: g / gbs["copy"] for k, g in gbs.items()}}
+        rows.append(row)
+        print(f"(b, s, h, d) = {(b, s, h, d)}: copy {gbs['copy']:.0f} GB/s; " + ", ".join(
+            f"{k} {gbs[k]:.0f} ({row['of_copy'][k]:.0%}, {row['us'][k]:.0f} us)"
+            for k in fns if k != "copy"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": bench.provenance(lib), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

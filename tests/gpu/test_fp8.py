@@ -182,7 +182,7 @@ def _quantizer_lib():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("block_rows", [128, 64, 192, None], ids=["b128", "b64", "b192", "tensor"])
+@pytest.mark.parametrize("block_rows", [128, 64, 192, 384, None], ids=["b128", "b64", "b192", "b384", "tensor"])
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadamard):
     """fa3gen_quantize_fp8 against fp8.quantize (and reference.hadamard_transform): the same
@@ -197,6 +197,33 @@ def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadam
     got, got_descale = fp8._quantize_kernel(lib, x, block_rows, signs)
     xr = hadamard_transform(x.float() * signs) if hadamard else x
     want, want_descale = fp8.quantize(xr, block_rows)
+    torch.cuda.synchronize()
+    assert torch.equal(got_descale, want_descale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rotary", ["halves", "half_dim", "pairs", "pairs_partial"])
+@pytest.mark.parametrize("block_rows", [64, 128], ids=["b64", "b128"])
+def test_quantize_kernel_rotary_bit_for_bit(dtype, d, rotary, block_rows):
+    """The fused kernel's rotary embedding (before the Hadamard transform) against
+    reference.apply_rotary and the PyTorch quantizer: the same bytes. Rotary dims: d and d / 2
+    as halves, d and d - 10 as adjacent pairs (a partial chunk); tables in bf16 (converted)."""
+    from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
+
+    lib = _quantizer_lib()
+    g = torch.Generator(device="cuda").manual_seed(d + 1)
+    x = torch.randn(2, 301, 3, d, device="cuda", generator=g, dtype=dtype) * 3
+    rot_dim = {"halves": d, "half_dim": d // 2, "pairs": d, "pairs_partial": d - 10}[rotary]
+    interleaved = rotary.startswith("pairs")
+    angle = torch.rand(400, rot_dim // 2, device="cuda", generator=g) * 6.3
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    assert fp8._kernel_rotates(x, block_rows, (cos, sin), interleaved)
+    signs = random_signs(d, 3, x.device)
+    got, got_descale = fp8._quantize_kernel(lib, x, block_rows, signs, (cos, sin), interleaved)
+    want, want_descale = fp8.quantize(
+        hadamard_transform(apply_rotary(x, cos, sin, interleaved=interleaved) * signs), block_rows)
     torch.cuda.synchronize()
     assert torch.equal(got_descale, want_descale)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
