@@ -397,12 +397,17 @@ __global__ void __launch_bounds__(kWarps * 32) tensor_write(const fa3gen_quantiz
   write_block<T, HeadDim>(p, row0, rows, blockIdx.y, blockIdx.z, descale);
 }
 
+template <class T, int HeadDim, int Passes, bool Rotary>
+struct StagedTag {};
+
 // One persistent CTA per slot the ring's shared memory leaves on each SM.
 template <class T, int HeadDim, int Passes, bool Rotary>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary>;
   const int smem = kStages * p.block_rows * Staged<HeadDim>::kRowBytes;
-  cudaError_t err = set_smem_limit_once(kernel, kStages * staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes);
+  // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
+  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary>>(
+      kernel, kStages * staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
