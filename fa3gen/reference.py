@@ -369,16 +369,26 @@ def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q=None, blo
               for t, ds in ((k, k_descale), (v, v_descale))))
 
 
+# The e4m3 forward's rescale rule (templates/kernels/rescale_threshold.cuh,
+# kRescaleThresholdFp8P): a row keeps its maximum through growths up to 2^0.8, so that
+# P * 256 <= 448 (tests/test_fp8_checks.py reads the header).
+FP8_RESCALE_THRESHOLD = 0.8
+LOG2E = 1.0 / math.log(2.0)
+
+
 def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                             causal: bool = False, softmax_scale: float | None = None, *,
                             key_block: int | None = None, p_scale: float = 256.0,
-                            block_q: int | None = None, block_k: int | None = None):
+                            block_q: int | None = None, block_k: int | None = None,
+                            rescale_threshold: float = FP8_RESCALE_THRESHOLD):
     """(out, lse) in fp64 of attention on fp8 (batch, seqlen, heads, d) q, k, v times their
     descales ((batch, heads_kv) fp32, one value, or None = 1), GQA and bottom-right causal as
     the kernels. key_block None: the exact softmax of the dequantized inputs (the ground
     truth). key_block = the kernel's tile_n: its arithmetic (the e4m3 kernels' reference):
-    key blocks from the last down with the online softmax, P * p_scale rounded to e4m3 for
-    the PV product, the row sum of the unrounded P. out (b, sq, hq, d), lse (b, hq, sq)."""
+    key blocks from the last down with the online softmax, a row keeping its running maximum
+    while a block raises it by at most rescale_threshold (log2 units; its P then exceeds 1),
+    P * p_scale rounded to e4m3 for the PV product, the row sum of the unrounded P.
+    out (b, sq, hq, d), lse (b, hq, sq)."""
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     qt, kt, vt = _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q, block_k)
@@ -396,7 +406,9 @@ def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=N
     acc = torch.zeros(qt.shape[:3] + (vt.shape[-1],), dtype=torch.float64, device=q.device)
     for start in reversed(range(0, sk, key_block)):
         sb = scores[..., start:start + key_block]
-        new_max = torch.maximum(row_max, sb.amax(-1, keepdim=True))
+        grown = torch.maximum(row_max, sb.amax(-1, keepdim=True))
+        grew = (grown - row_max) * LOG2E  # inf on a row's first visible key, NaN before any
+        new_max = torch.where(grew <= rescale_threshold, row_max, grown)
         safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no key yet
         rescale = torch.exp(row_max - safe)
         p = torch.exp(sb - safe)

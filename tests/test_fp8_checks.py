@@ -287,3 +287,26 @@ def _grad_call(q, k, v, kd):
             return True
     return fp8.fp8_forward(q.as_subclass(Needy), k, v, ops.masking(True), None, None,
                            {"k_descale": kd}, None)
+
+
+def test_fp8_emulation_keeps_the_running_maximum_as_the_kernels_do():
+    """The emulation's rescale rule is the e4m3 kernels' (rescale_threshold.cuh's cap), and it
+    matters: on flat scores (randn inputs, maxima growing slowly block after block) rows keep
+    their maximum, P exceeds 1 and rounds to other e4m3 neighbours than with a rescale on
+    every block; both stay within the exact-softmax tolerance."""
+    import re
+
+    from fa3gen.reference import FP8_RESCALE_THRESHOLD
+    from generator.paths import KERNELS_DIR
+
+    header = (KERNELS_DIR / "rescale_threshold.cuh").read_text()
+    cap = re.search(r"kRescaleThresholdFp8P = .*: ([0-9.]+)f;", header)
+    assert cap and float(cap.group(1)) == FP8_RESCALE_THRESHOLD
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 333, 2, 128, generator=g).to(torch.float8_e4m3fn) for _ in range(3))
+    kept, lse = fp8_attention_reference(q, k, v, key_block=128)
+    every, lse_every = fp8_attention_reference(q, k, v, key_block=128, rescale_threshold=-1.0)
+    exact, _ = fp8_attention_reference(q, k, v)
+    assert not torch.equal(kept, every) and torch.allclose(lse, lse_every, atol=1e-9)
+    for emu in (kept, every):
+        assert (emu - exact).pow(2).mean().sqrt() <= 4e-2 * exact.pow(2).mean().sqrt()
