@@ -145,14 +145,16 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 }
 
 // Block scales, one read of the input: a persistent CTA streams its blocks through a ring of
-// kStages shared-memory stages (cp.async, so the next blocks load while this one converts) and
+// Stages shared-memory stages (cp.async, so the next blocks load while this one converts) and
 // holds a block in registers between its amax and its store. A row's 32 x T elements belong to
 // T = HeadDim / 32 consecutive lanes, 32 each: lane t of a row owns its 16-byte chunks
 // t, t + T, t + 2T, t + 3T (element e = 8 (t + T k) + i is value j = 8 k + i), so the Hadamard
 // butterflies cross lanes for log2 T strides only (the rest are in-thread: 2T log2 T shuffles a
 // row instead of 20 for d128 with a lane per 4 elements), and rotary pairs are in-thread.
 constexpr int kStagedThreads = 512;
-constexpr int kStages = 3;
+// Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
+// keep as many bytes in flight (96 KB).
+constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
 template <int HeadDim>
 struct Staged {
   static constexpr int T = HeadDim / 32;                    // lanes per row
@@ -233,11 +235,11 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
     if (h == 8) {  // the lane strides come between the in-chunk and the cross-chunk ones
       #pragma unroll
       for (int m = 1; m < T; m *= 2) {
-        const bool upper = lane & m;
+        const float sign = (lane & m) ? -1.f : 1.f;  // the upper lane keeps other - v
         #pragma unroll
         for (int j = 0; j < 32; ++j) {
           const float other = __shfl_xor_sync(0xffffffff, v[j], m);
-          v[j] = upper ? other - v[j] : v[j] + other;
+          v[j] = __fmaf_rn(v[j], sign, other);  // the product is exact: one rounding, as the sum
         }
       }
     }
@@ -281,7 +283,7 @@ __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, i
   }
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
 __global__ void __launch_bounds__(kStagedThreads, 1)
     quantize_blocks_staged(const fa3gen_quantize_params p) {
   using S = Staged<HeadDim>;
@@ -324,13 +326,13 @@ __global__ void __launch_bounds__(kStagedThreads, 1)
   const int kshift = p.rotary_half * 4 / HeadDim;  // halves: rotary_half / 8T (1 or 2)
 
   #pragma unroll 1
-  for (int s = 0; s < kStages; ++s) load(blockIdx.x + s * gridDim.x, s);
+  for (int s = 0; s < Stages; ++s) load(blockIdx.x + s * gridDim.x, s);
   int n = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
-    const int stage = n % kStages;
+    const int stage = n % Stages;
     int row0, rows, head, b;
     where(item, row0, rows, head, b);
-    cp_async_wait<kStages - 1>();  // this item's group has landed (this thread's copies) ...
+    cp_async_wait<Stages - 1>();  // this item's group has landed (this thread's copies) ...
     __syncthreads();               // ... and everyone's
 
     float v[Passes][32];
@@ -364,8 +366,8 @@ __global__ void __launch_bounds__(kStagedThreads, 1)
     }
     amax = warp_max(amax);
     if (lane == 0) warp_amax[n & 1][warp] = amax;
-    __syncthreads();  // the stage is read: refill it with the item kStages ahead
-    load(item + kStages * gridDim.x, stage);
+    __syncthreads();  // the stage is read: refill it with the item Stages ahead
+    load(item + Stages * gridDim.x, stage);
     amax = warp_amax[n & 1][0];
     #pragma unroll
     for (int w = 1; w < kStagedThreads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
@@ -397,24 +399,24 @@ __global__ void __launch_bounds__(kWarps * 32) tensor_write(const fa3gen_quantiz
   write_block<T, HeadDim>(p, row0, rows, blockIdx.y, blockIdx.z, descale);
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
 struct StagedTag {};
 
 // One persistent CTA per slot the ring's shared memory leaves on each SM.
-template <class T, int HeadDim, int Passes, bool Rotary>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
-  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary>;
-  const int smem = kStages * p.block_rows * Staged<HeadDim>::kRowBytes;
+  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages>;
+  const int smem = Stages * p.block_rows * Staged<HeadDim>::kRowBytes;
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
-  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary>>(
-      kernel, kStages * staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes);
+  const int most = Stages == kSmallStages ? kSmallStageBytes : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
+  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStagedThreads, smem);
   if (err != cudaSuccess) return report("quantize_fp8 launch setup", err);
   const int64_t items = int64_t((p.seqlen + p.block_rows - 1) / p.block_rows) * p.heads * p.batch;
-  if (items + int64_t(kStages + 1) * sms * std::max(per_sm, 1) >= (int64_t(1) << 31)) {
+  if (items + int64_t(Stages + 1) * sms * std::max(per_sm, 1) >= (int64_t(1) << 31)) {
     fa3gen_set_error("quantize_fp8: more than 2^31 blocks (batch x heads x blocks of rows)");
     return 1;
   }
@@ -424,16 +426,23 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   return err == cudaSuccess ? 0 : report("quantize kernel launch", err);
 }
 
+// Blocks of at most 16 KB (always one pass) take the deeper ring.
+template <class T, int HeadDim, bool Rotary>
+int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
+  if (p.block_rows * Staged<HeadDim>::kRowBytes <= kSmallStageBytes) {
+    static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim>::kRowsPerPass);
+    return launch_staged<T, HeadDim, 1, Rotary, kSmallStages>(p, stream);
+  }
+  return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages>(p, stream)
+                                                       : launch_staged<T, HeadDim, 2, Rotary, kStages>(p, stream);
+}
+
 template <class T, int HeadDim>
 int launch(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const int rows = p.block_rows > 0 ? p.block_rows : kTensorRows;
   const dim3 grid((p.seqlen + rows - 1) / rows, p.heads, p.batch);
   if (p.block_rows > 0 && p.block_rows <= staged_max_rows<HeadDim>()) {
-    const bool one_pass = p.block_rows <= Staged<HeadDim>::kRowsPerPass;
-    if (p.rotary_half > 0) {
-      return one_pass ? launch_staged<T, HeadDim, 1, true>(p, stream) : launch_staged<T, HeadDim, 2, true>(p, stream);
-    }
-    return one_pass ? launch_staged<T, HeadDim, 1, false>(p, stream) : launch_staged<T, HeadDim, 2, false>(p, stream);
+    return p.rotary_half > 0 ? launch_staged<T, HeadDim, true>(p, stream) : launch_staged<T, HeadDim, false>(p, stream);
   } else if (p.rotary_half > 0) {
     fa3gen_set_error("quantize_fp8: rotary needs block scales of at most 32768 / head_dim rows");
     return 1;
