@@ -151,14 +151,16 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // t, t + T, t + 2T, t + 3T (element e = 8 (t + T k) + i is value j = 8 k + i), so the Hadamard
 // butterflies cross lanes for log2 T strides only (the rest are in-thread: 2T log2 T shuffles a
 // row instead of 20 for d128 with a lane per 4 elements), and rotary pairs are in-thread.
-constexpr int kStagedThreads = 512;
+// 512 threads (one CTA an SM), or 256 for the 6-stage ring of small blocks: two CTAs an SM,
+// so one CTA's barriers overlap the other's work (a 16 KB block fills one pass of 256).
 // Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
-// keep as many bytes in flight (96 KB).
+// keep as many bytes in flight (96 KB a CTA).
 constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
-template <int HeadDim>
+constexpr int staged_threads(int stages) { return stages == kSmallStages ? 256 : 512; }
+template <int HeadDim, int Threads = 512>
 struct Staged {
-  static constexpr int T = HeadDim / 32;                    // lanes per row
-  static constexpr int kRowsPerPass = kStagedThreads / T;  // rows per 32 registers a thread
+  static constexpr int T = HeadDim / 32;              // lanes per row
+  static constexpr int kRowsPerPass = Threads / T;  // rows per 32 registers a thread
   static constexpr int kChunks = HeadDim / 8;               // 16-byte chunks of a 16-bit row
   static constexpr int kRowBytes = HeadDim * 2;
   // Bank swizzle of a row's chunks: the 8 lanes of one shared-memory phase (8 / T rows) read
@@ -257,10 +259,10 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 }
 
 // A block's values / descale as e4m3 (8 bytes a chunk) into out (the block's first row).
-template <int HeadDim, int Passes, bool Divide>
+template <int HeadDim, int Threads, int Passes, bool Divide>
 __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, int tid, const float (&v)[Passes][32],
                                             float descale) {
-  using S = Staged<HeadDim>;
+  using S = Staged<HeadDim, Threads>;
   const int t = tid % S::T;
   const float rcp = __frcp_rn(descale);
   #pragma unroll
@@ -284,11 +286,12 @@ __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, i
 }
 
 template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
-__global__ void __launch_bounds__(kStagedThreads, 1)
+__global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(Stages))
     quantize_blocks_staged(const fa3gen_quantize_params p) {
-  using S = Staged<HeadDim>;
+  constexpr int Threads = staged_threads(Stages);
+  using S = Staged<HeadDim, Threads>;
   extern __shared__ __align__(16) uint8_t ring[];
-  __shared__ float warp_amax[2][kStagedThreads / 32];
+  __shared__ float warp_amax[2][Threads / 32];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, t = tid % S::T;
   const int nblk = (p.seqlen + p.block_rows - 1) / p.block_rows;
   const int items = nblk * p.heads * p.batch;  // block fastest, then head, batch (< 2^31: launch)
@@ -309,7 +312,7 @@ __global__ void __launch_bounds__(kStagedThreads, 1)
       where(item, row0, rows, head, b);
       const T* src = x + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride;
       const uint32_t dst = smem_addr(ring + stage * stage_bytes);
-      for (int c = tid; c < rows * S::kChunks; c += kStagedThreads) {
+      for (int c = tid; c < rows * S::kChunks; c += Threads) {
         const int r = c / S::kChunks, ch = c % S::kChunks;
         cp_async_16(dst + r * S::kRowBytes + ((ch ^ S::swizzle(r)) << 4),
                     src + int64_t(row0 + r) * p.x_row_stride + ch * 8, true);
@@ -370,14 +373,14 @@ __global__ void __launch_bounds__(kStagedThreads, 1)
     load(item + Stages * gridDim.x, stage);
     amax = warp_amax[n & 1][0];
     #pragma unroll
-    for (int w = 1; w < kStagedThreads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
+    for (int w = 1; w < Threads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
     const float descale = descale_of(amax);
     if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + row0 / p.block_rows] = descale;
 
     uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim;
     // div_by needs a normal 1 / descale; blocks of tiny or infinite magnitudes divide.
-    if (descale >= 0x1p-100f && !isinf(descale)) store_owned<HeadDim, Passes, false>(out, p.heads, rows, tid, v, descale);
-    else store_owned<HeadDim, Passes, true>(out, p.heads, rows, tid, v, descale);
+    if (descale >= 0x1p-100f && !isinf(descale)) store_owned<HeadDim, Threads, Passes, false>(out, p.heads, rows, tid, v, descale);
+    else store_owned<HeadDim, Threads, Passes, true>(out, p.heads, rows, tid, v, descale);
   }
   cp_async_wait<0>();  // no copy outlives the CTA (the refills past the last item are empty)
 }
@@ -413,7 +416,7 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kStagedThreads, smem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, staged_threads(Stages), smem);
   if (err != cudaSuccess) return report("quantize_fp8 launch setup", err);
   const int64_t items = int64_t((p.seqlen + p.block_rows - 1) / p.block_rows) * p.heads * p.batch;
   if (items + int64_t(Stages + 1) * sms * std::max(per_sm, 1) >= (int64_t(1) << 31)) {
@@ -421,7 +424,7 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
     return 1;
   }
   const int grid = int(std::min<int64_t>(items, int64_t(sms) * std::max(per_sm, 1)));
-  kernel<<<grid, kStagedThreads, smem, stream>>>(p);
+  kernel<<<grid, staged_threads(Stages), smem, stream>>>(p);
   err = cudaGetLastError();
   return err == cudaSuccess ? 0 : report("quantize kernel launch", err);
 }
@@ -430,7 +433,7 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
 template <class T, int HeadDim, bool Rotary>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kSmallStageBytes) {
-    static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim>::kRowsPerPass);
+    static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
     return launch_staged<T, HeadDim, 1, Rotary, kSmallStages>(p, stream);
   }
   return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages>(p, stream)
