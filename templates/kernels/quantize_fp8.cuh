@@ -151,11 +151,12 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // t, t + T, t + 2T, t + 3T (element e = 8 (t + T k) + i is value j = 8 k + i), so the Hadamard
 // butterflies cross lanes for log2 T strides only (the rest are in-thread: 2T log2 T shuffles a
 // row instead of 20 for d128 with a lane per 4 elements), and rotary pairs are in-thread.
+// 512 threads (one CTA an SM), or 256 for the 6-stage ring of small blocks: two CTAs an SM,
+// so one CTA's barriers overlap the other's work (a 16 KB block fills one pass of 256).
 // Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
 // keep as many bytes in flight (96 KB a CTA).
 constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
-// Threads: 256 (two CTAs an SM, so one CTA's barriers and amax overlap the other's work) for
-// blocks of up to two passes of them (32 KB), else 512 (one CTA an SM).
+constexpr int staged_threads(int stages) { return stages == kSmallStages ? 256 : 512; }
 template <int HeadDim, int Threads = 512>
 struct Staged {
   static constexpr int T = HeadDim / 32;              // lanes per row
@@ -284,9 +285,10 @@ __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, i
   }
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Threads>
-__global__ void __launch_bounds__(Threads, 512 / Threads)
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
+__global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(Stages))
     quantize_blocks_staged(const fa3gen_quantize_params p) {
+  constexpr int Threads = staged_threads(Stages);
   using S = Staged<HeadDim, Threads>;
   extern __shared__ __align__(16) uint8_t ring[];
   __shared__ float warp_amax[2][Threads / 32];
@@ -400,22 +402,21 @@ __global__ void __launch_bounds__(kWarps * 32) tensor_write(const fa3gen_quantiz
   write_block<T, HeadDim>(p, row0, rows, blockIdx.y, blockIdx.z, descale);
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Threads>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
 struct StagedTag {};
 
-// Persistent CTAs, as many an SM as the ring's shared memory and the registers allow.
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Threads>
+// One persistent CTA per slot the ring's shared memory leaves on each SM.
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
-  using S = Staged<HeadDim, Threads>;
-  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages, Threads>;
-  const int smem = Stages * p.block_rows * S::kRowBytes;
+  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages>;
+  const int smem = Stages * p.block_rows * Staged<HeadDim>::kRowBytes;
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
-  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages, Threads>>(
-      kernel, Stages * Passes * S::kRowsPerPass * S::kRowBytes);
+  const int most = Stages == kSmallStages ? kSmallStageBytes : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
+  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Threads, smem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, staged_threads(Stages), smem);
   if (err != cudaSuccess) return report("quantize_fp8 launch setup", err);
   const int64_t items = int64_t((p.seqlen + p.block_rows - 1) / p.block_rows) * p.heads * p.batch;
   if (items + int64_t(Stages + 1) * sms * std::max(per_sm, 1) >= (int64_t(1) << 31)) {
@@ -423,21 +424,20 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
     return 1;
   }
   const int grid = int(std::min<int64_t>(items, int64_t(sms) * std::max(per_sm, 1)));
-  kernel<<<grid, Threads, smem, stream>>>(p);
+  kernel<<<grid, staged_threads(Stages), smem, stream>>>(p);
   err = cudaGetLastError();
   return err == cudaSuccess ? 0 : report("quantize kernel launch", err);
 }
 
-// Small blocks (<= 16 KB, one pass of 256 threads) take the deeper ring; blocks of up to two
-// passes of 256 threads, two CTAs an SM; larger ones 512 threads.
+// Blocks of at most 16 KB (always one pass) take the deeper ring.
 template <class T, int HeadDim, bool Rotary>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
-  using Small = Staged<HeadDim, 256>;
-  static_assert(kSmallStageBytes / Small::kRowBytes == Small::kRowsPerPass);
-  static_assert(2 * Small::kRowsPerPass == Staged<HeadDim, 512>::kRowsPerPass);  // so 512 means 2 passes
-  if (p.block_rows <= Small::kRowsPerPass) return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, 256>(p, stream);
-  if (p.block_rows <= 2 * Small::kRowsPerPass) return launch_staged<T, HeadDim, 2, Rotary, kStages, 256>(p, stream);
-  return launch_staged<T, HeadDim, 2, Rotary, kStages, 512>(p, stream);
+  if (p.block_rows * Staged<HeadDim>::kRowBytes <= kSmallStageBytes) {
+    static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
+    return launch_staged<T, HeadDim, 1, Rotary, kSmallStages>(p, stream);
+  }
+  return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages>(p, stream)
+                                                       : launch_staged<T, HeadDim, 2, Rotary, kStages>(p, stream);
 }
 
 template <class T, int HeadDim>
