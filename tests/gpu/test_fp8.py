@@ -227,3 +227,31 @@ def test_quantize_kernel_rotary_bit_for_bit(dtype, d, rotary, block_rows):
     torch.cuda.synchronize()
     assert torch.equal(got_descale, want_descale)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+def test_quantize_fp8_rotary_takes_the_fused_kernel(interleaved, monkeypatch):
+    """fa3gen.quantize_fp8(rotary=...) with block scales: q and k embedded inside the fused
+    kernel (no PyTorch rotary), v not; the bytes of the PyTorch pipeline."""
+    from fa3gen import reference
+    from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
+
+    _quantizer_lib()
+    d = next((v.head_dim for v in VARIANTS if v.is_default and not v.causal), None)
+    if d is None:
+        pytest.skip("no default non-causal e4m3 variant")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = (torch.randn(2, 300, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+               for h in (4, 2, 2))
+    angle = torch.rand(512, d // 2, device="cuda", generator=g) * 6.3
+    rot = (angle.cos(), angle.sin())
+    block_q, block_k = fp8.block_sizes(q, k)
+    want = [fp8.quantize(hadamard_transform(apply_rotary(x, *rot, interleaved=interleaved)
+                                            * random_signs(d, 2, x.device)), rows)
+            for x, rows in ((q, block_q), (k, block_k))] + [fp8.quantize(v, block_k)]
+    monkeypatch.setattr(reference, "apply_rotary", None)  # the fused path must not need it
+    q8, k8, v8, ds = fa3gen.quantize_fp8(q, k, v, hadamard=True, seed=2, rotary=rot,
+                                         rotary_interleaved=interleaved)
+    for got, scale, (w, w_scale) in zip((q8, k8, v8), ds.values(), want):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
+        assert torch.equal(scale, w_scale)
