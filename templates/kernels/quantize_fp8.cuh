@@ -3,12 +3,12 @@
 // per (batch, head, block of block_rows rows) or one for the tensor, the largest magnitude of
 // each scope mapped to 448 (fa3gen.fp8.quantize is the PyTorch reference). Optionally the rows
 // are first multiplied by diag(signs) H / sqrt(d), H the Sylvester-Hadamard matrix (incoherent
-// processing; fa3gen.reference.hadamard_transform).
-// One CTA per (block, head, batch); a warp owns whole rows, each lane head_dim / 32
-// consecutive elements (vector loads), so the Hadamard butterflies are in-thread for the lowest
-// strides and warp shuffles for the rest. Memory-bound: blocks that fit the registers of 8 warps
-// are read once (quantize_blocks_resident); larger blocks and per-tensor scales are read twice
-// (the amax, then the values; a block's second read hits L2), and written once in 8 bits.
+// processing; fa3gen.reference.hadamard_transform), after an optional rotary embedding.
+// Memory-bound. Blocks of up to 32768 values (32768 / head_dim rows) are read once, through
+// the shared-memory ring of quantize_blocks_staged (below); larger blocks and per-tensor scales
+// are read twice by CTAs per (block, head, batch) whose warps own whole rows, each lane
+// head_dim / 32 consecutive elements (the amax, then the values; a block's second read hits
+// L2). Every value is written once, in 8 bits.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
