@@ -7,13 +7,17 @@ tables not counted). Columns: block scales of 128 rows; with the Hadamard transf
 rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; one scale per
 tensor; the PyTorch path (fp8.quantize). --baseline-so times another library's
 fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
-this one's) in the same process, interleaved. Not a pytest module."""
+this one's) in the same process, interleaved. --attention adds what a user pays in all at the
+bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
+fa3gen.quantize_fp8 of q, k, v (the public call, block scales, with and without the Hadamard
+transform) beside the fp8 attention it feeds, causal and not. Not a pytest module."""
 import argparse
 import ctypes
 import json
 
 import torch
 
+import fa3gen
 from fa3gen import bench, fp8, runtime, timing
 
 
@@ -39,6 +43,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-ms", type=float, default=100)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--attention", action="store_true",
+                    help="also time quantize_fp8 beside the attention it feeds")
     args = ap.parse_args()
     lib = runtime.get_library()
     if not lib.has_quantizer:
@@ -70,9 +76,39 @@ def main():
         print(f"(b, s, h, d) = {(b, s, h, d)}: copy {gbs['copy']:.0f} GB/s; " + ", ".join(
             f"{k} {gbs[k]:.0f} ({row['of_copy'][k]:.0%}, {row['us'][k]:.0f} us)"
             for k in fns if k != "copy"))
+    out = {"header": bench.provenance(lib), "rows": rows}
+    if args.attention:
+        out["with_attention"] = with_attention(args.rounds, args.min_ms)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": bench.provenance(lib), "rows": rows}, f, indent=1)
+            json.dump(out, f, indent=1)
+
+
+def with_attention(rounds: int, min_ms: float) -> list:
+    """quantize_fp8 (three tensors, the public call) and the fp8 attention on its output, timed
+    sustained in one process: the share of a user's time that goes to quantizing."""
+    rows = []
+    for s in (1024, 4096, 16384):
+        b, h, d = 16384 // s, 16, 128
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            q8, k8, v8, ds = fa3gen.quantize_fp8(q, k, v, causal=causal)
+            fns = [lambda: fa3gen.quantize_fp8(q, k, v, causal=causal),
+                   lambda: fa3gen.quantize_fp8(q, k, v, causal=causal, hadamard=True),
+                   lambda: fa3gen.flash_attn_func(q8, k8, v8, causal=causal, **ds)]
+            quant, quant_h, attn = timing.sustained_ms(fns, rounds, min_ms)
+            flops = 4 * b * h * s * s * d / (2 if causal else 1)
+            row = {"shape": [b, s, h, d], "causal": causal, "quantize_us": quant * 1e3,
+                   "quantize_hadamard_us": quant_h * 1e3, "attention_us": attn * 1e3,
+                   "attention_tflops": flops / attn / 1e9,
+                   "quantize_share": quant / (quant + attn),
+                   "quantize_hadamard_share": quant_h / (quant_h + attn)}
+            rows.append(row)
+            print(f"(b, s, h, d) = {(b, s, h, d)} causal={causal}: quantize_fp8 {quant * 1e3:.0f} us "
+                  f"(Hadamard {quant_h * 1e3:.0f} us), attention {attn * 1e3:.0f} us "
+                  f"({row['attention_tflops']:.0f} TFLOP/s): quantizing is "
+                  f"{row['quantize_share']:.0%} ({row['quantize_hadamard_share']:.0%}) of the total")
+    return rows
 
 
 if __name__ == "__main__":
