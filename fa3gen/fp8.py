@@ -13,6 +13,7 @@ out_dtype=torch.float16; the LSE fp32. Forward only.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -123,11 +124,11 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     transform and the rounding, so the embedding adds no rounding of its own; inside the fused
     kernel for block scales (blocks of at most 32768 / d rows) with adjacent pairs or with
     rotary_dim d or d / 2, else by PyTorch operations first."""
-    from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
+    from fa3gen.reference import apply_rotary, hadamard_transform
 
     _check_rotary(rotary, q, k)
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
-    signs = random_signs(q.shape[-1], seed, q.device) if hadamard else None
+    signs = _signs(q.shape[-1], seed, q.device) if hadamard else None
     lib = _quantizer_library(q)
     out = []
     for x, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
@@ -143,6 +144,15 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
             out.append(quantize(xr, rows))
     (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+@functools.lru_cache(maxsize=64)
+def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """reference.random_signs on `device`, made once: drawn on the CPU, its copy to the GPU
+    would wait for the stream's earlier work on every call."""
+    from fa3gen.reference import random_signs
+
+    return random_signs(d, seed, device)
 
 
 def _check_rotary(rotary, q, k) -> None:
@@ -203,10 +213,10 @@ def _quantize_kernel(lib, x, block_rows: int | None, signs, rotary=None, interle
     blocks = -(-s // block_rows) if block_rows else 0
     descale = torch.empty((b, h, blocks) if block_rows else (1,), dtype=torch.float32,
                           device=x.device)
-    work = torch.empty(1, dtype=torch.float32, device=x.device)
+    work = None if block_rows else torch.empty(1, dtype=torch.float32, device=x.device)  # the amax
     p = runtime.QuantizeParams()
-    p.x, p.out, p.descale, p.amax_workspace = x.data_ptr(), out.data_ptr(), descale.data_ptr(), \
-        work.data_ptr()
+    p.x, p.out, p.descale = x.data_ptr(), out.data_ptr(), descale.data_ptr()
+    p.amax_workspace = work.data_ptr() if work is not None else None
     p.signs = signs.data_ptr() if signs is not None else None
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
     p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
