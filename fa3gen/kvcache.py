@@ -2,8 +2,9 @@
 order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
 contiguous or paged cache of q's dtype or e4m3 (with dequantization factors), new keys and
 values appended first when given, the key range split across CTAs (split-KV) and merged;
-more rows per kv head (chunked prefill) go to the forward kernels; forward only. Not there
-yet: cache_leftpad and rotary (no such argument).
+more rows per kv head (chunked prefill) go to the forward kernels; forward only. Rotary
+embedding of q and the new keys (rotary_cos, rotary_sin) runs as PyTorch operations before
+the append. Not there yet: cache_leftpad.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def _check_int32_vector(name, t, batch, device) -> None:
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False, k_scale=None, v_scale=None):
+                            return_lse=False, k_scale=None, v_scale=None, *, rotary_cos=None,
+                            rotary_sin=None, rotary_interleaved=True):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256, seqlen_q * heads_q / heads_kv
@@ -88,8 +90,24 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     (batch, heads_kv) on q's device (two tensors of one shape). Appended k, v in q's dtype are
     quantized with those factors (value / factor, saturated to +-448); e4m3 k, v are written as
     they are. The decode kernels read the e4m3 bytes (half the traffic of a 16-bit cache);
-    chunked prefill dequantizes the keys it reads into q's dtype first (a copy)."""
+    chunked prefill dequantizes the keys it reads into q's dtype first (a copy).
+
+    Rotary (flash-attn's): rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), with k and v
+    given, rotate the new keys at positions cache_seqlens, cache_seqlens + 1, ... and q at the
+    same positions when causal or with a window, else all of q at position cache_seqlens; pairs
+    (0, 1), (2, 3), ... (rotary_interleaved, the default) or the two halves of the first
+    rotary_dim values. In fp32, rounded once to q's (k's) dtype, by PyTorch operations before
+    the append (not fused into the kernels). Positions past seqlen_ro are an error when
+    cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
+    FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
+    if rotary_cos is not None or rotary_sin is not None:
+        try:
+            local = tuple(window_size) != (-1, -1)
+        except TypeError:  # the plan's checks say what is wrong with it
+            local = False
+        q, k = _rotate(q, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
+                       bool(causal) or local)
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
     try:
@@ -106,6 +124,51 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
+
+
+def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
+    """(q, k) with the rotary embedding at their positions (flash_attn_with_kvcache's rule)."""
+    from fa3gen.reference import rotary_at
+
+    if k is None or v is None:
+        raise InvalidInputError("rotary_cos and rotary_sin rotate the new keys: pass k and v "
+                                "(flash-attn applies them only with k and v)")
+    if not all(isinstance(t, torch.Tensor) for t in (cos, sin)) or cos.dim() != 2 or \
+            cos.shape != sin.shape or not cos.is_floating_point() or sin.dtype != cos.dtype or \
+            cos.device != q.device or not 1 <= cos.shape[1] <= q.shape[-1] // 2:
+        raise InvalidInputError(
+            f"rotary_cos and rotary_sin must be floating-point tensors of one shape (seqlen_ro, "
+            f"rotary_dim / 2 <= {q.shape[-1] // 2}) and dtype on {q.device}; got "
+            f"{[(getattr(t, 'dtype', type(t).__name__), tuple(getattr(t, 'shape', ()))) for t in (cos, sin)]}")
+    if q.dim() != 4 or not isinstance(k, torch.Tensor) or k.dim() != 4 or \
+            k.dtype not in (torch.bfloat16, torch.float16) or k.shape[0] != q.shape[0] or \
+            k.shape[-1] != q.shape[-1]:
+        raise InvalidInputError(
+            f"rotary embedding needs q (batch, seqlen_q, heads_q, d) and 16-bit k (batch, "
+            f"seqlen_new, heads_kv, d) of one batch and d; got q {tuple(q.shape)}, k "
+            f"{getattr(k, 'dtype', type(k).__name__)} {tuple(getattr(k, 'shape', ()))}")
+    if cache_seqlens is None:
+        raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
+    b, n, rows = q.shape[0], k.shape[1], cos.shape[0]
+    steps = torch.arange(max(n, q.shape[1]), device=q.device)
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0 or cache_seqlens + max(n, q.shape[1] if per_row else 1) > rows:
+            raise InvalidInputError(
+                f"rotary_cos has {rows} positions; the call needs cache_seqlens + "
+                f"{max(n, q.shape[1] if per_row else 1)} = "
+                f"{cache_seqlens + max(n, q.shape[1] if per_row else 1)}")
+        start = torch.full((b, 1), cache_seqlens, dtype=torch.long, device=q.device)
+    else:
+        _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
+        start = cache_seqlens.long()[:, None]
+        if debug_checks_enabled():
+            need = int((start.max() + max(n, q.shape[1] if per_row else 1)).item())
+            if need > rows:
+                raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
+    positions = (start + steps).clamp(0, rows - 1)
+    q_positions = positions[:, :q.shape[1]] if per_row else start.clamp(0, rows - 1).expand(b, q.shape[1])
+    return (rotary_at(q, cos, sin, q_positions, interleaved).to(q.dtype),
+            rotary_at(k, cos, sin, positions[:, :n], interleaved).to(k.dtype))
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after

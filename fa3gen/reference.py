@@ -281,9 +281,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     apply_rotary_emb: cos, sin (>= seqlen, rotary_dim / 2) for positions 0, 1, ...; the first
     rotary_dim entries of each row rotate in pairs (the two halves, or (0, 1), (2, 3), ... when
     interleaved), the rest pass through."""
-    s, half = x.shape[1], cos.shape[-1]
+    positions = torch.arange(x.shape[1], device=cos.device)[None]
+    return rotary_at(x, cos, sin, positions, interleaved)
+
+
+def rotary_at(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+              interleaved: bool = False) -> torch.Tensor:
+    """apply_rotary with row i of sequence b at position positions[b, i] (positions (batch or
+    1, seqlen), indices into cos and sin's rows)."""
+    half = cos.shape[-1]
     xf = x.float()
-    c, sn = cos[:s, None, :].float(), sin[:s, None, :].float()  # (s, 1, half): over the heads
+    c, sn = cos[positions][:, :, None].float(), sin[positions][:, :, None].float()  # over heads
     if interleaved:
         x1, x2 = xf[..., 0:2 * half:2], xf[..., 1:2 * half:2]
     else:

@@ -411,3 +411,70 @@ def test_fp8_cache_prefill_dequantizes(launched, monkeypatch):
     assert k.dtype == torch.float16 and k.shape == (2, 30, 2, 64)
     assert torch.equal(k, (kc[:, :30].float() * ks[:, None, :, None]).half())
     assert torch.equal(v, (vc[:, :30].float() * 3.0).half())
+
+
+def _rotate_by_complex(x, cos, sin, pos, interleaved):
+    """An independent rotary reference: pairs as complex numbers times e^(i theta)."""
+    half = cos.shape[1]
+    xf = x.double()
+    if interleaved:
+        z = torch.complex(xf[..., 0:2 * half:2], xf[..., 1:2 * half:2])
+    else:
+        z = torch.complex(xf[..., :half], xf[..., half:2 * half])
+    z = z * torch.complex(cos.double()[pos], sin.double()[pos])[:, :, None]
+    rot = torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved else torch.cat((z.real, z.imag), -1)
+    return torch.cat((rot, xf[..., 2 * half:]), -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+def test_rotary_rotates_new_keys_and_queries_at_their_positions(monkeypatch, interleaved):
+    """rotary_cos/rotary_sin (flash-attn's): the appended keys at cache_seqlens + i; q at the
+    same positions when causal (or local), all of q at cache_seqlens otherwise; values and
+    the cache's other rows untouched; the first rotary_dim values only."""
+    ran = []
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    real_run = kvcache._run
+    monkeypatch.setattr(kvcache, "_run", lambda plan, q, *a, **kw: ran.append(q) or real_run(plan, q, *a, **kw))
+    g = torch.Generator().manual_seed(3)
+    theta = torch.rand(50, 16, generator=g) * 6.3  # rotary_dim 32 of 64
+    cos, sin = theta.cos(), theta.sin()
+    kc, vc = torch.zeros(2, 40, 2, 64, dtype=BF), torch.zeros(2, 40, 2, 64, dtype=BF)
+    k, v = (torch.randn(2, 3, 2, 64, generator=g).to(BF) for _ in range(2))
+    q = torch.randn(2, 3, 4, 64, generator=g).to(BF)
+    seqlens = torch.tensor([5, 30], dtype=torch.int32)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, **kw)
+    pos = torch.tensor([[5, 6, 7], [30, 31, 32]])
+    want_k = _rotate_by_complex(k, cos, sin, pos, interleaved)
+    for b, s in ((0, 5), (1, 30)):
+        assert torch.allclose(kc[b, s:s + 3].double(), want_k[b], rtol=1e-2, atol=1e-2)
+        assert torch.equal(vc[b, s:s + 3], v[b]) and not kc[b, :s].any()
+    assert torch.allclose(ran[-1].double(), _rotate_by_complex(q, cos, sin, pos, interleaved), rtol=1e-2, atol=1e-2)
+    assert torch.equal(kc[..., 32:][0, 5:8], k[0, :, :, 32:])  # past rotary_dim: as given
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, **kw)  # non-causal
+    at_start = torch.tensor([[5, 5, 5], [30, 30, 30]])
+    assert torch.allclose(ran[-1].double(), _rotate_by_complex(q, cos, sin, at_start, interleaved), rtol=1e-2, atol=1e-2)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, window_size=(8, 0), **kw)
+    assert torch.allclose(ran[-1].double(), _rotate_by_complex(q, cos, sin, pos, interleaved), rtol=1e-2, atol=1e-2)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=7, causal=True, **kw)  # an int
+    assert torch.allclose(kc[1, 7:10].double(), _rotate_by_complex(k, cos, sin, pos * 0 + torch.arange(7, 10), interleaved)[1], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(rotary_cos=torch.ones(50, 16)), "one shape"),
+    (dict(rotary_cos=torch.ones(50, 40), rotary_sin=torch.ones(50, 40)), "rotary_dim / 2 <= 32"),
+    (dict(rotary_cos=torch.ones(50, 16), rotary_sin=torch.ones(50, 16, dtype=torch.float64)), "dtype"),
+    (dict(rotary_cos=torch.ones(50, 16), rotary_sin=torch.ones(50, 16), no_kv=True), "pass k and v"),
+    (dict(rotary_cos=torch.ones(10, 16), rotary_sin=torch.ones(10, 16), cache_seqlens=8), "10 positions"),
+])
+def test_rotary_errors(launched, kwargs, match):
+    q = torch.zeros(2, 3, 4, 64, dtype=BF)
+    kc = vc = torch.zeros(2, 40, 2, 64, dtype=BF)
+    k = v = torch.zeros(2, 3, 2, 64, dtype=BF)
+    if kwargs.pop("no_kv", False):
+        k = v = None
+    kwargs.setdefault("cache_seqlens", 5)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, **kwargs)

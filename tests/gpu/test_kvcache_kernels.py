@@ -250,3 +250,35 @@ def test_fp8_cache_bf16_queries_beyond_f16_range(lib):
     torch.cuda.synchronize()
     ref, ref_lse = kvcache_attention_reference(q, _dequantized(kc, ks), _dequantized(vc, vs), seqlens)
     _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_rotary_append_then_attend(lib, paged, interleaved):
+    """rotary_cos/rotary_sin: the cache receives the keys rotated at cache_seqlens + i, q is
+    rotated at its own positions (causal), and the output is the reference's on the rotated
+    q over the updated cache."""
+    from fa3gen.reference import rotary_at
+
+    b, sq, hq, hkv, d, cap = 3, 2, 8, 2, 128, 64
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, sq, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    seqlens = torch.tensor([13, 0, 61], dtype=torch.int32, device="cuda")
+    theta = torch.rand(cap, d // 4, device="cuda", generator=g) * 6.3  # rotary_dim d / 2
+    cos, sin = theta.cos(), theta.sin()
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 16 if paged else None)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
+                                               return_lse=True, rotary_cos=cos, rotary_sin=sin,
+                                               rotary_interleaved=interleaved, **extra)
+    torch.cuda.synchronize()
+    pos = seqlens.long()[:, None] + torch.arange(sq, device="cuda")
+    q_rot = rotary_at(q, cos, sin, pos, interleaved).to(q.dtype)
+    k_rot = rotary_at(k, cos, sin, pos, interleaved).to(k.dtype)
+    for i in range(b):
+        for j in range(sq):
+            p = int(pos[i, j])
+            row = kc[extra["block_table"][i, p // 16], p % 16] if paged else kc[i, p]
+            assert torch.equal(row, k_rot[i, j])
+    ref, ref_lse = kvcache_attention_reference(q_rot, kc, vc, seqlens + sq, causal=True, **extra)
+    _check(out, lse, ref, ref_lse)
