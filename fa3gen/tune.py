@@ -21,6 +21,7 @@ Pure parts (candidates, choice, rendering, writing) run on CPU; torch is importe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -194,11 +195,15 @@ def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
 
 
 def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
-            min_ms: float) -> dict[str, list[float | None]]:
-    """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape."""
+            min_ms: float, sampler=None, power: dict | None = None) -> dict[str, list[float | None]]:
+    """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape.
+    With a PowerSampler, power gets {candidate: [[mean board W, mean SM MHz] per shape]}
+    over that candidate's timed batches ([None, None] without samples)."""
     from fa3gen.timing import report_failure, sustained_ms
 
     times: dict = {n: [] for n in names}
+    if sampler is not None and power is not None:
+        power.update({n: [] for n in names})
     for shape in shapes:
         make = _call(key, shape)
         runnable = []
@@ -210,9 +215,17 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             except Exception as e:  # a candidate that cannot run this shape cannot win
                 report_failure(name, e)
                 times[name].append(None)
+        if sampler is not None:
+            sampler.reset()
+        tag = sampler.tag if sampler is not None else None
         for (name, _), ms in zip(runnable, sustained_ms([f for _, f in runnable], rounds,
-                                                         min_ms) if runnable else []):
+                                                         min_ms, tag) if runnable else []):
             times[name].append(ms)
+        if sampler is not None and power is not None:
+            means = sampler.means(range(len(runnable)))
+            ran = {name: list(means[i]) for i, (name, _) in enumerate(runnable)}
+            for name in names:
+                power[name].append(ran.get(name, [None, None]))
     return times
 
 
@@ -241,6 +254,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "fastest at some of the measured lengths (split halfway between them)")
     p.add_argument("--dry-run", action="store_true",
                    help="measure and report, but leave the spec as it is")
+    p.add_argument("--no-power", action="store_true",
+                   help="do not sample board power and SM clock (nvidia-smi) during the timing")
     p.set_defaults(func=run)
     return p
 
@@ -273,12 +288,24 @@ def run(args) -> int:
                             min_ms=args.min_ms, complete=False)
     out = Path(str(args.out).replace("<spec>", spec_path.stem))
     out.parent.mkdir(parents=True, exist_ok=True)
+    from fa3gen.timing import PowerSampler
+
+    with PowerSampler(torch.cuda.current_device()) if not args.no_power \
+            else contextlib.nullcontext() as sampler:
+        return _tune_keys(args, lib, spec_path, multi, current, report, out, sampler)
+
+
+def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: dict, out: Path,
+               sampler) -> int:
+    """Measure every key, write the report after each, then the spec's dispatch section."""
     winners, notes, ranges = {}, {}, {}
     for key, variants in sorted(multi.items(), key=lambda kv: kv[1][0].name):
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
         names = [v.name for v in variants]
-        times = measure(lib, key, names, shapes, args.rounds, args.min_ms)
+        power: dict = {}
+        extra = {"sampler": sampler, "power": power} if sampler is not None else {}
+        times = measure(lib, key, names, shapes, args.rounds, args.min_ms, **extra)
         best, relative = choose(times)
         winner = next(v for v in variants if v.name == best)
         old = current.get(key)
@@ -295,7 +322,8 @@ def run(args) -> int:
                                "relative_speed": relative, "winner": best,
                                "previous_default": old.name if old else None,
                                "seqlen_ranges": [[lo, hi, v.name] for lo, hi, v
-                                                 in ranges.get(key, [])]})
+                                                 in ranges.get(key, [])],
+                               **({"power_w_sm_mhz": power} if power else {})})
         change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
         print(f"{key_str(key)}: {best}{change}; " + ", ".join(
             f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)

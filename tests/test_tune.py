@@ -111,7 +111,7 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     monkeypatch.setattr(tune, "measure", measure)
     out = tmp_path / "tune.json"
     assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--rounds", "2",
-                     "--min-ms", "5", "--out", str(out)]) == 0
+                     "--min-ms", "5", "--out", str(out), "--no-power"]) == 0
     assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0)]
     assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -152,7 +152,7 @@ def test_tune_writes_ranges_that_resolve(spec_file, tmp_path, monkeypatch, capsy
     # 128x128 faster at 1024, 128x176 at 4096 and 16384 (and in the geomean)
     monkeypatch.setattr(tune, "measure", lambda *a: {NC_128: [1.0, 4.0, 40.0],
                                                      NC_176: [1.2, 3.5, 30.0]})
-    assert cli.main(["tune", "--spec", str(spec_file), "--ranges", "--out",
+    assert cli.main(["tune", "--spec", str(spec_file), "--ranges", "--no-power", "--out",
                      str(tmp_path / "t.json")]) == 0
     text = spec_file.read_text()
     assert "    seqlen_k: [0, 2048]\n    use: {tile: [128, 128]," in text
@@ -187,8 +187,56 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
     out = tmp_path / "tune.json"
     before = spec_file.read_text()
     with pytest.raises(RuntimeError, match="second key fails"):
-        cli.main(["tune", "--spec", str(spec_file), "--out", str(out)])
+        cli.main(["tune", "--spec", str(spec_file), "--out", str(out), "--no-power"])
     report = json.loads(out.read_text())
     assert report["header"]["complete"] is False
     assert [k["winner"] for k in report["keys"]] == [c_128]
     assert spec_file.read_text() == before
+
+
+def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeypatch):
+    """Sampled (the default): each key's report holds every candidate's mean board power and
+    SM clock per shape over its own timed batches (nvidia-smi faked at 600 W, 1700 MHz); a
+    candidate that fails a shape gets [None, None] there."""
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from fa3gen import runtime, timing
+
+    fake = Path(__file__).parent / "fake_nvidia_smi.py"
+    real = timing.PowerSampler
+    monkeypatch.setattr(timing, "PowerSampler",
+                        lambda index: real(index, period_ms=2, command=str(fake)))
+    monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1700")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: types.SimpleNamespace(
+        variants=[parse_name(NC_128), parse_name(NC_176)], path=tmp_path / "lib.so"))
+    monkeypatch.setattr(tune, "provenance", lambda lib: {})
+
+    def call(key, shape):
+        def make(name):
+            if name == NC_176 and shape["seqlen"] == 4096:
+                raise RuntimeError("this candidate cannot run 4096")
+            return lambda: None
+        return make
+
+    def sustained_ms(fns, rounds, min_ms, tag=None):
+        for i in range(len(fns)):
+            tag(i)
+            time.sleep(0.2)
+            tag(None)
+        return [1.0 + i for i in range(len(fns))]
+
+    monkeypatch.setattr(tune, "_call", call)
+    monkeypatch.setattr(timing, "sustained_ms", sustained_ms)
+    monkeypatch.setattr(timing, "report_failure", lambda name, e: None)
+    out = tmp_path / "t.json"
+    assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--dry-run",
+                     "--out", str(out)]) == 0
+    key = json.loads(out.read_text())["keys"][0]
+    assert key["ms"] == {NC_128: [1.0, 1.0], NC_176: [2.0, None]}
+    assert key["power_w_sm_mhz"] == {NC_128: [[600.0, 1700.0]] * 2,
+                                     NC_176: [[600.0, 1700.0], [None, None]]}
