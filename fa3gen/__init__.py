@@ -38,8 +38,9 @@ _LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tr
 
 
 def __getattr__(name):
-    if name in _LAZY_ATTRS:
-        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+    if name in _LAZY_ATTRS:  # kept once loaded: later lookups skip this hook (1.3 us a call)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+        return value
     if name in _LAZY_MODULES:
         return importlib.import_module(f"fa3gen.{name}")
     raise AttributeError(f"module 'fa3gen' has no attribute {name!r}")
