@@ -150,19 +150,18 @@ def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
     if cache_seqlens is None:
         raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
     b, n, rows = q.shape[0], k.shape[1], cos.shape[0]
+    span = max(n, q.shape[1] if per_row else 1)  # positions past cache_seqlens the call uses
     steps = torch.arange(max(n, q.shape[1]), device=q.device)
     if isinstance(cache_seqlens, int):
-        if cache_seqlens < 0 or cache_seqlens + max(n, q.shape[1] if per_row else 1) > rows:
-            raise InvalidInputError(
-                f"rotary_cos has {rows} positions; the call needs cache_seqlens + "
-                f"{max(n, q.shape[1] if per_row else 1)} = "
-                f"{cache_seqlens + max(n, q.shape[1] if per_row else 1)}")
+        if cache_seqlens < 0 or cache_seqlens + span > rows:
+            raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
+                                    f"cache_seqlens + {span} = {cache_seqlens + span}")
         start = torch.full((b, 1), cache_seqlens, dtype=torch.long, device=q.device)
     else:
         _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
         start = cache_seqlens.long()[:, None]
         if debug_checks_enabled():
-            need = int((start.max() + max(n, q.shape[1] if per_row else 1)).item())
+            need = int((start.max() + span).item())
             if need > rows:
                 raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
     positions = (start + steps).clamp(0, rows - 1)
