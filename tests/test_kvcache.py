@@ -478,3 +478,17 @@ def test_rotary_errors(launched, kwargs, match):
     kwargs.setdefault("cache_seqlens", 5)
     with pytest.raises(InvalidInputError, match=match):
         kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, **kwargs)
+
+
+def test_rotary_positions_past_the_table_under_debug_checks(launched, monkeypatch):
+    """A tensor cache_seqlens is not read on the host by default (positions are clamped to the
+    table); FA3GEN_DEBUG_CHECKS=1 reads it and names the positions needed."""
+    q = torch.zeros(2, 3, 4, 64, dtype=BF)
+    kc = vc = torch.zeros(2, 60, 2, 64, dtype=BF)
+    k = v = torch.zeros(2, 3, 2, 64, dtype=BF)
+    table = dict(rotary_cos=torch.ones(50, 16), rotary_sin=torch.zeros(50, 16))
+    seqlens = torch.tensor([48, 5], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, **table)
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    with pytest.raises(InvalidInputError, match="50 positions; cache_seqlens needs 51"):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, **table)
