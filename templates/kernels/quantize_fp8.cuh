@@ -149,8 +149,9 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // holds a block in registers between its amax and its store. A row's 32 x T elements belong to
 // T = HeadDim / 32 consecutive lanes, 32 each: lane t of a row owns its 16-byte chunks
 // t, t + T, t + 2T, t + 3T (element e = 8 (t + T k) + i is value j = 8 k + i), so the Hadamard
-// butterflies cross lanes for log2 T strides only (the rest are in-thread: 2T log2 T shuffles a
-// row instead of 20 for d128 with a lane per 4 elements), and rotary pairs are in-thread.
+// butterflies cross lanes for log2 T strides only (the rest are in-thread: T log2 T shuffle
+// instructions a row, 8 at d128 against 20 with a lane per 4 elements), and rotary pairs are
+// in-thread.
 // 512 threads (one CTA an SM), or 256 for the 6-stage ring of small blocks: two CTAs an SM,
 // so one CTA's barriers overlap the other's work (a 16 KB block fills one pass of 256).
 // Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
@@ -159,9 +160,9 @@ constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
 constexpr int staged_threads(int stages) { return stages == kSmallStages ? 256 : 512; }
 template <int HeadDim, int Threads = 512>
 struct Staged {
-  static constexpr int T = HeadDim / 32;              // lanes per row
+  static constexpr int T = HeadDim / 32;            // lanes per row
   static constexpr int kRowsPerPass = Threads / T;  // rows per 32 registers a thread
-  static constexpr int kChunks = HeadDim / 8;               // 16-byte chunks of a 16-bit row
+  static constexpr int kChunks = HeadDim / 8;       // 16-byte chunks of a 16-bit row
   static constexpr int kRowBytes = HeadDim * 2;
   // Bank swizzle of a row's chunks: the 8 lanes of one shared-memory phase (8 / T rows) read
   // 8 distinct 16-byte bank groups.
