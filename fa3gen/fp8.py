@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -126,24 +127,64 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     rotary_dim d or d / 2, else by PyTorch operations first."""
     from fa3gen.reference import apply_rotary, hadamard_transform
 
+    key = _quantize_key(q, k, v, block, hadamard, seed, causal, variant, rotary,
+                        rotary_interleaved)
+    plan = _quantize_plans.get(key) if key is not None else None
+    if plan is not None and plan.lib is _quantizer_library(q) and \
+            all(x.data_ptr() % 16 == 0 for x in (q, k, v)):  # the planned strides need no copy
+        signs = _signs(q.shape[-1], seed, q.device) if hadamard else None
+        (q8, qd), (k8, kd), (v8, vd) = (
+            _quantize_launch(plan.lib, template, x, signs if qk else None,
+                             rotary if qk else None)
+            for template, x, qk in zip(plan.templates, (q, k, v), (True, True, False)))
+        return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     _check_rotary(rotary, q, k)
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
     signs = _signs(q.shape[-1], seed, q.device) if hadamard else None
     lib = _quantizer_library(q)
-    out = []
-    for x, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
-        s = signs if qk else None
-        rot = rotary if qk else None
+    out, templates = [], []
+    for given, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
+        x, s, rot = given, signs if qk else None, rotary if qk else None
         if rot is not None and not (lib is not None and _kernel_serves(x)
                                     and _kernel_rotates(x, rows, rot, rotary_interleaved)):
             x, rot = apply_rotary(x, *rot, interleaved=rotary_interleaved), None
         if lib is not None and _kernel_serves(x):
-            out.append(_quantize_kernel(lib, x, rows, s, rot, rotary_interleaved))
+            x, template = _quantize_params(x, rows, rot, rotary_interleaved)
+            templates.append(template if x is given else None)  # a plan takes them as given
+            out.append(_quantize_launch(lib, template, x, s, rot))
         else:
+            templates.append(None)
             xr = hadamard_transform(x.float() * s) if s is not None else x
             out.append(quantize(xr, rows))
+    if key is not None and all(t is not None for t in templates):  # all three on the kernel
+        ops._remember(_quantize_plans, key, _QuantizePlan(lib, tuple(templates)))
     (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+@dataclass(frozen=True)
+class _QuantizePlan:
+    """A quantize_fp8 call signature whose three tensors go to the fused kernel as they are:
+    the library and each tensor's params template (all but the pointers)."""
+    lib: object
+    templates: tuple
+
+
+# quantize_fp8 call signature -> _QuantizePlan (ops._remember bounds it).
+_quantize_plans: dict = {}
+
+
+def _quantize_key(q, k, v, *args):
+    """The plan key of a quantize_fp8 call (tensors by shape, strides, dtype and device; the
+    rotary tables likewise), or None when an argument is not what a plan can hold."""
+    try:
+        rotary = args[-2]
+        tables = None if rotary is None else tuple(ops._signature(t) for t in rotary)
+        key = (*(ops._signature(x) for x in (q, k, v)), *args[:-2], tables, args[-1])
+        hash(key)
+        return key
+    except (TypeError, AttributeError, ValueError):  # the checks of the unplanned call say why
+        return None
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,26 +247,41 @@ def _kernel_rotates(x, block_rows: int | None, rotary, interleaved: bool) -> boo
 def _quantize_kernel(lib, x, block_rows: int | None, signs, rotary=None, interleaved: bool = False):
     """fa3gen_quantize_fp8 on x: (e4m3 values, descale) as `quantize` returns them (of
     apply_rotary(x, *rotary) when rotary is given: _kernel_rotates must hold)."""
+    x, template = _quantize_params(x, block_rows, rotary, interleaved)
+    return _quantize_launch(lib, template, x, signs, rotary)
+
+
+def _quantize_params(x, block_rows: int | None, rotary=None, interleaved: bool = False):
+    """(x, params template): x made contiguous when the kernel cannot read it as it is (16-byte
+    vectors), and every field but the pointers."""
     if x.stride(-1) != 1 or any(x.stride(i) % 8 for i in range(3)) or x.data_ptr() % 16:
         x = x.contiguous()  # the kernel reads 16-byte vectors
     b, s, h, d = x.shape
-    out = torch.empty((b, s, h, d), dtype=FP8_DTYPE, device=x.device)
-    blocks = -(-s // block_rows) if block_rows else 0
-    descale = torch.empty((b, h, blocks) if block_rows else (1,), dtype=torch.float32,
-                          device=x.device)
-    work = None if block_rows else torch.empty(1, dtype=torch.float32, device=x.device)  # the amax
     p = runtime.QuantizeParams()
-    p.x, p.out, p.descale = x.data_ptr(), out.data_ptr(), descale.data_ptr()
-    p.amax_workspace = work.data_ptr() if work is not None else None
-    p.signs = signs.data_ptr() if signs is not None else None
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)
     p.batch, p.seqlen, p.heads, p.head_dim = b, s, h, d
     p.block_rows, p.x_fp16 = block_rows or 0, int(x.dtype == torch.float16)
+    if rotary is not None:
+        p.rotary_half, p.rotary_interleaved = rotary[0].shape[-1], int(interleaved)
+    return x, p
+
+
+def _quantize_launch(lib, template, x, signs, rotary):
+    """One launch of a params template on x (laid out as planned): new outputs, the pointers."""
+    b, s, h, d = x.shape
+    block_rows = template.block_rows
+    out = torch.empty((b, s, h, d), dtype=FP8_DTYPE, device=x.device)
+    descale = torch.empty((b, h, -(-s // block_rows)) if block_rows else (1,),
+                          dtype=torch.float32, device=x.device)
+    work = None if block_rows else torch.empty(1, dtype=torch.float32, device=x.device)  # the amax
+    p = runtime.QuantizeParams.from_buffer_copy(template)
+    p.x, p.out, p.descale = x.data_ptr(), out.data_ptr(), descale.data_ptr()
+    p.amax_workspace = work.data_ptr() if work is not None else None
+    p.signs = signs.data_ptr() if signs is not None else None
     if rotary is not None:  # fp32 rows of rotary_dim / 2, 16-byte aligned (vector loads)
         cos, sin = (t[:s].to(torch.float32).contiguous() for t in rotary)
         cos, sin = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (cos, sin))
         p.rotary_cos, p.rotary_sin = cos.data_ptr(), sin.data_ptr()
-        p.rotary_half, p.rotary_interleaved = cos.shape[-1], int(interleaved)
     ops.on_current_stream(x.device, lambda stream: lib.quantize_fp8(p, stream))
     return out, descale
 

@@ -310,3 +310,49 @@ def test_fp8_emulation_keeps_the_running_maximum_as_the_kernels_do():
     assert not torch.equal(kept, every) and torch.allclose(lse, lse_every, atol=1e-9)
     for emu in (kept, every):
         assert (emu - exact).pow(2).mean().sqrt() <= 4e-2 * exact.pow(2).mean().sqrt()
+
+
+def test_quantize_fp8_plans_once_per_signature(fake_launch, monkeypatch):
+    """A repeated quantize_fp8 signature launches from its plan: the same params as the first
+    (unplanned) call but for the pointers, without re-checking or re-resolving the tiles; a
+    misaligned tensor or another library takes the unplanned path again."""
+    import types
+
+    launched = []
+    lib = types.SimpleNamespace(quantize_fp8=lambda p, stream: launched.append(
+        {name: getattr(p, name) for name, _ in p._fields_}))
+    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: lib)
+    monkeypatch.setattr(fp8, "_kernel_serves", lambda x: True)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    resolved = []
+    real_block_sizes = fp8.block_sizes
+    monkeypatch.setattr(fp8, "block_sizes", lambda *a: resolved.append(1) or real_block_sizes(*a))
+    fp8._quantize_plans.clear()
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 300, 3, 4, 128, generator=g).to(torch.bfloat16)
+    q, k, v = qkv.unbind(2)  # strided views, 16-byte aligned
+    theta = torch.rand(300, 64, generator=g)
+    kw = dict(causal=True, hadamard=True, rotary=(theta.cos(), theta.sin()))
+    pointers = ("x", "out", "descale", "signs", "rotary_cos", "rotary_sin", "amax_workspace")
+    for repeat in range(2):
+        launched.clear()
+        q8, k8, v8, ds = fp8.quantize_fp8(q, k, v, **kw)
+        if repeat == 0:
+            first = [{n: x for n, x in p.items() if n not in pointers} for p in launched]
+        else:
+            assert [{n: x for n, x in p.items() if n not in pointers} for p in launched] == first
+        assert [p["x"] for p in launched] == [t.data_ptr() for t in (q, k, v)]
+        assert [bool(p["signs"]) for p in launched] == [True, True, False]
+        assert [bool(p["rotary_cos"]) for p in launched] == [True, True, False]
+        assert ds["q_descale"].shape == (2, 4, 3) and q8.shape == q.shape
+    assert len(resolved) == 1 and first[0]["block_rows"] == 128 and first[0]["rotary_half"] == 64
+    assert first[0]["x_row_stride"] == 3 * 4 * 128
+    # q's signature (shape, strides) 8 bytes off the 16-byte alignment: the unplanned path
+    misaligned = torch.as_strided(qkv, q.shape, q.stride(), storage_offset=4)
+    launched.clear()
+    fp8.quantize_fp8(misaligned, k, v, **kw)
+    assert len(resolved) == 2 and launched[0]["x"] != misaligned.data_ptr()  # a contiguous copy
+    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: types.SimpleNamespace(
+        quantize_fp8=lib.quantize_fp8))
+    fp8.quantize_fp8(q, k, v, **kw)
+    assert len(resolved) == 3  # another library: planned again
