@@ -79,3 +79,23 @@ def test_run_times_the_two_libraries_with_the_base_commit(monkeypatch, tmp_path)
     assert cmd[2:] == [str(tmp_path / "w/A/h100/lib/libfa3gen_h100.so"),
                        str(tmp_path / "w/B/h100/lib/libfa3gen_h100.so"),
                        "--commit-a", "abc123", "--seqlens", "1024"]
+
+
+def test_run_quantizer_times_the_two_quantizers(monkeypatch, tmp_path):
+    base = tmp_path / "ab_base"
+    base.mkdir()
+    (base / "AB_BASE_COMMIT").write_text("abc123\n")
+    monkeypatch.setattr(ab_trees, "BASE_DIR", base)
+    ran = []
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", lambda *a, **kw: type(
+        "Build", (), {"wait": lambda self: 0})())
+    monkeypatch.setattr(ab_trees.subprocess, "run", lambda cmd, env=None: ran.append((cmd, env))
+                        or subprocess.CompletedProcess(cmd, 0))
+    args = type("Args", (), {"spec": "h100", "only": ["fwd_e4m3_d64_nocausal*"], "jobs": 4,
+                             "work": str(tmp_path / "w"), "quantizer": True})
+    assert ab_trees.run(args, ["--json", "q.json"]) == 0
+    ((cmd, env),) = ran
+    assert cmd[1].endswith("tests/gpu/bench_fp8_quantize.py")
+    assert cmd[2:] == ["--baseline-so", str(tmp_path / "w/A/h100/lib/libfa3gen_h100.so"),
+                       "--json", "q.json"]
+    assert env["FA3GEN_LIB"] == str(tmp_path / "w/B/h100/lib/libfa3gen_h100.so")
