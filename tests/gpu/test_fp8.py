@@ -255,3 +255,44 @@ def test_quantize_fp8_rotary_takes_the_fused_kernel(interleaved, monkeypatch):
     for got, scale, (w, w_scale) in zip((q8, k8, v8), ds.values(), want):
         assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
         assert torch.equal(scale, w_scale)
+
+
+def test_quantize_fp8_planned_call_gives_the_first_calls_bytes():
+    """A repeated quantize_fp8 signature launches from its plan (fp8._quantize_plans): the same
+    bytes and scales as the first, unplanned call, on new data of the same layout too."""
+    _quantizer_lib()
+    d = next((v.head_dim for v in VARIANTS if v.is_default and not v.causal), None)
+    if d is None:
+        pytest.skip("no default non-causal e4m3 variant")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(2, 333, 3, 4, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    fp8._quantize_plans.clear()
+    first = fa3gen.quantize_fp8(*qkv.unbind(2), hadamard=True)
+    assert len(fp8._quantize_plans) == 1
+    again = fa3gen.quantize_fp8(*qkv.unbind(2), hadamard=True)
+    other = torch.randn_like(qkv)
+    planned = fa3gen.quantize_fp8(*other.unbind(2), hadamard=True)
+    fp8._quantize_plans.clear()
+    unplanned = fa3gen.quantize_fp8(*other.unbind(2), hadamard=True)
+    for a, b in ((first, again), (planned, unplanned)):
+        for x, y in zip(a[:3], b[:3]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+        assert all(torch.equal(a[3][n], b[3][n]) for n in a[3])
+
+
+@pytest.mark.parametrize("magnitude", [1e-33, float("inf")], ids=["tiny", "inf"])
+def test_quantize_kernel_divides_blocks_of_extreme_magnitude(magnitude):
+    """Blocks whose descale is below 2^-100 or infinite take the kernel's exact division
+    (div_by's reciprocal would over- or underflow): still the PyTorch path's bytes."""
+    lib = _quantizer_lib()
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(1, 256, 2, 128, device="cuda", generator=g, dtype=torch.float32)
+    x[:, :128, 0] *= 1e-33 if magnitude < 1 else 1.0  # block 0 of head 0: tiny values
+    if magnitude == float("inf"):
+        x[0, 5, 0, 7] = float("inf")  # block 0 of head 0: an infinite value
+    x = x.to(torch.bfloat16)
+    got, got_descale = fp8._quantize_kernel(lib, x, 128, None)
+    want, want_descale = fp8.quantize(x, 128)
+    torch.cuda.synchronize()
+    assert torch.equal(got_descale, want_descale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
