@@ -127,8 +127,8 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     rotary_dim d or d / 2, else by PyTorch operations first."""
     from fa3gen.reference import apply_rotary, hadamard_transform
 
-    key = _quantize_key(q, k, v, block, hadamard, seed, causal, variant, rotary,
-                        rotary_interleaved)
+    key = _quantize_key((q, k, v), rotary,
+                        (block, hadamard, seed, causal, variant, rotary_interleaved))
     plan = _quantize_plans.get(key) if key is not None else None
     if plan is not None and plan.lib is _quantizer_library(q) and \
             all(x.data_ptr() % 16 == 0 for x in (q, k, v)):  # the planned strides need no copy
@@ -174,13 +174,13 @@ class _QuantizePlan:
 _quantize_plans: dict = {}
 
 
-def _quantize_key(q, k, v, *args):
-    """The plan key of a quantize_fp8 call (tensors by shape, strides, dtype and device; the
-    rotary tables likewise), or None when an argument is not what a plan can hold."""
+def _quantize_key(tensors, rotary, options: tuple):
+    """The plan key of a quantize_fp8 call: q, k, v and the rotary tables by shape, strides,
+    dtype and device, and the other arguments (options); None when one is not what a plan can
+    hold."""
     try:
-        rotary = args[-2]
         tables = None if rotary is None else tuple(ops._signature(t) for t in rotary)
-        key = (*(ops._signature(x) for x in (q, k, v)), *args[:-2], tables, args[-1])
+        key = (*(ops._signature(x) for x in tensors), tables, options)
         hash(key)
         return key
     except (TypeError, AttributeError, ValueError):  # the checks of the unplanned call say why

@@ -156,14 +156,13 @@ def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
                                     f"cache_seqlens + {span} = {cache_seqlens + span}")
-        start = torch.full((b, 1), cache_seqlens, dtype=torch.long, device=q.device)
     else:
         _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
-        start = cache_seqlens.long()[:, None]
-        if debug_checks_enabled():
-            need = int((start.max() + span).item())
-            if need > rows:
-                raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
+    start = _start_rows(cache_seqlens, b, q.device)
+    if not isinstance(cache_seqlens, int) and debug_checks_enabled():
+        need = int((start.max() + span).item())
+        if need > rows:
+            raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
     positions = (start + steps).clamp(0, rows - 1)
     q_positions = positions[:, :q.shape[1]] if per_row else start.clamp(0, rows - 1).expand(b, q.shape[1])
     return (rotary_at(q, cos, sin, q_positions, interleaved).to(q.dtype),
@@ -361,6 +360,14 @@ def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
     return k.shape[1]
 
 
+def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
+    """(batch, 1) int64: each sequence's first new row, cache_seqlens (an int is every
+    sequence's; negative values read as 0)."""
+    if isinstance(seqlens, int):
+        return torch.full((batch, 1), max(seqlens, 0), dtype=torch.long, device=device)
+    return seqlens.long()[:, None].clamp(min=0)
+
+
 def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
     """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
     host sync). Rows past the capacity are not written: their positions clamp to the cache's
@@ -371,10 +378,7 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
     b, n = k.shape[:2]
     device = k.device
     steps = torch.arange(n, device=device)
-    if isinstance(seqlens, int):  # the same for every sequence
-        start = torch.full((b, 1), seqlens, dtype=torch.long, device=device)
-    else:
-        start = seqlens.long()[:, None].clamp(min=0)
+    start = _start_rows(seqlens, b, device)
     pos = (start + steps).clamp(max=capacity - 1)
     last_fit = capacity - 1 - start                      # (b, 1): the last new row that fits
     src = steps.clamp(max=last_fit.clamp(min=0))        # the new row each position receives

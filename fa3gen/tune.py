@@ -196,36 +196,31 @@ def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
 
 def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             min_ms: float, sampler=None, power: dict | None = None) -> dict[str, list[float | None]]:
-    """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape.
-    With a PowerSampler, power gets {candidate: [[mean board W, mean SM MHz] per shape]}
-    over that candidate's timed batches ([None, None] without samples)."""
-    from fa3gen.timing import report_failure, sustained_ms
+    """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape
+    (bench.measure_backends, sustained). With a PowerSampler, power gets {candidate: [[mean
+    board W, mean SM MHz] per shape]} over that candidate's timed batches ([None, None]
+    without samples)."""
+    from fa3gen.bench import measure_backends
+    from fa3gen.timing import report_failure
 
+    timing = argparse.Namespace(rounds=rounds, min_ms=min_ms)
     times: dict = {n: [] for n in names}
     if sampler is not None and power is not None:
         power.update({n: [] for n in names})
     for shape in shapes:
         make = _call(key, shape)
-        runnable = []
+        fns = {}
         for name in names:
             try:
-                fn = make(name)
-                fn()
-                runnable.append((name, fn))
+                fns[name] = make(name)
             except Exception as e:  # a candidate that cannot run this shape cannot win
                 report_failure(name, e)
-                times[name].append(None)
-        if sampler is not None:
-            sampler.reset()
-        tag = sampler.tag if sampler is not None else None
-        for (name, _), ms in zip(runnable, sustained_ms([f for _, f in runnable], rounds,
-                                                         min_ms, tag) if runnable else []):
-            times[name].append(ms)
-        if sampler is not None and power is not None:
-            means = sampler.means(range(len(runnable)))
-            ran = {name: list(means[i]) for i, (name, _) in enumerate(runnable)}
-            for name in names:
-                power[name].append(ran.get(name, [None, None]))
+                fns[name] = None
+        ms, watts, mhz = measure_backends(fns, timing, sampler)
+        for name in names:
+            times[name].append(ms.get(name))
+            if sampler is not None and power is not None:
+                power[name].append([watts.get(name), mhz.get(name)])
     return times
 
 
