@@ -213,6 +213,9 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows], row_m[kRows], row_l[kRows];
 
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
+  // A programmatic dependent of the kernel before it (the previous decode step's combine or
+  // split kernel): placed while that one drains, it waits here until its writes are visible.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");  // the combine kernel may be placed now
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
@@ -288,13 +291,10 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       cp_async_16(smem_addr(v_dst + dst), vc + v_off + chunk * kPerChunk, valid);
     }
   };
-#pragma unroll
-  for (int n = 0; n < C::kStages - 1; ++n) {
-    if (n < my_slices) load_slice(n, slice_page(n));
-    cp_async_commit();  // empty groups keep the count uniform
-  }
-  // Q: the rows of this kv head, zero-padded to 16, into shared memory (swizzled); after the
-  // first K/V copies are issued, so that its load latency overlaps theirs.
+  // Q: the rows of this kv head, zero-padded to 16. Each thread reads its pairs of 16-byte
+  // chunks (c, c + 1 of row r) into registers before the first K/V copies are issued: read
+  // after them, Q waited behind the whole GPU's queued copies (the loop started 4.4-5.4 us
+  // after launch at 67 MB, H200).
   auto q_chunk = [&](int r, int chunk) {  // 8 values of row r (zeros past the rows)
     if (r >= rows) return make_uint4(0, 0, 0, 0);
     const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
@@ -302,17 +302,22 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
                                            int64_t(qi) * p.q_row_stride + int64_t(head) * p.q_head_stride +
                                            chunk * 8);
   };
+  constexpr int kPairs = kRows * C::kChunks / 2, kPairsPerThread = (kPairs + kWarps * 32 - 1) / (kWarps * 32);
+  uint4 q_pairs[kPairsPerThread][2];
+#pragma unroll
+  for (int k = 0; k < kPairsPerThread; ++k) {
+    const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
+    q_pairs[k][0] = i < kPairs ? q_chunk(r, c) : make_uint4(0, 0, 0, 0);
+    q_pairs[k][1] = i < kPairs ? q_chunk(r, c + 1) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int n = 0; n < C::kStages - 1; ++n) {
+    if (n < my_slices) load_slice(n, slice_page(n));
+    cp_async_commit();  // empty groups keep the count uniform
+  }
+  // Q into shared memory (swizzled).
   float q_pow = 1.f;  // q entered the mma as q / q_pow
   if constexpr (KvFp8) {
-    // Each thread's pairs of chunks (c, c + 1 of row r), read from global memory once.
-    constexpr int kPairs = kRows * C::kChunks / 2, kPairsPerThread = (kPairs + kWarps * 32 - 1) / (kWarps * 32);
-    uint4 q_pairs[kPairsPerThread][2];
-#pragma unroll
-    for (int k = 0; k < kPairsPerThread; ++k) {
-      const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
-      q_pairs[k][0] = i < kPairs ? q_chunk(r, c) : make_uint4(0, 0, 0, 0);
-      q_pairs[k][1] = i < kPairs ? q_chunk(r, c + 1) : make_uint4(0, 0, 0, 0);
-    }
     // The f16 mma. bf16 q is scaled by 2^-e, e the least that keeps this CTA's largest |q|
     // below 2^15 (f16 tops at 65504); exact (a power of two), and f16 keeps bf16's 8 bits.
     if constexpr (!std::is_same_v<T, __half>) {
@@ -345,20 +350,20 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
         }
       }
     }
-    // Each 16 columns in the order qk_fp8's K fragments take: value pairs 0 2 4 6, then 1 3 5 7.
+  }
 #pragma unroll
-    for (int k = 0; k < kPairsPerThread; ++k) {
-      const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
-      const uint4 v0 = q_pairs[k][0], v1 = q_pairs[k][1];
-      if (i < kPairs) {
+  for (int k = 0; k < kPairsPerThread; ++k) {
+    const int i = threadIdx.x + k * kWarps * 32, r = i / (C::kChunks / 2), c = 2 * (i % (C::kChunks / 2));
+    const uint4 v0 = q_pairs[k][0], v1 = q_pairs[k][1];
+    if (i < kPairs) {
+      if constexpr (KvFp8) {  // each 16 columns in the order qk_fp8's K fragments take: value
+                              // pairs 0 2 4 6, then 1 3 5 7
         *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c)) = make_uint4(v0.x, v0.z, v1.x, v1.z);
         *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c + 1)) = make_uint4(v0.y, v0.w, v1.y, v1.w);
+      } else {
+        *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c)) = v0;
+        *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, c + 1)) = v1;
       }
-    }
-  } else {
-    for (int i = threadIdx.x; i < kRows * C::kChunks; i += kWarps * 32) {
-      const int r = i / C::kChunks, chunk = i % C::kChunks;
-      *reinterpret_cast<uint4*>(q_smem + swizzled<HeadDim>(r, chunk)) = q_chunk(r, chunk);
     }
   }
   const float qk_scale = p.softmax_scale * k_factor * q_pow;
@@ -551,16 +556,37 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
 
 // Merge the splits of one (b, head, query) row: O = sum_s exp(lse_s - lse) O_s. Launched as a
 // programmatic dependent of the split kernel: its blocks are placed while the split kernel
-// drains and wait here until its partials are complete and visible.
+// drains and wait here until its partials are complete and visible. Its time is a tail after
+// the split kernel, so it is built for latency: warp w takes splits w, w + 4, ..., and issues
+// the loads of up to kBatch of them together with the LSE loads, so that up to 32 splits cost
+// one round trip to L2 (the earlier one-warp version took one for the LSEs and one per 8 splits:
+// 3.1 us after the split kernel at 29 splits, H200).
+constexpr int kCombineWarps = 4;
+
 template <class T, int HeadDim>
-__global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params p) {
+__global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const fa3gen_decode_params p) {
   constexpr int E = HeadDim / 32;  // columns per lane
-  constexpr int kBatch = 8;        // splits whose partials are in flight at once
+  constexpr int kBatch = 8;        // splits per warp whose partials are in flight at once
   struct alignas(E * 4 <= 16 ? E * 4 : 16) Part { float v[E]; };
+  __shared__ float warp_o[kCombineWarps][HeadDim];
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");  // the next call's split kernel may be placed
   const int64_t row = blockIdx.x;  // (b, hq, sq) flattened
-  const int lane = threadIdx.x, splits = p.num_splits;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, splits = p.num_splits;
   const float* lses = p.lse_accum + row * splits;
+  const float* parts = p.o_accum + row * splits * HeadDim + lane * E;
+  auto load_batch = [&](int s0, Part (&part)[kBatch], float (&w)[kBatch]) {  // splits s0 + warp + 4j
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int s = s0 + warp + kCombineWarps * j;
+      const int safe = min(s, splits - 1);  // past the last split: a valid address, weight 0
+      part[j] = *reinterpret_cast<const Part*>(parts + int64_t(safe) * HeadDim);
+      w[j] = s < splits ? lses[safe] : -INFINITY;
+    }
+  };
+  Part part[kBatch];
+  float w[kBatch];
+  load_batch(0, part, w);
   float lmax = -INFINITY;
   for (int s = lane; s < splits; s += 32) lmax = fmaxf(lmax, lses[s]);
   lmax = warp_max(lmax);
@@ -572,31 +598,32 @@ __global__ void __launch_bounds__(32) combine_kernel(const fa3gen_decode_params 
   const float lse = lmax == -INFINITY ? -INFINITY : lmax + logf(total);
   float o[E] = {};
   if (lmax != -INFINITY) {
-    // kBatch splits' loads issued before their FMAs: one L2 round trip per batch, not per split.
-    for (int s0 = 0; s0 < splits; s0 += kBatch) {
-      Part part[kBatch];
-      float w[kBatch];
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int s = min(s0 + j, splits - 1);
-        part[j] = *reinterpret_cast<const Part*>(p.o_accum + (row * splits + s) * HeadDim + lane * E);
-        w[j] = s0 + j < splits ? lses[s] : -INFINITY;
-      }
+    for (int s0 = 0;;) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const float wj = expf(w[j] - lse);  // 0 for an empty split and past the last one
 #pragma unroll
         for (int i = 0; i < E; ++i) o[i] = fmaf(wj, part[j].v[i], o[i]);
       }
+      s0 += kCombineWarps * kBatch;
+      if (s0 >= splits) break;
+      load_batch(s0, part, w);
     }
   }
+#pragma unroll
+  for (int i = 0; i < E; ++i) warp_o[warp][lane * E + i] = o[i];
+  __syncthreads();
   const int qi = int(row % p.seqlen_q), head = int((row / p.seqlen_q) % p.heads_q);
   const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
   T* out = static_cast<T*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(qi) * p.out_row_stride +
-           int64_t(head) * p.out_head_stride + lane * E;
+           int64_t(head) * p.out_head_stride;
+  for (int c = threadIdx.x; c < HeadDim; c += kCombineWarps * 32) {
+    float sum = 0.f;
 #pragma unroll
-  for (int i = 0; i < E; ++i) from_float(o[i], out[i]);
-  if (lane == 0) p.lse[row] = lse;
+    for (int k = 0; k < kCombineWarps; ++k) sum += warp_o[k][c];
+    from_float(sum, out[c]);
+  }
+  if (threadIdx.x == 0) p.lse[row] = lse;
 }
 
 template <class T, int HeadDim, bool KvFp8>
@@ -609,20 +636,25 @@ int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
   cudaError_t err =
       set_smem_limit_once<SplitKernelTag<T, HeadDim, KvFp8>>(split_kernel<T, HeadDim, KvFp8>, smem);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute (decode shared memory)", err);
-  const dim3 grid(p.num_splits, p.heads_kv, p.batch);
-  split_kernel<T, HeadDim, KvFp8><<<grid, kWarps * 32, smem, stream>>>(p);
+  // Both kernels are programmatic dependents of the kernel before them (griddepcontrol.wait
+  // at their start): each grid is set up while the one before drains, instead of after it
+  // retires (the split kernel started 0.9 us after the previous step's combine, H200 graph).
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(p.num_splits, p.heads_kv, p.batch);
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  err = cudaLaunchKernelEx(&config, split_kernel<T, HeadDim, KvFp8>, p);
+  if (err != cudaSuccess) return report("decode split launch", err);
   if (p.num_splits > 1) {
-    // Programmatic dependent launch: the combine grid is set up while the split kernel's last
-    // CTAs run (it waits on griddepcontrol.wait), instead of after they all retire.
-    cudaLaunchConfig_t config = {};
     config.gridDim = dim3(unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q));
-    config.blockDim = dim3(32);
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[0].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
+    config.blockDim = dim3(kCombineWarps * 32);
+    config.dynamicSmemBytes = 0;
     err = cudaLaunchKernelEx(&config, combine_kernel<T, HeadDim>, p);
     if (err != cudaSuccess) return report("decode combine launch", err);
   }
