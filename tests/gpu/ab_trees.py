@@ -6,13 +6,14 @@ and from this tree, then timed side by side by ab_libraries.py.
     python3 tests/gpu/ab_trees.py run --spec h100 --only 'fwd_bf16_d128_*' [--only ...]
         [-j 16] [--seqlens 1024 4096 16384] [--rounds 3] [--min-ms 100] [--json ab.json]
     python3 tests/gpu/ab_trees.py run --quantizer --only 'fwd_e4m3_d64_nocausal*' [--json q.json]
+    python3 tests/gpu/ab_trees.py run --decode --only 'fwd_bf16_d64_nocausal_m192n128*' [--no-peers ...]
 
 `run` needs the GPU host to have ab_base/ (carry it with the tree when the host is another
 machine) and builds both libraries at once, each into its own generated root under
 --work (default /tmp/fa3gen_ab: A from ab_base, B from this tree; the tree's generated/ is
 left alone), then runs ab_libraries.py on them; its JSON header names the base commit.
 --quantizer runs bench_fp8_quantize.py instead (B's library loaded, A's quantizer called
-through --baseline-so).
+through --baseline-so), --decode bench_kvcache.py the same way (A's decode kernels).
 
 Not a pytest module.
 """
@@ -85,10 +86,11 @@ def run(args, ab_args: list[str]) -> int:
         raise SystemExit("build failed: " + "; ".join(failed))
     print(f"built A ({commit[:10]}) and B (this tree) under {work}", flush=True)
     lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, "B", args.spec))
-    if getattr(args, "quantizer", False):  # the fp8 quantizers of both, in one process
-        cmd = [sys.executable, str(Path(__file__).with_name("bench_fp8_quantize.py")),
-               "--baseline-so", lib_a, *ab_args]
-        return subprocess.run(cmd, env={**os.environ, "FA3GEN_LIB": lib_b}).returncode
+    bench = {"quantizer": "bench_fp8_quantize.py", "decode": "bench_kvcache.py"}
+    for flag, script in bench.items():  # one kind of kernel of both, in one process
+        if getattr(args, flag, False):
+            cmd = [sys.executable, str(Path(__file__).with_name(script)), "--baseline-so", lib_a, *ab_args]
+            return subprocess.run(cmd, env={**os.environ, "FA3GEN_LIB": lib_b}).returncode
     cmd = [sys.executable, str(Path(__file__).with_name("ab_libraries.py")), lib_a, lib_b,
            "--commit-a", commit, *ab_args]
     return subprocess.run(cmd).returncode
@@ -111,6 +113,9 @@ def main() -> int:
                        help="time the two builds' fp8 quantizers (bench_fp8_quantize.py "
                             "--baseline-so A) instead of their attention variants; --only then "
                             "names one e4m3 variant, which brings the quantizer along")
+    p_run.add_argument("--decode", action="store_true",
+                       help="time the two builds' decode kernels (bench_kvcache.py --baseline-so "
+                            "A); any --only brings them along")
     args, rest = parser.parse_known_args()
     if args.command == "export":
         if rest:

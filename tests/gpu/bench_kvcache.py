@@ -1,6 +1,7 @@
 """Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
 of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
     python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300] [--kv-fp8] [--dtype fp16]
+        [--baseline-so OLD.so] [--no-peers] [--case SQ,HKV,B,N ...]
 Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16 (--dtype); batch 1, 8, 64, 256;
 cache lengths 1k to 128k (cases above 8 GB of KV, or --max-mb, left out); contiguous and paged (64-row pages,
 shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
@@ -9,8 +10,12 @@ PyTorch SDPA's cuDNN backend (contiguous, GQA). Each backend twice: eager calls 
 (host time included, as a Python loop sees it) and CUDA-graph replays of 20 calls (the GPU
 time, as a serving engine that captures its decode step sees it). --out is rewritten after every
 case ("complete": false until the last), so a run cut short by a time limit keeps what it
-measured. Not a pytest module."""
+measured. --baseline-so adds the columns base and base_paged: the same calls with another
+library's fa3gen_decode_fwd (e.g. an earlier commit's build; same params struct), in the same
+process and rounds. Not a pytest module."""
 import argparse
+import contextlib
+import ctypes
 import datetime
 import json
 import os
@@ -18,7 +23,7 @@ import sys
 
 import torch
 
-from fa3gen import kvcache, timing
+from fa3gen import kvcache, ops, runtime, timing
 from fa3gen.bench import git_commit
 
 MB = 1e6
@@ -41,6 +46,29 @@ def _peer(fn):
         return fn, None
     except Exception as e:  # noqa: BLE001
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+class _RawDecode:
+    """A library file's fa3gen_decode_fwd called directly (no ABI check: an A/B baseline)."""
+
+    def __init__(self, path: str):
+        self._fn = ctypes.CDLL(path).fa3gen_decode_fwd
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [ctypes.POINTER(runtime.DecodeParams), ctypes.c_void_p]
+
+    @contextlib.contextmanager
+    def launching(self):
+        """flash_attn_with_kvcache calls inside launch this library's kernels."""
+        def launch(device, params):
+            def run(stream):
+                if self._fn(ctypes.byref(params), stream) != 0:
+                    raise RuntimeError("baseline decode failed")
+            ops.on_current_stream(device, run)
+        saved, kvcache._launch_decode = kvcache._launch_decode, launch
+        try:
+            yield
+        finally:
+            kvcache._launch_decode = saved
 
 
 GRAPH_CALLS = 20
@@ -75,8 +103,13 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="q's (and a 16-bit cache's)")
     ap.add_argument("--kv-fp8", action="store_true",
                     help="e4m3 caches with per-head factors under bf16 queries (fa3gen alone: no peer has it)")
+    ap.add_argument("--baseline-so", help="a library whose decode kernels are timed beside this one's")
+    ap.add_argument("--case", action="append", default=[], metavar="SQ,HKV,B,N",
+                    help="only these cases (seqlen_q, heads_kv, batch, cache length; repeatable)")
+    ap.add_argument("--no-peers", action="store_true", help="fa3gen alone (and --baseline-so)")
     args = ap.parse_args()
-    fa4 = None if args.kv_fp8 else _fa4()
+    fa4 = None if args.kv_fp8 or args.no_peers else _fa4()
+    base = _RawDecode(args.baseline_so) if args.baseline_so else None
     elem = 1 if args.kv_fp8 else 2  # bytes per cached value
     hq, d, page = 32, 128, 64
     dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
@@ -91,6 +124,8 @@ def main():
             for n in (1024, 4096, 16384, 65536, 131072)]
     if args.quick:
         grid = [(1, 8, 1, 131072), (1, 8, 64, 4096), (4, 8, 8, 32768), (1, 32, 256, 1024)]
+    if args.case:
+        grid = [tuple(int(x) for x in c.split(",")) for c in args.case]
     for sq, hkv, b, n in grid:
         kv_bytes = 2 * b * n * hkv * d * elem
         if kv_bytes > args.max_mb * MB:
@@ -112,6 +147,9 @@ def main():
             "fa3gen_paged": lambda: kvcache.flash_attn_with_kvcache(q, pages, vpages, cache_seqlens=seqlens,
                                                                     block_table=table, **factors),
         }
+        if base is not None:
+            for name in ("fa3gen", "fa3gen_paged"):
+                fns[name.replace("fa3gen", "base")] = lambda fn=fns[name]: _with(base, fn)
         skipped = {}
         if fa4 is not None:
             for name, kcache, vcache, pt in (("fa4", kc, vc, None), ("fa4_paged", pages, vpages, table)):
@@ -130,13 +168,14 @@ def main():
             from torch.nn.attention import SDPBackend, sdpa_kernel
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hkv != hq)
-        fn, why = (None, "no e4m3 cache") if args.kv_fp8 else _peer(cudnn)
+        fn, why = ((None, "no e4m3 cache") if args.kv_fp8 else (None, "--no-peers") if args.no_peers
+                   else _peer(cudnn))
         if fn is None:
             skipped["cudnn"] = why
         else:
             fns["cudnn"] = fn
         names = list(fns)
-        graphs = {k: g for k in names if (args.graph_peers or k.startswith("fa3gen"))
+        graphs = {k: g for k in names if (args.graph_peers or k.startswith(("fa3gen", "base")))
                   and (g := _graphed(fns[k])) is not None}
         gnames = list(graphs)
         ms = timing.sustained_ms([fns[k] for k in names] + [graphs[k] for k in gnames], 2, 50)
@@ -163,6 +202,11 @@ def main():
         print(f"{k} n/a in some cases, e.g.: {v}", file=sys.stderr)
 
 
+def _with(base, fn):
+    with base.launching():
+        return fn()
+
+
 def write_report(args, copy_gbs, rows, complete):
     """The JSON report (--out), rewritten whole and atomically after each case."""
     if not args.out:
@@ -170,7 +214,7 @@ def write_report(args, copy_gbs, rows, complete):
     report = {"device": torch.cuda.get_device_name(), "commit": git_commit(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "complete": complete, "copy_gbs": round(copy_gbs),
-              "q": args.dtype, "cache": "e4m3, per-head factors" if args.kv_fp8 else args.dtype,
+              "baseline_so": args.baseline_so, "q": args.dtype, "cache": "e4m3, per-head factors" if args.kv_fp8 else args.dtype,
               "timing": "fa3gen.timing.sustained_ms, 2 rounds x >= 50 ms, order rotated; "
                         "us: eager calls, graph_us: CUDA graph replay of 20 calls / 20",
               "rows": rows}
