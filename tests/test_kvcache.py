@@ -41,7 +41,7 @@ def test_contiguous_cache_params(launched):
     assert p.cache_seqlens and p.cache_batch_idx and not p.block_table and p.page_size == 0
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (1000 * 256, 256, 128)
     assert p.causal == 1 and p.fp16 == 0 and p.softmax_scale == pytest.approx(128 ** -0.5)
-    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132, 128) == 13  # 85% of 15 splits of 64 keys
+    assert p.num_splits == kvcache.num_splits_heuristic(2, 2, 1000, 132, 128) == 16  # 15 of 64 keys and one of 40
     assert p.o_accum and p.cache_rows == 3  # indices are clamped to it
     launched.clear()
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=4, cache_batch_idx=idx)
@@ -110,14 +110,19 @@ def test_debug_checks_catch_out_of_range_pages(launched, monkeypatch):
 
 
 def test_split_heuristic():
-    # b=1, 8 kv heads, d128 (2 CTAs per SM: 264 slots): 29 splits (232 CTAs) is the fewest
-    # within 85% of filling every slot (33 splits)
-    assert kvcache.num_splits_heuristic(1, 8, 131072, 132, 128) == 29
+    # b=1, 8 kv heads, d128 (2 CTAs per SM: 264 slots): 33 splits of 3972 keys (rounded up to
+    # 4032) fill every slot; 32 (256 CTAs) is below 95% of that ...
+    assert kvcache.num_splits_heuristic(1, 8, 131072, 132, 128) == 33
+    # ... and at 64k, 31 splits are the fewest within 95% of the best fill (32: 33 would run as 32
+    # splits of 2048 keys), and 32 run fewer keys per CTA in the same single wave
+    assert kvcache.num_splits_heuristic(1, 8, 65536, 132, 128) == 32
+    # 14 splits of 1024 keys would run as 8 of 128: 16 of 64
+    assert kvcache.num_splits_heuristic(1, 8, 1024, 132, 128) == 16
     assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 128) == 4     # 256 of 264 slots
     assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 256) == 2     # 1 CTA per SM: 128 of 132
     assert kvcache.num_splits_heuristic(256, 8, 4096, 132, 128) == 1
-    assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 13      # 85% of 15 splits of 64 keys
-    assert kvcache.num_splits_heuristic(1, 1, 100, 132, 64) == 1
+    assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 16      # 15 of 64 keys and one of 40
+    assert kvcache.num_splits_heuristic(1, 1, 100, 132, 64) == 2        # 64 keys and 36
 
 
 def test_reference_paged_equals_contiguous():
@@ -255,7 +260,7 @@ def test_window_and_softcap_params(launched):
     assert windowed.softcap == 30.0 and causal.softcap == 0.0
     assert (causal.window_left, causal.window_right, causal.causal) == (-1, -1, 1)
     assert (both_sides.window_left, both_sides.window_right) == (100, 7)
-    assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 14
+    assert windowed.num_splits == kvcache.num_splits_heuristic(1, 2, 1024 + 1 + 15, 132, 128) == 17
     assert causal.num_splits == kvcache.num_splits_heuristic(1, 2, 65536, 132, 128) > windowed.num_splits
 
 
