@@ -14,13 +14,17 @@ def _key(r):
 def main():
     data = json.loads((HERE / "decode.json").read_text())
     runs = data["runs"]
-    # The full grid is run 2's; runs after it re-measured some cases with every peer in the
-    # process (FA4 included); run 1 holds FA4 for the others.
-    newest = {}
+    # The full grid is run 2's; runs after it re-measured some cases, with every peer in the
+    # process (run 3, FA4 included) or fa3gen alone (run 4); run 1 holds FA4 for the others.
+    # GPU times come from a case's newest run, eager times from its newest run with cuDNN in
+    # the same process.
+    newest, eager = {}, {}
     for number, run in enumerate(runs, 1):
         if number >= 2:
             for r in run["rows"]:
                 newest[_key(r)] = (number, r, run["copy_gbs"])
+                if "cudnn" in r["us"]:
+                    eager[_key(r)] = (number, r)
     fa4 = {_key(r): r["us"] for r in runs[0]["rows"]}
     roof = runs[1]["copy_gbs"]
     print("| seqlen_q | kv heads | batch | cache | MB | fa3gen GPU us (contig / paged) | % of copy | "
@@ -29,6 +33,8 @@ def main():
     rows = []
     for key in [_key(r) for r in runs[1]["rows"]]:
         number, r, copy_gbs = newest[key]
+        eager_number, eager_row = eager[key]
+        r = dict(r, us=eager_row["us"], gbs=eager_row["gbs"])
         rows.append(r)
         g, e = r["graph_us"], r["us"]
         p = e if "fa4" in e else fa4.get(key, {})
@@ -38,7 +44,8 @@ def main():
         print(f"| {r['seqlen_q']} | {r['heads_kv']} | {r['batch']} | {r['cache_len'] // 1024}k | "
               f"{r['mb_moved']} | {g['fa3gen']:.0f} / {g['fa3gen_paged']:.0f} | {pct} | "
               f"{e['fa3gen']:.0f} | {e.get('cudnn', float('nan')):.0f} | {peer} | "
-              f"{number}{'' if 'fa4' in e else ' (FA4: 1)'} |")
+              f"{number}{'' if eager_number == number else f' (eager: {eager_number})'}"
+              f"{'' if 'fa4' in e else ' (FA4: 1)'} |")
     merged = {"rows": rows}
 
     import matplotlib
@@ -63,7 +70,7 @@ def main():
     ax.set_xlabel("MB of K, V, q and out moved per call")
     ax.set_ylabel("GB/s")
     ax.set_title("Decode over a KV cache, H200, bf16, d128, 32 query heads")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(HERE / "decode.png", dpi=110)
 
