@@ -26,7 +26,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     from generator.build import build
     build(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs,
           dry_run=args.dry_run, compiler_launcher=args.launcher,
-          allow_spills=args.allow_spills, debug=args.debug, lineinfo=args.lineinfo)
+          allow_spills=args.allow_spills, debug=args.debug, lineinfo=args.lineinfo,
+          defines=args.define)
     return 0
 
 
@@ -158,6 +159,10 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                    help="compiler launcher, e.g. ccache (default: $FA3GEN_COMPILER_LAUNCHER)")
     b.add_argument("--debug", action="store_true", help="device asserts on, -lineinfo")
     b.add_argument("--lineinfo", action="store_true", help="add -lineinfo")
+    b.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a preprocessor definition for every compile (repeatable), for "
+                        "debugging builds: FA3GEN_DECODE_TRACE stamps the decode split kernel's "
+                        "phases (tests/gpu/trace_decode.py)")
     b.set_defaults(func=cmd_build)
 
     ls = sub.add_parser("list", help="list the variants a spec builds (* = dispatch default)")

@@ -7,7 +7,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, library_name,
                              spec_out_dir)
@@ -123,7 +123,8 @@ class BuildResult:
 def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           jobs: Optional[int] = None, dry_run: bool = False,
           compiler_launcher: Optional[str] = None, allow_spills: bool = False,
-          debug: bool = False, lineinfo: bool = False, toolchain: Optional[Toolchain] = None,
+          debug: bool = False, lineinfo: bool = False, defines: Sequence[str] = (),
+          toolchain: Optional[Toolchain] = None,
           log: Callable[[str], None] = print) -> BuildResult:
     """Render and compile a spec (or its --only/--exclude selection) into its library.
 
@@ -136,7 +137,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     p = plan(spec_path, only, exclude)
     for warning in p.warnings:
         log(f"fa3gen: warning: {warning}")
-    tc = toolchain or detect(debug=debug, lineinfo=lineinfo)
+    tc = toolchain or detect(debug=debug, lineinfo=lineinfo, defines=defines)
     fp = tc.fingerprint()
     launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
     jobs = jobs or default_jobs()

@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Sequence
 from pathlib import Path
 
 from . import __version__
@@ -77,7 +78,20 @@ def cutlass_version(include: Path) -> str:
     return ".".join(m.group(1) for m in parts)
 
 
-def compile_flags(cutlass_include: Path, debug: bool = False, lineinfo: bool = False) -> list[str]:
+DEFINE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(=[^\s]*)?")
+
+
+def check_defines(defines: Sequence[str]) -> list[str]:
+    """`--define` values (NAME or NAME=VALUE, as nvcc's -D takes them), checked."""
+    for d in defines:
+        if not DEFINE_RE.fullmatch(d):
+            raise ToolchainError(f"--define {d!r}: expected NAME or NAME=VALUE (NAME a C identifier, "
+                                 "VALUE without spaces)")
+    return list(defines)
+
+
+def compile_flags(cutlass_include: Path, debug: bool = False, lineinfo: bool = False,
+                  defines: Sequence[str] = ()) -> list[str]:
     flags = ["-std=c++17", "-O3", *GENCODE, "--expt-relaxed-constexpr", "--use_fast_math"]
     if not debug:
         flags.append("-DNDEBUG")  # device asserts cost a lot of speed
@@ -88,6 +102,7 @@ def compile_flags(cutlass_include: Path, debug: bool = False, lineinfo: bool = F
     flags += ["-Xcompiler", "-fvisibility=hidden"]
     if debug or lineinfo:
         flags.append("-lineinfo")
+    flags += [f"-D{d}" for d in check_defines(defines)]  # debugging builds (e.g. FA3GEN_DECODE_TRACE)
     flags += [f"-I{KERNELS_DIR}", f"-I{cutlass_include}"]
     return flags
 
@@ -113,11 +128,11 @@ class Toolchain:
                 "link_flags": list(self.link_flags), "generator_version": __version__}
 
 
-def detect(debug: bool = False, lineinfo: bool = False) -> Toolchain:
+def detect(debug: bool = False, lineinfo: bool = False, defines: Sequence[str] = ()) -> Toolchain:
     nvcc = find_nvcc()
     inc = find_cutlass_include()
     return Toolchain(nvcc, nvcc_version(nvcc), inc, cutlass_version(inc),
-                     tuple(compile_flags(inc, debug, lineinfo)))
+                     tuple(compile_flags(inc, debug, lineinfo, defines)))
 
 
 def template_hashes(templates_dir: Path = TEMPLATES_DIR) -> list[tuple[str, str]]:

@@ -4,9 +4,11 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 
 from fa3gen.contract import Variant, parse_name
 from generator.ninja import render_build_ninja
+from generator.errors import ToolchainError
 from generator.render import c_string, plan_sources, render_dispatch, render_variant, write_if_changed
 from generator.toolchain import Toolchain, compile_flags
 
@@ -147,6 +149,14 @@ def test_flags():
     d = compile_flags(inc, debug=True)
     assert "-DNDEBUG" not in d and "-lineinfo" in d
     assert "-lineinfo" in compile_flags(inc, lineinfo=True)
+    traced = compile_flags(inc, defines=["FA3GEN_DECODE_TRACE", "X=1"])
+    assert traced[-4:-2] == ["-DFA3GEN_DECODE_TRACE", "-DX=1"] and traced[-1] == "-I/x/include"
+
+
+@pytest.mark.parametrize("bad", ["1X", "A B", "X=1 2", "-DX", ""])
+def test_bad_define_is_refused(bad):
+    with pytest.raises(ToolchainError, match="--define"):
+        compile_flags(Path("/x/include"), defines=[bad])
 
 
 def test_extended_mma_shapes_only_where_an_n_needs_them():

@@ -32,6 +32,31 @@ constexpr int kWarps = 4;
 constexpr int kRows = 16;   // query rows per kv head: M of the mma
 constexpr int kSlice = 16;  // keys per warp and stage: K of the P V mma
 
+// Debugging builds only (fa3gen build --define FA3GEN_DECODE_TRACE): each split-kernel CTA
+// stamps %globaltimer (ns) at its phases into kTracePoints slots, read back through
+// fa3gen_decode_trace (tests/gpu/trace_decode.py); the last call's stamps stay, for up to
+// kTraceCtas CTAs. Compiled out otherwise (the kernels' code is unchanged).
+enum TracePoint { kTraceStart, kTraceReleased, kTraceQStaged, kTraceFirstSlice, kTraceWarpDone,
+                  kTraceMerged = kTraceWarpDone + kWarps, kTraceStored, kTracePoints };
+constexpr int kTraceCtas = 1 << 16;
+#ifdef FA3GEN_DECODE_TRACE
+__device__ unsigned long long g_trace[kTraceCtas * kTracePoints];
+__device__ __forceinline__ void trace(int point) {
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  unsigned long long now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  if (cta < kTraceCtas) g_trace[cta * kTracePoints + point] = now;
+}
+#define FA3GEN_DECODE_STAMP(when, point) \
+  do {                                   \
+    if (when) trace(point);              \
+  } while (0)
+#else
+#define FA3GEN_DECODE_STAMP(when, point) \
+  do {                                   \
+  } while (0)
+#endif
+
 // KvFp8: the cache holds e4m3 (one byte per element). Its slices land in the ring as they are
 // and the mma fragments are read from the bytes and converted in registers (qk_fp8, pv_fp8);
 // the ring gets twice the stages for the same bytes in flight and the same shared memory
@@ -215,7 +240,9 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
   // A programmatic dependent of the kernel before it (the previous decode step's combine or
   // split kernel): placed while that one drains, it waits here until its writes are visible.
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceStart);
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceReleased);
   asm volatile("griddepcontrol.launch_dependents;");  // the combine kernel may be placed now
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int group = p.heads_q / p.heads_kv, rows = group * p.seqlen_q;
@@ -374,6 +401,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
 
   int next_page = slice_page(C::kStages - 1);
   __syncthreads();  // Q is in shared memory
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceQStaged);
 
   float o[HeadDim / 8][4];
 #pragma unroll
@@ -386,6 +414,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();  // slice n has landed (this lane's copies) ...
     __syncwarp();                     // ... and every lane's
+    FA3GEN_DECODE_STAMP(n == 0 && threadIdx.x == 0, kTraceFirstSlice);
     const uint8_t* k_tile = ring + (n % C::kStages) * 2 * C::kCacheSliceBytes;
     const uint8_t* v_tile = k_tile + C::kCacheSliceBytes;
     const int key0 = start + (warp + n * kWarps) * kSlice;
@@ -472,6 +501,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     __syncwarp();  // every lane is done with this stage before a later load_slice refills it
   }
   cp_async_wait<0>();
+  FA3GEN_DECODE_STAMP(lane == 0, kTraceWarpDone + warp);
 
   // Merge the four warps: row max and sum, then the rescaled partial outputs summed.
 #pragma unroll
@@ -484,6 +514,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     }
   }
   __syncthreads();  // also: every warp is done with its ring, reused below
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceMerged);
   if (threadIdx.x < kRows) {
     const int r = threadIdx.x;
     float mx = -INFINITY, sum = 0.f;
@@ -541,6 +572,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
       acc[1] = make_float4(v[4] * inv, v[5] * inv, v[6] * inv, v[7] * inv);
     }
   }
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceStored);  // its own stores issued
   if (threadIdx.x < rows) {  // LSE in natural log; -inf for a row without keys
     const int r = threadIdx.x;
     const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;

@@ -1,0 +1,96 @@
+"""Where a decode call's split-kernel time goes, CTA by CTA: each CTA's %globaltimer stamps at
+its phases (decode.cuh, TracePoint), from a library built for it:
+
+    python3 build.py --spec specs/h100.yaml --only 'fwd_bf16_d64_nocausal*' --define FA3GEN_DECODE_TRACE
+    python3 tests/gpu/trace_decode.py [--case SQ,HKV,B,N ...] [--splits S] [--paged] [--json out.json]
+
+Each case (seqlen_q, heads_kv, batch, cache length; bf16, d128, 32 query heads, cache_seqlens a
+tensor) is captured in a CUDA graph of 20 calls and replayed a few times, so the stamps are a
+steady-state call's, with the call before still draining. Printed per phase, in us after the
+first CTA's start (min / median / max over CTAs; warp ends over warps): the wait on the kernel
+before (programmatic dependent launch), Q in shared memory, the first slice landed, each warp's
+last slice done, the warps merged, the partials stored. Not a pytest module."""
+import argparse
+import ctypes
+import json
+
+POINTS = ("start", "released", "q_staged", "first_slice", "warp0_done", "warp1_done", "warp2_done",
+          "warp3_done", "merged", "stored")
+CASES = ((1, 8, 1, 16384), (1, 32, 1, 4096), (1, 8, 1, 1024), (1, 8, 1, 65536))
+
+
+def graphed(fn, calls=20):
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def trace_case(read, case, splits, paged):
+    import numpy as np
+    import torch
+    from fa3gen import kvcache
+    sq, hkv, b, n = case
+    q = torch.randn(b, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(b, n, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    extra = {}
+    if paged:
+        kc, vc = kc.reshape(-1, 64, hkv, 128), vc.reshape(-1, 64, hkv, 128)
+        extra["block_table"] = torch.randperm(b * n // 64, device="cuda").to(torch.int32).reshape(b, -1)
+    lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    replay = graphed(lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                             num_splits=splits, **extra))
+    for _ in range(5):
+        replay()
+    torch.cuda.synchronize()
+    used = kvcache._split_count(n, splits, b, hkv, kvcache.ops._num_sms(q.device.index), 128, None)
+    ctas = used * hkv * b
+    stride = len(POINTS)
+    raw = (ctypes.c_ulonglong * (ctas * stride))()
+    if read(raw, ctas * stride) != 0:
+        raise SystemExit("fa3gen_decode_trace failed")
+    t = np.frombuffer(raw, dtype=np.uint64).reshape(ctas, stride).astype(np.int64)
+    t = (t - t[:, 0].min()) / 1e3
+    phases = {name: t[:, i] for i, name in enumerate(POINTS) if not name.startswith("warp")}
+    phases["warps_done"] = t[:, 4:8].ravel()
+    summary = {k: [round(float(f(v)), 2) for f in (np.min, np.median, np.max)] for k, v in phases.items()}
+    print(f"seqlen_q {sq}, kv heads {hkv}, batch {b}, {n} keys{' (paged)' if paged else ''}: "
+          f"{used} splits, {ctas} CTAs (us after the first start: min / median / max)")
+    for k, (lo, mid, hi) in summary.items():
+        print(f"  {k:12s} {lo:7.2f} {mid:7.2f} {hi:7.2f}")
+    deciles = [round(float(x), 2) for x in np.percentile(phases["warps_done"], range(0, 101, 10))]
+    print("  warps done, deciles:", " ".join(f"{x:.1f}" for x in deciles))
+    return {"case": list(case), "paged": paged, "splits": used, "ctas": ctas, "phases": summary,
+            "warps_done_deciles": deciles}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", default=[], metavar="SQ,HKV,B,N")
+    ap.add_argument("--splits", type=int, default=0, help="num_splits (0: the heuristic)")
+    ap.add_argument("--paged", action="store_true", help="64-row pages in shuffled order")
+    ap.add_argument("--json", help="write the summaries here")
+    args = ap.parse_args()
+    from fa3gen import runtime
+    lib = runtime.get_library()
+    read = getattr(lib._dll, "fa3gen_decode_trace", None)
+    if read is None:
+        raise SystemExit(f"{lib.path} has no decode trace: build it with --define FA3GEN_DECODE_TRACE")
+    read.restype = ctypes.c_int
+    read.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
+    cases = [tuple(int(x) for x in c.split(",")) for c in args.case] or CASES
+    rows = [trace_case(read, case, args.splits, args.paged) for case in cases]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"library": str(lib.path), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
