@@ -71,8 +71,11 @@ struct Config {
   static constexpr int kQBytes = kRows * HeadDim * 2;
   static constexpr int kRingBytes = kStages * 2 * kCacheSliceBytes;  // per warp
   static constexpr int kSmemBytes = kQBytes + kWarps * kRingBytes;
-  // The final merge reuses the rings for (warp, row, column) fp32 partial outputs.
-  static_assert(kWarps * kRows * HeadDim * 4 <= kWarps * kRingBytes, "merge buffer");
+  // The final merge reuses the rings for (warp, row, column) fp32 partial outputs, rows padded
+  // by 4 floats: the 8 rows of a fragment store then start on different banks (unpadded, a
+  // row of 64-256 floats put all 8 on the same ones).
+  static constexpr int kMergeStride = HeadDim + 4;
+  static_assert(kWarps * kRows * kMergeStride * 4 <= kWarps * kRingBytes, "merge buffer");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of RowBytes-wide rows, swizzled
@@ -530,8 +533,9 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int r = g + 8 * j;
+    if (r >= rows) continue;  // padding rows of the M tile: never read
     const float f = row_m[r] == -INFINITY ? 0.f : exp2f((m[j] - row_m[r]) * scale_log2);
-    float* row_out = merged + (warp * kRows + r) * HeadDim;
+    float* row_out = merged + (warp * kRows + r) * C::kMergeStride;
     if constexpr (KvFp8) {  // o[2c], o[2c + 1]: columns 16c + 4t + (0, 2), (1, 3) (pv_fp8)
 #pragma unroll
       for (int c = 0; c < HeadDim / 16; ++c) {
@@ -552,7 +556,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     float v[8] = {};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float4* src = reinterpret_cast<const float4*>(merged + (w * kRows + r) * HeadDim + col);
+      const float4* src = reinterpret_cast<const float4*>(merged + (w * kRows + r) * C::kMergeStride + col);
       const float4 x0 = src[0], x1 = src[1];
       v[0] += x0.x; v[1] += x0.y; v[2] += x0.z; v[3] += x0.w;
       v[4] += x1.x; v[5] += x1.y; v[6] += x1.z; v[7] += x1.w;
