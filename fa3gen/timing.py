@@ -61,6 +61,26 @@ def batch_ms(fn, launches: int) -> float:
     return start.elapsed_time(end) / launches
 
 
+def graph_replay(fn, calls: int):
+    """The replay of a CUDA graph holding `calls` captured calls of fn (warmed up once on a side
+    stream, as torch's capture recipe does; replayed once before it is returned): a call's GPU
+    time with the host work captured away."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.replay
+
+
 def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None) -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
     steady use, not a burst): rounds of back-to-back launches lasting at least min_ms, the fns

@@ -77,18 +77,7 @@ GRAPH_CALLS = 20
 def _graphed(fn):
     """A replay of GRAPH_CALLS captured calls of fn, or None when fn cannot be captured."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        return graph.replay
+        return timing.graph_replay(fn, GRAPH_CALLS)
     except Exception:  # noqa: BLE001 - a peer that cannot be captured has no graph column
         torch.cuda.synchronize()
         return None

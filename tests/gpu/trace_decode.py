@@ -19,24 +19,10 @@ POINTS = ("start", "released", "q_staged", "first_slice", "warp0_done", "warp1_d
 CASES = ((1, 8, 1, 16384), (1, 32, 1, 4096), (1, 8, 1, 1024), (1, 8, 1, 65536))
 
 
-def graphed(fn, calls=20):
-    import torch
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph.replay
-
-
 def trace_case(read, case, splits, paged):
     import numpy as np
     import torch
-    from fa3gen import kvcache
+    from fa3gen import kvcache, timing
     sq, hkv, b, n = case
     q = torch.randn(b, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc, vc = (torch.randn(b, n, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -45,8 +31,8 @@ def trace_case(read, case, splits, paged):
         kc, vc = kc.reshape(-1, 64, hkv, 128), vc.reshape(-1, 64, hkv, 128)
         extra["block_table"] = torch.randperm(b * n // 64, device="cuda").to(torch.int32).reshape(b, -1)
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    replay = graphed(lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
-                                                             num_splits=splits, **extra))
+    replay = timing.graph_replay(lambda: kvcache.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=lengths, num_splits=splits, **extra), 20)
     for _ in range(5):
         replay()
     torch.cuda.synchronize()
