@@ -231,8 +231,8 @@ def _kernel_serves(x) -> bool:
             and min(b, s, h) >= 1)
 
 
-# The fused kernel's limits (quantize_fp8.cuh): block scales come from the one-read kernel (and
-# rotary with them) for blocks of at most this many values (rows x head_dim).
+# The fused kernel's limits (quantize_fp8.cuh, kStagedBlockValues): block scales come from the
+# one-read kernel (and rotary with them) for blocks of at most this many values (rows x head_dim).
 KERNEL_BLOCK_VALUES = 32768
 
 

@@ -356,3 +356,16 @@ def test_quantize_fp8_plans_once_per_signature(fake_launch, monkeypatch):
         quantize_fp8=lib.quantize_fp8))
     fp8.quantize_fp8(q, k, v, **kw)
     assert len(resolved) == 3  # another library: planned again
+
+
+def test_kernel_block_values_is_the_quantizer_kernels():
+    """fp8.KERNEL_BLOCK_VALUES (which blocks the fused kernel rotates) is the staged kernel's
+    largest block, kStagedBlockValues in quantize_fp8.cuh (a static_assert there ties that
+    constant to the kernel's layout at every head dim)."""
+    import re
+
+    from generator.paths import KERNELS_DIR
+
+    header = (KERNELS_DIR / "quantize_fp8.cuh").read_text()
+    found = re.search(r"constexpr int kStagedBlockValues = (\d+);", header)
+    assert found and int(found.group(1)) == fp8.KERNEL_BLOCK_VALUES

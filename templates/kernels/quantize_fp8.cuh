@@ -169,9 +169,15 @@ struct Staged {
   __device__ static int swizzle(int row) { return (row % (8 / T)) * T; }
 };
 
-// The largest block the staged kernel takes: two passes of its rows (64 values a thread).
+// The largest block the staged kernel takes: two passes of its rows (64 values a thread), the
+// same number of values at every head dim (fa3gen/fp8.py's KERNEL_BLOCK_VALUES: a CPU test reads
+// kStagedBlockValues here).
 template <int HeadDim>
 constexpr int staged_max_rows() { return 2 * Staged<HeadDim>::kRowsPerPass; }
+constexpr int kStagedBlockValues = 32768;
+static_assert(staged_max_rows<64>() * 64 == kStagedBlockValues && staged_max_rows<128>() * 128 == kStagedBlockValues &&
+                  staged_max_rows<256>() * 256 == kStagedBlockValues,
+              "the staged kernel's largest block");
 
 // x * (1 / d) corrected to x / d rounded to nearest (Markstein: rcp = 1 / d correctly rounded,
 // the residual exact in one FMA): as fa3gen.fp8.quantize's division, in 3 instructions instead
