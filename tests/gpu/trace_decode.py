@@ -1,6 +1,7 @@
 """Where a decode call's split-kernel time goes, CTA by CTA: each CTA's %globaltimer stamps at
 its phases (decode.cuh, TracePoint), from a library built for it:
 
+    export FA3GEN_GENERATED=/tmp/fa3gen_trace   # its own root: the normal build stays as it is
     python3 build.py --spec specs/h100.yaml --only 'fwd_bf16_d64_nocausal*' --define FA3GEN_DECODE_TRACE
     python3 tests/gpu/trace_decode.py [--case SQ,HKV,B,N ...] [--splits S] [--paged] [--json out.json]
 
