@@ -298,9 +298,8 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
         names = [v.name for v in variants]
-        power: dict = {}
-        extra = {"sampler": sampler, "power": power} if sampler is not None else {}
-        times = measure(lib, key, names, shapes, args.rounds, args.min_ms, **extra)
+        power: dict = {}  # filled only with a sampler
+        times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power)
         best, relative = choose(times)
         winner = next(v for v in variants if v.name == best)
         old = current.get(key)

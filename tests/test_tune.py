@@ -104,7 +104,7 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     monkeypatch.setattr(tune, "provenance", lambda lib: {"gpu": "fake"})
     timed = []
 
-    def measure(lib, key, names, shapes, rounds, min_ms):
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None):
         timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms))
         return {NC_128: [1.0, 1.0], NC_176: [1.1, 1.05]}
 
@@ -178,7 +178,7 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
         variants=[parse_name(n) for n in (NC_128, NC_176, c_128, c_176)], path=tmp_path / "x.so"))
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
 
-    def measure(lib, key, names, shapes, rounds, min_ms):
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None):
         if NC_128 in names:  # keys go in name order: causal, then nocausal
             raise RuntimeError("second key fails")
         return {c_128: [1.0, 1.0, 1.0], c_176: [1.1, 1.1, 1.1]}

@@ -70,22 +70,14 @@ def main() -> int:
     def graph_replay_us(f) -> float:
         """Per-call time of replaying a CUDA graph that holds `calls` captured calls: what is
         left when the host work is captured away (the GPU time of the tiny problem)."""
+        from fa3gen.timing import graph_replay
+
         torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                f(q, k, v)  # warm-up on the side stream, as torch's capture recipe does
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(args.calls):
-                f(q, k, v)
-        graph.replay()
-        torch.cuda.synchronize()
+        replay = graph_replay(lambda: f(q, k, v), args.calls)
         samples = []
         for _ in range(args.rounds):
             t0 = time.perf_counter()
-            graph.replay()
+            replay()
             torch.cuda.synchronize()  # the replay's GPU time is what is measured here
             samples.append((time.perf_counter() - t0) / args.calls * 1e6)
         return statistics.median(samples)
