@@ -91,8 +91,8 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     if v.direction == "bwd":
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
-    if v.dtype == "e4m3":  # the transposing producers keep 56 registers (FwdTraits)
-        return need + v.tile_n // 8, 224 if consumer_warpgroups(v) <= 2 else 144
+    if v.dtype == "e4m3":  # P's e4m3 copy; the transposing producers keep 40, not 24 (FwdTraits)
+        return need + v.tile_n // 8, 232 if consumer_warpgroups(v) <= 2 else 160
     cap = 240 if consumer_warpgroups(v) <= 2 else 160
     return need, cap
 
@@ -114,9 +114,8 @@ def fp8_scope(v: Variant) -> Optional[str]:
                 "folded into the softcap, and those paths are not tested with fp8)")
     if not v.warp_specialized:
         return "e4m3 needs warp_specialized: true (the producer warpgroup transposes V)"
-    if v.tile_n % 64:
-        return (f"e4m3 tile_n {v.tile_n} must be a multiple of 64 (V^T rows of 64 or 128 bytes "
-                f"for the swizzled K-major layout the PV GEMM reads)")
+    if v.tile_n % 32:
+        return (f"e4m3 tile_n {v.tile_n} must be a multiple of 32 (the PV GEMM's K step)")
     return None
 
 

@@ -22,8 +22,9 @@ def test_fp8_scope_names_what_is_not_realized():
     assert "forward only" in fp8_scope(_v(direction="bwd"))
     assert "not realized yet" in fp8_scope(_v(softcap=True))
     assert "warp_specialized" in fp8_scope(_v(warp_specialized=False, pingpong=False))
-    assert "multiple of 64" in fp8_scope(_v(tile_n=96))
-    assert fp8_scope(_v(dtype="bf16", tile_n=96)) is None
+    assert "multiple of 32" in fp8_scope(_v(tile_n=80))
+    assert fp8_scope(_v(tile_n=96)) is None
+    assert fp8_scope(_v(dtype="bf16", tile_n=80)) is None
 
 
 def _inputs(b=2, sq=129, sk=200, hq=4, hkv=2, d=64):

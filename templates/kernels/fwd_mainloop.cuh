@@ -159,7 +159,12 @@ struct FwdMainloop {
     copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
     ++s;
   }
+  // 16-bit only: fp8 is warp specialized (FwdTraits) and lands V through load_v_raw; the body is
+  // not instantiated for it, V's TMA box not being V^T's layout there.
   __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
+    if constexpr (!Traits::kFp8) load_v_tma(n_block, head_kv, b, seq, s);
+  }
+  __device__ __forceinline__ void load_v_tma(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
     auto tiles = [&]() {
       constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
       if constexpr (Traits::kVarlen) {
@@ -233,40 +238,52 @@ struct FwdMainloop {
   }
 
   // V (keys x head_dim, raw slot) -> V^T (head_dim x keys, K-major, pipeline stage), by the 128
-  // producer threads, one 32-key x 16-column block per warp and step: ldmatrix.x4.trans reads
-  // the block as four 8-key matrices (lane l gets keys 2c, 2c + 1 of each at columns 2r, 2r + 1,
-  // r = l / 4, c = l % 4), four byte permutes regroup them per column, and stmatrix.x4 writes
-  // V^T rows D + 2r and D + 2r + 1, 16 key positions at a time. The key order that leaves in
-  // V^T: within each 32-key step, column 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2,
-  // the key that p_to_fp8 puts in byte b of thread t's register for half g. Both instructions
-  // move 16-byte rows, which the 128-byte swizzle spreads over the banks.
+  // producer threads. Warp w owns the 16-column strips w, w + 4, ... of head_dim and walks each
+  // in steps of 32 keys: ldmatrix.x4.trans reads the step as four 8-key matrices (lane l gets
+  // keys 2c, 2c + 1 of each at columns 2r, 2r + 1, r = l / 4, c = l % 4), four byte permutes
+  // regroup them per column, and stmatrix.x4 writes V^T rows D + 2r and D + 2r + 1, 16 key
+  // positions at a time. The key order that leaves in V^T: within each 32-key step, column
+  // 16g + 4t + b holds key 16g + 8(b / 2) + 2t + b % 2, the key that p_to_fp8 puts in byte b of
+  // thread t's register for half g.
+  // Along a strip each step's addresses follow from the first step's, so a strip costs two
+  // address registers whatever tile_n is (the producers run on 32-40 registers): 32 keys further
+  // is 32 raw rows further (whole swizzle atoms: an add), and 32 bytes further along V^T's rows:
+  // inside a swizzle row the chunk bits, zero in the first step's address, where the swizzle
+  // (an XOR of address bits) passes them through, so an XOR; past the row, the next column of
+  // atoms (an add).
   __device__ __forceinline__ void transpose_v(int slot, int stage) const {
     const uint32_t raw_base = cute::cast_smem_ptr_to_uint(smem.v_raw.data());
     const uint32_t vt_base = cute::cast_smem_ptr_to_uint(smem.v.data());
     constexpr auto raw = typename Traits::SmemLayoutVRaw{};  // byte offsets (1-byte elements)
     constexpr auto vt = typename Traits::SmemLayoutVt{};
+    constexpr int kVtRow = smem_swizzle_bytes<Element, kTileN>();  // V^T's swizzle row, bytes
+    constexpr int kRawStep = raw(32, 0, 0);                         // 32 keys of raw V
+    constexpr int kVtAtomColumn = kHeadDim * kVtRow;                // the next kVtRow keys of V^T
+    static_assert(kRawStep == 32 * smem_swizzle_bytes<Element, kHeadDim>());
+    static_assert(kTileN <= kVtRow || vt(0, kVtRow, 0) == kVtAtomColumn);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int matrix = lane / 8, row = lane % 8;  // the matrix row whose address this lane gives
-    constexpr int kSteps = kTileN / 32, kBlocks = kSteps * (kHeadDim / 16);
+    constexpr int kStrips = kHeadDim / 16, kSteps = kTileN / 32;
 #ifdef FA3GEN_FP8_SKIP_TRANSPOSE  // measurements only: V^T left as it was (wrong results)
-    if (kBlocks > 0) return;
+    if (kSteps > 0) return;
 #endif
-    // Unrolled up to 8 steps per warp; more (tile_n 192: 12) keeps too many addresses live.
-    constexpr int kPerWarp = (kBlocks + 3) / 4, kUnroll = kPerWarp <= 8 ? kPerWarp : 4;
-    #pragma unroll kUnroll
-    for (int i = 0; i < kPerWarp; ++i) {
-      const int blk = warp + 4 * i;
-      if (kBlocks % 4 != 0 && blk >= kBlocks) break;
-      const int key0 = 32 * (blk % kSteps), d0 = 16 * (blk / kSteps);
-      uint32_t r0, r1, r2, r3;
-      const uint32_t src = raw_base + uint32_t(raw(key0 + 8 * matrix + row, d0, slot));
-      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(src));
-      const uint32_t w0 = __byte_perm(r0, r1, 0x6420), w2 = __byte_perm(r0, r1, 0x7531);
-      const uint32_t w1 = __byte_perm(r2, r3, 0x6420), w3 = __byte_perm(r2, r3, 0x7531);
-      const uint32_t dst = vt_base + uint32_t(vt(d0 + 2 * row + (matrix >> 1), key0 + 16 * (matrix & 1), stage));
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
-                   ::"r"(dst), "r"(w0), "r"(w1), "r"(w2), "r"(w3) : "memory");
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < (kStrips + 3) / 4; ++j) {
+      const int d0 = 16 * (warp + 4 * j);
+      if (kStrips % 4 != 0 && d0 >= kHeadDim) break;
+      const uint32_t src = raw_base + uint32_t(raw(8 * matrix + row, d0, slot));
+      const uint32_t dst = vt_base + uint32_t(vt(d0 + 2 * row + (matrix >> 1), 16 * (matrix & 1), stage));
+      CUTLASS_PRAGMA_UNROLL
+      for (int s = 0; s < kSteps; ++s) {
+        uint32_t r0, r1, r2, r3;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(src + s * kRawStep));
+        const uint32_t w0 = __byte_perm(r0, r1, 0x6420), w2 = __byte_perm(r0, r1, 0x7531);
+        const uint32_t w1 = __byte_perm(r2, r3, 0x6420), w3 = __byte_perm(r2, r3, 0x7531);
+        const uint32_t dst_s = (dst ^ uint32_t(32 * s % kVtRow)) + 32 * s / kVtRow * kVtAtomColumn;
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};"
+                     ::"r"(dst_s), "r"(w0), "r"(w1), "r"(w2), "r"(w3) : "memory");
+      }
     }
   }
 
