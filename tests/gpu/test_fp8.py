@@ -67,10 +67,11 @@ def test_fp8_public_api_fp16_output_and_no_descale(info):
     out, lse = ops.flash_attn_func(q, k, v, causal=info.causal, out_dtype=torch.float16,
                                    return_lse=True, **descales)
     assert out.dtype == torch.float16
-    _check(out, lse, q, k, v, descales, info.causal, info.tile_n)
+    tile_n = fp8.block_sizes(q, k, info.causal)[1]  # of the variant serving this length
+    _check(out, lse, q, k, v, descales, info.causal, tile_n)
     # Without descales: factors of 1; a single value broadcasts.
     out1 = ops.flash_attn_func(q, k, v, causal=info.causal)
-    ref, _ = fp8_attention_reference(q, k, v, causal=info.causal, key_block=info.tile_n)
+    ref, _ = fp8_attention_reference(q, k, v, causal=info.causal, key_block=tile_n)
     assert (out1.double() - ref).pow(2).mean().sqrt() <= 1e-2 * ref.pow(2).mean().sqrt()
     one = torch.tensor([0.5], device="cuda")
     out2 = ops.flash_attn_func(q, k, v, causal=info.causal, v_descale=one)
@@ -84,13 +85,14 @@ def test_fp8_under_torch_compile(info):
     same kernel as eager, so the same bits (block descales and the fp16 output included), at
     two lengths (the second one a new shape for the compiled graph)."""
     f = torch.compile(lambda q, k, v, kd: ops.flash_attn_func(
-        q, k, v, causal=info.causal, k_descale=kd, out_dtype=torch.float16), fullgraph=True)
+        q, k, v, causal=info.causal, k_descale=kd, out_dtype=torch.float16, variant=info.name),
+        fullgraph=True)
     for seqlen in (200, 333):
         (q, k, v), _ = _inputs(2, seqlen, seqlen, 4, 2, info.head_dim, seed=seqlen)
         kd = torch.rand(2, 2, -(-seqlen // info.tile_n), device="cuda") + 0.5
         compiled = f(q, k, v, kd)
         eager = ops.flash_attn_func(q, k, v, causal=info.causal, k_descale=kd,
-                                    out_dtype=torch.float16)
+                                    out_dtype=torch.float16, variant=info.name)
         assert compiled.dtype == torch.float16 and torch.equal(compiled, eager)
 
 
@@ -138,7 +140,7 @@ def test_fp8_block_quantization(info):
         x = torch.randn(b, s, h, d, device="cuda", generator=g)
         return x * torch.exp(2 * torch.rand(b, s, h, 1, device="cuda", generator=g))
     q, k, v = draw(sq, hq), draw(sk, hkv), draw(sk, hkv)
-    block_q, block_k = fp8.block_sizes(q, k, causal=info.causal)
+    block_q, block_k = fp8.block_sizes(q, k, causal=info.causal, variant=info.name)
     assert (block_q, block_k) == (info.tile_m, info.tile_n)
     (q8, qd), (k8, kd), (v8, vd) = fp8.quantize(q, block_q), fp8.quantize(k, block_k), \
         fp8.quantize(v, block_k)
