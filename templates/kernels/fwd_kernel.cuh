@@ -51,9 +51,8 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     const SeqSlice seq = mainloop.seq_of(tile);
     const KeyBlocks blocks = mainloop.mask(seq).key_blocks(tile.block);
     if constexpr (Traits::kFp8) {
-      // The descales scale the scores (softmax and LSE) and the output, never the data; the
-      // output also drops the factor 256 that P carries in e4m3 (fwd_mainloop.cuh). Factors
-      // per key block (block quantization) are applied by the mainloop, block by block.
+      // The descales scale the scores (softmax and LSE) and the output, never the data.
+      // Factors per key block (block quantization) are applied by the mainloop, block by block.
       const int head_kv = tile.head / p.heads_per_kv;
       const float qk = p.descale.q_(tile.batch, tile.head, tile.block) *
                        (p.descale.k_blocks() ? 1.f : p.descale.k_(tile.batch, head_kv, 0));
@@ -61,7 +60,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
       typename Mainloop::Softmax softmax(p.scale_log2 * qk, kRescaleThresholdFp8P);
       mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
       store_fwd_tile(p, tile, seq, softmax, tOrO, tid, p.lse_scale * qk,
-                     v_tile * mainloop.o_units * (1.f / Mainloop::kPScaleFp8));
+                     v_tile * mainloop.o_units);
     } else {
       typename Mainloop::Softmax softmax(p.scale_log2);
       mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);

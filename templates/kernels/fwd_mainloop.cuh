@@ -65,10 +65,12 @@ struct FwdMainloop {
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
   static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
-  using Softmax = OnlineSoftmax<kRows, Traits::kSoftmaxChains>;
   // fp8: P in [0, 1] is stored times 256 in e4m3 (whose normal range starts at 2^-6), so small
-  // probabilities keep their precision; the epilogue divides it out.
-  static constexpr float kPScaleFp8 = 256.f;
+  // probabilities keep their precision; the softmax's exponent carries the factor (its row sum
+  // too, so the output needs no correction).
+  static constexpr int kPLog2Fp8 = 8;
+  static constexpr float kPScaleFp8 = float(1 << kPLog2Fp8);
+  using Softmax = OnlineSoftmax<kRows, Traits::kSoftmaxChains, Traits::kFp8 ? kPLog2Fp8 : 0>;
   // P reaches 2^kRescaleThresholdFp8P before a rescale (rescale_threshold.cuh).
   static_assert(kPScaleFp8 * exp2_constexpr(kRescaleThresholdFp8P) <= kE4m3Max,
                 "e4m3 P would overflow before its rescale");
@@ -327,7 +329,7 @@ struct FwdMainloop {
 
   // ---------------- consumers: one query tile ----------------
   // fp8: P (fp32, accumulator layout: thread t of a quad holds columns 8j + 2t and 8j + 2t + 1
-  // of rows r and r + 8) times kPScaleFp8 into the e4m3 A operand of each 32-key step, whose
+  // of rows r and r + 8; already times kPScaleFp8) into the e4m3 A operand of each 32-key step, whose
   // byte b of the register for (row half h, column half g) is operand column 16g + 4t + b.
   // Filled from accumulator column 8(4 step + 2g + b / 2) + 2t + b % 2 instead: the same
   // thread's values, no shuffle; transpose_v orders V^T's keys to match.
@@ -342,7 +344,7 @@ struct FwdMainloop {
         for (int h = 0; h < 2; ++h) {
           CUTLASS_PRAGMA_UNROLL
           for (int b = 0; b < 4; ++b) {
-            f[b + 4 * h + 8 * g] = tSrS(make_coord(b & 1, h, 4 * step + 2 * g + (b >> 1)), 0, 0) * kPScaleFp8;
+            f[b + 4 * h + 8 * g] = tSrS(make_coord(b & 1, h, 4 * step + 2 * g + (b >> 1)), 0, 0);
           }
         }
       }

@@ -9,7 +9,10 @@
 
 namespace fa3gen {
 
-template <int Rows, int Chains>
+// PLog2: P comes out times 2^PLog2 (the fp8 forward's e4m3 P, fwd_mainloop.cuh), folded into
+// the exponent so it costs no multiply; the row sum carries the same factor, so O / rowsum is
+// unchanged and only the LSE subtracts it.
+template <int Rows, int Chains, int PLog2 = 0>
 struct OnlineSoftmax {
   float row_max[Rows];
   float row_sum[Rows];
@@ -70,10 +73,13 @@ struct OnlineSoftmax {
         rescale[r] = 1.f;
       }
       const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
+      float bias;  // the exponent's constant term (PLog2 0: exactly -m_scaled)
+      if constexpr (PLog2 == 0) bias = -m_scaled;
+      else bias = float(PLog2) - m_scaled;
       float sum[kChains] = {};
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) {
-        float p = exp2f(fmaf(S(r, c), scale_log2, -m_scaled));
+        float p = exp2f(fmaf(S(r, c), scale_log2, bias));
         S(r, c) = p;
         sum[c % kChains] += p;
       }
@@ -89,7 +95,9 @@ struct OnlineSoftmax {
       float sum = quad_allreduce_sum<4>(row_sum[r]);
       bool empty = !(sum > 0.f);
       inv_sum[r] = empty ? 0.f : 1.f / sum;
-      lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
+      if constexpr (PLog2 == 0) lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
+      else  // without the sum's 2^PLog2
+        lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + (logf(sum) - float(PLog2) * 0.693147181f);
     }
   }
 };
