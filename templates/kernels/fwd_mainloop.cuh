@@ -438,18 +438,19 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
-      if constexpr (Traits::kFp8) {  // block quantization of K: this block's factor on its scores
-        if (p.descale.k_blocks()) {
-          const float k_descale = p.descale.k_(tile.batch, head_kv, n_block);
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < size(S); ++e) S(e) *= k_descale;
-        }
-      }
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
-      rescale_o = softmax.step(S, rescale);
+      if constexpr (Traits::kFp8) {
+        // Block quantization of K: this block's factor on its scores, taken by the softmax
+        // (per row, not per score). Floored above 0 so that a masked -inf times it stays -inf
+        // (an all-zero K block has descale 0 and scores 0, which the floor leaves at 0).
+        const float k_descale = p.descale.k_blocks() ? fmaxf(p.descale.k_(tile.batch, head_kv, n_block), 1e-30f) : 1.f;
+        rescale_o = softmax.step(S, rescale, k_descale);
+      } else {
+        rescale_o = softmax.step(S, rescale);
+      }
       if constexpr (Traits::kFp8) {
         // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
         // adds in units of this one, so O is rescaled by their ratio along with the softmax's

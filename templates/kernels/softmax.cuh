@@ -56,11 +56,25 @@ struct OnlineSoftmax {
   // where the row kept its maximum). Returns whether any of this thread's rows needs one.
   template <class TS>
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows]) {
+    return step_impl<false>(S, rescale, 1.f);
+  }
+  // The same on the scores S * block_scale (block_scale > 0: a factor of this key block, e.g.
+  // its fp8 descale), without multiplying them: the block's maximum and the exponent's
+  // multiplier take the factor instead, one multiply per row instead of one per score.
+  template <class TS>
+  __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale) {
+    return step_impl<true>(S, rescale, block_scale);
+  }
+  template <bool kScaled, class TS>
+  __device__ __forceinline__ bool step_impl(TS& S, float (&rescale)[Rows], float block_scale) {
     static_assert(decltype(size<0>(S))::value == Rows);
+    const float mul = kScaled ? scale_log2 * block_scale : scale_log2;
     bool any = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
-      float m = quad_allreduce_max<4>(fmaxf(row_max[r], chains_max(S, r)));
+      float block_max = chains_max(S, r);
+      if constexpr (kScaled) block_max *= block_scale;
+      float m = quad_allreduce_max<4>(fmaxf(row_max[r], block_max));
       // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
       const float grew = (m - row_max[r]) * scale_log2;
       if (!(grew <= threshold)) {
@@ -79,7 +93,7 @@ struct OnlineSoftmax {
       float sum[kChains] = {};
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) {
-        float p = exp2f(fmaf(S(r, c), scale_log2, bias));
+        float p = exp2f(fmaf(S(r, c), mul, bias));
         S(r, c) = p;
         sum[c % kChains] += p;
       }

@@ -18,11 +18,13 @@ def main():
         fns = [lambda: ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=one, k_descale=one,
                                            v_descale=one),
                lambda: ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                           v_descale=one),
+               lambda: ops.flash_attn_func(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
                                            v_descale=vd)]
         ms = timing.sustained_ms(fns, 3, 100)
         fl = 4 * b * h * s * s * d / (2 if causal else 1)
-        print(f"causal={causal}: per-tensor {fl / ms[0] / 1e9:.0f} TFLOP/s, block descales "
-              f"{fl / ms[1] / 1e9:.0f} TFLOP/s")
+        print(f"causal={causal}: per-tensor {fl / ms[0] / 1e9:.0f} TFLOP/s, q and k block "
+              f"descales {fl / ms[1] / 1e9:.0f}, q, k and v block descales {fl / ms[2] / 1e9:.0f}")
 
 
 if __name__ == "__main__":
