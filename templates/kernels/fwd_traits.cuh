@@ -104,8 +104,10 @@ struct FwdTraits {
   // Softmax row max and sum as 4 independent chains where a thread holds 32 or more columns
   // of a row, 16-bit (H200 A/B against one chain, 2026-12-01, docs/results/
   // ab_softmax_chains.json: d64 192x128 causal +2-3%, d128 128x128 causal +0-2%, the rest
-  // within 1%). d256's 16-20 columns gained nothing (0.96-1.0) and e4m3 lost 1-5%: one chain.
-  static constexpr int kSoftmaxChains = (kFp8 || TileN < 128) ? 1 : 4;
+  // within 1%). d256's 16-20 columns gained nothing (0.96-1.0): one chain. e4m3: two chains
+  // at d128 (128x128 and 128x192: 0.997-1.03, median 1.01; docs/results/ab_fp8_chains.json),
+  // one elsewhere (d256 0.97-1.01, d64 0.94-1.03 with two).
+  static constexpr int kSoftmaxChains = kFp8 ? (HeadDim == 128 ? 2 : 1) : TileN < 128 ? 1 : 4;
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
