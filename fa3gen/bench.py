@@ -471,9 +471,20 @@ def _cudnn_fp8_forward(q8, k8, v8, causal: bool):
     """cuDNN's fp8 SDPA forward (cudnn-frontend's graph API) on e4m3 (b, s, h, d) q8, k8, v8 as
     a callable, or None when `cudnn` does not import. Per-tensor descales of 1; its output is
     e4m3 (fa3gen's is bf16: cuDNN stores half the bytes). Built once per shape here."""
+    graph = cudnn_fp8_graph(q8, k8, v8, causal)
+    return None if graph is None else graph[0]
+
+
+def cudnn_fp8_graph(q8, k8, v8, causal: bool, descales=None, p_scale: float = 1.0,
+                    out_bf16: bool = False, o_scale: float = 1.0):
+    """(run, out) of cuDNN's fp8 SDPA forward on e4m3 (b, s, h, d) q8, k8, v8, or None when
+    `cudnn` does not import: run() computes into out, (b, s, h, d) bf16 with out_bf16, else e4m3
+    stored as uint8, times o_scale (cuDNN's scale_o). descales: {"q_descale", "k_descale",
+    "v_descale"} one-element fp32 tensors (per-tensor; 1 when None). p_scale: the factor P takes
+    before its e4m3 cast inside the kernel (cuDNN's scale_s; descale_s is its inverse)."""
     try:
         import cudnn
-    except Exception:  # an optional column
+    except Exception:  # an optional peer
         return None
     import torch
 
@@ -481,23 +492,32 @@ def _cudnn_fp8_forward(q8, k8, v8, causal: bool):
     cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream().cuda_stream)
     e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
     b, s, h, d = q8.shape
+    dev = q8.device
 
-    def bhsd(t):  # cuDNN's (b, h, s, d) dims over fa3gen's (b, s, h, d) memory, as bytes
-        return t.view(torch.uint8).permute(0, 2, 1, 3)
-    q, k, v = bhsd(q8), bhsd(k8), bhsd(v8)
-    o = torch.empty(b, s, h, d, device=q8.device, dtype=torch.uint8).permute(0, 2, 1, 3)
-    stats = torch.empty(b, h, s, 1, device=q8.device, dtype=torch.float32)
-    ones = {n: torch.ones(1, 1, 1, 1, device=q8.device) for n in ("dq", "dk", "dv", "ds", "ss", "so")}
-    amax = {n: torch.zeros(1, 1, 1, 1, device=q8.device) for n in ("s", "o")}
+    def bhsd(t):  # cuDNN's (b, h, s, d) dims over fa3gen's (b, s, h, d) memory
+        return t.permute(0, 2, 1, 3)
+    q, k, v = (bhsd(t.view(torch.uint8)) for t in (q8, k8, v8))
+    out = torch.empty(b, s, h, d, device=dev, dtype=torch.bfloat16 if out_bf16 else torch.uint8)
+    o = bhsd(out)
+    stats = torch.empty(b, h, s, 1, device=dev, dtype=torch.float32)
+
+    def scalar(x):
+        return torch.full((1, 1, 1, 1), float(x), device=dev, dtype=torch.float32)
+    descales = descales or {}
+    factors = {n: descales[f"{n[1]}_descale"].reshape(1, 1, 1, 1).float() if f"{n[1]}_descale" in descales
+               else scalar(1.0) for n in ("dq", "dk", "dv")}
+    factors.update(ds=scalar(1.0 / p_scale), ss=scalar(p_scale), so=scalar(o_scale))
+    amax = {n: torch.zeros(1, 1, 1, 1, device=dev) for n in ("s", "o")}
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,
                       handle=handle)
     tq, tk, tv = (g.tensor_like(t).set_data_type(e4m3) for t in (q, k, v))
-    ts = {n: g.tensor_like(t) for n, t in ones.items()}
+    ts = {n: g.tensor_like(t) for n, t in factors.items()}
     to, tstats, tamax_s, tamax_o = g.sdpa_fp8(
         q=tq, k=tk, v=tv, descale_q=ts["dq"], descale_k=ts["dk"], descale_v=ts["dv"],
         descale_s=ts["ds"], scale_s=ts["ss"], scale_o=ts["so"], generate_stats=True,
         attn_scale=d ** -0.5, use_causal_mask=causal, use_padding_mask=False)
-    for t, like, dt in ((to, o, e4m3), (tstats, stats, f32), (tamax_s, amax["s"], f32),
+    o_type = cudnn.data_type.BFLOAT16 if out_bf16 else e4m3
+    for t, like, dt in ((to, o, o_type), (tstats, stats, f32), (tamax_s, amax["s"], f32),
                         (tamax_o, amax["o"], f32)):
         t.set_output(True).set_dim(list(like.shape)).set_stride(list(like.stride())).set_data_type(dt)
     g.validate()
@@ -505,10 +525,10 @@ def _cudnn_fp8_forward(q8, k8, v8, causal: bool):
     g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
     g.check_support()
     g.build_plans()
-    workspace = torch.empty(g.get_workspace_size(), device=q8.device, dtype=torch.uint8)
+    workspace = torch.empty(g.get_workspace_size(), device=dev, dtype=torch.uint8)
     pack = {tq: q, tk: k, tv: v, to: o, tstats: stats, tamax_s: amax["s"], tamax_o: amax["o"],
-            **{ts[n]: ones[n] for n in ones}}
-    return lambda: g.execute(pack, workspace, handle=handle)
+            **{ts[n]: factors[n] for n in factors}}
+    return (lambda: g.execute(pack, workspace, handle=handle)), out
 
 
 def _fa4_forward():

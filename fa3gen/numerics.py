@@ -8,9 +8,10 @@ it. Rows:
   softmax, P rounded to the input dtype, fp32 accumulation), and FP8 e4m3 with per-tensor
   scales (the baseline), block quantization only, incoherent processing (random-sign Hadamard)
   only, and both (reference.fp8_attention_emulated);
-- measured on the GPU when one is present: fa3gen's kernels (bf16, fp16), PyTorch SDPA's
-  FlashAttention-2 backend (fp16), and cuDNN's FP8 SDPA when cudnn-frontend imports (not wired
-  yet; the row says so). fa3gen has no fp8 kernel yet: its fp8 rows are emulations.
+- measured on the GPU when one is present: fa3gen's kernels (bf16, fp16, e4m3 per tensor
+  without and with incoherent processing), PyTorch SDPA's FlashAttention-2 backend (fp16), and
+  cuDNN's FP8 SDPA when cudnn-frontend imports (cudnn_fp8_row: the e4m3 kernel's per-tensor
+  inputs, P times 256 as in fa3gen).
 
 Writes docs/results/numerics.json and the marked block of docs/NUMERICS.md.
 """
@@ -44,7 +45,7 @@ LABELS = {
     "fp8_block_hadamard": "fp8, block quantization + incoherent processing, emulated",
     "fa3gen_fp8_per_tensor": "fa3gen e4m3 kernel, per-tensor scales",
     "fa3gen_fp8_hadamard": "fa3gen e4m3 kernel, per-tensor scales + incoherent processing",
-    "cudnn_fp8": "cuDNN fp8 SDPA",
+    "cudnn_fp8": "cuDNN fp8 SDPA, per-tensor scales (the e4m3 kernel's inputs, P times 256)",
 }
 DEFAULT_SHAPES = ((1, 8192, 2, 128), (1, 4096, 4, 64))  # (batch, seqlen, heads, head_dim)
 BLOCK = 128  # rows per scale block (the kernels' tile)
@@ -101,11 +102,12 @@ def emulated_rows(q, k, v) -> dict:
     return rows
 
 
-def gpu_rows(q, k, v) -> tuple[dict, dict]:
-    """({row: output}, {row: why not measured}) of the kernels on the GPU."""
+def gpu_rows(q, k, v) -> tuple[dict, dict, dict]:
+    """({row: output}, {row: why not measured}, {row: a note on how it ran}) of the kernels on
+    the GPU."""
     import torch
 
-    outs, missing = {}, {}
+    outs, missing, notes = {}, {}, {}
     try:
         from fa3gen.ops import flash_attn_func
 
@@ -127,8 +129,49 @@ def gpu_rows(q, k, v) -> tuple[dict, dict]:
     except Exception as e:
         missing["fa3gen_fp8_per_tensor"] = missing["fa3gen_fp8_hadamard"] = \
             str(e).splitlines()[0][:200]
-    missing["cudnn_fp8"] = "not wired yet (cudnn-frontend's fp8 SDPA graph)"
-    return outs, missing
+    try:
+        out, why = cudnn_fp8_row(q, k, v)
+        if out is None:
+            missing["cudnn_fp8"] = why
+        else:
+            outs["cudnn_fp8"] = out
+            notes["cudnn_fp8"] = why
+    except Exception as e:
+        missing["cudnn_fp8"] = str(e).splitlines()[0][:200]
+    return outs, missing, notes
+
+
+def cudnn_fp8_row(q, k, v):
+    """(output, its dtype) of cuDNN's fp8 SDPA on the inputs of the fa3gen_fp8_per_tensor row
+    (the same per-tensor e4m3 quantization and descales), P times 256 before its e4m3 cast as
+    in fa3gen; or (None, why not). Output bf16 where cuDNN builds that graph, else e4m3 scaled
+    by 448 / max|V| (O is a convex combination of V's rows, so it cannot overflow), divided
+    back here: that row then also carries the output's e4m3 rounding."""
+    import torch
+
+    from fa3gen import bench
+    from fa3gen.fp8 import quantize_fp8
+
+    q8, k8, v8, descales = quantize_fp8(q, k, v, block=False)
+    v_max = float(v8.float().abs().max() * descales["v_descale"].float().max())
+    errors = []
+    for out_bf16 in (True, False):
+        o_scale = 1.0 if out_bf16 else 448.0 / v_max
+        try:
+            graph = bench.cudnn_fp8_graph(q8, k8, v8, False, descales, p_scale=256.0,
+                                          out_bf16=out_bf16, o_scale=o_scale)
+        except Exception as e:  # e.g. no bf16 output for this graph: try e4m3
+            errors.append(str(e).splitlines()[0][:120])
+            continue
+        if graph is None:
+            return None, "cudnn-frontend does not import"
+        run, out = graph
+        run()
+        torch.cuda.synchronize()
+        if out_bf16:
+            return out, "bf16 output"
+        return out.view(torch.float8_e4m3fn).float() / o_scale, "e4m3 output (scaled by 448 / max|V|)"
+    return None, "; ".join(errors)
 
 
 def fa3gen_fp8_rows(q, k, v, seed: int = 0) -> dict:
@@ -155,16 +198,16 @@ def study(shapes, seed: int, device: str) -> dict:
         q, k, v = paper_inputs(shape, seed, device)
         ref, _ = attention_reference(q, k, v, upcast=False)  # fp64 in, fp64 out
         outs = emulated_rows(q, k, v)
-        missing = {}
+        missing, notes = {}, {}
         if device == "cuda":
-            got, missing = gpu_rows(q, k, v)
+            got, missing, notes = gpu_rows(q, k, v)
             outs.update(got)
         else:
             for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", "fa3gen_fp8_per_tensor",
                          "fa3gen_fp8_hadamard", "cudnn_fp8"):
                 missing[name] = "needs a GPU (this run: cpu)"
         row = {"shape": list(shape), "rmse": {n: rmse(o, ref) for n, o in outs.items()},
-               "not_measured": missing}
+               "not_measured": missing, "notes": notes}
         if device == "cuda":
             torch.cuda.empty_cache()
         results.append(row)
@@ -183,7 +226,8 @@ def render_markdown(report: dict) -> str:
         cells = []
         for r in report["results"]:
             if name in r["rmse"]:
-                cells.append(f"{r['rmse'][name]:.2e}")
+                note = r.get("notes", {}).get(name)
+                cells.append(f"{r['rmse'][name]:.2e}" + (f" ({note})" if note else ""))
             else:
                 cells.append(f"not measured: {r['not_measured'].get(name, '-')}")
         paper = f"{PAPER[name]:.1e}" if name in PAPER else "-"

@@ -82,3 +82,38 @@ def test_numerics_command_writes_every_row(tmp_path, capsys):
     assert again.startswith("Prose above.") and again.count("| row | paper |") == 1
     with pytest.raises(SystemExit):
         cli.main(["numerics", "--shape", "1,256,2,96"])  # not a power of two
+
+
+def test_cudnn_fp8_row_falls_back_to_e4m3_output_and_scales_it_back(monkeypatch):
+    """cudnn_fp8_row asks cuDNN for bf16 output first; where that graph does not build it takes
+    e4m3 output scaled by 448 / max|V| and divides the scale back out. cuDNN itself is faked
+    here (it runs on the GPU only): the fake's e4m3 output is V's first row times o_scale."""
+    from fa3gen import bench, numerics
+
+    q, k, v = numerics.paper_inputs((1, 16, 2, 64), 0)
+    calls = []
+
+    def fake_graph(q8, k8, v8, causal, descales, p_scale, out_bf16, o_scale):
+        calls.append((out_bf16, p_scale, o_scale))
+        if out_bf16:
+            raise RuntimeError("no bf16 output for fp8 SDPA here")
+        deq = v8.float() * descales["v_descale"]
+        out = (deq[:, :1].expand_as(deq) * o_scale).to(torch.float8_e4m3fn).view(torch.uint8)
+        return (lambda: None), out
+    monkeypatch.setattr(bench, "cudnn_fp8_graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    out, note = numerics.cudnn_fp8_row(q, k, v)
+    assert [c[0] for c in calls] == [True, False] and calls[1][1] == 256.0
+    assert note.startswith("e4m3 output")
+    v8, vd = fp8_quantized_v(v)
+    deq = v8.float() * vd
+    assert calls[1][2] == pytest.approx(448.0 / float(deq.abs().max()), rel=1e-6)
+    expect = deq[:, :1].expand_as(deq)
+    assert torch.allclose(out, expect, rtol=2 ** -3, atol=0)   # e4m3 keeps 3 mantissa bits
+
+
+def fp8_quantized_v(v):
+    from fa3gen.fp8 import quantize_fp8
+
+    _, _, v8, descales = quantize_fp8(v, v, v, block=False)
+    return v8, descales["v_descale"]
