@@ -99,3 +99,32 @@ def test_run_quantizer_times_the_two_quantizers(monkeypatch, tmp_path):
     assert cmd[2:] == ["--baseline-so", str(tmp_path / "w/A/h100/lib/libfa3gen_h100.so"),
                        "--json", "q.json"]
     assert env["FA3GEN_LIB"] == str(tmp_path / "w/B/h100/lib/libfa3gen_h100.so")
+
+
+def test_run_a_tree_times_a_compile_time_switch(monkeypatch, tmp_path):
+    """--a-tree --define X: both builds from this tree (no export needed), only B with X."""
+    monkeypatch.setattr(ab_trees, "BASE_DIR", tmp_path / "no_export_here")
+    started, ran = [], []
+
+    class Build:
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            started.append((cwd, env["FA3GEN_GENERATED"], argv[2:]))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", Build)
+    monkeypatch.setattr(ab_trees.subprocess, "run",
+                        lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    args = type("Args", (), {"spec": "h100", "only": ["fwd_e4m3_*"], "jobs": 4, "a_tree": True,
+                             "define": ["FA3GEN_FP8_SKIP_TRANSPOSE"], "work": str(tmp_path / "w")})
+    assert ab_trees.run(args, []) == 0
+    common = ["--spec", "h100", "-j", "2", "--only", "fwd_e4m3_*"]
+    assert started == [(ab_trees.ROOT, str(tmp_path / "w/A"), common),
+                       (ab_trees.ROOT, str(tmp_path / "w/B"),
+                        [*common, "--define", "FA3GEN_FP8_SKIP_TRANSPOSE"])]
+    (cmd,) = ran
+    assert cmd[cmd.index("--commit-a") + 1] == "this tree without FA3GEN_FP8_SKIP_TRANSPOSE"
+    args.define = []
+    with pytest.raises(SystemExit, match="--define"):
+        ab_trees.run(args, [])

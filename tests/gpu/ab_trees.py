@@ -7,6 +7,9 @@ and from this tree, then timed side by side by ab_libraries.py.
         [-j 16] [--seqlens 1024 4096 16384] [--rounds 3] [--min-ms 100] [--json ab.json]
     python3 tests/gpu/ab_trees.py run --quantizer --only 'fwd_e4m3_d64_nocausal*' [--json q.json]
     python3 tests/gpu/ab_trees.py run --decode --only 'fwd_bf16_d64_nocausal_m192n128*' [--no-peers ...]
+    python3 tests/gpu/ab_trees.py run --a-tree --define NAME[=VALUE] --only 'fwd_e4m3_d128_*' ...
+                                                      # a compile-time switch: A and B both from
+                                                      # this tree, B built with the define
 
 `run` needs the GPU host to have ab_base/ (carry it with the tree when the host is another
 machine) and builds both libraries at once, each into its own generated root under
@@ -50,13 +53,16 @@ def export(rev: str, dest: Path = BASE_DIR) -> str:
     return commit
 
 
-def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR):
-    """[(cwd, env additions, argv)] of the two builds: A in `base`, B in this tree."""
+def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR,
+                   b_defines: tuple[str, ...] = ()):
+    """[(cwd, env additions, argv)] of the two builds: A in `base`, B in this tree (with
+    `--define` for each of b_defines)."""
     args = ["--spec", spec, "-j", str(max(1, jobs // 2))]
     for glob in only:
         args += ["--only", glob]
+    defines = [a for d in b_defines for a in ("--define", d)]
     return [(tree, {"FA3GEN_GENERATED": str(work / side), "PYTHONPATH": str(tree)},
-             [sys.executable, "build.py", *args])
+             [sys.executable, "build.py", *args, *(defines if side == "B" else [])])
             for tree, side in ((base, "A"), (ROOT, "B"))]
 
 
@@ -68,23 +74,32 @@ def library(work: Path, side: str, spec: str) -> Path:
 
 
 def run(args, ab_args: list[str]) -> int:
-    base = BASE_DIR
-    if not (base / "AB_BASE_COMMIT").is_file():
-        raise SystemExit(f"{base} is missing: run `python3 {Path(__file__).name} export REV` "
-                         "where git has REV, and bring ab_base/ along")
-    commit = (base / "AB_BASE_COMMIT").read_text().strip()
+    defines = tuple(getattr(args, "define", None) or ())
+    a_tree = getattr(args, "a_tree", False)
+    if a_tree:  # a compile-time switch: both sides from this tree
+        if not defines:
+            raise SystemExit("--a-tree builds A and B from this tree: name the switch B gets "
+                             "with --define")
+        base, commit = ROOT, "this tree without " + " ".join(defines)
+    else:
+        base = BASE_DIR
+        if not (base / "AB_BASE_COMMIT").is_file():
+            raise SystemExit(f"{base} is missing: run `python3 {Path(__file__).name} export REV` "
+                             "where git has REV, and bring ab_base/ along")
+        commit = (base / "AB_BASE_COMMIT").read_text().strip()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     builds = []
-    for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base),
-                                        "AB"):
+    for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base,
+                                                       defines), "AB"):
         log = open(work / f"build_{side}.log", "w")
         builds.append((cwd, log, subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra},
                                                   stdout=log, stderr=subprocess.STDOUT)))
     failed = [f"{cwd}: see {log.name}" for cwd, log, proc in builds if proc.wait() != 0]
     if failed:
         raise SystemExit("build failed: " + "; ".join(failed))
-    print(f"built A ({commit[:10]}) and B (this tree) under {work}", flush=True)
+    b_name = "this tree" + (" with " + " ".join(defines) if defines else "")
+    print(f"built A ({commit if a_tree else commit[:10]}) and B ({b_name}) under {work}", flush=True)
     lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, "B", args.spec))
     bench = {"quantizer": "bench_fp8_quantize.py", "decode": "bench_kvcache.py"}
     for flag, script in bench.items():  # one kind of kernel of both, in one process
@@ -113,6 +128,12 @@ def main() -> int:
                        help="time the two builds' fp8 quantizers (bench_fp8_quantize.py "
                             "--baseline-so A) instead of their attention variants; --only then "
                             "names one e4m3 variant, which brings the quantizer along")
+    p_run.add_argument("--define", action="append", metavar="NAME[=VALUE]",
+                       help="build B with this preprocessor definition (repeatable; build.py "
+                            "--define)")
+    p_run.add_argument("--a-tree", action="store_true",
+                       help="build A from this tree too (no export): with --define, an A/B of "
+                            "a compile-time switch")
     p_run.add_argument("--decode", action="store_true",
                        help="time the two builds' decode kernels (bench_kvcache.py --baseline-so "
                             "A); any --only brings them along")
