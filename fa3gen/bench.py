@@ -503,9 +503,9 @@ def cudnn_fp8_graph(q8, k8, v8, causal: bool, descales=None, p_scale: float = 1.
 
     def scalar(x):
         return torch.full((1, 1, 1, 1), float(x), device=dev, dtype=torch.float32)
-    descales = descales or {}
-    factors = {n: descales[f"{n[1]}_descale"].reshape(1, 1, 1, 1).float() if f"{n[1]}_descale" in descales
-               else scalar(1.0) for n in ("dq", "dk", "dv")}
+    given = descales or {}
+    factors = {n: given[name].reshape(1, 1, 1, 1).float() if name in given else scalar(1.0)
+               for n, name in (("dq", "q_descale"), ("dk", "k_descale"), ("dv", "v_descale"))}
     factors.update(ds=scalar(1.0 / p_scale), ss=scalar(p_scale), so=scalar(o_scale))
     amax = {n: torch.zeros(1, 1, 1, 1, device=dev) for n in ("s", "o")}
     g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32,

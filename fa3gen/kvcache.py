@@ -46,8 +46,9 @@ def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
     slots = num_sms * CTAS_PER_SM.get(head_dim, 1)
     most = max(1, min(-(-seqlen_k // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
 
-    def keys_per_split(splits):  # as the kernel rounds them
-        return -(-(-(-seqlen_k // splits)) // MIN_KEYS_PER_SPLIT) * MIN_KEYS_PER_SPLIT
+    def keys_per_split(splits):  # as the kernel rounds them: up to a multiple of the minimum
+        keys = -(-seqlen_k // splits)
+        return -(-keys // MIN_KEYS_PER_SPLIT) * MIN_KEYS_PER_SPLIT
 
     runs = sorted({-(-seqlen_k // keys_per_split(s)) for s in range(1, most + 1)})
 

@@ -130,12 +130,10 @@ def gpu_rows(q, k, v) -> tuple[dict, dict, dict]:
         missing["fa3gen_fp8_per_tensor"] = missing["fa3gen_fp8_hadamard"] = \
             str(e).splitlines()[0][:200]
     try:
-        out, why = cudnn_fp8_row(q, k, v)
-        if out is None:
-            missing["cudnn_fp8"] = why
-        else:
+        out, detail = cudnn_fp8_row(q, k, v)  # detail: the output's dtype, or why not measured
+        (missing if out is None else notes)["cudnn_fp8"] = detail
+        if out is not None:
             outs["cudnn_fp8"] = out
-            notes["cudnn_fp8"] = why
     except Exception as e:
         missing["cudnn_fp8"] = str(e).splitlines()[0][:200]
     return outs, missing, notes

@@ -91,9 +91,9 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     if v.direction == "bwd":
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
-    if v.dtype == "e4m3":  # P's e4m3 copy; the transposing producers keep 40, not 24 (FwdTraits)
-        return need + v.tile_n // 8, 232 if consumer_warpgroups(v) <= 2 else 160
     cap = 240 if consumer_warpgroups(v) <= 2 else 160
+    if v.dtype == "e4m3":  # P's e4m3 copy; the transposing producers keep 40, not 24 (FwdTraits)
+        need, cap = need + v.tile_n // 8, min(cap, 232)
     return need, cap
 
 

@@ -164,24 +164,23 @@ struct FwdMainloop {
   // 16-bit only: fp8 is warp specialized (FwdTraits) and lands V through load_v_raw; the body is
   // not instantiated for it, V's TMA box not being V^T's layout there.
   __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
-    if constexpr (!Traits::kFp8) load_v_tma(n_block, head_kv, b, seq, s);
-  }
-  __device__ __forceinline__ void load_v_tma(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
-    auto tiles = [&]() {
-      constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
-      if constexpr (Traits::kVarlen) {
-        return tma_tiles_at(p.tma_v, make_shape(Int<kHeadDim>{}, p.varlen.total_k, p.heads_kv, 1), head_kv,
-                            make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _), smem.v.data(),
-                            typename Traits::SmemLayoutVt{});
-      } else {
-        return tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b, kTile,
-                         make_coord(_0{}, _), smem.v.data(), typename Traits::SmemLayoutVt{});
-      }
-    };
-    auto [tg, ts] = tiles();
-    pipe_v.producer_acquire(s);
-    copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
-    ++s;
+    if constexpr (!Traits::kFp8) {
+      auto tiles = [&]() {
+        constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
+        if constexpr (Traits::kVarlen) {
+          return tma_tiles_at(p.tma_v, make_shape(Int<kHeadDim>{}, p.varlen.total_k, p.heads_kv, 1), head_kv,
+                              make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _), smem.v.data(),
+                              typename Traits::SmemLayoutVt{});
+        } else {
+          return tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b, kTile,
+                           make_coord(_0{}, _), smem.v.data(), typename Traits::SmemLayoutVt{});
+        }
+      };
+      auto [tg, ts] = tiles();
+      pipe_v.producer_acquire(s);
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+      ++s;
+    }
   }
 
   // The producer warpgroup's loader thread: every tile of this CTA. FA3's order: the tile's
