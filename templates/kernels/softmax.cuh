@@ -107,7 +107,7 @@ struct OnlineSoftmax {
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
       float sum = quad_allreduce_sum<4>(row_sum[r]);
-      bool empty = !(sum > 0.f);
+      bool empty = sum == 0.f;  // a NaN sum (NaN inputs or descales) stays NaN in O and the LSE
       inv_sum[r] = empty ? 0.f : 1.f / sum;
       if constexpr (PLog2 == 0) lse[r] = empty ? -INFINITY : row_max[r] * softmax_scale + logf(sum);
       else  // without the sum's 2^PLog2

@@ -157,6 +157,29 @@ def test_fp8_block_quantization(info):
         ops.flash_attn_func(q8, k8, v8, causal=info.causal, k_descale=kd[:, :, :-1])
 
 
+@pytest.mark.parametrize("info", [v for v in VARIANTS if v.is_default], ids=lambda v: v.name)
+def test_fp8_k_block_descale_zero_and_nan(info):
+    """A K block of zeros described by descale 0 (legal for zeros; the quantizers give 1) stays
+    finite, also where the causal mask covers it; a NaN descale turns the rows that see its
+    block NaN instead of hiding it."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, s, hq, hkv, d = 1, 2 * info.tile_n, 2, 1, info.head_dim
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))
+    k[:, info.tile_n:] = 0
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, blk) for x, blk in
+                                    ((q, info.tile_m), (k, info.tile_n), (v, info.tile_n)))
+    kd[:, :, 1] = 0
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    out, lse = _run(q8, k8, v8, descales, info.causal, info.name)
+    res = compare_fp8_to_reference(out, lse, q8, k8, v8, descales, info.causal, info.tile_n,
+                                   block_q=info.tile_m)
+    assert res["ok"], res["why"]
+    kd = kd.clone()
+    kd[:, :, 0] = float("nan")  # every row sees key block 0
+    out, lse = _run(q8, k8, v8, dict(descales, k_descale=kd), info.causal, info.name)
+    assert out.isnan().all() and lse.isnan().all()
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_quantize_fp8_end_to_end(hadamard):
     """fa3gen.quantize_fp8 (block scales at the serving variant's tiles) into flash_attn_func,
