@@ -5,7 +5,8 @@ Shapes of the bench grid's 16k tokens (batch x seqlen = 16384, heads x head_dim 
 larger one; bytes counted: the 16-bit input read once and the e4m3 output written once (rotary
 tables not counted). Columns: block scales of 128 rows; with the Hadamard transform; with
 rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; one scale per
-tensor; the PyTorch path (fp8.quantize). --baseline-so times another library's
+tensor; the PyTorch path (fp8.quantize); --block-rows adds block scales of other row counts
+(the fp8 defaults' tile_n: 96, 160, 192). --baseline-so times another library's
 fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
 this one's) in the same process, interleaved. --attention adds what a user pays in all at the
 bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-ms", type=float, default=100)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--block-rows", type=int, nargs="+", default=[],
+                    help="also time block scales of these row counts (columns blocks_<rows>)")
     ap.add_argument("--attention", action="store_true",
                     help="also time quantize_fp8 beside the attention it feeds")
     args = ap.parse_args()
@@ -64,6 +67,9 @@ def main():
                "rotary_hadamard": lambda: fp8._quantize_kernel(lib, x, 128, signs, rot),
                "tensor": lambda: fp8._quantize_kernel(lib, x, None, None),
                "pytorch": lambda: fp8.quantize(x, 128)}
+        for rows_per_block in args.block_rows:
+            fns[f"blocks_{rows_per_block}"] = (
+                lambda r=rows_per_block: fp8._quantize_kernel(lib, x, r, None))
         if base is not None:
             fns["baseline_blocks"] = lambda: fp8._quantize_kernel(base, x, 128, None)
             fns["baseline_hadamard"] = lambda: fp8._quantize_kernel(base, x, 128, signs)
