@@ -52,7 +52,7 @@ _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
 SMEM_LIMIT = 232448              # 227 KiB: sm_90 max dynamic shared memory per block (smem_atoms.cuh)
 SMEM_RESERVED = 1024             # barriers, alignment slack
 REG_OVERHEAD = 24                # addresses, loop state, softmax stats per consumer thread
-FP8_V_RAW_SLOTS = 2              # FwdTraits::kVRawSlots
+FP8_V_RAW_SLOTS = 2              # FwdTraits::kVRawSlots (tests/test_variants.py ties the copies)
 
 
 def smem_bytes(v: Variant) -> int:

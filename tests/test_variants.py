@@ -1,6 +1,7 @@
 """Enumeration, pruning constraints and dispatch (generator/variants.py); names and parsing are
 fa3gen/contract.py's (tests/test_contract.py)."""
 import dataclasses
+import re
 import textwrap
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from fa3gen.contract import KEY_AXES, Variant, make_key, parse_name
 from generator import variants as V
 from generator.errors import SpecError
-from generator.paths import SPECS_DIR
+from generator.paths import KERNELS_DIR, SPECS_DIR
 from generator.render import wgmma_n_sizes
 from generator.spec import load_spec, parse_spec
 from generator.variants import CONSTRAINTS, check, enumerate_variants, knobs_of, resolve_dispatch
@@ -378,3 +379,24 @@ groups:
 """)
     d = resolve_dispatch(spec, enumerate_variants(spec).kept)
     assert list(d) == [make_key("fwd", "bf16", 64, False)]  # the single-variant key still defaults
+
+
+def _header_constant(header: str, pattern: str) -> str:
+    text = (KERNELS_DIR / header).read_text()
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not found in {header}: update this test with the header"
+    return match.group(1) if match.lastindex == 1 else match.groups()
+
+
+def test_forward_register_and_smem_model_mirrors_the_kernel_headers():
+    """generator/variants.py prunes with copies of FwdTraits' setmaxnreg caps, its raw V slots
+    and the shared-memory limit: a change on one side only fails here, not on a GPU."""
+    wgs3, fp8, wgs2 = _header_constant(
+        "fwd_traits.cuh", r"kConsumerRegs = kConsumerWGs == 3 \? (\d+) : kFp8 \? (\d+) : (\d+);")
+    assert int(_header_constant("fwd_traits.cuh", r"kVRawSlots = (\d+);")) == V.FP8_V_RAW_SLOTS
+    assert int(_header_constant("smem_atoms.cuh", r"kSmemPerBlockLimit = (\d+);")) == V.SMEM_LIMIT
+    cases = {("bf16", 128, 128): int(wgs2), ("bf16", 64, 192): int(wgs3),
+             ("e4m3", 128, 128): int(fp8), ("e4m3", 64, 192): int(wgs3)}
+    for (dtype, d, tile_m), cap in cases.items():
+        v = parse_name(f"fwd_{dtype}_d{d}_nocausal_m{tile_m}n128_s2_ws1_pp0_ov1")
+        assert V.consumer_registers(v)[1] == cap, (dtype, d, tile_m)
