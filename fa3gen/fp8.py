@@ -6,7 +6,8 @@ q * q_descale, k * k_descale, v * v_descale. Each descale is one value, one per
 (batch, heads_kv) as in FA3, or one per (batch, heads, block) for block quantization: blocks of
 the serving variant's tiles (`block_sizes`), (batch, heads_q, ceil(seqlen_q / tile_m)) for q and
 (batch, heads_kv, ceil(seqlen_k / tile_n)) for k and v. `quantize` makes such tensors. Factors
-must be positive and finite (not checked: that would need the data on the host). The kernels
+must be finite and not negative (checked only with FA3GEN_DEBUG_CHECKS=1: that needs the data
+on the host; a NaN turns the rows it reaches NaN). The kernels
 scale the scores and the output by them, never the data. The output is bf16, or fp16 with
 out_dtype=torch.float16; the LSE fp32. Forward only.
 """
@@ -320,12 +321,30 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
     return ops._empty_outputs(q, torch.float16 if out_fp16 else torch.bfloat16)
 
 
+def check_descale_data(descales: dict) -> None:
+    """FA3GEN_DEBUG_CHECKS=1: every descale finite and not negative (0 is right for a block of
+    zeros). Reads them on the host: a device sync per call."""
+    for name in DESCALE_NAMES:
+        t = descales.get(name)
+        if t is None:
+            continue
+        bad = ~(torch.isfinite(t) & (t >= 0))
+        if bool(bad.any()):
+            at = [int(i) for i in bad.nonzero()[0]]
+            raise InvalidInputError(f"{name}{at} is {t[tuple(at)].item()}: descales must be finite "
+                                    "and not negative")
+
+
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
                 out=None, lse=None):
     """(out, lse, variant name, dims) of the fp8 forward: ops' checks, plan and launch, plus the
     descale fields. out, lse: preallocated outputs (the tests pass poisoned ones), else new.
     The checks and the params are planned once per call signature (the tensors' shapes,
     strides, dtypes and devices, the descales' too, and the other arguments)."""
+    from fa3gen.varlen import debug_checks_enabled  # varlen needs ops, which imports this module
+
+    if debug_checks_enabled():
+        check_descale_data(descales)
     key = None
     if out is None:
         try:

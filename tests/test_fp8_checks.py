@@ -370,3 +370,27 @@ def test_kernel_block_values_is_the_quantizer_kernels():
     header = (KERNELS_DIR / "quantize_fp8.cuh").read_text()
     found = re.search(r"constexpr int kStagedBlockValues = (\d+);", header)
     assert found and int(found.group(1)) == fp8.KERNEL_BLOCK_VALUES
+
+
+def test_debug_checks_catch_bad_descales(fake_launch, monkeypatch):
+    """FA3GEN_DEBUG_CHECKS=1 reads the descales on the host: NaN, inf or negative values raise
+    (naming the entry), 0 passes; without the switch nothing is read (the kernels propagate a
+    NaN instead)."""
+    b, s, h = 1, 256, 2
+    q = k = v = torch.zeros(b, s, h, 128, dtype=torch.float8_e4m3fn)
+    good = torch.ones(b, h, 2)
+    good[0, 1, 1] = 0
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    ops.flash_attn_func(q, k, v, causal=True, k_descale=good)
+    for value in (float("nan"), float("inf"), -1.0):
+        bad = good.clone()
+        bad[0, 1, 0] = value
+        for _ in range(2):  # the planned signature is checked too
+            with pytest.raises(InvalidInputError, match=r"k_descale\[0, 1, 0\] is .*finite"):
+                ops.flash_attn_func(q, k, v, causal=True, k_descale=bad)
+    with pytest.raises(InvalidInputError, match=r"v_descale\[0\] is -2.0"):
+        ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.tensor([-2.0]))
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "0")
+    launched = len(fake_launch)
+    ops.flash_attn_func(q, k, v, causal=True, k_descale=bad)
+    assert len(fake_launch) == launched + 1
