@@ -429,6 +429,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         lengths = seqlens if seqlens is not None else torch.full(
             (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
+        _debug_check_scales(k_scale, v_scale)
     if plan.append:
         if plan.kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
@@ -576,6 +577,18 @@ def _launch_decode(device, params) -> None:
     """The library's decode kernels on the current stream (the CPU tests replace this)."""
     lib = runtime.get_library()
     ops.on_current_stream(device, lambda stream: lib.decode(params, stream))
+
+
+def _debug_check_scales(k_scale, v_scale) -> None:
+    """FA3GEN_DEBUG_CHECKS=1: factor tensors of an e4m3 cache positive and finite (as a float
+    factor must be; appended rows are divided by them)."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(s, torch.Tensor):
+            bad = ~(torch.isfinite(s) & (s > 0))
+            if bool(bad.any()):
+                at = [int(i) for i in bad.nonzero()[0]]
+                raise InvalidInputError(f"{name}{at} is {s[tuple(at)].item()}: factors must be "
+                                        "positive and finite")
 
 
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,

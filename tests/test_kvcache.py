@@ -371,6 +371,22 @@ def test_fp8_cache_errors(launched):
             kvcache.flash_attn_with_kvcache(q, kc, kc, v_scale=bad)
     with pytest.raises(InvalidInputError, match="one shape and strides"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(2), v_scale=torch.ones(2, 2))
+
+
+def test_fp8_cache_factor_values_under_debug_checks(launched, monkeypatch):
+    """Factor tensors are read on the host only with FA3GEN_DEBUG_CHECKS=1: a zero, negative,
+    infinite or NaN entry is then named."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=FP8)
+    bad = torch.ones(2, 2)
+    bad[1, 0] = 0
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, k_scale=bad)  # not read
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, k_scale=torch.ones(2, 2))
+    for value in (0.0, -1.0, float("inf"), float("nan")):
+        bad[1, 0] = value
+        with pytest.raises(InvalidInputError, match=r"v_scale\[1, 0\] is .*positive and finite"):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, v_scale=bad)
     with pytest.raises(InvalidInputError, match="float8_e4m3fn or torch.bfloat16"):  # k, v of another dtype
         new = torch.zeros(2, 1, 2, 128, dtype=torch.float16)
         kvcache.flash_attn_with_kvcache(q, kc, kc, k=new, v=new, cache_seqlens=5)
