@@ -34,3 +34,16 @@ def test_fp8_gemms_count_too():
     fp8 = SASS.replace("HGMMA.64x176x16.F32.BF16", "QGMMA.64x128x32.F32.E4M3.E4M3")
     (count, ops), = sass_loops.loops(fp8, min_gmma=2)
     assert ops["QGMMA"] == ops["GMMA"] == 2 and ops["HGMMA"] == 0
+
+
+def test_events_show_where_the_waits_sit():
+    """The order of GEMMs, waits and exponentials in a loop: a wait for every GEMM ahead of the
+    softmax's exponentials reads "WAIT1 WAIT0 E2"."""
+    body = ["HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], RZ, !UPT",
+            "HGMMA.64x128x16.F32.BF16 R24, R180, gdesc[UR8].tnspB, R24, gsb0",
+            "BAR.ARV R8, 0x100", "WARPGROUP.DEPBAR.LE gsb0, 0x1", "FMNMX R13, R88, R96, !PT",
+            "WARPGROUP.DEPBAR.LE gsb0, 0x0", "MUFU.EX2 R94, R94", "@P0 MUFU.EX2 R93, R93",
+            "MUFU.RCP R1, R2"]
+    assert sass_loops.events(body) == "G2 BAR WAIT1 WAIT0 E2"
+    (ops, loop), = sass_loops._loop_bodies(SASS, min_gmma=2)
+    assert sass_loops.events(loop) == "G2"

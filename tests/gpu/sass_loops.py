@@ -4,7 +4,7 @@ to a cubin with the build's flags, disassemble it and print every loop that issu
 the opcodes that tell overhead apart.
 
     python3 tests/gpu/sass_loops.py fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1 [more names]
-    python3 tests/gpu/sass_loops.py --cubin x.cubin
+    python3 tests/gpu/sass_loops.py --cubin x.cubin [--events]
 
 Not a pytest module. Needs nvcc and the CUTLASS headers (as a build does) and a disassembler:
 cuobjdump or nvdisasm on PATH, or NVDISASM=path (the `nvidia-cuda-nvdisasm` wheel ships one,
@@ -44,9 +44,9 @@ def opcode(insn: str) -> str:
 GMMA_OPS = ("HGMMA", "QGMMA", "IGMMA", "BGMMA")  # warpgroup MMA by operand type
 
 
-def loops(sass: str, min_gmma: int) -> list[tuple[int, collections.Counter]]:
-    """(instruction count, opcode counts) of each backward-branch loop with enough warpgroup
-    GEMMs; the counts gain "GMMA", their sum over operand types."""
+def _loop_bodies(sass: str, min_gmma: int) -> list[tuple[collections.Counter, list[str]]]:
+    """(opcode counts, instructions) of each backward-branch loop with enough warpgroup GEMMs,
+    shortest first; the counts gain "GMMA", their sum over operand types."""
     labels, insns = {}, []
     for line in sass.splitlines():
         m = _LABEL.match(line)
@@ -60,11 +60,42 @@ def loops(sass: str, min_gmma: int) -> list[tuple[int, collections.Counter]]:
     for i, insn in enumerate(insns):
         m = _BRANCH.search(insn)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            ops = collections.Counter(opcode(x) for x in insns[labels[m.group(1)]:i + 1])
+            body = insns[labels[m.group(1)]:i + 1]
+            ops = collections.Counter(opcode(x) for x in body)
             ops["GMMA"] = sum(ops[op] for op in GMMA_OPS)
             if ops["GMMA"] >= min_gmma:
-                out.append((i + 1 - labels[m.group(1)], ops))
-    return sorted(out, key=lambda x: x[0])
+                out.append((ops, body))
+    return sorted(out, key=lambda x: len(x[1]))
+
+
+def loops(sass: str, min_gmma: int) -> list[tuple[int, collections.Counter]]:
+    """(instruction count, opcode counts) of each backward-branch loop with enough warpgroup
+    GEMMs; the counts gain "GMMA", their sum over operand types."""
+    return [(len(body), ops) for ops, body in _loop_bodies(sass, min_gmma)]
+
+
+def events(body: list[str]) -> str:
+    """The order of a loop's GEMMs (G), exponentials (E), named barriers (BAR) and warpgroup
+    waits (WAIT n: at most n GEMM groups left in flight), runs counted: e.g. "G19 BAR WAIT1
+    WAIT0 E90" says that the wait for every GEMM comes before the softmax's exponentials."""
+    out = []
+    for insn in body:
+        op = opcode(insn)
+        if op == "WARPGROUP" and "DEPBAR" in insn:
+            ev = "WAIT" + str(int(insn.rsplit(",", 1)[1], 0))
+        elif op in GMMA_OPS:
+            ev = "G"
+        elif op == "MUFU" and ".EX2" in insn:
+            ev = "E"
+        elif op == "BAR":
+            ev = "BAR"
+        else:
+            continue
+        if out and out[-1][0] == ev and ev in ("G", "E"):
+            out[-1][1] += 1
+        else:
+            out.append([ev, 1])
+    return " ".join(f"{ev}{n}" if n > 1 else ev for ev, n in out)
 
 
 def compile_variant(name: str, workdir: Path) -> Path:
@@ -94,6 +125,9 @@ def main() -> int:
     parser.add_argument("--min-gmma", "--min-hgmma", type=int, default=10,
                         help="report loops with at least this many warpgroup GEMMs (fp8 steps "
                              "have half as many as 16-bit ones at the same tile)")
+    parser.add_argument("--events", action="store_true",
+                        help="also print each loop's order of GEMMs, exponentials, barriers and "
+                             "warpgroup waits (where the softmax sits against the GEMMs' waits)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cubins = [(Path(c).name, Path(c)) for c in args.cubin]
@@ -102,8 +136,10 @@ def main() -> int:
             cubins.append((name, compile_variant(name, Path(tmp))))
         for label, cubin in cubins:
             print(f"{label}: loops with >= {args.min_gmma} GMMA (static instruction counts)")
-            for count, ops in loops(disassemble(cubin), args.min_gmma):
-                print(f"  {count:5d} instructions; " + " ".join(f"{k} {ops[k]}" for k in SHOWN))
+            for ops, body in _loop_bodies(disassemble(cubin), args.min_gmma):
+                print(f"  {len(body):5d} instructions; " + " ".join(f"{k} {ops[k]}" for k in SHOWN))
+                if args.events:
+                    print(f"        order: {events(body)}")
     return 0
 
 
