@@ -58,3 +58,21 @@ def test_gpu_scripts_answer_help():
 
 def test_every_gpu_script_is_found():
     assert {"bench_fp8_quantize.py", "sanitize_quantizer.py", "ab_trees.py"} <= {p.name for p in SCRIPTS}
+
+
+def test_ncu_phases_splits_the_steady_loop():
+    """ncu_phases.py on a small source-page CSV: the loop is the instructions executed as often
+    as the most executed GEMM; its samples split by phase (predicates dropped)."""
+    spec = importlib.util.spec_from_file_location("ncu_phases", GPU_DIR / "ncu_phases.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    head = '"Kernel Name","k"\n"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed"\n'
+    rows = [("MOV R1, R2", 5, 1), ("HGMMA.64x128x16.F32.BF16 R88, gdesc[UR8], RZ", 7, 100),
+            ("WARPGROUP.DEPBAR.LE gsb0, 0x1", 11, 100), ("FMNMX R13, R88, R96, !PT", 13, 100),
+            ("@P0 MUFU.EX2 R94, R94", 17, 100), ("WARPGROUP.DEPBAR.LE gsb0, 0x0", 19, 100),
+            ("UIADD3 UR4, UR4, 0x1, URZ", "1,000", 100), ("EXIT", 3, 1)]
+    text = head + "".join(f'"0x{i}","{s}","{n}","{e}"\n' for i, (s, n, e) in enumerate(rows))
+    result = module.phases(text.splitlines())
+    assert result["all_samples"] == 1075 and result["steady_loop_warp_steps"] == 100
+    assert result["steady_loop_samples"] == {"other": 1000, "softmax_math": 30, "wait_all_gemms": 19,
+                                             "wait_S": 11, "gemm_issue": 7}
