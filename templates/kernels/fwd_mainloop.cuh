@@ -521,10 +521,10 @@ struct FwdMainloop {
         issue_s(st, true);
         issue_pv(st_v, false);
         turns.pass_turn();
-        // Groups retire in order: S(i) is done, P(i-1) V(i-1) may still run. ptxas moves the
-        // wait<0> below up to here (it has no inputs), so the softmax does not overlap
-        // P(i-1) V(i-1); forcing it back measured slower (docs/BENCHMARKS.md, "Where the
-        // consumer warps wait"; tests/gpu/sass_loops.py --events shows the order).
+        // Groups retire in order: S(i) is done, P(i-1) V(i-1) may still run. In the 16-bit
+        // variants ptxas moves the wait<0> below up to here (it has no inputs), so the softmax
+        // does not overlap P(i-1) V(i-1); forcing it back measured slower (docs/BENCHMARKS.md,
+        // "Where the consumer warps wait"; tests/gpu/sass_loops.py --events shows the order).
         warpgroup_wait<1>();
         pipe_k.consumer_release(st);
         release_q_if_last(i);
