@@ -128,3 +128,31 @@ def test_run_a_tree_times_a_compile_time_switch(monkeypatch, tmp_path):
     args.define = []
     with pytest.raises(SystemExit, match="--define"):
         ab_trees.run(args, [])
+
+
+def test_run_ncu_profiles_one_variant_from_each_side(monkeypatch, tmp_path):
+    """--ncu VARIANT: each library's launch of the variant under ncu (its head dim, causality
+    and dtype from the name), the source pages as CSV, then ncu_phases.py on both."""
+    base = tmp_path / "ab_base"
+    base.mkdir()
+    (base / "AB_BASE_COMMIT").write_text("abc123\n")
+    monkeypatch.setattr(ab_trees, "BASE_DIR", base)
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", lambda *a, **kw: type(
+        "Build", (), {"wait": lambda self: 0})())
+    ran = []
+    monkeypatch.setattr(ab_trees.subprocess, "run", lambda cmd, env=None, stdout=None: ran.append(
+        (cmd, (env or {}).get("FA3GEN_LIB"), stdout)) or subprocess.CompletedProcess(cmd, 0))
+    variant = "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"
+    work = tmp_path / "w"
+    args = type("Args", (), {"spec": "h100", "only": [variant], "jobs": 4, "work": str(work),
+                             "ncu": variant, "ncu_seqlen": 4096})
+    assert ab_trees.run(args, ["--json", "p.json"]) == 0
+    (prof_a, lib_a, _), (page_a, _, out_a), (prof_b, lib_b, _), (page_b, _, _), (phases, _, _) = ran
+    assert (lib_a, lib_b) == (str(work / "A/h100/lib/libfa3gen_h100.so"),
+                              str(work / "B/h100/lib/libfa3gen_h100.so"))
+    assert prof_a[0] == "ncu" and prof_a[-6:] == ["fa3gen", "128", "1", "4096", "bf16", variant]
+    assert prof_a[-7].endswith("tests/gpu/ncu_one_forward.py")
+    assert prof_a[prof_a.index("-o") + 1] == str(work / "ncu_A")
+    assert page_a[:3] == ["ncu", "-i", f"{work / 'ncu_A'}.ncu-rep"] and out_a.name == str(work / "ncu_A.csv")
+    assert phases[1].endswith("tests/gpu/ncu_phases.py")
+    assert phases[2:] == [str(work / "ncu_A.csv"), str(work / "ncu_B.csv"), "--json", "p.json"]

@@ -10,13 +10,17 @@ and from this tree, then timed side by side by ab_libraries.py.
     python3 tests/gpu/ab_trees.py run --a-tree --define NAME[=VALUE] --only 'fwd_e4m3_d128_*' ...
                                                       # a compile-time switch: A and B both from
                                                       # this tree, B built with the define
+    python3 tests/gpu/ab_trees.py run --only VARIANT --ncu VARIANT [--json phases.json]
+                                                      # where each build's warps wait (ncu)
 
 `run` needs the GPU host to have ab_base/ (carry it with the tree when the host is another
 machine) and builds both libraries at once, each into its own generated root under
 --work (default /tmp/fa3gen_ab: A from ab_base, B from this tree; the tree's generated/ is
 left alone), then runs ab_libraries.py on them; its JSON header names the base commit.
 --quantizer runs bench_fp8_quantize.py instead (B's library loaded, A's quantizer called
-through --baseline-so), --decode bench_kvcache.py the same way (A's decode kernels).
+through --baseline-so), --decode bench_kvcache.py the same way (A's decode kernels), --ncu
+profiles one launch of the variant from each library (ncu_one_forward.py) and compares where
+their warps wait (ncu_phases.py).
 
 Not a pytest module.
 """
@@ -28,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fa3gen.contract import library_name
+from fa3gen.contract import library_name, parse_name
 from generator.paths import resolve_spec_path
 from generator.spec import load_spec
 
@@ -73,6 +77,34 @@ def library(work: Path, side: str, spec: str) -> Path:
     return work / side / name / library_name(name)
 
 
+NCU_SECTIONS = ("--section", "WarpStateStats", "--section", "SourceCounters", "--metrics",
+                "gpu__time_duration.sum,smsp__inst_executed.max,smsp__inst_executed.min")
+
+
+def ncu_profiles(variant: str, seqlen: int, libs: dict, work: Path, phases_args: list[str]) -> int:
+    """One launch of `variant` from each side's library under ncu (ncu_one_forward.py: batch x
+    seqlen = 16k tokens, hidden 2048), its source page as CSV, then ncu_phases.py on both."""
+    info = parse_name(variant)
+    here = Path(__file__).parent
+    csvs = []
+    for side, lib in libs.items():
+        env = {**os.environ, "FA3GEN_LIB": lib}
+        report = work / f"ncu_{side}"
+        profile = ["ncu", "--profile-from-start", "off", "--clock-control", "none", *NCU_SECTIONS,
+                   "-f", "-o", str(report), sys.executable, str(here / "ncu_one_forward.py"),
+                   "fa3gen", str(info.head_dim), str(int(info.causal)), str(seqlen), info.dtype,
+                   variant]
+        if subprocess.run(profile, env=env).returncode != 0:
+            raise SystemExit(f"ncu failed on side {side}")
+        csvs.append(work / f"ncu_{side}.csv")
+        with open(csvs[-1], "w") as out:
+            page = ["ncu", "-i", f"{report}.ncu-rep", "--page", "source", "--csv", "--print-source", "sass"]
+            if subprocess.run(page, env=env, stdout=out).returncode != 0:
+                raise SystemExit(f"ncu could not read {report}.ncu-rep")
+    return subprocess.run([sys.executable, str(here / "ncu_phases.py"), *map(str, csvs),
+                           *phases_args]).returncode
+
+
 def run(args, ab_args: list[str]) -> int:
     defines = tuple(getattr(args, "define", None) or ())
     a_tree = getattr(args, "a_tree", False)
@@ -101,6 +133,8 @@ def run(args, ab_args: list[str]) -> int:
     b_name = "this tree" + (" with " + " ".join(defines) if defines else "")
     print(f"built A ({commit if a_tree else commit[:10]}) and B ({b_name}) under {work}", flush=True)
     lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, "B", args.spec))
+    if getattr(args, "ncu", None):
+        return ncu_profiles(args.ncu, args.ncu_seqlen, {"A": lib_a, "B": lib_b}, work, ab_args)
     bench = {"quantizer": "bench_fp8_quantize.py", "decode": "bench_kvcache.py"}
     for flag, script in bench.items():  # one kind of kernel of both, in one process
         if getattr(args, flag, False):
@@ -134,6 +168,12 @@ def main() -> int:
     p_run.add_argument("--a-tree", action="store_true",
                        help="build A from this tree too (no export): with --define, an A/B of "
                             "a compile-time switch")
+    p_run.add_argument("--ncu", metavar="VARIANT",
+                       help="instead of timing: one launch of VARIANT from each side under ncu "
+                            "(warp-state sampling), then ncu_phases.py on both (other arguments "
+                            "go to it, e.g. --json)")
+    p_run.add_argument("--ncu-seqlen", type=int, default=16384,
+                       help="--ncu's sequence length (batch x seqlen = 16k tokens)")
     p_run.add_argument("--decode", action="store_true",
                        help="time the two builds' decode kernels (bench_kvcache.py --baseline-so "
                             "A); any --only brings them along")
