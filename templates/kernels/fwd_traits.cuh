@@ -24,7 +24,11 @@ template <class Element, int HeadDim, int TileN, int Stages>
 constexpr auto smem_layout_vt() {
   constexpr auto shape = Shape<Int<HeadDim>, Int<TileN>, Int<Stages>>{};
   if constexpr (sizeof(Element) == 1) return tile_to_shape(smem_atom<Element, TileN, true>(), shape);
+#ifdef FA3GEN_VT_KEYS_FIRST  // measurements only: atoms stacked keys first, 2-4 TMA boxes a tile
+  else return tile_to_shape(smem_atom<Element, HeadDim, false>(), shape, Step<_2, _1, _3>{});
+#else  // head_dim first: one 1 KB box per 8 keys and 64 columns (docs/BENCHMARKS.md, keys-first)
   else return tile_to_shape(smem_atom<Element, HeadDim, false>(), shape);
+#endif
 }
 
 // fp8 only: the TMA landing slots of V as stored (keys x head_dim), which the producer
