@@ -326,13 +326,9 @@ def check_descale_data(descales: dict) -> None:
     zeros). Reads them on the host: a device sync per call."""
     for name in DESCALE_NAMES:
         t = descales.get(name)
-        if t is None:
-            continue
-        bad = ~(torch.isfinite(t) & (t >= 0))
-        if bool(bad.any()):
-            at = [int(i) for i in bad.nonzero()[0]]
-            raise InvalidInputError(f"{name}{at} is {t[tuple(at)].item()}: descales must be finite "
-                                    "and not negative")
+        if t is not None:
+            ops.check_entries(name, t, ~(torch.isfinite(t) & (t >= 0)),
+                              "descales must be finite and not negative")
 
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,
@@ -341,9 +337,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     descale fields. out, lse: preallocated outputs (the tests pass poisoned ones), else new.
     The checks and the params are planned once per call signature (the tensors' shapes,
     strides, dtypes and devices, the descales' too, and the other arguments)."""
-    from fa3gen.varlen import debug_checks_enabled  # varlen needs ops, which imports this module
-
-    if debug_checks_enabled():
+    if ops.debug_checks_enabled():
         check_descale_data(descales)
     key = None
     if out is None:

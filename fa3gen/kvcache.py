@@ -17,7 +17,6 @@ import torch
 from fa3gen import contract, ops, runtime, tracing
 from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
-from fa3gen.varlen import debug_checks_enabled
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
 HEAD_DIMS = contract.DECODE_HEAD_DIMS
@@ -172,7 +171,7 @@ def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
     else:
         _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     start = _start_rows(cache_seqlens, b, q.device)
-    if not isinstance(cache_seqlens, int) and debug_checks_enabled():
+    if not isinstance(cache_seqlens, int) and ops.debug_checks_enabled():
         need = int((start.max() + span).item())
         if need > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
@@ -425,7 +424,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)
         p.num_splits = _split_count(p.seqlen_k, *plan.split_args)
-    if debug_checks_enabled():
+    if ops.debug_checks_enabled():
         lengths = seqlens if seqlens is not None else torch.full(
             (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
@@ -584,11 +583,8 @@ def _debug_check_scales(k_scale, v_scale) -> None:
     factor must be; appended rows are divided by them)."""
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(s, torch.Tensor):
-            bad = ~(torch.isfinite(s) & (s > 0))
-            if bool(bad.any()):
-                at = [int(i) for i in bad.nonzero()[0]]
-                raise InvalidInputError(f"{name}{at} is {s[tuple(at)].item()}: factors must be "
-                                        "positive and finite")
+            ops.check_entries(name, s, ~(torch.isfinite(s) & (s > 0)),
+                              "factors must be positive and finite")
 
 
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,

@@ -741,6 +741,24 @@ def _assume_constant_result(fn):
     return fn
 
 
+# Checks that read tensor values on the host (a device sync per call) run only when this is
+# set to anything but empty or 0 (README: FA3GEN_DEBUG_CHECKS).
+DEBUG_CHECKS_ENV = "FA3GEN_DEBUG_CHECKS"
+
+
+@_assume_constant_result  # torch.compile reads the switch once, while tracing
+def debug_checks_enabled() -> bool:
+    return os.environ.get(DEBUG_CHECKS_ENV, "") not in ("", "0")
+
+
+def check_entries(name: str, t: torch.Tensor, bad: torch.Tensor, requirement: str) -> None:
+    """A debug check's error: names the first entry of t where `bad` holds (reads it on the
+    host)."""
+    if bool(bad.any()):
+        at = [int(i) for i in bad.nonzero()[0]]
+        raise InvalidInputError(f"{name}{at} is {t[tuple(at)].item()}: {requirement}")
+
+
 @_assume_constant_result
 def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
                   local: bool, softcap: bool, varlen: bool = False, seqlen_k=None) -> str:

@@ -19,9 +19,9 @@ from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
 from fa3gen.contract import VARLEN_LIMITS, varlen_tiles
 from fa3gen.errors import Fa3genError, InvalidInputError
-from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES
+from fa3gen.ops import (DEBUG_CHECKS_ENV, Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES,
+                        debug_checks_enabled)
 
-DEBUG_CHECKS_ENV = "FA3GEN_DEBUG_CHECKS"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,11 +85,6 @@ def _check_max_seqlen(**sizes) -> None:
         # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0:
             raise InvalidInputError(f"{name} must be an int > 0 (the longest sequence), got {m!r}")
-
-
-@ops._assume_constant_result  # torch.compile reads the switch once, while tracing
-def debug_checks_enabled() -> bool:
-    return os.environ.get(DEBUG_CHECKS_ENV, "") not in ("", "0")
 
 
 def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
