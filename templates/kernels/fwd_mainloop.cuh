@@ -443,10 +443,8 @@ struct FwdMainloop {
       }
       if constexpr (Traits::kFp8) {
         // Block quantization of K: this block's factor on its scores, taken by the softmax
-        // (per row, not per score). 0 (an all-zero K block: its scores are 0) becomes 1e-30 so
-        // that a masked -inf times it stays -inf; a NaN stays NaN and shows in the output.
-        const float k_raw = p.descale.k_blocks() ? p.descale.k_(tile.batch, head_kv, n_block) : 1.f;
-        const float k_descale = k_raw == 0.f ? 1e-30f : k_raw;
+        // (per row, not per score).
+        const float k_descale = p.descale.k_blocks() ? p.descale.k_(tile.batch, head_kv, n_block) : 1.f;
         rescale_o = softmax.step(S, rescale, k_descale);
       } else {
         rescale_o = softmax.step(S, rescale);

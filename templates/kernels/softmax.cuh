@@ -58,12 +58,14 @@ struct OnlineSoftmax {
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows]) {
     return step_impl<false>(S, rescale, 1.f);
   }
-  // The same on the scores S * block_scale (block_scale > 0: a factor of this key block, e.g.
-  // its fp8 descale), without multiplying them: the block's maximum and the exponent's
-  // multiplier take the factor instead, one multiply per row instead of one per score.
+  // The same on the scores S * block_scale (a factor of this key block, e.g. its fp8 descale),
+  // without multiplying them: the block's maximum and the exponent's multiplier take the factor
+  // instead, one multiply per row instead of one per score. A factor of 0 (a block of zeros:
+  // its scores are 0) is taken as 1e-30, so that a masked -inf times it stays -inf; a NaN
+  // stays NaN and shows in the output.
   template <class TS>
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale) {
-    return step_impl<true>(S, rescale, block_scale);
+    return step_impl<true>(S, rescale, block_scale == 0.f ? 1e-30f : block_scale);
   }
   template <bool kScaled, class TS>
   __device__ __forceinline__ bool step_impl(TS& S, float (&rescale)[Rows], float block_scale) {
