@@ -18,17 +18,16 @@ namespace fa3gen {
 using namespace cute;
 
 // V^T as the PV GEMM's B operand (head_dim x keys, per stage). 16-bit: MN-major, which is V's
-// own layout (head_dim contiguous), so TMA loads it directly. fp8: WGMMA takes K-major 8-bit
-// operands only, so V^T is stored keys-contiguous and written by the in-kernel transpose.
+// own layout (head_dim contiguous), so TMA loads it directly; its swizzle atoms (head_dim wide,
+// 8 keys) are stacked keys first, so a tile arrives in one TMA box per 64 (or 32) columns, not
+// one per 8 keys as well (44 boxes at d128 n176): 1.02-1.24x at d96-d256 (docs/BENCHMARKS.md,
+// "V^T keys first"). fp8: WGMMA takes K-major 8-bit operands only, so V^T is stored
+// keys-contiguous and written by the in-kernel transpose.
 template <class Element, int HeadDim, int TileN, int Stages>
 constexpr auto smem_layout_vt() {
   constexpr auto shape = Shape<Int<HeadDim>, Int<TileN>, Int<Stages>>{};
   if constexpr (sizeof(Element) == 1) return tile_to_shape(smem_atom<Element, TileN, true>(), shape);
-#ifdef FA3GEN_VT_KEYS_FIRST  // measurements only: atoms stacked keys first, 2-4 TMA boxes a tile
   else return tile_to_shape(smem_atom<Element, HeadDim, false>(), shape, Step<_2, _1, _3>{});
-#else  // head_dim first: one 1 KB box per 8 keys and 64 columns (docs/BENCHMARKS.md, keys-first)
-  else return tile_to_shape(smem_atom<Element, HeadDim, false>(), shape);
-#endif
 }
 
 // fp8 only: the TMA landing slots of V as stored (keys x head_dim), which the producer
