@@ -21,8 +21,9 @@ def main():
         rot = (angle.cos(), angle.sin())
         signs = random_signs(d, 1, x.device)
         # Rows: 8192 / d fill the 16 KB ring; 128 and 32768 / d one and two passes of 512
-        # threads (d64 and d128: 128 is one pass); 65536 / d the two-read kernel; None per tensor.
-        for rows in (8192 // d, 128, 32768 // d, 65536 // d, None):
+        # threads (d64 and d128: 128 is one pass); 100 and 24576 / d passes that the rows fill
+        # in part; 65536 / d the two-read kernel; None per tensor.
+        for rows in (8192 // d, 128, 100, 24576 // d, 32768 // d, 65536 // d, None):
             fp8._quantize_kernel(lib, x, rows, signs)
             fp8._quantize_kernel(lib, x, rows, None)
             if rows is not None and fp8._kernel_rotates(x, rows, rot, False):

@@ -207,8 +207,8 @@ def _quantizer_lib():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("block_rows", [128, 64, 96, 160, 192, 384, None],
-                         ids=["b128", "b64", "b96", "b160", "b192", "b384", "tensor"])
+@pytest.mark.parametrize("block_rows", [128, 64, 96, 100, 160, 192, 384, None],
+                         ids=["b128", "b64", "b96", "b100", "b160", "b192", "b384", "tensor"])
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadamard):
     """fa3gen_quantize_fp8 against fp8.quantize (and reference.hadamard_transform): the same
@@ -231,7 +231,7 @@ def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadam
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rotary", ["halves", "half_dim", "pairs", "pairs_partial"])
-@pytest.mark.parametrize("block_rows", [64, 128], ids=["b64", "b128"])
+@pytest.mark.parametrize("block_rows", [64, 96, 128], ids=["b64", "b96", "b128"])
 def test_quantize_kernel_rotary_bit_for_bit(dtype, d, rotary, block_rows):
     """The fused kernel's rotary embedding (before the Hadamard transform) against
     reference.apply_rotary and the PyTorch quantizer: the same bytes. Rotary dims: d and d / 2
