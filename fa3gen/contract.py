@@ -141,6 +141,10 @@ AXIS_TABLE = (
     # Forward: the key blocks that need the mask peeled out of the steady-state loop (a second
     # copy of the loop body without mask code; templates/kernels/fwd_mainloop.cuh).
     Axis("peel_masked", "bool", "knob", words=("", "peel")),
+    # Forward, 16-bit: P reaches the PV GEMM through shared memory (both operands from shared
+    # memory) instead of registers, which frees P's registers while the GEMM runs: what lets
+    # three consumer warpgroups (192-row tiles) hold d96's O accumulators without spilling.
+    Axis("p_in_smem", "bool", "knob", words=("", "psmem")),
 )
 AXIS_BY_NAME = {a.name: a for a in AXIS_TABLE}
 AXES = tuple(AXIS_BY_NAME)
@@ -279,7 +283,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
@@ -385,7 +389,8 @@ _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_
                  ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
                  ("Local", "local"), ("Softcap", "softcap"), ("Varlen", "varlen"),
                  ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
-                 ("IntraWgOverlap", "intra_wg_overlap"), ("PeelMasked", "peel_masked"))
+                 ("IntraWgOverlap", "intra_wg_overlap"), ("PeelMasked", "peel_masked"),
+                 ("PInSmem", "p_in_smem"))
 
 LAUNCHERS = {
     "fwd": Launcher("fa3gen_fwd.cuh", "fa3gen::launch_fwd", "fa3gen_fwd_params", FWD_PARAMS,

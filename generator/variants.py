@@ -45,6 +45,7 @@ REALIZED_KNOBS = {
     ("pingpong", False), ("pingpong", True),
     ("intra_wg_overlap", False), ("intra_wg_overlap", True),
     ("peel_masked", False), ("peel_masked", True),
+    ("p_in_smem", False), ("p_in_smem", True),
 }
 # A new on/off knob is checked too: pruned until its values are added above.
 _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
@@ -69,9 +70,11 @@ def smem_bytes(v: Variant) -> int:
             + SMEM_RESERVED
         dq_tile = 4 * v.tile_m * v.head_dim
         return core if split and core + dq_tile > SMEM_LIMIT else core + dq_tile
-    # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose.
+    # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose; p_in_smem
+    # adds P's tile.
     raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
-    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v) \
+    p_tile = v.tile_m * v.tile_n if v.p_in_smem else 0
+    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v + p_tile) \
         + SMEM_RESERVED
 
 
@@ -199,6 +202,13 @@ def peel_needs_overlap(v: Variant) -> Optional[str]:
     return None
 
 
+def p_in_smem_scope(v: Variant) -> Optional[str]:
+    if v.p_in_smem and (v.direction != "fwd" or v.dtype == "e4m3"):
+        return ("p_in_smem is realized in the 16-bit forward only (the e4m3 P is permuted in "
+                "registers into the PV GEMM's operand)")
+    return None
+
+
 def pingpong_needs_two_consumers(v: Variant) -> Optional[str]:
     if v.pingpong and (consumer_warpgroups(v) < 2 or not v.warp_specialized):
         return "pingpong needs warp specialization and at least 2 consumer warpgroups"
@@ -226,6 +236,7 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("register_budget", register_budget),
     ("pingpong_needs_two_consumers", pingpong_needs_two_consumers),
     ("peel_needs_overlap", peel_needs_overlap),
+    ("p_in_smem_scope", p_in_smem_scope),
     ("knob_realized", knob_realized),
 )
 

@@ -139,7 +139,7 @@ def test_name_format():
     assert v.name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov0"
     assert contract.NAME_FORMAT == ("{direction}_{dtype}_d{head_dim}_{nocausal|causal}_"
                                     "[local]_[softcap]_[varlen]_"
-                                    "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}_[peel]")
+                                    "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}_[peel]_[psmem]")
     assert v.key == ("fwd", "bf16", 128, False, False, False, False)
     assert contract.key_str(v.key) == "(fwd, bf16, d128, nocausal)"
 
@@ -204,8 +204,9 @@ def test_variant_info_row_follows_struct():
         "nullptr" if contract.is_pointer(t) else "0" for _, t in VARIANT_INFO]
     assert (row["local"], row["softcap"], row["varlen"]) == ("0", "0", "0")
     assert contract.template_args(fwd) == ["cutlass::half_t", "64", "192", "128", "3", "true",
-                                           "false", "false", "false", "false", "false", "true", "false"]
-    assert row["peel_masked"] == "0"
+                                           "false", "false", "false", "false", "false", "true", "false",
+                                           "false"]
+    assert row["peel_masked"] == "0" and row["p_in_smem"] == "0"
 
 
 # ------------------------------------------------------------------------------- layout

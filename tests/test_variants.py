@@ -19,7 +19,7 @@ BASE = Variant("fwd", "bf16", 128, False, False, False, False, 128, 128, 2, True
 # Every knob value is realized today; the knob_realized tests narrow the table to the state
 # before pingpong/overlap/non-ws landed, so the mechanism stays proven for future knobs.
 NARROW_KNOBS = {("warp_specialized", True), ("pingpong", False), ("intra_wg_overlap", False),
-                ("peel_masked", False)}
+                ("peel_masked", False), ("p_in_smem", False)}
 
 
 @pytest.fixture
@@ -203,7 +203,7 @@ def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
         "head_dim_supported", "fp8_scope", "one_mask", "backward_knobs", "mma_m_shape", "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
-        "peel_needs_overlap", "knob_realized"]
+        "peel_needs_overlap", "p_in_smem_scope", "knob_realized"]
 
 
 def test_first_failing_constraint_reported():

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 11
+#define FA3GEN_ABI_VERSION 12
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -221,6 +221,7 @@ typedef struct fa3gen_variant_info {
   int32_t tile_m, tile_n, stages;
   int32_t warp_specialized, pingpong, intra_wg_overlap;
   int32_t peel_masked;    // forward: masked key blocks peeled out of the steady-state loop
+  int32_t p_in_smem;      // forward: P reaches the PV GEMM through shared memory
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
   fa3gen_fwd_launch_fn launch_fwd;  // NULL for a backward variant
   fa3gen_bwd_launch_fn launch_bwd;  // NULL for a forward variant

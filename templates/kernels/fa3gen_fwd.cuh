@@ -8,10 +8,10 @@
 namespace fa3gen {
 
 template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
-          bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap, bool PeelMasked>
+          bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap, bool PeelMasked, bool PInSmem>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen, WarpSpecialized,
-                           Pingpong, IntraWgOverlap, PeelMasked>;
+                           Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
   if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,

@@ -383,11 +383,25 @@ struct FwdMainloop {
       else return tSrS.layout();
     };
     Tensor rP = make_tensor<Element>(p_layout());
-    auto p_operand_layout = [&]() {
-      if constexpr (Traits::kFp8) return rP.layout();
-      else return acc_as_operand_a(rP.layout());
+    // p_in_smem: P's tile in shared memory, the PV GEMM's A operand through descriptors, and
+    // the stmatrix copy that writes a thread's accumulator-layout values into it.
+    auto sP = [&]() {
+      if constexpr (Traits::kPInSmem) return make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutP{});
+      else return 0;
+    }();
+    auto p_operand = [&]() {
+      if constexpr (Traits::kPInSmem) return thr_pv.partition_fragment_A(sP);
+      else if constexpr (Traits::kFp8) return make_tensor(rP.data(), rP.layout());
+      else return make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
     };
-    Tensor tOrP = make_tensor(rP.data(), p_operand_layout());
+    auto tOrP = p_operand();
+    auto r2s_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_qk);
+    auto thr_r2s_p = r2s_p.get_thread_slice(tid);
+    auto tPsP = [&]() {
+      if constexpr (Traits::kPInSmem) return thr_r2s_p.partition_D(sP);
+      else return 0;
+    }();
+    const int warpgroup = Traits::kPInSmem ? __shfl_sync(0xffffffff, tid / 128, 0) : 0;  // warp-uniform: a barrier id
     Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
     Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
@@ -471,6 +485,13 @@ struct FwdMainloop {
     auto to_p = [&]() {
       if constexpr (Traits::kFp8) {
         p_to_fp8(tSrS, rP);
+      } else if constexpr (Traits::kPInSmem) {
+        // Called after the wait for the previous P V GEMM, which read this buffer. Every warp of
+        // the warpgroup writes its rows before the GEMM (a warpgroup-wide instruction) reads them.
+        Tensor converted = convert_fragment<Element>(tSrS);
+        copy(r2s_p, thr_r2s_p.retile_S(converted), tPsP);
+        cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
+        barrier_sync_at<BarrierId::kFwdPWritten0>(warpgroup, 128);
       } else {
         Tensor converted = convert_fragment<Element>(tSrS);
         CUTLASS_PRAGMA_UNROLL

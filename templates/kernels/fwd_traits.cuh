@@ -40,6 +40,14 @@ struct VRawStorage {
 template <class Element, int Elems, int Slots>
 struct VRawStorage<Element, Elems, Slots, false> {};  // empty base: 16-bit kernels unchanged
 
+// p_in_smem only: P's tile, written by the consumers and read by the PV GEMM.
+template <class Element, int Elems, bool Present>
+struct PStorage {
+  alignas(1024) cute::array_aligned<Element, Elems> p;
+};
+template <class Element, int Elems>
+struct PStorage<Element, Elems, false> {};
+
 // fp8 descale factors (fa3gen_abi.h): per (batch, head) as FA3's q/k/v_descale, or per
 // (batch, head, tile-aligned block) for block quantization; a null pointer reads 1.
 struct Descales {
@@ -68,7 +76,7 @@ struct Descales {
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
           bool Softcap, bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap,
-          bool PeelMasked = false>
+          bool PeelMasked = false, bool PInSmem = false>
 struct FwdTraits {
   using Element = Element_;  // of q, k, v
   static constexpr bool kFp8 = sizeof(Element) == 1;
@@ -86,6 +94,10 @@ struct FwdTraits {
   // Per-key gains and losses: docs/BENCHMARKS.md, "The masked-block peel as a knob".
   static constexpr bool kPeelMasked = PeelMasked;
   static_assert(!PeelMasked || IntraWgOverlap, "the peel is realized in the overlapped loop");
+  // P through shared memory: both PV GEMM operands from shared memory (16-bit only: the e4m3
+  // P is permuted in registers into its operand layout).
+  static constexpr bool kPInSmem = PInSmem;
+  static_assert(!PInSmem || !kFp8, "p_in_smem: 16-bit only");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
@@ -137,10 +149,20 @@ struct FwdTraits {
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<HeadDim>>>(),
       AtomLayout{}));
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileN>>,
-                           GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>(),
-      AtomLayout{}));
+  // P (TileM x TileN, keys contiguous: the K-major A operand) when it goes through shared memory.
+  using SmemLayoutP = decltype(tile_to_shape(smem_atom<Element, TileN, true>(), Shape<Int<TileM>, Int<TileN>>{}));
+  static constexpr auto make_mma_pv() {
+    if constexpr (PInSmem) {
+      return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileN>>,
+                                                 GMMA::Major::K, GMMA::Major::MN>(),
+                            AtomLayout{});
+    } else {
+      return make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileN>>,
+                                                 GMMA::Major::K, kFp8 ? GMMA::Major::K : GMMA::Major::MN>(),
+                            AtomLayout{});
+    }
+  }
+  using TiledMmaPV = decltype(make_mma_pv());
 
   // Global tensors as TMA sees them: (seqlen, head_dim, heads, batch), head_dim contiguous.
   // The seqlen mode is its own TMA dimension, so out-of-range rows are zero-filled per head.
@@ -175,7 +197,8 @@ struct FwdTraits {
   using PipelineV = cute::conditional_t<kFp8, cutlass::PipelineAsync<Stages>, Pipeline>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  struct SharedStorage : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8> {
+  struct SharedStorage : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
+                         PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem> {
     // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
     // and WGMMA derive it from address bits.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
