@@ -203,9 +203,16 @@ def peel_needs_overlap(v: Variant) -> Optional[str]:
 
 
 def p_in_smem_scope(v: Variant) -> Optional[str]:
-    if v.p_in_smem and (v.direction != "fwd" or v.dtype == "e4m3"):
+    """What p_in_smem is realized and GPU-tested for (2026-12-01: d96 dense forwards)."""
+    if not v.p_in_smem:
+        return None
+    if v.direction != "fwd" or v.dtype == "e4m3":
         return ("p_in_smem is realized in the 16-bit forward only (the e4m3 P is permuted in "
                 "registers into the PV GEMM's operand)")
+    if not (v.warp_specialized and v.intra_wg_overlap) or v.local or v.softcap or v.varlen \
+            or v.peel_masked:
+        return ("p_in_smem is GPU-tested with warp_specialized and intra_wg_overlap, without "
+                "local, softcap, varlen or peel_masked; other combinations are not built yet")
     return None
 
 

@@ -164,6 +164,11 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(warp_specialized=False), "knob_realized"),
     (dict(pingpong=True), "knob_realized"),
     (dict(intra_wg_overlap=True), "knob_realized"),
+    (dict(p_in_smem=True, direction="bwd", tile_m=64), "p_in_smem_scope"),
+    (dict(p_in_smem=True, dtype="e4m3", intra_wg_overlap=True), "p_in_smem_scope"),
+    (dict(p_in_smem=True), "p_in_smem_scope"),                      # no overlap: not tested
+    (dict(p_in_smem=True, intra_wg_overlap=True, local=True), "p_in_smem_scope"),
+    (dict(p_in_smem=True, head_dim=192, tile_n=112, intra_wg_overlap=True), "smem_budget"),
 ])
 def test_each_constraint_prunes(change, constraint, monkeypatch):
     if constraint == "knob_realized":
@@ -171,6 +176,15 @@ def test_each_constraint_prunes(change, constraint, monkeypatch):
     v = dataclasses.replace(BASE, **change)
     failed = check(v)
     assert failed is not None and failed[0] == constraint, failed
+
+
+def test_p_in_smem_counts_p_tile():
+    """P's (tile_m x tile_n) 16-bit tile is in the shared-memory budget (FwdTraits::PStorage),
+    and the GPU-tested case, d96 192x128 with pingpong and overlap, passes every constraint."""
+    v = dataclasses.replace(BASE, head_dim=96, tile_m=192, pingpong=True, intra_wg_overlap=True)
+    with_p = dataclasses.replace(v, p_in_smem=True)
+    assert V.smem_bytes(with_p) - V.smem_bytes(v) == 2 * 192 * 128
+    assert check(with_p) is None and with_p.name.endswith("_ov1_psmem")
 
 
 def test_smem_limit_is_the_kernels_limit():
