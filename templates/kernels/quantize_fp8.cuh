@@ -292,7 +292,17 @@ __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, i
   }
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
+// Whether the staged kernel applies the Hadamard transform: as p.signs says (one instance for
+// both), or compiled in or out (FA3GEN_QUANTIZE_HADAMARD_INSTANCES, a measurement switch: the
+// plain two-pass instance spills 28 bytes at d64/d128 with the transform's code in it, none
+// without).
+constexpr int kHadamardAtRunTime = 0, kNoHadamard = 1, kHadamard = 2;
+template <int Hadamard>
+__device__ __forceinline__ bool transforms(const fa3gen_quantize_params& p) {
+  return Hadamard == kHadamardAtRunTime ? p.signs != nullptr : Hadamard == kHadamard;
+}
+
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Hadamard = kHadamardAtRunTime>
 __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(Stages))
     quantize_blocks_staged(const fa3gen_quantize_params p) {
   constexpr int Threads = staged_threads(Stages);
@@ -329,7 +339,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
   };
 
   uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
-  if (p.signs != nullptr) {
+  if (transforms<Hadamard>(p)) {
     #pragma unroll
     for (int j = 0; j < 32; ++j) neg |= uint32_t(p.signs[8 * (t + S::T * (j / 8)) + j % 8] < 0.f) << j;
   }
@@ -370,7 +380,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;  // rows past the end: zeros, never stored
       }
       // Every lane of the warp shuffles (whole rows are live or not, but a warp may hold both).
-      if (p.signs != nullptr) transform_owned<HeadDim>(v[ps], neg, lane);
+      if (transforms<Hadamard>(p)) transform_owned<HeadDim>(v[ps], neg, lane);
       #pragma unroll
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
     }
@@ -409,17 +419,17 @@ __global__ void __launch_bounds__(kWarps * 32) tensor_write(const fa3gen_quantiz
   write_block<T, HeadDim>(p, row0, rows, blockIdx.y, blockIdx.z, descale);
 }
 
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Hadamard>
 struct StagedTag {};
 
 // One persistent CTA per slot the ring's shared memory leaves on each SM.
-template <class T, int HeadDim, int Passes, bool Rotary, int Stages>
+template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Hadamard>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
-  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages>;
+  const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages, Hadamard>;
   const int smem = Stages * p.block_rows * Staged<HeadDim>::kRowBytes;
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
   const int most = Stages == kSmallStages ? kSmallStageBytes : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
-  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages>>(kernel, Stages * most);
+  cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages, Hadamard>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
@@ -437,14 +447,24 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
 }
 
 // Blocks of at most 16 KB (always one pass) take the deeper ring.
-template <class T, int HeadDim, bool Rotary>
+template <class T, int HeadDim, bool Rotary, int Hadamard>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kSmallStageBytes) {
     static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
-    return launch_staged<T, HeadDim, 1, Rotary, kSmallStages>(p, stream);
+    return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, Hadamard>(p, stream);
   }
-  return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages>(p, stream)
-                                                       : launch_staged<T, HeadDim, 2, Rotary, kStages>(p, stream);
+  return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages, Hadamard>(p, stream)
+                                                       : launch_staged<T, HeadDim, 2, Rotary, kStages, Hadamard>(p, stream);
+}
+template <class T, int HeadDim, bool Rotary>
+int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
+#ifdef FA3GEN_QUANTIZE_HADAMARD_INSTANCES  // measurements only (kHadamardAtRunTime above)
+  if constexpr (!Rotary) {
+    return p.signs != nullptr ? launch_staged<T, HeadDim, Rotary, kHadamard>(p, stream)
+                              : launch_staged<T, HeadDim, Rotary, kNoHadamard>(p, stream);
+  } else
+#endif
+  return launch_staged<T, HeadDim, Rotary, kHadamardAtRunTime>(p, stream);
 }
 
 template <class T, int HeadDim>
