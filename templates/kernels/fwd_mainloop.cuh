@@ -491,7 +491,11 @@ struct FwdMainloop {
         Tensor converted = convert_fragment<Element>(tSrS);
         copy(r2s_p, thr_r2s_p.retile_S(converted), tPsP);
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
+#ifdef FA3GEN_P_SMEM_WARP_SYNC  // measurements only: FA3's and FA4's sync (a warp's GEMM rows are its own P rows)
+        __syncwarp();
+#else
         barrier_sync_at<BarrierId::kFwdPWritten0>(warpgroup, 128);
+#endif
       } else {
         Tensor converted = convert_fragment<Element>(tSrS);
         CUTLASS_PRAGMA_UNROLL
