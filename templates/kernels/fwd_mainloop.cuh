@@ -451,7 +451,11 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
+#ifdef FA3GEN_SOFTCAP_CAP_IN_SCALE  // measurements only: tanh here, the cap in the softmax's scale (launch_fwd)
+      if constexpr (Traits::kSoftcap) p.softcap.tanh_in_place(S);  // before the mask: -inf stays -inf
+#else
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
+#endif
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
