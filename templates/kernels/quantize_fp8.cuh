@@ -317,9 +317,17 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
 
   // Item -> (its first row, rows, head, batch), and its copies into a stage (one group).
   auto where = [&](int item, int& row0, int& rows, int& head, int& b) {
+#ifdef FA3GEN_QUANTIZE_HEADS_FIRST  // measurements only: head fastest, so that the CTAs at work at
+    // once read neighbouring head_dim slices of the same rows (one (b, row) is heads x d
+    // contiguous values), not every row's one slice over a whole head
+    head = item % p.heads;
+    const int blk = item / p.heads % nblk;
+    b = item / p.heads / nblk;
+#else
     const int blk = item % nblk;
     head = item / nblk % p.heads;
     b = item / nblk / p.heads;
+#endif
     row0 = blk * p.block_rows;
     rows = min(p.block_rows, p.seqlen - row0);
   };
