@@ -149,6 +149,7 @@ def cudnn_fp8_row(q, k, v):
 
     from fa3gen import bench
     from fa3gen.fp8 import quantize_fp8
+    from fa3gen.reference import FP8_P_SCALE
 
     q8, k8, v8, descales = quantize_fp8(q, k, v, block=False)
     v_max = float(v8.float().abs().max() * descales["v_descale"].float().max())
@@ -156,7 +157,7 @@ def cudnn_fp8_row(q, k, v):
     for out_bf16 in (True, False):
         o_scale = 1.0 if out_bf16 else 448.0 / v_max
         try:
-            graph = bench.cudnn_fp8_graph(q8, k8, v8, False, descales, p_scale=256.0,
+            graph = bench.cudnn_fp8_graph(q8, k8, v8, False, descales, p_scale=FP8_P_SCALE,
                                           out_bf16=out_bf16, o_scale=o_scale)
         except Exception as e:  # e.g. no bf16 output for this graph: try e4m3
             errors.append(str(e).splitlines()[0][:120])
@@ -189,7 +190,7 @@ def fa3gen_fp8_rows(q, k, v, seed: int = 0) -> dict:
 def study(shapes, seed: int, device: str) -> dict:
     import torch
 
-    from fa3gen.reference import attention_reference
+    from fa3gen.reference import FP8_P_SCALE, attention_reference
 
     results = []
     for shape in shapes:
@@ -209,7 +210,7 @@ def study(shapes, seed: int, device: str) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
         results.append(row)
-    return {"seed": seed, "device": device, "block_rows": BLOCK, "p_scale": 256.0,
+    return {"seed": seed, "device": device, "block_rows": BLOCK, "p_scale": FP8_P_SCALE,
             "results": results}
 
 

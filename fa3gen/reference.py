@@ -259,6 +259,9 @@ def compare_varlen_grads_to_reference(grads, q, k, v, dout, cu_seqlens_q, cu_seq
 # key block under an online softmax that visits key blocks from the last down, as the kernels
 # do; the row sum is taken in fp32 before that cast.
 
+# The e4m3 forward's P is cast to e4m3 times this (fwd_mainloop.cuh, 2^kPLog2Fp8; a CPU test
+# reads the header), so that small probabilities keep their precision.
+FP8_P_SCALE = 256.0
 
 
 def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
@@ -323,7 +326,7 @@ def quantize_e4m3(x: torch.Tensor, block_rows: int | None = None) -> tuple[torch
 
 
 def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int | None = None,
-                           hadamard: bool = False, seed: int = 0, p_scale: float = 256.0,
+                           hadamard: bool = False, seed: int = 0, p_scale: float = FP8_P_SCALE,
                            key_block: int = 128, out_dtype=torch.bfloat16) -> torch.Tensor:
     """Non-causal FP8 attention of (batch, seqlen, heads, d) q, k, v as described above; block_q /
     block_k: rows per scale block of Q and of K/V (None: per tensor). Returns out_dtype."""
@@ -386,7 +389,7 @@ LOG2E = 1.0 / math.log(2.0)
 
 def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                             causal: bool = False, softmax_scale: float | None = None, *,
-                            key_block: int | None = None, p_scale: float = 256.0,
+                            key_block: int | None = None, p_scale: float = FP8_P_SCALE,
                             block_q: int | None = None, block_k: int | None = None,
                             rescale_threshold: float = FP8_RESCALE_THRESHOLD):
     """(out, lse) in fp64 of attention on fp8 (batch, seqlen, heads, d) q, k, v times their

@@ -313,6 +313,18 @@ def test_fp8_emulation_keeps_the_running_maximum_as_the_kernels_do():
         assert (emu - exact).pow(2).mean().sqrt() <= 4e-2 * exact.pow(2).mean().sqrt()
 
 
+def test_fp8_p_scale_is_the_kernels():
+    """reference.FP8_P_SCALE (the emulation's and the numerics study's factor on P) is the e4m3
+    forward's 2^kPLog2Fp8."""
+    import re
+
+    from fa3gen.reference import FP8_P_SCALE
+    from generator.paths import KERNELS_DIR
+
+    found = re.search(r"kPLog2Fp8 = (\d+);", (KERNELS_DIR / "fwd_mainloop.cuh").read_text())
+    assert found and 2.0 ** int(found.group(1)) == FP8_P_SCALE
+
+
 def test_quantize_fp8_plans_once_per_signature(fake_launch, monkeypatch):
     """A repeated quantize_fp8 signature launches from its plan: the same params as the first
     (unplanned) call but for the pointers, without re-checking or re-resolving the tiles; a
