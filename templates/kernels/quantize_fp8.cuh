@@ -292,10 +292,10 @@ __device__ __forceinline__ void store_owned(uint8_t* out, int heads, int rows, i
   }
 }
 
-// Whether the staged kernel applies the Hadamard transform: as p.signs says (one instance for
-// both), or compiled in or out (FA3GEN_QUANTIZE_HADAMARD_INSTANCES, a measurement switch: the
-// plain two-pass instance spills 28 bytes at d64/d128 with the transform's code in it, none
-// without).
+// Whether the staged kernel applies the Hadamard transform: as p.signs says (the rotary kernels,
+// one instance for both) or compiled in or out (the others). With the transform's code in it the
+// plain two-pass instance spilled 28 bytes at d64/d128; apart, d128 blocks of 160 and 192 rows went
+// from 67-70% to 79-93% of the copy's bandwidth (docs/results/ab_quantize_hadamard_instances.json).
 constexpr int kHadamardAtRunTime = 0, kNoHadamard = 1, kHadamard = 2;
 template <int Hadamard>
 __device__ __forceinline__ bool transforms(const fa3gen_quantize_params& p) {
@@ -317,17 +317,9 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
 
   // Item -> (its first row, rows, head, batch), and its copies into a stage (one group).
   auto where = [&](int item, int& row0, int& rows, int& head, int& b) {
-#ifdef FA3GEN_QUANTIZE_HEADS_FIRST  // measurements only: head fastest, so that the CTAs at work at
-    // once read neighbouring head_dim slices of the same rows (one (b, row) is heads x d
-    // contiguous values), not every row's one slice over a whole head
-    head = item % p.heads;
-    const int blk = item / p.heads % nblk;
-    b = item / p.heads / nblk;
-#else
     const int blk = item % nblk;
     head = item / nblk % p.heads;
     b = item / nblk / p.heads;
-#endif
     row0 = blk * p.block_rows;
     rows = min(p.block_rows, p.seqlen - row0);
   };
@@ -466,13 +458,12 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
 }
 template <class T, int HeadDim, bool Rotary>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
-#ifdef FA3GEN_QUANTIZE_HADAMARD_INSTANCES  // measurements only (kHadamardAtRunTime above)
-  if constexpr (!Rotary) {
+  if constexpr (Rotary) {
+    return launch_staged<T, HeadDim, Rotary, kHadamardAtRunTime>(p, stream);
+  } else {
     return p.signs != nullptr ? launch_staged<T, HeadDim, Rotary, kHadamard>(p, stream)
                               : launch_staged<T, HeadDim, Rotary, kNoHadamard>(p, stream);
-  } else
-#endif
-  return launch_staged<T, HeadDim, Rotary, kHadamardAtRunTime>(p, stream);
+  }
 }
 
 template <class T, int HeadDim>

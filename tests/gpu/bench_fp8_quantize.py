@@ -8,7 +8,7 @@ rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; o
 tensor; the PyTorch path (fp8.quantize); --block-rows adds block scales of other row counts
 (the fp8 defaults' tile_n: 96, 160, 192). --baseline-so times another library's
 fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
-this one's) in the same process, interleaved. --attention adds what a user pays in all at the
+this one's) in the same process, interleaved (128-row blocks, Hadamard, and each --block-rows). --attention adds what a user pays in all at the
 bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
 fa3gen.quantize_fp8 of q, k, v (the public call, block scales, with and without the Hadamard
 transform) beside the fp8 attention it feeds, causal and not. Not a pytest module."""
@@ -73,6 +73,9 @@ def main():
         if base is not None:
             fns["baseline_blocks"] = lambda: fp8._quantize_kernel(base, x, 128, None)
             fns["baseline_hadamard"] = lambda: fp8._quantize_kernel(base, x, 128, signs)
+            for rows_per_block in args.block_rows:
+                fns[f"baseline_blocks_{rows_per_block}"] = (
+                    lambda r=rows_per_block: fp8._quantize_kernel(base, x, r, None))
         ms = dict(zip(fns, timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms)))
         moved = x.numel() * 3  # bytes: bf16 in, e4m3 out
         gbs = {k: (2 * src.numel() if k == "copy" else moved) / m / 1e6 for k, m in ms.items()}
