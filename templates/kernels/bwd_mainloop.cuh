@@ -226,12 +226,12 @@ struct BwdMainloop {
         warpgroup_wait<1>();  // S^T is done, dP^T may still run
         if constexpr (Traits::kSoftcap) {
           // S becomes t = tanh(S * scale / cap); once dP^T is done, dP^T becomes
-          // (dP^T - D)(1 - t^2), then the mask, then P^T = exp2(t * cap * log2(e) - LSE) and
+          // (dP^T - D)(1 - t^2), then the mask, then P^T = exp2(t * scale_log2 - LSE) (scale_log2
+          // holds cap * log2(e)) and
           // dS^T = P^T * dP^T. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
           // (d128 64x128), one fused pass 16-44 bytes (the compiler batched every exp2, keeping
           // t and P both live), and masking before the (1 - t^2) pass 4-12 bytes.
-          p.softcap.tanh_in_place(S);
-          const float t_scale_log2 = p.scale_log2 * p.softcap.cap;
+          p.softcap.apply(S);
           warpgroup_wait<0>();  // dP^T
           CUTLASS_PRAGMA_UNROLL
           for (int c = 0; c < size<1>(S); ++c) {
@@ -248,7 +248,7 @@ struct BwdMainloop {
             const float lse = lse_log2[get<1>(coordS(0, c))];
             CUTLASS_PRAGMA_UNROLL
             for (int r = 0; r < size<0>(S); ++r) {
-              S(r, c) = exp2f(fmaf(S(r, c), t_scale_log2, -lse));
+              S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
               dP(r, c) *= S(r, c);
             }
           }

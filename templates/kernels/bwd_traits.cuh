@@ -195,7 +195,7 @@ struct BwdParams {
   int window_left, window_right;  // local variants (AttentionMask)
   LogitSoftcap softcap;           // softcap variants
   // dK and dQ are scaled by softmax_scale at the end; P = exp2(S * scale_log2 - LSE_log2),
-  // where softcapping (which already scaled S) makes scale_log2 just log2(e).
+  // where softcapping (S = tanh(S * softmax_scale / cap)) makes scale_log2 cap * log2(e).
   float softmax_scale, scale_log2;
   bool deterministic;
   bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue

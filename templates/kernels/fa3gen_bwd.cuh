@@ -91,7 +91,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride,
       a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride,
       a.seqlen_q, a.seqlen_k, seqlen_q_rounded, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
-      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
+      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre},
       a.softmax_scale, masking.scale_log2, a.deterministic != 0,
       vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
           vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8),

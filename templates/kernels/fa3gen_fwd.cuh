@@ -81,13 +81,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       a.o, a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
-      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre, masking.softcap},
-#ifdef FA3GEN_SOFTCAP_CAP_IN_SCALE  // the scores are tanh(s * pre) without the cap: it joins the scale (as in the backward)
-      Softcap ? masking.lse_scale * masking.softcap : masking.lse_scale,
-      Softcap ? masking.scale_log2 * masking.softcap : masking.scale_log2,
-#else
+      masking.window_left, masking.window_right, LogitSoftcap{masking.softcap_pre},
       masking.lse_scale, masking.scale_log2,
-#endif
       vec_aligned<typename Traits::ElementOut>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8), schedule,
       varlen,
       Descales{a.q_descale, a.k_descale, a.v_descale, a.q_descale_batch_stride, a.q_descale_head_stride,

@@ -224,8 +224,9 @@ struct FwdParams {
   int seqlen_q, seqlen_k, heads_q, heads_kv, batch, heads_per_kv;
   int window_left, window_right;  // local variants (AttentionMask)
   LogitSoftcap softcap;           // softcap variants
-  // The softmax works on scores * lse_scale in the natural-log domain: softmax_scale, or 1
-  // when softcapping has already scaled them; scale_log2 = lse_scale * log2(e).
+  // The softmax works on scores * lse_scale in the natural-log domain: softmax_scale, or the
+  // cap when softcapping has made them tanh(s * softmax_scale / cap); scale_log2 = lse_scale *
+  // log2(e).
   float lse_scale, scale_log2;
   bool o_vector_stores;  // O and its strides 16-byte aligned: the epilogue stores 16 bytes at a time
   TileSchedule schedule;  // the grid policy the host chose (tile_scheduler.cuh)

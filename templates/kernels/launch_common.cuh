@@ -81,10 +81,11 @@ inline int check_varlen(int batch, int heads, int blocks_per_seq, int total_q, i
 
 // The runtime arguments of the local and softcap axes as the kernels take them: window bounds
 // with -1 (unbounded) replaced by seqlen_q + seqlen_k, which no row reaches (AttentionMask),
-// and the scales of the softmax (softcapping folds softmax_scale into the scores).
+// and the scales of the softmax (softcapping folds softmax_scale into the scores, which become
+// tanh(s * softmax_scale / cap), and the cap into the softmax's scale).
 struct Masking {
   int window_left = 0, window_right = 0;
-  float softcap_pre = 0.f, softcap = 0.f;
+  float softcap_pre = 0.f;
   float lse_scale = 0.f, scale_log2 = 0.f;
 };
 
@@ -117,8 +118,7 @@ inline int masking_args(int32_t window_left, int32_t window_right, float softcap
   out.lse_scale = softmax_scale;
   if (Softcap) {
     out.softcap_pre = softmax_scale / softcap;
-    out.softcap = softcap;
-    out.lse_scale = 1.f;
+    out.lse_scale = softcap;
   }
   out.scale_log2 = out.lse_scale * 1.4426950408889634f;
   return 0;

@@ -118,10 +118,14 @@ struct OnlineSoftmax {
   }
 };
 
-// Logit softcapping: s -> cap * tanh(s * softmax_scale / cap), applied to raw scores before the
-// mask (a masked -inf must stay -inf). The softmax scale is folded in, so the softmax after it
-// runs with scale 1. tanh.approx is one MUFU op (relative error about 2^-11): an exact tanh
-// would triple the MUFU work of the softmax, which already rivals the GEMMs' time.
+// Logit softcapping: s -> cap * tanh(s * softmax_scale / cap). The kernels keep only
+// t = tanh(s * softmax_scale / cap), computed from raw scores before the mask (a masked -inf
+// must stay -inf); the cap joins the softmax's scale (launch_common.cuh: masking_args): one
+// multiply a score fewer (forward +0-3.5%, docs/results/ab_softcap_cap_in_scale.json), and the
+// backward needs t itself for the derivative, 1 - t^2. tanh.approx is one MUFU op (relative
+// error about 2^-11); an exact tanh is a dozen instructions, and the softmax is bound by
+// instruction issue: moving a quarter or half of the exp2s from MUFU to a polynomial on the FMA
+// pipe (8 instructions each) cost 2-21% (docs/results/ab_exp2_emu_2.json, ab_exp2_emu_4.json).
 __device__ __forceinline__ float tanh_approx(float x) {
   float y;
   asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -130,15 +134,8 @@ __device__ __forceinline__ float tanh_approx(float x) {
 
 struct LogitSoftcap {
   float pre;  // softmax_scale / cap
-  float cap;
   template <class TS>
   __device__ __forceinline__ void apply(TS& S) const {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < size(S); ++e) S(e) = cap * tanh_approx(S(e) * pre);
-  }
-  // Only the tanh (the backward needs it for the derivative, 1 - tanh^2, and scales by cap later).
-  template <class TS>
-  __device__ __forceinline__ void tanh_in_place(TS& S) const {
     CUTLASS_PRAGMA_UNROLL
     for (int e = 0; e < size(S); ++e) S(e) = tanh_approx(S(e) * pre);
   }
