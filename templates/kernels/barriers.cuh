@@ -15,10 +15,6 @@ enum class BarrierId : uint32_t {
   // fp8: the producer warpgroup has transposed a raw V slot (ids are per kernel, so the
   // forward may reuse a backward id).
   kFwdVTransposed = 4,
-  // p_in_smem: consumer warpgroup w has written its rows of P (kFwdPWritten0 + w).
-  kFwdPWritten0 = 5,
-  kFwdPWritten1 = 6,
-  kFwdPWritten2 = 7,
   // Backward.
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory

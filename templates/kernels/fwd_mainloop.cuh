@@ -451,11 +451,7 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
-#ifdef FA3GEN_SOFTCAP_CAP_IN_SCALE  // measurements only: tanh here, the cap in the softmax's scale (launch_fwd)
-      if constexpr (Traits::kSoftcap) p.softcap.tanh_in_place(S);  // before the mask: -inf stays -inf
-#else
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
-#endif
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
@@ -490,16 +486,14 @@ struct FwdMainloop {
       if constexpr (Traits::kFp8) {
         p_to_fp8(tSrS, rP);
       } else if constexpr (Traits::kPInSmem) {
-        // Called after the wait for the previous P V GEMM, which read this buffer. Every warp of
-        // the warpgroup writes its rows before the GEMM (a warpgroup-wide instruction) reads them.
+        // Called after the wait for the previous P V GEMM, which read this buffer. A warp writes
+        // the rows of its own accumulator slice and then issues the GEMM, which no warp of the
+        // warpgroup starts alone: a warp sync suffices, as in FA3 and FA4 (a warpgroup barrier
+        // measured 0-2% slower, docs/results/ab_p_smem_warp_sync.json).
         Tensor converted = convert_fragment<Element>(tSrS);
         copy(r2s_p, thr_r2s_p.retile_S(converted), tPsP);
         cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
-#ifdef FA3GEN_P_SMEM_WARP_SYNC  // measurements only: FA3's and FA4's sync (a warp's GEMM rows are its own P rows)
         __syncwarp();
-#else
-        barrier_sync_at<BarrierId::kFwdPWritten0>(warpgroup, 128);
-#endif
       } else {
         Tensor converted = convert_fragment<Element>(tSrS);
         CUTLASS_PRAGMA_UNROLL

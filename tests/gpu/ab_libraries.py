@@ -1,5 +1,5 @@
 """A/B of two built libraries of one spec: every variant the first dispatches to (forward and
-backward; key and seqlen_k range defaults), timed against the same variant name in the
+backward; key and seqlen_k range defaults; or all its variants, --all-variants), timed against the same variant name in the
 second, in one process.
 
     python3 tests/gpu/ab_libraries.py A.so B.so --seqlens 1024 4096 16384 --json ab.json
@@ -54,6 +54,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--min-ms", type=float, default=100.0)
     parser.add_argument("--json")
+    parser.add_argument("--all-variants", action="store_true",
+                        help="every variant of A, not only those it dispatches to (a spec of "
+                             "candidates without defaults, e.g. specs/tiles_96_192.yaml)")
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
@@ -62,7 +65,9 @@ def main() -> int:
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
     rows = []
     print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
-    for info in libs[0].dispatched():
+    infos = ([libs[0].get(name) for name in libs[0].names()] if args.all_variants
+             else libs[0].dispatched())
+    for info in infos:
         if info.varlen:  # packed batches need cu_seqlens: tests/gpu/bench_varlen.py times them
             print(f"skipped {info.name}: varlen", file=sys.stderr)
             continue
@@ -80,6 +85,8 @@ def main() -> int:
             print(f"| {info.name} | {shape['seqlen']} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
                   f"{row['b_over_a']:.3f} |", flush=True)
             torch.cuda.empty_cache()
+    if not rows:
+        sys.exit("no variant of A was timed (a spec without defaults needs --all-variants)")
     ratios = [r["b_over_a"] for r in rows]
     print(f"\n{len(rows)} points: B / A median {statistics.median(ratios):.3f}, "
           f"min {min(ratios):.3f}, max {max(ratios):.3f}")
