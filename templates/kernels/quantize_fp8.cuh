@@ -157,7 +157,13 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
 // keep as many bytes in flight (96 KB a CTA).
 constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
-constexpr int staged_threads(int stages) { return stages == kSmallStages ? 256 : 512; }
+// Measurement switch FA3GEN_QUANTIZE_MID_RING: blocks of 16-24 KB (d64 129-192 rows, d128 65-96)
+// take a 4-stage ring at 256 threads too (two CTAs an SM, 96 KB each, two passes where the
+// rows exceed one), not 3 stages at 512 threads with one CTA an SM (d64's default 160-row
+// blocks: 320 of the 512 threads at work, 60 KB in flight an SM; 64% of copy against 73% for
+// 128-row blocks on the small ring).
+constexpr int kMidStages = 4, kMidStageBytes = 24576;
+constexpr int staged_threads(int stages) { return stages == kSmallStages || stages == kMidStages ? 256 : 512; }
 template <int HeadDim, int Threads = 512>
 struct Staged {
   static constexpr int T = HeadDim / 32;            // lanes per row
@@ -445,7 +451,9 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages, Hadamard>;
   const int smem = Stages * p.block_rows * Staged<HeadDim>::kRowBytes;
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
-  const int most = Stages == kSmallStages ? kSmallStageBytes : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
+  const int most = Stages == kSmallStages ? kSmallStageBytes
+                   : Stages == kMidStages ? kMidStageBytes
+                                          : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
   cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages, Hadamard>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);
@@ -470,6 +478,14 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
     static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
     return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, Hadamard>(p, stream);
   }
+#ifdef FA3GEN_QUANTIZE_MID_RING
+  if (p.block_rows * Staged<HeadDim>::kRowBytes <= kMidStageBytes) {
+    using Mid = Staged<HeadDim, staged_threads(kMidStages)>;
+    static_assert(kMidStageBytes / Staged<HeadDim>::kRowBytes <= 2 * Mid::kRowsPerPass);
+    return p.block_rows <= Mid::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kMidStages, Hadamard>(p, stream)
+                                             : launch_staged<T, HeadDim, 2, Rotary, kMidStages, Hadamard>(p, stream);
+  }
+#endif
   return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages, Hadamard>(p, stream)
                                                        : launch_staged<T, HeadDim, 2, Rotary, kStages, Hadamard>(p, stream);
 }
