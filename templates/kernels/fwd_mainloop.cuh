@@ -451,7 +451,11 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
+#ifdef FA3GEN_SOFTCAP_Q_PRESCALE
+      if constexpr (Traits::kSoftcap) p.softcap.apply_prescaled(S);  // before the mask: -inf stays -inf
+#else
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
+#endif
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
@@ -503,6 +507,28 @@ struct FwdMainloop {
 
     clear(tOrO);
     if (n_blocks > 0) TmaBarrier::wait(&smem.barrier_q[q_part], q_iter & 1);
+#ifdef FA3GEN_SOFTCAP_Q_PRESCALE  // measurement switch: Q times softmax_scale / cap once a tile, in
+    // shared memory, instead of every score (one multiply a score fewer; Q rounded once more to
+    // bf16/fp16). Each warp scales the 16 rows of its own accumulator slice, fences them for
+    // WGMMA and syncs itself (the S GEMM is warpgroup-wide: no warp starts it alone).
+    if constexpr (Traits::kSoftcap && !Traits::kFp8) {
+      if (n_blocks > 0) {
+        constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte groups: kept whole by every GMMA swizzle
+        const int first_row = (tid / 32) * 16;       // consumer warp w: rows 16w .. 16w + 15
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = tid % 32; c < 16 * kChunksPerRow; c += 32) {
+          Element* at = &sQ(first_row + c / kChunksPerRow, 8 * (c % kChunksPerRow));
+          uint4 raw = *reinterpret_cast<uint4*>(at);
+          Element* e = reinterpret_cast<Element*>(&raw);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < 8; ++i) e[i] = Element(float(e[i]) * p.softcap.pre);
+          *reinterpret_cast<uint4*>(at) = raw;
+        }
+        cutlass::arch::fence_view_async_shared();
+        __syncwarp();
+      }
+    }
+#endif
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {
