@@ -113,10 +113,20 @@ struct AttentionMask {
           if (unsigned(col0 + get<1>(coords(r, c)) - begin) >= width) { S(r, c) = -INFINITY; }
         }
       } else {
+#ifdef FA3GEN_MASK_OFFSETS  // measurement switch: each column's offset from the thread's first
+        // column is a constant, so one compare with an immediate per element, without the add
+        // that forms every column's index
+        const int limit = col_end - (col0 + get<1>(coords(r, 0)));
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          if (get<1>(coords(r, c)) - get<1>(coords(r, 0)) >= limit) { S(r, c) = -INFINITY; }
+        }
+#else
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
           if (col0 + get<1>(coords(r, c)) >= col_end) { S(r, c) = -INFINITY; }
         }
+#endif
       }
     }
   }
