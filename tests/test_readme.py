@@ -43,3 +43,21 @@ def test_install_part_is_shared_and_extra_exists():
     pyproject = (REPO_ROOT / "pyproject.toml").read_text()  # no tomllib: Python 3.10 too
     assert re.search(r'^test = \[[^\]]*"pytest"', pyproject, re.M)
     assert 'testpaths = ["tests"]' in pyproject
+
+
+def test_every_compile_time_switch_is_documented():
+    """The preprocessor switches the kernels test (#ifdef / #ifndef FA3GEN_...) are the ones
+    `fa3gen build --define` exists for: each is named in the README's build command row, and
+    the README names none that the templates no longer have."""
+    templates = REPO_ROOT / "templates"
+    used = set()
+    for path in templates.rglob("*"):
+        if path.suffix in (".cuh", ".j2", ".h"):
+            used |= set(re.findall(r"#\s*if(?:n?def|\s+defined\()\s*\(?(FA3GEN_[A-Z0-9_]+)",
+                                   path.read_text()))
+    row = next(line for line in README.read_text().splitlines()
+               if line.startswith("| `fa3gen build"))
+    documented = set(re.findall(r"`(FA3GEN_[A-Z0-9_]+)", row)) - {"FA3GEN_COMPILER_LAUNCHER"}
+    assert used, "no switch found: the pattern no longer matches the templates"
+    assert used - documented == set(), "switches the README's build row does not name"
+    assert documented - used == set(), "switches the README names that the templates lack"
