@@ -171,12 +171,12 @@ struct BwdMainloop {
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
 
-    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
-    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
-    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
+    Tensor tSrK = FA3GEN_DESC(wg_sdp.partition_fragment_A(sK), 0);      // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = FA3GEN_DESC(wg_sdp.partition_fragment_A(sV), 0);
+    Tensor tSrQ = FA3GEN_DESC(wg_sdp.partition_fragment_B(sQ), 1);      // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = FA3GEN_DESC(wg_sdp.partition_fragment_B(sdO), 1);
+    Tensor tdVrdOt = FA3GEN_DESC(wg_dkv.partition_fragment_B(sdOt), 1);  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = FA3GEN_DESC(wg_dkv.partition_fragment_B(sQt), 1);
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
     Tensor tdQrdS = [&] {
       if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);

@@ -373,8 +373,8 @@ struct FwdMainloop {
     // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
     // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md).
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tSrK = FA3GEN_DESC(thr_qk.partition_fragment_B(sK), 1);   // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tOrV = FA3GEN_DESC(thr_pv.partition_fragment_B(sVt), 2);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
     // P as the PV GEMM's A operand: 16-bit P shares the accumulator's layout (acc_as_operand_a
     // views it); fp8 P is a plain (16 bytes, 1, k-step) fragment filled by p_to_fp8.
