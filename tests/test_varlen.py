@@ -1,6 +1,6 @@
 """flash_attn_varlen_func on CPU: its checks (each bad input one clear error, no device sync
 unless FA3GEN_DEBUG_CHECKS=1), its signature, and what reaches the C ABI (a fake library
-stands in; the kernels are checked in tests/gpu/test_varlen.py)."""
+stands in; the kernels are checked in tests/gpu/test_varlen_kernels.py)."""
 import inspect
 import subprocess
 
