@@ -19,9 +19,7 @@ from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
 from fa3gen.contract import VARLEN_LIMITS, varlen_tiles
 from fa3gen.errors import Fa3genError, InvalidInputError
-from fa3gen.ops import (DEBUG_CHECKS_ENV, Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES,
-                        debug_checks_enabled)
-
+from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES, debug_checks_enabled
 
 
 # ---------------------------------------------------------------------------------------------

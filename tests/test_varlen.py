@@ -110,7 +110,7 @@ def test_debug_checks_read_cu_seqlens(fake, monkeypatch, cu_q, cu_k, max_q, mess
     q, k, v = qkv()
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)  # off: not checked
-    monkeypatch.setenv(varlen.DEBUG_CHECKS_ENV, "1")
+    monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
     with pytest.raises(InvalidInputError, match=message):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)
 

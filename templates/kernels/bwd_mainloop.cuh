@@ -227,8 +227,7 @@ struct BwdMainloop {
         if constexpr (Traits::kSoftcap) {
           // S becomes t = tanh(S * scale / cap); once dP^T is done, dP^T becomes
           // (dP^T - D)(1 - t^2), then the mask, then P^T = exp2(t * scale_log2 - LSE) (scale_log2
-          // holds cap * log2(e)) and
-          // dS^T = P^T * dP^T. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
+          // holds cap * log2(e)) and dS^T = P^T * dP^T. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
           // (d128 64x128), one fused pass 16-44 bytes (the compiler batched every exp2, keeping
           // t and P both live), and masking before the (1 - t^2) pass 4-12 bytes.
           p.softcap.apply(S);

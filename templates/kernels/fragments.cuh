@@ -33,7 +33,8 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
 // strides) is a constant, so ptxas rematerializes it with a UMOV before every GEMM that reads
 // the descriptor (in the d128 backward loop 64 of 533 instructions). Made opaque (plus a zero
 // ptxas cannot fold), it stays in its register: loops 9-17% shorter in the backward (d128
-// causal 533 -> 485, d256 510 -> 425), 0-13 instructions in the forward (Q's per-thread descriptors are left alone: there it cost more).
+// causal 533 -> 485, d256 510 -> 425), 0-13 instructions in the forward (Q's per-thread
+// descriptors are left alone: there it cost more).
 #ifdef FA3GEN_DESC_HI_OPAQUE
 template <int Slot, class TensorD>
 __device__ __forceinline__ auto opaque_desc_hi(TensorD const& t) {

@@ -1,6 +1,6 @@
 """A/B of two built libraries of one spec: every variant the first dispatches to (forward and
-backward; key and seqlen_k range defaults; or all its variants, --all-variants), timed against the same variant name in the
-second, in one process.
+backward; key and seqlen_k range defaults; or all its variants, --all-variants), timed against
+the same variant name in the second, in one process.
 
     python3 tests/gpu/ab_libraries.py A.so B.so --seqlens 1024 4096 16384 --json ab.json
 

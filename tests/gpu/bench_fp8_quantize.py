@@ -8,8 +8,8 @@ rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; o
 tensor; the PyTorch path (fp8.quantize); --block-rows adds block scales of other row counts
 (the fp8 defaults' tile_n: 96, 160, 192). --baseline-so times another library's
 fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
-this one's) in the same process, interleaved (128-row blocks, Hadamard, and each --block-rows). --attention adds what a user pays in all at the
-bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
+this one's) in the same process, interleaved (128-row blocks, Hadamard, and each
+--block-rows). --attention adds what a user pays in all at the bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
 fa3gen.quantize_fp8 of q, k, v (the public call, block scales, with and without the Hadamard
 transform) beside the fp8 attention it feeds, causal and not. Not a pytest module."""
 import argparse
