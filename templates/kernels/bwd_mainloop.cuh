@@ -171,20 +171,20 @@ struct BwdMainloop {
     Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
     Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
 
-    Tensor tSrK = FA3GEN_DESC(wg_sdp.partition_fragment_A(sK), 0);      // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = FA3GEN_DESC(wg_sdp.partition_fragment_A(sV), 0);
-    Tensor tSrQ = FA3GEN_DESC(wg_sdp.partition_fragment_B(sQ), 1);      // (MMA, MMA_M, MMA_K, Stages)
-    Tensor tSrdO = FA3GEN_DESC(wg_sdp.partition_fragment_B(sdO), 1);
-    Tensor tdVrdOt = FA3GEN_DESC(wg_dkv.partition_fragment_B(sdOt), 1);  // (MMA, MMA_D, MMA_K, Stages)
-    Tensor tdKrQt = FA3GEN_DESC(wg_dkv.partition_fragment_B(sQt), 1);
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
     Tensor tdQrdS = [&] {
-      if constexpr (Traits::kDqTransposed) return FA3GEN_DESC(wg_dq.partition_fragment_B(sdS), 1);
-      else return FA3GEN_DESC(wg_dq.partition_fragment_A(sdS), 0);
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
+      else return wg_dq.partition_fragment_A(sdS);
     }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
     Tensor tdQrKt = [&] {
-      if constexpr (Traits::kDqTransposed) return FA3GEN_DESC(wg_dq.partition_fragment_A(sKt), 0);
-      else return FA3GEN_DESC(wg_dq.partition_fragment_B(sKt), 1);
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
+      else return wg_dq.partition_fragment_B(sKt);
     }();
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
@@ -198,11 +198,11 @@ struct BwdMainloop {
     }();
     // kSplitHeadDim: the A operands of dV and dK, from shared memory.
     auto tdVsPt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return FA3GEN_DESC(wg_dkv.partition_fragment_A(sPt), 0);  // (MMA, MMA_N, MMA_K, 2)
+      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
       else return 0;
     }();
     auto tdKsdSt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return FA3GEN_DESC(wg_dkv.partition_fragment_A(sdSt), 0);
+      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sdSt);
       else return 0;
     }();
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));

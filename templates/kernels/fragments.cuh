@@ -29,26 +29,6 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
 }
 
-// Measurement switch FA3GEN_DESC_HI_OPAQUE: a GEMM descriptor's upper word (layout type and
-// strides) is a constant, so ptxas rematerializes it with a UMOV before every GEMM that reads
-// the descriptor (in the d128 backward loop 64 of 533 instructions). Made opaque (plus a zero
-// ptxas cannot fold), it stays in its register: loops 9-17% shorter in the backward (d128
-// causal 533 -> 485, d256 510 -> 425), 0-13 instructions in the forward (Q's per-thread
-// descriptors are left alone: there it cost more).
-#ifdef FA3GEN_DESC_HI_OPAQUE
-template <int Slot, class TensorD>
-__device__ __forceinline__ auto opaque_desc_hi(TensorD const& t) {
-  auto it = t.data();
-  // 0, but not a constant ptxas may rematerialize, and one per descriptor slot, so that two
-  // equal upper words are not merged into one register that must then be copied
-  it.desc_.reg32_[1] += (Slot == 0 ? blockIdx.x : Slot == 1 ? blockIdx.y : blockIdx.z) >> 31;
-  return make_tensor(it, t.layout());
-}
-#define FA3GEN_DESC(x, slot) opaque_desc_hi<slot>(x)
-#else
-#define FA3GEN_DESC(x, slot) (x)
-#endif
-
 // The slice of a warpgroup-level TiledMma for its shared-memory operands (descriptors). A
 // descriptor depends only on the warpgroup, so slicing at the warpgroup's first thread, with
 // the index broadcast from lane 0, lets ptxas see the values as warp-uniform and keep them in

@@ -373,8 +373,8 @@ struct FwdMainloop {
     // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
     // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md).
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
-    Tensor tSrK = FA3GEN_DESC(thr_qk.partition_fragment_B(sK), 1);   // (MMA, MMA_N, MMA_K, Stages)
-    Tensor tOrV = FA3GEN_DESC(thr_pv.partition_fragment_B(sVt), 2);  // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
     // P as the PV GEMM's A operand: 16-bit P shares the accumulator's layout (acc_as_operand_a
     // views it); fp8 P is a plain (16 bytes, 1, k-step) fragment filled by p_to_fp8.
@@ -401,7 +401,6 @@ struct FwdMainloop {
       if constexpr (Traits::kPInSmem) return thr_r2s_p.partition_D(sP);
       else return 0;
     }();
-    const int warpgroup = Traits::kPInSmem ? __shfl_sync(0xffffffff, tid / 128, 0) : 0;  // warp-uniform: a barrier id
     Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
     Tensor O = make_tensor(tOrO.data(), acc_as_rowcol(tOrO.layout()));
     Tensor cS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
@@ -451,11 +450,7 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
-#ifdef FA3GEN_SOFTCAP_Q_PRESCALE
-      if constexpr (Traits::kSoftcap) p.softcap.apply_prescaled(S);  // before the mask: -inf stays -inf
-#else
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
-#endif
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
@@ -507,28 +502,6 @@ struct FwdMainloop {
 
     clear(tOrO);
     if (n_blocks > 0) TmaBarrier::wait(&smem.barrier_q[q_part], q_iter & 1);
-#ifdef FA3GEN_SOFTCAP_Q_PRESCALE  // measurement switch: Q times softmax_scale / cap once a tile, in
-    // shared memory, instead of every score (one multiply a score fewer; Q rounded once more to
-    // bf16/fp16). Each warp scales the 16 rows of its own accumulator slice, fences them for
-    // WGMMA and syncs itself (the S GEMM is warpgroup-wide: no warp starts it alone).
-    if constexpr (Traits::kSoftcap && !Traits::kFp8) {
-      if (n_blocks > 0) {
-        constexpr int kChunksPerRow = kHeadDim / 8;  // 16-byte groups: kept whole by every GMMA swizzle
-        const int first_row = (tid / 32) * 16;       // consumer warp w: rows 16w .. 16w + 15
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = tid % 32; c < 16 * kChunksPerRow; c += 32) {
-          Element* at = &sQ(first_row + c / kChunksPerRow, 8 * (c % kChunksPerRow));
-          uint4 raw = *reinterpret_cast<uint4*>(at);
-          Element* e = reinterpret_cast<Element*>(&raw);
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < 8; ++i) e[i] = Element(float(e[i]) * p.softcap.pre);
-          *reinterpret_cast<uint4*>(at) = raw;
-        }
-        cutlass::arch::fence_view_async_shared();
-        __syncwarp();
-      }
-    }
-#endif
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {

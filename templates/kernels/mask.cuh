@@ -113,20 +113,10 @@ struct AttentionMask {
           if (unsigned(col0 + get<1>(coords(r, c)) - begin) >= width) { S(r, c) = -INFINITY; }
         }
       } else {
-#ifdef FA3GEN_MASK_OFFSETS  // measurement switch: each column's offset from the thread's first
-        // column is a constant, so one compare with an immediate per element, without the add
-        // that forms every column's index
-        const int limit = col_end - (col0 + get<1>(coords(r, 0)));
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          if (get<1>(coords(r, c)) - get<1>(coords(r, 0)) >= limit) { S(r, c) = -INFINITY; }
-        }
-#else
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
           if (col0 + get<1>(coords(r, c)) >= col_end) { S(r, c) = -INFINITY; }
         }
-#endif
       }
     }
   }
@@ -134,24 +124,6 @@ struct AttentionMask {
   // The same mask on S^T: St and coords are (key, query) views.
   template <class TS, class TC>
   __device__ __forceinline__ void apply_transposed(TS& St, TC const& coords, int key0, int row0) const {
-#ifdef FA3GEN_MASK_OFFSETS  // measurement switch (apply, above): constant row offsets against a limit
-    if constexpr (!Local) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(St); ++r) {
-        const int key = key0 + get<0>(coords(r, 0));
-        const bool past_end = key >= seqlen_k;
-        // key > row + seqlen_k - seqlen_q  <=>  row's offset from the thread's first row < limit
-        const int limit = key - (seqlen_k - seqlen_q) - (row0 + get<1>(coords(r, 0)));
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(St); ++c) {
-          bool hidden = past_end;
-          if constexpr (kRightBound) hidden = hidden || get<1>(coords(r, c)) - get<1>(coords(r, 0)) < limit;
-          if (hidden) St(r, c) = -INFINITY;
-        }
-      }
-      return;
-    }
-#endif
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < size<0>(St); ++r) {
       const int key = key0 + get<0>(coords(r, 0));
