@@ -152,16 +152,14 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // butterflies cross lanes for log2 T strides only (the rest are in-thread: T log2 T shuffle
 // instructions a row, 8 at d128 against 20 with a lane per 4 elements), and rotary pairs are
 // in-thread.
-// 512 threads (one CTA an SM), or 256 for the 6-stage ring of small blocks: two CTAs an SM,
-// so one CTA's barriers overlap the other's work (a 16 KB block fills one pass of 256).
-// Stages: 3 of up to 64 KB (192 KB), or 6 for blocks of at most 16 KB, so that small blocks
-// keep as many bytes in flight (96 KB a CTA).
+// 512 threads (one CTA an SM), or 256 for the rings of small and middle blocks: two CTAs an
+// SM, so one CTA's barriers overlap the other's work (a 16 KB block fills one pass of 256).
+// Stages: 3 of up to 64 KB (192 KB), 6 for blocks of at most 16 KB and 4 for blocks of 16-24 KB
+// (d64 129-192 rows, d128 65-96; two passes where the rows exceed one), so that smaller blocks
+// keep as many bytes in flight (96 KB a CTA). On 3 stages at 512 threads, d64's 160-row blocks
+// kept 320 of the threads at work and 60 KB in flight an SM: 63% of copy, 69% on the 4-stage
+// ring (docs/BENCHMARKS.md).
 constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
-// Measurement switch FA3GEN_QUANTIZE_MID_RING: blocks of 16-24 KB (d64 129-192 rows, d128 65-96)
-// take a 4-stage ring at 256 threads too (two CTAs an SM, 96 KB each, two passes where the
-// rows exceed one), not 3 stages at 512 threads with one CTA an SM (d64's default 160-row
-// blocks: 320 of the 512 threads at work, 60 KB in flight an SM; 64% of copy against 73% for
-// 128-row blocks on the small ring).
 constexpr int kMidStages = 4, kMidStageBytes = 24576;
 constexpr int staged_threads(int stages) { return stages == kSmallStages || stages == kMidStages ? 256 : 512; }
 template <int HeadDim, int Threads = 512>
@@ -471,21 +469,20 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   return err == cudaSuccess ? 0 : report("quantize kernel launch", err);
 }
 
-// Blocks of at most 16 KB (always one pass) take the deeper ring.
+// Blocks of at most 16 KB (always one pass) take the deepest ring, blocks of at most 24 KB the
+// middle one.
 template <class T, int HeadDim, bool Rotary, int Hadamard>
 int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kSmallStageBytes) {
     static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
     return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, Hadamard>(p, stream);
   }
-#ifdef FA3GEN_QUANTIZE_MID_RING
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kMidStageBytes) {
     using Mid = Staged<HeadDim, staged_threads(kMidStages)>;
     static_assert(kMidStageBytes / Staged<HeadDim>::kRowBytes <= 2 * Mid::kRowsPerPass);
     return p.block_rows <= Mid::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kMidStages, Hadamard>(p, stream)
                                              : launch_staged<T, HeadDim, 2, Rotary, kMidStages, Hadamard>(p, stream);
   }
-#endif
   return p.block_rows <= Staged<HeadDim>::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kStages, Hadamard>(p, stream)
                                                        : launch_staged<T, HeadDim, 2, Rotary, kStages, Hadamard>(p, stream);
 }
