@@ -72,21 +72,46 @@ struct OnlineSoftmax {
     static_assert(decltype(size<0>(S))::value == Rows);
     const float mul = kScaled ? scale_log2 * block_scale : scale_log2;
     bool any = false;
+#ifdef FA3GEN_SOFTMAX_VOTE_MAX
+    // Measurement switch: a row's quad-reduced maximum only matters when it grows past the
+    // threshold, and it can only do so where one of the four threads' own maxima does. So each
+    // thread tests its own rows first and the warp votes once: when no row of the warp moves
+    // (the usual case after the first blocks), every quad reduction (two dependent shuffles a
+    // row) is skipped. Bit-identical: the skipped reductions' results were discarded.
+    float own_max[Rows];
+    bool moves = false;
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
-      float block_max = chains_max(S, r);
-      if constexpr (kScaled) block_max *= block_scale;
-      float m = quad_allreduce_max<4>(fmaxf(row_max[r], block_max));
-      // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
-      const float grew = (m - row_max[r]) * scale_log2;
-      if (!(grew <= threshold)) {
-        // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
-        const float m_new_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
-        rescale[r] = exp2f(row_max[r] * scale_log2 - m_new_scaled);
-        row_max[r] = m;
-        any = true;
-      } else {
+      own_max[r] = chains_max(S, r);
+      if constexpr (kScaled) own_max[r] *= block_scale;
+      moves |= !((own_max[r] - row_max[r]) * scale_log2 <= threshold);  // NaN (-inf - -inf) moves
+    }
+    const bool reduce = __any_sync(0xffffffffu, moves);
+#endif
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < Rows; ++r) {
+#ifdef FA3GEN_SOFTMAX_VOTE_MAX
+      if (!reduce) {
         rescale[r] = 1.f;
+      } else {
+        const float block_max = own_max[r];
+#else
+      {
+        float block_max = chains_max(S, r);
+        if constexpr (kScaled) block_max *= block_scale;
+#endif
+        float m = quad_allreduce_max<4>(fmaxf(row_max[r], block_max));
+        // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
+        const float grew = (m - row_max[r]) * scale_log2;
+        if (!(grew <= threshold)) {
+          // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+          const float m_new_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
+          rescale[r] = exp2f(row_max[r] * scale_log2 - m_new_scaled);
+          row_max[r] = m;
+          any = true;
+        } else {
+          rescale[r] = 1.f;
+        }
       }
       const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
       float bias;  // the exponent's constant term (PLog2 0: exactly -m_scaled)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(1, 300, 300, 4, 2), (2, 257, 513, 4, 4), (1, 513, 257, 2, 1), (1, 1, 700, 2, 2)]
 # (left, right); a causal key only uses left (right is 0). 5000 is wider than every sequence.
 WINDOWS = [(0, 0), (0, 37), (37, 0), (130, 61), (-1, 50), (50, -1), (5000, 5000), (1, 200)]
-SOFTCAPS = [0.5, 5.0, 50.0]
+SOFTCAPS = [0.5, 5.0, 50.0, 60.0]  # 50 and 60: either side of a bound in softmax.cuh
 
 
 def _call_args(key, window, softcap):
@@ -68,6 +68,23 @@ def test_forward_softcap_values(lib, fwd_feature_key, softcap):
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     torch.cuda.synchronize()
     res = compare_to_reference(out, lse, q, k, v, kw["causal"], None,
+                               window_size=kw["window_size"], softcap=kw["softcap"])
+    assert res["ok"], f"{fwd_feature_key} softcap={softcap}: {res['why']}"
+
+
+@pytest.mark.parametrize("softcap", [5.0, 50.0, 60.0])
+def test_forward_softcap_saturated_low(lib, fwd_feature_key, softcap):
+    """Every score far below -cap: every capped score is -cap (tanh saturated at -1), so each row
+    attends uniformly; no probability may underflow to an empty row."""
+    dtype, d, _, _, has_cap = fwd_feature_key
+    if not has_cap:
+        pytest.skip("no softcap")
+    kw = _call_args(fwd_feature_key, (96, 0), softcap)
+    q, k, v = make_qkv(1, 300, 300, 2, 2, d, DTYPES[dtype], seed=23)
+    q, k = q.abs() + 1, -(k.abs() + 1)  # every q . k <= -d
+    out, lse = flash_attn_func(q, k, v, softmax_scale=8.0 * softcap / d, return_lse=True, **kw)
+    torch.cuda.synchronize()
+    res = compare_to_reference(out, lse, q, k, v, kw["causal"], 8.0 * softcap / d,
                                window_size=kw["window_size"], softcap=kw["softcap"])
     assert res["ok"], f"{fwd_feature_key} softcap={softcap}: {res['why']}"
 
