@@ -156,3 +156,39 @@ def test_run_ncu_profiles_one_variant_from_each_side(monkeypatch, tmp_path):
     assert page_a[:3] == ["ncu", "-i", f"{work / 'ncu_A'}.ncu-rep"] and out_a.name == str(work / "ncu_A.csv")
     assert phases[1].endswith("tests/gpu/ncu_phases.py")
     assert phases[2:] == [str(work / "ncu_A.csv"), str(work / "ncu_B.csv"), "--json", "p.json"]
+
+
+def test_run_says_which_variant_failed_and_can_allow_spills(monkeypatch, tmp_path):
+    """A build that fails names the variant and the reason in the A/B's own output (a switch
+    that makes one variant spill used to cost a whole device call to find out), and
+    --allow-spills reaches both builds."""
+    monkeypatch.setattr(ab_trees, "BASE_DIR", tmp_path / "no_export_here")
+    started = []
+    spilled = ("fa3gen: variant fwd_bf16_d256_nocausal_m128n80_s2_ws1_pp0_ov1 failed the resource "
+               "check: _ZN6fa3gen10fwd_kernel: 4 bytes spill stores, 4 bytes spill loads")
+
+    class Build:
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            started.append(argv[2:])
+            self.side = env["FA3GEN_GENERATED"][-1]
+            stdout.write("[1/3] NVCC fwd_bf16_d128_x\n" + (spilled + "\n" if self.side == "B" else ""))
+
+        def wait(self):
+            return 1 if self.side == "B" else 0
+
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", Build)
+    args = type("Args", (), {"spec": "h100", "only": ["fwd_*"], "jobs": 4, "a_tree": True,
+                             "define": ["FA3GEN_X"], "work": str(tmp_path / "w")})
+    with pytest.raises(SystemExit) as failed:
+        ab_trees.run(args, [])
+    message = str(failed.value)
+    assert "build_B.log" in message and spilled in message and "build_A.log" not in message
+    assert "--allow-spills" in message
+    assert all("--allow-spills" not in argv for argv in started)
+    started.clear()
+    args.allow_spills = True
+    with pytest.raises(SystemExit):
+        ab_trees.run(args, [])
+    assert all(argv[4] == "--allow-spills" for argv in started) and len(started) == 2
+    assert ab_trees.build_failures("ok\nFAILED: [code=1] obj/a.o\nx.cu(3): error: no\n") == [
+        "FAILED: [code=1] obj/a.o", "x.cu(3): error: no"]

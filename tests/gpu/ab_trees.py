@@ -20,7 +20,8 @@ left alone), then runs ab_libraries.py on them; its JSON header names the base c
 --quantizer runs bench_fp8_quantize.py instead (B's library loaded, A's quantizer called
 through --baseline-so), --decode bench_kvcache.py the same way (A's decode kernels), --ncu
 profiles one launch of the variant from each library (ncu_one_forward.py) and compares where
-their warps wait (ncu_phases.py).
+their warps wait (ncu_phases.py). A failed build names the failing variants and why (a
+resource check: spills); --allow-spills passes build.py's flag to both builds.
 
 Not a pytest module.
 """
@@ -58,16 +59,24 @@ def export(rev: str, dest: Path = BASE_DIR) -> str:
 
 
 def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR,
-                   b_defines: tuple[str, ...] = ()):
+                   b_defines: tuple[str, ...] = (), allow_spills: bool = False):
     """[(cwd, env additions, argv)] of the two builds: A in `base`, B in this tree (with
     `--define` for each of b_defines)."""
-    args = ["--spec", spec, "-j", str(max(1, jobs // 2))]
+    args = ["--spec", spec, "-j", str(max(1, jobs // 2)), *(["--allow-spills"] if allow_spills else [])]
     for glob in only:
         args += ["--only", glob]
     defines = [a for d in b_defines for a in ("--define", d)]
     return [(tree, {"FA3GEN_GENERATED": str(work / side), "PYTHONPATH": str(tree)},
              [sys.executable, "build.py", *args, *(defines if side == "B" else [])])
             for tree, side in ((base, "A"), (ROOT, "B"))]
+
+
+def build_failures(log_text: str, limit: int = 8) -> list[str]:
+    """The lines of a build log that say which variant failed and why (a resource check, a
+    compile error), so that a failed A/B says it in its own output."""
+    lines = [line.strip() for line in log_text.splitlines()
+             if "failed the resource check" in line or ": error" in line or line.startswith("FAILED:")]
+    return [line[:300] for line in lines[:limit]]
 
 
 def library(work: Path, side: str, spec: str) -> Path:
@@ -123,13 +132,20 @@ def run(args, ab_args: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     builds = []
     for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base,
-                                                       defines), "AB"):
+                                                       defines, getattr(args, "allow_spills", False)),
+                                        "AB"):
         log = open(work / f"build_{side}.log", "w")
         builds.append((cwd, log, subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra},
                                                   stdout=log, stderr=subprocess.STDOUT)))
-    failed = [f"{cwd}: see {log.name}" for cwd, log, proc in builds if proc.wait() != 0]
+    failed = []
+    for cwd, log, proc in builds:
+        if proc.wait() != 0:
+            log.close()
+            why = build_failures(Path(log.name).read_text(errors="replace"))
+            failed.append(f"{cwd}: see {log.name}" + "".join(f"\n  {line}" for line in why))
     if failed:
-        raise SystemExit("build failed: " + "; ".join(failed))
+        raise SystemExit("build failed: " + "\n".join(failed) +
+                         "\n(--allow-spills times variants that spill too; or leave them out of --only)")
     b_name = "this tree" + (" with " + " ".join(defines) if defines else "")
     print(f"built A ({commit if a_tree else commit[:10]}) and B ({b_name}) under {work}", flush=True)
     lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, "B", args.spec))
@@ -168,6 +184,9 @@ def main() -> int:
     p_run.add_argument("--a-tree", action="store_true",
                        help="build A from this tree too (no export): with --define, an A/B of "
                             "a compile-time switch")
+    p_run.add_argument("--allow-spills", action="store_true",
+                       help="pass --allow-spills to both builds: a switch that makes one variant "
+                            "spill then costs that variant's clean timing, not the whole A/B")
     p_run.add_argument("--ncu", metavar="VARIANT",
                        help="instead of timing: one launch of VARIANT from each side under ncu "
                             "(warp-state sampling), then ncu_phases.py on both (other arguments "
