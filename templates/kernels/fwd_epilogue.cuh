@@ -58,9 +58,9 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
 // O = O / rowsum in the output dtype and LSE (natural log, fp32) for the rows of the tile that
 // exist; tid is the thread's index among the consumers. fp8: lse_scale and o_scale carry the
 // descale factors.
-template <class Traits, int Rows, int Chains, int PLog2, class TO>
+template <class Traits, int Rows, int Chains, int PLog2, bool Vote, class TO>
 __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile, SeqSlice const& seq,
-                                               OnlineSoftmax<Rows, Chains, PLog2>& softmax, TO& tOrO, int tid,
+                                               OnlineSoftmax<Rows, Chains, PLog2, Vote>& softmax, TO& tOrO, int tid,
                                                float lse_scale, float o_scale = 1.f) {
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
   typename Traits::TiledMmaPV mma_pv;

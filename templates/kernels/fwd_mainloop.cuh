@@ -70,7 +70,7 @@ struct FwdMainloop {
   // too, so the output needs no correction).
   static constexpr int kPLog2Fp8 = 8;
   static constexpr float kPScaleFp8 = float(1 << kPLog2Fp8);
-  using Softmax = OnlineSoftmax<kRows, Traits::kSoftmaxChains, Traits::kFp8 ? kPLog2Fp8 : 0>;
+  using Softmax = OnlineSoftmax<kRows, Traits::kSoftmaxChains, Traits::kFp8 ? kPLog2Fp8 : 0, Traits::kSoftmaxVote>;
   // P reaches 2^kRescaleThresholdFp8P before a rescale (rescale_threshold.cuh).
   static_assert(kPScaleFp8 * exp2_constexpr(kRescaleThresholdFp8P) <= kE4m3Max,
                 "e4m3 P would overflow before its rescale");

@@ -123,6 +123,15 @@ struct FwdTraits {
   // at d128 (128x128 and 128x192: 0.997-1.03, median 1.01; docs/results/ab_fp8_chains.json),
   // one elsewhere (d256 0.97-1.01, d64 0.94-1.03 with two).
   static constexpr int kSoftmaxChains = kFp8 ? (HeadDim == 128 ? 2 : 1) : TileN < 128 ? 1 : 4;
+#ifdef FA3GEN_SOFTMAX_VOTE_MAX
+  // Measurement switch: the softmax's warp vote before its quad reductions (softmax.cuh; one
+  // A/B, docs/BENCHMARKS.md: forward median 1.03x). Not in the fp8 forward (0.93-0.98x) nor at
+  // d256 without softcap (causal 128x80 0.98-1.00x; non-causal 128x80 spilled 4 bytes); every
+  // other 16-bit default compiles spill-free with it.
+  static constexpr bool kSoftmaxVote = !kFp8 && (HeadDim < 256 || Softcap);
+#else
+  static constexpr bool kSoftmaxVote = false;
+#endif
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);

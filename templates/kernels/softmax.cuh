@@ -12,7 +12,9 @@ namespace fa3gen {
 // PLog2: P comes out times 2^PLog2 (the fp8 forward's e4m3 P, fwd_mainloop.cuh), folded into
 // the exponent so it costs no multiply; the row sum carries the same factor, so O / rowsum is
 // unchanged and only the LSE subtracts it.
-template <int Rows, int Chains, int PLog2 = 0>
+// Vote: before a block's quad reductions of the row maxima, a warp vote on whether any row can
+// grow past the threshold (step_impl; FwdTraits::kSoftmaxVote says which variants).
+template <int Rows, int Chains, int PLog2 = 0, bool Vote = false>
 struct OnlineSoftmax {
   float row_max[Rows];
   float row_sum[Rows];
@@ -72,34 +74,35 @@ struct OnlineSoftmax {
     static_assert(decltype(size<0>(S))::value == Rows);
     const float mul = kScaled ? scale_log2 * block_scale : scale_log2;
     bool any = false;
-#ifdef FA3GEN_SOFTMAX_VOTE_MAX
-    // Measurement switch: a row's quad-reduced maximum only matters when it grows past the
-    // threshold, and it can only do so where one of the four threads' own maxima does. So each
-    // thread tests its own rows first and the warp votes once: when no row of the warp moves
-    // (the usual case after the first blocks), every quad reduction (two dependent shuffles a
-    // row) is skipped. Bit-identical: the skipped reductions' results were discarded.
+    // Vote: a row's quad-reduced maximum only matters when it grows past the threshold, and it
+    // can only do so where one of the four threads' own maxima does. So each thread tests its
+    // own rows first and the warp votes once: when no row of the warp moves (the usual case
+    // after the first blocks), every quad reduction (two dependent shuffles a row) is skipped.
+    // Bit-identical: the skipped reductions' results were discarded.
     float own_max[Rows];
-    bool moves = false;
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < Rows; ++r) {
-      own_max[r] = chains_max(S, r);
-      if constexpr (kScaled) own_max[r] *= block_scale;
-      moves |= !((own_max[r] - row_max[r]) * scale_log2 <= threshold);  // NaN (-inf - -inf) moves
+    bool reduce = true;
+    if constexpr (Vote) {
+      bool moves = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < Rows; ++r) {
+        own_max[r] = chains_max(S, r);
+        if constexpr (kScaled) own_max[r] *= block_scale;
+        moves |= !((own_max[r] - row_max[r]) * scale_log2 <= threshold);  // NaN (-inf - -inf) moves
+      }
+      reduce = __any_sync(0xffffffffu, moves);
     }
-    const bool reduce = __any_sync(0xffffffffu, moves);
-#endif
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < Rows; ++r) {
-#ifdef FA3GEN_SOFTMAX_VOTE_MAX
       if (!reduce) {
         rescale[r] = 1.f;
       } else {
-        const float block_max = own_max[r];
-#else
-      {
-        float block_max = chains_max(S, r);
-        if constexpr (kScaled) block_max *= block_scale;
-#endif
+        float block_max;
+        if constexpr (Vote) {
+          block_max = own_max[r];
+        } else {
+          block_max = chains_max(S, r);
+          if constexpr (kScaled) block_max *= block_scale;
+        }
         float m = quad_allreduce_max<4>(fmaxf(row_max[r], block_max));
         // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
         const float grew = (m - row_max[r]) * scale_log2;
