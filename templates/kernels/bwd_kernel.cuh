@@ -19,7 +19,9 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   const int warp_idx = cutlass::canonical_warp_idx_sync();
   TileCoord tile;  // key block, kv head, batch
   SeqSlice seq{};  // varlen: the tile's sequence
+  allow_dependent_grid();  // the dQ conversion may be placed as this grid's CTAs retire
   if constexpr (Traits::kVarlen) {
+    prerequisite_grid_wait();  // the tile list (the kernel before this one) is complete
     if (!VarlenTileScheduler{p.schedule, p.varlen.tiles}.decode(int(blockIdx.x), tile)) return;  // past the list
     seq = seq_slice(p.varlen, tile.batch);
   } else {
@@ -40,6 +42,9 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
 
   if (warp_idx < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    // The preprocess's LSE, D and zeroed dQ accumulator (and semaphores): read and written
+    // only by these warps (the consumers read shared memory they fill).
+    if constexpr (!Traits::kVarlen) prerequisite_grid_wait();
     // Writer first: values it needs are then not live across the TMA loop (24 registers).
     if (warp_idx == 1 && has_work) mainloop.write_dq(tile, seq, m_first, m_end, m_blocks, mask);
     else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, seq, m_first, m_end);

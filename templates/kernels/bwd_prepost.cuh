@@ -33,12 +33,29 @@ constexpr int kRowThreads = 256;
 template <int HeadDim>
 constexpr int row_vec_elems() { return HeadDim % (kRowLanes * 8) == 0 ? 8 : 4; }
 
+// Measurement switch FA3GEN_BWD_PDL: the main and dQ kernels launch as programmatic dependents
+// of the kernel before them (launch_programmatic), so each grid is placed and sets up while the
+// one before drains. Each reads what the kernel before it wrote only after
+// prerequisite_grid_wait; each lets its dependent be placed from its start. Both are no-ops in
+// a kernel launched the usual way.
+__device__ __forceinline__ void prerequisite_grid_wait() {
+#ifdef FA3GEN_BWD_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_grid() {
+#ifdef FA3GEN_BWD_PDL
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // D = rowsum(dO * O) in fp32 and LSE in the log2 domain, one query row per 8 threads, and the
 // row's share of the fp32 dQ accumulator (and the semaphores) zeroed in the same pass, so the
 // caller need not clear the workspace (cuDNN's preprocess does the same). Padding rows and
 // rows that saw no key get LSE +inf, which makes their recomputed P exactly 0.
 template <class Element, int HeadDim, bool Varlen>
 __global__ void __launch_bounds__(kRowThreads) bwd_preprocess_kernel(const BwdRowParams p) {
+  allow_dependent_grid();
   constexpr int kVec = row_vec_elems<HeadDim>();
   static_assert(HeadDim % (kRowLanes * kVec) == 0 && HeadDim % (kRowLanes * 4) == 0);
   using Vec = cute::conditional_t<kVec == 8, uint4, uint2>;
@@ -121,6 +138,7 @@ struct BwdDqParams {
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kConsumerThreads)
 bwd_convert_dq_kernel(const BwdDqParams p) {
+  prerequisite_grid_wait();  // dq_accum complete
   using Element = typename Traits::Element;
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
   // Row stride of the staging tile, as store_staged_rows reads it.

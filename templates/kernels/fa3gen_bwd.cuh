@@ -104,8 +104,12 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   // Key blocks are the fastest tile index: in deterministic mode a CTA waits only for CTAs of
   // lower key blocks of its head, which the hardware has already started (no deadlock).
+#ifdef FA3GEN_BWD_PDL
+  err = launch_programmatic(kernel, dim3(unsigned(p.schedule.ctas)), dim3(Traits::kThreads), smem_bytes, stream, p);
+#else
   kernel<<<unsigned(p.schedule.ctas), Traits::kThreads, smem_bytes, stream>>>(p);
   err = cudaGetLastError();
+#endif
   if (err != cudaSuccess) return report("backward kernel launch", err);
 
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
@@ -114,8 +118,12 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
                  vec_aligned<E>(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8),
                  a.cu_seqlens_q, a.batch, a.total_q, int(q_tiles_padded)};
   const dim3 dq_grid = Varlen ? dim3(unsigned(q_tiles_padded), a.heads_q, 1) : dim3(m_blocks, a.heads_q, a.batch);
+#ifdef FA3GEN_BWD_PDL
+  err = launch_programmatic(bwd_convert_dq_kernel<Traits>, dq_grid, dim3(Traits::kConsumerThreads), 0, stream, dq);
+#else
   bwd_convert_dq_kernel<Traits><<<dq_grid, Traits::kConsumerThreads, 0, stream>>>(dq);
   err = cudaGetLastError();
+#endif
   if (err != cudaSuccess) return report("backward dQ conversion launch", err);
   return 0;
 }

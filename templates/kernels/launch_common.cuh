@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cuda_runtime.h>
+#include <utility>
 #include "fa3gen_abi.h"
 
 namespace fa3gen {
@@ -32,6 +33,26 @@ inline cudaError_t set_smem_limit_once(Kernel kernel, int bytes) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err == cudaSuccess) done.fetch_or(bit, std::memory_order_acq_rel);
   return err;
+}
+
+// Launches `kernel` as a programmatic dependent of the kernel before it on `stream`: its CTAs
+// may be placed once every CTA of that kernel has run griddepcontrol.launch_dependents (or
+// exited), and must run griddepcontrol.wait (prerequisite_grid_wait) before they read what
+// that kernel writes. Everything launched before that kernel has completed by then.
+template <class... Params, class... Args>
+inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
+                                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 // True when `ptr` and the three strides (in elements of E) allow `elems`-element vector
