@@ -195,8 +195,12 @@ static_assert(staged_max_rows<64>() * 64 == kStagedBlockValues && staged_max_row
 // of a division's 8 and a slow-path check. Callers keep d normal and >= 2^-100 (no over- or
 // underflow in rcp; tiny quotients become e4m3 zeros either way).
 __device__ __forceinline__ float div_by(float x, float d, float rcp) {
+#ifdef FA3GEN_QUANTIZE_RCP_MUL  // measurement switch: x * (1 / d) alone, 1 instruction instead of
+  return __fmul_rn(x, rcp);     // 3 (not bit-identical to fa3gen.fp8.quantize's division)
+#else
   const float q = __fmul_rn(x, rcp);
   return __fmaf_rn(__fmaf_rn(-q, d, x), rcp, q);
+#endif
 }
 
 // Rotary embedding of a thread's 32 values of row `pos` in fp32, as reference.apply_rotary
