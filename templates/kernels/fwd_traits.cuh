@@ -125,9 +125,10 @@ struct FwdTraits {
   static constexpr int kSoftmaxChains = kFp8 ? (HeadDim == 128 ? 2 : 1) : TileN < 128 ? 1 : 4;
 #ifdef FA3GEN_SOFTMAX_VOTE_MAX
   // Measurement switch: the softmax's warp vote before its quad reductions (softmax.cuh; one
-  // A/B, docs/BENCHMARKS.md: forward median 1.03x). Not in the fp8 forward (0.93-0.98x) nor at
-  // d256 without softcap (causal 128x80 0.98-1.00x; non-causal 128x80 spilled 4 bytes); every
-  // other 16-bit default compiles spill-free with it.
+  // A/B, docs/BENCHMARKS.md: forward median 1.03x). Not in the fp8 forward (0.93-0.98x;
+  // probably as its threshold is 0.8, not 8: rows move often, the vote seldom skips anything)
+  // nor at d256 without softcap (causal 128x80 0.98-1.00x; non-causal 128x80 spilled 4
+  // bytes); every other 16-bit default compiles spill-free with it.
   static constexpr bool kSoftmaxVote = !kFp8 && (HeadDim < 256 || Softcap);
 #else
   static constexpr bool kSoftmaxVote = false;
