@@ -6,10 +6,11 @@ larger one; bytes counted: the 16-bit input read once and the e4m3 output writte
 tables not counted). Columns: block scales of 128 rows; with the Hadamard transform; with
 rotary (rotary_dim = d, halves) and the Hadamard transform in the same kernel; one scale per
 tensor; the PyTorch path (fp8.quantize); --block-rows adds block scales of other row counts
-(the fp8 defaults' tile_n: 96, 160, 192). --baseline-so times another library's
-fa3gen_quantize_fp8 (e.g. an earlier commit's build; its params struct must be a prefix of
-this one's) in the same process, interleaved (128-row blocks, Hadamard, and each
---block-rows). --attention adds what a user pays in all at the bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
+(the fp8 defaults' tile_n: 96, 160, 192), --hadamard-rows the Hadamard transform at each.
+--baseline-so times another library's fa3gen_quantize_fp8 (e.g. an earlier commit's build; its
+params struct must be a prefix of this one's) in the same process, interleaved (128-row blocks,
+Hadamard, and each --block-rows, with --hadamard-rows too). --attention adds what a user pays in
+all at the bench grid's d128 shapes (16k tokens, 16 heads; needs default e4m3 d128 variants):
 fa3gen.quantize_fp8 of q, k, v (the public call, block scales, with and without the Hadamard
 transform) beside the fp8 attention it feeds, causal and not. Not a pytest module."""
 import argparse
@@ -46,6 +47,9 @@ def main():
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--block-rows", type=int, nargs="+", default=[],
                     help="also time block scales of these row counts (columns blocks_<rows>)")
+    ap.add_argument("--hadamard-rows", action="store_true",
+                    help="also time the Hadamard transform at each --block-rows (columns "
+                         "hadamard_<rows>; the defaults' q and k blocks take it)")
     ap.add_argument("--attention", action="store_true",
                     help="also time quantize_fp8 beside the attention it feeds")
     args = ap.parse_args()
@@ -67,15 +71,18 @@ def main():
                "rotary_hadamard": lambda: fp8._quantize_kernel(lib, x, 128, signs, rot),
                "tensor": lambda: fp8._quantize_kernel(lib, x, None, None),
                "pytorch": lambda: fp8.quantize(x, 128)}
-        for rows_per_block in args.block_rows:
-            fns[f"blocks_{rows_per_block}"] = (
-                lambda r=rows_per_block: fp8._quantize_kernel(lib, x, r, None))
-        if base is not None:
-            fns["baseline_blocks"] = lambda: fp8._quantize_kernel(base, x, 128, None)
-            fns["baseline_hadamard"] = lambda: fp8._quantize_kernel(base, x, 128, signs)
+        for prefix, quantizer in (("", lib), ("baseline_", base)):
+            if quantizer is None:
+                continue
+            if prefix:
+                fns["baseline_blocks"] = lambda: fp8._quantize_kernel(base, x, 128, None)
+                fns["baseline_hadamard"] = lambda: fp8._quantize_kernel(base, x, 128, signs)
             for rows_per_block in args.block_rows:
-                fns[f"baseline_blocks_{rows_per_block}"] = (
-                    lambda r=rows_per_block: fp8._quantize_kernel(base, x, r, None))
+                fns[f"{prefix}blocks_{rows_per_block}"] = (
+                    lambda r=rows_per_block, q=quantizer: fp8._quantize_kernel(q, x, r, None))
+                if args.hadamard_rows:
+                    fns[f"{prefix}hadamard_{rows_per_block}"] = (
+                        lambda r=rows_per_block, q=quantizer: fp8._quantize_kernel(q, x, r, signs))
         ms = dict(zip(fns, timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms)))
         moved = x.numel() * 3  # bytes: bf16 in, e4m3 out
         gbs = {k: (2 * src.numel() if k == "copy" else moved) / m / 1e6 for k, m in ms.items()}
