@@ -1,6 +1,7 @@
-"""Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and argument
-order. A few new query rows per kv head (seqlen_q x heads_q / heads_kv <= 16) against a
-contiguous or paged cache of q's dtype or e4m3 (with dequantization factors), new keys and
+"""Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and semantics
+(flash-attn passes rotary_cos and rotary_sin before cache_seqlens; here they are keyword-only,
+after the positional q, k_cache, v_cache, k, v, cache_seqlens, ...). A few new query rows per
+kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cache of q's dtype or e4m3 (with dequantization factors), new keys and
 values appended first when given, the key range split across CTAs (split-KV) and merged;
 more rows per kv head (chunked prefill) go to the forward kernels; forward only. Rotary
 embedding of q and the new keys (rotary_cos, rotary_sin) runs as PyTorch operations before
@@ -41,6 +42,8 @@ def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
     to a multiple of MIN_KEYS_PER_SPLIT, so 14 splits of 1024 keys run as 8 of 128. H200, d128,
     graph replay (2026-12-01): batch 1, 8 kv heads, 64k keys, 29 splits 74.4 us, 32 splits
     69.8 us; 1k keys, 14 (8 busy) 9.1 us, 16 7.7 us."""
+    if seqlen_k <= 0:  # no key (an empty cache, cache_seqlens 0): one split writes the empty rows
+        return 1
     pairs = max(1, batch * heads_kv)
     slots = num_sms * CTAS_PER_SM.get(head_dim, 1)
     most = max(1, min(-(-seqlen_k // MIN_KEYS_PER_SPLIT), MAX_SPLITS))
@@ -75,7 +78,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, k_scale=None, v_scale=None, *, rotary_cos=None,
-                            rotary_sin=None, rotary_interleaved=True):
+                            rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256, seqlen_q * heads_q / heads_kv
@@ -88,7 +91,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
     softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:
     0 chooses. Returns out (like q), and lse
-    (batch, heads_q, seqlen_q) fp32 when return_lse. k, v (batch, seqlen_new, heads_kv, d):
+    (batch, heads_q, seqlen_q) fp32 when return_lse (or flash-attn's return_softmax_lse). k, v (batch, seqlen_new, heads_kv, d):
     new keys and values written into the cache (in place) at positions cache_seqlens ..
     cache_seqlens + seqlen_new - 1 of each sequence before attending, which then covers
     cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
@@ -113,6 +116,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
+    ops.check_softmax_scale(softmax_scale)
+    return_lse = bool(return_lse or return_softmax_lse)
     if rotary_cos is not None or rotary_sin is not None:
         try:
             local = tuple(window_size) != (-1, -1)

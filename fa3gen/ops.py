@@ -62,6 +62,9 @@ class Masking:
         return dict(causal=self.causal, local=self.local, softcap=self.softcap > 0)
 
 
+_WINDOW_UNBOUNDED = 2**31 - 1  # a window side wider than this reaches every key (int32 lengths)
+
+
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
@@ -81,6 +84,8 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
             not 0.0 <= float(softcap) < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    # Wider than any sequence (the kernels take int32): unbounded on that side, not wrapped.
+    left, right = (-1 if w > _WINDOW_UNBOUNDED else w for w in (left, right))
     if causal:
         right = 0
     if left < 0 and right == 0:
@@ -773,7 +778,8 @@ def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None
     """Name of the forward variant that serves dims (default dispatch, the spec's seqlen_k
     range default for dims.seqlen_k when by_length, or the named one). mask: the call's
     Masking, or causal. Graph capture passes by_length=False: a traced length may be dynamic,
-    and the name is baked into the graph, so compiled calls take the key's default."""
+    and the name is baked into the graph, so compiled calls take the key's default (fp8 calls
+    with block descales leave it to the op, fp8._fwd_fp8_op)."""
     return _variant_name("fwd", dims.dtype, dims.head_dim, variant, *_key_flags(mask), False,
                          dims.seqlen_k if by_length else None)
 
@@ -785,6 +791,19 @@ def _key_flags(mask: Masking | bool) -> tuple:
     return tuple(m.key().values())
 
 
+def check_softmax_scale(softmax_scale, hint: str = "") -> None:
+    """None (1 / sqrt(head_dim)) or a finite number > 0; anything else one clear error."""
+    if softmax_scale is None:
+        return
+    try:  # what float() takes (numpy and 0-d tensor scalars too), but not text or a bool
+        value = None if isinstance(softmax_scale, (bool, str, bytes)) else float(softmax_scale)
+    except (TypeError, ValueError, RuntimeError):
+        value = None
+    if value is None or not 0.0 < value < math.inf:
+        raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
+                                f"sqrt(head_dim)), got {softmax_scale!r}{hint}")
+
+
 def _check_fa3_arguments(softmax_scale) -> None:
     """A scale that comes from another order (fa3gen's old (q, k, v, causal, softmax_scale),
     flash-attn 2's dropout_p): an error, never a different result."""
@@ -792,10 +811,8 @@ def _check_fa3_arguments(softmax_scale) -> None:
         raise InvalidInputError(
             f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
             "(q, k, v, softmax_scale, causal); pass causal=... by keyword")
-    if softmax_scale is not None and not (float(softmax_scale) > 0.0):
-        raise InvalidInputError(
-            f"softmax_scale must be positive, got {softmax_scale}: with flash-attn 2's order the "
-            "4th positional argument is dropout_p, here (FlashAttention-3's order) it is the scale")
+    check_softmax_scale(softmax_scale, ": with flash-attn 2's order the 4th positional argument "
+                        "is dropout_p, here (FlashAttention-3's order) it is the scale")
 
 
 def flash_attn_func(
@@ -862,8 +879,15 @@ def flash_attn_func(
             _trace_call(name, variant is None, dims)
         scale = _softmax_scale(softmax_scale, dims.head_dim)
         if fp8:
+            # Block descales were made for the tiles quantize_fp8 (block_sizes) picks by length:
+            # the key default's tiles would read them as other blocks (an error, or where the
+            # block counts agree, silently wrong), so the op resolves those calls when it runs
+            # ("": by length, on concrete shapes).
+            blocked = variant is None and any(isinstance(t, torch.Tensor) and t.dim() == 3
+                                              for t in descales.values())
             out, lse = torch.ops.fa3gen.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
-                                                mask.causal, scale, name, out_dtype == torch.float16)
+                                                mask.causal, scale, "" if blocked else name,
+                                                out_dtype == torch.float16)
         else:
             out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, bool(deterministic),
                                             mask.window_left, mask.window_right, mask.softcap)

@@ -426,13 +426,13 @@ def flash_attn_varlen_func(
     if seqused_q is not None:
         raise InvalidInputError("seqused_q is not supported by fa3gen; pass cu_seqlens_q that "
                                 "bound the used rows instead")
-    if seqused_k is not None:
-        _check_seqused_k(seqused_k, cu_seqlens_k, torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad))
     ops._check_fa3_arguments(softmax_scale)
     mask = ops.masking(causal, window_size, softcap)
     return_lse = bool(return_lse or return_attn_probs)
     ops._check_tensors(q, k, v)
+    if seqused_k is not None:
+        _check_seqused_k(seqused_k, cu_seqlens_k, torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad))
     _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if debug_checks_enabled():
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

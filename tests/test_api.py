@@ -25,8 +25,20 @@ def test_old_fa3gen_order_is_an_error_not_a_silent_scale():
     with pytest.raises(InvalidInputError, match="causal must be True or False, got 0.125"):
         ops.flash_attn_func(q, q, q, None, 0.125)
     # flash-attn 2's order (q, k, v, dropout_p, softmax_scale, causal): dropout_p 0.0 lands here.
-    with pytest.raises(InvalidInputError, match="softmax_scale must be positive, got 0.0: .*dropout_p"):
+    with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0 .*got 0.0: .*dropout_p"):
         ops.flash_attn_func(q, q, q, 0.0)
+
+
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), -1.0, "0.5", b"1", 1 + 0j,
+                                   torch.tensor([0.5, 0.5])])
+def test_a_scale_that_is_not_a_positive_finite_number_is_one_clear_error(scale):
+    with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
+        ops.flash_attn_func(q, q, q, scale)
+
+
+def test_scalar_scales_are_taken():
+    for scale in (0.5, 2, torch.tensor(0.5)):
+        ops.check_softmax_scale(scale)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -58,6 +70,9 @@ M = ops.Masking
     (False, (-1, 7), M(False, -1, 7)),
     (False, (0, 0), M(False, 0, 0)),           # each query sees one key: local, not causal
     (False, (10**9, 10**9), M(False, 10**9, 10**9)),  # wider than any sequence: still local
+    (False, (2**32 + 5, 0), M(causal=True)),   # past int32 (the kernels' lengths): unbounded,
+    (False, (5, 2**31), M(False, 5, -1)),      # never wrapped into a small window
+    (False, (2**31 - 1, 3), M(False, 2**31 - 1, 3)),
 ])
 def test_masking_follows_flash_attn(causal, window, want):
     assert ops.masking(causal, window) == want

@@ -189,6 +189,33 @@ def test_fp8_under_torch_compile_on_cpu(fake_launch):
     assert fake_launch[1][1].seqlen_q == 300 and fake_launch[1][1].k_descale_block_stride == 1
 
 
+def test_compiled_calls_with_block_descales_take_the_tiles_their_blocks_were_made_for(
+        fake_launch, monkeypatch):
+    """A key whose spec has a seqlen_k range default (h100.yaml: e4m3 d128 128x128 below 2k
+    keys, 128x192 above): quantize_fp8 makes blocks of the by-length variant's tiles, so a
+    compiled call (whose name is otherwise the key default) launches that variant too, not the
+    default reading 96-row blocks as 128-row ones."""
+    import dataclasses
+
+    from fa3gen import runtime
+    from fa3gen.contract import make_key
+
+    lib = runtime.get_library()
+    default = lib.find("fwd", "e4m3", 128, True)
+    short = dataclasses.replace(default, tile_n=96)
+    monkeypatch.setitem(lib._by_name, short.name, short)
+    monkeypatch.setattr(lib, "seqlen_dispatch", {make_key("fwd", "e4m3", 128, True): [(0, 2047, short)]})
+    x = torch.zeros(1, 150, 2, 128, dtype=torch.float8_e4m3fn)
+    descales = dict(k_descale=torch.ones(1, 2, 2), v_descale=torch.ones(1, 2, 2))  # 96-key blocks
+    assert fp8.block_sizes(x, x, causal=True) == (128, 96)
+    ops.flash_attn_func(x, x, x, causal=True, **descales)
+    monkeypatch.setattr(ops, "_captured", lambda *a: True)  # as under torch.compile
+    ops.flash_attn_func(x, x, x, causal=True, **descales)
+    ops.flash_attn_func(x, x, x, causal=True)  # no block descales: the key default, as before
+    assert [name for name, _ in fake_launch] == [short.name, short.name, default.name]
+    assert fake_launch[1][1].k_descale_block_stride == 1
+
+
 def test_cudnn_fp8_column_is_optional():
     """fa3gen bench's cuDNN fp8 column: None (no column) where cudnn-frontend does not import."""
     from fa3gen import bench

@@ -68,6 +68,9 @@ def test_paged_cache_params(launched):
     (dict(window_size=(-2, 0)), "window_size left must be an int >= -1"),
     (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
     (dict(num_splits=-1), "num_splits"),
+    (dict(softmax_scale=0.0), "softmax_scale must be a finite number > 0"),
+    (dict(softmax_scale=float("nan")), "softmax_scale must be a finite number > 0"),
+    (dict(softmax_scale=True), "softmax_scale must be a finite number > 0"),
     (dict(cache_seqlens=2000), "outside"),
     (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), "cache_seqlens must be int32"),
     (dict(cache_batch_idx=torch.zeros(3, dtype=torch.int32)), r"cache_batch_idx must be int32 of shape \(2,\)"),
@@ -123,6 +126,26 @@ def test_split_heuristic():
     assert kvcache.num_splits_heuristic(256, 8, 4096, 132, 128) == 1
     assert kvcache.num_splits_heuristic(1, 1, 1000, 132, 64) == 16      # 15 of 64 keys and one of 40
     assert kvcache.num_splits_heuristic(1, 1, 100, 132, 64) == 2        # 64 keys and 36
+    assert kvcache.num_splits_heuristic(1, 8, 0, 132, 128) == 1         # no key: one split
+
+
+def test_no_keys_at_all_launches_one_split(launched):
+    """cache_seqlens 0 (an int) or an empty cache with the automatic split count: one split (the
+    heuristic divided by zero), the rows then see no key (tests/gpu/test_kvcache_kernels.py)."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    for cache, lengths in ((torch.zeros(2, 64, 2, 128, dtype=BF), 0),
+                           (torch.zeros(2, 0, 2, 128, dtype=BF), None)):
+        launched.clear()
+        kvcache.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths)
+        (p,) = launched
+        assert p.seqlen_k == 0 and p.num_splits == 1
+
+
+def test_return_softmax_lse_is_flash_attns_name(launched):
+    q = torch.zeros(1, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(1, 100, 2, 128, dtype=BF)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50, return_softmax_lse=True)
+    assert out.shape == q.shape and lse.shape == (1, 8, 1)
 
 
 def test_reference_paged_equals_contiguous():

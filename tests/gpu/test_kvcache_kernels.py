@@ -59,6 +59,19 @@ def test_contiguous(lib, dtype, d, case, splits):
         _check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("splits", [0, 1])
+def test_no_keys_at_all(lib, splits):
+    """cache_seqlens 0 as an int (and an empty cache): every row sees no key, out 0 and LSE -inf
+    (the split heuristic once divided by zero here)."""
+    q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    for cap, lengths in ((64, 0), (0, None)):
+        kc, vc = (torch.randn(2, cap, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, num_splits=splits,
+                                                   return_lse=True)
+        torch.cuda.synchronize()
+        assert (out == 0).all() and torch.isneginf(lse).all()
+
+
 @pytest.mark.parametrize("page", [16, 24, 64, 256])
 @pytest.mark.parametrize("d", [64, 128])
 def test_paged(lib, page, d):
