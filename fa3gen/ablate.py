@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, provenance, update_markdown, write_json
+from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, positive_ms, provenance,
+                          update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, tflops, time_ms
@@ -616,7 +617,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")
-    p.add_argument("--min-ms", type=float, default=100.0,
+    p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help=f"sustained timing: each of the {TIMED_BATCHES} batches per cell is at "
                         "least this many ms of back-to-back launches (default 100)")
     p.add_argument("--burst", action="store_true",

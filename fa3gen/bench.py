@@ -289,6 +289,17 @@ def _dtype_list(s: str) -> list[str]:
     return names
 
 
+def positive_ms(text: str) -> float:
+    """An argparse type: a finite number of milliseconds > 0 (--min-ms)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of milliseconds > 0, got {text!r}")
+    return value
+
+
 def int_list(example: str):
     """An argparse type: a comma-separated list of positive integers, `example` in its message."""
     def parse(s: str) -> list[int]:
@@ -340,7 +351,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=count(1), default=3,
                    help="sustained timing: rounds per point, backends alternating with the "
                         "order rotated; the median is reported (default 3)")
-    p.add_argument("--min-ms", type=float, default=100.0,
+    p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="sustained timing: back-to-back launches per round and backend, ms "
                         "(default 100)")
     p.add_argument("--burst", action="store_true",

@@ -74,9 +74,18 @@ def _spec_name(spec: str) -> str:
 
 def cmd_clean(args: argparse.Namespace) -> int:
     root = generated_root()
-    target = root / _spec_name(args.spec) if args.spec else root
-    if target.resolve().parent != root.resolve() and target != root:
-        raise GeneratorError(f"refusing to remove {target}: not inside {root}")
+    if args.spec is None:  # no --spec: every build
+        target = root
+    else:  # one spec's build: a valid spec name, strictly inside the root (never the root)
+        from generator.spec import _NAME_RE
+
+        name = _spec_name(args.spec)
+        if not _NAME_RE.match(name):
+            raise GeneratorError(f"--spec {args.spec!r} names no spec build ({name!r} is not a "
+                                 "spec name); `fa3gen clean` without --spec removes every build")
+        target = root / name
+        if target.resolve().parent != root.resolve():
+            raise GeneratorError(f"refusing to remove {target}: not inside {root}")
     if not target.exists():
         print(f"fa3gen: nothing to clean at {target}")
         return 0
@@ -94,11 +103,25 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
-    from fa3gen.tracing import spec_from_trace
+    from fa3gen.tracing import NO_DEFAULT_NOTE, spec_from_trace
+    from generator.spec import SpecError, parse_spec
+    from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
+
     name = args.name or Path(args.output).stem
     text = spec_from_trace(args.from_trace, name)  # a bad trace: TraceError, printed by main
+    # What it writes must build: a bad name, or traced variants no build holds (a trace of
+    # another fa3gen, an edited one), fail here and not at the build.
+    spec = parse_spec(text, f"the spec from {args.from_trace}", name)
+    enumeration = enumerate_variants(spec)
+    if enumeration.pruned:
+        raise SpecError(f"{args.from_trace}: traced variants no build holds: " + "; ".join(
+            f"{x.variant.name} ({x.constraint}: {x.reason})" for x in enumeration.pruned))
+    resolve_seqlen_dispatch(spec, enumeration.kept, resolve_dispatch(spec, enumeration.kept))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
+    for line in text.splitlines():
+        if line.startswith(f"# {NO_DEFAULT_NOTE}"):
+            print(f"fa3gen: warning: {line[2:]}", file=sys.stderr)
     print(f"fa3gen: wrote {args.output}; build it with: fa3gen build --spec {args.output}")
     return 0
 
@@ -220,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `fa3gen list | head`: the reader left; not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # an output path that is a folder, a missing parent, a full disk
+        _error(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
+        return 2
     except Exception as e:
         # Errors of the runtime side (fa3gen.errors) are user-facing too: no traceback.
         if type(e).__module__ == "fa3gen.errors":

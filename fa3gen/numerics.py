@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from fa3gen.bench import DOCS_DIR, RESULTS_DIR, update_markdown
+from fa3gen.errors import InvalidInputError
 
 BEGIN, END = "<!-- numerics:begin -->", "<!-- numerics:end -->"
 # The paper's RMSE (FlashAttention-3, section 4.3), by our row names.
@@ -265,6 +266,9 @@ def run(args) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("--device cuda: no CUDA GPU here (--device cpu or auto runs the "
+                                "PyTorch rows only)")
     report = study(args.shape or DEFAULT_SHAPES, args.seed, device)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

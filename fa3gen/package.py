@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import keyword
 import re
 import sysconfig
 import zipfile
@@ -78,13 +79,20 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     if not library.is_file() or not manifest.is_file():
         raise Fa3genError(f"no built library of spec {spec_name!r} at {library} (with its "
                           f"{contract.MANIFEST_NAME}); build it first: fa3gen build --spec {spec_name}")
-    info = json.loads(manifest.read_text())
+    try:
+        info = json.loads(manifest.read_text())
+    except (ValueError, OSError) as e:  # JSON errors and non-UTF-8 bytes are ValueErrors
+        raise Fa3genError(f"{manifest}: unreadable ({e}); rebuild: fa3gen build --spec {spec_name}") from e
+    if not isinstance(info, dict):
+        raise Fa3genError(f"{manifest}: not a manifest; rebuild: fa3gen build --spec {spec_name}")
     if info.get("abi_version") != contract.ABI_VERSION:
         raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')}, this fa3gen "
                           f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
     package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
-    if not package_name.isidentifier():
+    if not package_name.isidentifier() or keyword.iskeyword(package_name):
         raise Fa3genError(f"--name {package_name!r} is not a Python package name")
+    if package_name == "fa3gen":  # installing it would replace the tool
+        raise Fa3genError("--name fa3gen is the tool's own package: choose another name")
     # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
     version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")

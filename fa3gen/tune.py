@@ -29,13 +29,21 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from fa3gen.bench import RESULTS_DIR, count, int_list, provenance
+from fa3gen.bench import RESULTS_DIR, count, int_list, positive_ms, provenance
 from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str
 from fa3gen.errors import Fa3genError
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 TOKENS, HIDDEN = 16384, 2048
 LOCAL_WINDOW, SOFTCAP = (1024, 0), 30.0
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e}): {text!r}")
+    return text
+
+
 _DISPATCH_BLOCK = re.compile(r"^dispatch:.*?(?=^[A-Za-z_]|\Z)", re.M | re.S)
 
 
@@ -236,11 +244,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seqlens", type=int_list("1024,4096"), default=list(DEFAULT_SEQLENS),
                    metavar="N,N,...", help="sequence lengths of the timed shapes (default "
                    "1024,4096,16384; batch = 16384 // seqlen, heads = 2048 // head_dim)")
-    p.add_argument("--keys", default=None, metavar="REGEX",
+    p.add_argument("--keys", default=None, metavar="REGEX", type=_regex,
                    help="tune only keys whose spelling, e.g. '(fwd, bf16, d128, causal)', "
                         "matches (re.search); the others keep their default")
     p.add_argument("--rounds", type=count(1), default=3, help="sustained rounds (default 3)")
-    p.add_argument("--min-ms", type=float, default=100.0,
+    p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="back-to-back launches per round and candidate, ms (default 100)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "tune_<spec>.json",
                    help="measurement JSON (default docs/results/tune_<spec>.json)")

@@ -21,7 +21,7 @@ import jinja2
 
 from fa3gen.contract import Variant, library_name
 
-from .errors import ToolchainError
+from .errors import GeneratorError, ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
 from .render import (PLAIN_UNIT_HEADERS, environment, needs_extended_mma_shapes, plain_units,
@@ -47,6 +47,14 @@ def find_ninja() -> str:
 def _path(p) -> str:
     """Escape a path for a ninja build line."""
     return re.sub(r"([$ :])", r"$\1", str(p))
+
+
+def _split_launcher(launcher: str) -> list[str]:
+    try:
+        return shlex.split(launcher)
+    except ValueError as e:  # an unclosed quote
+        raise GeneratorError(f"compiler launcher {launcher!r} (--launcher or "
+                             f"$FA3GEN_COMPILER_LAUNCHER): {e}") from e
 
 
 def _cmd(args) -> str:
@@ -89,7 +97,7 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
     return env.get_template("build.ninja.j2").render(
         spec_name=spec_name, variants=variants, compiled=compiled,
         repo_root=_cmd([REPO_ROOT]), python=_cmd([_interpreter()]), nvcc=_cmd([tc.nvcc]),
-        launcher=_cmd(shlex.split(launcher)) if launcher else "",
+        launcher=_cmd(_split_launcher(launcher)) if launcher else "",
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),

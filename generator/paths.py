@@ -23,7 +23,7 @@ SPECS_DIR = _data_dir("specs", "_specs")
 def resolve_spec_path(spec: str) -> Path:
     """Accept a path to a YAML file or a bare spec name from specs/ (e.g. `h100`)."""
     p = Path(spec)
-    if p.exists() or p.suffix in (".yaml", ".yml") or os.sep in spec:
+    if p.is_file() or p.suffix in (".yaml", ".yml") or os.sep in spec:  # not a folder named h100
         return p
     for suffix in (".yaml", ".yml"):
         cand = SPECS_DIR / (spec + suffix)

@@ -41,6 +41,11 @@ def fmt_value(value: Any) -> str:
         return repr(value)
 
 
+def _short(text: str, limit: int = 200) -> str:
+    """A value's rendering cut for an error message (YAML aliases can expand without bound)."""
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class Match:
     """A set of axis -> allowed values; a variant matches when every listed axis matches.
@@ -141,6 +146,8 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"spec file not found: {path} (specs in {SPECS_DIR}: {known or 'none'})")
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"cannot read spec {path}: not UTF-8 text ({e.reason} at byte {e.start})")
     return parse_spec(text, str(path), default_name=path.stem)
 
 
@@ -164,7 +171,7 @@ class _Validator:
         self.warnings: list[str] = []
 
     def fail(self, path: str, message: str, value: Any = ...) -> SpecError:
-        got = "" if value is ... else f", got {fmt_value(value)}"
+        got = "" if value is ... else f", got {_short(fmt_value(value))}"
         return SpecError(f"{self.source}: {path + ': ' if path else ''}{message}{got}")
 
     def mapping(self, data: Any, path: str, allowed: tuple[str, ...], hint: str = "") -> dict:

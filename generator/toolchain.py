@@ -29,7 +29,8 @@ def find_nvcc() -> Path:
     if env:
         p = Path(env)
         if not p.is_file():
-            raise ToolchainError(f"NVCC={env} does not exist")
+            raise ToolchainError(f"NVCC={env} " + ("is a folder, not the nvcc program" if p.is_dir()
+                                                   else "does not exist"))
         return p
     found = shutil.which("nvcc")
     if found:

@@ -164,3 +164,96 @@ def test_build_py_check_error_is_one_message_no_traceback(monkeypatch, capsys):
     # No --check, or a dry run: the check does not run.
     assert build_py.main(["--spec", "tiny"]) == 0
     assert build_py.main(["--spec", "tiny", "--check", "--dry-run"]) == 0
+
+
+def test_clean_never_takes_a_spec_that_names_no_build_for_the_root(tmp_path, monkeypatch, capsys):
+    """--spec "" (an unset $SPEC), ".", "/", a spec whose name is "." once removed every build."""
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
+    (tmp_path / "gen" / "h100").mkdir(parents=True)
+    dotted = tmp_path / "dotted.yaml"
+    dotted.write_text('name: "."\n')
+    for spec in ("", ".", "/", "h100/../..", str(dotted)):
+        rc, out, err = run(["clean", "--spec", spec], capsys)
+        assert rc == 2 and "names no spec build" in err and out == "", spec
+    assert (tmp_path / "gen" / "h100").is_dir()
+
+
+def test_a_folder_named_like_a_spec_does_not_hide_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    rc, out, _ = run(["list", "--spec", "tiny"], capsys)
+    assert rc == 0 and out
+
+
+def test_unreadable_inputs_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    binary = tmp_path / "s.yaml"
+    binary.write_bytes(b"\xff\xfe name: x\n")
+    rc, _, err = run(["list", "--spec", str(binary)], capsys)
+    assert rc == 2 and "not UTF-8" in err and "Traceback" not in err
+    rc, _, err = run(["spec", "--from-trace", str(binary), "-o", str(tmp_path / "o.yaml")], capsys)
+    assert rc == 2 and "not UTF-8" in err
+    rc, _, err = run(["build", "--spec", "tiny", "--dry-run", "--launcher", 'ccache "'], capsys)
+    assert rc == 2 and "compiler launcher" in err and "No closing quotation" in err
+    (tmp_path / "out").mkdir()
+    trace = tmp_path / "t.yaml"
+    import fa3gen
+    from fa3gen import tracing
+    with fa3gen.trace(trace):
+        tracing.record("fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", True, batch=1, seqlen_q=8,
+                       seqlen_k=8, heads_q=1, heads_kv=1)
+    rc, _, err = run(["spec", "--from-trace", str(trace), "-o", str(tmp_path / "out")], capsys)
+    assert rc == 2 and "out" in err and "Traceback" not in err  # a folder, not a file
+
+
+def test_a_spec_written_from_a_trace_is_one_that_builds(tmp_path, capsys):
+    """Checked before it is written: a bad name, or a traced variant no build holds."""
+    import yaml
+
+    trace = tmp_path / "t.yaml"
+    calls = [{"variant": "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "default": True,
+              "calls": 1}]
+    trace.write_text(yaml.safe_dump({"format": "fa3gen-trace-1", "calls": calls}))
+    from fa3gen import tracing
+    trace.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": calls}))
+    out = tmp_path / "o.yaml"
+    rc, _, err = run(["spec", "--from-trace", str(trace), "-o", str(out), "--name", "../evil"], capsys)
+    assert rc == 2 and "name" in err and not out.exists()
+    calls[0]["variant"] = "fwd_bf16_d128_nocausal_m128n176_s9_ws1_pp1_ov1"  # 9 stages
+    trace.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": calls}))
+    rc, _, err = run(["spec", "--from-trace", str(trace), "-o", str(out)], capsys)
+    assert rc == 2 and not out.exists() and "Traceback" not in err
+    calls[0].update(variant="fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", seqlen_k=[5])
+    trace.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": calls}))
+    rc, _, err = run(["spec", "--from-trace", str(trace), "-o", str(out)], capsys)
+    assert rc == 2 and "seqlen_k must be [shortest, longest]" in err
+
+
+def test_spec_errors_do_not_grow_without_bound():
+    """A value's rendering is cut (YAML aliases can expand a 1 KB spec into hundreds of MB)."""
+    from generator.spec import _Validator
+
+    message = str(_Validator("s.yaml").fail("axes.head_dim", "expected an int", [["x" * 10] * 50] * 50))
+    assert len(message) < 400 and message.endswith("characters)")
+
+
+def test_bad_option_values_are_argument_errors(capsys):
+    import pytest
+
+    for argv, message in ((["tune", "--spec", "h100", "--keys", "("], "not a regular expression"),
+                          (["bench", "--min-ms", "inf"], "finite number of milliseconds"),
+                          (["tune", "--min-ms", "-1"], "finite number of milliseconds"),
+                          (["ablate", "--min-ms", "nan"], "finite number of milliseconds")):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_numerics_on_cuda_without_a_gpu_says_so(tmp_path, capsys):
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    rc, _, err = run(["numerics", "--device", "cuda", "--out", str(tmp_path / "n.json"),
+                      "--doc", str(tmp_path / "N.md")], capsys)
+    assert rc == 2 and "no CUDA GPU here" in err

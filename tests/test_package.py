@@ -86,3 +86,18 @@ def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
     assert cli.main(["package", "--spec", "tiny"]) == 2
     err = capsys.readouterr().err
     assert "no built library of spec 'tiny'" in err and "fa3gen build --spec tiny" in err
+
+
+@pytest.mark.parametrize("name, message", [("class", "not a Python package name"),
+                                           ("fa3gen", "the tool's own package")])
+def test_package_names_that_would_not_import_or_would_replace_the_tool(built, capsys, name, message):
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 2
+    assert message in capsys.readouterr().err and not (built / "dist").exists()
+
+
+@pytest.mark.parametrize("manifest", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_package_with_a_damaged_manifest_says_rebuild(built, capsys, manifest):
+    contract.manifest_path("fake").write_bytes(manifest)
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
+    err = capsys.readouterr().err
+    assert "rebuild: fa3gen build --spec fake" in err and "Traceback" not in err
