@@ -1,11 +1,11 @@
 """Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and semantics
 (flash-attn passes rotary_cos and rotary_sin before cache_seqlens; here they are keyword-only,
 after the positional q, k_cache, v_cache, k, v, cache_seqlens, ...). A few new query rows per
-kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cache of q's dtype or e4m3 (with dequantization factors), new keys and
-values appended first when given, the key range split across CTAs (split-KV) and merged;
-more rows per kv head (chunked prefill) go to the forward kernels; forward only. Rotary
-embedding of q and the new keys (rotary_cos, rotary_sin) runs as PyTorch operations before
-the append. Not there yet: cache_leftpad.
+kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cache of q's dtype
+or e4m3 (with dequantization factors), new keys and values appended first when given, the key
+range split across CTAs (split-KV) and merged; more rows per kv head (chunked prefill) go to
+the forward kernels; forward only. Rotary embedding of q and the new keys (rotary_cos,
+rotary_sin) runs as PyTorch operations before the append. Not there yet: cache_leftpad.
 """
 from __future__ import annotations
 
@@ -90,10 +90,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     p = cache_seqlen - seqlen_q + i; causal: it sees keys j <= p; window_size (left, right):
     p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
     softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:
-    0 chooses. Returns out (like q), and lse
-    (batch, heads_q, seqlen_q) fp32 when return_lse (or flash-attn's return_softmax_lse). k, v (batch, seqlen_new, heads_kv, d):
-    new keys and values written into the cache (in place) at positions cache_seqlens ..
-    cache_seqlens + seqlen_new - 1 of each sequence before attending, which then covers
+    0 chooses. Returns out (like q), and lse (batch, heads_q, seqlen_q) fp32 when return_lse (or
+    flash-attn's return_softmax_lse). k, v (batch, seqlen_new, heads_kv, d): new keys and values
+    written into the cache (in place) at positions cache_seqlens .. cache_seqlens + seqlen_new -
+    1 of each sequence before attending, which then covers
     cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
     them is an error when cache_seqlens is an int; with a tensor that check needs the data on
     the host: FA3GEN_DEBUG_CHECKS=1 makes it (with the range checks of block_table and
