@@ -11,6 +11,7 @@ from fa3gen.errors import (
     Fa3genError,
     InvalidInputError,
     LibraryNotBuiltError,
+    TraceError,
     VariantNotBuiltError,
 )
 
@@ -27,6 +28,7 @@ __all__ = [
     "LibraryNotBuiltError",
     "VariantNotBuiltError",
     "AbiMismatchError",
+    "TraceError",
     "__version__",
 ]
 

@@ -237,7 +237,7 @@ def _grid_mode() -> int:
     """FA3GEN_GRID: the forward's CTA count. auto (default): persistent (one CTA per SM), except
     one CTA per query tile for causal attention over more than 8192 keys (the policy lives in
     launch_fwd); persistent | tiles force one policy, for measurements."""
-    mode = os.environ.get("FA3GEN_GRID", "auto")
+    mode = os.environ.get("FA3GEN_GRID") or "auto"  # set but empty: unset, as the other variables
     if mode not in GRID_MODES:
         raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
     return GRID_MODES[mode]
@@ -422,6 +422,8 @@ def _fwd_fake(q, k, v, causal, softmax_scale, variant, deterministic=False, wind
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """t itself when its layout suits TMA, else a contiguous copy. For incoming gradients,
     which autograd may hand over expanded (stride 0) or otherwise strided."""
+    if t.numel() == 0:  # contiguous() keeps an empty tensor's (e.g. expanded, stride 0) strides
+        return t.new_empty(t.shape)
     try:
         check_layout(t=t)
         return t
@@ -719,7 +721,30 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse)
-        return dq, dk, dv, None, None
+        return (*no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None)
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients as they are, but an error (not zeros) if anything differentiates them."""
+
+    @staticmethod
+    def forward(ctx, anchor, *grads):
+        return tuple(g.view_as(g) if g is not None else None for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise Fa3genError("fa3gen's attention has no second derivative: its backward is not "
+                          "differentiable (create_graph=True through flash_attn_func)")
+
+
+def no_second_derivative(*inputs: torch.Tensor, grads: tuple) -> tuple:
+    """The backward's gradients; under create_graph (grad mode on in backward), tied to an input
+    that requires grad so that differentiating them raises instead of giving silent zeros (the
+    custom ops say "no autograd formula" then; eager must not be silently different)."""
+    anchor = next((t for t in inputs if t.requires_grad), None)
+    if not torch.is_grad_enabled() or anchor is None:
+        return grads
+    return _NoSecondDerivative.apply(anchor, *grads)
 
 
 def _trace_call(name: str, default: bool, dims: Dims) -> None:
@@ -727,11 +752,16 @@ def _trace_call(name: str, default: bool, dims: Dims) -> None:
                   seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
 
 
+_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
+                             lambda t: False)
+
+
 def _captured(*tensors: torch.Tensor) -> bool:
-    """True where the custom ops must serve the call: under torch.compile / export tracing, or
-    for tensor subclasses (fake, functional, distributed) that hold no plain device memory."""
+    """True where the custom ops must serve the call: under torch.compile / export tracing, for
+    tensor subclasses (fake, functional, distributed) that hold no plain device memory, and for
+    torch.func's wrappers (vmap, grad), which look like plain tensors but have no storage."""
     return torch.compiler.is_compiling() or any(
-        type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+        type(t) not in (torch.Tensor, torch.nn.Parameter) or _functorch_wrapped(t) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -232,11 +232,15 @@ class Library:
 
     def __init__(self, path: str | os.PathLike, spec_name: str | None = None):
         self.path = Path(path)
+        if self.path.is_dir():
+            raise Fa3genError(f"{self.path} is a folder, not an fa3gen library (libfa3gen_<spec>.so)")
         if not self.path.is_file():
             raise LibraryNotBuiltError(self.path, spec_name)
         try:
             # RTLD_LOCAL: several spec libraries (h100, ablation) export the same symbol names.
-            self._dll = ctypes.CDLL(str(self.path), mode=ctypes.RTLD_LOCAL)
+            # An absolute path: a bare file name would make dlopen search the library paths, not
+            # the working directory, and maybe load another library of that name.
+            self._dll = ctypes.CDLL(str(self.path.absolute()), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
             raise Fa3genError(f"cannot load fa3gen library {self.path}: {e}") from e
         dll = self._dll
@@ -249,14 +253,18 @@ class Library:
         if found != ABI_VERSION:
             raise AbiMismatchError(self.path, found, ABI_VERSION, spec_name)
 
-        dll.fa3gen_num_variants.restype = ctypes.c_int32
-        dll.fa3gen_num_variants.argtypes = []
-        dll.fa3gen_variant.restype = ctypes.POINTER(VariantInfoC)
-        dll.fa3gen_variant.argtypes = [ctypes.c_int32]
-        dll.fa3gen_build_info.restype = ctypes.c_char_p
-        dll.fa3gen_build_info.argtypes = []
-        dll.fa3gen_last_error.restype = ctypes.c_char_p
-        dll.fa3gen_last_error.argtypes = []
+        try:
+            dll.fa3gen_num_variants.restype = ctypes.c_int32
+            dll.fa3gen_num_variants.argtypes = []
+            dll.fa3gen_variant.restype = ctypes.POINTER(VariantInfoC)
+            dll.fa3gen_variant.argtypes = [ctypes.c_int32]
+            dll.fa3gen_build_info.restype = ctypes.c_char_p
+            dll.fa3gen_build_info.argtypes = []
+            dll.fa3gen_last_error.restype = ctypes.c_char_p
+            dll.fa3gen_last_error.argtypes = []
+        except AttributeError as e:  # its ABI number without the functions of that ABI
+            raise Fa3genError(f"{self.path} is not a complete fa3gen library ({e}); rebuild it: "
+                              "fa3gen build --spec <its spec>") from e
         # The fp8 quantizer: only in libraries of specs with e4m3 variants.
         self._quantize = getattr(dll, contract.QUANTIZE_SYMBOL, None)
         if self._quantize is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,7 +45,12 @@ class Entry:
 
 class Trace:
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # where it was asked for, whatever the cwd at exit
+        if self.path.is_dir():
+            raise TraceError(f"trace path {path} is a folder: name a file")
+        parent = next(p for p in self.path.parents if p.exists())  # the rest is created at write
+        if not parent.is_dir() or not os.access(parent, os.W_OK):
+            raise TraceError(f"trace path {path}: cannot write under {parent}")
         self.entries: dict[tuple[str, bool], Entry] = {}
         self.decode: set[tuple[str, int]] = set()  # (dtype, head_dim) of flash_attn_with_kvcache calls
         self._lock = threading.Lock()
@@ -69,7 +75,7 @@ class Trace:
         import yaml  # kept out of import time: ops imports this module
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")  # processes apart
         tmp.write_text("# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
                        "# turn it into a spec with: fa3gen spec --from-trace " + self.path.name + "\n"
                        + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
@@ -107,9 +113,20 @@ def trace(path: str | os.PathLike) -> Iterator[Trace]:
 def _trace_whole_program() -> None:
     path = os.environ.get(TRACE_ENV)
     if path:
-        t = Trace(path)
+        try:
+            t = Trace(path)
+        except TraceError as e:  # at import: say so once and run untraced
+            print(f"fa3gen: warning: {TRACE_ENV} ignored: {e}", file=sys.stderr)
+            return
         _active.append(t)
-        atexit.register(t.write)
+        atexit.register(_write_if_recorded, t)
+
+
+def _write_if_recorded(t: Trace) -> None:
+    """At exit: a process that made no call (e.g. `fa3gen spec` reading this very trace) leaves
+    the file as it is."""
+    if t.entries or t.decode:
+        t.write()
 
 
 _trace_whole_program()

@@ -7,7 +7,7 @@ checks once per call signature (_Plan), an eager autograd.Function, and the cust
 fa3gen::varlen_fwd / fa3gen::varlen_bwd for graph capture.
 
 Checks that need the data of cu_seqlens on the host (a device sync) run only under
-FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at the total rows;
+FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at most at the total rows;
 max_seqlen is at least the longest sequence.
 """
 
@@ -81,8 +81,9 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _check_max_seqlen(**sizes) -> None:
     for name, m in sizes.items():
         # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
-        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0:
-            raise InvalidInputError(f"{name} must be an int > 0 (the longest sequence), got {m!r}")
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0 or m >= 2**31:
+            raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
+                                    f"got {m!r}")
 
 
 def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
@@ -98,7 +99,7 @@ def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
             i = lengths.index(min(lengths))
             raise InvalidInputError(f"{name} must not decrease: entry {i + 1} is {c[i + 1]} after "
                                     f"{c[i]}")
-        if c[-1] != total:
+        if c[-1] > total:  # fewer is legal: rows past the last sequence are padding (FA3's too)
             raise InvalidInputError(f"{name}[-1] is {c[-1]} but {side} has {total} rows")
         if max(lengths) > max_seqlen:
             raise InvalidInputError(f"max_seqlen_{side} is {max_seqlen} but sequence "
@@ -347,7 +348,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse, cu_q,
                                      cu_k)
-        return dq, dk, dv, None, None, None, None
+        return (*ops.no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None, None, None)
 
 
 _bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)

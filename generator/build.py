@@ -176,6 +176,10 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         for obj in objects_without_deps(out):
             log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
             (out / obj).unlink(missing_ok=True)
+        if not allow_spills and os.environ.get("FA3GEN_ALLOW_SPILLS", "") in ("", "0"):
+            for obj in objects_built_with_spills(out):
+                log(f"fa3gen: {obj} was built with spills allowed; compiling it again")
+                (out / obj).unlink(missing_ok=True)
         proc = run_ninja(out, jobs, allow_spills=allow_spills)
         if proc.returncode != 0:
             raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
@@ -183,6 +187,22 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         manifest = write_manifest(p, tc, fp, lib, only, exclude)
     log(f"fa3gen: built {lib}")
     return BuildResult(p, lib, manifest)
+
+
+def objects_built_with_spills(out: Path) -> list[str]:
+    """Objects (relative to out) whose compile passed only because spills were allowed (their
+    obj/<name>.resources.json lists problems): ninja does not see the allowance, which travels
+    in the environment, so a strict build would link them unchanged."""
+    objects = []
+    for resources in sorted((out / "obj").glob("*.resources.json")):
+        try:
+            problems = json.loads(resources.read_text()).get("problems")
+        except (OSError, ValueError, AttributeError):
+            continue
+        obj = resources.with_name(resources.name.removesuffix(".resources.json") + ".o")
+        if problems and obj.exists():
+            objects.append(str(obj.relative_to(out)))
+    return objects
 
 
 def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,

@@ -152,6 +152,9 @@ def test_captured_calls_take_the_custom_op(monkeypatch):
 
     with FakeTensorMode() as mode:
         assert ops._captured(mode.from_tensor(fake), q, q)
+    seen = []  # torch.func's wrappers look like plain tensors but have no storage
+    torch.func.vmap(lambda x: seen.append(ops._captured(x)) or x)(torch.zeros(2, 3))
+    assert seen == [True]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert ops._captured(q, q, q)
 
@@ -235,6 +238,26 @@ def test_eager_backward_plans_once_and_copies_strided_grads(eager):
     bwd = launched[3][1]
     assert (bwd.do_batch_stride, bwd.do_row_stride, bwd.do_head_stride) == (2048, 256, 128)
     assert bwd.dout not in (0, bwd.o) and bwd.dq_accum != 0
+
+
+def test_second_derivatives_are_an_error_not_zeros(eager):
+    """create_graph=True: the gradients come back, but differentiating them raises (the custom
+    ops say "no autograd formula"; eager used to give a silent zero attention term)."""
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    (g,) = torch.autograd.grad(ops.flash_attn_func(q, q, q).float().sum(), q, create_graph=True)
+    assert g.shape == q.shape and g.requires_grad
+    with pytest.raises(Fa3genError, match="no second derivative"):
+        g.float().sum().backward()
+    (g,) = torch.autograd.grad(ops.flash_attn_func(q, q, q).float().sum(), q)  # the usual call
+    assert not g.requires_grad
+
+
+def test_an_empty_query_side_gives_empty_gradients(eager):
+    """seqlen_q 0: autograd's dout is expanded and empty; contiguous() kept its zero strides."""
+    q = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    ops.flash_attn_func(q, k, k).float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape
 
 
 def test_no_grad_calls_skip_autograd(eager, monkeypatch):

@@ -156,6 +156,13 @@ def test_spilling_variant_fails_unless_allowed(fake, monkeypatch, capfd):
     row = next(r for r in m["variants"] if r["name"] == B_)
     assert row["resources"]["spill_stores"] == 8
 
+    # The allowance travels in the environment, which ninja does not track: the next strict
+    # build compiles the spilling object again (and fails), never links it as it is.
+    assert B.objects_built_with_spills(out) == [f"obj/{B_}.o"]
+    with pytest.raises(BuildError, match="failed"):
+        B.build(spec, toolchain=tc, log=quiet)
+    assert not (out / "obj" / f"{B_}.o").exists()
+
 
 def test_compiler_launcher(fake, monkeypatch):
     spec, tc, calls = fake

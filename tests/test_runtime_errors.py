@@ -731,3 +731,35 @@ def test_get_library_caches_per_request(clean_runtime, monkeypatch):
     assert runtime.get_library().path == b and made == [a, b]
     assert runtime.get_library(str(a)) is first  # same file, other request: no second load
     assert made == [a, b]
+
+
+def test_library_paths_that_are_not_plain_libraries(tmp_path, clean_runtime, monkeypatch):
+    """A bare file name loads the file in the working directory (dlopen would search the
+    library paths, maybe finding another library of that name); a folder and a library of the
+    right ABI number without its functions are one clear error each."""
+    import shutil
+
+    so = build_fake_lib(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert runtime.Library(so.name).spec_name == "fake"
+    monkeypatch.setenv("FA3GEN_LIB", so.name)
+    assert runtime.get_library().path.name == so.name
+    with pytest.raises(fa3gen.Fa3genError, match="is a folder"):
+        runtime.Library(tmp_path)
+    cc = shutil.which("cc") or shutil.which("gcc")
+    src = tmp_path / "half.c"
+    src.write_text(f"int fa3gen_abi_version(void) {{ return {runtime.ABI_VERSION}; }}\n")
+    subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(tmp_path / "libhalf.so")], check=True)
+    with pytest.raises(fa3gen.Fa3genError, match="not a complete fa3gen library"):
+        runtime.Library(tmp_path / "libhalf.so")
+
+
+def test_an_empty_grid_variable_is_unset(monkeypatch):
+    from fa3gen import ops
+    from fa3gen.contract import GRID_MODES
+
+    monkeypatch.setenv("FA3GEN_GRID", "")
+    assert ops._grid_mode() == GRID_MODES["auto"]
+    monkeypatch.setenv("FA3GEN_GRID", "Persistent")
+    with pytest.raises(fa3gen.InvalidInputError, match="expected auto, persistent or tiles"):
+        ops._grid_mode()

@@ -110,6 +110,30 @@ def test_whole_program_trace_from_the_environment(tmp_path):
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
     calls = yaml.safe_load(path.read_text())["calls"]
     assert calls[0]["variant"] == D128 and calls[0]["seqlen_k"] == [3, 3]
+    # A process that makes no call (here: fa3gen spec reading this trace, under the same
+    # variable) leaves the file as it was; a relative path is the one at import.
+    recorded = path.read_text()
+    subprocess.run([sys.executable, "-m", "fa3gen.cli", "spec", "--from-trace", str(path), "-o",
+                    str(tmp_path / "s.yaml")], env=env, check=True, cwd=REPO_ROOT)
+    assert path.read_text() == recorded
+    moved = ("import os; from fa3gen import tracing\n"
+             f"os.chdir({str(tmp_path / 'elsewhere')!r})\n" + code.split("\n", 1)[1])
+    (tmp_path / "elsewhere").mkdir()
+    subprocess.run([sys.executable, "-c", moved], env={**env, "FA3GEN_TRACE": "rel.yaml"},
+                   check=True, cwd=tmp_path)
+    assert (tmp_path / "rel.yaml").is_file() and not (tmp_path / "elsewhere" / "rel.yaml").exists()
+
+
+def test_a_trace_path_that_cannot_be_written_is_said_at_the_start(tmp_path):
+    import pytest
+
+    with pytest.raises(fa3gen.TraceError, match="is a folder"):
+        with fa3gen.trace(tmp_path):
+            raise AssertionError("the block must not run")
+    p = subprocess.run([sys.executable, "-c", "import fa3gen.tracing"], cwd=REPO_ROOT,
+                       env={**os.environ, "FA3GEN_TRACE": str(tmp_path)}, capture_output=True,
+                       text=True)
+    assert p.returncode == 0 and "FA3GEN_TRACE ignored" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_decode_calls_put_their_kernels_in_the_spec(tmp_path, monkeypatch):

@@ -75,12 +75,13 @@ def test_seqused_k_checks():
                                   "each, got 4 and 3"),
     (dict(cu_seqlens_q=[0, 3, 10]), "cu_seqlens_q must be a torch.Tensor, got list"),
     (dict(cu_seqlens_k=CU_K.to("meta")), "cu_seqlens_k is on meta, q on cpu"),
-    (dict(max_seqlen_q=0), r"max_seqlen_q must be an int > 0 \(the longest sequence\), got 0"),
+    (dict(max_seqlen_q=0), r"max_seqlen_q must be an int in \[1, 2\*\*31\) \(the longest sequence\), got 0"),
+    (dict(max_seqlen_q=2**32 + 7), "max_seqlen_q must be an int in"),  # would wrap to 7 in int32
     (dict(cu_seqlens_q=torch.zeros(16386, dtype=torch.int32),
           cu_seqlens_k=torch.zeros(16386, dtype=torch.int32)),
      "varlen: at most 16384 sequences and 32767 query heads per call, got 16385 and 4"),
-    (dict(max_seqlen_k=True), "max_seqlen_k must be an int > 0"),
-    (dict(max_seqlen_k=5.0), "max_seqlen_k must be an int > 0"),
+    (dict(max_seqlen_k=True), "max_seqlen_k must be an int in"),
+    (dict(max_seqlen_k=5.0), "max_seqlen_k must be an int in"),
     (dict(q=torch.zeros(1, 10, 4, 128, dtype=torch.bfloat16)),
      r"q must have 3 dims \(total_tokens, heads, head_dim\)"),
     (dict(v=torch.zeros(11, 2, 128, dtype=torch.bfloat16)), "k and v must have the same shape"),
@@ -102,7 +103,6 @@ def test_bad_input_one_clear_error(fake, change, message):
 @pytest.mark.parametrize("cu_q, cu_k, max_q, message", [
     ([1, 3, 3, 10], CU_K.tolist(), 7, r"cu_seqlens_q\[0\] must be 0, got 1"),
     ([0, 3, 2, 10], CU_K.tolist(), 8, "cu_seqlens_q must not decrease: entry 2 is 2 after 3"),
-    ([0, 3, 3, 9], CU_K.tolist(), 7, r"cu_seqlens_q\[-1\] is 9 but q has 10 rows"),
     (CU_Q.tolist(), [0, 5, 7, 13], 7, r"cu_seqlens_k\[-1\] is 13 but k has 12 rows"),
     (CU_Q.tolist(), CU_K.tolist(), 6, "max_seqlen_q is 6 but sequence 2 has 7 rows"),
 ])
@@ -113,6 +113,15 @@ def test_debug_checks_read_cu_seqlens(fake, monkeypatch, cu_q, cu_k, max_q, mess
     monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
     with pytest.raises(InvalidInputError, match=message):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)
+
+
+def test_debug_checks_take_padding_after_the_last_sequence(fake, monkeypatch):
+    """cu_seqlens_q[-1] below q's rows: the rest is padding, never written (as FA3)."""
+    q, k, v = qkv()
+    monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
+    flash_attn_varlen_func(q, k, v, torch.tensor([0, 3, 3, 9], dtype=torch.int32), CU_K, 7, 5,
+                           causal=True)
+    assert len(fake) == 1
 
 
 def test_params_reach_the_abi(fake):
