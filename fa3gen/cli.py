@@ -9,7 +9,9 @@ import argparse
 import importlib
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from fa3gen.contract import generated_root
@@ -219,6 +221,10 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     return ap
 
 
+def _terminate(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def _error(message: str) -> None:
     print(f"fa3gen: error: {message}", file=sys.stderr)
 
@@ -229,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
     # Built-in commands skip importing the extra modules (they may import torch).
     parser = build_parser(extra=first not in BUILTIN_COMMANDS)
     args = parser.parse_args(argv)
+    on_main = threading.current_thread() is threading.main_thread()
+    # SIGTERM as Ctrl-C while a command runs: a killed build stops ninja and its compiles
+    # before it lets go of the build lock (generator/ninja.py: run_ninja), not orphaning them.
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
+    try:
+        return _run(args)
+    finally:
+        if on_main and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except BuildError as e:

@@ -5,6 +5,7 @@ import fnmatch
 import json
 import os
 import re
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -13,12 +14,13 @@ from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, libra
                              spec_out_dir)
 
 from . import __version__
+from .compile_one import MARKER_SUFFIX
 from .errors import BuildError, FilterError
 from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run_ninja,
                     write_build_ninja)
 from .paths import resolve_spec_path
 from .lock import build_lock
-from .render import RenderPlan, environment, holds, plain_units, plan_sources
+from .render import RenderPlan, environment, plain_units, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
 from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
@@ -166,7 +168,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}")
 
     if dry_run:
-        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, jobs, log))
+        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, jobs, log,
+                                                    _strict(allow_spills)))
 
     with build_lock(out, f"spec {p.spec.name}", log):
         rendered = sources.apply()
@@ -176,7 +179,9 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         for obj in objects_without_deps(out):
             log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
             (out / obj).unlink(missing_ok=True)
-        if not allow_spills and os.environ.get("FA3GEN_ALLOW_SPILLS", "") in ("", "0"):
+        for marker in (out / "obj").glob(f"*{MARKER_SUFFIX}"):  # a killed build's, under the lock
+            marker.unlink(missing_ok=True)
+        if _strict(allow_spills):
             for obj in objects_built_with_spills(out):
                 log(f"fa3gen: {obj} was built with spills allowed; compiling it again")
                 (out / obj).unlink(missing_ok=True)
@@ -187,6 +192,11 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         manifest = write_manifest(p, tc, fp, lib, only, exclude)
     log(f"fa3gen: built {lib}")
     return BuildResult(p, lib, manifest)
+
+
+def _strict(allow_spills: bool) -> bool:
+    """Whether spills fail this build (--allow-spills and FA3GEN_ALLOW_SPILLS allow them)."""
+    return not allow_spills and os.environ.get("FA3GEN_ALLOW_SPILLS", "") in ("", "0")
 
 
 def objects_built_with_spills(out: Path) -> list[str]:
@@ -206,7 +216,7 @@ def objects_built_with_spills(out: Path) -> list[str]:
 
 
 def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
-             log: Callable[[str], None]) -> list[str]:
+             log: Callable[[str], None], strict: bool = True) -> list[str]:
     """What a build would do, from the files on disk, without writing any."""
     out = p.out_dir
     dispatch_edge, link_edge = "NVCC obj/dispatch.o", f"LINK {library_name(p.spec.name)}"
@@ -223,8 +233,16 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
         log(f"fa3gen: {why}: every variant compiles")
     else:
         edges = []
-        if holds(out / "build.ninja", ninja_text):  # ninja -n answers for header edits
-            proc = run_ninja(out, jobs, dry_run=True, capture=True)
+        if (out / "build.ninja").exists():  # ninja -n on the build file the build would write:
+            # header edits, and command changes (flags, launcher, compiler path) from its log
+            with tempfile.TemporaryDirectory(prefix="fa3gen_dry_run_") as tmp:
+                would_be = Path(tmp) / "build.ninja"
+                would_be.write_text(ninja_text)
+                proc = run_ninja(out, jobs, dry_run=True, capture=True, build_file=would_be)
+            if proc.returncode != 0 and "missing and no known rule" in proc.stdout:
+                # sources the build would write first (new variants): the present build file
+                # still answers for the others; the loops below add the new ones
+                proc = run_ninja(out, jobs, dry_run=True, capture=True)
             if proc.returncode != 0:
                 raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
             edges = planned_edges(proc.stdout)
@@ -245,6 +263,14 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
             edges.append(link_edge)
         for obj in objects_without_deps(out):
             log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
+        for obj in objects_built_with_spills(out) if strict else ():
+            name = Path(obj).stem
+            edge = f"NVCC {name}" if name in {v.name for v in p.variants} else f"NVCC {obj}"
+            log(f"fa3gen: note: {obj} was built with spills allowed; a strict build compiles it again")
+            if edge not in edges:
+                edges.append(edge)
+        if edges and link_edge not in edges:
+            edges.append(link_edge)
     for e in edges:
         log(f"  would run: {e}")
     log(f"fa3gen: {len(edges)} edge(s) out of date" if edges else "fa3gen: up to date")

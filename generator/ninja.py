@@ -116,24 +116,27 @@ def write_build_ninja(out_dir: Path, text: str) -> bool:
     return write_if_changed(Path(out_dir) / "build.ninja", text)
 
 
-def _ninja_cmd(out_dir: Path, jobs: int, dry_run: bool) -> list[str]:
+def _ninja_cmd(out_dir: Path, jobs: int, dry_run: bool, build_file: Path | None = None) -> list[str]:
     # -k 0: keep going, so one build reports every failing variant, not just the first.
-    return [find_ninja(), "-C", str(out_dir), "-j", str(jobs), "-k", "0"] + (["-n"] if dry_run else [])
+    return ([find_ninja(), "-C", str(out_dir), "-j", str(jobs), "-k", "0"]
+            + (["-f", str(build_file)] if build_file else []) + (["-n"] if dry_run else []))
 
 
 def _ninja_env(allow_spills: bool) -> dict:
     env = dict(os.environ)
     if allow_spills:
         env["FA3GEN_ALLOW_SPILLS"] = "1"
-    env.setdefault("NINJA_STATUS", "[%f/%t %es] ")  # finished/total and elapsed seconds
+    # finished/total and elapsed seconds: the progress line and planned_edges parse this format
+    env["NINJA_STATUS"] = "[%f/%t %es] "
     return env
 
 
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
-              capture: bool = False, progress_every: float = 10.0) -> subprocess.CompletedProcess:
+              capture: bool = False, progress_every: float = 10.0,
+              build_file: Path | None = None) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
     (generator/progress.py) whenever ninja has been silent for `progress_every` seconds."""
-    cmd, env = _ninja_cmd(out_dir, jobs, dry_run), _ninja_env(allow_spills)
+    cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
@@ -148,17 +151,28 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
         lines.put(None)
 
     threading.Thread(target=pump, daemon=True).start()
-    while True:
-        try:
-            line = lines.get(timeout=progress_every)
-        except queue.Empty:
-            print(progress.report(), flush=True)
-            continue
-        if line is None:
-            break
-        progress.feed(line)
-        sys.stdout.write(line)
-        sys.stdout.flush()
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=progress_every)
+            except queue.Empty:
+                print(progress.report(), flush=True)
+                continue
+            if line is None:
+                break
+            progress.feed(line)
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    finally:
+        # Interrupted (Ctrl-C, SIGTERM through the CLI, an error): ninja stops its compiles
+        # before this returns, so the build lock is never released with them still running.
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
     return subprocess.CompletedProcess(cmd, proc.wait())
 
 

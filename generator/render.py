@@ -166,7 +166,7 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
     keep = {v.name for v in everything} | {"dispatch"}
-    for unit in plain_units(variants, decode):
+    for unit in plain_units(everything, decode):  # as the variants: a filter keeps the spec's
         files[out_dir / "src" / f"{unit}.cu"] = env.get_template(f"{unit}.cu.j2").render(
             spec_name=spec_name, pairs=decode)  # decode.cu: the spec's (dtype, head_dim) pairs
         keep.add(unit)

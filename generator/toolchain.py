@@ -155,8 +155,10 @@ def fingerprint(nvcc_version: str, flags, link_flags, cutlass_version: str,
     Absolute -I paths are part of `flags` on purpose: a different CUTLASS checkout is a
     different build."""
     h = hashlib.sha256()
+    # nvcc reads these itself: flags that reach every compile without being in ours
+    nvcc_env = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
     for part in (nvcc_version, " ".join(flags), " ".join(link_flags), cutlass_version,
-                 __version__):
+                 __version__, *nvcc_env):
         h.update(part.encode() + b"\0")
     for rel, digest in template_hashes(templates_dir):
         h.update(f"{rel}={digest}\n".encode())

@@ -346,3 +346,68 @@ def test_dry_run_lists_the_decode_translation_unit(fake):
     B.build(spec, toolchain=tc, log=quiet)
     assert "decode.cu" in take_calls(calls)
     assert B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned == []
+
+
+def test_dry_run_sees_what_the_build_file_would_change(fake, monkeypatch):
+    """The dry run asks ninja about the build file the build would write: a compiler launcher
+    or nvcc path it has not run with yet recompiles every variant, and so it says."""
+    spec, tc, calls = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    take_calls(calls)
+    assert B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned == []
+    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "env")
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+    assert f"NVCC {A}" in planned and f"NVCC {B_}" in planned
+    B.build(spec, toolchain=tc, log=quiet)
+    assert sorted(take_calls(calls)) == sorted([*(f"{v}.cu" for v in (A, B_, "dispatch")), "link"])
+
+
+def test_dry_run_and_strict_build_after_spills_were_allowed(fake, monkeypatch):
+    spec, tc, calls = fake
+    monkeypatch.setenv("FAKE_NVCC_SPILL", "_causal_")
+    B.build(spec, toolchain=tc, allow_spills=True, log=quiet)
+    assert B.build(spec, toolchain=tc, allow_spills=True, dry_run=True, log=quiet).planned == []
+    planned = B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+    assert f"NVCC {B_}" in planned and f"NVCC {A}" not in planned
+
+
+def test_a_filtered_build_keeps_the_specs_quantizer(fake):
+    """A filter that selects no e4m3 variant leaves src/quantize.cu and its object to the next
+    full build (it used to remove them as 'variants no longer in the spec')."""
+    spec, tc, calls = fake
+    spec.write_text(SPEC + "  - name: c\n    axes: {dtype: e4m3, causal: false, tile: [128, 128],"
+                    " pingpong: false}\n")
+    B.build(spec, toolchain=tc, log=quiet)
+    out = B.plan(spec).out_dir
+    assert (out / "obj" / "quantize.o").exists()
+    lines = []
+    B.build(spec, only=[A], toolchain=tc, log=lines.append)
+    assert (out / "src" / "quantize.cu").exists() and (out / "obj" / "quantize.o").exists()
+    assert not any("removed" in ln for ln in lines)
+
+
+def test_a_killed_builds_markers_do_not_show_as_compiling(fake):
+    spec, tc, calls = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    out = B.plan(spec).out_dir
+    (out / "obj" / f"{B_}.compiling").touch()  # left by a SIGKILLed build
+    B.build(spec, only=[A], toolchain=tc, log=quiet)
+    assert not list((out / "obj").glob("*.compiling"))
+
+
+def test_nvccs_own_flag_variables_are_in_the_fingerprint(monkeypatch):
+    from generator.toolchain import fingerprint
+
+    base = fingerprint("v", ["-O3"], [], "4.2")
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DX")
+    assert fingerprint("v", ["-O3"], [], "4.2") != base
+
+
+def test_ninja_status_is_the_format_the_build_parses(monkeypatch):
+    """A user's NINJA_STATUS made the dry run read 'up to date' (it parses '[f/t s] ' lines)."""
+    from generator.ninja import _ninja_env, planned_edges
+
+    monkeypatch.setenv("NINJA_STATUS", "ninja: ")
+    status = _ninja_env(False)["NINJA_STATUS"]
+    assert planned_edges(status.replace("%f", "1").replace("%t", "2").replace("%e", "0.1")
+                         + "NVCC x\n") == ["NVCC x"]
