@@ -2,6 +2,7 @@
 import json
 import os
 import stat
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from fa3gen.contract import ABI_VERSION
 from generator import build as B
 from generator.errors import BuildError, FilterError, GeneratorError
+from generator.paths import REPO_ROOT
 from generator.toolchain import Toolchain, compile_flags
 
 FAKE = Path(__file__).parent / "fake_nvcc.py"
@@ -411,3 +413,40 @@ def test_ninja_status_is_the_format_the_build_parses(monkeypatch):
     status = _ninja_env(False)["NINJA_STATUS"]
     assert planned_edges(status.replace("%f", "1").replace("%t", "2").replace("%e", "0.1")
                          + "NVCC x\n") == ["NVCC x"]
+
+
+def test_a_terminated_build_stops_its_compiles(fake, tmp_path):
+    """SIGTERM to the build's Python process (as the CLI handles it): ninja and the compiles it
+    started stop before the build lets go of its lock, instead of running on as orphans."""
+    import signal
+    import time
+
+    spec, tc, calls = fake
+    script = tmp_path / "build_it.py"
+    script.write_text(
+        "import signal, sys\n"
+        f"sys.path.insert(0, {str(REPO_ROOT)!r})\n"
+        "from pathlib import Path\n"
+        "from generator import build as B\n"
+        "from generator.toolchain import Toolchain\n"
+        "from fa3gen import cli\n"
+        "signal.signal(signal.SIGTERM, cli._terminate)\n"
+        f"tc = Toolchain(Path({str(tc.nvcc)!r}), {tc.nvcc_version!r}, Path({str(tc.cutlass_include)!r}),"
+        f" {tc.cutlass_version!r}, {tc.flags!r})\n"
+        "try:\n"
+        f"    B.build(Path({str(spec)!r}), toolchain=tc, jobs=2, log=print)\n"
+        "except KeyboardInterrupt:\n"
+        "    sys.exit(130)\n")
+    env = {**os.environ, "FAKE_NVCC_SLEEP": "60"}
+    child = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    obj = tmp_path / "gen" / "t" / "obj"
+    deadline = time.monotonic() + 60
+    while not list(obj.glob("*.compiling")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(obj.glob("*.compiling")), "the compiles never started"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=40) == 130
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(tc.nvcc)], capture_output=True, text=True).stdout
+    assert left.strip() == "", f"compiles still running: {left}"
