@@ -192,19 +192,30 @@ def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
     elsewhere stays. A missing file starts as `title`."""
     path = Path(path)
     old = path.read_text() if path.exists() else title
+    starts, ends = old.count(begin), old.count(end)
+    if (starts, ends) not in ((0, 0), (1, 1)) or (starts and old.index(begin) > old.index(end)):
+        # guessing which text is the generated block could delete hand-written text
+        raise Fa3genError(f"{path}: expected one {begin} before one {end} (found {starts} and "
+                          f"{ends}); fix the markers by hand")
     pat = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
     if pat.search(old):
         new = pat.sub(lambda _: block, old, count=1)
     else:
         new = old + ("" if old.endswith("\n") else "\n") + "\n" + block
+    _write_atomically(path, new)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A killed run leaves the old file or the new one, never a cut-off one."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def write_json(report: dict, path: Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    _write_atomically(path, json.dumps(report, indent=2) + "\n")
 
 
 def plot(report: dict, path: Path) -> None:

@@ -231,6 +231,7 @@ def render_markdown(report: dict) -> str:
             else:
                 cells.append(f"not measured: {r['not_measured'].get(name, '-')}")
         paper = f"{PAPER[name]:.1e}" if name in PAPER else "-"
+        cells = [c.replace("|", "\\|") for c in cells]  # a note's max|V| must not end the cell
         lines.append(f"| {label} | {paper} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [END]) + "\n"
 

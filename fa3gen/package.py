@@ -22,7 +22,8 @@ from fa3gen import __version__, contract
 from fa3gen.errors import Fa3genError
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache")
+RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache",
+                   "reference")  # reference: fp8's Hadamard signs and rotary, kvcache's rotary
 REQUIRES = ("torch>=2.4", "pyyaml")
 
 
@@ -64,7 +65,7 @@ def _commit() -> str:
     if not commit:
         return "unknown"
     head, dirty = commit.removesuffix("-dirty"), commit.endswith("-dirty")
-    label = "g" + re.sub(r"[^0-9A-Za-z]+", ".", head)[:10]
+    label = "g" + re.sub(r"[^0-9A-Za-z]+", ".", head)[:10].strip(".")
     return label + (".dirty" if dirty else "")
 
 
@@ -89,10 +90,13 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
         raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')}, this fa3gen "
                           f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
     package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
-    if not package_name.isidentifier() or keyword.iskeyword(package_name):
-        raise Fa3genError(f"--name {package_name!r} is not a Python package name")
-    if package_name == "fa3gen":  # installing it would replace the tool
-        raise Fa3genError("--name fa3gen is the tool's own package: choose another name")
+    # importable, and a distribution name pip takes (letters or digits at both ends)
+    if not (package_name.isidentifier() and package_name.isascii()) or keyword.iskeyword(package_name) \
+            or not re.fullmatch(r"[A-Za-z0-9](\w*[A-Za-z0-9])?", package_name):
+        raise Fa3genError(f"--name {package_name!r} is not a Python package name pip installs "
+                          "(ASCII letters, digits and _, a letter or digit at both ends)")
+    if re.sub(r"[-_.]+", "-", package_name).lower() == "fa3gen":  # pip's normalized name
+        raise Fa3genError(f"--name {package_name} is the tool's own package: choose another name")
     # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
     version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")

@@ -44,7 +44,10 @@ def _regex(text: str) -> str:
     return text
 
 
-_DISPATCH_BLOCK = re.compile(r"^dispatch:.*?(?=^[A-Za-z_]|\Z)", re.M | re.S)
+# The top-level `dispatch:` line and the lines that belong to it: indented, list items (YAML
+# allows them at column 0 under a key) or blank. Any other line (a key, a quoted key, a
+# comment at column 0) ends it and stays.
+_DISPATCH_BLOCK = re.compile(r"^dispatch:[^\n]*(?:\n|\Z)(?:(?:[ \t-][^\n]*)?(?:\n|\Z))*", re.M)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,17 +156,34 @@ def write_spec(spec_path: Path, winners: dict, notes: dict, ranges: dict | None 
     if missing:
         raise Fa3genError(f"no default to write for {', '.join(missing)} (not timed and none in "
                           "the spec)")
-    text = replace_dispatch(spec_path.read_text(), render_dispatch(defaults, notes, ranges))
+    original = spec_path.read_text()
+    before = parse_spec(original, str(spec_path), spec_path.stem)
+    before_kept = enumerate_variants(before).kept
+    # keys not timed keep their seqlen_k range entries as well as their default
+    ranges = {**{k: r for k, r in resolve_seqlen_dispatch(
+        before, before_kept, resolve_dispatch(before, before_kept)).items() if k not in winners},
+              **(ranges or {})}
+    text = replace_dispatch(original, render_dispatch(defaults, notes, ranges))
     spec = parse_spec(text, str(spec_path), spec_path.stem)
     kept = enumerate_variants(spec).kept
     resolved = resolve_dispatch(spec, kept)
     resolved_ranges = resolve_seqlen_dispatch(spec, kept, resolved)
     wrong = [key_str(k) for k, v in defaults.items() if resolved.get(k) != v]
-    wrong += [key_str(k) for k, r in (ranges or {}).items() if resolved_ranges.get(k) != r]
+    wrong += [key_str(k) for k, r in ranges.items() if resolved_ranges.get(k) != r]
     if wrong:
         raise Fa3genError(f"the rewritten dispatch does not resolve {', '.join(wrong)} to the "
                           "chosen variants (please report this)")
+    if _without_dispatch(text) != _without_dispatch(original):
+        raise Fa3genError(f"rewriting the dispatch of {spec_path} would change its other keys "
+                          "(an unusual layout): edit its dispatch block by hand")
     return text
+
+
+def _without_dispatch(text: str) -> dict:
+    import yaml
+
+    data = yaml.safe_load(text)
+    return {k: v for k, v in data.items() if k != "dispatch"} if isinstance(data, dict) else data
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,3 +117,36 @@ def fp8_quantized_v(v):
 
     _, _, v8, descales = quantize_fp8(v, v, v, block=False)
     return v8, descales["v_descale"]
+
+
+def test_a_note_with_a_bar_stays_in_its_cell():
+    """The cuDNN row's note says 'max|V|': unescaped, its bars split the row into extra cells."""
+    import re
+
+    from fa3gen import numerics
+
+    report = {"device": "cpu", "seed": 0, "block_rows": 128, "p_scale": 256.0, "results": [
+        {"shape": [1, 8, 1, 64], "rmse": {"fp8_per_tensor": 0.1},
+         "notes": {"fp8_per_tensor": "scaled by 448 / max|V|"}, "not_measured": {}}]}
+    rows = [ln for ln in numerics.render_markdown(report).splitlines() if ln.startswith("|")]
+    cells = {len(re.split(r"(?<!\\)\|", ln)) for ln in rows}
+    assert len(cells) == 1 and any("max\\|V\\|" in ln for ln in rows)
+
+
+def test_report_markers_that_do_not_pair_are_an_error_not_a_guess(tmp_path):
+    """A begin marker without its end once made the second run delete the text after it; two
+    pairs kept one stale copy."""
+    from fa3gen.bench import update_markdown
+    from fa3gen.errors import Fa3genError
+
+    begin, end = "<!-- x:begin -->", "<!-- x:end -->"
+    doc = tmp_path / "doc.md"
+    for text in (f"{begin}\nold\n\n## Hand notes\nkeep me\n",
+                 f"{begin}\na\n{end}\n{begin}\nb\n{end}\n", f"{end}\n{begin}\n"):
+        doc.write_text(text)
+        with pytest.raises(Fa3genError, match="expected one"):
+            update_markdown(doc, f"{begin}\nnew\n{end}\n", begin, end)
+        assert doc.read_text() == text
+    doc.write_text(f"# t\n\n{begin}\nold\n{end}\nafter\n")
+    update_markdown(doc, f"{begin}\nnew\n{end}\n", begin, end)
+    assert doc.read_text() == f"# t\n\n{begin}\nnew\n{end}\nafter\n"

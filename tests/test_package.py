@@ -89,7 +89,10 @@ def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name, message", [("class", "not a Python package name"),
-                                           ("fa3gen", "the tool's own package")])
+                                           ("_priv", "not a Python package name"),
+                                           ("fa3gen_", "not a Python package name"),
+                                           ("fa3gen", "the tool's own package"),
+                                           ("Fa3gen", "the tool's own package")])
 def test_package_names_that_would_not_import_or_would_replace_the_tool(built, capsys, name, message):
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 2
     assert message in capsys.readouterr().err and not (built / "dist").exists()
@@ -101,3 +104,23 @@ def test_package_with_a_damaged_manifest_says_rebuild(built, capsys, manifest):
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
     err = capsys.readouterr().err
     assert "rebuild: fa3gen build --spec fake" in err and "Traceback" not in err
+
+
+def test_the_packaged_runtime_imports_only_packaged_modules():
+    """Every fa3gen module a packaged one imports (at the top or inside a function) is packaged
+    too: a missing one fails only on the code path that imports it (fp8's Hadamard signs,
+    kvcache's rotary needed `reference`)."""
+    import re
+
+    from fa3gen import package
+
+    here = contract.__file__.rsplit("/", 1)[0]
+    imported = set()
+    for module in package.RUNTIME_MODULES:
+        source = open(f"{here}/{module}.py").read()
+        imported |= set(re.findall(r"\bfrom fa3gen\.(\w+) import\b", source))
+        imported |= set(re.findall(r"\bimport fa3gen\.(\w+)", source))
+        imported |= {name for group in re.findall(r"\bfrom fa3gen import ([\w, ()\n]+)", source)
+                     for name in re.findall(r"\w+", group)}
+    modules = {p.rsplit("/", 1)[-1][:-3] for p in __import__("glob").glob(f"{here}/*.py")}
+    assert imported & modules <= set(package.RUNTIME_MODULES), imported & modules - set(package.RUNTIME_MODULES)

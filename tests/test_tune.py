@@ -243,3 +243,31 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     assert key["ms"] == {NC_128: [1.0, 1.0], NC_176: [2.0, None]}
     assert key["power_w_sm_mhz"] == {NC_128: [[600.0, 1700.0]] * 2,
                                      NC_176: [[600.0, 1700.0], [None, None]]}
+
+
+def test_keys_not_timed_keep_their_ranges_and_what_follows_the_block_stays(tmp_path):
+    """Only the timed key changes: another key's seqlen_k range entry, a quoted top-level key
+    and a column-0 comment after the dispatch block all survive the rewrite."""
+    from generator.spec import load_spec
+    from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
+
+    text = SPEC.replace("exclude:\n  - {head_dim: 128, tile: [128, 176], causal: true}\n", "") + (
+        "  - when: {direction: fwd, head_dim: 128, causal: true}\n"
+        "    use: {tile: [128, 176]}\n"
+        "  - when: {direction: fwd, head_dim: 128, causal: true}\n"
+        "    seqlen_k: [0, 2047]\n"
+        "    use: {tile: [128, 128]}\n"
+        "# --- kept comment ---\n"
+        '"decode": {dtype: bf16, head_dim: 128}\n')
+    path = tmp_path / "t.yaml"
+    path.write_text(text)
+    c_key = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1").key
+    path.write_text(tune.write_spec(path, {NC_KEY: parse_name(NC_128)}, {}))
+    spec = load_spec(path)
+    kept = enumerate_variants(spec).kept
+    defaults = resolve_dispatch(spec, kept)
+    assert defaults[NC_KEY].name == NC_128
+    assert [(lo, hi, v.name) for lo, hi, v in resolve_seqlen_dispatch(spec, kept, defaults)[c_key]] == [
+        (0, 2047, "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1")]
+    out = path.read_text()
+    assert "# --- kept comment ---" in out and spec.decode == (("bf16", 128),)
