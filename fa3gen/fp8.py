@@ -96,13 +96,16 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     operations, not a fused kernel."""
     b, s, h, d = x.shape
     xf = x.float()
+    # The amax skips NaN, as the fused kernel's fmaxf does: one NaN must not turn a whole
+    # scope's scale into 1 (a NaN input stays NaN in the values either way).
+    mag = xf.abs().nan_to_num(nan=0.0, posinf=math.inf)
     if block_rows is None:
-        amax = xf.abs().amax().reshape(1)
+        amax = mag.amax().reshape(1)
         scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
         return (xf / scale).to(FP8_DTYPE), scale
     blocks = -(-s // block_rows)
-    padded = torch.nn.functional.pad(xf, (0, 0, 0, 0, 0, blocks * block_rows - s))
-    amax = padded.abs().reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
+    padded = torch.nn.functional.pad(mag, (0, 0, 0, 0, 0, blocks * block_rows - s))
+    amax = padded.reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
     scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
     rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
     return (xf / rows).to(FP8_DTYPE), scale.permute(0, 2, 1).contiguous()
@@ -128,6 +131,7 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     rotary_dim d or d / 2, else by PyTorch operations first."""
     from fa3gen.reference import apply_rotary, hadamard_transform
 
+    _check_quantize_inputs(q, k, v, hadamard, seed)
     key = _quantize_key((q, k, v), rotary,
                         (block, hadamard, seed, causal, variant, rotary_interleaved))
     plan = _quantize_plans.get(key) if key is not None else None
@@ -161,6 +165,34 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
         ops._remember(_quantize_plans, key, _QuantizePlan(lib, tuple(templates)))
     (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+def _check_quantize_inputs(q, k, v, hadamard: bool, seed) -> None:
+    """quantize_fp8's arguments, before any work: one InvalidInputError each (the fused kernel
+    takes the Hadamard signs of q's head dim for k too)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point() \
+                or x.element_size() < 2:  # not fp8 already
+            raise InvalidInputError(f"quantize_fp8: {name} must be a (batch, seqlen, heads, d) "
+                                    f"floating-point tensor of 16 bits or more, got {_describe(x)}")
+    if k.shape != v.shape:
+        raise InvalidInputError(f"quantize_fp8: k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise InvalidInputError(f"quantize_fp8: q {tuple(q.shape)} and k {tuple(k.shape)} need "
+                                "the same batch and head dim")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise InvalidInputError(f"quantize_fp8: q's {q.shape[2]} heads are not a multiple of "
+                                f"k's {k.shape[2]}")
+    d = q.shape[3]
+    if hadamard and (d < 1 or d & (d - 1)):
+        raise InvalidInputError(f"quantize_fp8: hadamard=True needs a power-of-two head dim, got {d}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidInputError(f"quantize_fp8: seed must be an int, got {seed!r}")
+
+
+def _describe(x) -> str:
+    return (f"{x.dtype} of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+            else type(x).__name__)
 
 
 @dataclass(frozen=True)

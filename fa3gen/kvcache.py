@@ -385,9 +385,10 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
     return seqlens.long()[:, None].clamp(min=0)
 
 
+@torch.no_grad()  # the cache is memory, as in flash-attn: appending k, v that require grad
 def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
     """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
-    host sync). Rows past the capacity are not written: their positions clamp to the cache's
+    host sync; untracked: the cache never joins the autograd graph of what made k and v). Rows past the capacity are not written: their positions clamp to the cache's
     last row, and every write there carries the same value (the sequence's last new row that
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
@@ -436,7 +437,8 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_check_scales(k_scale, v_scale)
     if plan.append:
         if plan.kv_fp8:
-            k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
+            with torch.no_grad():
+                k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
         _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table)
         if seqlens is not None:
@@ -531,7 +533,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size
         if batch_idx is not None:
-            rows = batch_idx.tolist()  # a sync; consecutive rows stay a view
+            rows = batch_idx.clamp(0, plan.geometry[0] - 1).tolist()  # a sync; consecutive rows: a view
             pick = (slice(rows[0], rows[0] + b) if rows == list(range(rows[0], rows[0] + b))
                     else torch.tensor(rows, device=k_cache.device))
         else:
@@ -542,12 +544,15 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     lengths = ([min(max(n, 0), capacity) for n in seqlens.tolist()] if seqlens is not None
                else [length] * b)
     ks, vs = [], []
+    cache_rows = plan.geometry[0]
     for i, n in enumerate(lengths):
+        # indices clamped as the decode kernels clamp them: bad ones give wrong numbers, never
+        # an out-of-range read (FA3GEN_DEBUG_CHECKS=1 reports them)
         if block_table is not None:
-            pages = block_table[i, :-(-n // k_cache.shape[1])].long()
+            pages = block_table[i, :-(-n // k_cache.shape[1])].long().clamp(0, cache_rows - 1)
             ki, vi = k_cache[pages].flatten(0, 1)[:n], v_cache[pages].flatten(0, 1)[:n]
         else:
-            row = batch_idx[i] if batch_idx is not None else i
+            row = (batch_idx[i].clamp(0, cache_rows - 1) if batch_idx is not None else i)
             ki, vi = k_cache[row, :n], v_cache[row, :n]
         ki, vi = kv(ki, vi, i)
         ks.append(ki)

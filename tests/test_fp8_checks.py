@@ -433,3 +433,35 @@ def test_debug_checks_catch_bad_descales(fake_launch, monkeypatch):
     launched = len(fake_launch)
     ops.flash_attn_func(q, k, v, causal=True, k_descale=bad)
     assert len(fake_launch) == launched + 1
+
+
+def test_a_nan_does_not_reset_its_scopes_scale():
+    """The PyTorch path's amax skips NaN, as the fused kernel's fmaxf: one NaN once made the
+    scale 1 and flushed the rest of its tensor or block."""
+    x = 1e-3 * torch.randn(1, 64, 2, 64)
+    clean_vals, clean_scale = fp8.quantize(x)
+    x[0, 63, 1, 0] = float("nan")
+    vals, scale = fp8.quantize(x)
+    assert torch.equal(scale, clean_scale)
+    same = torch.ones_like(x, dtype=torch.bool)
+    same[0, 63, 1, 0] = False
+    assert torch.equal(vals.float()[same], clean_vals.float()[same])
+    _, block_scale = fp8.quantize(x, 16)
+    assert torch.equal(block_scale, fp8.quantize(x.nan_to_num(0.0), 16)[1])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(k=torch.zeros(1, 8, 2, 32), v=torch.zeros(1, 8, 2, 32)), "same batch and head dim"),
+    (dict(v=torch.zeros(1, 8, 1, 64)), "k .* and v .* differ"),
+    (dict(q=torch.zeros(1, 8, 3, 64)), "not a multiple"),
+    (dict(q=torch.zeros(8, 2, 64)), r"\(batch, seqlen, heads, d\)"),
+    (dict(hadamard=True, q=torch.zeros(1, 8, 2, 96), k=torch.zeros(1, 8, 2, 96),
+          v=torch.zeros(1, 8, 2, 96)), "power-of-two head dim"),
+    (dict(seed=1.5), "seed must be an int"),
+])
+def test_quantize_fp8_arguments_are_checked_first(change, message):
+    args = dict(q=torch.zeros(1, 8, 2, 64), k=torch.zeros(1, 8, 2, 64), v=torch.zeros(1, 8, 2, 64),
+                block=False)
+    args.update(change)
+    with pytest.raises(InvalidInputError, match=message):
+        fp8.quantize_fp8(args.pop("q"), args.pop("k"), args.pop("v"), **args)

@@ -536,3 +536,40 @@ def test_rotary_positions_past_the_table_under_debug_checks(launched, monkeypatc
     monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
     with pytest.raises(InvalidInputError, match="50 positions; cache_seqlens needs 51"):
         kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True, **table)
+
+
+def test_appending_keys_that_require_grad_leaves_the_cache_untracked(launched):
+    """flash-attn writes the cache as memory: k, v from a projection that requires grad must
+    not put the cache into their graph (it grew a step a call and kept the activations)."""
+    w = torch.ones(1, dtype=BF, requires_grad=True)
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    kc, vc = torch.zeros(2, 8, 2, 64, dtype=BF), torch.zeros(2, 8, 2, 64, dtype=BF)
+    for step in range(3):
+        k = torch.ones(2, 1, 2, 64, dtype=BF) * w
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k=k, v=2 * k, cache_seqlens=step)
+    assert not kc.requires_grad and kc.grad_fn is None and not vc.requires_grad
+    assert (kc[:, :3] == 1).all() and (vc[:, :3] == 2).all() and (kc[:, 3:] == 0).all()
+
+
+def test_chunked_prefill_clamps_bad_indices_as_the_decode_kernels(launched, monkeypatch):
+    """More rows than the decode kernels take go to the forward kernels through gathers of the
+    cache: out-of-range pages or rows are clamped there too (an IndexError, on CUDA a device
+    assert, before); FA3GEN_DEBUG_CHECKS=1 reports them."""
+    calls = []
+    monkeypatch.setattr(ops, "flash_attn_func", lambda *a, **k: calls.append(a) or (
+        torch.zeros_like(a[0]), torch.zeros(a[0].shape[0], a[0].shape[2], a[0].shape[1])))
+    from fa3gen import varlen
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, *a, **kw: calls.append(k) or (
+        torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+    q = torch.zeros(2, 9, 4, 64, dtype=BF)
+    kc = torch.zeros(3, 16, 2, 64, dtype=BF)
+    table = torch.tensor([[0, 7], [1, 2]], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([20, 5], dtype=torch.int32),
+                                    block_table=table)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([4, 5], dtype=torch.int32),
+                                    cache_batch_idx=torch.tensor([0, 9], dtype=torch.int32))
+    assert len(calls) == 2
+    monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
+    with pytest.raises(InvalidInputError):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([20, 5], dtype=torch.int32),
+                                        block_table=table)
