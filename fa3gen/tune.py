@@ -335,7 +335,7 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         runner_up = next((f"{n} {r:.3f}" for n, r in relative.items() if n != best), "none")
         notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}: geomean speed "
                       f"vs the winner: runner-up {runner_up}")
-        if args.ranges:
+        if args.ranges and not dict(zip(KEY_AXES, key)).get("varlen"):  # no one length to pick by
             by_name = {v.name: v for v in variants}
             found = seqlen_ranges(list(args.seqlens), times, best)
             if found:

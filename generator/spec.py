@@ -31,14 +31,48 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 AxisValues = tuple  # tuple of allowed values for one axis
 
 
-def fmt_value(value: Any) -> str:
-    """Render a value the way it would be written in YAML flow style (for messages)."""
+def fmt_value(value: Any, limit: int = 10_000) -> str:
+    """Render a value the way it would be written in YAML flow style (for messages), stopping
+    after about `limit` characters: YAML aliases can make a small file's value enormous."""
     if isinstance(value, tuple):
         value = list(value)
+    parts: list[str] = []
+    size = 0
+
+    def walk(v) -> bool:  # False once the budget is spent
+        nonlocal size
+        if size > limit:
+            return False
+        if isinstance(v, (list, tuple)):
+            parts.append("[")
+            for i, x in enumerate(v):
+                if i:
+                    parts.append(", ")
+                if not walk(x):
+                    return False
+            parts.append("]")
+        elif isinstance(v, dict):
+            parts.append("{")
+            for i, (k, x) in enumerate(v.items()):
+                parts.append((", " if i else "") + f"{_scalar(k)}: ")
+                if not walk(x):
+                    return False
+            parts.append("}")
+        else:
+            parts.append(_scalar(v))
+        size += len(parts[-1]) + 2
+        return True
+
+    walk(value)
+    text = "".join(parts)
+    return text if size <= limit else text[:limit] + "..."
+
+
+def _scalar(v: Any) -> str:
     try:
-        return json.dumps(value)
+        return json.dumps(v)
     except (TypeError, ValueError):
-        return repr(value)
+        return repr(v)
 
 
 def _short(text: str, limit: int = 200) -> str:
@@ -160,7 +194,12 @@ def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") ->
         raise SpecError(f"{source}{where}: invalid YAML: {e.problem or e.context}")
     except yaml.YAMLError as e:
         raise SpecError(f"{source}: invalid YAML: {e}")
-    return _Validator(source).spec(data, default_name)
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply to read")
+    try:
+        return _Validator(source).spec(data, default_name)
+    except RecursionError:
+        raise SpecError(f"{source}: nested too deeply to check")
 
 
 # --------------------------------------------------------------------------- validation
@@ -358,7 +397,7 @@ class _Validator:
         if not use.items:
             raise self.fail(f"{path}.use", "empty: name at least one knob", d["use"])
         rng = d.get("seqlen_k")
-        if rng is not None:
+        if "seqlen_k" in d:  # present but empty (null) is not "every length": say so
             ok = (isinstance(rng, list) and len(rng) == 2 and
                   all(isinstance(x, int) and not isinstance(x, bool) for x in rng) and
                   0 <= rng[0] <= rng[1] <= SEQLEN_MAX)

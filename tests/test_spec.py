@@ -285,3 +285,43 @@ def test_decode_axes(tmp_path):
         spec.write_text(f"name: s\ndecode: {value}\n" + axes)
         with pytest.raises(Exception, match=match):
             load_spec(spec)
+
+
+def test_specs_that_expand_or_nest_without_bound_are_errors_quickly():
+    """A 400-byte file of YAML aliases took seconds and a GB to render its error; 500 levels
+    of lists raised RecursionError."""
+    import time
+
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 8)]
+    start = time.monotonic()
+    with pytest.raises(SpecError) as e:
+        parse_spec("name: [" + ", ".join(levels) + "]\n")
+    assert time.monotonic() - start < 2 and len(str(e.value)) < 1000
+    with pytest.raises(SpecError, match="nested too deeply"):
+        parse_spec("axes: {head_dim: " + "[" * 600 + "1" + "]" * 600 + "}\n")
+
+
+BASE = textwrap.dedent("""\
+    axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: false, stages: 2,
+           warp_specialized: true, pingpong: true, intra_wg_overlap: true,
+           tile: [[128, 128], [128, 176]]}
+""")
+
+
+def test_a_null_seqlen_k_is_an_error_not_every_length():
+    text = BASE + "dispatch:\n  - {when: {head_dim: 128}, seqlen_k: , use: {tile: [128, 128]}}\n"
+    with pytest.raises(SpecError, match="seqlen_k: expected \\[lo, hi\\]"):
+        parse_spec(text)
+
+
+def test_a_varlen_key_takes_no_seqlen_range():
+    """The varlen APIs pass no seqlen_k: a range there was accepted, listed and never used."""
+    from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
+
+    spec = parse_spec(BASE.replace("causal: false,", "causal: false, varlen: true,") + (
+        "dispatch:\n  - {when: {varlen: true}, use: {tile: [128, 176]}}\n"
+        "  - {when: {varlen: true}, seqlen_k: [0, 2048], use: {tile: [128, 128]}}\n"))
+    kept = enumerate_variants(spec).kept
+    with pytest.raises(SpecError, match="varlen key takes no seqlen_k range"):
+        resolve_seqlen_dispatch(spec, kept, resolve_dispatch(spec, kept))
