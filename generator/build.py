@@ -150,6 +150,11 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         if v not in p.variants and any(x.key == key for x in p.variants):
             log(f"fa3gen: note: {key_str(key)} has no default in this build "
                 f"({v.name} was filtered out)")
+    for key, ranges in p.seqlen_defaults.items():
+        for lo, hi, v in ranges:
+            if v not in p.variants and any(x.key == key for x in p.variants):
+                log(f"fa3gen: note: {key_str(key)} takes its default for seqlen_k {lo}-{hi} in "
+                    f"this build ({v.name}, the spec's choice there, was filtered out)")
     info = {"spec": p.spec.name, "fingerprint": fp, "generator_version": __version__,
             "num_variants": len(p.variants), "filters": {"only": only, "exclude": exclude},
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}

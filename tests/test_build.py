@@ -450,3 +450,17 @@ def test_a_terminated_build_stops_its_compiles(fake, tmp_path):
     time.sleep(0.5)
     left = subprocess.run(["pgrep", "-f", str(tc.nvcc)], capture_output=True, text=True).stdout
     assert left.strip() == "", f"compiles still running: {left}"
+
+
+def test_a_filtered_out_range_variant_is_noted(fake):
+    """--only that leaves out the variant a seqlen_k range names: the key's default serves those
+    lengths in that build, and the build says so (it dropped the range silently)."""
+    spec, tc, calls = fake
+    spec.write_text(SPEC.replace("    axes: {causal: true, tile: [128, 128]}",
+                                 "    axes: {causal: true, tile: [[128, 128], [128, 176]]}")
+                    + "dispatch:\n"
+                    "  - {when: {causal: true}, use: {tile: [128, 176]}}\n"
+                    "  - {when: {causal: true}, seqlen_k: [0, 1000], use: {tile: [128, 128]}}\n")
+    lines = []
+    B.build(spec, only=[B2, A], toolchain=tc, dry_run=True, log=lines.append)
+    assert any(f"seqlen_k 0-1000 in this build ({B_}" in ln for ln in lines)
