@@ -285,6 +285,9 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 
 ABI_VERSION = 12
 
+# The C ABI's sizes and lengths are int32: the largest value a call's length or window may take.
+INT32_MAX = 2**31 - 1
+
 # FA3GEN_GRID_*: the forward's grid policy (fa3gen_fwd_params.grid_mode).
 GRID_MODES = {"auto": 0, "persistent": 1, "tiles": 2}
 

@@ -385,10 +385,9 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
     return seqlens.long()[:, None].clamp(min=0)
 
 
-@torch.no_grad()  # the cache is memory, as in flash-attn: appending k, v that require grad
 def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
     """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
-    host sync; untracked: the cache never joins the autograd graph of what made k and v). Rows past the capacity are not written: their positions clamp to the cache's
+    host sync). Rows past the capacity are not written: their positions clamp to the cache's
     last row, and every write there carries the same value (the sequence's last new row that
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
@@ -436,11 +435,13 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
         _debug_check_scales(k_scale, v_scale)
     if plan.append:
-        if plan.kv_fp8:
-            with torch.no_grad():
+        # Untracked, as flash-attn's raw writes: k, v that require grad must not pull the
+        # cache into their autograd graph (it would grow every step, keeping activations alive).
+        with torch.no_grad():
+            if plan.kv_fp8:
                 k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
-        _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
-                batch_idx, block_table)
+            _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
+                    batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if plan.prefill:
@@ -533,7 +534,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size
         if batch_idx is not None:
-            rows = batch_idx.clamp(0, plan.geometry[0] - 1).tolist()  # a sync; consecutive rows: a view
+            rows = batch_idx.clamp(0, plan.geometry[0] - 1).tolist()  # a sync; consecutive: a view
             pick = (slice(rows[0], rows[0] + b) if rows == list(range(rows[0], rows[0] + b))
                     else torch.tensor(rows, device=k_cache.device))
         else:

@@ -25,7 +25,7 @@ import torch
 from fa3gen import runtime
 from fa3gen import fp8 as _fp8
 from fa3gen import tracing as _trace
-from fa3gen.contract import DTYPES, GRID_MODES
+from fa3gen.contract import DTYPES, GRID_MODES, INT32_MAX
 from fa3gen.errors import Fa3genError, InvalidInputError
 
 # "bf16" -> torch.bfloat16
@@ -62,9 +62,6 @@ class Masking:
         return dict(causal=self.causal, local=self.local, softcap=self.softcap > 0)
 
 
-_WINDOW_UNBOUNDED = 2**31 - 1  # a window side wider than this reaches every key (int32 lengths)
-
-
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
@@ -85,7 +82,10 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
             not 0.0 <= float(softcap) < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
     # Wider than any sequence (the kernels take int32): unbounded on that side, not wrapped.
-    left, right = (-1 if w > _WINDOW_UNBOUNDED else w for w in (left, right))
+    if left > INT32_MAX:
+        left = -1
+    if right > INT32_MAX:
+        right = -1
     if causal:
         right = 0
     if left < 0 and right == 0:
@@ -752,16 +752,16 @@ def _trace_call(name: str, default: bool, dims: Dims) -> None:
                   seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv)
 
 
-_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor",
-                             lambda t: False)
+# One call per flash_attn_func (not one per tensor): whether a torch.func transform is running.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 
 
 def _captured(*tensors: torch.Tensor) -> bool:
     """True where the custom ops must serve the call: under torch.compile / export tracing, for
-    tensor subclasses (fake, functional, distributed) that hold no plain device memory, and for
-    torch.func's wrappers (vmap, grad), which look like plain tensors but have no storage."""
-    return torch.compiler.is_compiling() or any(
-        type(t) not in (torch.Tensor, torch.nn.Parameter) or _functorch_wrapped(t) for t in tensors)
+    tensor subclasses (fake, functional, distributed) that hold no plain device memory, and
+    under torch.func's transforms (vmap, grad), whose tensors look plain but have no storage."""
+    return torch.compiler.is_compiling() or _functorch_active() or any(
+        type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from fa3gen.errors import Fa3genError
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 TOKENS, HIDDEN = 16384, 2048
 LOCAL_WINDOW, SOFTCAP = (1024, 0), 30.0
+
+
 def _regex(text: str) -> str:
     try:
         re.compile(text)
@@ -57,10 +59,15 @@ _DISPATCH_BLOCK = re.compile(r"^dispatch:[^\n]*(?:\n|\Z)(?:(?:[ \t-][^\n]*)?(?:\
 def candidates(spec_path) -> tuple[dict, dict]:
     """({key: [Variant, ...]} for keys with several kept variants, {key: current default})."""
     from generator.spec import load_spec
-    from generator.variants import enumerate_variants, resolve_dispatch
+    from generator.variants import enumerate_variants
 
     spec = load_spec(spec_path)
-    kept = enumerate_variants(spec).kept
+    return _candidates_of(spec, enumerate_variants(spec).kept)
+
+
+def _candidates_of(spec, kept) -> tuple[dict, dict]:
+    from generator.variants import resolve_dispatch
+
     by_key: dict = {}
     for v in sorted(kept, key=lambda v: v.name):
         by_key.setdefault(v.key, []).append(v)
@@ -150,19 +157,18 @@ def write_spec(spec_path: Path, winners: dict, notes: dict, ranges: dict | None 
     from generator.spec import parse_spec
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
-    multi, current = candidates(spec_path)
+    original = spec_path.read_text()
+    before = parse_spec(original, str(spec_path), spec_path.stem)
+    before_kept = enumerate_variants(before).kept
+    multi, current = _candidates_of(before, before_kept)
     defaults = {k: winners.get(k, current.get(k)) for k in multi}
     missing = [key_str(k) for k, v in defaults.items() if v is None]
     if missing:
         raise Fa3genError(f"no default to write for {', '.join(missing)} (not timed and none in "
                           "the spec)")
-    original = spec_path.read_text()
-    before = parse_spec(original, str(spec_path), spec_path.stem)
-    before_kept = enumerate_variants(before).kept
     # keys not timed keep their seqlen_k range entries as well as their default
-    ranges = {**{k: r for k, r in resolve_seqlen_dispatch(
-        before, before_kept, resolve_dispatch(before, before_kept)).items() if k not in winners},
-              **(ranges or {})}
+    ranges = {**{k: r for k, r in resolve_seqlen_dispatch(before, before_kept, current).items()
+                 if k not in winners}, **(ranges or {})}
     text = replace_dispatch(original, render_dispatch(defaults, notes, ranges))
     spec = parse_spec(text, str(spec_path), spec_path.stem)
     kept = enumerate_variants(spec).kept

@@ -17,7 +17,7 @@ import torch
 
 from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
-from fa3gen.contract import VARLEN_LIMITS, varlen_tiles
+from fa3gen.contract import INT32_MAX, VARLEN_LIMITS, varlen_tiles
 from fa3gen.errors import Fa3genError, InvalidInputError
 from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES, debug_checks_enabled
 
@@ -81,7 +81,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 def _check_max_seqlen(**sizes) -> None:
     for name, m in sizes.items():
         # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
-        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0 or m >= 2**31:
+        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0 or m > INT32_MAX:
             raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
                                     f"got {m!r}")
 

@@ -14,7 +14,7 @@ from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, libra
                              spec_out_dir)
 
 from . import __version__
-from .compile_one import MARKER_SUFFIX
+from .compile_one import MARKER_SUFFIX, spills_allowed
 from .errors import BuildError, FilterError
 from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run_ninja,
                     write_build_ninja)
@@ -201,7 +201,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
 
 def _strict(allow_spills: bool) -> bool:
     """Whether spills fail this build (--allow-spills and FA3GEN_ALLOW_SPILLS allow them)."""
-    return not allow_spills and os.environ.get("FA3GEN_ALLOW_SPILLS", "") in ("", "0")
+    return not (allow_spills or spills_allowed())
 
 
 def objects_built_with_spills(out: Path) -> list[str]:
@@ -210,13 +210,9 @@ def objects_built_with_spills(out: Path) -> list[str]:
     in the environment, so a strict build would link them unchanged."""
     objects = []
     for resources in sorted((out / "obj").glob("*.resources.json")):
-        try:
-            problems = json.loads(resources.read_text()).get("problems")
-        except (OSError, ValueError, AttributeError):
-            continue
-        obj = resources.with_name(resources.name.removesuffix(".resources.json") + ".o")
-        if problems and obj.exists():
-            objects.append(str(obj.relative_to(out)))
+        name = resources.name.removesuffix(".resources.json")
+        if (_resources(out, name) or {}).get("problems") and (out / "obj" / f"{name}.o").exists():
+            objects.append(f"obj/{name}.o")
     return objects
 
 
@@ -268,9 +264,10 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
             edges.append(link_edge)
         for obj in objects_without_deps(out):
             log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
+        selected = {v.name for v in p.variants}
         for obj in objects_built_with_spills(out) if strict else ():
             name = Path(obj).stem
-            edge = f"NVCC {name}" if name in {v.name for v in p.variants} else f"NVCC {obj}"
+            edge = f"NVCC {name}" if name in selected else f"NVCC {obj}"
             log(f"fa3gen: note: {obj} was built with spills allowed; a strict build compiles it again")
             if edge not in edges:
                 edges.append(edge)

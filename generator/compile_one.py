@@ -58,6 +58,11 @@ def summarize(name: str, log: str, seconds: float, returncode: int) -> dict:
     }
 
 
+def spills_allowed() -> bool:
+    """FA3GEN_ALLOW_SPILLS set to anything but empty or 0 (build.py --allow-spills sets it)."""
+    return os.environ.get("FA3GEN_ALLOW_SPILLS", "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[:split])
     cmd = argv[split + 1:]
     log_path = args.log or args.out.with_suffix(".log")
-    allow = os.environ.get("FA3GEN_ALLOW_SPILLS", "") not in ("", "0")
+    allow = spills_allowed()
 
     start = time.monotonic()
     # While it compiles, obj/<name>.compiling says so (the build's progress report lists them).

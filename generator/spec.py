@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from fa3gen.contract import (AXES, AXIS_BY_NAME, DECODE_DTYPES, DECODE_HEAD_DIMS, DECODE_PAIRS,
-                             KEY_AXES, KNOB_AXES)
+                             INT32_MAX, KEY_AXES, KNOB_AXES)
 
 from .errors import SpecError
 from .paths import SPECS_DIR
@@ -25,7 +25,7 @@ from .paths import SPECS_DIR
 TOP_KEYS = ("name", "axes", "groups", "exclude", "dispatch", "dispatch_required", "decode")
 GROUP_KEYS = ("name", "axes")
 DISPATCH_KEYS = ("when", "use", "seqlen_k")
-SEQLEN_MAX = 2**31 - 1  # the open upper end of a seqlen_k range
+SEQLEN_MAX = INT32_MAX  # the open upper end of a seqlen_k range
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 AxisValues = tuple  # tuple of allowed values for one axis
