@@ -25,6 +25,7 @@ from pathlib import Path
 
 from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
+from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
                            report_failure, sustained_ms, tflops, time_or_none)
 
@@ -202,20 +203,11 @@ def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
         new = pat.sub(lambda _: block, old, count=1)
     else:
         new = old + ("" if old.endswith("\n") else "\n") + "\n" + block
-    _write_atomically(path, new)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """A killed run leaves the old file or the new one, never a cut-off one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_atomically(path, new)
 
 
 def write_json(report: dict, path: Path) -> None:
-    _write_atomically(path, json.dumps(report, indent=2) + "\n")
+    write_atomically(path, json.dumps(report, indent=2) + "\n")
 
 
 def plot(report: dict, path: Path) -> None:

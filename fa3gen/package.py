@@ -20,9 +20,10 @@ from pathlib import Path
 
 from fa3gen import __version__, contract
 from fa3gen.errors import Fa3genError
+from fa3gen.files import replacing
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache",
+RUNTIME_MODULES = ("contract", "errors", "files", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache",
                    "reference")  # reference: fp8's Hadamard signs and rotary, kvcache's rotary
 REQUIRES = ("torch>=2.4", "pyyaml")
 
@@ -122,11 +123,8 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
 
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     wheel = out_dir / f"{package_name}-{version}-py3-none-{platform}.whl"
-    tmp = wheel.with_name(wheel.name + ".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
+    with replacing(wheel) as tmp, zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for n, d in files.items():
             z.writestr(n, d)
-    tmp.replace(wheel)
     return wheel

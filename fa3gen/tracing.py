@@ -23,6 +23,7 @@ from typing import Iterator
 
 from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, key_str, parse_name
 from fa3gen.errors import TraceError
+from fa3gen.files import write_atomically
 
 TRACE_ENV = "FA3GEN_TRACE"
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
@@ -74,12 +75,9 @@ class Trace:
     def write(self) -> None:
         import yaml  # kept out of import time: ops imports this module
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")  # processes apart
-        tmp.write_text("# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
+        write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
                        "# turn it into a spec with: fa3gen spec --from-trace " + self.path.name + "\n"
                        + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
-        tmp.replace(self.path)
 
 
 _active: list[Trace] = []  # ops checks this on every call: empty list = one truth test

@@ -13,6 +13,8 @@ from typing import Callable, Iterable, Optional, Sequence
 from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, library_name,
                              spec_out_dir)
 
+from fa3gen.files import write_atomically
+
 from . import __version__
 from .compile_one import MARKER_SUFFIX, spills_allowed
 from .errors import BuildError, FilterError
@@ -313,7 +315,5 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
                    for x in p.enumeration.pruned],
     }
     path = p.out_dir / MANIFEST_NAME
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(data, indent=2) + "\n")
     return path

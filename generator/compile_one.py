@@ -17,15 +17,15 @@ import sys
 import time
 from pathlib import Path
 
+from fa3gen.files import write_atomically
+
 from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, parse_ptxas
 
 MARKER_SUFFIX = ".compiling"
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
 def _excerpt(log: str, keep: int = 25) -> str:

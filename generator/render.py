@@ -14,6 +14,7 @@ import jinja2
 
 from fa3gen.contract import (LAUNCHERS, Variant, launch_symbol, template_args,
                              variant_info_values, variant_info_zero)
+from fa3gen.files import write_atomically
 
 from .paths import TEMPLATES_DIR
 from .variants import bwd_splits_head_dim, consumer_warpgroups
@@ -91,10 +92,7 @@ def write_if_changed(path: Path, text: str) -> bool:
     path = Path(path)
     if holds(path, text):
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # atomic: ninja never sees a half-written file
+    write_atomically(path, text)  # ninja never sees a half-written file
     return True
 
 

@@ -1,0 +1,32 @@
+"""Files written so that a reader (ninja, a second process, a killed run's successor) sees the
+old content or the new, never a cut-off file."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """A temporary path beside `path` to write; it replaces `path` in one step when the block
+    ends normally and is removed when it raises. Named by process id, so that two processes
+    writing the same file never share one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_atomically(path: Path, data: str | bytes) -> None:
+    with replacing(path) as tmp:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
