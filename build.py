@@ -30,6 +30,8 @@ def quick_check(spec: str) -> int:
 
 
 def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)  # --check is build.py's own; fa3gen build's options follow
     check = "--check" in argv
     argv = [a for a in argv if a != "--check"]
     rc = cli_main(["build", *argv])

@@ -81,8 +81,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
-    q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256, seqlen_q * heads_q / heads_kv
-    at most 16. Cache contiguous: k_cache, v_cache (cache batch, capacity, heads_kv, d), with
+    q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256: up to 16 query rows per kv
+    head (seqlen_q * heads_q / heads_kv) run the decode kernels, more the forward kernels
+    (chunked prefill). Cache contiguous: k_cache, v_cache (cache batch, capacity, heads_kv, d), with
     cache_batch_idx (batch,) int32 choosing a cache row per sequence (default: the same index);
     or paged: k_cache, v_cache (pages, page_size, heads_kv, d) with block_table (batch, max
     pages) int32. cache_seqlens (batch,) int32 or an int: the keys each sequence has (default:

@@ -241,11 +241,13 @@ def register(subparsers) -> argparse.ArgumentParser:
                               "(outliers, FP64 reference) for fp16/bf16/fp8 attention")
     p.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,S,H,D",
                    help="problem shape (repeatable; default 1,8192,2,128 and 1,4096,4,64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when available (adds the kernel rows)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "numerics.json")
-    p.add_argument("--doc", type=Path, default=DOCS_DIR / "NUMERICS.md")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR / "numerics.json",
+                   help="the JSON results (default docs/results/numerics.json)")
+    p.add_argument("--doc", type=Path, default=DOCS_DIR / "NUMERICS.md",
+                   help="the markdown report, between its markers (default docs/NUMERICS.md)")
     p.set_defaults(func=run)
     return p
 

@@ -878,7 +878,8 @@ def flash_attn_func(
     softcap * tanh(scores * softmax_scale / softcap) before the softmax (Gemma 2), by the
     softcap variants. Both as in flash-attn.
     softmax_scale: default 1/sqrt(head_dim). variant: a variant name of the loaded library
-    instead of the spec's default for (dtype, head_dim, causal).
+    instead of the spec's default for the call's key (dtype, head_dim, causal, local, softcap)
+    and its seqlen_k range defaults.
     Differentiable in q, k, v (the spec's default backward variant for the key; lse carries no
     gradient). deterministic: the backward accumulates dq in a fixed order, so gradients are
     bitwise reproducible (slower); dk and dv are always deterministic.
@@ -888,7 +889,9 @@ def flash_attn_func(
     keyword-only.
     FP8: q, k, v in torch.float8_e4m3fn run the e4m3 forward variants (forward only; causal or
     not): q_descale, k_descale, v_descale are fp32 factors per (batch, heads_kv) (or one value;
-    None: 1) as in FlashAttention-3, applied to the scores and the output; the output is bf16,
+    None: 1) as in FlashAttention-3, or per (batch, heads, block of rows) for block quantization
+    (what fa3gen.quantize_fp8 returns; the blocks are the serving variant's tiles,
+    fa3gen.fp8.block_sizes), applied to the scores and the output; the output is bf16,
     or fp16 with out_dtype=torch.float16 (fa3gen.fp8).
     """
     _check_fa3_arguments(softmax_scale)

@@ -61,3 +61,18 @@ def test_every_compile_time_switch_is_documented():
     assert used, "no switch found: the pattern no longer matches the templates"
     assert used - documented == set(), "switches the README's build row does not name"
     assert documented - used == set(), "switches the README names that the templates lack"
+
+
+def test_the_annotated_spec_example_plans(tmp_path):
+    """The README's annotated spec is a spec: it loads, and its dispatch gives every key one
+    default (a second d128 tile once left the causal key ambiguous)."""
+    from generator.build import plan
+
+    text = README.read_text()
+    m = re.search(r"^```yaml\n(name: h100 .+?)^```$", text, re.M | re.S)
+    assert m, "README.md's annotated spec example (```yaml, starting with name: h100) is gone"
+    path = tmp_path / "readme_example.yaml"
+    path.write_text(m.group(1))
+    p = plan(path)
+    assert p.variants and p.defaults
+    assert len({v.name for v in p.defaults.values()}) == len(p.defaults)

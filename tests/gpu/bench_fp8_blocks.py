@@ -2,6 +2,8 @@
     python3 tests/gpu/bench_fp8_blocks.py
 batch 1, seqlen 16384, 16 heads, d128; descales from fa3gen.fp8.quantize at the serving
 variant's tiles. Not a pytest module."""
+import argparse
+
 import torch
 
 from fa3gen import fp8, ops, timing
@@ -28,4 +30,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -10,6 +10,7 @@ grid). Not a pytest module. docs/results/
 ncu_fwd_d128_vs_fa4.json holds what it gave on 2026-12-01.
 """
 
+import argparse
 import sys
 
 import torch
@@ -18,17 +19,24 @@ from fa3gen import bench, timing
 
 
 def main() -> int:
-    which, d, causal, s = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
-             "e4m3": torch.float8_e4m3fn}[sys.argv[5] if len(sys.argv) > 5 else "bf16"]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("backend", choices=("fa3gen", "fa4"))
+    p.add_argument("head_dim", type=int)
+    p.add_argument("causal", choices=("0", "1"))
+    p.add_argument("seqlen", type=int)
+    p.add_argument("dtype", nargs="?", default="bf16", choices=("bf16", "fp16", "e4m3"))
+    p.add_argument("variant", nargs="?", help="a fa3gen variant name (default: the key's default)")
+    args = p.parse_args()
+    which, d, causal, s = args.backend, args.head_dim, args.causal == "1", args.seqlen
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[args.dtype]
     q, k, v = timing.random_inputs(bench.grid([s], [d])[0], dtype, 3)
     kwargs = {}
     if which == "fa4":
         from flash_attn.cute.interface import flash_attn_func
     else:
         from fa3gen import flash_attn_func
-        if len(sys.argv) > 6:
-            kwargs["variant"] = sys.argv[6]
+        if args.variant:
+            kwargs["variant"] = args.variant
     for _ in range(3):
         flash_attn_func(q, k, v, causal=causal, **kwargs)
     torch.cuda.synchronize()

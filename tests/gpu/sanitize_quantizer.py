@@ -4,6 +4,8 @@ and two passes of 512 threads, with and without rotary and the Hadamard transfor
 two-read kernel of larger blocks and the per-tensor pair.
     compute-sanitizer --tool racecheck python3 tests/gpu/sanitize_quantizer.py
 (also --tool memcheck, --tool synccheck). Not a pytest module."""
+import argparse
+
 import torch
 
 from fa3gen import fp8, runtime
@@ -33,4 +35,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -9,6 +9,7 @@ a kernel of NEW with the same normalized code and prints how many have one; for 
 instruction counts and the opcodes whose counts differ from the closest NEW kernel.
 """
 
+import argparse
 import collections
 import re
 import subprocess
@@ -40,11 +41,15 @@ def opcodes(code: list[str]) -> collections.Counter:
 
 
 def main() -> int:
-    old, new = kernels(sys.argv[1]), kernels(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old")
+    p.add_argument("new")
+    args = p.parse_args()
+    old, new = kernels(args.old), kernels(args.new)
     bodies = {tuple(code) for code in new.values()}
     same = [n for n, code in old.items() if tuple(code) in bodies]
-    print(f"{len(same)} of {len(old)} kernels of {sys.argv[1]} have identical normalized SASS in "
-          f"{sys.argv[2]} ({len(new)} kernels)")
+    print(f"{len(same)} of {len(old)} kernels of {args.old} have identical normalized SASS in "
+          f"{args.new} ({len(new)} kernels)")
     for name, code in old.items():
         if tuple(code) in bodies:
             continue
