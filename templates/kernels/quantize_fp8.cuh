@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
 #include "simt_common.cuh"
@@ -28,6 +29,10 @@ using namespace simt;
 constexpr int kWarps = 4;
 constexpr int kTensorRows = 128;  // rows per CTA for a per-tensor scale
 constexpr float kInvE4m3Max = float(1.0 / 448.0);  // as fa3gen.fp8.INV_E4M3_MAX
+
+// 1/sqrt(d) rounded to float (as reference.hadamard_transform: bit for bit).
+template <int HeadDim>
+constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
 
 // Incoherent processing of one row held by a warp (E = HeadDim / 32 consecutive elements per
 // lane): times diag(signs), then the Sylvester-Hadamard matrix, then 1/sqrt(d).
@@ -57,10 +62,8 @@ __device__ __forceinline__ void transform_row(float (&v)[HeadDim / 32], int lane
       v[i] = upper ? other - v[i] : v[i] + other;
     }
   }
-  // Times 1/sqrt(d) rounded to float (as reference.hadamard_transform: bit for bit).
-  constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
   #pragma unroll
-  for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], kInvSqrtD);
+  for (int i = 0; i < E; ++i) v[i] = __fmul_rn(v[i], kInvSqrtD<HeadDim>);
 }
 
 // The E = HeadDim / 32 elements of a row that this lane owns, transformed when signs != null.
@@ -248,12 +251,13 @@ __device__ __forceinline__ void rotate_pairs(float (&v)[32], const float* cos, c
 // Incoherent processing of the 32 values a thread owns (see Staged): sign flips (bit j of neg),
 // then the butterflies in stride order 1, 2, 4 (in a chunk), 8 .. 4T (across the row's lanes),
 // 8T, 16T (across chunks), the lower index keeping a + b, then 1/sqrt(d): the operations of
-// reference.hadamard_transform in its order, so the same bits.
-template <int HeadDim>
+// reference.hadamard_transform in its order, so the same bits. SignsDone: the caller flipped
+// the signs already (unpack_chunk); Scale false: the caller folds 1/sqrt(d) into the descale.
+template <int HeadDim, bool SignsDone = false, bool Scale = true>
 __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, int lane) {
   constexpr int T = HeadDim / 32;
   #pragma unroll
-  for (int j = 0; j < 32; ++j) v[j] = __int_as_float(__float_as_int(v[j]) ^ (((neg >> j) & 1u) << 31));
+  for (int j = 0; j < 32 && !SignsDone; ++j) v[j] = __int_as_float(__float_as_int(v[j]) ^ (((neg >> j) & 1u) << 31));
   #pragma unroll
   for (int h = 1; h < 32; h *= 2) {
     if (h == 8) {  // the lane strides come between the in-chunk and the cross-chunk ones
@@ -275,9 +279,51 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
       v[j + h] = a - b;
     }
   }
-  constexpr float kInvSqrtD = HeadDim == 64 ? 0.125f : HeadDim == 128 ? float(0.08838834764831845) : 0.0625f;
   #pragma unroll
-  for (int j = 0; j < 32; ++j) v[j] = __fmul_rn(v[j], kInvSqrtD);
+  for (int j = 0; j < 32 && Scale; ++j) v[j] = __fmul_rn(v[j], kInvSqrtD<HeadDim>);
+}
+
+// Measurement switch FA3GEN_QUANTIZE_LEAN (off; not GPU-run): fewer instructions a value where
+// the kernel is bound by issue, not memory (the Hadamard path, about 17 a value):
+// - 16-bit -> fp32 by bit operations, one a value for bf16 (ptxas makes the upper half a PRMT
+//   and a shift), with the Hadamard sign flip folded in (bf16: the shift's add and the mask's
+//   xor carry it; fp16: one xor a pair before the conversion) where no rotary comes first;
+// - d64 and d256: 1/sqrt(d) is a power of two, so multiplying by it commutes with every
+//   rounding (no values this far from 1 are near fp32's limits once quantized): the kernel
+//   keeps the unscaled values, scales the block's amax once and divides by descale * sqrt(d),
+//   the same bits as reference.hadamard_transform then fp8.quantize.
+#ifdef FA3GEN_QUANTIZE_LEAN
+constexpr bool kQuantizeLean = true;
+#else
+constexpr bool kQuantizeLean = false;
+#endif
+template <int HeadDim>
+constexpr bool kFoldInvSqrtD = kQuantizeLean && (HeadDim == 64 || HeadDim == 256);
+
+// One 16-byte chunk of 16-bit values as 8 floats; value i negated where bit i of flips is set
+// (flips: the chunk's 8 bits of neg, or 0). PairMasks: the flips as one mask a pair of values
+// (16 registers a thread once hoisted, not 32: the two-pass kernels hold 64 values), at one
+// more instruction a pair for bf16.
+template <class T, bool PairMasks>
+__device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out, uint32_t flips) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  #pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint32_t lo = ((flips >> (2 * q)) & 1u) << 31, hi = ((flips >> (2 * q + 1)) & 1u) << 31;
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && PairMasks) {
+      const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
+      out[2 * q] = __uint_as_float(x << 16);
+      out[2 * q + 1] = __uint_as_float(x & 0xffff0000u);
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      out[2 * q] = __uint_as_float(w[q] * 0x10000u + lo);  // bit 31 + lo = bit 31 ^ lo
+      out[2 * q + 1] = __uint_as_float((w[q] & 0xffff0000u) ^ hi);
+    } else {
+      const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
+      out[2 * q] = f.x;
+      out[2 * q + 1] = f.y;
+    }
+  }
 }
 
 // A block's values / descale as e4m3 (8 bytes a chunk) into out (the block's first row).
@@ -370,6 +416,8 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     cp_async_commit();  // empty groups keep the count uniform
   };
 
+  // The Hadamard signs flipped while unpacking (kQuantizeLean), where no rotary comes first.
+  constexpr bool kFoldSigns = kQuantizeLean && !Rotary && Hadamard == kHadamard;
   uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
   if (transforms<Hadamard>(p)) {
     #pragma unroll
@@ -397,9 +445,13 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint4 raw = *reinterpret_cast<const uint4*>(row + (((t + S::T * k) ^ S::swizzle(r)) << 4));
-          const T* e = reinterpret_cast<const T*>(&raw);
-          #pragma unroll
-          for (int i = 0; i < 8; ++i) v[ps][8 * k + i] = to_float(e[i]);
+          if constexpr (kQuantizeLean) {
+            unpack_chunk<T, (Passes > 1)>(raw, &v[ps][8 * k], kFoldSigns ? (neg >> (8 * k)) & 0xffu : 0u);
+          } else {
+            const T* e = reinterpret_cast<const T*>(&raw);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) v[ps][8 * k + i] = to_float(e[i]);
+          }
         }
         if (Rotary) {  // a template flag: the registers of a call without it stay free
           const int64_t pos = row0 + r;
@@ -412,7 +464,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;  // rows past the end: zeros, never stored
       }
       // Every lane of the warp shuffles (whole rows are live or not, but a warp may hold both).
-      if (transforms<Hadamard>(p)) transform_owned<HeadDim>(v[ps], neg, lane);
+      if (transforms<Hadamard>(p)) transform_owned<HeadDim, kFoldSigns, !kFoldInvSqrtD<HeadDim>>(v[ps], neg, lane);
       #pragma unroll
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
     }
@@ -423,13 +475,16 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     amax = warp_amax[n & 1][0];
     #pragma unroll
     for (int w = 1; w < Threads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
-    const float descale = descale_of(amax);
+    // Values left unscaled (kFoldInvSqrtD): the scaled amax, exact, and a divisor as exact.
+    const bool unscaled = kFoldInvSqrtD<HeadDim> && transforms<Hadamard>(p);
+    const float descale = descale_of(unscaled ? amax * kInvSqrtD<HeadDim> : amax);
+    const float divisor = unscaled ? descale * (1.f / kInvSqrtD<HeadDim>) : descale;
     if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + row0 / p.block_rows] = descale;
 
     uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim;
-    // div_by needs a normal 1 / descale; blocks of tiny or infinite magnitudes divide.
-    if (descale >= 0x1p-100f && !isinf(descale)) store_owned<HeadDim, Threads, Passes, false>(out, p.heads, rows, tid, v, descale);
-    else store_owned<HeadDim, Threads, Passes, true>(out, p.heads, rows, tid, v, descale);
+    // div_by needs a normal 1 / divisor; blocks of tiny or infinite magnitudes divide.
+    if (divisor >= 0x1p-100f && !isinf(divisor)) store_owned<HeadDim, Threads, Passes, false>(out, p.heads, rows, tid, v, divisor);
+    else store_owned<HeadDim, Threads, Passes, true>(out, p.heads, rows, tid, v, divisor);
   }
   cp_async_wait<0>();  // no copy outlives the CTA (the refills past the last item are empty)
 }
