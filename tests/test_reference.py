@@ -1,0 +1,110 @@
+"""fa3gen.reference is the GPU tests' ground truth, so it is checked here against a second,
+naive implementation written from the documented semantics (float64, masks built element by
+element, gradients by autograd): a reference bug would otherwise pass wherever a kernel has it
+too."""
+import math
+
+import pytest
+import torch
+
+from fa3gen import reference
+
+CASES = [  # (b, sq, sk, hq, hkv, d, causal, window, softcap)
+    (2, 7, 7, 4, 4, 16, False, (-1, -1), 0.0),
+    (1, 5, 9, 4, 2, 8, True, (-1, -1), 0.0),      # causal, seqlen_q < seqlen_k (bottom-right)
+    (1, 9, 5, 2, 1, 8, True, (-1, -1), 0.0),      # first queries see no key
+    (2, 8, 11, 6, 2, 8, False, (3, 1), 0.0),      # a window, GQA 3
+    (1, 6, 6, 2, 2, 8, False, (0, 0), 0.0),       # one key a row
+    (1, 10, 12, 2, 1, 8, True, (2, -1), 0.0),     # causal window
+    (2, 6, 9, 4, 4, 16, False, (-1, -1), 2.5),    # softcap
+    (1, 7, 7, 4, 2, 8, True, (4, -1), 1.5),       # softcap + causal window
+]
+
+
+def visible(i, j, sq, sk, causal, window):
+    left, right = window
+    if causal:
+        right = 0
+    diag = i + sk - sq
+    return (right < 0 or j <= diag + right) and (left < 0 or j >= diag - left)
+
+
+def naive(q, k, v, causal, window, softcap, scale):
+    """(out, lse) in float64, differentiable, with the documented semantics spelled out."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    mask = torch.tensor([[visible(i, j, sq, sk, causal, window) for j in range(sk)]
+                         for i in range(sq)])
+    outs, lses = [], []
+    for h in range(hq):
+        kh, vh = k[:, :, h // (hq // hkv)], v[:, :, h // (hq // hkv)]  # (b, sk, d)
+        s = torch.einsum("bid,bjd->bij", q[:, :, h], kh) * scale
+        if softcap > 0:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.masked_fill(~mask, -math.inf)
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0).unsqueeze(-1))
+        outs.append(torch.einsum("bij,bjd->bid", p, vh))
+        lses.append(lse)
+    return torch.stack(outs, 2), torch.stack(lses, 1)
+
+
+def inputs(case, seed=0):
+    b, sq, sk, hq, hkv, d = case[:6]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=g, dtype=torch.float64)
+            for shape in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, hq, d))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward_reference_matches_the_naive_one(case):
+    causal, window, softcap = case[6:]
+    q, k, v, _ = inputs(case)
+    scale = 0.7 / math.sqrt(q.shape[-1])
+    want_out, want_lse = naive(q, k, v, causal, window, softcap, scale)
+    out, lse = reference.attention_reference(q.float(), k.float(), v.float(), causal, scale,
+                                             window_size=window, softcap=softcap)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert (out[torch.isneginf(want_lse).transpose(1, 2)] == 0).all()  # unseen rows: zeros
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_gradient_reference_matches_autograd(case):
+    causal, window, softcap = case[6:]
+    q, k, v, dout = inputs(case, seed=1)
+    scale = 0.7 / math.sqrt(q.shape[-1])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = naive(*leaves, causal, window, softcap, scale)
+    want = torch.autograd.grad((out * dout).sum(), leaves)
+    got = reference.attention_grad_reference(q.float(), k.float(), v.float(), dout.float(), causal,
+                                             scale, window_size=window, softcap=softcap)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_masks_follow_the_documented_diagonal():
+    """causal_mask and window_mask against the element rule (bottom-right aligned)."""
+    for sq, sk in ((5, 9), (9, 5), (6, 6)):
+        for window in ((-1, 0), (2, 1), (0, 0), (3, -1), (-1, 2)):
+            want = torch.tensor([[visible(i, j, sq, sk, False, window) for j in range(sk)]
+                                 for i in range(sq)])
+            assert torch.equal(reference.window_mask(sq, sk, window), want), (sq, sk, window)
+        want = torch.tensor([[visible(i, j, sq, sk, True, (-1, -1)) for j in range(sk)]
+                             for i in range(sq)])
+        assert torch.equal(reference.causal_mask(sq, sk), want)
+
+
+def test_hadamard_transform_is_the_orthonormal_matrix():
+    """hadamard_transform(x) == x @ H_d / sqrt(d) with H_d Sylvester's matrix, and it is its
+    own inverse (orthonormal and symmetric)."""
+    d = 16
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    x = torch.randn(3, 5, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    y = reference.hadamard_transform(x)
+    torch.testing.assert_close(y, x @ h / math.sqrt(d))
+    torch.testing.assert_close(reference.hadamard_transform(y), x)
