@@ -1,0 +1,130 @@
+"""Edges of the spec language and the pruning constraints that a mutation audit found unpinned:
+each test fails if the boundary or the check it names moves."""
+import dataclasses
+import textwrap
+
+import pytest
+
+from generator import variants as V
+from generator.build import plan
+from generator.errors import SpecError
+from generator.spec import SEQLEN_MAX, parse_spec
+from test_variants import BASE
+
+AXES = """\
+axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: false, tile: [128, 128], stages: 2,
+       warp_specialized: true, pingpong: false, intra_wg_overlap: true}
+"""
+
+
+def error(text: str) -> str:
+    with pytest.raises(SpecError) as e:
+        parse_spec(textwrap.dedent(text), "s.yaml")
+    return str(e.value)
+
+
+@pytest.mark.parametrize("text, message", [
+    (AXES.replace("stages: 2", "stages: 0"), "stages: expected a positive integer, got 0"),
+    (AXES.replace("tile: [128, 128]", "tile: [0, 128]"), "expected a tile [M, N] of two positive"),
+    (AXES + "groups:\n  - {name: a}\n  - {name: a}\n", "groups[1].name: duplicate group name"),
+    (AXES + "dispatch:\n  - when: {head_dim: 128}\n", "dispatch[0].use: missing"),
+    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    use: {}\n", "dispatch[0].use: empty"),
+    (AXES + "exclude:\n  - {}\n", "exclude[0]: empty exclude entry"),
+    (AXES + "dispatch_required: 'yes'\n", "dispatch_required: expected true or false"),
+    (AXES + "1: x\n", "keys must be strings"),
+    (AXES + f"dispatch:\n  - when: {{head_dim: 128}}\n    seqlen_k: [0, {SEQLEN_MAX + 1}]\n"
+     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [true, 5]\n"
+     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+])
+def test_malformed_specs_say_what_is_wrong(text, message):
+    assert message in error(text)
+
+
+def test_yaml_errors_give_one_based_line_and_column():
+    assert error("name: x\naxes: [1,\n").startswith("s.yaml:3:1: invalid YAML")
+
+
+def test_seqlen_max_itself_is_a_valid_bound():
+    text = AXES.replace("tile: [128, 128]", "tile: [[128, 128], [128, 176]]") + (
+        "dispatch:\n  - when: {head_dim: 128}\n    use: {tile: [128, 176]}\n"
+        f"  - when: {{head_dim: 128}}\n    seqlen_k: [0, {SEQLEN_MAX}]\n    use: {{tile: [128, 128]}}\n")
+    assert parse_spec(text, "s.yaml").dispatch[1].seqlen_k == (0, SEQLEN_MAX)
+
+
+def test_budgets_accept_exactly_the_limit(monkeypatch):
+    v = dataclasses.replace(BASE, head_dim=256, tile_n=80)
+    monkeypatch.setattr(V, "SMEM_LIMIT", V.smem_bytes(v))
+    assert V.smem_budget(v) is None
+    monkeypatch.setattr(V, "SMEM_LIMIT", V.smem_bytes(v) - 1)
+    assert V.smem_budget(v) is not None
+    need, cap = V.consumer_registers(v)
+    monkeypatch.setattr(V, "REG_OVERHEAD", V.REG_OVERHEAD + cap - need)  # need == cap
+    assert V.consumer_registers(v) == (cap, cap) and V.register_budget(v) is None
+    monkeypatch.setattr(V, "REG_OVERHEAD", V.REG_OVERHEAD + 1)
+    assert V.register_budget(v) is not None
+
+
+@pytest.mark.parametrize("change, constraint", [
+    (dict(dtype="e4m3", local=True, intra_wg_overlap=True), "fp8_scope"),
+    (dict(direction="bwd", tile_m=64, peel_masked=True), "peel_needs_overlap"),
+    (dict(p_in_smem=True, intra_wg_overlap=True, peel_masked=True), "p_in_smem_scope"),
+])
+def test_more_constraints_prune(change, constraint):
+    assert V.check(dataclasses.replace(BASE, **change))[0] == constraint
+
+
+def test_peel_needs_the_forward():
+    """peel_needs_overlap also refuses a backward variant on its own (backward_knobs prunes
+    it first in the table, so the function is called directly)."""
+    v = dataclasses.replace(BASE, direction="bwd", tile_m=64, peel_masked=True, intra_wg_overlap=True)
+    assert V.peel_needs_overlap(v) is not None
+    assert V.peel_needs_overlap(dataclasses.replace(BASE, peel_masked=True, intra_wg_overlap=True)) is None
+
+
+def test_forward_tile_n_16_is_a_wgmma_shape():
+    assert V.mma_n_shape(dataclasses.replace(BASE, tile_n=16)) is None
+
+
+def test_backward_split_head_dim_smem_by_hand():
+    """d256 64x64, two stages, head_dim split over two warpgroups: K, V 64 KiB; Q, dO two stages
+    128 KiB; dS^T and P^T two buffers each, 32 KiB; LSE and D 1 KiB; the reserve; no fp32 dQ tile
+    (it would not fit: dQ is handed over in the Q and dO buffers)."""
+    v = dataclasses.replace(BASE, direction="bwd", head_dim=256, tile_m=64, tile_n=64)
+    assert V.smem_bytes(v) == 65536 + 131072 + 32768 + 8 * 2 * 64 + V.SMEM_RESERVED
+
+
+RANGED = """\
+name: ranged
+axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: false, stages: 2,
+       warp_specialized: true, pingpong: [false, true], intra_wg_overlap: true,
+       tile: [[128, 128], [128, 176]]}
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 176], pingpong: true}
+"""
+
+
+def spec_file(tmp_path, text):
+    p = tmp_path / "ranged.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_ranges_that_touch_overlap(tmp_path):
+    text = RANGED + ("  - when: {head_dim: 128}\n    seqlen_k: [0, 100]\n    use: {tile: [128, 128], pingpong: true}\n"
+                     "  - when: {head_dim: 128}\n    seqlen_k: [100, 200]\n    use: {tile: [128, 128], pingpong: false}\n")
+    with pytest.raises(SpecError, match=r"overlaps \[0, 100\]"):
+        plan(spec_file(tmp_path, text))
+
+
+def test_one_range_split_over_entries_resolves_together_and_ranges_sort(tmp_path):
+    """Two entries with the same range combine (tile from one, pingpong from the other); the
+    ranges of a key come out in ascending order whatever the spec's order."""
+    text = RANGED + ("  - when: {head_dim: 128}\n    seqlen_k: [4096, 8192]\n    use: {tile: [128, 128]}\n"
+                     "  - when: {head_dim: 128}\n    seqlen_k: [4096, 8192]\n    use: {pingpong: false}\n"
+                     "  - when: {head_dim: 128}\n    seqlen_k: [0, 1024]\n    use: {tile: [128, 176], pingpong: false}\n")
+    [(key, ranges)] = plan(spec_file(tmp_path, text)).seqlen_defaults.items()
+    assert [(lo, hi, v.name) for lo, hi, v in ranges] == [
+        (0, 1024, "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov1"),
+        (4096, 8192, "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov1")]
