@@ -96,3 +96,24 @@ def test_runtime_picks_by_seqlen(tmp_path, monkeypatch):
     dims = dataclasses.replace(ops.check_inputs(q, q, q), seqlen_k=64)
     assert ops.resolve_variant(dims, False, by_length=False) == default
     assert ops.resolve_variant(dims, False) == other
+
+
+def test_range_bounds_are_inclusive_and_rows_of_another_key_are_ignored(tmp_path, monkeypatch):
+    """A range [lo, hi] serves lo and hi themselves; a build-info row whose variant serves
+    another key is dropped (its key's default serves); a variant named for another key is an
+    error, never run (RT1-RT4 of the mutation audit)."""
+    from fa3gen.errors import Fa3genError
+    from tests.test_runtime_errors import build_fake_lib
+
+    lib = runtime.Library(build_fake_lib(tmp_path))
+    other = "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"
+    default = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    causal_key = make_key("fwd", "bf16", 128, True)
+    rows = [[*KEY, 10, 100, other], [*causal_key, 0, 10**6, other]]  # the second: wrong key
+    monkeypatch.setattr(lib, "seqlen_dispatch", runtime._seqlen_dispatch(
+        {"seqlen_dispatch": rows}, lib._by_name))
+    assert list(lib.seqlen_dispatch) == [KEY]
+    found = {s: lib.find("fwd", "bf16", 128, False, seqlen_k=s).name for s in (9, 10, 100, 101)}
+    assert found == {9: default, 10: other, 100: other, 101: default}
+    with pytest.raises(Fa3genError, match="serves .* but the call needs"):
+        lib.find("fwd", "bf16", 128, False, variant="fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1")

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import yaml
 
@@ -158,3 +159,45 @@ def test_decode_calls_put_their_kernels_in_the_spec(tmp_path, monkeypatch):
     out = tmp_path / "serve_spec.yaml"
     assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
     assert plan(out).spec.decode == (("bf16", 128), ("fp16", 64))
+
+
+def test_named_calls_neither_undo_a_default_nor_move_its_lengths(tmp_path):
+    """A variant traced both as its key's default and by name stays the default, and the
+    lengths of named calls do not enter the choice by length (T4, T5 of the mutation audit)."""
+    short, long = ("fwd_bf16_d256_causal_m128n64_s2_ws1_pp0_ov1",
+                   "fwd_bf16_d256_causal_m128n80_s2_ws1_pp0_ov1_peel")
+    path = tmp_path / "used.yaml"
+    with fa3gen.trace(path):
+        sizes = dict(batch=1, heads_q=8, heads_kv=8)
+        tracing.record(D128, True, seqlen_q=8, seqlen_k=8, **sizes)
+        tracing.record(D128, False, seqlen_q=8, seqlen_k=8, **sizes)   # also named
+        tracing.record(D128_OTHER, False, seqlen_q=8, seqlen_k=8, **sizes)
+        for name, seqlen in ((short, 512), (short, 1024), (long, 4096), (long, 16384)):
+            tracing.record(name, True, seqlen_q=seqlen, seqlen_k=seqlen, **sizes)
+        tracing.record(long, False, seqlen_q=512, seqlen_k=512, **sizes)  # named, short length
+    out = tmp_path / "m.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    p = plan(out)
+    assert p.defaults[parse_name(D128).key].name == D128
+    assert p.seqlen_dispatch() == [[*parse_name(long).key, 0, 4095, short]]
+
+
+def test_a_trace_of_decode_calls_alone_is_written_at_exit(tmp_path):
+    t = tracing.Trace(tmp_path / "decode_only.yaml")
+    tracing._write_if_recorded(t)
+    assert not t.path.exists()  # nothing recorded: the file is left alone
+    t.decode.add(("bf16", 128))
+    tracing._write_if_recorded(t)
+    assert yaml.safe_load(t.path.read_text())["decode"] == [["bf16", 128]]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"variant": "not-a-variant", "default": True}, "bad call entry"),
+    ({"variant": D128, "default": True, "seqlen_k": [10, 5]}, "seqlen_k must be"),
+])
+def test_bad_call_entries_are_errors_not_skipped(tmp_path, entry, message):
+    path = tmp_path / "t.yaml"
+    good = {"variant": BWD, "default": True}
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [good, entry]}))
+    with pytest.raises(fa3gen.TraceError, match=message):
+        tracing.spec_from_trace(path, "x")
