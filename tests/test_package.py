@@ -124,3 +124,40 @@ def test_the_packaged_runtime_imports_only_packaged_modules():
                      for name in re.findall(r"\w+", group)}
     modules = {p.rsplit("/", 1)[-1][:-3] for p in __import__("glob").glob(f"{here}/*.py")}
     assert imported & modules <= set(package.RUNTIME_MODULES), imported & modules - set(package.RUNTIME_MODULES)
+
+
+def test_package_refuses_a_library_of_another_abi(built, capsys):
+    contract.manifest_path("fake").write_text(json.dumps({"spec": "fake", "abi_version": -1}))
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
+    assert "built for C ABI -1" in capsys.readouterr().err
+
+
+def test_wheel_record_lists_every_file_with_its_hash_and_size(built):
+    """RECORD as pip checks it (PEP 376/427): every other file with sha256 in unpadded
+    urlsafe base64 and its size, RECORD itself without either."""
+    import base64
+    import hashlib
+
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
+    [wheel] = (built / "dist").glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        [record_name] = [n for n in names if n.endswith(".dist-info/RECORD")]
+        rows = {r.split(",")[0]: r.split(",")[1:] for r in z.read(record_name).decode().splitlines()}
+        assert set(rows) == set(names) and rows[record_name] == ["", ""]
+        for n in names:
+            if n == record_name:
+                continue
+            data = z.read(n)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+            assert rows[n] == [f"sha256={digest}", str(len(data))], n
+
+
+@pytest.mark.parametrize("commit, label", [("0123456789abcdef", "g0123456789"),
+                                           ("0123456789abcdef-dirty", "g0123456789.dirty"),
+                                           (None, "unknown")])
+def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
+    from fa3gen import bench, package
+
+    monkeypatch.setattr(bench, "git_commit", lambda: commit)
+    assert package._commit() == label
