@@ -464,3 +464,63 @@ def test_a_filtered_out_range_variant_is_noted(fake):
     lines = []
     B.build(spec, only=[B2, A], toolchain=tc, dry_run=True, log=lines.append)
     assert any(f"seqlen_k 0-1000 in this build ({B_}" in ln for ln in lines)
+
+
+TWO_CAUSAL = SPEC.replace("    axes: {causal: true, tile: [128, 128]}",
+                          "    axes: {causal: true, tile: [[128, 128], [128, 176]]}") + \
+    "dispatch:\n  - {when: {causal: true}, use: {tile: [128, 176]}}\n"
+
+
+def test_manifest_marks_only_the_defaults(fake):
+    spec, tc, calls = fake
+    spec.write_text(TWO_CAUSAL)
+    res = B.build(spec, toolchain=tc, log=quiet)
+    m = json.loads(res.manifest.read_text())
+    assert {v["name"]: v["is_default"] for v in m["variants"]} == {A: True, B_: False, B2: True}
+
+
+def test_a_filtered_out_default_is_noted(fake):
+    spec, tc, calls = fake
+    spec.write_text(TWO_CAUSAL)
+    lines = []
+    B.build(spec, only=[A, B_], toolchain=tc, dry_run=True, log=lines.append)
+    assert any(f"has no default in this build ({B2} was filtered out)" in ln for ln in lines)
+
+
+def test_dry_run_lists_a_variant_whose_source_would_be_rewritten(fake):
+    spec, tc, calls = fake
+    out = B.build(spec, toolchain=tc, log=quiet).plan.out_dir
+    (out / "src" / f"{A}.cu").unlink()  # its object exists, its source would be written again
+    assert f"NVCC {A}" in B.build(spec, toolchain=tc, dry_run=True, log=quiet).planned
+
+
+def test_objects_built_with_spills_need_the_object(tmp_path):
+    (tmp_path / "obj").mkdir()
+    (tmp_path / "obj" / "x.resources.json").write_text(json.dumps({"problems": ["spill"]}))
+    assert B.objects_built_with_spills(tmp_path) == []  # never compiled to the end: nothing to relink
+    (tmp_path / "obj" / "x.o").write_bytes(b"")
+    assert B.objects_built_with_spills(tmp_path) == ["obj/x.o"]
+
+
+def test_default_jobs_leaves_four_gib_a_job(monkeypatch):
+    class Meminfo:
+        def __init__(self, *_):
+            pass
+
+        def read_text(self):
+            return "MemTotal: 33554432 kB\nMemAvailable: 9437184 kB\n"  # 9 GiB free
+
+    monkeypatch.setattr(B.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(B, "Path", Meminfo)
+    assert B.default_jobs() == 2
+
+
+def test_link_flags_and_ninja_keep_going():
+    """A link flag change is a different build; ninja runs with -k 0 so that one build reports
+    every failing variant."""
+    from generator.ninja import _ninja_cmd
+    from generator.toolchain import fingerprint
+
+    assert fingerprint("v", ["-O3"], ["-lfoo"], "4.2") != fingerprint("v", ["-O3"], [], "4.2")
+    cmd = _ninja_cmd(Path("/x"), 3, dry_run=False)
+    assert cmd[cmd.index("-k") + 1] == "0"
