@@ -465,3 +465,39 @@ def test_quantize_fp8_arguments_are_checked_first(change, message):
     args.update(change)
     with pytest.raises(InvalidInputError, match=message):
         fp8.quantize_fp8(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_all_zero_scopes_get_scale_one():
+    """A tensor or block of zeros: descale 1 and zero values, not 0 and NaN (0 / 0)."""
+    x = torch.zeros(1, 40, 2, 64)
+    x[0, 20:, 1] = 3.0  # head 1's second block is not zero
+    vals, scale = fp8.quantize(torch.zeros_like(x))
+    assert torch.equal(scale, torch.ones(1)) and not vals.float().any()
+    vals, scale = fp8.quantize(x, 20)
+    three = (torch.tensor([3.0]) * fp8.INV_E4M3_MAX).item()  # 3 x float32(1/448), as the code
+    assert torch.equal(scale, torch.tensor([[[1.0, 1.0], [1.0, three]]]))
+    assert not vals.float().isnan().any()
+
+
+def test_block_descales_follow_each_operands_tile(fake_launch, monkeypatch):
+    """q's blocks are the variant's tile_m rows, k's and v's its tile_n keys: 200 keys in blocks
+    of 96 are 3 (in blocks of 128, 2); a window is refused for fp8 like softcap; a single block's
+    stride is 0."""
+    import dataclasses
+
+    from fa3gen import runtime
+
+    lib = runtime.get_library()
+    default = lib.find("fwd", "e4m3", 128, True)
+    short = dataclasses.replace(default, tile_n=96)
+    monkeypatch.setitem(lib._by_name, short.name, short)
+    x = torch.zeros(1, 200, 2, 128, dtype=torch.float8_e4m3fn)
+    ops.flash_attn_func(x, x, x, causal=True, variant=short.name, k_descale=torch.ones(1, 2, 3),
+                        q_descale=torch.ones(1, 2, 2))
+    with pytest.raises(InvalidInputError, match="blocks of 96 rows"):
+        ops.flash_attn_func(x, x, x, causal=True, variant=short.name, k_descale=torch.ones(1, 2, 2))
+    with pytest.raises(InvalidInputError, match="window_size or softcap"):
+        ops.flash_attn_func(x, x, x, window_size=(10, 0))
+    y = torch.zeros(1, 100, 2, 128, dtype=torch.float8_e4m3fn)
+    ops.flash_attn_func(y, y, y, causal=True, k_descale=torch.ones(1, 2, 1))
+    assert fake_launch[-1][1].k_descale_block_stride == 0
