@@ -1,0 +1,90 @@
+"""What flash_attn_func and its backward hand the kernels, on the CPU: a fake library stands in
+and the launch is captured, so each params field can be checked against the call (a mutation
+audit found k and v swapped, windows swapped, a stale plan for another v and unzeroed gradients
+all passing the CPU suite)."""
+import pytest
+import torch
+
+from fa3gen import ops
+from fa3gen.errors import InvalidInputError
+from tests.test_runtime_errors import build_fake_lib
+
+
+@pytest.fixture
+def launched(tmp_path, monkeypatch):
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "_fwd_plans", {})
+    calls = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: calls.append((info.name, make())))
+    return calls
+
+
+def qkv(b=2, sq=40, sk=56, hq=4, hkv=2, d=128):
+    return (torch.randn(b, sq, hq, d, dtype=torch.bfloat16), torch.randn(b, sk, hkv, d, dtype=torch.bfloat16),
+            torch.randn(b, sk, hkv, d, dtype=torch.bfloat16))
+
+
+def test_pointers_sizes_and_window_reach_the_params(launched):
+    q, k, v = qkv()
+    out, lse = ops.flash_attn_func(q, k, v, window_size=(7, 3), softcap=5.0, return_lse=True)
+    ((name, p),) = launched
+    assert name == "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"
+    assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                            lse.data_ptr())
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim) == (2, 40, 56, 4, 2, 128)
+    assert (p.window_left, p.window_right, p.softcap) == (7, 3, 5.0)
+    assert (p.k_row_stride, p.k_head_stride, p.k_batch_stride) == (256, 128, 56 * 256)
+
+
+def test_a_plan_is_per_signature_of_every_input(launched):
+    """The plan cache keys on q, k and v: a v with other strides gets its own params."""
+    q, k, v = qkv()
+    ops.flash_attn_func(q, k, v)
+    wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]  # heads stride 128, rows 512
+    ops.flash_attn_func(q, k, wide)
+    assert launched[0][1].v_row_stride == 256 and launched[1][1].v_row_stride == 512
+
+
+def test_no_key_gives_zero_rows_and_lse_minus_inf_without_a_launch(launched):
+    q, k, v = qkv(sk=0)
+    out, lse = ops.flash_attn_func(q, k, v, return_lse=True)
+    assert launched == []
+    assert not out.float().any() and bool((lse == float("-inf")).all())
+
+
+def test_no_query_or_no_key_gives_zero_gradients(launched, monkeypatch):
+    """The backward without a launch zeroes all three gradients (their buffers start as NaN
+    here, as torch.empty may give anything)."""
+    def poisoned(q, k, v):
+        return (torch.full_like(q, float("nan")), torch.full_like(k, float("nan")),
+                torch.full_like(v, float("nan")))
+
+    monkeypatch.setattr(ops, "_empty_grads", poisoned)
+    for sq, sk in ((0, 56), (40, 0)):
+        q, k, v = (t.requires_grad_() for t in qkv(sq=sq, sk=sk))
+        out = ops.flash_attn_func(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v), allow_unused=True)
+        for g in (dq, dk, dv):
+            assert g is None or not g.float().isnan().any() and not g.float().any()
+    assert all(name.startswith("fwd") for name, _ in launched)
+
+
+def test_backward_checks_the_forwards_outputs(launched):
+    q, k, v = qkv()
+    out, lse = ops.flash_attn_func(q, k, v, return_lse=True)
+    with pytest.raises(InvalidInputError, match="lse must be float32"):
+        torch.ops.fa3gen.bwd(out, q, k, v, out, lse[:, :, :-1], False, 0.1,
+                             "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", False)
+
+
+def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(launched):
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match="multiple of heads_kv"):
+        ops.flash_attn_func(q, k[:, :, :0], v[:, :, :0])
+    # batch stride 40 * 4 * 128 + 4 elements: 8 bytes off the 16-byte TMA rule
+    flat = torch.zeros(2 * (40 * 4 * 128 + 4), dtype=torch.bfloat16)
+    odd = flat.as_strided((2, 40, 4, 128), (40 * 4 * 128 + 4, 512, 128, 1))
+    with pytest.raises(InvalidInputError, match=r"q.stride\(0\) \(batch\)"):
+        ops.check_layout(q=odd)
