@@ -207,3 +207,37 @@ def test_eager_calls_plan_once_per_signature(fake, monkeypatch):
     assert (bwd.do_row_stride, bwd.do_head_stride) == (512, 128)  # the expanded grad, copied
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 8, 5, causal=True)  # another max_seqlen
     assert len(checks) == 3
+
+
+def test_no_key_in_any_sequence_gives_zero_rows_and_lse_minus_inf(fake):
+    q, _, _ = qkv()
+    k = v = torch.zeros(0, 2, 128, dtype=torch.bfloat16)
+    out, lse = flash_attn_varlen_func(q, k, v, CU_Q, torch.zeros(4, dtype=torch.int32), 7, 1,
+                                      causal=True, return_lse=True)
+    assert fake == [] and not out.float().any() and bool((lse == float("-inf")).all())
+
+
+def test_a_plan_per_v_signature_and_the_tile_list_size(fake, monkeypatch):
+    """The plan cache keys on v too; the tile list holds two ints per (tile, head) of the
+    ABI's bound (FA3GEN_VARLEN_TILES)."""
+    sizes = []
+    real = varlen._set_varlen
+    monkeypatch.setattr(varlen, "_set_varlen", lambda p, cq, ck, tiles, tq, tk: (
+        sizes.append(tiles.numel()), real(p, cq, ck, tiles, tq, tk)))
+    q, k, v = qkv()
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    wide = torch.zeros(12, 4, 128, dtype=torch.bfloat16)[:, :2]
+    flash_attn_varlen_func(q, k, wide, CU_Q, CU_K, 7, 5, causal=True)
+    assert [p.v_row_stride for _, p in fake] == [256, 512]
+    assert sizes == [2 * contract.varlen_tiles(10, 3, 128) * 4] * 2
+
+
+@pytest.mark.parametrize("total, hq, message", [
+    (10, 32768, "32767 query heads per call, got 3 and 32768"),
+    (2**31, 4, "total_q and total_k must be below 2\\^31 rows"),
+])
+def test_varlen_size_limits(fake, total, hq, message):
+    q = torch.zeros(1, 1, 128, dtype=torch.bfloat16).expand(total, hq, 128)
+    k = v = torch.zeros(12, 2 if hq == 4 else 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=message):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
