@@ -573,3 +573,26 @@ def test_chunked_prefill_clamps_bad_indices_as_the_decode_kernels(launched, monk
     with pytest.raises(InvalidInputError):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([20, 5], dtype=torch.int32),
                                         block_table=table)
+
+
+def test_split_accumulators_and_debug_bounds_at_the_edge(launched, monkeypatch):
+    """The fp32 partial LSEs follow the partial O (rows x d floats, 4 bytes each); under the
+    debug checks the last page and cache row are in range, one past them is not."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=700, num_splits=4)
+    (p,) = launched
+    assert p.lse_accum - p.o_accum == 2 * 8 * 1 * 4 * 128 * 4  # b * hq * sq * splits * d floats
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    q1 = torch.zeros(1, 1, 2, 64, dtype=BF)
+    pages = torch.zeros(4, 16, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q1, pages, pages, cache_seqlens=16, block_table=torch.tensor([[3]], dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match="block_table row 0"):
+        kvcache.flash_attn_with_kvcache(q1, pages, pages, cache_seqlens=16,
+                                        block_table=torch.tensor([[4]], dtype=torch.int32))
+    rows = torch.zeros(3, 32, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q1, rows, rows, cache_seqlens=5,
+                                    cache_batch_idx=torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match="cache_batch_idx in"):
+        kvcache.flash_attn_with_kvcache(q1, rows, rows, cache_seqlens=5,
+                                        cache_batch_idx=torch.tensor([3], dtype=torch.int32))
