@@ -108,3 +108,32 @@ def test_hadamard_transform_is_the_orthonormal_matrix():
     y = reference.hadamard_transform(x)
     torch.testing.assert_close(y, x @ h / math.sqrt(d))
     torch.testing.assert_close(reference.hadamard_transform(y), x)
+
+
+def test_the_tolerance_rule_rejects_three_times_plain_low_precision_error():
+    """compare_to_reference / compare_grads_to_reference: the fp32 reference and plain PyTorch
+    in bf16 pass; one element off by 3x the low-precision error (plus twice the absolute floor)
+    fails, for out, lse and each gradient."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(2, 33, 4, 64, generator=g).to(torch.bfloat16) for _ in range(4))
+    ref_out, ref_lse = reference.attention_reference(q, k, v, True)
+    low_out, _ = reference.attention_reference(q, k, v, True, upcast=False)
+    assert reference.compare_to_reference(ref_out, ref_lse, q, k, v, True)["ok"]
+    res = reference.compare_to_reference(low_out, ref_lse, q, k, v, True)
+    assert res["ok"] and res["lowprec_err"] > 0
+    bad = ref_out.clone()
+    bad[1, 7, 2, 5] += 3 * res["lowprec_err"] + 2 * reference.OUT_ATOL
+    assert not reference.compare_to_reference(bad, ref_lse, q, k, v, True)["ok"]
+    bad_lse = ref_lse.clone()
+    bad_lse[0, 1, 9] += 2 * reference.LSE_ATOL + 2 * reference.LSE_RTOL * abs(float(ref_lse[0, 1, 9]))
+    assert not reference.compare_to_reference(ref_out, bad_lse, q, k, v, True)["ok"]
+
+    grads = reference.attention_grad_reference(q, k, v, dout, True)
+    low = reference.attention_grad_reference(q, k, v, dout, True, upcast=False)
+    assert reference.compare_grads_to_reference(grads, q, k, v, dout, True)["ok"]
+    for i in range(3):
+        off = list(grads)
+        err = float((low[i].float() - grads[i]).abs().max())
+        off[i] = grads[i].clone()
+        off[i].view(-1)[11] += 3 * err + 2 * reference.GRAD_ATOL
+        assert not reference.compare_grads_to_reference(off, q, k, v, dout, True)["ok"], i
