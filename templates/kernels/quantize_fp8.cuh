@@ -288,10 +288,10 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 // - 16-bit -> fp32 by bit operations, one a value for bf16 (ptxas makes the upper half a PRMT
 //   and a shift), with the Hadamard sign flip folded in (bf16: the shift's add and the mask's
 //   xor carry it; fp16: one xor a pair before the conversion) where no rotary comes first;
-// - d64 and d256: 1/sqrt(d) is a power of two, so multiplying by it commutes with every
-//   rounding (no values this far from 1 are near fp32's limits once quantized): the kernel
-//   keeps the unscaled values, scales the block's amax once and divides by descale * sqrt(d),
-//   the same bits as reference.hadamard_transform then fp8.quantize.
+// - d64 and d256: 1/sqrt(d) is a power of two, so multiplying by it is exact and commutes with
+//   every rounding (short of fp32's subnormals, which the flush-to-zero arithmetic departs from
+//   either way): the kernel keeps the unscaled values, scales the block's amax once and divides
+//   by descale * sqrt(d), the same bits as reference.hadamard_transform then fp8.quantize.
 #ifdef FA3GEN_QUANTIZE_LEAN
 constexpr bool kQuantizeLean = true;
 #else
