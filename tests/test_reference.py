@@ -137,3 +137,17 @@ def test_the_tolerance_rule_rejects_three_times_plain_low_precision_error():
         off[i] = grads[i].clone()
         off[i].view(-1)[11] += 3 * err + 2 * reference.GRAD_ATOL
         assert not reference.compare_grads_to_reference(off, q, k, v, dout, True)["ok"], i
+
+
+def test_nan_is_reported_as_unwritten_elements():
+    """Outputs are NaN-poisoned before a kernel runs: a NaN left says 'not written'."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(1, 9, 2, 32, generator=g).to(torch.bfloat16) for _ in range(4))
+    out, lse = reference.attention_reference(q, k, v)
+    out[0, 3, 1, 4] = float("nan")
+    res = reference.compare_to_reference(out, lse, q, k, v)
+    assert not res["ok"] and "NaN in out (1)" in res["why"]
+    grads = list(reference.attention_grad_reference(q, k, v, dout))
+    grads[1][0, 2, 0, 0] = float("nan")
+    res = reference.compare_grads_to_reference(grads, q, k, v, dout)
+    assert not res["ok"] and res["why"] == "NaN in dk (1): elements not written or NaN math"
