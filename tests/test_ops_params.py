@@ -88,3 +88,28 @@ def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(launched):
     odd = flat.as_strided((2, 40, 4, 128), (40 * 4 * 128 + 4, 512, 128, 1))
     with pytest.raises(InvalidInputError, match=r"q.stride\(0\) \(batch\)"):
         ops.check_layout(q=odd)
+
+
+def test_backward_pointers_reach_the_params(launched, monkeypatch):
+    """Distinct q, k, v, dout and gradient buffers: each params pointer names its own tensor."""
+    grads = []
+    real = ops._empty_grads
+    monkeypatch.setattr(ops, "_empty_grads", lambda q, k, v: grads.append(real(q, k, v)) or grads[-1])
+    q, k, v = (t.requires_grad_() for t in qkv(hq=2))
+    out = ops.flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    (name, p) = launched[-1]
+    assert name.startswith("bwd_")
+    dq, dk, dv = grads[-1]
+    assert (p.q, p.k, p.v, p.o) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    assert (p.dq, p.dk, p.dv) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    assert p.dout == dout.data_ptr()
+
+
+def test_a_plan_per_k_signature(launched):
+    q, k, v = qkv()
+    ops.flash_attn_func(q, k, v)
+    wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]
+    ops.flash_attn_func(q, wide, v)
+    assert launched[0][1].k_row_stride == 256 and launched[1][1].k_row_stride == 512
