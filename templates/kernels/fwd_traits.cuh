@@ -123,16 +123,16 @@ struct FwdTraits {
   // at d128 (128x128 and 128x192: 0.997-1.03, median 1.01; docs/results/ab_fp8_chains.json),
   // one elsewhere (d256 0.97-1.01, d64 0.94-1.03 with two).
   static constexpr int kSoftmaxChains = kFp8 ? (HeadDim == 128 ? 2 : 1) : TileN < 128 ? 1 : 4;
-#ifdef FA3GEN_SOFTMAX_VOTE_MAX
-  // Measurement switch: the softmax's warp vote before its quad reductions (softmax.cuh; one
-  // A/B, docs/BENCHMARKS.md: forward median 1.03x). Not in the fp8 forward (0.93-0.98x;
-  // probably as its threshold is 0.8, not 8: rows move often, the vote seldom skips anything)
-  // nor at d256 without softcap (causal 128x80 0.98-1.00x; non-causal 128x80 spilled 4
-  // bytes); every other 16-bit default compiles spill-free with it.
-  static constexpr bool kSoftmaxVote = !kFp8 && (HeadDim < 256 || Softcap);
-#else
-  static constexpr bool kSoftmaxVote = false;
-#endif
+  // The softmax's warp vote before its quad reductions (softmax.cuh), where it measured a gain
+  // (H200 A/B, 2026-12-01, docs/results/ab_softmax_vote_4rounds.json, 4 rounds, 1k-16k): d128
+  // causal 1.02-1.06x, non-causal 128x176 1.00-1.04, d192 1.01-1.04, d256 causal softcap
+  // 1.04-1.08. Off where it lost: d64 and d96 (0.84-0.98, but d64 192x128 non-causal
+  // 1.03-1.04), sliding windows (0.98-0.99; d128 local softcap 1.00-1.03), d256 without
+  // softcap (non-causal 128x80 spills with it) and the fp8 forward (0.93-0.98: its rescale
+  // threshold is 0.8, so rows move often and the vote seldom skips anything). Varlen: not
+  // measured, so off.
+  static constexpr bool kSoftmaxVote =
+      !kFp8 && !Local && !Varlen && HeadDim >= 128 && (HeadDim < 256 || Softcap);
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);

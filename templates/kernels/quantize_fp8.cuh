@@ -283,8 +283,11 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
   for (int j = 0; j < 32 && Scale; ++j) v[j] = __fmul_rn(v[j], kInvSqrtD<HeadDim>);
 }
 
-// Measurement switch FA3GEN_QUANTIZE_LEAN (off; not GPU-run): fewer instructions a value where
-// the kernel is bound by issue, not memory (the Hadamard path, about 17 a value):
+// The lean unpack, in the two-pass instances (where it measured a gain; H200 A/B, 2026-12-01,
+// docs/results/ab_quantize_lean.json, Hadamard blocks as % of copy: d64 160 rows 43 -> 48, 192
+// 46 -> 52, d128 160 43-45 -> 47, 192 49 -> 53, d256 128 55 -> 58; one pass lost, d128 128 rows
+// 60 -> 58, d64 128 59 -> 58). Fewer instructions a value where the kernel is bound by issue,
+// not memory (the Hadamard path, about 17 a value):
 // - 16-bit -> fp32 by bit operations, one a value for bf16 (ptxas makes the upper half a PRMT
 //   and a shift), with the Hadamard sign flip folded in (bf16: the shift's add and the mask's
 //   xor carry it; fp16: one xor a pair before the conversion) where no rotary comes first;
@@ -292,33 +295,25 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 //   every rounding (short of fp32's subnormals, which the flush-to-zero arithmetic departs from
 //   either way): the kernel keeps the unscaled values, scales the block's amax once and divides
 //   by descale * sqrt(d), the same bits as reference.hadamard_transform then fp8.quantize.
-#ifdef FA3GEN_QUANTIZE_LEAN
-constexpr bool kQuantizeLean = true;
-#else
-constexpr bool kQuantizeLean = false;
-#endif
-template <int HeadDim>
-constexpr bool kFoldInvSqrtD = kQuantizeLean && (HeadDim == 64 || HeadDim == 256);
+template <int Passes>
+constexpr bool kQuantizeLean = Passes > 1;
+template <int HeadDim, int Passes>
+constexpr bool kFoldInvSqrtD = kQuantizeLean<Passes> && (HeadDim == 64 || HeadDim == 256);
 
 // One 16-byte chunk of 16-bit values as 8 floats; value i negated where bit i of flips is set
-// (flips: the chunk's 8 bits of neg, or 0). PairMasks: the flips as one mask a pair of values
-// (16 registers a thread once hoisted, not 32: the two-pass kernels hold 64 values), at one
-// more instruction a pair for bf16.
-template <class T, bool PairMasks>
+// (flips: the chunk's 8 bits of neg, or 0), one mask a pair of values (16 registers a thread
+// once hoisted, not 32: the two-pass kernels hold 64 values).
+template <class T>
 __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out, uint32_t flips) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   #pragma unroll
   for (int q = 0; q < 4; ++q) {
     const uint32_t lo = ((flips >> (2 * q)) & 1u) << 31, hi = ((flips >> (2 * q + 1)) & 1u) << 31;
-    if constexpr (std::is_same_v<T, __nv_bfloat16> && PairMasks) {
-      const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
+    const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       out[2 * q] = __uint_as_float(x << 16);
       out[2 * q + 1] = __uint_as_float(x & 0xffff0000u);
-    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      out[2 * q] = __uint_as_float(w[q] * 0x10000u + lo);  // bit 31 + lo = bit 31 ^ lo
-      out[2 * q + 1] = __uint_as_float((w[q] & 0xffff0000u) ^ hi);
     } else {
-      const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
       const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
       out[2 * q] = f.x;
       out[2 * q + 1] = f.y;
@@ -417,7 +412,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
   };
 
   // The Hadamard signs flipped while unpacking (kQuantizeLean), where no rotary comes first.
-  constexpr bool kFoldSigns = kQuantizeLean && !Rotary && Hadamard == kHadamard;
+  constexpr bool kFoldSigns = kQuantizeLean<Passes> && !Rotary && Hadamard == kHadamard;
   uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
   if (transforms<Hadamard>(p)) {
     #pragma unroll
@@ -445,8 +440,8 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint4 raw = *reinterpret_cast<const uint4*>(row + (((t + S::T * k) ^ S::swizzle(r)) << 4));
-          if constexpr (kQuantizeLean) {
-            unpack_chunk<T, (Passes > 1)>(raw, &v[ps][8 * k], kFoldSigns ? (neg >> (8 * k)) & 0xffu : 0u);
+          if constexpr (kQuantizeLean<Passes>) {
+            unpack_chunk<T>(raw, &v[ps][8 * k], kFoldSigns ? (neg >> (8 * k)) & 0xffu : 0u);
           } else {
             const T* e = reinterpret_cast<const T*>(&raw);
             #pragma unroll
@@ -464,7 +459,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;  // rows past the end: zeros, never stored
       }
       // Every lane of the warp shuffles (whole rows are live or not, but a warp may hold both).
-      if (transforms<Hadamard>(p)) transform_owned<HeadDim, kFoldSigns, !kFoldInvSqrtD<HeadDim>>(v[ps], neg, lane);
+      if (transforms<Hadamard>(p)) transform_owned<HeadDim, kFoldSigns, !kFoldInvSqrtD<HeadDim, Passes>>(v[ps], neg, lane);
       #pragma unroll
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
     }
@@ -476,7 +471,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     #pragma unroll
     for (int w = 1; w < Threads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
     // Values left unscaled (kFoldInvSqrtD): the scaled amax, exact, and a divisor as exact.
-    const bool unscaled = kFoldInvSqrtD<HeadDim> && transforms<Hadamard>(p);
+    const bool unscaled = kFoldInvSqrtD<HeadDim, Passes> && transforms<Hadamard>(p);
     const float descale = descale_of(unscaled ? amax * kInvSqrtD<HeadDim> : amax);
     const float divisor = unscaled ? descale * (1.f / kInvSqrtD<HeadDim>) : descale;
     if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + row0 / p.block_rows] = descale;
