@@ -74,3 +74,22 @@ def stub_forward(tmp_path, monkeypatch):
         monkeypatch.setattr(ops, "torch", TorchWithoutTheLaunch())
 
     return install
+
+
+@pytest.fixture
+def fake_launches(tmp_path, monkeypatch):
+    """The eager path on CPU tensors up to the launch, against the fake C library (which has,
+    among others, an e4m3 d128 causal and varlen variants), with every plan cache empty:
+    returns the list of (variant name, params) that would have been launched."""
+    from fa3gen import fp8, kvcache, ops, varlen
+    from tests.test_runtime_errors import build_fake_lib
+
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    for module, cache in ((ops, "_fwd_plans"), (ops, "_bwd_plans"), (varlen, "_plans"),
+                          (varlen, "_bwd_plans"), (fp8, "_plans"), (kvcache, "_plans")):
+        monkeypatch.setattr(module, cache, {})
+    launched = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append((info.name, make())))
+    return launched

@@ -133,22 +133,7 @@ def test_quantize_fp8_per_tensor_with_incoherent_processing_keeps_scores():
     assert not torch.equal(q8.float(), fp8.quantize(q)[0].float())  # the transform was applied
 
 
-@pytest.fixture
-def fake_launch(tmp_path, monkeypatch):
-    """flash_attn_func on CPU tensors up to the launch, against the fake library (which has an
-    e4m3 d128 causal variant): returns the list of (variant, params) launched."""
-    from tests.test_runtime_errors import build_fake_lib
-
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    launched = []
-    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
-        (info.name, make())))
-    return launched
-
-
-def test_fp8_call_fills_the_descale_fields(fake_launch):
+def test_fp8_call_fills_the_descale_fields(fake_launches):
     b, sq, sk, hq, hkv = 2, 300, 200, 4, 2
     q = torch.zeros(b, sq, hq, 128, dtype=torch.float8_e4m3fn)
     k = v = torch.zeros(b, sk, hkv, 128, dtype=torch.float8_e4m3fn)
@@ -158,14 +143,14 @@ def test_fp8_call_fills_the_descale_fields(fake_launch):
     out, lse = ops.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
                             out_dtype=torch.float16, return_lse=True)
     assert out.dtype == torch.float16 and out.shape == q.shape and lse.shape == (b, hq, sq)
-    ((name, p),) = fake_launch
+    ((name, p),) = fake_launches
     assert name == "fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1" and p.o_fp16 == 1
     assert p.q_descale == qd.data_ptr() and p.q_descale_head_div == hq // hkv
     assert (p.q_descale_batch_stride, p.q_descale_head_stride, p.q_descale_block_stride) == (2, 1, 0)
     assert (p.k_descale_batch_stride, p.k_descale_head_stride, p.k_descale_block_stride) == (4, 2, 1)
     assert (p.v_descale_batch_stride, p.v_descale_head_stride, p.v_descale_block_stride) == (0, 0, 0)
     ops.flash_attn_func(q, k, v, causal=True)  # no descales: null pointers (the kernel reads 1)
-    p2 = fake_launch[1][1]
+    p2 = fake_launches[1][1]
     assert not p2.q_descale and not p2.k_descale and not p2.v_descale and p2.o_fp16 == 0
     assert p2.q_descale_head_div == 1
     with pytest.raises(InvalidInputError, match="blocks of 128 rows"):
@@ -174,7 +159,7 @@ def test_fp8_call_fills_the_descale_fields(fake_launch):
         ops.flash_attn_func(q, k, v, causal=True, softcap=5.0)
 
 
-def test_fp8_under_torch_compile_on_cpu(fake_launch):
+def test_fp8_under_torch_compile_on_cpu(fake_launches):
     """torch.compile(fullgraph=True) traces fp8 calls through the fa3gen::fwd_fp8 custom op
     (launch stubbed), block descales and the fp16 output included."""
     f = torch.compile(lambda q, k, v, kd: ops.flash_attn_func(
@@ -185,12 +170,12 @@ def test_fp8_under_torch_compile_on_cpu(fake_launch):
         kd = torch.ones(1, 2, -(-seqlen // 128))
         out = f(q, q, q, kd)
         assert out.dtype == torch.float16 and out.shape == q.shape
-    assert [n for n, _ in fake_launch] == ["fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1"] * 2
-    assert fake_launch[1][1].seqlen_q == 300 and fake_launch[1][1].k_descale_block_stride == 1
+    assert [n for n, _ in fake_launches] == ["fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1"] * 2
+    assert fake_launches[1][1].seqlen_q == 300 and fake_launches[1][1].k_descale_block_stride == 1
 
 
 def test_compiled_calls_with_block_descales_take_the_tiles_their_blocks_were_made_for(
-        fake_launch, monkeypatch):
+        fake_launches, monkeypatch):
     """A key whose spec has a seqlen_k range default (h100.yaml: e4m3 d128 128x128 below 2k
     keys, 128x192 above): quantize_fp8 makes blocks of the by-length variant's tiles, so a
     compiled call (whose name is otherwise the key default) launches that variant too, not the
@@ -212,8 +197,8 @@ def test_compiled_calls_with_block_descales_take_the_tiles_their_blocks_were_mad
     monkeypatch.setattr(ops, "_captured", lambda *a: True)  # as under torch.compile
     ops.flash_attn_func(x, x, x, causal=True, **descales)
     ops.flash_attn_func(x, x, x, causal=True)  # no block descales: the key default, as before
-    assert [name for name, _ in fake_launch] == [short.name, short.name, default.name]
-    assert fake_launch[1][1].k_descale_block_stride == 1
+    assert [name for name, _ in fake_launches] == [short.name, short.name, default.name]
+    assert fake_launches[1][1].k_descale_block_stride == 1
 
 
 def test_cudnn_fp8_column_is_optional():
@@ -278,7 +263,7 @@ def test_quantize_fp8_with_rotary():
         fp8.quantize_fp8(q, k, v, block=False, rotary=theta)
 
 
-def test_fp8_calls_are_planned_once_per_signature(fake_launch, monkeypatch):
+def test_fp8_calls_are_planned_once_per_signature(fake_launches, monkeypatch):
     """A repeated fp8 call reuses its plan (descale strides included) and sets only pointers;
     another descale layout plans again; grad mode is still checked on every call."""
     planned = []
@@ -291,16 +276,16 @@ def test_fp8_calls_are_planned_once_per_signature(fake_launch, monkeypatch):
     for kd in kds:
         ops.flash_attn_func(q, k, v, causal=True, k_descale=kd)
     assert len(planned) == 1
-    (_, p1), (_, p2) = fake_launch
+    (_, p1), (_, p2) = fake_launches
     assert (p1.k_descale, p2.k_descale) == (kds[0].data_ptr(), kds[1].data_ptr())
     assert (p2.k_descale_batch_stride, p2.k_descale_head_stride, p2.k_descale_block_stride) == (4, 2, 1)
     assert not p2.q_descale and not p2.v_descale
     ops.flash_attn_func(q, k, v, causal=True, k_descale=torch.ones(b, h))  # (batch, heads_kv)
-    assert len(planned) == 2 and fake_launch[-1][1].k_descale_block_stride == 0
+    assert len(planned) == 2 and fake_launches[-1][1].k_descale_block_stride == 0
     ops.flash_attn_func(q, k, v, causal=True, k_descale=kds[0], out_dtype=torch.float16)
-    assert len(planned) == 3 and fake_launch[-1][1].o_fp16 == 1
+    assert len(planned) == 3 and fake_launches[-1][1].o_fp16 == 1
     ops.flash_attn_func(q, k, v, causal=True, k_descale=kds[1])
-    assert len(planned) == 3 and fake_launch[-1][1].o_fp16 == 0
+    assert len(planned) == 3 and fake_launches[-1][1].o_fp16 == 0
     with pytest.raises(InvalidInputError, match="forward only"):  # checked on a planned signature
         _grad_call(q, k, v, kds[0])
     assert len(planned) == 3
@@ -352,7 +337,7 @@ def test_fp8_p_scale_is_the_kernels():
     assert found and 2.0 ** int(found.group(1)) == FP8_P_SCALE
 
 
-def test_quantize_fp8_plans_once_per_signature(fake_launch, monkeypatch):
+def test_quantize_fp8_plans_once_per_signature(fake_launches, monkeypatch):
     """A repeated quantize_fp8 signature launches from its plan: the same params as the first
     (unplanned) call but for the pointers, without re-checking or re-resolving the tiles; a
     misaligned tensor or another library takes the unplanned path again."""
@@ -411,7 +396,7 @@ def test_kernel_block_values_is_the_quantizer_kernels():
     assert found and int(found.group(1)) == fp8.KERNEL_BLOCK_VALUES
 
 
-def test_debug_checks_catch_bad_descales(fake_launch, monkeypatch):
+def test_debug_checks_catch_bad_descales(fake_launches, monkeypatch):
     """FA3GEN_DEBUG_CHECKS=1 reads the descales on the host: NaN, inf or negative values raise
     (naming the entry), 0 passes; without the switch nothing is read (the kernels propagate a
     NaN instead)."""
@@ -430,9 +415,9 @@ def test_debug_checks_catch_bad_descales(fake_launch, monkeypatch):
     with pytest.raises(InvalidInputError, match=r"v_descale\[0\] is -2.0"):
         ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.tensor([-2.0]))
     monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "0")
-    launched = len(fake_launch)
+    launched = len(fake_launches)
     ops.flash_attn_func(q, k, v, causal=True, k_descale=bad)
-    assert len(fake_launch) == launched + 1
+    assert len(fake_launches) == launched + 1
 
 
 def test_a_nan_does_not_reset_its_scopes_scale():
@@ -479,7 +464,7 @@ def test_all_zero_scopes_get_scale_one():
     assert not vals.float().isnan().any()
 
 
-def test_block_descales_follow_each_operands_tile(fake_launch, monkeypatch):
+def test_block_descales_follow_each_operands_tile(fake_launches, monkeypatch):
     """q's blocks are the variant's tile_m rows, k's and v's its tile_n keys: 200 keys in blocks
     of 96 are 3 (in blocks of 128, 2); a window is refused for fp8 like softcap; a single block's
     stride is 0."""
@@ -500,4 +485,4 @@ def test_block_descales_follow_each_operands_tile(fake_launch, monkeypatch):
         ops.flash_attn_func(x, x, x, window_size=(10, 0))
     y = torch.zeros(1, 100, 2, 128, dtype=torch.float8_e4m3fn)
     ops.flash_attn_func(y, y, y, causal=True, k_descale=torch.ones(1, 2, 1))
-    assert fake_launch[-1][1].k_descale_block_stride == 0
+    assert fake_launches[-1][1].k_descale_block_stride == 0

@@ -7,18 +7,6 @@ import torch
 
 from fa3gen import ops
 from fa3gen.errors import InvalidInputError
-from tests.test_runtime_errors import build_fake_lib
-
-
-@pytest.fixture
-def launched(tmp_path, monkeypatch):
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(ops, "_fwd_plans", {})
-    calls = []
-    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: calls.append((info.name, make())))
-    return calls
 
 
 def qkv(b=2, sq=40, sk=56, hq=4, hkv=2, d=128):
@@ -26,10 +14,10 @@ def qkv(b=2, sq=40, sk=56, hq=4, hkv=2, d=128):
             torch.randn(b, sk, hkv, d, dtype=torch.bfloat16))
 
 
-def test_pointers_sizes_and_window_reach_the_params(launched):
+def test_pointers_sizes_and_window_reach_the_params(fake_launches):
     q, k, v = qkv()
     out, lse = ops.flash_attn_func(q, k, v, window_size=(7, 3), softcap=5.0, return_lse=True)
-    ((name, p),) = launched
+    ((name, p),) = fake_launches
     assert name == "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"
     assert (p.q, p.k, p.v, p.o, p.lse) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                                             lse.data_ptr())
@@ -38,23 +26,23 @@ def test_pointers_sizes_and_window_reach_the_params(launched):
     assert (p.k_row_stride, p.k_head_stride, p.k_batch_stride) == (256, 128, 56 * 256)
 
 
-def test_a_plan_is_per_signature_of_every_input(launched):
+def test_a_plan_is_per_signature_of_every_input(fake_launches):
     """The plan cache keys on q, k and v: a v with other strides gets its own params."""
     q, k, v = qkv()
     ops.flash_attn_func(q, k, v)
     wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]  # heads stride 128, rows 512
     ops.flash_attn_func(q, k, wide)
-    assert launched[0][1].v_row_stride == 256 and launched[1][1].v_row_stride == 512
+    assert fake_launches[0][1].v_row_stride == 256 and fake_launches[1][1].v_row_stride == 512
 
 
-def test_no_key_gives_zero_rows_and_lse_minus_inf_without_a_launch(launched):
+def test_no_key_gives_zero_rows_and_lse_minus_inf_without_a_launch(fake_launches):
     q, k, v = qkv(sk=0)
     out, lse = ops.flash_attn_func(q, k, v, return_lse=True)
-    assert launched == []
+    assert fake_launches == []
     assert not out.float().any() and bool((lse == float("-inf")).all())
 
 
-def test_no_query_or_no_key_gives_zero_gradients(launched, monkeypatch):
+def test_no_query_or_no_key_gives_zero_gradients(fake_launches, monkeypatch):
     """The backward without a launch zeroes all three gradients (their buffers start as NaN
     here, as torch.empty may give anything)."""
     def poisoned(q, k, v):
@@ -68,10 +56,10 @@ def test_no_query_or_no_key_gives_zero_gradients(launched, monkeypatch):
         dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v), allow_unused=True)
         for g in (dq, dk, dv):
             assert g is None or not g.float().isnan().any() and not g.float().any()
-    assert all(name.startswith("fwd") for name, _ in launched)
+    assert all(name.startswith("fwd") for name, _ in fake_launches)
 
 
-def test_backward_checks_the_forwards_outputs(launched):
+def test_backward_checks_the_forwards_outputs(fake_launches):
     q, k, v = qkv()
     out, lse = ops.flash_attn_func(q, k, v, return_lse=True)
     with pytest.raises(InvalidInputError, match="lse must be float32"):
@@ -79,7 +67,7 @@ def test_backward_checks_the_forwards_outputs(launched):
                              "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", False)
 
 
-def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(launched):
+def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(fake_launches):
     q, k, v = qkv()
     with pytest.raises(InvalidInputError, match="multiple of heads_kv"):
         ops.flash_attn_func(q, k[:, :, :0], v[:, :, :0])
@@ -90,7 +78,7 @@ def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(launched):
         ops.check_layout(q=odd)
 
 
-def test_backward_pointers_reach_the_params(launched, monkeypatch):
+def test_backward_pointers_reach_the_params(fake_launches, monkeypatch):
     """Distinct q, k, v, dout and gradient buffers: each params pointer names its own tensor."""
     grads = []
     real = ops._empty_grads
@@ -99,7 +87,7 @@ def test_backward_pointers_reach_the_params(launched, monkeypatch):
     out = ops.flash_attn_func(q, k, v)
     dout = torch.randn_like(out)
     out.backward(dout)
-    (name, p) = launched[-1]
+    (name, p) = fake_launches[-1]
     assert name.startswith("bwd_")
     dq, dk, dv = grads[-1]
     assert (p.q, p.k, p.v, p.o) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
@@ -107,9 +95,9 @@ def test_backward_pointers_reach_the_params(launched, monkeypatch):
     assert p.dout == dout.data_ptr()
 
 
-def test_a_plan_per_k_signature(launched):
+def test_a_plan_per_k_signature(fake_launches):
     q, k, v = qkv()
     ops.flash_attn_func(q, k, v)
     wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]
     ops.flash_attn_func(q, wide, v)
-    assert launched[0][1].k_row_stride == 256 and launched[1][1].k_row_stride == 512
+    assert fake_launches[0][1].k_row_stride == 256 and fake_launches[1][1].k_row_stride == 512

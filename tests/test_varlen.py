@@ -21,22 +21,6 @@ CU_Q = torch.tensor([0, 3, 3, 10], dtype=torch.int32)
 CU_K = torch.tensor([0, 5, 7, 12], dtype=torch.int32)
 
 
-@pytest.fixture
-def fake(tmp_path, monkeypatch):
-    """CPU tensors up to the launch, on the eager path; returns the (variant, params) launched."""
-    from tests.test_runtime_errors import build_fake_lib
-
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(varlen, "_plans", {})
-    monkeypatch.setattr(varlen, "_bwd_plans", {})
-    launched = []
-    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
-        (info.name, make())))
-    return launched
-
-
 def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
     params = inspect.signature(flash_attn_varlen_func).parameters
     positional = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
@@ -90,14 +74,14 @@ def test_seqused_k_checks():
     (dict(window_size=(-2, 0)), "window_size left must be an int >= -1"),
     (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
 ])
-def test_bad_input_one_clear_error(fake, change, message):
+def test_bad_input_one_clear_error(fake_launches, change, message):
     q, k, v = qkv()
     args = dict(q=q, k=k, v=v, cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K, max_seqlen_q=7,
                 max_seqlen_k=5)
     args.update(change)
     with pytest.raises(InvalidInputError, match=message):
         flash_attn_varlen_func(**args)
-    assert fake == []
+    assert fake_launches == []
 
 
 @pytest.mark.parametrize("cu_q, cu_k, max_q, message", [
@@ -106,7 +90,7 @@ def test_bad_input_one_clear_error(fake, change, message):
     (CU_Q.tolist(), [0, 5, 7, 13], 7, r"cu_seqlens_k\[-1\] is 13 but k has 12 rows"),
     (CU_Q.tolist(), CU_K.tolist(), 6, "max_seqlen_q is 6 but sequence 2 has 7 rows"),
 ])
-def test_debug_checks_read_cu_seqlens(fake, monkeypatch, cu_q, cu_k, max_q, message):
+def test_debug_checks_read_cu_seqlens(fake_launches, monkeypatch, cu_q, cu_k, max_q, message):
     q, k, v = qkv()
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
     flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)  # off: not checked
@@ -115,20 +99,20 @@ def test_debug_checks_read_cu_seqlens(fake, monkeypatch, cu_q, cu_k, max_q, mess
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, 5, causal=True)
 
 
-def test_debug_checks_take_padding_after_the_last_sequence(fake, monkeypatch):
+def test_debug_checks_take_padding_after_the_last_sequence(fake_launches, monkeypatch):
     """cu_seqlens_q[-1] below q's rows: the rest is padding, never written (as FA3)."""
     q, k, v = qkv()
     monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
     flash_attn_varlen_func(q, k, v, torch.tensor([0, 3, 3, 9], dtype=torch.int32), CU_K, 7, 5,
                            causal=True)
-    assert len(fake) == 1
+    assert len(fake_launches) == 1
 
 
-def test_params_reach_the_abi(fake):
+def test_params_reach_the_abi(fake_launches):
     q, k, v = qkv()
     out, lse = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, return_lse=True)
     assert out.shape == (10, 4, 128) and lse.shape == (4, 10) and lse.dtype == torch.float32
-    [(name, p)] = fake
+    [(name, p)] = fake_launches
     assert name == "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (3, 7, 5, 10, 12)
     assert (p.cu_seqlens_q, p.cu_seqlens_k) == (CU_Q.data_ptr(), CU_K.data_ptr())
@@ -138,16 +122,16 @@ def test_params_reach_the_abi(fake):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5)
 
 
-def test_backward_params_and_padded_workspace(fake, monkeypatch):
+def test_backward_params_and_padded_workspace(fake_launches, monkeypatch):
     q, k, v = qkv(grad=True)
     sizes = []
     real = varlen._bwd_workspace
     monkeypatch.setattr(varlen, "_bwd_workspace", lambda *a: sizes.append(real(*a)) or sizes[-1])
     out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, deterministic=True)
     out.float().sum().backward()
-    assert [n for n, _ in fake] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
+    assert [n for n, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
                                     "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0"]
-    p = fake[1][1]
+    p = fake_launches[1][1]
     assert (p.batch, p.total_q, p.total_k, p.deterministic) == (3, 10, 12, 1)
     work = sizes[0]
     # (total_q + batch * tile_m) rounded up to tile_m = 64: 202 -> 256 rows per head
@@ -158,7 +142,7 @@ def test_backward_params_and_padded_workspace(fake, monkeypatch):
     assert q.grad is not None and k.grad is not None
 
 
-def test_opcheck_and_fake_shapes(fake):
+def test_opcheck_and_fake_shapes(fake_launches):
     q, k, v = qkv()
     torch.library.opcheck(torch.ops.fa3gen.varlen_fwd.default,
                           (q, k, v, CU_Q, CU_K, 7, 5, True, 0.1,
@@ -194,7 +178,7 @@ def test_tile_bound_matches_the_abi_macro(tmp_path):
         assert contract.varlen_tiles(total, batch, tile) == most
 
 
-def test_eager_calls_plan_once_per_signature(fake, monkeypatch):
+def test_eager_calls_plan_once_per_signature(fake_launches, monkeypatch):
     checks = []
     for plan in ("_fwd_plan", "_bwd_plan"):
         real = getattr(varlen, plan)
@@ -202,22 +186,22 @@ def test_eager_calls_plan_once_per_signature(fake, monkeypatch):
     q, k, v = qkv(grad=True)
     for _ in range(3):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).float().sum().backward()
-    assert len(fake) == 6 and len(checks) == 2  # three forwards and backwards, one plan each
-    bwd = fake[5][1]
+    assert len(fake_launches) == 6 and len(checks) == 2  # three forwards and backwards, one plan each
+    bwd = fake_launches[5][1]
     assert (bwd.do_row_stride, bwd.do_head_stride) == (512, 128)  # the expanded grad, copied
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 8, 5, causal=True)  # another max_seqlen
     assert len(checks) == 3
 
 
-def test_no_key_in_any_sequence_gives_zero_rows_and_lse_minus_inf(fake):
+def test_no_key_in_any_sequence_gives_zero_rows_and_lse_minus_inf(fake_launches):
     q, _, _ = qkv()
     k = v = torch.zeros(0, 2, 128, dtype=torch.bfloat16)
     out, lse = flash_attn_varlen_func(q, k, v, CU_Q, torch.zeros(4, dtype=torch.int32), 7, 1,
                                       causal=True, return_lse=True)
-    assert fake == [] and not out.float().any() and bool((lse == float("-inf")).all())
+    assert fake_launches == [] and not out.float().any() and bool((lse == float("-inf")).all())
 
 
-def test_a_plan_per_v_signature_and_the_tile_list_size(fake, monkeypatch):
+def test_a_plan_per_v_signature_and_the_tile_list_size(fake_launches, monkeypatch):
     """The plan cache keys on v too; the tile list holds two ints per (tile, head) of the
     ABI's bound (FA3GEN_VARLEN_TILES)."""
     sizes = []
@@ -228,7 +212,7 @@ def test_a_plan_per_v_signature_and_the_tile_list_size(fake, monkeypatch):
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
     wide = torch.zeros(12, 4, 128, dtype=torch.bfloat16)[:, :2]
     flash_attn_varlen_func(q, k, wide, CU_Q, CU_K, 7, 5, causal=True)
-    assert [p.v_row_stride for _, p in fake] == [256, 512]
+    assert [p.v_row_stride for _, p in fake_launches] == [256, 512]
     assert sizes == [2 * contract.varlen_tiles(10, 3, 128) * 4] * 2
 
 
@@ -236,7 +220,7 @@ def test_a_plan_per_v_signature_and_the_tile_list_size(fake, monkeypatch):
     (10, 32768, "32767 query heads per call, got 3 and 32768"),
     (2**31, 4, "total_q and total_k must be below 2\\^31 rows"),
 ])
-def test_varlen_size_limits(fake, total, hq, message):
+def test_varlen_size_limits(fake_launches, total, hq, message):
     q = torch.zeros(1, 1, 128, dtype=torch.bfloat16).expand(total, hq, 128)
     k = v = torch.zeros(12, 2 if hq == 4 else 1, 128, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match=message):
