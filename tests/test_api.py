@@ -176,23 +176,13 @@ def test_constant_mark_is_torchs():
 
 
 @pytest.fixture
-def eager(tmp_path, monkeypatch):
-    """The eager path on CPU tensors up to the launch: returns the list of (variant, params)
-    launched, and counts the full checks (plans) the calls ran."""
-    from tests.test_runtime_errors import build_fake_lib
-
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(ops, "_fwd_plans", {})
-    monkeypatch.setattr(ops, "_bwd_plans", {})
-    launched, checks = [], []
+def eager(fake_launches, monkeypatch):
+    """fake_launches, and a count of the full checks (plans) the calls ran."""
+    checks = []
     for plan in ("_fwd_plan", "_bwd_plan"):
         real = getattr(ops, plan)
         monkeypatch.setattr(ops, plan, lambda *a, real=real: checks.append(1) or real(*a))
-    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(
-        (info.name, make())))
-    return launched, checks
+    return fake_launches, checks
 
 
 def test_a_repeated_signature_skips_the_checks(eager, monkeypatch):
