@@ -9,6 +9,7 @@ from generator import variants as V
 from generator.build import plan
 from generator.errors import SpecError
 from generator.spec import SEQLEN_MAX, parse_spec
+from test_seqlen_dispatch import spec_file
 from test_variants import BASE
 
 AXES = """\
@@ -103,12 +104,6 @@ dispatch:
   - when: {head_dim: 128}
     use: {tile: [128, 176], pingpong: true}
 """
-
-
-def spec_file(tmp_path, text):
-    p = tmp_path / "ranged.yaml"
-    p.write_text(text)
-    return p
 
 
 def test_ranges_that_touch_overlap(tmp_path):
