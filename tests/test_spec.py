@@ -259,7 +259,7 @@ def test_decode_key(tmp_path):
                          ("[bf16, 128]", r"decode\[0\]"), ("[[e4m3, 128]]", r"decode\[0\]")):
         bad = tmp_path / "bad.yaml"
         bad.write_text(f"name: bad\ndecode: {value}\n" + axes)
-        with pytest.raises(Exception, match=where + r": expected true, false, axes \{dtype, head_dim\} "
+        with pytest.raises(SpecError, match=where + r": expected true, false, axes \{dtype, head_dim\} "
                                                     r"or a list of \[dtype, head_dim\] pairs"):
             load_spec(bad)
 
@@ -283,7 +283,7 @@ def test_decode_axes(tmp_path):
                          ("{dtype: e4m3}", r"decode\.dtype: expected one of bf16, fp16, got"),
                          ("{dtype: []}", r"decode\.dtype: expected a value or a non-empty list")):
         spec.write_text(f"name: s\ndecode: {value}\n" + axes)
-        with pytest.raises(Exception, match=match):
+        with pytest.raises(SpecError, match=match):
             load_spec(spec)
 
 
