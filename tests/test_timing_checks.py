@@ -208,9 +208,19 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
     assert bench.measure_backends({"fa3gen": lambda: None}, burst) == ({"fa3gen": 3.0}, {}, {})
 
 
+def wait_for_sample(sampler, tag, timeout_s=30.0):
+    """Until the sampler has a sample for tag: the fake nvidia-smi is a Python process whose
+    start-up took more than a fixed sleep on a loaded CI machine."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not sampler.samples.get(tag):
+        assert time.monotonic() < deadline, f"no sample for tag {tag} in {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_power_sampler_tags_samples_from_nvidia_smi(monkeypatch):
     import sys
-    import time
     from pathlib import Path
 
     from fa3gen.timing import PowerSampler, joules_per_pflop
@@ -221,9 +231,8 @@ def test_power_sampler_tags_samples_from_nvidia_smi(monkeypatch):
     assert Path(sys.executable).exists()
     with sampler:
         sampler.tag(1)
-        time.sleep(0.3)
+        wait_for_sample(sampler, 1)
         sampler.tag(None)
-        time.sleep(0.05)
     means = sampler.means([0, 1])
     assert means[0] == (None, None) and means[1] == (600.0, 1755.0)
     with PowerSampler(0, command="/nonexistent/nvidia-smi") as inert:

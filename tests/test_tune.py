@@ -8,6 +8,7 @@ import pytest
 from fa3gen import cli, tune
 from fa3gen.contract import key_str, parse_name
 from fa3gen.errors import Fa3genError
+from tests.test_timing_checks import wait_for_sample
 
 SPEC = """\
 # a comment that must survive
@@ -198,7 +199,6 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     """Sampled (the default): each key's report holds every candidate's mean board power and
     SM clock per shape over its own timed batches (nvidia-smi faked at 600 W, 1700 MHz); a
     candidate that fails a shape gets [None, None] there."""
-    import time
     from pathlib import Path
 
     import torch
@@ -206,9 +206,9 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     from fa3gen import runtime, timing
 
     fake = Path(__file__).parent / "fake_nvidia_smi.py"
-    real = timing.PowerSampler
+    real, samplers = timing.PowerSampler, []
     monkeypatch.setattr(timing, "PowerSampler",
-                        lambda index: real(index, period_ms=2, command=str(fake)))
+                        lambda index: samplers.append(real(index, period_ms=2, command=str(fake))) or samplers[-1])
     monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1700")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -226,7 +226,7 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     def sustained_ms(fns, rounds, min_ms, tag=None):
         for i in range(len(fns)):
             tag(i)
-            time.sleep(0.2)
+            wait_for_sample(samplers[-1], i)
             tag(None)
         return [1.0 + i for i in range(len(fns))]
 
