@@ -225,3 +225,16 @@ def test_varlen_size_limits(fake_launches, total, hq, message):
     k = v = torch.zeros(12, 2 if hq == 4 else 1, 128, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match=message):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+
+
+def test_the_op_refuses_a_backward_through_seqused_k(fake_launches):
+    """The varlen op's own backward refuses seqused_k (the backward kernels do not take it), for
+    callers of torch.ops.fa3gen.varlen_fwd that skip flash_attn_varlen_func's check."""
+    q, k, v = qkv(grad=True)
+    out, _ = torch.ops.fa3gen.varlen_fwd(
+        q, k, v, CU_Q, CU_K, 7, 5, True, 128 ** -0.5, "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
+        False, -1, -1, 0.0, CU_K[1:] - CU_K[:-1])
+    assert [n for n, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"]
+    with pytest.raises(InvalidInputError, match="seqused_k: forward only"):
+        out.float().sum().backward()
+    assert len(fake_launches) == 1  # no backward launched
