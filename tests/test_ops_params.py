@@ -65,6 +65,16 @@ def test_backward_checks_the_forwards_outputs(fake_launches):
     with pytest.raises(InvalidInputError, match="lse must be float32"):
         torch.ops.fa3gen.bwd(out, q, k, v, out, lse[:, :, :-1], False, 0.1,
                              "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", False)
+    with pytest.raises(InvalidInputError, match="out must be torch.bfloat16"):
+        torch.ops.fa3gen.bwd(out, q, k, v, out.half(), lse, False, 0.1,
+                             "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", False)
+    # A strided lse (a graph may hand any layout) is copied, not refused nor read as contiguous.
+    strided = lse.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    torch.ops.fa3gen.bwd(out, q, k, v, out, strided, False, 0.1,
+                         "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", False)
+    name, p = fake_launches[-1]
+    assert name == "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0" and p.lse != strided.data_ptr()
 
 
 def test_heads_kv_zero_and_misaligned_batch_strides_are_refused(fake_launches):
