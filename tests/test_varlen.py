@@ -201,6 +201,18 @@ def test_no_key_in_any_sequence_gives_zero_rows_and_lse_minus_inf(fake_launches)
     assert fake_launches == [] and not out.float().any() and bool((lse == float("-inf")).all())
 
 
+def test_no_query_row_launches_nothing(fake_launches):
+    """Every sequence empty on the query side: empty outputs, no launch; its backward gives
+    zero key and value gradients."""
+    _, k, v = qkv(grad=True)
+    q = torch.zeros(0, 4, 128, dtype=torch.bfloat16, requires_grad=True)
+    out, lse = flash_attn_varlen_func(q, k, v, torch.zeros(4, dtype=torch.int32), CU_K, 1, 5,
+                                      causal=True, return_lse=True)
+    assert out.shape == (0, 4, 128) and lse.shape == (4, 0) and fake_launches == []
+    out.float().sum().backward()
+    assert fake_launches == [] and not k.grad.any() and not v.grad.any() and q.grad.shape == q.shape
+
+
 def test_a_plan_per_v_signature_and_the_tile_list_size(fake_launches, monkeypatch):
     """The plan cache keys on v too; the tile list holds two ints per (tile, head) of the
     ABI's bound (FA3GEN_VARLEN_TILES)."""
