@@ -228,6 +228,12 @@ def test_append_contiguous(monkeypatch):
     before = kc.clone()  # no row fits: nothing is written
     kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([40, 45], dtype=torch.int32))
     assert torch.equal(kc, before)
+    # a negative length (unchecked without FA3GEN_DEBUG_CHECKS) reads as 0: rows 0-2, never
+    # rows counted back from the cache's end
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=torch.tensor([-3, 5], dtype=torch.int32))
+    expect = before.clone()
+    expect[0, 0:3], expect[1, 5:8] = k[0], k[1]
+    assert torch.equal(kc, expect)
     with pytest.raises(InvalidInputError, match=r"outside \[0, 37\] \(the cache holds 40 rows, 3 are appended\)"):
         kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=38)
 
