@@ -201,3 +201,18 @@ def test_bad_call_entries_are_errors_not_skipped(tmp_path, entry, message):
     path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [good, entry]}))
     with pytest.raises(fa3gen.TraceError, match=message):
         tracing.spec_from_trace(path, "x")
+
+
+def test_a_training_step_records_its_backward_too(tmp_path, fake_launches):
+    """A traced forward and backward put both variants in the trace (a spec made from it must
+    build the backward as well), each once, with the call's sizes."""
+    q = torch.zeros(2, 40, 4, 128, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.zeros(2, 56, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.zeros(2, 56, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    with fa3gen.trace(tmp_path / "t.yaml"):
+        ops.flash_attn_func(q, k, v).float().sum().backward()
+    calls = {c["direction"]: c for c in yaml.safe_load((tmp_path / "t.yaml").read_text())["calls"]}
+    launched = [name for name, _ in fake_launches]
+    assert [calls["fwd"]["variant"], calls["bwd"]["variant"]] == launched
+    assert calls["bwd"]["count"] == 1 and calls["bwd"]["default"] is True
+    assert (calls["bwd"]["seqlen_q"], calls["bwd"]["seqlen_k"], calls["bwd"]["heads_kv"]) == ([40, 40], [56, 56], [2, 2])
