@@ -217,11 +217,16 @@ def test_a_cached_signature_still_checks_alignment(eager):
         ops.flash_attn_func(odd, base[..., :128], base[..., :128])
 
 
-def test_eager_backward_plans_once_and_copies_strided_grads(eager):
+def test_eager_backward_plans_once_and_copies_strided_grads(eager, monkeypatch):
     launched, checks = eager
+    douts, run = [], ops._bwd_run
+    monkeypatch.setattr(ops, "_bwd_run", lambda plan, dout, *a: douts.append(dout) or run(plan, dout, *a))
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):
-        ops.flash_attn_func(q, q, q).float().sum().backward()  # dout: expanded, stride 0
+        ops.flash_attn_func(q, q, q).sum().backward()  # dout: expanded, stride 0 (a bf16 sum's)
+    # every call copies it (the plan was made once, on the first call's copy)
+    assert [d.stride() for d in douts] == [(2048, 256, 128, 1)] * 2 and douts[0] is not douts[1]
+    assert all(bool((d == 1).all()) for d in douts)
     assert [n for n, _ in launched] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
                                         "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0"] * 2
     assert len(checks) == 2  # one forward plan, one backward plan

@@ -183,12 +183,15 @@ def test_eager_calls_plan_once_per_signature(fake_launches, monkeypatch):
     for plan in ("_fwd_plan", "_bwd_plan"):
         real = getattr(varlen, plan)
         monkeypatch.setattr(varlen, plan, lambda *a, real=real: checks.append(1) or real(*a))
+    douts, run = [], varlen._bwd_run
+    monkeypatch.setattr(varlen, "_bwd_run", lambda plan, dout, *a: douts.append(dout) or run(plan, dout, *a))
     q, k, v = qkv(grad=True)
-    for _ in range(3):
-        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).float().sum().backward()
+    for _ in range(3):  # a bf16 sum's grad: expanded, stride 0
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).sum().backward()
     assert len(fake_launches) == 6 and len(checks) == 2  # three forwards and backwards, one plan each
     bwd = fake_launches[5][1]
-    assert (bwd.do_row_stride, bwd.do_head_stride) == (512, 128)  # the expanded grad, copied
+    assert (bwd.do_row_stride, bwd.do_head_stride) == (512, 128)
+    assert [d.stride() for d in douts] == [(512, 128, 1)] * 3  # copied on every call
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 8, 5, causal=True)  # another max_seqlen
     assert len(checks) == 3
 
