@@ -37,7 +37,7 @@ constexpr int row_vec_elems() { return HeadDim % (kRowLanes * 8) == 0 ? 8 : 4; }
 // of the kernel before them (launch_programmatic), so each grid is placed and sets up while the
 // one before drains. Each reads what the kernel before it wrote only after
 // prerequisite_grid_wait; each lets its dependent be placed from its start. Both are no-ops in
-// a kernel launched the usual way.
+// a kernel launched the usual way. H200 A/B (docs/BENCHMARKS.md): median 0.998x, so off.
 __device__ __forceinline__ void prerequisite_grid_wait() {
 #ifdef FA3GEN_BWD_PDL
   asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -161,16 +161,11 @@ __global__ void __launch_bounds__(kWarps * 32) quantize_blocks(const fa3gen_quan
 // (d64 129-192 rows, d128 65-96; two passes where the rows exceed one), so that smaller blocks
 // keep as many bytes in flight (96 KB a CTA). On 3 stages at 512 threads, d64's 160-row blocks
 // kept 320 of the threads at work and 60 KB in flight an SM: 63% of copy, 69% on the 4-stage
-// ring (docs/BENCHMARKS.md).
+// ring (docs/BENCHMARKS.md); a 5-stage ring for blocks of 16-20 KB measured 67% (2026-12-01).
 constexpr int kStages = 3, kSmallStages = 6, kSmallStageBytes = 16384;
 constexpr int kMidStages = 4, kMidStageBytes = 24576;
-// Measurement switch FA3GEN_QUANTIZE_RING5: blocks of 16-20 KB (d64 129-160 rows, d128 65-80)
-// take 5 stages (100 KB a CTA, 200 KB in flight an SM) instead of the 4 of the 24 KB ring (80
-// KB a CTA for d64's default 160-row blocks, which read 69% of copy against 73% for the 128-
-// and 192-row blocks that keep 96 KB a CTA in flight).
-constexpr int kMid5Stages = 5, kMid5StageBytes = 20480;
 constexpr int staged_threads(int stages) {
-  return stages == kSmallStages || stages == kMidStages || stages == kMid5Stages ? 256 : 512;
+  return stages == kSmallStages || stages == kMidStages ? 256 : 512;
 }
 template <int HeadDim, int Threads = 512>
 struct Staged {
@@ -512,7 +507,6 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
   const int most = Stages == kSmallStages ? kSmallStageBytes
                    : Stages == kMidStages ? kMidStageBytes
-                   : Stages == kMid5Stages ? kMid5StageBytes
                                           : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
   cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages, Hadamard>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
@@ -539,14 +533,6 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
     static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
     return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, Hadamard>(p, stream);
   }
-#ifdef FA3GEN_QUANTIZE_RING5
-  if (p.block_rows * Staged<HeadDim>::kRowBytes <= kMid5StageBytes) {
-    using Mid5 = Staged<HeadDim, staged_threads(kMid5Stages)>;
-    static_assert(kMid5StageBytes / Staged<HeadDim>::kRowBytes <= 2 * Mid5::kRowsPerPass);
-    return p.block_rows <= Mid5::kRowsPerPass ? launch_staged<T, HeadDim, 1, Rotary, kMid5Stages, Hadamard>(p, stream)
-                                              : launch_staged<T, HeadDim, 2, Rotary, kMid5Stages, Hadamard>(p, stream);
-  }
-#endif
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kMidStageBytes) {
     using Mid = Staged<HeadDim, staged_threads(kMidStages)>;
     static_assert(kMidStageBytes / Staged<HeadDim>::kRowBytes <= 2 * Mid::kRowsPerPass);
