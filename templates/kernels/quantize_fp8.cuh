@@ -533,13 +533,6 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
     static_assert(kSmallStageBytes / Staged<HeadDim>::kRowBytes <= Staged<HeadDim, staged_threads(kSmallStages)>::kRowsPerPass);
     return launch_staged<T, HeadDim, 1, Rotary, kSmallStages, Hadamard>(p, stream);
   }
-#ifdef FA3GEN_QUANTIZE_HADAMARD_ONE_PASS
-  // Measurement switch: Hadamard blocks that fit one pass of 512 threads take the 3-stage ring
-  // instead of the middle ring's two passes at 256 (d64 160-192 rows read 43-49% of copy there,
-  // against 55-60% for one-pass 128-row blocks: the transform is issue-bound, not memory-bound).
-  if (Hadamard == kHadamard && p.block_rows <= Staged<HeadDim>::kRowsPerPass)
-    return launch_staged<T, HeadDim, 1, Rotary, kStages, Hadamard>(p, stream);
-#endif
   if (p.block_rows * Staged<HeadDim>::kRowBytes <= kMidStageBytes) {
     using Mid = Staged<HeadDim, staged_threads(kMidStages)>;
     static_assert(kMidStageBytes / Staged<HeadDim>::kRowBytes <= 2 * Mid::kRowsPerPass);
