@@ -283,9 +283,9 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 // 46 -> 52, d128 160 43-45 -> 47, 192 49 -> 53, d256 128 55 -> 58; one pass lost, d128 128 rows
 // 60 -> 58, d64 128 59 -> 58). Fewer instructions a value where the kernel is bound by issue,
 // not memory (the Hadamard path, about 17 a value):
-// - 16-bit -> fp32 by bit operations, one a value for bf16 (ptxas makes the upper half a PRMT
-//   and a shift), with the Hadamard sign flip folded in (bf16: the shift's add and the mask's
-//   xor carry it; fp16: one xor a pair before the conversion) where no rotary comes first;
+// - 16-bit -> fp32 by bit operations (bf16: a shift and a mask a pair, where the default
+//   conversion's upper half took a PRMT and a shift), with the Hadamard sign flips xored into
+//   the packed pair first (fp16 too, before its conversion) where no rotary comes first;
 // - d64 and d256: 1/sqrt(d) is a power of two, so multiplying by it is exact and commutes with
 //   every rounding (short of fp32's subnormals, which the flush-to-zero arithmetic departs from
 //   either way): the kernel keeps the unscaled values, scales the block's amax once and divides
