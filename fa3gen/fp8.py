@@ -100,7 +100,7 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     # scope's scale into 1 (a NaN input stays NaN in the values either way).
     mag = xf.abs().nan_to_num(nan=0.0, posinf=math.inf)
     if block_rows is None:
-        amax = mag.amax().reshape(1)
+        amax = mag.amax().reshape(1) if mag.numel() else mag.new_zeros(1)  # empty: scale 1
         scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
         return (xf / scale).to(FP8_DTYPE), scale
     blocks = -(-s // block_rows)
@@ -398,8 +398,8 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     rows = {"q_descale": plan.info.tile_m, "k_descale": plan.info.tile_n,
             "v_descale": plan.info.tile_n}
     lengths = {"q_descale": dims.seqlen_q, "k_descale": dims.seqlen_k, "v_descale": dims.seqlen_k}
-    views = {n: _descale_view(n, descales.get(n), dims, q.device,
-                              max(1, math.ceil(lengths[n] / rows[n])), rows[n])
+    views = {n: _descale_view(n, descales.get(n), dims, q.device,  # 0 rows: 0 blocks, as quantize
+                              math.ceil(lengths[n] / rows[n]), rows[n])
              for n in DESCALE_NAMES}
     if plan.params is not None:  # None: nothing to launch (a zero size)
         p = plan.params  # the plan's template: these fields are the same for every call

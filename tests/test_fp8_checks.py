@@ -88,6 +88,10 @@ def test_descale_views():
         fp8._descale_view("v_descale", torch.rand(2, 2).half(), dims, cpu, 2, 128)
     with pytest.raises(InvalidInputError, match="must be a float32 tensor"):
         fp8._descale_view("v_descale", 2.0, dims, cpu, 2, 128)
+    with pytest.raises(InvalidInputError, match="must be on meta like q"):
+        fp8._descale_view("q_descale", one, dims, torch.device("meta"), 3, 128)
+    with pytest.raises(InvalidInputError, match=r"got shape \(0,\)"):  # not one value
+        fp8._descale_view("k_descale", torch.ones(0), dims, cpu, 2, 128)
 
 
 def test_quantize_per_tensor_and_blocks():
@@ -443,6 +447,15 @@ def test_a_nan_does_not_reset_its_scopes_scale():
     (dict(hadamard=True, q=torch.zeros(1, 8, 2, 96), k=torch.zeros(1, 8, 2, 96),
           v=torch.zeros(1, 8, 2, 96)), "power-of-two head dim"),
     (dict(seed=1.5), "seed must be an int"),
+    (dict(seed=True), "seed must be an int"),
+    (dict(q=torch.zeros(1, 8, 2, 64, dtype=torch.float8_e4m3fn)), "16 bits or more"),
+    (dict(q=torch.zeros(2, 8, 2, 64)), "same batch and head dim"),
+    (dict(k=torch.zeros(1, 8, 0, 64), v=torch.zeros(1, 8, 0, 64)), "not a multiple"),
+    # the tables must cover k's rows too, match each other, and rotate at most d / 2 pairs
+    (dict(k=torch.zeros(1, 16, 2, 64), v=torch.zeros(1, 16, 2, 64),
+          rotary=(torch.ones(8, 4), torch.ones(8, 4))), "rotary cos must be"),
+    (dict(rotary=(torch.ones(8, 4), torch.ones(9, 4))), "rotary sin must be"),
+    (dict(rotary=(torch.ones(8, 64), torch.ones(8, 64))), r"rotary cos must be .*in \[1, 32\]"),
 ])
 def test_quantize_fp8_arguments_are_checked_first(change, message):
     args = dict(q=torch.zeros(1, 8, 2, 64), k=torch.zeros(1, 8, 2, 64), v=torch.zeros(1, 8, 2, 64),
