@@ -1,7 +1,7 @@
 """`fa3gen package`: a built library as a wheel that needs no compiler.
 
 The wheel holds one import package, `fa3gen_<spec>` by default: the built library and its
-manifest under lib/, and a copy of the runtime (contract, errors, runtime, tracing, ops) with
+manifest under lib/, and a copy of the runtime (RUNTIME_MODULES) with
 its imports and its torch custom-op namespace renamed to that package. Nothing of the generator, the
 templates, nvcc or CUTLASS goes in. Because every name is the package's own, wheels of two
 specs install side by side, and beside the fa3gen tool, in one environment and one process.
@@ -36,24 +36,38 @@ def _rename(source: str, package: str) -> str:
     return source
 
 
+# The tool's top-level import packages (pyproject.toml): a wheel of one of these names would
+# install over the tool's own files.
+TOOL_PACKAGES = ("fa3gen", "generator")
+
+
+def _packaged_api() -> dict[str, str]:
+    """fa3gen's lazily loaded API ({name: module}) that the packaged runtime carries too."""
+    from fa3gen import _LAZY_ATTRS
+
+    return {name: module.rsplit(".", 1)[1] for name, module in _LAZY_ATTRS.items()
+            if module.rsplit(".", 1)[1] in RUNTIME_MODULES}
+
+
 def _init_source(package: str, spec: str, version: str) -> str:
+    api = _packaged_api()
+    names = ", ".join(f"`{n}`" for n in api)
     return f'''"""fa3gen kernels of spec {spec!r}, packaged with `fa3gen package` (fa3gen {__version__},
-C ABI {contract.ABI_VERSION}). `flash_attn_func` and `flash_attn_varlen_func` run the bundled
-library's variants."""
+C ABI {contract.ABI_VERSION}). {names} run the bundled library's variants, as fa3gen's do."""
+import importlib
+
 from .errors import (AbiMismatchError, Fa3genError, InvalidInputError, LibraryNotBuiltError,
-                     VariantNotBuiltError)
+                     TraceError, VariantNotBuiltError)
 
 __version__ = {version!r}
 SPEC = {spec!r}
+_LAZY_ATTRS = {api!r}
 
 
 def __getattr__(name):
-    if name == "flash_attn_func":  # imports torch on first use, like fa3gen
-        from .ops import flash_attn_func
-        return flash_attn_func
-    if name == "flash_attn_varlen_func":
-        from .varlen import flash_attn_varlen_func
-        return flash_attn_varlen_func
+    if name in _LAZY_ATTRS:  # imports torch on first use, like fa3gen
+        value = globals()[name] = getattr(importlib.import_module("." + _LAZY_ATTRS[name], __name__), name)
+        return value
     raise AttributeError(f"module {{__name__!r}} has no attribute {{name!r}}")
 '''
 
@@ -96,7 +110,7 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
             or not re.fullmatch(r"[A-Za-z0-9](\w*[A-Za-z0-9])?", package_name):
         raise Fa3genError(f"--name {package_name!r} is not a Python package name pip installs "
                           "(ASCII letters, digits and _, a letter or digit at both ends)")
-    if re.sub(r"[-_.]+", "-", package_name).lower() == "fa3gen":  # pip's normalized name
+    if re.sub(r"[-_.]+", "-", package_name).lower() in TOOL_PACKAGES:  # pip's normalized name
         raise Fa3genError(f"--name {package_name} is the tool's own package: choose another name")
     # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
     version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"

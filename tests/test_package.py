@@ -59,9 +59,16 @@ def test_package_installs_and_loads_its_library(built, capsys):
                    "cu = torch.tensor([0, 8], dtype=torch.int32)",
                    "try:\n    f.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 8, 8)\n"
                    "except f.Fa3genError as e:\n    print('error:', e)",
-                   "print(torch.ops.fa3gen_fake.varlen_fwd)")
+                   "print(torch.ops.fa3gen_fake.varlen_fwd)",
+                   "print(f.__version__, f.SPEC, f.flash_attn_with_kvcache.__module__,",
+                   "      f.quantize_fp8.__module__, f.trace.__module__, f.TraceError.__module__,",
+                   "      f.AbiMismatchError.__name__, f.VariantNotBuiltError.__name__)")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    version = wheel.name.split("-")[1]
+    assert lines[-1].split() == [version, "fake", "fa3gen_fake.kvcache", "fa3gen_fake.fp8",
+                                 "fa3gen_fake.tracing", "fa3gen_fake.errors", "AbiMismatchError",
+                                 "VariantNotBuiltError"]
     assert lines[0] == str(built / "site" / "fa3gen_fake" / "lib" / "libfa3gen_fake.so")
     assert lines[1] == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
     assert lines[2] == "False"  # the packaged runtime never imports the tool
@@ -91,8 +98,11 @@ def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("name, message", [("class", "not a Python package name"),
                                            ("_priv", "not a Python package name"),
                                            ("fa3gen_", "not a Python package name"),
+                                           ("9lives", "not a Python package name"),
+                                           ("a\u00e9b", "not a Python package name"),
                                            ("fa3gen", "the tool's own package"),
-                                           ("Fa3gen", "the tool's own package")])
+                                           ("Fa3gen", "the tool's own package"),
+                                           ("generator", "the tool's own package")])
 def test_package_names_that_would_not_import_or_would_replace_the_tool(built, capsys, name, message):
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 2
     assert message in capsys.readouterr().err and not (built / "dist").exists()
@@ -154,6 +164,7 @@ def test_wheel_record_lists_every_file_with_its_hash_and_size(built):
 
 
 @pytest.mark.parametrize("commit, label", [("0123456789abcdef", "g0123456789"),
+                                           ("v1.2.3-45-gabcdef", "gv1.2.3.45"),
                                            ("0123456789abcdef-dirty", "g0123456789.dirty"),
                                            (None, "unknown")])
 def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
@@ -161,3 +172,49 @@ def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
 
     monkeypatch.setattr(bench, "git_commit", lambda: commit)
     assert package._commit() == label
+
+
+def test_wheel_metadata_tags_and_contents_agree_with_its_name(built):
+    """The file name, METADATA, WHEEL and the dist-info folder say one name, version and
+    platform tag; the dependencies are declared; every runtime module is in, none of them still
+    calls the tool's custom ops."""
+    from fa3gen import __version__, package
+
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
+    [wheel] = (built / "dist").glob("*.whl")
+    name, version, py, abi, platform = wheel.name[:-len(".whl")].split("-")
+    assert (name, py, abi) == ("fa3gen_fake", "py3", "none")
+    assert platform == sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    assert version.startswith(f"{__version__}+abi{contract.ABI_VERSION}.")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(f"{name}-{version}.dist-info/METADATA").decode().splitlines()
+        tags = z.read(f"{name}-{version}.dist-info/WHEEL").decode().splitlines()
+        sources = {n: z.read(n).decode() for n in names if n.endswith(".py")}
+        assert z.read(f"{name}-{version}.dist-info/top_level.txt").decode() == "fa3gen_fake\n"
+    fields = [line.split(": ", 1) for line in meta if line]
+    assert dict(fields)["Metadata-Version"] == "2.1"
+    assert (dict(fields)["Name"], dict(fields)["Version"]) == (name, version)
+    # the packaged runtime imports torch and yaml
+    assert sorted(v.split(">=")[0] for k, v in fields if k == "Requires-Dist") == ["pyyaml", "torch"]
+    assert "(3 variants" in dict(fields)["Summary"]
+    assert f"Tag: {py}-{abi}-{platform}" in tags and "Root-Is-Purelib: false" in tags
+    assert {f"fa3gen_fake/{m}.py" for m in package.RUNTIME_MODULES} <= set(sources)
+    assert not [n for n, text in sources.items() if "torch.ops.fa3gen." in text or '"fa3gen::' in text]
+
+
+def test_a_spec_name_that_is_no_identifier_gets_a_package_name(built):
+    """Spec my-spec packages as fa3gen_my_spec without --name."""
+    import shutil
+
+    contract.library_path("my-spec").parent.mkdir(parents=True)
+    shutil.copy(contract.library_path("fake"), contract.library_path("my-spec"))
+    shutil.copy(contract.manifest_path("fake"), contract.manifest_path("my-spec"))
+    assert cli.main(["package", "--spec", "my-spec", "--out", str(built / "dist")]) == 0
+    assert [w.name.split("-")[0] for w in (built / "dist").glob("*.whl")] == ["fa3gen_my_spec"]
+
+
+def test_a_manifest_without_its_library_says_build_it(built, capsys):
+    contract.library_path("fake").unlink()
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
+    assert "build it first: fa3gen build --spec fake" in capsys.readouterr().err
