@@ -290,7 +290,7 @@ class _Validator:
                             f"{', '.join(TOP_KEYS)} (got a {kind} {text})")
         data = self.mapping(data, "", TOP_KEYS)
         name = data.get("name", default_name)
-        if not isinstance(name, str) or not _NAME_RE.match(name):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):  # fullmatch: no trailing newline
             raise self.fail("name", "expected a name of letters, digits, '_', '-' or '.'", name)
         top = self.axes(data.get("axes"), "axes")
         groups = self.groups(data, top)

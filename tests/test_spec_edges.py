@@ -37,6 +37,22 @@ def error(text: str) -> str:
      "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
     (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [true, 5]\n"
      "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [-5, 100]\n"
+     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [0, 100, 200]\n"
+     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+    # every knob but the optional ones must be given: a missing one is not silently false
+    (AXES.replace("causal: false, ", ""), "axes.causal: missing"),
+    (AXES.replace("pingpong: false, ", ""), "axes.pingpong: missing"),
+    # a name becomes a folder and a file name: no path, no trailing newline
+    (AXES + 'name: "x/../../y"\n', "name: expected a name of letters"),
+    (AXES + 'name: "tiny\\n"\n', "name: expected a name of letters"),
+    (AXES + "groups: []\n", "groups: empty list"),
+    (AXES + "groups:\n", "groups: empty list"),
+    (AXES + "groups:\n  - {name: ''}\n", "groups[0].name: expected a string"),
+    (AXES + "dispatch: false\n", "dispatch: expected a list, got false"),
+    (AXES.replace("tile: [128, 128]", "tile: [true, 128]"), "axes.tile: expected a tile [M, N]"),
+    (AXES.replace("tile: [128, 128]", "tile: []"), "axes.tile: expected a tile [M, N]"),
 ])
 def test_malformed_specs_say_what_is_wrong(text, message):
     assert message in error(text)
@@ -44,6 +60,16 @@ def test_malformed_specs_say_what_is_wrong(text, message):
 
 def test_yaml_errors_give_one_based_line_and_column():
     assert error("name: x\naxes: [1,\n").startswith("s.yaml:3:1: invalid YAML")
+
+
+def test_a_one_length_range_and_a_merge_key_are_valid():
+    text = AXES.replace("tile: [128, 128]", "tile: [[128, 128], [128, 176]]") + (
+        "dispatch:\n  - when: {head_dim: 128}\n    use: {tile: [128, 176]}\n"
+        "  - when: {head_dim: 128}\n    seqlen_k: [100, 100]\n    use: {tile: [128, 128]}\n")
+    assert parse_spec(text, "s.yaml").dispatch[1].seqlen_k == (100, 100)
+    merged = parse_spec(AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64}}\n"
+                        "  - {name: b, axes: {<<: *g}}\n", "s.yaml")
+    assert [dict(g.axes)["head_dim"] for g in merged.groups] == [(64,), (64,)]
 
 
 def test_seqlen_max_itself_is_a_valid_bound():
