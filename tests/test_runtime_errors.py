@@ -604,15 +604,17 @@ void fa3gen_set_error(const char* m) { strncpy(err, m, sizeof err - 1); }
 """
 
 
-def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION):
+def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION, source=FAKE_LIB_C, name="fake"):
+    """The fake library compiled (`source`: FAKE_LIB_C or a variation of it) as
+    libfa3gen_<name><abi>.so in tmp_path."""
     import shutil
 
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("no C compiler")
-    src = tmp_path / "fake.c"
-    src.write_text(FAKE_LIB_C)
-    so = tmp_path / f"libfa3gen_fake{abi}.so"
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    so = tmp_path / f"libfa3gen_{name}{abi}.so"
     subprocess.run([cc, "-shared", "-fPIC", f"-DABI={abi}", "-I",
                     str(KERNELS_DIR), str(src), "-o", str(so)],
                    check=True)
