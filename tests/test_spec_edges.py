@@ -24,6 +24,10 @@ def error(text: str) -> str:
     return str(e.value)
 
 
+def seqlen_entry(rng: str) -> str:
+    return AXES + f"dispatch:\n  - when: {{head_dim: 128}}\n    seqlen_k: {rng}\n    use: {{tile: [128, 128]}}\n"
+
+
 @pytest.mark.parametrize("text, message", [
     (AXES.replace("stages: 2", "stages: 0"), "stages: expected a positive integer, got 0"),
     (AXES.replace("tile: [128, 128]", "tile: [0, 128]"), "expected a tile [M, N] of two positive"),
@@ -33,14 +37,10 @@ def error(text: str) -> str:
     (AXES + "exclude:\n  - {}\n", "exclude[0]: empty exclude entry"),
     (AXES + "dispatch_required: 'yes'\n", "dispatch_required: expected true or false"),
     (AXES + "1: x\n", "keys must be strings"),
-    (AXES + f"dispatch:\n  - when: {{head_dim: 128}}\n    seqlen_k: [0, {SEQLEN_MAX + 1}]\n"
-     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
-    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [true, 5]\n"
-     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
-    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [-5, 100]\n"
-     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
-    (AXES + "dispatch:\n  - when: {head_dim: 128}\n    seqlen_k: [0, 100, 200]\n"
-     "    use: {tile: [128, 128]}\n", "seqlen_k: expected [lo, hi]"),
+    (seqlen_entry(f"[0, {SEQLEN_MAX + 1}]"), "seqlen_k: expected [lo, hi]"),
+    (seqlen_entry("[true, 5]"), "seqlen_k: expected [lo, hi]"),
+    (seqlen_entry("[-5, 100]"), "seqlen_k: expected [lo, hi]"),
+    (seqlen_entry("[0, 100, 200]"), "seqlen_k: expected [lo, hi]"),
     # every knob but the optional ones must be given: a missing one is not silently false
     (AXES.replace("causal: false, ", ""), "axes.causal: missing"),
     (AXES.replace("pingpong: false, ", ""), "axes.pingpong: missing"),
