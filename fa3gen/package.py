@@ -45,8 +45,8 @@ def _packaged_api() -> dict[str, str]:
     """fa3gen's lazily loaded API ({name: module}) that the packaged runtime carries too."""
     from fa3gen import _LAZY_ATTRS
 
-    return {name: module.rsplit(".", 1)[1] for name, module in _LAZY_ATTRS.items()
-            if module.rsplit(".", 1)[1] in RUNTIME_MODULES}
+    api = {name: module.rsplit(".", 1)[1] for name, module in _LAZY_ATTRS.items()}
+    return {name: module for name, module in api.items() if module in RUNTIME_MODULES}
 
 
 def _init_source(package: str, spec: str, version: str) -> str:

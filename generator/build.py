@@ -246,16 +246,16 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
                 # sources the build would write first (new variants): the present build file
                 # still answers for the others; the loops below add the new ones
                 proc = run_ninja(out, jobs, dry_run=True, capture=True)
-            missing = re.search(r"'([^']+)', needed by .*missing and no known rule", proc.stdout)
-            if proc.returncode != 0 and missing and out / missing.group(1) in changed:
+            if proc.returncode == 0:
+                edges = planned_edges(proc.stdout)
+            else:
                 # a source the build would write again is gone (deleted by hand): ninja cannot
                 # plan before it exists; the loops below list what the sources decide
+                missing = re.search(r"'([^']+)', needed by .*missing and no known rule", proc.stdout)
+                if not (missing and out / missing.group(1) in changed):
+                    raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
                 log(f"fa3gen: note: {missing.group(1)} is missing (the build writes it first); "
                     "header changes are not checked in this dry run")
-            elif proc.returncode != 0:
-                raise BuildError(f"ninja -n failed:\n{proc.stdout.strip()}")
-            else:
-                edges = planned_edges(proc.stdout)
         changed_names = {path.name for path in changed}
         for v in p.variants:
             edge = f"NVCC {v.name}"

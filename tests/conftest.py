@@ -93,3 +93,28 @@ def fake_launches(tmp_path, monkeypatch):
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append((info.name, make())))
     return launched
+
+
+@pytest.fixture
+def quantizer(fake_launches, monkeypatch):
+    """Every tensor goes to a fake fused quantizer: returns the list of its launches, each the
+    params' fields plus the first four fp32 values of each rotary table it was handed (read
+    while the call runs: a table may be a temporary)."""
+    import ctypes
+
+    from fa3gen import fp8, ops
+
+    launched = []
+
+    def launch(p, stream):
+        fields = {name: getattr(p, name) for name, _ in p._fields_}
+        for table in ("cos", "sin"):
+            if getattr(p, f"rotary_{table}"):
+                fields[f"{table}_values"] = list((ctypes.c_float * 4).from_address(getattr(p, f"rotary_{table}")))
+        launched.append(fields)
+
+    lib = types.SimpleNamespace(quantize_fp8=launch)
+    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    monkeypatch.setattr(fp8, "_quantize_plans", {})
+    return launched

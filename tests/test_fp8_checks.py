@@ -341,22 +341,17 @@ def test_fp8_p_scale_is_the_kernels():
     assert found and 2.0 ** int(found.group(1)) == FP8_P_SCALE
 
 
-def test_quantize_fp8_plans_once_per_signature(fake_launches, monkeypatch):
+def test_quantize_fp8_plans_once_per_signature(quantizer, monkeypatch):
     """A repeated quantize_fp8 signature launches from its plan: the same params as the first
     (unplanned) call but for the pointers, without re-checking or re-resolving the tiles; a
     misaligned tensor or another library takes the unplanned path again."""
     import types
 
-    launched = []
-    lib = types.SimpleNamespace(quantize_fp8=lambda p, stream: launched.append(
-        {name: getattr(p, name) for name, _ in p._fields_}))
-    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: lib)
+    launched, lib = quantizer, fp8._quantizer_library(None)
     monkeypatch.setattr(fp8, "_kernel_serves", lambda x: True)
-    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
     resolved = []
     real_block_sizes = fp8.block_sizes
     monkeypatch.setattr(fp8, "block_sizes", lambda *a: resolved.append(1) or real_block_sizes(*a))
-    fp8._quantize_plans.clear()
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(2, 300, 3, 4, 128, generator=g).to(torch.bfloat16)
     q, k, v = qkv.unbind(2)  # strided views, 16-byte aligned

@@ -1,38 +1,12 @@
-"""fa3gen.fp8's host side on the CPU: what quantize_fp8 hands the fused quantizer (a fake one
-records each launch's params), which inputs go to it, and the values of the PyTorch path it
-falls back to. A mutation audit found each of these unchecked; tests/gpu/test_fp8.py checks
+"""fa3gen.fp8's host side on the CPU: what quantize_fp8 hands the fused quantizer (the
+`quantizer` fixture in conftest.py records each launch's params), which inputs go to it, and
+the values of the PyTorch path it falls back to. A mutation audit found each of these unchecked; tests/gpu/test_fp8.py checks
 the kernel's values."""
-import ctypes
-import types
-
 import pytest
 import torch
 
 from fa3gen import fp8, ops
 from fa3gen.reference import apply_rotary, hadamard_transform, random_signs
-
-POINTERS = ("x", "out", "descale", "signs", "rotary_cos", "rotary_sin", "amax_workspace")
-
-
-@pytest.fixture
-def quantizer(fake_launches, monkeypatch):
-    """Every tensor goes to a fake fused quantizer: returns the list of its launches, each the
-    params' fields plus the first four fp32 values of the rotary cos table it was handed (read
-    while the call runs: the table may be a temporary)."""
-    launched = []
-
-    def launch(p, stream):
-        fields = {name: getattr(p, name) for name, _ in p._fields_}
-        for table in ("cos", "sin"):
-            if getattr(p, f"rotary_{table}"):
-                fields[f"{table}_values"] = list((ctypes.c_float * 4).from_address(getattr(p, f"rotary_{table}")))
-        launched.append(fields)
-
-    lib = types.SimpleNamespace(quantize_fp8=launch)
-    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: lib)
-    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
-    monkeypatch.setattr(fp8, "_quantize_plans", {})
-    return launched
 
 
 def tensors(d=128, s=100, dtype=torch.bfloat16):

@@ -26,13 +26,15 @@ def test_pointers_sizes_and_window_reach_the_params(fake_launches):
     assert (p.k_row_stride, p.k_head_stride, p.k_batch_stride) == (256, 128, 56 * 256)
 
 
-def test_a_plan_is_per_signature_of_every_input(fake_launches):
-    """The plan cache keys on q, k and v: a v with other strides gets its own params."""
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_a_plan_is_per_signature_of_every_input(fake_launches, which):
+    """The plan cache keys on k and v too: one with other strides gets its own params."""
     q, k, v = qkv()
     ops.flash_attn_func(q, k, v)
     wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]  # heads stride 128, rows 512
-    ops.flash_attn_func(q, k, wide)
-    assert fake_launches[0][1].v_row_stride == 256 and fake_launches[1][1].v_row_stride == 512
+    ops.flash_attn_func(q, *((wide, v) if which == "k" else (k, wide)))
+    strides = [getattr(p, f"{which}_row_stride") for _, p in fake_launches]
+    assert strides == [256, 512]
 
 
 def test_no_key_gives_zero_rows_and_lse_minus_inf_without_a_launch(fake_launches):
@@ -103,11 +105,3 @@ def test_backward_pointers_reach_the_params(fake_launches, monkeypatch):
     assert (p.q, p.k, p.v, p.o) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert (p.dq, p.dk, p.dv) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     assert p.dout == dout.data_ptr()
-
-
-def test_a_plan_per_k_signature(fake_launches):
-    q, k, v = qkv()
-    ops.flash_attn_func(q, k, v)
-    wide = torch.randn(2, 56, 4, 128, dtype=torch.bfloat16)[:, :, :2]
-    ops.flash_attn_func(q, wide, v)
-    assert fake_launches[0][1].k_row_stride == 256 and fake_launches[1][1].k_row_stride == 512

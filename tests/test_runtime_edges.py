@@ -63,8 +63,8 @@ def test_the_build_hint_survives_a_bad_spec_key():
 
 
 def test_two_libraries_keep_their_own_error_messages(tmp_path):
-    runtime.Library(build_fake_lib(tmp_path, source=FAKE_LIB_C, name="a"))  # loaded first: its error symbols must not serve b
-    b = runtime.Library(build_fake_lib(tmp_path, source=FAKE_LIB_C, name="b"))
+    runtime.Library(build_fake_lib(tmp_path, name="a"))  # loaded first: its symbols must not serve b
+    b = runtime.Library(build_fake_lib(tmp_path, name="b"))
     p = runtime.FwdParams(batch=13)
     with pytest.raises(Fa3genError, match="unlucky batch"):
         b.launch(b.variants[0], p, 0)
@@ -136,7 +136,7 @@ def test_a_missing_variant_names_the_library(lib):
 
 
 def test_a_variant_of_another_library_is_not_launched(lib, tmp_path):
-    other = runtime.Library(build_fake_lib(tmp_path, source=FAKE_LIB_C, name="other"))
+    other = runtime.Library(build_fake_lib(tmp_path, name="other"))
     with pytest.raises(Fa3genError, match="has no launcher"):
         lib.launch(other.variants[0], runtime.FwdParams(), 0)
 

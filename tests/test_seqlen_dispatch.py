@@ -64,15 +64,9 @@ def test_a_range_needs_the_keys_default(tmp_path):
         plan(spec_file(tmp_path, text))
 
 
-def test_runtime_picks_by_seqlen(tmp_path, monkeypatch):
+def test_runtime_picks_by_seqlen(fake_launches, monkeypatch):
     """Library.find with seqlen_k, and flash_attn_func's eager path (the fake library's table
     has two candidates for the key; its build info gets a range for the other one)."""
-    from tests.test_runtime_errors import build_fake_lib
-
-    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path)))
-    monkeypatch.setattr(ops, "check_device", lambda *a: None)
-    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(ops, "_fwd_plans", {})
     lib = runtime.get_library()
     other = "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"
     rows = [[*KEY, 0, 100, other], [*KEY, 5000, 4000, "not-a-variant"], "garbage"]
@@ -86,12 +80,10 @@ def test_runtime_picks_by_seqlen(tmp_path, monkeypatch):
     # quick_check and the A/B script walk the range defaults too
     assert [v.name for v in lib.dispatched("fwd") if v.key == lib.get(default).key] == [default, other]
     assert other not in [v.name for v in lib.dispatched("bwd")]
-    launched = []
-    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append(info.name))
     for seqlen in (64, 300):
         q = torch.zeros(1, seqlen, 2, 128, dtype=torch.bfloat16)
         ops.flash_attn_func(q, q, q)
-    assert launched == [other, default]
+    assert [name for name, _ in fake_launches] == [other, default]
     # Graph capture bakes one name for every length: the key's default.
     dims = dataclasses.replace(ops.check_inputs(q, q, q), seqlen_k=64)
     assert ops.resolve_variant(dims, False, by_length=False) == default
