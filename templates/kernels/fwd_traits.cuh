@@ -126,13 +126,15 @@ struct FwdTraits {
   // The softmax's warp vote before its quad reductions (softmax.cuh), where it measured a gain
   // (H200 A/B, 2026-12-01, docs/results/ab_softmax_vote_4rounds.json, 4 rounds, 1k-16k): d128
   // causal 1.02-1.06x, non-causal 128x176 1.00-1.04, d192 1.01-1.04, d256 causal softcap
-  // 1.04-1.08. Off where it lost: d64 and d96 (0.84-0.98, but d64 192x128 non-causal
-  // 1.03-1.04), sliding windows (0.98-0.99; d128 local softcap 1.00-1.03), d256 without
+  // 1.04-1.08; d64 non-causal 192x128 1.02-1.04 (bf16 and fp16; 2026-12-02, docs/results/
+  // ab_softmax_vote_d64_nc.json). Off where it lost: d64 causal and softcap, d96 (0.84-0.98),
+  // sliding windows (0.98-0.99; d128 local softcap 1.00-1.03), d256 without
   // softcap (non-causal 128x80 spills with it) and the fp8 forward (0.93-0.98: its rescale
   // threshold is 0.8, so rows move often and the vote seldom skips anything). Varlen: not
   // measured, so off.
   static constexpr bool kSoftmaxVote =
-      !kFp8 && !Local && !Varlen && HeadDim >= 128 && (HeadDim < 256 || Softcap);
+      !kFp8 && !Local && !Varlen &&
+      ((HeadDim >= 128 && (HeadDim < 256 || Softcap)) || (HeadDim == 64 && !Causal && !Softcap));
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
