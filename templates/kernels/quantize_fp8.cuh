@@ -184,6 +184,13 @@ struct Staged {
 template <int HeadDim>
 constexpr int staged_max_rows() { return 2 * Staged<HeadDim>::kRowsPerPass; }
 constexpr int kStagedBlockValues = 32768;
+// The most rows a stage of a ring holds.
+template <int HeadDim, int Stages>
+constexpr int staged_stage_rows() {
+  return Stages == kSmallStages ? kSmallStageBytes / Staged<HeadDim>::kRowBytes
+         : Stages == kMidStages ? kMidStageBytes / Staged<HeadDim>::kRowBytes
+                                : staged_max_rows<HeadDim>();
+}
 static_assert(staged_max_rows<64>() * 64 == kStagedBlockValues && staged_max_rows<128>() * 128 == kStagedBlockValues &&
                   staged_max_rows<256>() * 256 == kStagedBlockValues,
               "the staged kernel's largest block");
@@ -370,6 +377,26 @@ __device__ __forceinline__ bool transforms(const fa3gen_quantize_params& p) {
   return Hadamard == kHadamardAtRunTime ? p.signs != nullptr : Hadamard == kHadamard;
 }
 
+// Warps whose rows all lie past the block skip the Hadamard pass: in the two-pass instances at
+// d128 and d256 (H200 A/B, 2026-12-02, docs/results/ab_quantize_skip_idle_warps.json: d128
+// Hadamard blocks of 160 rows 53 -> 59% of copy, 192 rows 59-63 -> 62-67%; d256 unchanged; at
+// d64 it gained nothing at 160 rows and lost 2-3 points at 192).
+template <int HeadDim, int Passes, int Hadamard>
+constexpr bool kSkipIdleWarps = Passes > 1 && Hadamard == kHadamard && HeadDim >= 128;
+
+// The staged kernel's copy loop unrolled (one pointer a thread, a constant stride) except in
+// the plain instances of the 3-stage ring, which loop over the chunks. H200, 2026-12-02, each
+// form against the chunk loop with integer divisions before it (docs/results/
+// ab_quantize_unrolled_copy_skip.json, ab_quantize_chunk_copy.json, ab_quantize_hybrid.json),
+// % of copy: unrolled, the Hadamard blocks gained 3-14 points (d128 192 rows 53 -> 62 and
+// 54 -> 67; the chunk loop gained them nothing) and the plain blocks of the smaller rings 1-5
+// (d64 160 rows 70 -> 75), but the 3-stage ring's plain d128 192-row blocks lost 96 -> 83 at
+// (8, 8192, 16, 128) (alone under ncu both took 100-102 us: only back to back) and d256's 96
+// rows 83 -> 78, where the chunk loop kept 98 and 84. Each instance's SASS is that of a measured
+// side.
+template <int Hadamard, int Stages>
+constexpr bool kUnrolledCopy = Hadamard != kNoHadamard || Stages != kStages;
+
 template <class T, int HeadDim, int Passes, bool Rotary, int Stages, int Hadamard = kHadamardAtRunTime>
 __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(Stages))
     quantize_blocks_staged(const fa3gen_quantize_params p) {
@@ -383,24 +410,46 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
   const int stage_bytes = p.block_rows * S::kRowBytes;
   const T* x = static_cast<const T*>(p.x);
 
-  // Item -> (its first row, rows, head, batch), and its copies into a stage (one group).
-  auto where = [&](int item, int& row0, int& rows, int& head, int& b) {
-    const int blk = item % nblk;
-    head = item / nblk % p.heads;
-    b = item / nblk / p.heads;
+  // Item -> (its block, first row, rows, head, batch), the divisions by multiplies.
+  const FastDiv by_blocks(nblk), by_heads(p.heads);
+  auto where = [&](int item, int& blk, int& row0, int& rows, int& head, int& b) {
+    const int hb = by_blocks.div(item);
+    blk = item - hb * nblk;
+    b = by_heads.div(hb);
+    head = hb - b * p.heads;
     row0 = blk * p.block_rows;
     rows = min(p.block_rows, p.seqlen - row0);
   };
+  // An item's copies into a stage (one group). Where kUnrolledCopy, thread tid copies chunk
+  // tid % kChunks of rows tid / kChunks + k kCopyRows, one source pointer a thread stepping by a
+  // constant stride, the steps unrolled (the bank swizzle of those rows is the same: kCopyRows
+  // is a multiple of 8 / T); elsewhere a loop over the block's chunks.
+  constexpr int kCopyRows = Threads / S::kChunks;
+  static_assert(kCopyRows % (8 / S::T) == 0 && staged_stage_rows<HeadDim, Stages>() % kCopyRows == 0,
+                "a thread's copied rows share their swizzle and fill a stage");
+  const int copy_row = tid / S::kChunks, copy_chunk = tid % S::kChunks;
+  const uint32_t copy_dst =
+      smem_addr(ring) + copy_row * S::kRowBytes + ((copy_chunk ^ S::swizzle(copy_row)) << 4);
   auto load = [&](int item, int stage) {
     if (item < items) {
-      int row0, rows, head, b;
-      where(item, row0, rows, head, b);
-      const T* src = x + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride;
-      const uint32_t dst = smem_addr(ring + stage * stage_bytes);
-      for (int c = tid; c < rows * S::kChunks; c += Threads) {
-        const int r = c / S::kChunks, ch = c % S::kChunks;
-        cp_async_16(dst + r * S::kRowBytes + ((ch ^ S::swizzle(r)) << 4),
-                    src + int64_t(row0 + r) * p.x_row_stride + ch * 8, true);
+      int blk, row0, rows, head, b;
+      where(item, blk, row0, rows, head, b);
+      const T* base = x + int64_t(b) * p.x_batch_stride + int64_t(head) * p.x_head_stride;
+      if constexpr (kUnrolledCopy<Hadamard, Stages>) {
+        const T* src = base + int64_t(row0 + copy_row) * p.x_row_stride + copy_chunk * 8;
+        const int64_t src_step = int64_t(kCopyRows) * p.x_row_stride;
+        const uint32_t dst = copy_dst + stage * stage_bytes;
+        #pragma unroll
+        for (int k = 0; k < staged_stage_rows<HeadDim, Stages>() / kCopyRows; ++k, src += src_step) {
+          if (copy_row + k * kCopyRows < rows) cp_async_16(dst + k * kCopyRows * S::kRowBytes, src, true);
+        }
+      } else {
+        const uint32_t dst = smem_addr(ring + stage * stage_bytes);
+        for (int c = tid; c < rows * S::kChunks; c += Threads) {
+          const int r = c / S::kChunks, ch = c % S::kChunks;
+          cp_async_16(dst + r * S::kRowBytes + ((ch ^ S::swizzle(r)) << 4),
+                      base + int64_t(row0 + r) * p.x_row_stride + ch * 8, true);
+        }
       }
     }
     cp_async_commit();  // empty groups keep the count uniform
@@ -420,8 +469,8 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
   int n = 0;
   for (int item = blockIdx.x; item < items; item += gridDim.x, ++n) {
     const int stage = n % Stages;
-    int row0, rows, head, b;
-    where(item, row0, rows, head, b);
+    int blk, row0, rows, head, b;
+    where(item, blk, row0, rows, head, b);
     cp_async_wait<Stages - 1>();  // this item's group has landed (this thread's copies) ...
     __syncthreads();               // ... and everyone's
 
@@ -430,6 +479,13 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     #pragma unroll
     for (int ps = 0; ps < Passes; ++ps) {
       const int r = ps * S::kRowsPerPass + tid / S::T;
+      // A warp whose rows all lie past the block (warp-uniform: its first row) skips the pass,
+      // transform included (store_owned reads none of its values): where kSkipIdleWarps.
+      if (kSkipIdleWarps<HeadDim, Passes, Hadamard> && ps * S::kRowsPerPass + warp * 32 / S::T >= rows) {
+        #pragma unroll
+        for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
+        continue;
+      }
       if (r < rows) {
         const uint8_t* row = ring + stage * stage_bytes + r * S::kRowBytes;
         #pragma unroll
@@ -469,7 +525,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     const bool unscaled = kFoldInvSqrtD<HeadDim, Passes> && transforms<Hadamard>(p);
     const float descale = descale_of(unscaled ? amax * kInvSqrtD<HeadDim> : amax);
     const float divisor = unscaled ? descale * (1.f / kInvSqrtD<HeadDim>) : descale;
-    if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + row0 / p.block_rows] = descale;
+    if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + blk] = descale;
 
     uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim;
     // div_by needs a normal 1 / divisor; blocks of tiny or infinite magnitudes divide.
@@ -505,9 +561,7 @@ int launch_staged(const fa3gen_quantize_params& p, cudaStream_t stream) {
   const auto kernel = quantize_blocks_staged<T, HeadDim, Passes, Rotary, Stages, Hadamard>;
   const int smem = Stages * p.block_rows * Staged<HeadDim>::kRowBytes;
   // The quantizer's kernels share one signature: a tag per instance keeps their flags apart.
-  const int most = Stages == kSmallStages ? kSmallStageBytes
-                   : Stages == kMidStages ? kMidStageBytes
-                                          : staged_max_rows<HeadDim>() * Staged<HeadDim>::kRowBytes;
+  const int most = staged_stage_rows<HeadDim, Stages>() * Staged<HeadDim>::kRowBytes;
   cudaError_t err = set_smem_limit_once<StagedTag<T, HeadDim, Passes, Rotary, Stages, Hadamard>>(kernel, Stages * most);
   int device = 0, sms = 0, per_sm = 0;
   if (err == cudaSuccess) err = cudaGetDevice(&device);

@@ -33,6 +33,20 @@ __device__ __forceinline__ float warp_max(float x) {
   return x;
 }
 
+// x / d for 0 <= x < 2^31 and a divisor 1 <= d < 2^31 fixed for the kernel, as a multiply and
+// a shift (a division is about 20 instructions): m = ceil(2^(31 + s) / d), s = ceil(log2 d), so
+// x m / 2^(31 + s) exceeds x / d by less than x / 2^(31 + s) < 2^-s <= 1 / d, too little to
+// reach the next integer; m < 2^32.
+struct FastDiv {
+  uint32_t m;
+  int shift;
+  __device__ explicit FastDiv(int d) {
+    shift = 31 + (32 - __clz(d - 1));
+    m = uint32_t(((uint64_t(1) << shift) + uint32_t(d) - 1) / uint32_t(d));
+  }
+  __device__ int div(int x) const { return int((uint64_t(uint32_t(x)) * m) >> shift); }
+};
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
