@@ -7,17 +7,21 @@ the same variant name in the second, in one process.
 Not a pytest module. Shapes follow the bench grid (16k tokens, hidden 2048). Each point is
 measured sustained: after a warm-up, rounds of back-to-back launches of at least --min-ms each,
 the two libraries alternating with the order rotated every round; a point's time is the median
-over its rounds. Prints one markdown row per point with B / A.
+over its rounds. Prints one markdown row per point with B / A. Varlen variants are timed on
+bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
+value as the mean length L, TFLOP/s on the real work.
 """
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 
 import torch
 
-from fa3gen import Fa3genError, bench, ops, runtime, timing
+from bench_varlen import TOTAL, lengths_for, pairs
+from fa3gen import Fa3genError, bench, ops, runtime, timing, varlen
 from fa3gen.checks import probe_masking
 
 
@@ -25,7 +29,7 @@ def _forward_default(lib, info):
     """(lib, its forward default for the key of backward variant info), or None."""
     try:
         return lib, lib.find("fwd", info.dtype, info.head_dim, info.causal, local=info.local,
-                             softcap=info.softcap)
+                             softcap=info.softcap, varlen=info.varlen)
     except Fa3genError:
         return None
 
@@ -44,6 +48,42 @@ def point_fns(libs, info, shape: dict):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     return [lambda lib=lib: ops._bwd_into(dout, q, k, v, out, lse, dq, dk, dv, info.causal, scale,
                                           info.name, lib=lib, **extra) for lib in libs]
+
+
+def varlen_point(libs, info, mean: int):
+    """(one call a library, FLOPs) of a varlen variant on a packed batch of mean length `mean`."""
+    lengths = lengths_for(mean, seed=mean)
+    heads, d = 2048 // info.head_dim, info.head_dim
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    q, k, v, dout = (torch.randn(TOTAL, heads, d, device="cuda", dtype=ops.TORCH_DTYPES[info.dtype])
+                     for _ in range(4))
+    longest, mask = max(lengths), ops.masking(info.causal, **probe_masking(info))
+    out, lse = varlen._empty_outputs(q)
+    work = 4 * d * heads * sum(pairs(n, info.causal) for n in lengths)
+    if info.direction == "fwd":
+        plans = [varlen._fwd_plan(q, k, v, cu, cu, longest, longest, out, lse, mask, None,
+                                  info.name, lib) for lib in libs]
+        return [lambda plan=plan: varlen._fwd_run(plan, q, k, v, cu, cu, out, lse)
+                for plan in plans], work
+    fwd_lib, fwd = next(found for found in (_forward_default(lib, info) for lib in libs) if found)
+    plan = varlen._fwd_plan(q, k, v, cu, cu, longest, longest, out, lse, mask, None, fwd.name,
+                            fwd_lib)
+    varlen._fwd_run(plan, q, k, v, cu, cu, out, lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    plans = [varlen._bwd_plan(dout, q, k, v, out, lse, cu, cu, longest, longest, dq, dk, dv, mask,
+                              plan.scale, info.name, False, lib) for lib in libs]
+    return [lambda p=p: varlen._bwd_run(p, dout, q, k, v, out, lse, cu, cu, dq, dk, dv)
+            for p in plans], 2.5 * work
+
+
+def points(libs, info, seqlens):
+    """[(seqlen or mean length, one call a library, FLOPs)] of one variant."""
+    if info.varlen:
+        return [(mean, *varlen_point(libs, info, mean)) for mean in seqlens]
+    return [(shape["seqlen"], point_fns(libs, info, shape),
+             bench.attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
+                                   shape["head_dim"], info.causal, info.direction))
+            for shape in bench.grid(seqlens, [info.head_dim])]
 
 
 def main() -> int:
@@ -68,22 +108,20 @@ def main() -> int:
     infos = ([libs[0].get(name) for name in libs[0].names()] if args.all_variants
              else libs[0].dispatched())
     for info in infos:
-        if info.varlen:  # packed batches need cu_seqlens: tests/gpu/bench_varlen.py times them
-            print(f"skipped {info.name}: varlen", file=sys.stderr)
-            continue
         if libs[1].get(info.name) is None:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
             continue
-        for shape in bench.grid(args.seqlens, [info.head_dim]):
-            flops = bench.attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
-                                          shape["head_dim"], info.causal, info.direction)
-            ms_a, ms_b = timing.sustained_ms(point_fns(libs, info, shape), args.rounds, args.min_ms)
-            row = {"variant": info.name, "seqlen": shape["seqlen"], "ms_a": ms_a, "ms_b": ms_b,
+        for seqlen, fns, flops in points(libs, info, args.seqlens):
+            ms_a, ms_b = timing.sustained_ms(fns, args.rounds, args.min_ms)
+            row = {"variant": info.name, "seqlen": seqlen, "ms_a": ms_a, "ms_b": ms_b,
                    "tflops_a": timing.tflops(flops, ms_a), "tflops_b": timing.tflops(flops, ms_b),
                    "b_over_a": ms_a / ms_b}
+            if info.varlen:
+                row["mean_length"] = seqlen  # packed: 16k tokens of lengths in [1, 2 seqlen]
             rows.append(row)
-            print(f"| {info.name} | {shape['seqlen']} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
+            print(f"| {info.name} | {seqlen} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
                   f"{row['b_over_a']:.3f} |", flush=True)
+            del fns
             torch.cuda.empty_cache()
     if not rows:
         sys.exit("no variant of A was timed (a spec without defaults needs --all-variants)")
