@@ -165,6 +165,13 @@ def test_a_spec_file_names_its_library_by_its_name_key(clean_runtime, tmp_path):
     assert runtime.resolve_library(y) == (clean_runtime / "other/lib/libfa3gen_other.so", "other")
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe not utf-8: \x80", b"name: [unclosed\n"])
+def test_an_unreadable_spec_file_names_its_library_by_its_stem(clean_runtime, tmp_path, content):
+    y = tmp_path / "weird.yaml"
+    y.write_bytes(content)  # not UTF-8 (raised UnicodeDecodeError) or not YAML
+    assert runtime.resolve_library(y) == (clean_runtime / "weird/lib/libfa3gen_weird.so", "weird")
+
+
 class FakeLibrary:
     """Stands in for Library: get_library's choice of path is what these tests look at."""
 
