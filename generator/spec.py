@@ -149,13 +149,15 @@ class Spec:
 # --------------------------------------------------------------------------- loading
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one). A key beside
+    a merge key (`<<: *anchor`) overrides the merged one, as YAML says: not a duplicate."""
 
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
-    loader.flatten_mapping(node)
     seen = set()
-    for key_node, _ in node.value:
+    for key_node, _ in node.value:  # the mapping's own keys, before the merge adds its pairs
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
         try:
             dup = key in seen
@@ -165,6 +167,7 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
         if dup:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r}", key_node.start_mark)
+    loader.flatten_mapping(node)
     return yaml.SafeLoader.construct_mapping(loader, node, deep)
 
 

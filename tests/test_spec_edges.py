@@ -72,6 +72,16 @@ def test_a_one_length_range_and_a_merge_key_are_valid():
     assert [dict(g.axes)["head_dim"] for g in merged.groups] == [(64,), (64,)]
 
 
+def test_a_key_beside_a_merge_key_overrides_it_but_a_repeated_key_is_refused():
+    merged = parse_spec(AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64, causal: true}}\n"
+                        "  - {name: b, axes: {<<: *g, head_dim: 128}}\n", "s.yaml")
+    assert [(dict(g.axes)["head_dim"], dict(g.axes)["causal"]) for g in merged.groups] == [
+        ((64,), (True,)), ((128,), (True,))]
+    assert "duplicate key 'head_dim'" in error(
+        AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64}}\n"
+        "  - {name: b, axes: {<<: *g, head_dim: 128, head_dim: 256}}\n")
+
+
 def test_seqlen_max_itself_is_a_valid_bound():
     text = AXES.replace("tile: [128, 128]", "tile: [[128, 128], [128, 176]]") + (
         "dispatch:\n  - when: {head_dim: 128}\n    use: {tile: [128, 176]}\n"
