@@ -56,3 +56,48 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
         assert r["registers"] and r["registers"] > 0
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0
         assert not r["setmaxnreg_ignored"]
+
+
+FAST_DIV_CHECK = r"""
+#include <cstdio>
+#include <cstdlib>
+#include "simt_common.cuh"
+using fa3gen::simt::FastDiv;
+// x / d for divisors from 1 to 2^31 - 1 (small ones, powers of two and their neighbours, large
+// ones) and numerators at the bounds of every quotient step near 0 and near 2^31 - 1.
+int main() {
+  long long checked = 0;
+  auto check = [&](int d, long long x) {
+    if (x < 0 || x > 0x7fffffff) return true;
+    ++checked;
+    return FastDiv(d).div(int(x)) == int(x / d);
+  };
+  for (long long d = 1; d < 0x7fffffffLL; d = d < 5000 ? d + 1 : d * 3 / 2 + 1) {
+    for (long long e : {d, (d & (d - 1)) ? d : d - 1, d + 1}) {
+      if (e < 1 || e > 0x7fffffff) continue;
+      for (long long q : {0LL, 1LL, 2LL, 0x7fffffffLL / e - 1, 0x7fffffffLL / e}) {
+        for (long long x : {q * e - 1, q * e, q * e + e - 1, 0x7fffffffLL}) {
+          if (!check(int(e), x)) { std::printf("FastDiv(%lld).div(%lld) wrong\n", e, x); return 1; }
+        }
+      }
+    }
+  }
+  std::printf("%lld checked\n", checked);
+  return 0;
+}
+"""
+
+
+def test_fast_div_matches_division(tmp_path):
+    """simt_common.cuh's FastDiv (the quantizer's item -> block, head, batch) against `/`."""
+    try:
+        nvcc = find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    src, exe = tmp_path / "fast_div.cu", tmp_path / "fast_div"
+    src.write_text(FAST_DIV_CHECK)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", f"-I{KERNELS_DIR}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout
+    assert int(run.stdout.split()[0]) > 100000

@@ -37,14 +37,19 @@ __device__ __forceinline__ float warp_max(float x) {
 // a shift (a division is about 20 instructions): m = ceil(2^(31 + s) / d), s = ceil(log2 d), so
 // x m / 2^(31 + s) exceeds x / d by less than x / 2^(31 + s) < 2^-s <= 1 / d, too little to
 // reach the next integer; m < 2^32.
+// (Host code too, for tests/test_compile.py's check of every bound.)
 struct FastDiv {
   uint32_t m;
   int shift;
-  __device__ explicit FastDiv(int d) {
+  __host__ __device__ explicit FastDiv(int d) {
+#ifdef __CUDA_ARCH__
     shift = 31 + (32 - __clz(d - 1));
+#else
+    shift = 31 + (d > 1 ? 32 - __builtin_clz(uint32_t(d - 1)) : 0);
+#endif
     m = uint32_t(((uint64_t(1) << shift) + uint32_t(d) - 1) / uint32_t(d));
   }
-  __device__ int div(int x) const { return int((uint64_t(uint32_t(x)) * m) >> shift); }
+  __host__ __device__ int div(int x) const { return int((uint64_t(uint32_t(x)) * m) >> shift); }
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
