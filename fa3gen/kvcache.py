@@ -9,13 +9,13 @@ rotary_sin) runs as PyTorch operations before the append. Not there yet: cache_l
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from fa3gen import contract, ops, runtime, tracing
+from fa3gen.contract import INT32_MAX
 from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
 
@@ -268,6 +268,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
             raise InvalidInputError("cache_batch_idx applies to a contiguous cache, not a paged "
                                     "one (the block table says where each sequence is)")
         capacity = block_table.shape[1] * rows_per
+        if capacity > INT32_MAX:  # seqlen_k is an int32 param
+            raise InvalidInputError(f"a block table of {block_table.shape[1]} pages of {rows_per} "
+                                    f"rows: {capacity} keys a sequence, more than 2^31 - 1")
     else:
         capacity = rows_per
         if cache_batch_idx is None and pages_or_b < b:
@@ -311,6 +314,9 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                        append, (mask, p.softmax_scale) if prefill else None, kv_fp8)
 
 
+FP32_MAX = torch.finfo(torch.float32).max  # a float factor travels as an fp32 param
+
+
 def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
     """The (batch, head) strides of the factor tensors ((0, 0) without one)."""
     given = [(n, s) for n, s in (("k_scale", k_scale), ("v_scale", v_scale)) if s is not None]
@@ -326,8 +332,9 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
                                         f"{heads_kv}) on {device}, got {s.dtype} "
                                         f"{tuple(s.shape)} on {s.device}")
             tensors.append(s)
-        elif isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s <= 0:
-            raise InvalidInputError(f"{name} must be a positive float or an fp32 tensor, got {s!r}")
+        elif isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= FP32_MAX:
+            raise InvalidInputError(f"{name} must be a positive float within fp32's range or an "
+                                    f"fp32 tensor, got {s!r}")
     if not tensors:
         return 0, 0
     if len(tensors) == 2 and (tensors[0].shape != tensors[1].shape or
@@ -419,13 +426,15 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
          block_table, return_lse, k_scale=None, v_scale=None):
     """One call of a planned signature: the pointers, the outputs, the launch."""
     b, sq, hq, d = plan.out_shape
-    if 0 in (b, sq, hq):
+    no_query = 0 in (b, sq, hq)  # nothing to attend; new keys are still appended
+    if no_query and not (b and plan.append):
         out, lse = ops._empty_outputs(q)
         return (out, lse) if return_lse else out
     length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
     seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
-    pointers = ops._aligned_pointers(q=q, k_cache=k_cache, v_cache=v_cache)  # plan: the strides
+    pointers = None if no_query else ops._aligned_pointers(q=q, k_cache=k_cache,  # plan: the
+                                                           v_cache=v_cache)       # strides
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)
@@ -445,6 +454,9 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                     batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
+    if no_query:
+        out, lse = ops._empty_outputs(q)
+        return (out, lse) if return_lse else out
     if plan.prefill:
         return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
                         batch_idx, block_table, return_lse, (k_scale, v_scale))

@@ -602,3 +602,206 @@ def test_split_accumulators_and_debug_bounds_at_the_edge(launched, monkeypatch):
     with pytest.raises(InvalidInputError, match="cache_batch_idx in"):
         kvcache.flash_attn_with_kvcache(q1, rows, rows, cache_seqlens=5,
                                         cache_batch_idx=torch.tensor([3], dtype=torch.int32))
+
+
+# What a mutation audit of fa3gen/kvcache.py (2026-12-02) found unpinned: each test below
+# fails on one or more mutants of the checks, the params or the append.
+
+def test_split_heuristic_head_dim_64_and_the_cap():
+    assert kvcache.num_splits_heuristic(8, 8, 32768, 132, 64) == 6      # 3 CTAs an SM at d64
+    assert kvcache.num_splits_heuristic(1, 1, 1 << 20, 132, 64) == 128  # at most 128 splits
+    assert kvcache.num_splits_heuristic(1, 8, 6336, 132, 256) == 33     # within 95% of the best
+
+
+def _q_cache(d=128, rows=1000, batch=2, heads_q=8, heads_kv=2, seqlen_q=1, dtype=BF):
+    return (torch.zeros(batch, seqlen_q, heads_q, d, dtype=dtype),
+            torch.zeros(3, rows, heads_kv, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int32, device="meta")), "on cpu"),
+    (dict(cache_seqlens=[5, 7]), "cache_seqlens must be an int32 tensor"),
+    (dict(cache_seqlens=True), "cache_seqlens must be an int32 tensor"),
+    (dict(cache_seqlens=-1), r"outside \[0, 1000\]"),
+    (dict(num_splits=True), "num_splits"),
+    (dict(v_cache=torch.zeros(3, 500, 2, 128, dtype=BF)), "must have one shape"),
+    (dict(k_cache=torch.zeros(3, 1000, 2, 64, dtype=BF), v_cache=torch.zeros(3, 1000, 2, 64, dtype=BF)),
+     "must have one shape"),
+    (dict(v_cache=torch.zeros(3, 1000, 2, 256, dtype=BF)[..., ::2]), r"v_cache.stride\(-1\)"),
+])
+def test_more_argument_errors(launched, kwargs, match):
+    q, kc = _q_cache()
+    args = dict(k_cache=kc, v_cache=kc)
+    args.update(kwargs)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(q, args.pop("k_cache"), args.pop("v_cache"), **args)
+    assert not launched
+
+
+def test_fp32_q_and_caches_are_refused(launched):
+    q, kc = _q_cache(dtype=torch.float32)
+    with pytest.raises(InvalidInputError, match="q must be bf16 or fp16"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc)
+
+
+@pytest.mark.parametrize("table,match", [
+    (torch.zeros(2, 10, dtype=torch.int64), "block_table must be int32"),
+    (torch.zeros(1, 10, dtype=torch.int32), r"block_table must be int32 \(batch=2"),
+    (torch.zeros(2, 2, dtype=torch.int32).t(), "rows must be contiguous"),
+])
+def test_block_table_errors(launched, table, match):
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    kc = torch.zeros(50, 64, 2, 64, dtype=BF)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, block_table=table)
+
+
+def test_a_block_table_past_int32_keys_is_refused(launched):
+    """seqlen_k is an int32 param: 32769 pages of 65536 rows wrapped to a negative length."""
+    kc = torch.zeros(1, 65536, 1, 64, dtype=BF)
+    with pytest.raises(InvalidInputError, match="more than 2"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc,
+                                        cache_seqlens=torch.tensor([100], dtype=torch.int32),
+                                        block_table=torch.zeros(1, 32769, dtype=torch.int32))
+
+
+def test_the_plan_cache_does_not_skip_the_checks_of_a_new_signature(launched):
+    q, kc = _q_cache()
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match="cache_seqlens must be int32"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([5, 7]))
+    with pytest.raises(InvalidInputError, match="must have one shape"):
+        kvcache.flash_attn_with_kvcache(q, kc, torch.zeros(3, 500, 2, 128, dtype=BF),
+                                        cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
+
+
+def test_strides_reach_the_params(launched):
+    """q's own strides (a head slice), out's contiguous ones, the table's row stride (a padded
+    view), and a window (-1, 0) sent as causal."""
+    q = torch.zeros(2, 2, 16, 128, dtype=BF)[:, :, :8]
+    kc = torch.zeros(50, 64, 2, 128, dtype=BF)
+    table = torch.zeros(2, 16, dtype=torch.int32)[:, :10]
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, block_table=table,
+                                    window_size=(-1, 0))
+    (p,) = launched
+    assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (2 * 16 * 128, 16 * 128, 128)
+    assert (p.out_batch_stride, p.out_row_stride, p.out_head_stride) == (2 * 8 * 128, 8 * 128, 128)
+    assert p.block_table_batch_stride == 16 and p.causal == 1
+
+
+def test_sixteen_rows_a_kv_head_still_decode(launched, monkeypatch):
+    monkeypatch.setattr(ops, "flash_attn_func", lambda *a, **k: pytest.fail("not a prefill"))
+    q, kc = torch.zeros(1, 2, 8, 128, dtype=BF), torch.zeros(1, 100, 1, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50)
+    assert len(launched) == 1
+
+
+def test_a_window_of_one_key_takes_one_split(launched):
+    kc = torch.zeros(1, 65536, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 8, 128, dtype=BF), kc, kc,
+                                    cache_seqlens=65536, window_size=(0, 0))
+    assert launched[0].num_splits == 1
+
+
+def test_an_explicit_split_count_up_to_65535(launched):
+    kc = torch.zeros(1, 100000, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 8, 128, dtype=BF), kc, kc,
+                                    cache_seqlens=100000, num_splits=1000)
+    assert launched[0].num_splits == 1000
+
+
+def test_the_split_workspace_holds_every_partial_lse(launched, monkeypatch):
+    sizes, empty = [], torch.empty
+
+    def recording(*shape, **kw):
+        out = empty(*shape, **kw)
+        if kw.get("dtype") == torch.float32:
+            sizes.append(out.numel())
+        return out
+    monkeypatch.setattr(torch, "empty", recording)
+    q, kc = _q_cache()
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=700, num_splits=4)
+    rows = 2 * 8 * 1 * 4  # batch x heads_q x seqlen_q x splits
+    assert rows * (128 + 1) in sizes
+    (p,) = launched
+    assert p.lse_accum - p.o_accum == rows * 128 * 4
+
+
+def test_fp8_factor_errors_and_orientation(launched):
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 4, 128, dtype=FP8)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(2, 4))  # (batch, heads_kv)
+    for bad, match in ((torch.ones(4, 2), r"k_scale must be fp32 of shape \(4,\) or \(2, 4\)"),
+                       (torch.ones(2, 4, device="meta"), "on cpu"),
+                       (float("inf"), "positive"), (10 ** 400, "positive"), (1e39, "positive")):
+        with pytest.raises(InvalidInputError, match=match):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=bad)
+    with pytest.raises(InvalidInputError, match="one shape and strides"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(4, 4)[:2],
+                                        v_scale=torch.ones(4, 4).t()[:2])
+
+
+@pytest.mark.parametrize("k,v,match,error", [
+    ([0.0], [0.0], "torch.Tensors", TypeError),
+    (torch.zeros(2, 3, 2, 64, dtype=BF), torch.zeros(2, 1, 2, 64, dtype=BF), "k and v must be", InvalidInputError),
+    (torch.zeros(2, 0, 2, 64, dtype=BF), torch.zeros(2, 0, 2, 64, dtype=BF), "seqlen_new >= 1", InvalidInputError),
+    (torch.zeros(2, 1, 2, 64, dtype=BF), torch.zeros(2, 1, 2, 64, device="meta", dtype=BF), None, InvalidInputError),
+])
+def test_new_key_errors(launched, k, v, match, error):
+    kc = torch.zeros(2, 32, 2, 64, dtype=BF)
+    with pytest.raises(error, match=match):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc, k, v, cache_seqlens=3)
+
+
+def test_new_keys_of_two_dtypes_into_an_fp8_cache(launched):
+    kc = torch.zeros(2, 32, 2, 64, dtype=FP8)
+    with pytest.raises(InvalidInputError, match="match the cache's dtype"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc,
+                                        torch.zeros(2, 1, 2, 64, dtype=BF),
+                                        torch.zeros(2, 1, 2, 64, dtype=FP8), cache_seqlens=3)
+
+
+def test_the_last_row_that_fits_is_written(launched):
+    kc, vc = torch.zeros(2, 40, 2, 64, dtype=BF), torch.zeros(2, 40, 2, 64, dtype=BF)
+    k = torch.ones(2, 1, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, vc, k, k,
+                                    cache_seqlens=torch.tensor([39, 0], dtype=torch.int32))
+    assert (kc[0, 39] == 1).all() and (kc[1, 0] == 1).all() and kc.sum() == 2 * 2 * 64
+
+
+def test_no_query_still_appends_and_launches_nothing(launched):
+    """seqlen_q 0 (or no query heads): nothing to attend, but k, v still go into the cache (the
+    early return skipped the append)."""
+    kc, vc = torch.zeros(2, 8, 2, 64, dtype=BF), torch.zeros(2, 8, 2, 64, dtype=BF)
+    k = torch.ones(2, 1, 2, 64, dtype=BF)
+    for q in (torch.zeros(2, 0, 4, 64, dtype=BF), torch.zeros(2, 1, 0, 64, dtype=BF)):
+        out = kvcache.flash_attn_with_kvcache(q, kc, vc, k, 2 * k, cache_seqlens=3)
+        assert out.shape == q.shape and not launched
+        assert (kc[:, 3] == 1).all() and (vc[:, 3] == 2).all() and kc.sum() == 2 * 2 * 64
+        kc.zero_()
+        vc.zero_()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(cache_seqlens=[-1, 5]), r"outside \[0, 16\]"),
+    (dict(cache_batch_idx=[-1]), "cache_batch_idx in"),
+])
+def test_debug_checks_catch_negative_lengths_and_indices(launched, monkeypatch, kwargs, match):
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    batch = len(kwargs.get("cache_seqlens", [0]))
+    kc = torch.zeros(4, 16, 2, 64, dtype=BF)
+    args = {n: torch.tensor(v, dtype=torch.int32) for n, v in kwargs.items()}
+    args.setdefault("cache_seqlens", torch.zeros(batch, dtype=torch.int32))
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(torch.zeros(batch, 1, 2, 64, dtype=BF), kc, kc, **args)
+
+
+def test_debug_checks_catch_a_page_only_the_append_needs(launched, monkeypatch):
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    kc = torch.zeros(4, 16, 2, 64, dtype=BF)
+    k = torch.zeros(1, 1, 2, 64, dtype=BF)
+    for table, length in (([[0, 9]], 16), ([[-1]], 0)):  # page 9 holds only the new row
+        with pytest.raises(InvalidInputError, match="block_table row 0"):
+            kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc, k, k,
+                                            cache_seqlens=torch.tensor([length], dtype=torch.int32),
+                                            block_table=torch.tensor(table, dtype=torch.int32))
