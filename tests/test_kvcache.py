@@ -805,3 +805,36 @@ def test_debug_checks_catch_a_page_only_the_append_needs(launched, monkeypatch):
             kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc, k, k,
                                             cache_seqlens=torch.tensor([length], dtype=torch.int32),
                                             block_table=torch.tensor(table, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(v=None), "pass k and v"),
+    (dict(rotary_cos=torch.ones(50, 16), rotary_sin=torch.ones(40, 16)), "one shape"),
+    (dict(rotary_cos=torch.ones(50, 16, dtype=torch.int64), rotary_sin=torch.ones(50, 16, dtype=torch.int64)),
+     "floating-point"),
+    (dict(k=torch.zeros(2, 3, 2, 64, dtype=FP8), v=torch.zeros(2, 3, 2, 64, dtype=FP8)), "16-bit k"),
+    (dict(k=torch.zeros(2, 3, 2, 32, dtype=BF), v=torch.zeros(2, 3, 2, 32, dtype=BF)), "of one batch and d"),
+    (dict(k=torch.zeros(2, 1, 2, 64, dtype=BF), v=torch.zeros(2, 1, 2, 64, dtype=BF), causal=True,
+          rotary_cos=torch.ones(10, 16), rotary_sin=torch.ones(10, 16), cache_seqlens=8),
+     r"cache_seqlens \+ 3 = 11"),  # causal: q's 3 rows take positions 8, 9, 10
+    (dict(cache_seqlens=-1), "10 positions; the call needs"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), r"shape \(2,\)"),
+])
+def test_more_rotary_errors(launched, kwargs, match):
+    q = torch.zeros(2, 3, 4, 64, dtype=BF)
+    kc = vc = torch.zeros(2, 40, 2, 64, dtype=BF)
+    args = dict(k=torch.zeros(2, 3, 2, 64, dtype=BF), v=torch.zeros(2, 3, 2, 64, dtype=BF),
+                rotary_cos=torch.ones(10, 16), rotary_sin=torch.ones(10, 16), cache_seqlens=5)
+    if "k" in kwargs and kwargs["k"].dtype == FP8:
+        kc = vc = kc.to(FP8)
+    args.update(kwargs)
+    with pytest.raises(InvalidInputError, match=match):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, **args)
+
+
+def test_a_rotary_table_exactly_long_enough(launched):
+    q, kc = torch.zeros(2, 1, 4, 64, dtype=BF), torch.zeros(2, 40, 2, 64, dtype=BF)
+    k = torch.zeros(2, 3, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), k, k, cache_seqlens=7,
+                                    rotary_cos=torch.ones(10, 16), rotary_sin=torch.ones(10, 16))
+    assert len(launched) == 1
