@@ -838,3 +838,46 @@ def test_a_rotary_table_exactly_long_enough(launched):
     kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), k, k, cache_seqlens=7,
                                     rotary_cos=torch.ones(10, 16), rotary_sin=torch.ones(10, 16))
     assert len(launched) == 1
+
+
+def _stub_forwards(monkeypatch):
+    """The forward kernels chunked prefill calls, recording (kind, k, cu_seqlens_k)."""
+    from fa3gen import varlen
+    calls = []
+    monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, *a, **kw: calls.append(("dense", k, None)) or (
+        torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, v, cu_q, cu_k, *a, **kw: calls.append(
+        ("varlen", k, cu_k)) or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+    return calls
+
+
+def test_chunked_prefill_needs_no_decode_kernel(launched, monkeypatch):
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset())
+    calls = _stub_forwards(monkeypatch)
+    kc = torch.zeros(2, 100, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(torch.zeros(2, 9, 4, 64, dtype=BF), kc, kc, cache_seqlens=30)
+    assert [c[0] for c in calls] == ["dense"] and not launched
+
+
+def test_chunked_prefill_lengths_past_the_capacity_are_clamped(launched, monkeypatch):
+    calls = _stub_forwards(monkeypatch)
+    kc = torch.zeros(3, 100, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(torch.zeros(2, 9, 4, 64, dtype=BF), kc, kc,
+                                    cache_seqlens=torch.tensor([150, 5], dtype=torch.int32),
+                                    cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    kind, k, cu_k = calls[-1]
+    assert kind == "varlen" and cu_k.tolist() == [0, 100, 105] and k.shape[0] == 105
+
+
+@pytest.mark.parametrize("paged", [True, False])
+def test_appends_through_out_of_range_indices_are_clamped(launched, paged):
+    """As the decode kernels read: a page index past the cache takes the last page, a row index
+    the last row (FA3GEN_DEBUG_CHECKS=1 reports them instead)."""
+    kc = torch.zeros(6 if paged else 3, 16, 2, 64, dtype=BF)
+    k = torch.ones(1, 1, 2, 64, dtype=BF)
+    where = (dict(block_table=torch.tensor([[9]], dtype=torch.int32)) if paged
+             else dict(cache_batch_idx=torch.tensor([5], dtype=torch.int32)))
+    kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc.clone(), k, k,
+                                    cache_seqlens=torch.tensor([3], dtype=torch.int32), **where)
+    last = kc.shape[0] - 1
+    assert (kc[last, 3] == 1).all() and kc.sum() == 2 * 64
