@@ -153,9 +153,9 @@ def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
                                 "(flash-attn applies them only with k and v)")
     if not all(isinstance(t, torch.Tensor) for t in (cos, sin)) or cos.dim() != 2 or \
             cos.shape != sin.shape or not cos.is_floating_point() or sin.dtype != cos.dtype or \
-            cos.device != q.device or not 1 <= cos.shape[1] <= q.shape[-1] // 2:
+            cos.device != q.device or not 1 <= cos.shape[1] <= q.shape[-1] // 2 or cos.shape[0] < 1:
         raise InvalidInputError(
-            f"rotary_cos and rotary_sin must be floating-point tensors of one shape (seqlen_ro, "
+            f"rotary_cos and rotary_sin must be floating-point tensors of one shape (seqlen_ro >= 1, "
             f"rotary_dim / 2 <= {q.shape[-1] // 2}) and dtype on {q.device}; got "
             f"{[(getattr(t, 'dtype', type(t).__name__), tuple(getattr(t, 'shape', ()))) for t in (cos, sin)]}")
     if q.dim() != 4 or not isinstance(k, torch.Tensor) or k.dim() != 4 or \
@@ -400,6 +400,8 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
     cache_rows, page_size, capacity = plan.geometry
+    if 0 in (cache_rows, capacity):  # no row fits (a table of no pages, a cache of none)
+        return
     b, n = k.shape[:2]
     device = k.device
     steps = torch.arange(n, device=device)

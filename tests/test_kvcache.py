@@ -881,3 +881,20 @@ def test_appends_through_out_of_range_indices_are_clamped(launched, paged):
                                     cache_seqlens=torch.tensor([3], dtype=torch.int32), **where)
     last = kc.shape[0] - 1
     assert (kc[last, 3] == 1).all() and kc.sum() == 2 * 64
+
+
+def test_degenerate_caches_and_tables_get_input_errors_or_no_writes(launched):
+    q = torch.zeros(1, 1, 2, 64, dtype=BF)
+    k = torch.ones(1, 1, 2, 64, dtype=BF)
+    lengths = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="seqlen_ro >= 1"):  # was an IndexError
+        kc = torch.zeros(1, 8, 2, 64, dtype=BF)
+        kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), k, k, cache_seqlens=lengths,
+                                        rotary_cos=torch.ones(0, 16), rotary_sin=torch.ones(0, 16))
+    pages = torch.zeros(4, 16, 2, 64, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), k, k, cache_seqlens=lengths,  # no page:
+                                    block_table=torch.zeros(1, 0, dtype=torch.int32))      # no room
+    assert not pages.any() and launched[-1].seqlen_k == 0
+    none = torch.zeros(0, 16, 2, 64, dtype=BF)  # no page at all: nothing written on the host
+    kvcache.flash_attn_with_kvcache(q, none, none.clone(), k, k, cache_seqlens=lengths,
+                                    block_table=torch.zeros(1, 1, dtype=torch.int32))
