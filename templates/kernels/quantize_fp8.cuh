@@ -480,7 +480,8 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     for (int ps = 0; ps < Passes; ++ps) {
       const int r = ps * S::kRowsPerPass + tid / S::T;
       // A warp whose rows all lie past the block (warp-uniform: its first row) skips the pass,
-      // transform included (store_owned reads none of its values): where kSkipIdleWarps.
+      // transform included, where kSkipIdleWarps. store_owned reads none of its values; zeroing
+      // them anyway kept ptxas from spilling (d128 two-pass bf16, 2026-12-02: 100 bytes without).
       if (kSkipIdleWarps<HeadDim, Passes, Hadamard> && ps * S::kRowsPerPass + warp * 32 / S::T >= rows) {
         #pragma unroll
         for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
