@@ -37,7 +37,7 @@ def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
 def test_seqused_k_checks():
     """seqused_k (FA3's): int32 (batch,) beside cu_seqlens_k, forward only."""
     q, k, v = qkv()
-    for bad in (CU_K, CU_K[1:].long(), CU_K[1:][None], [5, 2, 5]):
+    for bad in (CU_K, CU_K[1:].long(), CU_K[1:][None], CU_K[1:, None], CU_K[1:].to("meta"), [5, 2, 5]):
         with pytest.raises(InvalidInputError, match=r"seqused_k must be int32 of shape \(batch,\)"):
             flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=bad)
     with pytest.raises(InvalidInputError, match="seqused_k must be contiguous"):
@@ -73,6 +73,19 @@ def test_seqused_k_checks():
     (dict(q=torch.zeros(10, 4, 128, dtype=torch.float16)), "q, k, v must have one dtype"),
     (dict(window_size=(-2, 0)), "window_size left must be an int >= -1"),
     (dict(softcap=-1.0), "softcap must be a finite number >= 0"),
+    # what a mutation audit (2026-12-02) found unpinned:
+    (dict(v=torch.zeros(12, 2, 128, dtype=torch.float16)), "q, k, v must have one dtype"),
+    (dict(q=torch.zeros(10, 4, 128), k=torch.zeros(12, 2, 128), v=torch.zeros(12, 2, 128)),
+     "unsupported dtype torch.float32"),
+    (dict(k=torch.zeros(1, 12, 2, 128, dtype=torch.bfloat16), v=torch.zeros(1, 12, 2, 128, dtype=torch.bfloat16)),
+     r"k must have 3 dims"),
+    (dict(k=torch.zeros(12, 2, 64, dtype=torch.bfloat16), v=torch.zeros(12, 2, 64, dtype=torch.bfloat16)),
+     "head_dim differs: q has 128, k/v have 64"),
+    (dict(k=torch.zeros(12, 0, 128, dtype=torch.bfloat16), v=torch.zeros(12, 0, 128, dtype=torch.bfloat16)),
+     r"heads_q \(4\) must be a multiple of heads_kv \(0\)"),
+    (dict(cu_seqlens_q=CU_Q[:, None].contiguous(), cu_seqlens_k=CU_K[:, None].contiguous()),
+     r"cu_seqlens_q must be 1-D"),
+    (dict(max_seqlen_k=2**31), "max_seqlen_k must be an int in"),
 ])
 def test_bad_input_one_clear_error(fake_launches, change, message):
     q, k, v = qkv()
@@ -253,3 +266,10 @@ def test_the_op_refuses_a_backward_through_seqused_k(fake_launches):
     with pytest.raises(InvalidInputError, match="seqused_k: forward only"):
         out.float().sum().backward()
     assert len(fake_launches) == 1  # no backward launched
+
+
+def test_total_keys_past_int32_are_refused(fake_launches):
+    q, _, _ = qkv()
+    k = torch.zeros(1, 2, 128, dtype=torch.bfloat16).expand(2**31, 2, 128)
+    with pytest.raises(InvalidInputError, match="total_q and total_k must be below 2\\^31 rows"):
+        flash_attn_varlen_func(q, k, k, CU_Q, CU_K, 7, 5)
