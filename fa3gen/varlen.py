@@ -19,7 +19,7 @@ from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
 from fa3gen.contract import INT32_MAX, VARLEN_LIMITS, varlen_tiles
 from fa3gen.errors import Fa3genError, InvalidInputError
-from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, TORCH_DTYPES, debug_checks_enabled
+from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, debug_checks_enabled
 
 
 # ---------------------------------------------------------------------------------------------
@@ -33,9 +33,9 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if not (q.dtype == k.dtype == v.dtype):
         raise InvalidInputError(
             f"q, k, v must have one dtype, got q: {q.dtype}, k: {k.dtype}, v: {v.dtype}")
-    if q.dtype not in _DTYPES:
-        raise InvalidInputError(f"unsupported dtype {q.dtype}; fa3gen supports "
-                                + " and ".join(str(dt) for dt in TORCH_DTYPES.values()))
+    if q.dtype not in _DTYPES or _DTYPES[q.dtype] == "e4m3":  # no e4m3 varlen kernel exists
+        raise InvalidInputError(f"unsupported dtype {q.dtype}; flash_attn_varlen_func takes "
+                                "torch.bfloat16 and torch.float16 (no fp8 varlen kernels yet)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise InvalidInputError(f"{name} must have 3 dims (total_tokens, heads, head_dim) for "

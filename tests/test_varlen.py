@@ -77,6 +77,7 @@ def test_seqused_k_checks():
     (dict(v=torch.zeros(12, 2, 128, dtype=torch.float16)), "q, k, v must have one dtype"),
     (dict(q=torch.zeros(10, 4, 128), k=torch.zeros(12, 2, 128), v=torch.zeros(12, 2, 128)),
      "unsupported dtype torch.float32"),
+    (dict(zip("qkv", qkv(dtype=torch.float8_e4m3fn))), "no fp8 varlen kernels"),
     (dict(k=torch.zeros(1, 12, 2, 128, dtype=torch.bfloat16), v=torch.zeros(1, 12, 2, 128, dtype=torch.bfloat16)),
      r"k must have 3 dims"),
     (dict(k=torch.zeros(12, 2, 64, dtype=torch.bfloat16), v=torch.zeros(12, 2, 64, dtype=torch.bfloat16)),
