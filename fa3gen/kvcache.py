@@ -424,14 +424,19 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
         cache[where] = torch.where(any_fit, fitted, cache[where])
 
 
+def _no_attention(q, return_lse):
+    """The (empty) outputs of a call with no query row or head."""
+    out, lse = ops._empty_outputs(q)
+    return (out, lse) if return_lse else out
+
+
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
          block_table, return_lse, k_scale=None, v_scale=None):
     """One call of a planned signature: the pointers, the outputs, the launch."""
     b, sq, hq, d = plan.out_shape
     no_query = 0 in (b, sq, hq)  # nothing to attend; new keys are still appended
     if no_query and not (b and plan.append):
-        out, lse = ops._empty_outputs(q)
-        return (out, lse) if return_lse else out
+        return _no_attention(q, return_lse)
     length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
     seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
@@ -456,9 +461,8 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
                     batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
-    if no_query:
-        out, lse = ops._empty_outputs(q)
-        return (out, lse) if return_lse else out
+    if no_query:  # the append was the whole call
+        return _no_attention(q, return_lse)
     if plan.prefill:
         return _prefill(plan, q, k_cache, v_cache, seqlens if seqlens is not None else p.seqlen_k,
                         batch_idx, block_table, return_lse, (k_scale, v_scale))

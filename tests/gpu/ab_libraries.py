@@ -13,14 +13,13 @@ value as the mean length L, TFLOP/s on the real work.
 """
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
 
 import torch
 
-from bench_varlen import TOTAL, lengths_for, pairs
+from bench_varlen import TOTAL, cu_seqlens, lengths_for, pairs
 from fa3gen import Fa3genError, bench, ops, runtime, timing, varlen
 from fa3gen.checks import probe_masking
 
@@ -54,7 +53,7 @@ def varlen_point(libs, info, mean: int):
     """(one call a library, FLOPs) of a varlen variant on a packed batch of mean length `mean`."""
     lengths = lengths_for(mean, seed=mean)
     heads, d = 2048 // info.head_dim, info.head_dim
-    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    cu = cu_seqlens(lengths)
     q, k, v, dout = (torch.randn(TOTAL, heads, d, device="cuda", dtype=ops.TORCH_DTYPES[info.dtype])
                      for _ in range(4))
     longest, mask = max(lengths), ops.masking(info.causal, **probe_masking(info))

@@ -37,6 +37,11 @@ def lengths_for(mean: int, seed: int) -> list[int]:
     return [n for n in out if n > 0]
 
 
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    """The int32 prefix sums [0, l0, l0 + l1, ...] on the GPU."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+
+
 def pairs(n: int, causal: bool) -> int:
     return n * (n + 1) // 2 if causal else n * n
 
@@ -78,7 +83,7 @@ def main() -> int:
             continue
         h, grad = 2048 // d, direction == "bwd"
         lengths = lengths_for(mean, seed=mean)
-        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+        cu = cu_seqlens(lengths)
         q, k, v = (torch.randn(TOTAL, h, d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=grad) for _ in range(3))
         qp, kp, vp = (torch.randn(TOTAL // mean, mean, h, d, device="cuda", dtype=torch.bfloat16,
