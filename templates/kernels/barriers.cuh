@@ -15,6 +15,8 @@ enum class BarrierId : uint32_t {
   // fp8: the producer warpgroup has transposed a raw V slot (ids are per kernel, so the
   // forward may reuse a backward id).
   kFwdVTransposed = 4,
+  // varlen: the consumers have zeroed the V rows past the sequence (fwd_mainloop.cuh).
+  kFwdVTail = 5,
   // Backward.
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory

@@ -443,6 +443,41 @@ struct FwdMainloop {
       if (take_turn) turns.wait_turn();
       wgmma_issue<false>(mma_pv, tOrP, tOrV(_, _, _, s.index()), tOrO);
     };
+    // varlen: TMA reads a key block past its sequence's end unbounded (the next sequence, padding
+    // rows, a cache's rows past seqused_k), and those rows' P is 0, but 0 * NaN (or Inf) is NaN
+    // in the P V GEMM: garbage there reached the output (FA3 and FA4 have this bug; FA2 fills
+    // them with zeros). So the consumers zero that block's V rows in shared memory before the
+    // GEMM reads them. Only the first block visited (KeyBlocks::at(0)) can cross the end, and
+    // every consumer warpgroup gets here with no GEMM turn pending, so one barrier over all of
+    // them cannot deadlock (a per-warpgroup barrier id held a register: d256 128x80 spilled).
+    // Dense kernels need none of this: TMA fills rows past seqlen_k with zeros.
+    auto clear_v_past_end = [&](PipelineState const& s, int n_block) {
+      if constexpr (Traits::kVarlen && !Traits::kFp8) {
+        const int valid = seq.seqlen_k - n_block * kTileN;  // this block's keys in the sequence
+        if (valid < kTileN) {
+          // sVt's stage is kBlocks blocks of kTileN lines (a key's values in one swizzle atom
+          // row, keys first; fwd_traits.cuh), and the swizzle only permutes 16-byte chunks
+          // within a line: zeroing whole lines needs no swizzled addresses.
+          constexpr int kLineBytes = smem_swizzle_bytes<Element, kHeadDim>();
+          constexpr int kLineChunks = kLineBytes / 16, kBlocks = kHeadDim * int(sizeof(Element)) / kLineBytes;
+          constexpr int kKeysPerPass = Traits::kConsumerThreads / kLineChunks;
+          static_assert(cosize_v<typename Traits::SmemLayoutVt> == kHeadDim * kTileN * kStages);
+          pipe_v.consumer_wait(s);
+          const uint32_t chunk = cute::cast_smem_ptr_to_uint(smem.v.data() + s.index() * (kHeadDim * kTileN)) +
+                                 tid % kLineChunks * 16;
+#pragma unroll 1
+          for (int key = valid + tid / kLineChunks; key < kTileN; key += kKeysPerPass) {
+            CUTLASS_PRAGMA_UNROLL
+            for (int block = 0; block < kBlocks; ++block) {
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};"
+                           :: "r"(chunk + (block * kTileN + key) * kLineBytes), "r"(0) : "memory");
+            }
+          }
+          cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
+          barrier_sync<BarrierId::kFwdVTail>(Traits::kConsumerThreads);
+        }
+      }
+    };
     float rescale[kRows];
     bool rescale_o = true;  // this thread's O rows need their factors (softmax.cuh: threshold)
     o_units = 1.f;
@@ -514,6 +549,7 @@ struct FwdMainloop {
         softmax_block(i, std::true_type{});
         rescale_o_if_needed();
         to_p();
+        if (i == 0) clear_v_past_end(st, blocks.at(0));
         issue_pv(st, true);
         turns.pass_turn();
         warpgroup_wait<0>();
@@ -531,6 +567,7 @@ struct FwdMainloop {
       refill_k(0);
       softmax_block(0, std::true_type{});
       to_p();
+      clear_v_past_end(st, blocks.at(0));
       PipelineState st_v = st;  // V slot of the block whose P is in rP
       ++st;
       // One step of the steady state: S(i) and P(i-1) V(i-1) in flight together. `masked`

@@ -173,6 +173,39 @@ def test_chunked_prefill(lib, layout, causal):
     _check(out, lse, ref, ref_lse)
 
 
+def _poison_past_lengths(kc, vc, seqlens, block_table=None):
+    """NaN in every cache row past its sequence's length, and in pages no sequence uses (what an
+    uninitialized cache may hold)."""
+    rows = kc.shape[1]
+    valid = torch.zeros(kc.shape[:2], dtype=torch.bool, device=kc.device)
+    for i, n in enumerate(seqlens.tolist()):
+        pos = torch.arange(n, device=kc.device)
+        if block_table is None:
+            valid[i, :n] = True
+        else:
+            valid[block_table[i, pos // rows].long(), pos % rows] = True
+    kc[~valid] = float("nan")
+    vc[~valid] = float("nan")
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 96], ids=["decode", "prefill"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+def test_cache_rows_past_lengths_ignored(lib, seqlen_q, paged):
+    """Rows past cache_seqlens may hold anything, NaN included: the output does not depend on
+    them (decode and the chunked-prefill paths; FA3 propagates NaN from there)."""
+    b, hq, hkv, d, cap = 2, 8, 2, 128, 2048
+    g = torch.Generator(device="cuda").manual_seed(9)
+    q = torch.randn(b, seqlen_q, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if paged else None)
+    seqlens = torch.tensor([1777, 130], dtype=torch.int32, device="cuda")
+    _poison_past_lengths(kc, vc, seqlens, extra.get("block_table"))
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, return_lse=True,
+                                               **extra)
+    torch.cuda.synchronize()
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=True, **extra)
+    _check(out, lse, ref, ref_lse)
+
+
 FP8 = torch.float8_e4m3fn
 
 

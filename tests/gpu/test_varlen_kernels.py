@@ -70,6 +70,38 @@ def test_forward_seqused_k(lib, fwd_varlen_key):
     assert res["ok"], f"{fwd_varlen_key}: {res['why']}"
 
 
+def _nan_rows(x, rows):
+    """x with `rows` NaN rows appended (padding past the last sequence)."""
+    return torch.cat([x.detach(), x.new_full((rows, *x.shape[1:]), float("nan"))]).requires_grad_(x.requires_grad)
+
+
+def test_forward_ignores_unused_rows(lib, fwd_varlen_key):
+    """Rows no sequence uses may hold anything, NaN included (an uninitialized cache): rows past
+    seqused_k inside a sequence's range, padding after cu_seqlens_q[-1] and cu_seqlens_k[-1].
+    The output does not depend on them (their P is 0, but 0 * NaN is NaN in P V unless the
+    kernel zeroes them; FA3 and FA4 propagate it)."""
+    dtype, d, causal = fwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=35)
+    q, k, v = _nan_rows(q, 19), _nan_rows(k, 45), _nan_rows(v, 45)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], f"{fwd_varlen_key} padding: {res['why']}"
+
+    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
+    for s, n, u in zip(starts, lk, used):
+        k[s + u:s + n] = float("nan")
+        v[s + u:s + n] = float("nan")
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
+                                      seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    torch.cuda.synchronize()
+    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
+    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
+    res = compare_varlen_to_reference(out, lse, q, k[keep], v[keep], cu_q, cu_used, causal)
+    assert res["ok"], f"{fwd_varlen_key} seqused_k: {res['why']}"
+
+
 def test_forward_into_poisoned_outputs_and_scale(lib, fwd_varlen_key):
     """Every row of every sequence written (NaN-filled buffers), a key-less sequence gives 0
     and lse -inf, and softmax_scale reaches the kernel."""
@@ -115,6 +147,21 @@ def test_backward(lib, bwd_varlen_key, case):
     res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
                                             cu_q, cu_k, causal)
     assert res["ok"], f"{bwd_varlen_key} {case}: {res['why']}"
+
+
+def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
+    """NaN rows of q, k, v and dout past the last sequence change no gradient of the sequences."""
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=36,
+                                         grad=True)
+    q, k, v = _nan_rows(q, 19), _nan_rows(k, 45), _nan_rows(v, 45)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
+    dout = _nan_rows(torch.randn_like(out[:-19]), 19)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
+                                            cu_q, cu_k, causal)
+    assert res["ok"], f"{bwd_varlen_key}: {res['why']}"
 
 
 def test_backward_deterministic_is_bitwise(lib, bwd_varlen_key):
