@@ -208,12 +208,38 @@ struct BwdMainloop {
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
 
+    // varlen: TMA reads rows past a sequence's ends unbounded (the next sequence, padding), and
+    // 0 * NaN is NaN in the GEMMs (fwd_mainloop.cuh, clear_v_past_end). So K and V rows past
+    // seqlen_k and the last query block's Q and dO rows past seqlen_q are zeroed before the
+    // GEMMs read them: S^T and dP^T are then 0 there, P^T = exp2(-LSE) = 0 (a padded row's LSE
+    // is +inf, D 0: bwd_prepost.cuh) and dS^T = 0, so nothing from those rows reaches dK, dV,
+    // dQ. (kBwdDsReady: every consumer passes it in the same order, once more here.)
+    constexpr int kLineBytes = smem_swizzle_bytes<Element, Traits::kDkvCols>();  // AtomRows
+    auto zero_rows_past = [&](auto rows, Element* a, Element* b, int valid) {
+      zero_tile_rows<Element, decltype(rows)::value, kHeadDim, kLineBytes, Traits::kConsumerThreads>(a, valid, tid);
+      zero_tile_rows<Element, decltype(rows)::value, kHeadDim, kLineBytes, Traits::kConsumerThreads>(b, valid, tid);
+      cutlass::arch::fence_view_async_shared();
+      barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+    };
     TmaBarrier::wait(&smem.barrier_kv, 0);
+    if constexpr (Traits::kVarlen) {
+      if (mask.seqlen_k - n_block * kTileN < kTileN) {
+        zero_rows_past(Int<kTileN>{}, smem.k.data(), smem.v.data(), mask.seqlen_k - n_block * kTileN);
+      }
+    }
     PipelineState st;
     int iter = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++iter) {
         pipe.consumer_wait(st);
+        if constexpr (Traits::kVarlen) {
+          if (mask.seqlen_q - m_block * kTileM < kTileM) {
+            constexpr int kStageElems = kTileM * kHeadDim;
+            static_assert(cosize_v<typename Traits::SmemLayoutQ> == kStageElems * Traits::kStages);
+            zero_rows_past(Int<kTileM>{}, smem.q.data() + st.index() * kStageElems,
+                           smem.dout.data() + st.index() * kStageElems, mask.seqlen_q - m_block * kTileM);
+          }
+        }
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);

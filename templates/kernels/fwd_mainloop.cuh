@@ -455,24 +455,11 @@ struct FwdMainloop {
       if constexpr (Traits::kVarlen && !Traits::kFp8) {
         const int valid = seq.seqlen_k - n_block * kTileN;  // this block's keys in the sequence
         if (valid < kTileN) {
-          // sVt's stage is kBlocks blocks of kTileN lines (a key's values in one swizzle atom
-          // row, keys first; fwd_traits.cuh), and the swizzle only permutes 16-byte chunks
-          // within a line: zeroing whole lines needs no swizzled addresses.
-          constexpr int kLineBytes = smem_swizzle_bytes<Element, kHeadDim>();
-          constexpr int kLineChunks = kLineBytes / 16, kBlocks = kHeadDim * int(sizeof(Element)) / kLineBytes;
-          constexpr int kKeysPerPass = Traits::kConsumerThreads / kLineChunks;
+          // One stage of sVt: (kTileN keys x kHeadDim), atoms stacked keys first.
           static_assert(cosize_v<typename Traits::SmemLayoutVt> == kHeadDim * kTileN * kStages);
           pipe_v.consumer_wait(s);
-          const uint32_t chunk = cute::cast_smem_ptr_to_uint(smem.v.data() + s.index() * (kHeadDim * kTileN)) +
-                                 tid % kLineChunks * 16;
-#pragma unroll 1
-          for (int key = valid + tid / kLineChunks; key < kTileN; key += kKeysPerPass) {
-            CUTLASS_PRAGMA_UNROLL
-            for (int block = 0; block < kBlocks; ++block) {
-              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};"
-                           :: "r"(chunk + (block * kTileN + key) * kLineBytes), "r"(0) : "memory");
-            }
-          }
+          zero_tile_rows<Element, kTileN, kHeadDim, smem_swizzle_bytes<Element, kHeadDim>(), Traits::kConsumerThreads>(
+              smem.v.data() + s.index() * (kHeadDim * kTileN), valid, tid);
           cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
           barrier_sync<BarrierId::kFwdVTail>(Traits::kConsumerThreads);
         }

@@ -31,4 +31,28 @@ constexpr auto smem_atom() {
   }
 }
 
+// Zeroes rows [first, Rows) of one (Rows x Cols) tile built by tile_to_shape from atoms of
+// LineBytes rows (smem_swizzle_bytes) with the rows mode first (the default order for K-major
+// tiles; fwd_traits.cuh's V^T keys first), `Threads` threads taking part. Such a tile is Cols *
+// sizeof(Element) / LineBytes blocks of Rows lines (a row's values within one atom): line
+// (block, row) lies at (block * Rows + row) * LineBytes, and the swizzle permutes 16-byte
+// chunks only within a line, so whole lines are zeroed without swizzled addresses. The caller
+// orders the stores before the GEMMs that read them (fence_view_async_shared, a barrier).
+template <class Element, int Rows, int Cols, int LineBytes, int Threads>
+__device__ __forceinline__ void zero_tile_rows(Element* tile, int first, int thread) {
+  constexpr int kLineBytes = LineBytes, kLineChunks = kLineBytes / 16;
+  constexpr int kBlocks = Cols * int(sizeof(Element)) / kLineBytes;
+  static_assert(Threads % kLineChunks == 0);
+  // 32-bit shared addresses: a generic pointer's extra register spilled d256 128x80.
+  const uint32_t chunk = cute::cast_smem_ptr_to_uint(tile) + thread % kLineChunks * 16;
+#pragma unroll 1
+  for (int row = first + thread / kLineChunks; row < Rows; row += Threads / kLineChunks) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int block = 0; block < kBlocks; ++block) {
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(chunk + (block * Rows + row) * kLineBytes), "r"(0)
+                   : "memory");
+    }
+  }
+}
+
 }  // namespace fa3gen
