@@ -349,8 +349,9 @@ def _aligned_pointers(**tensors: torch.Tensor) -> list[int]:
     combined = 0
     for ptr in pointers:
         combined |= ptr
-    if combined % _TMA_ALIGN_BYTES:
-        check_layout(**tensors)  # raises with the message of the first misaligned one
+    if combined % _TMA_ALIGN_BYTES:  # raises with the message of the first misaligned one
+        check_layout(**{name: t.unsqueeze(0) if t.dim() == 3 else t  # varlen's (total, h, d)
+                        for name, t in tensors.items()})
     return pointers
 
 
@@ -427,8 +428,8 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     try:
         check_layout(t=t)
         return t
-    except InvalidInputError:
-        return t.contiguous()
+    except InvalidInputError:  # a copy: contiguous() of a contiguous view at an odd address is itself
+        return t.clone(memory_format=torch.contiguous_format)
 
 
 def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
@@ -673,7 +674,7 @@ def _eager_forward(plan: _Plan, q, k, v):
 
 
 def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
-    """(plan, dout as the kernels take it, copied) of an eager backward whose signature is
+    """(plan, dout as the kernels take it) of an eager backward whose signature is
     `key`: make_plan(dout) runs the checks and the dispatch once per signature. Autograd may
     hand over dout with strides TMA cannot read; then every call copies it (`ready` makes the
     copy the plan is checked on; default _tma_ready)."""
@@ -682,12 +683,12 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
         ready_dout = (ready or _tma_ready)(dout)
         found = _remember(plans, key, (make_plan(ready_dout), ready_dout is not dout))
     plan, copied = found
-    return plan, (dout.contiguous() if copied else dout), copied
+    return plan, (dout.contiguous() if copied else dout)
 
 
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked)."""
-    plan, dout, copied = _backward_plan_once(
+    plan, dout = _backward_plan_once(
         _bwd_plans, (fwd, deterministic, _signature(dout)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask,
                                 fwd.scale, resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,
@@ -695,7 +696,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
                                 deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)
-    if not copied and dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+    if dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
         return _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
                          deterministic)
     dq, dk, dv = _empty_grads(q, k, v)

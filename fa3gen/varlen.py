@@ -8,7 +8,7 @@ fa3gen::varlen_fwd / fa3gen::varlen_bwd for graph capture.
 
 Checks that need the data of cu_seqlens on the host (a device sync) run only under
 FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at most at the total rows;
-max_seqlen is at least the longest sequence.
+max_seqlen is at least the longest sequence; seqused_k[b] lies within sequence b's keys.
 """
 
 import os
@@ -106,6 +106,17 @@ def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
                                     f"{lengths.index(max(lengths))} has {max(lengths)} rows")
 
 
+def check_seqused_k_data(seqused_k, cu_seqlens_k) -> None:
+    """seqused_k[b] within [0, the length of sequence b's cu_seqlens_k range]
+    (FA3GEN_DEBUG_CHECKS=1; a device sync). Outside it the kernels clamp: wrong numbers, never
+    an access outside k and v."""
+    c = cu_seqlens_k.cpu().tolist()
+    for b, used in enumerate(seqused_k.cpu().tolist()):
+        if not 0 <= used <= c[b + 1] - c[b]:
+            raise InvalidInputError(f"seqused_k[{b}] is {used} but sequence {b} has "
+                                    f"{c[b + 1] - c[b]} keys (cu_seqlens_k)")
+
+
 def _views(*tensors):
     """(1, total, heads, d) views: ops.check_layout and ops._strides take 4-D tensors."""
     return [t.unsqueeze(0) for t in tensors]
@@ -159,11 +170,12 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
 
 
 def _check_seqused_k(seqused_k, cu_seqlens_k, requires_grad: bool) -> None:
-    """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device; forward only."""
+    """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device; forward only. A cu_seqlens_k
+    that is no tensor is left to check_varlen_inputs, which names it."""
+    other = cu_seqlens_k if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 else None
     if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or \
-            seqused_k.dim() != 1 or not isinstance(cu_seqlens_k, torch.Tensor) or \
-            seqused_k.device != cu_seqlens_k.device or \
-            seqused_k.shape[0] != cu_seqlens_k.shape[0] - 1:
+            seqused_k.dim() != 1 or (other is not None and (
+                seqused_k.device != other.device or seqused_k.shape[0] != other.shape[0] - 1)):
         got = (f"{seqused_k.dtype} {tuple(seqused_k.shape)} on {seqused_k.device}"
                if isinstance(seqused_k, torch.Tensor) else type(seqused_k).__name__)
         raise InvalidInputError(f"seqused_k must be int32 of shape (batch,) = "
@@ -258,7 +270,11 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    return ops._tma_ready(t.unsqueeze(0)).squeeze(0)
+    """ops._tma_ready of a (total, h, d) tensor: t itself when it suits TMA (so that the eager
+    backward can tell a copied dout from the one it was given)."""
+    view = t.unsqueeze(0)
+    ready = ops._tma_ready(view)
+    return t if ready is view else ready.squeeze(0)
 
 
 def _backward_variant(q, mask: Masking) -> str:
@@ -358,7 +374,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen)."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
-    plan, dout, copied = ops._backward_plan_once(
+    plan, dout = ops._backward_plan_once(
         _bwd_plans, (fwd, deterministic, ops._signature(dout)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
                                 q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
@@ -366,7 +382,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
                                 fwd.lib),
         ready=_tma_ready)
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
-    if not copied and dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view: the checked path copies it
+    if dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
         return _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
                          plan.info.name, deterministic)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -438,6 +454,8 @@ def flash_attn_varlen_func(
     if debug_checks_enabled():
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        if seqused_k is not None:
+            check_seqused_k_data(seqused_k, cu_seqlens_k)
     if ops._captured(q, k, v):
         ops.check_device(q, k, v)
         dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

@@ -105,3 +105,24 @@ def test_backward_pointers_reach_the_params(fake_launches, monkeypatch):
     assert (p.q, p.k, p.v, p.o) == (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
     assert (p.dq, p.dk, p.dv) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     assert p.dout == dout.data_ptr()
+
+
+def _misaligned_like(t):
+    """A contiguous copy of t starting 2 bytes past a 16-byte boundary (a view a backward such
+    as torch.cat's can hand over): contiguous() returns it unchanged."""
+    flat = torch.randn(t.numel() + 8, dtype=t.dtype)
+    view = flat[1:1 + t.numel()].view(t.shape)
+    assert view.is_contiguous() and view.data_ptr() % 16 and view.contiguous() is view
+    return view
+
+
+def test_backward_copies_a_misaligned_dout(fake_launches):
+    """A misaligned dout is copied, on the first call and on a plan-cache hit alike (it raised an
+    error telling the caller to make the tensor contiguous, which it already was)."""
+    q, k, v = (t.requires_grad_() for t in qkv(hq=2))
+    for _ in range(2):
+        out = ops.flash_attn_func(q, k, v)
+        dout = _misaligned_like(out)
+        torch.autograd.grad(out, (q, k, v), dout)
+        name, p = fake_launches[-1]
+        assert name.startswith("bwd_") and p.dout % 16 == 0 and p.dout != dout.data_ptr()

@@ -274,3 +274,58 @@ def test_total_keys_past_int32_are_refused(fake_launches):
     k = torch.zeros(1, 2, 128, dtype=torch.bfloat16).expand(2**31, 2, 128)
     with pytest.raises(InvalidInputError, match="total_q and total_k must be below 2\\^31 rows"):
         flash_attn_varlen_func(q, k, k, CU_Q, CU_K, 7, 5)
+
+
+def test_backward_copies_a_misaligned_dout(fake_launches):
+    """As tests/test_ops_params.py's: a contiguous dout at an odd address is copied (the varlen
+    path always took it for a copy and then handed the odd address on: an error)."""
+    from tests.test_ops_params import _misaligned_like
+    q, k, v = qkv(grad=True)
+    for _ in range(2):  # the second call hits the plan cache
+        out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+        dout = _misaligned_like(out)
+        torch.autograd.grad(out, (q, k, v), dout)
+        name, p = fake_launches[-1]
+        assert name.startswith("bwd_") and p.dout % 16 == 0 and p.dout != dout.data_ptr()
+    aligned = torch.randn_like(out)
+    out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    torch.autograd.grad(out, (q, k, v), aligned)
+    assert fake_launches[-1][1].dout == aligned.data_ptr()  # not copied
+
+
+def test_misaligned_input_named_on_a_plan_cache_hit(fake_launches):
+    """The forward's plan is cached by strides; a tensor at an odd address on a later call is
+    named as such (it was reported as q.stride(2) (heads), the 3-D view read as 4-D)."""
+    q, k, v = qkv()
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    flat = torch.zeros(k.numel() + 8, dtype=k.dtype)
+    odd_k = flat[4:4 + k.numel()].view(k.shape)
+    with pytest.raises(InvalidInputError, match=r"k.data_ptr\(\) is not 16-byte aligned"):
+        flash_attn_varlen_func(q, odd_k, v, CU_Q, CU_K, 7, 5, causal=True)
+
+
+@pytest.mark.parametrize("with_seqused_k", [False, True])
+def test_cu_seqlens_k_not_a_tensor_is_named(fake_launches, with_seqused_k):
+    """A list for cu_seqlens_k is reported as cu_seqlens_k's fault, seqused_k given or not (a
+    valid seqused_k was blamed for it)."""
+    q, k, v = qkv()
+    extra = {"seqused_k": torch.tensor([5, 2, 5], dtype=torch.int32)} if with_seqused_k else {}
+    with pytest.raises(InvalidInputError, match="cu_seqlens_k") as err:
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K.tolist(), 7, 5, causal=True, **extra)
+    assert "seqused_k" not in str(err.value)
+
+
+def test_debug_checks_read_seqused_k(fake_launches, monkeypatch):
+    """seqused_k beyond its sequence's keys (or negative) is reported under FA3GEN_DEBUG_CHECKS=1
+    only (the kernels clamp it otherwise)."""
+    q, k, v = qkv()  # sequences of 5, 2 and 5 keys
+    for bad, message in (([5, 3, 5], r"seqused_k\[1\] is 3 but sequence 1 has 2 keys"),
+                         ([-1, 2, 5], r"seqused_k\[0\] is -1")):
+        used = torch.tensor(bad, dtype=torch.int32)
+        monkeypatch.delenv(ops.DEBUG_CHECKS_ENV, raising=False)
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, seqused_k=used)
+        monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
+        with pytest.raises(InvalidInputError, match=message):
+            flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, seqused_k=used)
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True,
+                           seqused_k=torch.tensor([5, 0, 2], dtype=torch.int32))
