@@ -283,7 +283,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # The C ABI's sizes and lengths are int32: the largest value a call's length or window may take.
 INT32_MAX = 2**31 - 1
@@ -340,6 +340,7 @@ BWD_PARAMS = (
     *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
     *_SIZES,
     ("softmax_scale", "float"), *_MASKING, ("deterministic", "int32_t"), *_VARLEN,
+    ("seqused_k", "const int32_t*"),
 )
 
 

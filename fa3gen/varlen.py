@@ -169,8 +169,8 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
-def _check_seqused_k(seqused_k, cu_seqlens_k, requires_grad: bool) -> None:
-    """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device; forward only. A cu_seqlens_k
+def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
+    """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device. A cu_seqlens_k
     that is no tensor is left to check_varlen_inputs, which names it."""
     other = cu_seqlens_k if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 else None
     if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or \
@@ -182,10 +182,6 @@ def _check_seqused_k(seqused_k, cu_seqlens_k, requires_grad: bool) -> None:
                                 f"(len(cu_seqlens_k) - 1,) on cu_seqlens_k's device, got {got}")
     if not seqused_k.is_contiguous():
         raise InvalidInputError("seqused_k must be contiguous")
-    if requires_grad:
-        raise InvalidInputError("seqused_k: forward only (the backward kernels do not take it "
-                                "yet); run under torch.no_grad() or pass cu_seqlens_k that bound "
-                                "the used keys")
 
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
@@ -245,27 +241,33 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic))
 
 
-def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv):
+def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+             seqused_k=None):
     if plan.params is None:
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return
+    if seqused_k is not None:  # the kernels write no dk, dv row past seqused_k: those are 0
+        dk.zero_()
+        dv.zero_()
     work = _bwd_workspace(q, plan.dims, k.shape[0], plan.info.tile_m, plan.info.tile_n,
                           plan.deterministic)
     p = ops._bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, work["tile_list"], q.shape[0], k.shape[0])
+    p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
 def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-              mask, scale, variant, deterministic):
+              mask, scale, variant, deterministic, seqused_k=None):
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
     plan = _bwd_plan(dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, dq, dk, dv, mask, scale, variant, deterministic,
                      runtime.get_library())
-    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv)
+    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
+             seqused_k)
     return dq, dk, dv
 
 
@@ -309,10 +311,11 @@ def _varlen_bwd_op(
     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, causal: bool, softmax_scale: float, variant: str,
     deterministic: bool, window_left: int, window_right: int, softcap: float,
+    seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, ops.masking(causal, (window_left, window_right), softcap),
-                     softmax_scale, variant, deterministic)
+                     softmax_scale, variant, deterministic, seqused_k)
 
 
 @_varlen_bwd_op.register_fake
@@ -323,24 +326,21 @@ def _varlen_bwd_fake(dout, q, k, v, *args):
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, _variant, deterministic, wl, wr,
      softcap, seqused_k) = inputs
-    ctx.seqused = seqused_k is not None
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
     ctx.sizes, ctx.scale, ctx.deterministic = (max_q, max_k), scale, deterministic
     ctx.mask = ops.masking(causal, (wl, wr), softcap)
     ctx.mark_non_differentiable(lse)
 
 
 def _op_backward(ctx, dout, _dlse):
-    if ctx.seqused:
-        raise InvalidInputError("seqused_k: forward only (the backward kernels do not take it yet)")
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
     m = ctx.mask
     name = _backward_variant(q, m)
     _trace_call(name, True, q, k, cu_q, *ctx.sizes)
     dq, dk, dv = torch.ops.fa3gen.varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, m.causal, ctx.scale, name,
-        ctx.deterministic, m.window_left, m.window_right, m.softcap)
+        ctx.deterministic, m.window_left, m.window_right, m.softcap, seqused_k)
     return (dq, dk, dv) + (None,) * 12
 
 
@@ -351,26 +351,28 @@ class _EagerVarlenAttention(torch.autograd.Function):
     """As ops._EagerAttention, for packed sequences."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, plan: _Plan, deterministic: bool):
+    def forward(ctx, q, k, v, cu_q, cu_k, plan: _Plan, deterministic: bool, seqused_k):
         out, lse = _empty_outputs(q)
-        _fwd_run(plan, q, k, v, cu_q, cu_k, out, lse)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        _fwd_run(plan, q, k, v, cu_q, cu_k, out, lse, seqused_k)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
         ctx.plan, ctx.deterministic = plan, deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse, cu_q,
-                                     cu_k)
-        return (*ops.no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None, None, None)
+                                     cu_k, seqused_k)
+        return (*ops.no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None, None, None,
+                None)
 
 
 _bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
 
 
-def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu_q, cu_k):
+def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu_q, cu_k,
+                    seqused_k=None):
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen)."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
@@ -384,9 +386,9 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
     if dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
         return _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
-                         plan.info.name, deterministic)
+                         plan.info.name, deterministic, seqused_k)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    _bwd_run(plan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv)
+    _bwd_run(plan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, seqused_k)
     return dq, dk, dv
 
 
@@ -436,7 +438,8 @@ def flash_attn_varlen_func(
     FlashAttention-3 (seqused_q, seqused_k) put different things in the 8th position, so a
     positional call fails instead of meaning something else. seqused_k (FA3): int32 (batch,)
     on the device, sequence b using only the first seqused_k[b] keys of its cu_seqlens_k range
-    (causal aligned to that length); forward only for now. seqused_q is not supported.
+    (causal aligned to that length; the other keys get zero gradients). seqused_q is not
+    supported.
     Differentiable in q, k, v. Returns out (total_q, heads_q, head_dim), plus lse
     (heads_q, total_q) float32 when return_lse (or return_attn_probs).
     """
@@ -448,8 +451,7 @@ def flash_attn_varlen_func(
     return_lse = bool(return_lse or return_attn_probs)
     ops._check_tensors(q, k, v)
     if seqused_k is not None:
-        _check_seqused_k(seqused_k, cu_seqlens_k, torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad))
+        _check_seqused_k(seqused_k, cu_seqlens_k)
     _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if debug_checks_enabled():
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -475,7 +477,7 @@ def flash_attn_varlen_func(
     _trace_call(plan.info.name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, plan,
-                                               bool(deterministic))
+                                               bool(deterministic), seqused_k)
     else:
         out, lse = _empty_outputs(q)
         _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)

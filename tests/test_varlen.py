@@ -35,7 +35,7 @@ def test_signature_keeps_flash_attn_positions_and_the_rest_keyword_only():
 
 
 def test_seqused_k_checks():
-    """seqused_k (FA3's): int32 (batch,) beside cu_seqlens_k, forward only."""
+    """seqused_k (FA3's): int32 (batch,) beside cu_seqlens_k."""
     q, k, v = qkv()
     for bad in (CU_K, CU_K[1:].long(), CU_K[1:][None], CU_K[1:, None], CU_K[1:].to("meta"), [5, 2, 5]):
         with pytest.raises(InvalidInputError, match=r"seqused_k must be int32 of shape \(batch,\)"):
@@ -43,9 +43,6 @@ def test_seqused_k_checks():
     with pytest.raises(InvalidInputError, match="seqused_k must be contiguous"):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5,
                                seqused_k=torch.zeros(6, dtype=torch.int32)[::2])
-    q, k, v = qkv(grad=True)
-    with pytest.raises(InvalidInputError, match="seqused_k: forward only"):
-        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, seqused_k=CU_K[1:].contiguous())
 
 
 @pytest.mark.parametrize("change, message", [
@@ -256,17 +253,27 @@ def test_varlen_size_limits(fake_launches, total, hq, message):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
 
 
-def test_the_op_refuses_a_backward_through_seqused_k(fake_launches):
-    """The varlen op's own backward refuses seqused_k (the backward kernels do not take it), for
-    callers of torch.ops.fa3gen.varlen_fwd that skip flash_attn_varlen_func's check."""
+@pytest.mark.parametrize("through", ["eager", "op"])
+def test_seqused_k_reaches_the_backward(fake_launches, through):
+    """seqused_k reaches the backward's params (the eager path and the custom op's autograd),
+    and dk, dv start zeroed: the kernels write no row past seqused_k."""
     q, k, v = qkv(grad=True)
-    out, _ = torch.ops.fa3gen.varlen_fwd(
-        q, k, v, CU_Q, CU_K, 7, 5, True, 128 ** -0.5, "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
-        False, -1, -1, 0.0, CU_K[1:] - CU_K[:-1])
-    assert [n for n, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"]
-    with pytest.raises(InvalidInputError, match="seqused_k: forward only"):
-        out.float().sum().backward()
-    assert len(fake_launches) == 1  # no backward launched
+    used = torch.tensor([4, 2, 0], dtype=torch.int32)
+    k.data.fill_(1.0)
+    if through == "eager":
+        out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, seqused_k=used)
+    else:
+        out, _ = torch.ops.fa3gen.varlen_fwd(
+            q, k, v, CU_Q, CU_K, 7, 5, True, 128 ** -0.5,
+            "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1", False, -1, -1, 0.0, used)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    (fwd, pf), (bwd, pb) = fake_launches
+    assert fwd.startswith("fwd_") and bwd.startswith("bwd_")
+    assert pf.seqused_k == pb.seqused_k == used.data_ptr()
+    assert (dk == 0).all() and (dv == 0).all()  # the fake launch wrote nothing: the zero fill
+    out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert fake_launches[-1][1].seqused_k is None
 
 
 def test_total_keys_past_int32_are_refused(fake_launches):

@@ -34,7 +34,9 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
                                        : p.seqlen_q_rounded / Traits::kTileM;
   const int m_first = mask.first_query_block(tile.block);
   const int m_end = mask.query_block_end(tile.block, m_blocks);
-  const bool has_work = m_first < m_end;  // some query block sees the key block
+  // Some query block sees the key block (varlen: and the block holds used keys; with
+  // seqused_k the tile list also has blocks past them).
+  const bool has_work = m_first < m_end && (!Traits::kVarlen || tile.block * Traits::kTileN < seq.seqlen_k);
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);

@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 12
+#define FA3GEN_ABI_VERSION 13
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -133,6 +133,9 @@ typedef struct fa3gen_bwd_params {
   const int32_t* cu_seqlens_k;
   int32_t* tile_list;
   int32_t total_q, total_k;
+  // Varlen, optional, as in fa3gen_fwd_params (the forward's): keys past seqused_k[b] get no
+  // gradient and their dk, dv rows are not written.
+  const int32_t* seqused_k;
 } fa3gen_bwd_params;
 
 // FP8 quantization (libraries of specs with e4m3 variants export fa3gen_quantize_fp8): x

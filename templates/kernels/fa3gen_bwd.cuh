@@ -96,7 +96,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       vec_aligned<E>(a.dk, a.dk_batch_stride, a.dk_row_stride, a.dk_head_stride, 8) &&
           vec_aligned<E>(a.dv, a.dv_batch_stride, a.dv_row_stride, a.dv_head_stride, 8),
       schedule,
-      VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list)},
+      VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
+                 a.seqused_k},
       int(q_tiles_padded)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

@@ -29,7 +29,7 @@ struct VarlenArgs {
   const int* cu_seqlens_k;
   int total_q, total_k;     // rows of the packed tensors
   const int2* tiles;        // varlen_tiles_kernel's list: {batch, head << 16 | block}, batch -1: none
-  const int* seqused_k = nullptr;  // forward, optional: the keys of each sequence actually used
+  const int* seqused_k = nullptr;  // optional: the keys of each sequence actually used
 };
 
 __device__ __forceinline__ void clamped_range(const int* cu, int b, int total, int& offset, int& len) {

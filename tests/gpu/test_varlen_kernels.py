@@ -164,6 +164,32 @@ def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
     assert res["ok"], f"{bwd_varlen_key}: {res['why']}"
 
 
+def test_backward_seqused_k(lib, bwd_varlen_key):
+    """seqused_k in training: the used keys' gradients are those of packing only them, the other
+    keys' dk and dv are 0, and what those keys hold (NaN here) changes nothing."""
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=37,
+                                         grad=True)
+    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
+    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
+    drop = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
+    drop[keep] = False
+    with torch.no_grad():
+        k[drop] = float("nan")
+        v[drop] = float("nan")
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
+                                 seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    dout = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+    torch.cuda.synchronize()
+    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
+    res = compare_varlen_grads_to_reference((dq, dk[keep], dv[keep]), q.detach(), k.detach()[keep],
+                                            v.detach()[keep], dout, cu_q, cu_used, causal)
+    assert res["ok"], f"{bwd_varlen_key}: {res['why']}"
+    assert (dk[drop] == 0).all() and (dv[drop] == 0).all()
+
+
 def test_backward_deterministic_is_bitwise(lib, bwd_varlen_key):
     dtype, d, causal = bwd_varlen_key
     q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["long"], 4, 2, d, DTYPES[dtype], seed=35,
