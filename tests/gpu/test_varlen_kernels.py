@@ -41,6 +41,23 @@ def packed(lengths, hq, hkv, d, dtype, seed=0, grad=False):
     return q, k, v, cu[0], cu[1], max(lq), max(lk)
 
 
+def used_keys(cu_k, caps=(150, 40, 5, 7, 1000, 64)):
+    """seqused_k for LENGTHS["mixed"]'s keys (each sequence's first min(length, cap)), and what
+    packing only those keys takes: (seqused_k, their rows' indices, their cu_seqlens_k)."""
+    starts, lengths = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    used = [min(n, cap) for n, cap in zip(lengths, caps)]
+    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
+    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
+    return torch.tensor(used, dtype=torch.int32, device="cuda"), keep, cu_used
+
+
+def assert_grads_match(key, grads, q, k, v, dout, cu_q, cu_k, causal):
+    torch.cuda.synchronize()
+    res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
+                                            cu_q, cu_k, causal)
+    assert res["ok"], f"{key}: {res['why']}"
+
+
 @pytest.mark.parametrize("case", list(LENGTHS))
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 def test_forward(lib, fwd_varlen_key, case, heads):
@@ -58,14 +75,10 @@ def test_forward_seqused_k(lib, fwd_varlen_key):
     (causal aligned to that length): the same as packing only those keys."""
     dtype, d, causal = fwd_varlen_key
     q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=33)
-    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
-    seqused = torch.tensor(used, dtype=torch.int32, device="cuda")
+    seqused, keep, cu_used = used_keys(cu_k)
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
                                       seqused_k=seqused)
     torch.cuda.synchronize()
-    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
-    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
     res = compare_varlen_to_reference(out, lse, q, k[keep], v[keep], cu_q, cu_used, causal)
     assert res["ok"], f"{fwd_varlen_key}: {res['why']}"
 
@@ -88,16 +101,14 @@ def test_forward_ignores_unused_rows(lib, fwd_varlen_key):
     res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
     assert res["ok"], f"{fwd_varlen_key} padding: {res['why']}"
 
-    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
-    for s, n, u in zip(starts, lk, used):
-        k[s + u:s + n] = float("nan")
-        v[s + u:s + n] = float("nan")
+    seqused, keep, cu_used = used_keys(cu_k)
+    unused = torch.ones(k.shape[0] - 45, dtype=torch.bool, device="cuda")  # padding: NaN already
+    unused[keep] = False
+    k[:-45][unused] = float("nan")
+    v[:-45][unused] = float("nan")
     out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True,
-                                      seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+                                      seqused_k=seqused)
     torch.cuda.synchronize()
-    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
-    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
     res = compare_varlen_to_reference(out, lse, q, k[keep], v[keep], cu_q, cu_used, causal)
     assert res["ok"], f"{fwd_varlen_key} seqused_k: {res['why']}"
 
@@ -143,10 +154,7 @@ def test_backward(lib, bwd_varlen_key, case):
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    torch.cuda.synchronize()
-    res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
-                                            cu_q, cu_k, causal)
-    assert res["ok"], f"{bwd_varlen_key} {case}: {res['why']}"
+    assert_grads_match(f"{bwd_varlen_key} {case}", grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
 def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
@@ -158,10 +166,7 @@ def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
     dout = _nan_rows(torch.randn_like(out[:-19]), 19)
     grads = torch.autograd.grad(out, (q, k, v), dout)
-    torch.cuda.synchronize()
-    res = compare_varlen_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
-                                            cu_q, cu_k, causal)
-    assert res["ok"], f"{bwd_varlen_key}: {res['why']}"
+    assert_grads_match(bwd_varlen_key, grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
 def test_backward_seqused_k(lib, bwd_varlen_key):
@@ -170,23 +175,17 @@ def test_backward_seqused_k(lib, bwd_varlen_key):
     dtype, d, causal = bwd_varlen_key
     q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=37,
                                          grad=True)
-    starts, lk = cu_k[:-1].tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-    used = [min(n, u) for n, u in zip(lk, [150, 40, 5, 7, 1000, 64])]
-    keep = torch.cat([torch.arange(s, s + n, device="cuda") for s, n in zip(starts, used)])
+    seqused, keep, cu_used = used_keys(cu_k)
     drop = torch.ones(k.shape[0], dtype=torch.bool, device="cuda")
     drop[keep] = False
     with torch.no_grad():
         k[drop] = float("nan")
         v[drop] = float("nan")
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal,
-                                 seqused_k=torch.tensor(used, dtype=torch.int32, device="cuda"))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, seqused_k=seqused)
     dout = torch.randn_like(out)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
-    torch.cuda.synchronize()
-    cu_used = torch.tensor([0, *itertools.accumulate(used)], dtype=torch.int32, device="cuda")
-    res = compare_varlen_grads_to_reference((dq, dk[keep], dv[keep]), q.detach(), k.detach()[keep],
-                                            v.detach()[keep], dout, cu_q, cu_used, causal)
-    assert res["ok"], f"{bwd_varlen_key}: {res['why']}"
+    assert_grads_match(bwd_varlen_key, (dq, dk[keep], dv[keep]), q, k[keep], v[keep], dout, cu_q,
+                       cu_used, causal)
     assert (dk[drop] == 0).all() and (dv[drop] == 0).all()
 
 
