@@ -253,6 +253,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
             f"its list of pairs) and build it "
             f"again: fa3gen build --spec {_spec_name()}", lead="")
     paged = block_table is not None
+    # The decode kernels clamp every page or sequence index into the cache: there must be one
+    # (a contiguous cache of no rows per sequence is legal: no keys).
+    if pages_or_b == 0 or (paged and rows_per == 0):
+        raise InvalidInputError(f"k_cache and v_cache {tuple(k_cache.shape)} hold no "
+                                f"{'pages' if pages_or_b == 0 else 'rows'}: a paged cache needs "
+                                f"pages of at least one row, a contiguous one a sequence")
     if paged:
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
                 block_table.dim() != 2 or block_table.shape[0] != b or \

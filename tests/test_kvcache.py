@@ -895,6 +895,13 @@ def test_degenerate_caches_and_tables_get_input_errors_or_no_writes(launched):
     kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), k, k, cache_seqlens=lengths,  # no page:
                                     block_table=torch.zeros(1, 0, dtype=torch.int32))      # no room
     assert not pages.any() and launched[-1].seqlen_k == 0
-    none = torch.zeros(0, 16, 2, 64, dtype=BF)  # no page at all: nothing written on the host
-    kvcache.flash_attn_with_kvcache(q, none, none.clone(), k, k, cache_seqlens=lengths,
-                                    block_table=torch.zeros(1, 1, dtype=torch.int32))
+    # A cache of no rows: an input error (the decode kernels' own check raised a Fa3genError).
+    for none, table in ((torch.zeros(0, 16, 2, 64, dtype=BF), torch.zeros(1, 1, dtype=torch.int32)),
+                        (torch.zeros(4, 0, 2, 64, dtype=BF), torch.zeros(1, 1, dtype=torch.int32)),
+                        (torch.zeros(0, 16, 2, 64, dtype=BF), None)):
+        calls = len(launched)
+        with pytest.raises(InvalidInputError, match="hold no (pages|rows)"):
+            kvcache.flash_attn_with_kvcache(q, none, none.clone(), k, k, cache_seqlens=lengths,
+                                            block_table=table, cache_batch_idx=(
+                                                lengths if table is None else None))
+        assert len(launched) == calls
