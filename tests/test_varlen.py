@@ -336,3 +336,49 @@ def test_debug_checks_read_seqused_k(fake_launches, monkeypatch):
             flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, seqused_k=used)
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True,
                            seqused_k=torch.tensor([5, 0, 2], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("through", ["eager", "op"])
+def test_backward_params_mirror_the_forward(fake_launches, through):
+    """The backward launch gets the forward's sizes, scale and mask: max_seqlen_q and _k,
+    softmax_scale, window and softcap in their own places (through the eager autograd.Function
+    and through the custom op's registered backward)."""
+    q, k, v = qkv(grad=True)
+    if through == "eager":
+        out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, softmax_scale=0.3)
+    else:
+        out, _ = torch.ops.fa3gen.varlen_fwd(
+            q, k, v, CU_Q, CU_K, 7, 5, True, 0.3, "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
+            False, -1, 0, 0.0, None)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    (_, pf), (bwd, pb) = fake_launches
+    assert bwd == "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0"
+    fields = ("seqlen_q", "seqlen_k", "softmax_scale", "window_left", "window_right", "softcap",
+              "batch", "total_q", "total_k", "heads_q", "heads_kv")
+    assert [getattr(pb, f) for f in fields] == [getattr(pf, f) for f in fields]
+    assert (pb.seqlen_q, pb.seqlen_k, pb.batch) == (7, 5, 3)
+    assert pb.softmax_scale == pytest.approx(0.3)
+
+
+def test_variant_is_honoured_and_checked(fake_launches):
+    """variant= runs that variant (the one table entry here), and a name the library lacks is a
+    VariantNotBuiltError naming it."""
+    q, k, v = qkv()
+    name = "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, variant=name)
+    assert fake_launches[-1][0] == name
+    with pytest.raises(VariantNotBuiltError, match="m64n128"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True,
+                               variant="fwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp1_ov1")
+
+
+def test_layout_checks_name_the_tensor(fake_launches):
+    """head_dim not contiguous in k, or v's row stride not 16-byte aligned: an InvalidInputError
+    that names the tensor."""
+    q, k, v = qkv()
+    k_t = torch.zeros(12, 128, 2, dtype=torch.bfloat16).transpose(1, 2)  # head_dim stride 2
+    with pytest.raises(InvalidInputError, match=r"k.stride\(-1\)"):
+        flash_attn_varlen_func(q, k_t, v, CU_Q, CU_K, 7, 5, causal=True)
+    v_odd = torch.zeros(12, 2 * 128 + 4, dtype=torch.bfloat16)[:, :256].view(12, 2, 128)
+    with pytest.raises(InvalidInputError, match=r"v.stride\(1\)"):
+        flash_attn_varlen_func(q, k, v_odd, CU_Q, CU_K, 7, 5, causal=True)
