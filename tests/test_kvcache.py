@@ -905,3 +905,38 @@ def test_degenerate_caches_and_tables_get_input_errors_or_no_writes(launched):
                                             block_table=table, cache_batch_idx=(
                                                 lengths if table is None else None))
         assert len(launched) == calls
+
+
+def test_chunked_prefill_lse_layout_and_picked_sequences(launched, monkeypatch):
+    """Every chunked-prefill path returns the forward kernels' LSE as (batch, heads_q,
+    seqlen_q) (the varlen function's is (heads_q, total_q)), and an int length with a
+    cache_batch_idx that is not consecutive reads those sequences (a copy, not a slice)."""
+    import fa3gen.varlen as varlen
+    keys = []
+
+    def dense(q, k, v, scale, **kw):  # flash_attn_func's LSE: (batch, heads_q, seqlen_q)
+        keys.append(k)
+        b, sq, hq, _ = q.shape
+        return torch.zeros_like(q), torch.arange(b * hq * sq, dtype=torch.float32).view(b, hq, sq)
+
+    def packed(q, k, v, cu_q, cu_k, mq, mk, **kw):  # head h, packed row r: 1000 h + r
+        keys.append(k)
+        return torch.zeros_like(q), (torch.arange(q.shape[1])[:, None] * 1000
+                                     + torch.arange(q.shape[0])[None]).float()
+
+    monkeypatch.setattr(ops, "flash_attn_func", dense)
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
+    kc, vc = (torch.randn(3, 100, 2, 64).to(BF) for _ in range(2))
+    q = torch.zeros(2, 9, 4, 64, dtype=BF)  # 18 rows per kv head: the forward kernels
+    want = (torch.arange(4)[None, :, None] * 1000 + torch.arange(2)[:, None, None] * 9
+            + torch.arange(9)[None, None, :]).float()  # sequence b's row s is packed row 9 b + s
+    lengths = torch.tensor([30, 7], dtype=torch.int32)
+    for extra in ({},  # the varlen forward over the cache rows
+                  {"cache_batch_idx": torch.tensor([2, 0], dtype=torch.int32)},  # gathered
+                  {"block_table": torch.tensor([[1, 0], [2, 1]], dtype=torch.int32)}):  # paged
+        _, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, return_lse=True,
+                                                 **extra)
+        assert torch.equal(lse, want), extra
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40,
+                                    cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    assert torch.equal(keys[-1], kc[[2, 0], :40])
