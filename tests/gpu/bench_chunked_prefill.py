@@ -4,9 +4,10 @@ same sizes), sustained, one process:
 A chunk of seqlen_q new query rows (bf16, d128, 32 query heads over 8 kv heads, batch 1,
 causal: bottom-right aligned) attends to a cache of seqlen_k keys. Rows: flash_attn_func on
 plain (1, seqlen_k, 8, 128) K and V (the dense rate); flash_attn_with_kvcache on a contiguous
-cache with room for 4096 more keys, cache_seqlens given as an int and as a tensor (a view of the
-cache either way; the tensor costs a device sync for the view's length); and on a paged cache
-(64-row pages, shuffled), whose keys are gathered into a packed copy first. TFLOP/s count the
+cache with room for 4096 more keys, cache_seqlens given as an int (flash_attn_func on a view of
+the cache) and as a tensor (flash_attn_varlen_func over the cache rows with seqused_k; no copy,
+no sync); and on a paged cache (64-row pages, shuffled), whose keys are gathered into a packed
+copy first (a device sync for the lengths). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
