@@ -382,3 +382,83 @@ def test_layout_checks_name_the_tensor(fake_launches):
     v_odd = torch.zeros(12, 2 * 128 + 4, dtype=torch.bfloat16)[:, :256].view(12, 2, 128)
     with pytest.raises(InvalidInputError, match=r"v.stride\(1\)"):
         flash_attn_varlen_func(q, k, v_odd, CU_Q, CU_K, 7, 5, causal=True)
+
+
+def test_limits_are_inclusive(fake_launches):
+    """One sequence, 16384 sequences, 32767 query heads and max_seqlen 2^31 - 1 are legal;
+    one more of each is refused."""
+    q, k, v = qkv()
+    one_q, one_k = (torch.tensor([0, n], dtype=torch.int32) for n in (10, 12))
+    flash_attn_varlen_func(q, k, v, one_q, one_k, 10, 12, causal=True)
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**31 - 1, 2**31 - 1, causal=True)
+    with pytest.raises(InvalidInputError, match=r"max_seqlen_q must be an int in \[1, 2\*\*31\)"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**31, 5, causal=True)
+    n = contract.VARLEN_LIMITS["batch"]
+    for batch, ok in ((n, True), (n + 1, False)):
+        cu = torch.arange(batch + 1, dtype=torch.int32)
+        qb, kb, vb = qkv(total_q=batch, total_k=batch, hq=2, hkv=1, d=64)
+        if ok:
+            varlen.check_varlen_inputs(qb, kb, vb, cu, cu, 1, 1)
+        else:
+            with pytest.raises(InvalidInputError, match="at most 16384 sequences"):
+                varlen.check_varlen_inputs(qb, kb, vb, cu, cu, 1, 1)
+    heads = contract.VARLEN_LIMITS["heads"]
+    for hq, ok in ((heads, True), (heads + 1, False)):
+        qh = torch.zeros(1, hq, 64, dtype=torch.bfloat16)
+        kh = torch.zeros(1, 1, 64, dtype=torch.bfloat16)
+        cu = torch.tensor([0, 1], dtype=torch.int32)
+        if ok:
+            varlen.check_varlen_inputs(qh, kh, kh, cu, cu, 1, 1)
+        else:
+            with pytest.raises(InvalidInputError, match="32767 query heads"):
+                varlen.check_varlen_inputs(qh, kh, kh, cu, cu, 1, 1)
+
+
+def test_backward_op_checks_its_tensors(fake_launches):
+    """torch.ops.fa3gen.varlen_bwd called directly with a dout of another dtype: one
+    InvalidInputError naming dout, no launch."""
+    q, k, v = qkv()
+    out, lse = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, return_lse=True)
+    calls = len(fake_launches)
+    with pytest.raises(InvalidInputError, match="dout must be torch.bfloat16"):
+        torch.ops.fa3gen.varlen_bwd(out.half(), q, k, v, out, lse, CU_Q, CU_K, 7, 5, True,
+                                    128 ** -0.5, "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0",
+                                    False, -1, 0, 0.0)
+    assert len(fake_launches) == calls
+
+
+def test_the_captured_path_names_the_varlen_variant(fake_launches, monkeypatch):
+    """Under graph capture the call goes through torch.ops.fa3gen.varlen_fwd with the varlen
+    variant's name."""
+    monkeypatch.setattr(ops, "_captured", lambda *t: True)
+    q, k, v = qkv()
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    assert fake_launches[-1][0] == "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"
+
+
+def test_one_input_requiring_grad_is_enough(fake_launches):
+    q, k, v = qkv()
+    q.requires_grad_()
+    out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    assert out.requires_grad
+    (dq,) = torch.autograd.grad(out, (q,), torch.ones_like(out))
+    assert dq.shape == q.shape and fake_launches[-1][0].startswith("bwd_")
+
+
+@pytest.mark.parametrize("through", ["eager", "op"])
+def test_a_trace_records_both_directions(fake_launches, tmp_path, through):
+    """fa3gen.tracing records the varlen forward and its backward as the dispatch's defaults,
+    with the batch (sequences) and the max_seqlen sizes, through the eager path and the op."""
+    from fa3gen import tracing
+    q, k, v = qkv(grad=True)
+    with tracing.trace(tmp_path / "t.yaml") as t:
+        if through == "eager":
+            out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+        else:
+            out, _ = torch.ops.fa3gen.varlen_fwd(
+                q, k, v, CU_Q, CU_K, 7, 5, True, 128 ** -0.5,
+                "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1", False, -1, 0, 0.0, None)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    bwd = t.entries[("bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0", True)]
+    assert bwd.count == 1 and bwd.ranges["batch"] == [3, 3]
+    assert bwd.ranges["seqlen_q"] == [7, 7] and bwd.ranges["seqlen_k"] == [5, 5]
