@@ -940,3 +940,93 @@ def test_chunked_prefill_lse_layout_and_picked_sequences(launched, monkeypatch):
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40,
                                     cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
     assert torch.equal(keys[-1], kc[[2, 0], :40])
+
+
+def test_boundaries_that_are_legal(launched, monkeypatch):
+    """Edges an operator-mutation pass found unpinned, each legal: a rotary table of one
+    position and rotary_dim = head_dim, an int cache_seqlens of 0 with rotary, a one-page block
+    table whose column stride is not 1, page 0 and cache_batch_idx 0 under
+    FA3GEN_DEBUG_CHECKS=1, an fp8 factor of exactly the fp32 maximum."""
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    kc = torch.zeros(2, 40, 2, 64, dtype=BF)
+    k = torch.zeros(2, 1, 2, 64, dtype=BF)
+    for rows, half in ((1, 16), (4, 32)):  # one position; all 64 dims rotated
+        kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), k, k, cache_seqlens=0,
+                                        rotary_cos=torch.ones(rows, half), rotary_sin=torch.zeros(rows, half))
+    table = torch.zeros(2, 1, 2, dtype=torch.int32)[:, :, 0]  # (2, 1) with stride(1) == 2
+    assert table.stride(1) == 2
+    pages = torch.zeros(3, 16, 2, 64, dtype=BF)
+    monkeypatch.setenv(ops.DEBUG_CHECKS_ENV, "1")
+    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=torch.tensor([3, 16], dtype=torch.int32),
+                                    block_table=table)
+    assert launched[-1].page_size == 16
+    kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), cache_seqlens=5,  # sequence 0 of the cache
+                                    cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32))
+    monkeypatch.delenv(ops.DEBUG_CHECKS_ENV)
+    kc8 = torch.zeros(2, 40, 2, 64).to(FP8)
+    fp32_max = torch.finfo(torch.float32).max
+    kvcache.flash_attn_with_kvcache(q, kc8, kc8.clone(), cache_seqlens=5, k_scale=fp32_max, v_scale=1.0)
+    assert launched[-1].k_scale_value == fp32_max
+
+
+def test_argument_errors_a_mutation_pass_found(launched):
+    """q of 3 dims, and k given without v: one InvalidInputError each; k that is no tensor:
+    a TypeError."""
+    kc = torch.zeros(2, 40, 2, 64, dtype=BF)
+    with pytest.raises(InvalidInputError, match="must be 4-D"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 4, 64, dtype=BF), kc, kc.clone(), cache_seqlens=5)
+    k = torch.zeros(2, 1, 2, 64, dtype=BF)
+    with pytest.raises(InvalidInputError, match="k and v"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc.clone(), k, None,
+                                        cache_seqlens=5)
+    with pytest.raises(TypeError, match="k and v must be torch.Tensors"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc.clone(), k.tolist(), k,
+                                        cache_seqlens=5)
+    assert not launched
+
+
+def test_decode_calls_are_traced_with_their_dtype(launched, tmp_path):
+    from fa3gen import tracing
+    kc = torch.zeros(2, 40, 2, 64, dtype=BF)
+    kc16 = torch.zeros(2, 40, 2, 128, dtype=torch.float16)
+    with tracing.trace(tmp_path / "t.yaml") as t:
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc.clone(), cache_seqlens=5)
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 128, dtype=torch.float16), kc16,
+                                        kc16.clone(), cache_seqlens=5)
+    assert t.decode == {("bf16", 64), ("fp16", 128)}
+
+
+def test_chunked_prefill_asks_for_the_lse_and_dequantizes_per_sequence(launched, monkeypatch):
+    """The forward kernels are asked for their LSE on every prefill path, and per-(batch, head)
+    e4m3 factors follow each sequence through the gather path (cache_batch_idx, ragged
+    lengths); an out-of-range cache_batch_idx with an int length reads the last sequence, as
+    the decode kernels clamp it."""
+    import fa3gen.varlen as varlen
+    keys = []
+
+    def dense(q, k, v, scale, **kw):
+        assert kw["return_lse"] is True
+        keys.append(k)
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    def packed(q, k, v, cu_q, cu_k, mq, mk, **kw):
+        assert kw["return_lse"] is True
+        keys.append(k)
+        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(ops, "flash_attn_func", dense)
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
+    g = torch.Generator().manual_seed(6)
+    kc, vc = (torch.randn(3, 50, 2, 64, generator=g).to(FP8) for _ in range(2))
+    q = torch.zeros(2, 9, 4, 64, dtype=BF)
+    ks = torch.tensor([[0.5, 2.0], [1.0, 0.25]])
+    lengths = torch.tensor([30, 7], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, k_scale=ks,
+                                    cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    want = torch.cat([kc[2, :30].float() * ks[0][None, :, None], kc[0, :7].float() * ks[1][None, :, None]])
+    assert torch.equal(keys[-1], want.to(BF))
+    for extra in ({}, {"block_table": torch.tensor([[1, 0], [2, 1]], dtype=torch.int32)}):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **extra)
+    kvcache.flash_attn_with_kvcache(q, kc.to(BF), vc.to(BF), cache_seqlens=20,
+                                    cache_batch_idx=torch.tensor([7, 1], dtype=torch.int32))
+    assert torch.equal(keys[-1], kc.to(BF)[[2, 1], :20])
