@@ -38,6 +38,7 @@ constexpr auto smem_atom() {
 // (block, row) lies at (block * Rows + row) * LineBytes, and the swizzle permutes 16-byte
 // chunks only within a line, so whole lines are zeroed without swizzled addresses. The caller
 // orders the stores before the GEMMs that read them (fence_view_async_shared, a barrier).
+// first >= 0: the callers pass the block that holds a sequence's last rows.
 template <class Element, int Rows, int Cols, int LineBytes, int Threads>
 __device__ __forceinline__ void zero_tile_rows(Element* tile, int first, int thread) {
   constexpr int kLineBytes = LineBytes, kLineChunks = kLineBytes / 16;
