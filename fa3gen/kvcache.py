@@ -406,8 +406,8 @@ def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
     cache_rows, page_size, capacity = plan.geometry
-    if 0 in (cache_rows, capacity):  # no row fits (a table of no pages, a cache of none)
-        return
+    if capacity == 0:  # no row fits (a table of no pages, no rows a sequence; _plan refuses
+        return          # a cache of no pages or sequences)
     b, n = k.shape[:2]
     device = k.device
     steps = torch.arange(n, device=device)

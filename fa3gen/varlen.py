@@ -86,8 +86,11 @@ def _check_max_seqlen(**sizes) -> None:
                                     f"got {m!r}")
 
 
-def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
-    """The checks that read cu_seqlens on the host (FA3GEN_DEBUG_CHECKS=1; a device sync)."""
+def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          seqused_k=None) -> None:
+    """The checks that read cu_seqlens (and seqused_k) on the host (FA3GEN_DEBUG_CHECKS=1; a
+    device sync). seqused_k[b] lies within [0, the keys of sequence b]; outside it the kernels
+    clamp: wrong numbers, never an access outside k and v."""
     for name, cu, total, max_seqlen, side in (
             ("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, "q"),
             ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, "k")):
@@ -104,17 +107,11 @@ def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if max(lengths) > max_seqlen:
             raise InvalidInputError(f"max_seqlen_{side} is {max_seqlen} but sequence "
                                     f"{lengths.index(max(lengths))} has {max(lengths)} rows")
-
-
-def check_seqused_k_data(seqused_k, cu_seqlens_k) -> None:
-    """seqused_k[b] within [0, the length of sequence b's cu_seqlens_k range]
-    (FA3GEN_DEBUG_CHECKS=1; a device sync). Outside it the kernels clamp: wrong numbers, never
-    an access outside k and v."""
-    c = cu_seqlens_k.cpu().tolist()
-    for b, used in enumerate(seqused_k.cpu().tolist()):
-        if not 0 <= used <= c[b + 1] - c[b]:
-            raise InvalidInputError(f"seqused_k[{b}] is {used} but sequence {b} has "
-                                    f"{c[b + 1] - c[b]} keys (cu_seqlens_k)")
+    if seqused_k is not None:  # `lengths` are the keys' now
+        for b, used in enumerate(seqused_k.cpu().tolist()):
+            if not 0 <= used <= lengths[b]:
+                raise InvalidInputError(f"seqused_k[{b}] is {used} but sequence {b} has "
+                                        f"{lengths[b]} keys (cu_seqlens_k)")
 
 
 def _views(*tensors):
@@ -455,9 +452,8 @@ def flash_attn_varlen_func(
     _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     if debug_checks_enabled():
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if seqused_k is not None:
-            check_seqused_k_data(seqused_k, cu_seqlens_k)
+        check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              seqused_k)
     if ops._captured(q, k, v):
         ops.check_device(q, k, v)
         dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

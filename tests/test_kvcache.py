@@ -841,13 +841,29 @@ def test_a_rotary_table_exactly_long_enough(launched):
 
 
 def _stub_forwards(monkeypatch):
-    """The forward kernels chunked prefill calls, recording (kind, k, cu_seqlens_k)."""
+    """The forward kernels chunked prefill calls, recording (kind, k, cu_seqlens_k) and checking
+    that each is asked for its LSE. The LSE they return reads 1000 h + r at head h, packed query
+    row r (b * seqlen_q + s), each in its layout: flash_attn_func's (batch, heads_q, seqlen_q),
+    the varlen function's (heads_q, total_q)."""
     from fa3gen import varlen
     calls = []
-    monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, *a, **kw: calls.append(("dense", k, None)) or (
-        torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
-    monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, v, cu_q, cu_k, *a, **kw: calls.append(
-        ("varlen", k, cu_k)) or (torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+
+    def lse(heads, rows):
+        return (torch.arange(heads)[:, None] * 1000 + torch.arange(rows)[None]).float()
+
+    def dense(q, k, v, *a, **kw):
+        assert kw["return_lse"] is True
+        calls.append(("dense", k, None))
+        b, sq, hq, _ = q.shape
+        return torch.zeros_like(q), lse(hq, b * sq).view(hq, b, sq).permute(1, 0, 2)
+
+    def packed(q, k, v, cu_q, cu_k, *a, **kw):
+        assert kw["return_lse"] is True
+        calls.append(("varlen", k, cu_k))
+        return torch.zeros_like(q), lse(q.shape[1], q.shape[0])
+
+    monkeypatch.setattr(ops, "flash_attn_func", dense)
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
     return calls
 
 
@@ -911,21 +927,7 @@ def test_chunked_prefill_lse_layout_and_picked_sequences(launched, monkeypatch):
     """Every chunked-prefill path returns the forward kernels' LSE as (batch, heads_q,
     seqlen_q) (the varlen function's is (heads_q, total_q)), and an int length with a
     cache_batch_idx that is not consecutive reads those sequences (a copy, not a slice)."""
-    import fa3gen.varlen as varlen
-    keys = []
-
-    def dense(q, k, v, scale, **kw):  # flash_attn_func's LSE: (batch, heads_q, seqlen_q)
-        keys.append(k)
-        b, sq, hq, _ = q.shape
-        return torch.zeros_like(q), torch.arange(b * hq * sq, dtype=torch.float32).view(b, hq, sq)
-
-    def packed(q, k, v, cu_q, cu_k, mq, mk, **kw):  # head h, packed row r: 1000 h + r
-        keys.append(k)
-        return torch.zeros_like(q), (torch.arange(q.shape[1])[:, None] * 1000
-                                     + torch.arange(q.shape[0])[None]).float()
-
-    monkeypatch.setattr(ops, "flash_attn_func", dense)
-    monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
+    calls = _stub_forwards(monkeypatch)
     kc, vc = (torch.randn(3, 100, 2, 64).to(BF) for _ in range(2))
     q = torch.zeros(2, 9, 4, 64, dtype=BF)  # 18 rows per kv head: the forward kernels
     want = (torch.arange(4)[None, :, None] * 1000 + torch.arange(2)[:, None, None] * 9
@@ -939,7 +941,7 @@ def test_chunked_prefill_lse_layout_and_picked_sequences(launched, monkeypatch):
         assert torch.equal(lse, want), extra
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40,
                                     cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
-    assert torch.equal(keys[-1], kc[[2, 0], :40])
+    assert torch.equal(calls[-1][1], kc[[2, 0], :40])
 
 
 def test_boundaries_that_are_legal(launched, monkeypatch):
@@ -1001,21 +1003,7 @@ def test_chunked_prefill_asks_for_the_lse_and_dequantizes_per_sequence(launched,
     e4m3 factors follow each sequence through the gather path (cache_batch_idx, ragged
     lengths); an out-of-range cache_batch_idx with an int length reads the last sequence, as
     the decode kernels clamp it."""
-    import fa3gen.varlen as varlen
-    keys = []
-
-    def dense(q, k, v, scale, **kw):
-        assert kw["return_lse"] is True
-        keys.append(k)
-        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])
-
-    def packed(q, k, v, cu_q, cu_k, mq, mk, **kw):
-        assert kw["return_lse"] is True
-        keys.append(k)
-        return torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])
-
-    monkeypatch.setattr(ops, "flash_attn_func", dense)
-    monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
+    calls = _stub_forwards(monkeypatch)
     g = torch.Generator().manual_seed(6)
     kc, vc = (torch.randn(3, 50, 2, 64, generator=g).to(FP8) for _ in range(2))
     q = torch.zeros(2, 9, 4, 64, dtype=BF)
@@ -1024,9 +1012,9 @@ def test_chunked_prefill_asks_for_the_lse_and_dequantizes_per_sequence(launched,
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, k_scale=ks,
                                     cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
     want = torch.cat([kc[2, :30].float() * ks[0][None, :, None], kc[0, :7].float() * ks[1][None, :, None]])
-    assert torch.equal(keys[-1], want.to(BF))
+    assert torch.equal(calls[-1][1], want.to(BF))
     for extra in ({}, {"block_table": torch.tensor([[1, 0], [2, 1]], dtype=torch.int32)}):
         kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, **extra)
     kvcache.flash_attn_with_kvcache(q, kc.to(BF), vc.to(BF), cache_seqlens=20,
                                     cache_batch_idx=torch.tensor([7, 1], dtype=torch.int32))
-    assert torch.equal(keys[-1], kc.to(BF)[[2, 1], :20])
+    assert torch.equal(calls[-1][1], kc.to(BF)[[2, 1], :20])

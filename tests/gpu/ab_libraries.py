@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from bench_varlen import TOTAL, cu_seqlens, lengths_for, pairs
+from bench_varlen import TOTAL, cu_seqlens, lengths_for, real_flops
 from fa3gen import Fa3genError, bench, ops, runtime, timing, varlen
 from fa3gen.checks import probe_masking
 
@@ -58,12 +58,11 @@ def varlen_point(libs, info, mean: int):
                      for _ in range(4))
     longest, mask = max(lengths), ops.masking(info.causal, **probe_masking(info))
     out, lse = varlen._empty_outputs(q)
-    work = 4 * d * heads * sum(pairs(n, info.causal) for n in lengths)
     if info.direction == "fwd":
         plans = [varlen._fwd_plan(q, k, v, cu, cu, longest, longest, out, lse, mask, None,
                                   info.name, lib) for lib in libs]
         return [lambda plan=plan: varlen._fwd_run(plan, q, k, v, cu, cu, out, lse)
-                for plan in plans], work
+                for plan in plans], real_flops(lengths, heads, d, info.causal, False)
     fwd_lib, fwd = next(found for found in (_forward_default(lib, info) for lib in libs) if found)
     plan = varlen._fwd_plan(q, k, v, cu, cu, longest, longest, out, lse, mask, None, fwd.name,
                             fwd_lib)
@@ -72,7 +71,7 @@ def varlen_point(libs, info, mean: int):
     plans = [varlen._bwd_plan(dout, q, k, v, out, lse, cu, cu, longest, longest, dq, dk, dv, mask,
                               plan.scale, info.name, False, lib) for lib in libs]
     return [lambda p=p: varlen._bwd_run(p, dout, q, k, v, out, lse, cu, cu, dq, dk, dv)
-            for p in plans], 2.5 * work
+            for p in plans], real_flops(lengths, heads, d, info.causal, True)
 
 
 def points(libs, info, seqlens):
