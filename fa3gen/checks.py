@@ -122,12 +122,51 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
                                                        scale, **extra)
 
 
+# Pages of the paged check: a multiple of 16 rows that is no power of two.
+PAGED_CHECK_PAGE = 48
+
+
+def _check_paged(lib, variant, problem: Problem, gen) -> dict:
+    """check_forward of a paged variant into NaN-poisoned out and lse: the problem's keys
+    scattered over shuffled pages of PAGED_CHECK_PAGE rows (NaN in the rows past seqlen_k and in
+    a spare page), against dense attention over them."""
+    import torch
+
+    from fa3gen import ops, reference, varlen
+
+    q, k, v = _inputs(problem, variant, gen, 3)
+    b, sq, sk, hq, hkv = problem
+    page = PAGED_CHECK_PAGE
+    cols = -(-sk // page)
+    order = torch.randperm(b * cols + 1, device="cuda", generator=gen)
+    table = order[:b * cols].view(b, cols).to(torch.int32)
+    caches = []
+    for t in (k, v):
+        cache = torch.full((b * cols + 1, page, hkv, t.shape[-1]), float("nan"), dtype=t.dtype,
+                           device="cuda")
+        padded = torch.full((b, cols * page, hkv, t.shape[-1]), float("nan"), dtype=t.dtype,
+                            device="cuda")
+        padded[:, :sk] = t
+        cache[table.long()] = padded.view(b, cols, page, hkv, -1)
+        caches.append(cache)
+    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
+    seqused = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    poisoned = (torch.full((b * sq, hq, q.shape[-1]), float("nan"), dtype=q.dtype, device="cuda"),
+                torch.full((hq, b * sq), float("nan"), device="cuda"))
+    out, lse = varlen.paged_forward(q, *caches, table, seqused, ops.masking(causal, **extra),
+                                    scale, variant, lib, poisoned)
+    torch.cuda.synchronize()
+    return reference.compare_to_reference(out, lse, q, k, v, causal, scale, **extra)
+
+
 def check_forward(lib, variant, problem: Problem, gen) -> dict:
     """Forward `variant` into NaN-poisoned out and lse; reference.compare_to_reference's result."""
     import torch
 
     from fa3gen import ops, reference
 
+    if getattr(variant, "paged", False):
+        return _check_paged(lib, variant, problem, gen)
     if getattr(variant, "varlen", False):
         return _check_varlen(lib, variant, problem, gen, backward=False)
     if variant.dtype == "e4m3":

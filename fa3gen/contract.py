@@ -145,6 +145,11 @@ AXIS_TABLE = (
     # memory) instead of registers, which frees P's registers while the GEMM runs: what lets
     # three consumer warpgroups (192-row tiles) hold d96's O accumulators without spilling.
     Axis("p_in_smem", "bool", "knob", words=("", "psmem")),
+    # Varlen forward over a paged KV cache: keys and values read through a block table
+    # (flash_attn_with_kvcache's chunked prefill); page size and table are runtime arguments.
+    # Last (a key after the knobs) so that names and Variant(...) calls of the variants
+    # without it read as they did before.
+    Axis("paged", "bool", "key", words=("", "paged")),
 )
 AXIS_BY_NAME = {a.name: a for a in AXIS_TABLE}
 AXES = tuple(AXIS_BY_NAME)
@@ -228,10 +233,10 @@ def key_str(key: tuple) -> str:
 
 
 def make_key(direction: str, dtype: str, head_dim: int, causal: bool, local: bool = False,
-             softcap: bool = False, varlen: bool = False) -> tuple:
+             softcap: bool = False, varlen: bool = False, paged: bool = False) -> tuple:
     """The dispatch key of a call, in KEY_AXES order."""
     return (direction, dtype, int(head_dim), bool(causal), bool(local), bool(softcap),
-            bool(varlen))
+            bool(varlen), bool(paged))
 
 
 # --------------------------------------------------------------------------- output layout
@@ -283,7 +288,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 13
+ABI_VERSION = 14
 
 # The C ABI's sizes and lengths are int32: the largest value a call's length or window may take.
 INT32_MAX = 2**31 - 1
@@ -307,6 +312,10 @@ _VARLEN = (("cu_seqlens_q", "const int32_t*"), ("cu_seqlens_k", "const int32_t*"
            ("tile_list", "int32_t*"), ("total_q", "int32_t"), ("total_k", "int32_t"))
 
 
+# Paged forwards load keys and values in TMA chunks of this many rows, each from its page:
+# page_size must be a multiple of it (FwdTraits::kPageChunk).
+PAGED_CHUNK_ROWS = 16
+
 # FA3GEN_VARLEN_MAX_*: what the varlen tile list can hold (the runtime checks them first).
 VARLEN_LIMITS = {"batch": 16384, "heads": 32767, "tiles_per_seq": 65535}
 
@@ -329,6 +338,9 @@ FWD_PARAMS = (
     *((f"{t}_descale_{dim}_stride", "int64_t") for t in "qkv"
       for dim in ("batch", "head", "block")),
     ("q_descale_head_div", "int32_t"), ("o_fp16", "int32_t"),
+    # The runtime side of the paged axis: the block table and the pages it points into.
+    ("block_table", "const int32_t*"), ("block_table_batch_stride", "int64_t"),
+    *((n, "int32_t") for n in ("page_size", "num_pages", "block_table_cols")),
 )
 
 BWD_PARAMS = (
@@ -392,7 +404,7 @@ class Launcher:
 _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_m"),
                  ("TileN", "tile_n"), ("Stages", "stages"), ("Causal", "causal"),
                  ("Local", "local"), ("Softcap", "softcap"), ("Varlen", "varlen"),
-                 ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
+                 ("Paged", "paged"), ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
                  ("IntraWgOverlap", "intra_wg_overlap"), ("PeelMasked", "peel_masked"),
                  ("PInSmem", "p_in_smem"))
 

@@ -520,8 +520,11 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
     contiguous cache: flash_attn_func on a view of the cache, no copy. A tensor cache_seqlens
     on a contiguous cache without cache_batch_idx: flash_attn_varlen_func over the cache rows
-    with seqused_k, no copy and no sync. Otherwise each sequence's keys are gathered into a
+    with seqused_k, no copy and no sync. A paged cache: the paged varlen forward through the
+    block table (varlen.paged_forward), no copy and no sync, where the library has the variant
+    and the pages suit it (varlen.paged_fits). Otherwise each sequence's keys are gathered into a
     packed copy for flash_attn_varlen_func, which needs the lengths on the host (a sync)."""
+    from fa3gen import varlen
     from fa3gen.varlen import flash_attn_varlen_func
 
     mask, scale = plan.prefill
@@ -539,8 +542,8 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
     rows_k = k_cache[:b]
-    if (block_table is None and seqlens is not None and batch_idx is None
-            and not (torch.is_grad_enabled() and q.requires_grad)
+    differentiable = torch.is_grad_enabled() and q.requires_grad  # the paths without a copy are not
+    if (block_table is None and seqlens is not None and batch_idx is None and not differentiable
             and rows_k.stride(0) == capacity * rows_k.stride(1)):
         # Lengths on the device, a contiguous cache: the varlen forward over the cache rows
         # themselves, sequence i at rows [i * capacity, ..) using its first length keys
@@ -555,6 +558,16 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         out = out.view(b, sq, hq, d)
         lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
+    if (block_table is not None and not plan.kv_fp8 and not differentiable
+            and varlen.paged_fits(q, k_cache, block_table)):
+        # A paged cache: the paged varlen forward reads each sequence's pages where they lie.
+        info = varlen.paged_variant(q, mask)
+        if info is not None:
+            used = (seqlens.clamp(0, capacity) if seqlens is not None
+                    else torch.full((b,), length, dtype=torch.int32, device=q.device))
+            out, lse = varlen.paged_forward(q, k_cache, v_cache, block_table, used, mask, scale,
+                                            info, runtime.get_library())
+            return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size

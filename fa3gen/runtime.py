@@ -134,6 +134,7 @@ def select_variant(
     local: bool = False,
     softcap: bool = False,
     varlen: bool = False,
+    paged: bool = False,
     spec_name: str | None = None,
     library: str = "",
     build_info: dict[str, Any] | None = None,
@@ -146,7 +147,7 @@ def select_variant(
     --only/--exclude filter left out from one the spec lacks.
     """
     causal = bool(causal)
-    key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen)
+    key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen, paged)
     spec_file = f"specs/{spec_name or '<spec>'}.yaml"
     build = f"fa3gen build --spec {spec_file}"
 
@@ -193,7 +194,7 @@ def select_variant(
                 f"{filters}, which left it out; rebuild without the filter: {build}")
     else:
         features = "".join(f", {axis}: true" for axis, on in (
-            ("local", local), ("softcap", softcap), ("varlen", varlen)) if on)
+            ("local", local), ("softcap", softcap), ("varlen", varlen), ("paged", paged)) if on)
         hint = (
             f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}{features}) "
             f"to a group of {spec_file} and run: {build}"
@@ -314,24 +315,24 @@ class Library:
     def find(
         self, direction: str, dtype: str, head_dim: int, causal: bool, variant: str | None = None,
         *, local: bool = False, softcap: bool = False, varlen: bool = False,
-        seqlen_k: int | None = None,
+        paged: bool = False, seqlen_k: int | None = None,
     ) -> VariantInfo:
         """The named variant, else the key's default; seqlen_k (when given) picks the spec's
         range default for that length where the dispatch has one."""
         if variant is not None:  # fast path: the op resolves by name on every call
             v = self._by_name.get(variant)
             if v is not None and v.key == make_key(direction, dtype, head_dim, causal, local,
-                                                   softcap, varlen):
+                                                   softcap, varlen, paged):
                 return v
         elif seqlen_k is not None and self.seqlen_dispatch:
-            key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen)
+            key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen, paged)
             for lo, hi, v in self.seqlen_dispatch.get(key, ()):
                 if lo <= seqlen_k <= hi:
                     return v
         return select_variant(
             self.variants, direction, dtype, head_dim, causal, variant, local=local,
-            softcap=softcap, varlen=varlen, spec_name=self.spec_name, library=str(self.path),
-            build_info=self.build_info,
+            softcap=softcap, varlen=varlen, paged=paged, spec_name=self.spec_name,
+            library=str(self.path), build_info=self.build_info,
         )
 
     def last_error(self) -> str:

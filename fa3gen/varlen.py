@@ -17,8 +17,8 @@ import torch
 
 from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
-from fa3gen.contract import INT32_MAX, VARLEN_LIMITS, varlen_tiles
-from fa3gen.errors import Fa3genError, InvalidInputError
+from fa3gen.contract import INT32_MAX, PAGED_CHUNK_ROWS, VARLEN_LIMITS, varlen_tiles
+from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, debug_checks_enabled
 
 
@@ -189,6 +189,65 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
                      mask, scale, variant, runtime.get_library())
     _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward over a paged KV cache (flash_attn_with_kvcache's chunked prefill).
+
+
+def paged_variant(q, mask: Masking, lib=None):
+    """The paged forward of the library (default: runtime.get_library()) for q's dtype, head
+    dim and mask, else None (a library built without one, or before the axis existed)."""
+    lib = lib or runtime.get_library()
+    try:
+        return lib.find("fwd", _DTYPES[q.dtype], q.shape[-1], varlen=True, paged=True,
+                        **mask.key())
+    except VariantNotBuiltError:
+        return None
+
+
+def paged_fits(q, k_cache, block_table) -> bool:
+    """Whether paged_forward takes this call: pages of whole TMA chunks, a table of at least one
+    column, and sizes the varlen tile list and the int32 row offsets hold."""
+    b, sq, hq, _ = q.shape
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    return (k_cache.shape[1] % PAGED_CHUNK_ROWS == 0 and block_table.shape[1] >= 1
+            and b <= VARLEN_LIMITS["batch"] and hq <= VARLEN_LIMITS["heads"]
+            and -(-sq // 64) <= VARLEN_LIMITS["tiles_per_seq"] and b * max(capacity, sq) < 2**31)
+
+
+def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, scale: float,
+                  info, lib, outputs=None):
+    """Sequence b's seqlen_q rows of q (batch, seqlen_q, heads_q, d) over its first
+    seqused_k[b] keys, key j in page block_table[b, j // page_size] of k_cache, v_cache (pages,
+    page_size, heads_kv, d): the paged varlen variant `info` reads the pages where they lie (no
+    gather, no sync). The caller (flash_attn_with_kvcache) checked the rest and routes here
+    only what fits (paged_fits): page_size a multiple of PAGED_CHUNK_ROWS, seqused_k int32
+    (batch,) in [0, capacity]. Returns out like q and lse (batch, heads_q, seqlen_q), views of
+    `outputs` when given (out (batch * seqlen_q, heads_q, d), lse (heads_q, batch * seqlen_q)
+    contiguous, as _empty_outputs makes them)."""
+    b, sq, hq, d = q.shape
+    pages, page_size, hkv, _ = k_cache.shape
+    cols = block_table.shape[1]  # its rows contiguous (flash_attn_with_kvcache checks)
+    capacity = cols * page_size  # >= 1: the caller routes tables of no column elsewhere
+    rows = q.reshape(b * sq, hq, d)
+    out, lse = outputs if outputs is not None else _empty_outputs(rows)
+    dims = Dims(b, sq, capacity, hq, hkv, d, _DTYPES[q.dtype])
+    (q4, o4), device = _views(rows, out), q.device
+    ops.check_layout(q=q4, k_cache=k_cache, v_cache=v_cache)
+    p = ops._make_params(q4, k_cache, v_cache, o4, lse, dims, scale, ops._num_sms(device.index),
+                         ops._grid_mode(), mask)
+    p.q, p.k, p.v, p.o = ops._aligned_pointers(q=rows, k=k_cache, v=v_cache, out=out)
+    i32 = dict(dtype=torch.int32, device=device)
+    cu_q = torch.arange(0, b * sq + 1, sq, **i32)
+    cu_k = torch.arange(0, (b + 1) * capacity, capacity, **i32)
+    tiles = torch.empty(2 * varlen_tiles(b * sq, b, info.tile_m) * hq, **i32)
+    _set_varlen(p, cu_q, cu_k, tiles, b * sq, b * capacity)
+    p.seqused_k = seqused_k.data_ptr()
+    p.block_table, p.block_table_batch_stride = block_table.data_ptr(), block_table.stride(0)
+    p.page_size, p.num_pages, p.block_table_cols = page_size, pages, cols
+    ops._launch(lib, info, device, lambda: p)
+    return out.view(b, sq, hq, d), lse.view(hq, b, sq).permute(1, 0, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -202,6 +202,16 @@ def peel_needs_overlap(v: Variant) -> Optional[str]:
     return None
 
 
+def paged_scope(v: Variant) -> Optional[str]:
+    """Paged: the varlen forward reading keys through a block table (chunked prefill)."""
+    if not v.paged:
+        return None
+    if v.direction != "fwd" or not v.varlen:
+        return ("paged is a varlen forward's (flash_attn_with_kvcache's chunked prefill is "
+                "forward only and per sequence); set direction: fwd and varlen: true")
+    return None
+
+
 def p_in_smem_scope(v: Variant) -> Optional[str]:
     """What p_in_smem is realized and GPU-tested for (2026-12-01: d96 dense forwards)."""
     if not v.p_in_smem:
@@ -235,6 +245,7 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("head_dim_supported", head_dim_supported),
     ("fp8_scope", fp8_scope),
     ("one_mask", one_mask),
+    ("paged_scope", paged_scope),
     ("backward_knobs", backward_knobs),
     ("mma_m_shape", mma_m_shape),
     ("mma_n_shape", mma_n_shape),

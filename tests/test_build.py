@@ -75,7 +75,8 @@ def test_build_then_noop_then_one_change(fake, capfd):
     assert m["library"] == "lib/libfa3gen_t.so" and m["abi_version"] == ABI_VERSION
     rows = {r["name"]: r for r in m["variants"]}
     assert set(rows) == {A, B_}
-    assert rows[A]["is_default"] and rows[A]["key"] == ["fwd", "bf16", 128, False, False, False, False]
+    assert rows[A]["is_default"] and rows[A]["key"] == ["fwd", "bf16", 128, False, False, False, False,
+                                                      False]
     r = rows[A]["resources"]
     assert r["registers"] == 168 and r["spill_stores"] == 0 and r["ok"] is True
     assert "compile_seconds" in r

@@ -139,8 +139,9 @@ def test_name_format():
     assert v.name == "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov0"
     assert contract.NAME_FORMAT == ("{direction}_{dtype}_d{head_dim}_{nocausal|causal}_"
                                     "[local]_[softcap]_[varlen]_"
-                                    "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}_[peel]_[psmem]")
-    assert v.key == ("fwd", "bf16", 128, False, False, False, False)
+                                    "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}_[peel]_[psmem]_"
+                                    "[paged]")
+    assert v.key == ("fwd", "bf16", 128, False, False, False, False, False)
     assert contract.key_str(v.key) == "(fwd, bf16, d128, nocausal)"
 
 
@@ -155,9 +156,12 @@ def test_feature_flags_are_spelled_only_when_on():
     assert parse_name(only_cap.name) == only_cap
     assert contract.key_str(v.key) == "(bwd, fp16, d64, nocausal, local, softcap)"
     assert contract.make_key("fwd", "bf16", 128, 1) == ("fwd", "bf16", 128, True, False, False,
-                                                         False)
+                                                         False, False)
     packed = dataclasses.replace(only_cap, varlen=True)
     assert packed.name == "fwd_bf16_d128_causal_softcap_varlen_m128n128_s2_ws1_pp1_ov1"
+    paged = dataclasses.replace(packed, paged=True)  # a key axis spelled after the knobs
+    assert paged.name == "fwd_bf16_d128_causal_softcap_varlen_m128n128_s2_ws1_pp1_ov1_paged"
+    assert parse_name(paged.name) == paged and paged.key[-1] is True and packed.key[-1] is False
     assert parse_name(packed.name) == packed
     assert contract.key_str(packed.key) == "(fwd, bf16, d128, causal, softcap, varlen)"
     for bad in ("fwd_bf16_d128_causal_softcap_local_m128n128_s2_ws1_pp1_ov1",  # out of order
@@ -204,9 +208,12 @@ def test_variant_info_row_follows_struct():
         "nullptr" if contract.is_pointer(t) else "0" for _, t in VARIANT_INFO]
     assert (row["local"], row["softcap"], row["varlen"]) == ("0", "0", "0")
     assert contract.template_args(fwd) == ["cutlass::half_t", "64", "192", "128", "3", "true",
-                                           "false", "false", "false", "false", "false", "true", "false",
-                                           "false"]
-    assert row["peel_masked"] == "0" and row["p_in_smem"] == "0"
+                                           "false", "false", "false", "false", "false", "false", "true",
+                                           "false", "false"]
+    assert row["peel_masked"] == "0" and row["p_in_smem"] == "0" and row["paged"] == "0"
+    paged = dataclasses.replace(fwd, varlen=True, paged=True)
+    assert contract.template_args(paged)[8:10] == ["true", "true"]  # Varlen, Paged
+    assert contract.variant_info_values(paged, False)[list(dict(VARIANT_INFO)).index("paged")] == "1"
 
 
 # ------------------------------------------------------------------------------- layout

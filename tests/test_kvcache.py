@@ -567,6 +567,7 @@ def test_chunked_prefill_clamps_bad_indices_as_the_decode_kernels(launched, monk
     from fa3gen import varlen
     monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, *a, **kw: calls.append(k) or (
         torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0])))
+    monkeypatch.setattr(varlen, "paged_variant", lambda *a: None)  # a library without one
     q = torch.zeros(2, 9, 4, 64, dtype=BF)
     kc = torch.zeros(3, 16, 2, 64, dtype=BF)
     table = torch.tensor([[0, 7], [1, 2]], dtype=torch.int32)
@@ -1018,3 +1019,64 @@ def test_chunked_prefill_asks_for_the_lse_and_dequantizes_per_sequence(launched,
     kvcache.flash_attn_with_kvcache(q, kc.to(BF), vc.to(BF), cache_seqlens=20,
                                     cache_batch_idx=torch.tensor([7, 1], dtype=torch.int32))
     assert torch.equal(calls[-1][1], kc.to(BF)[[2, 1], :20])
+
+
+PAGED_VARIANT = "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1_paged"  # the fake library's
+
+
+def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
+    """A paged cache goes to the library's paged varlen forward: the cache, table and lengths
+    reach its params as they are (no gather, no sync), sequence b's keys bounded by its length
+    clamped to the table's capacity; the outputs come back in flash-attn's layouts."""
+    from fa3gen import varlen
+    seen = []
+    real = varlen.paged_forward
+    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    kc, vc = torch.zeros(10, 32, 2, 128, dtype=BF), torch.ones(10, 32, 2, 128, dtype=BF)
+    table = torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.int32)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([70, 500], dtype=torch.int32),
+                                               block_table=table, causal=True, return_lse=True)
+    ((name, p),) = fake_launches
+    assert name == PAGED_VARIANT and out.shape == q.shape and lse.shape == (2, 4, 40)
+    assert (p.k, p.v, p.block_table) == (kc.data_ptr(), vc.data_ptr(), table.data_ptr())
+    assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 32, 10, 3)
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (32 * 256, 256, 128)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 40, 96, 80, 192)
+    used = seen[0][4]
+    assert used.dtype == torch.int32
+    assert torch.equal(used, torch.tensor([70, 96], dtype=torch.int32))  # 500 past the capacity
+
+
+def test_paged_prefill_int_length(fake_launches, monkeypatch):
+    """An int cache_seqlens is every sequence's length, made on the device."""
+    from fa3gen import varlen
+    seen = []
+    real = varlen.paged_forward
+    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    kc = torch.zeros(10, 32, 2, 128, dtype=BF)
+    table = torch.tensor([[3, 0, 1, 0], [0, 0, 9, 0]], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50, block_table=table, causal=True)
+    ((name, p),) = fake_launches
+    assert name == PAGED_VARIANT and p.block_table == table.data_ptr() and p.block_table_cols == 4
+    assert torch.equal(seen[0][4], torch.tensor([50, 50], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("case", ["page_24", "requires_grad", "window", "fp16"])
+def test_paged_prefill_falls_back_to_the_gather(fake_launches, monkeypatch, case):
+    """What the paged forward does not take goes to the gathered copy as before: pages that
+    are not a multiple of 16 rows, a q that requires grad (the paged forward has no backward),
+    and keys the library has no paged variant for (a window here; fp16)."""
+    from fa3gen import varlen
+    calls = _stub_forwards(monkeypatch)
+    page = 24 if case == "page_24" else 32
+    q = torch.zeros(2, 40, 4, 128, dtype=torch.float16 if case == "fp16" else BF,
+                    requires_grad=case == "requires_grad")
+    kc = torch.zeros(10, page, 2, 128, dtype=q.dtype)
+    table = torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([50, 60], dtype=torch.int32),
+                                    block_table=table, causal=True,
+                                    window_size=(100, 0) if case == "window" else (-1, -1))
+    assert [c[0] for c in calls] == ["varlen"] and not fake_launches

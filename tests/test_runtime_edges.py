@@ -37,7 +37,7 @@ def test_a_row_of_unknown_direction_is_an_error():
 
 
 def test_only_default_rows_are_defaults(lib):
-    assert [v.is_default for v in lib.variants] == [True, False, True, True, True, True, True]
+    assert [v.is_default for v in lib.variants] == [True, False, True, True, True, True, True, True]
 
 
 def test_a_variant_name_matches_whole():
@@ -109,7 +109,7 @@ def test_a_null_variant_row_is_an_error(tmp_path):
 
 def test_names_defaults_and_dispatched_cover_every_direction(lib):
     assert lib.names() == [v.name for v in lib.variants]
-    assert len(lib.defaults()) == 6 and len(lib.dispatched()) == 6
+    assert len(lib.defaults()) == 7 and len(lib.dispatched()) == 7
 
 
 def test_dispatched_lists_a_range_variant_once(lib):

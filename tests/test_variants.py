@@ -164,6 +164,8 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(warp_specialized=False), "knob_realized"),
     (dict(pingpong=True), "knob_realized"),
     (dict(intra_wg_overlap=True), "knob_realized"),
+    (dict(paged=True), "paged_scope"),                              # not varlen
+    (dict(paged=True, varlen=True, direction="bwd", tile_m=64), "paged_scope"),
     (dict(p_in_smem=True, direction="bwd", tile_m=64), "p_in_smem_scope"),
     (dict(p_in_smem=True, dtype="e4m3", intra_wg_overlap=True), "p_in_smem_scope"),
     (dict(p_in_smem=True), "p_in_smem_scope"),                      # no overlap: not tested
@@ -215,7 +217,7 @@ def test_every_knob_value_is_realized_today(change):
 
 def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
-        "head_dim_supported", "fp8_scope", "one_mask", "backward_knobs", "mma_m_shape", "mma_n_shape",
+        "head_dim_supported", "fp8_scope", "one_mask", "paged_scope", "backward_knobs", "mma_m_shape", "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
         "peel_needs_overlap", "p_in_smem_scope", "knob_realized"]
 

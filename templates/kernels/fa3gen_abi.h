@@ -5,7 +5,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 13
+#define FA3GEN_ABI_VERSION 14
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -66,6 +66,16 @@ typedef struct fa3gen_fwd_params {
   int64_t v_descale_batch_stride, v_descale_head_stride, v_descale_block_stride;
   int32_t q_descale_head_div;
   int32_t o_fp16;
+  // Paged variants (varlen over a paged KV cache): k and v are (num_pages, page_size,
+  // heads_kv, head_dim), the batch strides per page; key j of sequence b lies in page
+  // block_table[b * block_table_batch_stride + j / page_size] (int32 on the device, clamped to
+  // [0, num_pages)) at row j % page_size. Sequence lengths come from cu_seqlens_k and seqused_k
+  // as for varlen (at most block_table_cols * page_size keys); the rows cu_seqlens_k offsets
+  // point at are not read, total_k only clamps them. page_size is a multiple of 16. Other
+  // variants ignore these fields.
+  const int32_t* block_table;
+  int64_t block_table_batch_stride;
+  int32_t page_size, num_pages, block_table_cols;
 } fa3gen_fwd_params;
 
 // Varlen limits: the tile list holds the batch in one CTA's shared memory and packs
@@ -225,6 +235,7 @@ typedef struct fa3gen_variant_info {
   int32_t warp_specialized, pingpong, intra_wg_overlap;
   int32_t peel_masked;    // forward: masked key blocks peeled out of the steady-state loop
   int32_t p_in_smem;      // forward: P reaches the PV GEMM through shared memory
+  int32_t paged;          // varlen forward over a paged KV cache (block_table of the params)
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
   fa3gen_fwd_launch_fn launch_fwd;  // NULL for a backward variant
   fa3gen_bwd_launch_fn launch_bwd;  // NULL for a forward variant

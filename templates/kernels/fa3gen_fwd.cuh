@@ -8,10 +8,11 @@
 namespace fa3gen {
 
 template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
-          bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap, bool PeelMasked, bool PInSmem>
+          bool Varlen, bool Paged, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap, bool PeelMasked,
+          bool PInSmem>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
-  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen, WarpSpecialized,
-                           Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
+  using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen, Paged,
+                           WarpSpecialized, Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
   if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,
@@ -23,11 +24,21 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
                        make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
   };
+  if constexpr (Paged) {
+    if (a.block_table == nullptr || a.page_size <= 0 || a.page_size % Traits::kPageChunk != 0 || a.num_pages <= 0 ||
+        a.block_table_cols <= 0) {
+      fa3gen_set_error("paged: block_table must be set, page_size a positive multiple of 16, num_pages and "
+                       "block_table_cols positive");
+      return 1;
+    }
+  }
   // Varlen: the packed tensors are one batch of total rows; seqlen_q/k are the longest sequences.
-  const int rows_q = Varlen ? a.total_q : a.seqlen_q, rows_k = Varlen ? a.total_k : a.seqlen_k;
-  const int batches = Varlen ? 1 : a.batch;
+  // Paged: K and V are (page_size rows, head_dim, heads, pages) tensors, a page in the batch mode.
+  const int rows_q = Varlen ? a.total_q : a.seqlen_q;
+  const int rows_k = Paged ? a.page_size : Varlen ? a.total_k : a.seqlen_k;
+  const int batches = Varlen ? 1 : a.batch, batches_k = Paged ? a.num_pages : batches;
   auto q = rows(a.q, rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
-  auto k = rows(a.k, rows_k, a.heads_kv, batches, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  auto k = rows(a.k, rows_k, a.heads_kv, batches_k, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
   // V as TMA loads it: V^T straight into the MN-major B operand (16-bit), or rows like K into
   // the raw slots the fp8 kernel transposes.
   auto tma_v = [&]() {
@@ -36,10 +47,15 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       return make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutVRaw{}));
     } else {
       auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
-                            make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches),
+                            make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches_k),
                                         make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
-      return make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{}));
+      if constexpr (Paged) return make_tma_copy(SM90_TMA_LOAD{}, vt, typename Traits::SmemLayoutVtChunk{});
+      else return make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{}));
     }
+  };
+  auto tma_k = [&]() {
+    if constexpr (Paged) return make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKChunk{});
+    else return make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}));
   };
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
@@ -76,7 +92,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
 
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
-      make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{})),
+      tma_k(),
       tma_v(),
       a.o, a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
@@ -89,7 +105,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                a.q_descale_block_stride, a.k_descale_batch_stride, a.k_descale_head_stride,
                a.k_descale_block_stride, a.v_descale_batch_stride, a.v_descale_head_stride,
                a.v_descale_block_stride, a.q_descale_head_div > 0 ? a.q_descale_head_div : 1},
-      a.o_fp16 != 0};
+      a.o_fp16 != 0,
+      PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols}};
 
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;

@@ -153,18 +153,54 @@ struct FwdMainloop {
     TmaBarrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
     copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
   }
+  // Paged: key block n_block of sequence b in chunks, each from its page (PagedArgs::locate),
+  // into the chunk's rows of `stage` (kTileN * kHeadDim elements from `base`). Chunks of the
+  // block past the sequence read whatever their (clamped) pages hold, as varlen reads the next
+  // sequence: K's are masked, V's zeroed before the PV GEMM (clear_v_past_end).
+  template <bool IsV, class Tma>
+  __device__ __forceinline__ void load_paged(Tma const& tma, uint64_t* barrier, Element* base, int stage,
+                                             int n_block, int head_kv, int b) {
+    constexpr int kChunk = Traits::kPageChunk;
+    using ChunkLayout = cute::conditional_t<IsV, typename Traits::SmemLayoutVtChunk, typename Traits::SmemLayoutKChunk>;
+    CUTE_UNROLL
+    for (int c = 0; c < kTileN / kChunk; ++c) {
+      int page, chunk;
+      p.paged.template locate<kChunk>(b, n_block * kTileN + c * kChunk, page, chunk);
+      Element* dst = base + stage * (kTileN * kHeadDim) + c * Traits::kChunkOffset;
+      if constexpr (IsV) {
+        auto [tg, ts] = tma_tiles(tma, make_shape(Int<kHeadDim>{}, p.paged.page_size, p.heads_kv, p.paged.num_pages),
+                                  head_kv, page, Shape<Int<kHeadDim>, Int<kChunk>>{}, make_coord(_0{}, chunk), dst,
+                                  ChunkLayout{});
+        copy(tma.with(*barrier, 0), tg, ts);
+      } else {
+        auto [tg, ts] = tma_tiles(tma, make_shape(p.paged.page_size, Int<kHeadDim>{}, p.heads_kv, p.paged.num_pages),
+                                  head_kv, page, Shape<Int<kChunk>, Int<kHeadDim>>{}, make_coord(chunk, _0{}), dst,
+                                  ChunkLayout{});
+        copy(tma.with(*barrier, 0), tg, ts);
+      }
+    }
+  }
   __device__ __forceinline__ void load_k(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
-    auto [tg, ts] = row_tiles(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
-                              Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
-                              typename Traits::SmemLayoutK{});
-    pipe_k.producer_acquire(s);
-    copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+    if constexpr (Traits::kPaged) {
+      pipe_k.producer_acquire(s);
+      load_paged<false>(p.tma_k, pipe_k.producer_get_barrier(s), smem.k.data(), s.index(), n_block, head_kv, b);
+    } else {
+      auto [tg, ts] = row_tiles(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
+                                Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
+                                typename Traits::SmemLayoutK{});
+      pipe_k.producer_acquire(s);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+    }
     ++s;
   }
   // 16-bit only: fp8 is warp specialized (FwdTraits) and lands V through load_v_raw; the body is
   // not instantiated for it, V's TMA box not being V^T's layout there.
   __device__ __forceinline__ void load_v(int n_block, int head_kv, int b, SeqSlice const& seq, PipelineState& s) {
-    if constexpr (!Traits::kFp8) {
+    if constexpr (Traits::kPaged) {
+      pipe_v.producer_acquire(s);
+      load_paged<true>(p.tma_v, pipe_v.producer_get_barrier(s), smem.v.data(), s.index(), n_block, head_kv, b);
+      ++s;
+    } else if constexpr (!Traits::kFp8) {
       auto tiles = [&]() {
         constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
         if constexpr (Traits::kVarlen) {

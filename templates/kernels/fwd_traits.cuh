@@ -75,7 +75,7 @@ struct Descales {
 };
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
-          bool Softcap, bool Varlen, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap,
+          bool Softcap, bool Varlen, bool Paged, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap,
           bool PeelMasked = false, bool PInSmem = false>
 struct FwdTraits {
   using Element = Element_;  // of q, k, v
@@ -98,6 +98,13 @@ struct FwdTraits {
   // P is permuted in registers into its operand layout).
   static constexpr bool kPInSmem = PInSmem;
   static_assert(!PInSmem || !kFp8, "p_in_smem: 16-bit only");
+  // Paged: keys and values of a varlen sequence read through a block table (PagedArgs), in
+  // chunks of kPageChunk rows, each its own TMA load from its page; page sizes are multiples of
+  // it (fa3gen/contract.py PAGED_CHUNK_ROWS).
+  static constexpr bool kPaged = Paged;
+  static constexpr int kPageChunk = 16;
+  static_assert(!Paged || (Varlen && !kFp8), "paged: a 16-bit varlen forward");
+  static_assert(!Paged || TileN % kPageChunk == 0, "paged: whole chunks per key block");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
@@ -195,9 +202,21 @@ struct FwdTraits {
   static constexpr int kQPartOffset =
       TileM / kQParts * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutQPart{}));
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{})));
+  // Paged: one chunk of kPageChunk keys of a K or V^T stage (the swizzle atoms are stacked
+  // keys first in both, so a chunk starts kPageChunk lines further: kChunkOffset elements).
+  using SmemLayoutKChunk = decltype(composition(
+      take<0, 2>(SmemLayoutK{}), Layout<Shape<Int<kPageChunk>, Int<HeadDim>>, Stride<_1, Int<TileN>>>{}));
+  using SmemLayoutVtChunk = decltype(composition(
+      take<0, 2>(SmemLayoutVt{}), Layout<Shape<Int<HeadDim>, Int<kPageChunk>>, Stride<_1, Int<HeadDim>>>{}));
+  static constexpr int kChunkOffset = kPageChunk * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
+  static constexpr auto make_tma_k() {
+    if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutKChunk{});
+    else return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{}));
+  }
+  using TmaK = decltype(make_tma_k());
   static constexpr auto make_tma_v() {
     if constexpr (kFp8) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutVRaw{}));
+    else if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, SmemLayoutVtChunk{});
     else return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{}));
   }
   using TmaV = decltype(make_tma_v());
@@ -246,6 +265,7 @@ struct FwdParams {
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors
   Descales descale;       // fp8 variants
   bool o_fp16;            // fp8 variants: O in fp16 instead of bf16
+  PagedArgs paged;        // paged variants (varlen.cuh)
 };
 
 }  // namespace fa3gen

@@ -32,6 +32,23 @@ struct VarlenArgs {
   const int* seqused_k = nullptr;  // optional: the keys of each sequence actually used
 };
 
+// Paged variants (fa3gen_abi.h): a varlen sequence's keys in pages of a paged cache.
+struct PagedArgs {
+  const int* block_table;  // (batch, cols) with row stride batch_stride
+  int64_t batch_stride;
+  int page_size, num_pages, cols;
+
+  // Where keys [key, key + Chunk) of sequence b lie (key a multiple of Chunk, Chunk dividing
+  // page_size): the page, clamped to [0, num_pages) (the column too, for the chunks of a
+  // sequence's last block past its table), and the chunk's index within it.
+  template <int Chunk>
+  __device__ __forceinline__ void locate(int b, int key, int& page, int& chunk) const {
+    const int col = min(key / page_size, cols - 1);
+    page = min(max(block_table[b * batch_stride + col], 0), num_pages - 1);
+    chunk = (key - (key / page_size) * page_size) / Chunk;
+  }
+};
+
 __device__ __forceinline__ void clamped_range(const int* cu, int b, int total, int& offset, int& len) {
   const int begin = min(max(cu[b], 0), total), end = min(max(cu[b + 1], 0), total);
   offset = begin;

@@ -10,7 +10,7 @@ row sees no key."""
 import pytest
 import torch
 
-from fa3gen import kvcache, runtime
+from fa3gen import kvcache, ops, runtime
 from fa3gen.reference import kvcache_attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -203,6 +203,42 @@ def test_cache_rows_past_lengths_ignored(lib, seqlen_q, paged):
                                                **extra)
     torch.cuda.synchronize()
     ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=True, **extra)
+    _check(out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page", [16, 48, 64, 256])
+def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
+    """Chunked prefill over a paged cache runs the paged varlen forward (keys read through the
+    block table in place): shuffled pages, ragged lengths (0, 1, odd, a page's end), GQA,
+    NaN in every row no sequence uses and out-of-range table entries past the used pages (the
+    kernel clamps them), against the reference on the gathered keys."""
+    from fa3gen import varlen
+    info = varlen.paged_variant(torch.empty(1, 1, 1, d, dtype=dtype), ops.masking(causal), lib)
+    if info is None:
+        pytest.skip("the library has no paged forward for this key")
+    calls = []
+    real = varlen.paged_forward
+    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    b, sq, hq, hkv, cols = 5, 80, 8, 2, 40 * 64 // page
+    g = torch.Generator(device="cuda").manual_seed(11 + page + d)
+    seqlens = torch.tensor([2000, 0, 1, 1237, 5 * page], dtype=torch.int32, device="cuda")
+    pages = b * cols + 2
+    kc, vc = (torch.randn(pages, page, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    table = torch.randperm(pages, device="cuda", generator=g)[:b * cols].reshape(b, cols).to(torch.int32)
+    _poison_past_lengths(kc, vc, seqlens, table)
+    for i, n in enumerate(seqlens.tolist()):  # entries past a sequence's pages: anything
+        used = -(-n // page)
+        table[i, used:] = torch.tensor([10**6, -5] * cols, device="cuda")[:cols - used]
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                               causal=causal, return_lse=True)
+    torch.cuda.synchronize()
+    assert calls == [1]
+    clean = table.clamp(0, pages - 1)  # the reference gathers the used pages only
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, block_table=clean)
     _check(out, lse, ref, ref_lse)
 
 
