@@ -122,8 +122,8 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
                                                        scale, **extra)
 
 
-# Pages of the paged check: a multiple of 16 rows that is no power of two.
-PAGED_CHECK_PAGE = 48
+# Pages of the paged check: a multiple of the 64-row chunk that is no power of two.
+PAGED_CHECK_PAGE = 192
 
 
 def _check_paged(lib, variant, problem: Problem, gen) -> dict:

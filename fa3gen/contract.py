@@ -313,8 +313,10 @@ _VARLEN = (("cu_seqlens_q", "const int32_t*"), ("cu_seqlens_k", "const int32_t*"
 
 
 # Paged forwards load keys and values in TMA chunks of this many rows, each from its page:
-# page_size must be a multiple of it (FwdTraits::kPageChunk).
-PAGED_CHUNK_ROWS = 16
+# page_size and the variant's tile_n must be multiples of it (FwdTraits::kPageChunk). 64, not
+# 16: at d128 the 16-row chunks (2 KB loads, 32 a key block) ran at 0.50-0.60x of the dense
+# rate, the 64-row ones at 0.87-0.98x (H200, docs/BENCHMARKS.md "Chunked prefill").
+PAGED_CHUNK_ROWS = 64
 
 # FA3GEN_VARLEN_MAX_*: what the varlen tile list can hold (the runtime checks them first).
 VARLEN_LIMITS = {"batch": 16384, "heads": 32767, "tiles_per_seq": 65535}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 from fa3gen.contract import (AXES, AXIS_BY_NAME, BACKWARD_SPLIT_HEAD_DIM_ABOVE, DTYPES, KEY_AXES,
-                             KNOB_AXES, SUPPORTED_HEAD_DIMS, Variant, key_str)
+                             KNOB_AXES, PAGED_CHUNK_ROWS, SUPPORTED_HEAD_DIMS, Variant, key_str)
 
 from .spec import Spec, fmt_value
 
@@ -209,6 +209,9 @@ def paged_scope(v: Variant) -> Optional[str]:
     if v.direction != "fwd" or not v.varlen:
         return ("paged is a varlen forward's (flash_attn_with_kvcache's chunked prefill is "
                 "forward only and per sequence); set direction: fwd and varlen: true")
+    if v.tile_n % PAGED_CHUNK_ROWS:
+        return (f"paged tile_n {v.tile_n} must be a multiple of {PAGED_CHUNK_ROWS} (keys arrive in "
+                "TMA chunks of that many rows, each from its page)")
     return None
 
 

@@ -1034,19 +1034,19 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
     monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
     q = torch.zeros(2, 40, 4, 128, dtype=BF)
-    kc, vc = torch.zeros(10, 32, 2, 128, dtype=BF), torch.ones(10, 32, 2, 128, dtype=BF)
+    kc, vc = torch.zeros(10, 64, 2, 128, dtype=BF), torch.ones(10, 64, 2, 128, dtype=BF)
     table = torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.int32)
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([70, 500], dtype=torch.int32),
                                                block_table=table, causal=True, return_lse=True)
     ((name, p),) = fake_launches
     assert name == PAGED_VARIANT and out.shape == q.shape and lse.shape == (2, 4, 40)
     assert (p.k, p.v, p.block_table) == (kc.data_ptr(), vc.data_ptr(), table.data_ptr())
-    assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 32, 10, 3)
-    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (32 * 256, 256, 128)
-    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 40, 96, 80, 192)
+    assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 64, 10, 3)
+    assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (64 * 256, 256, 128)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 40, 192, 80, 384)
     used = seen[0][4]
     assert used.dtype == torch.int32
-    assert torch.equal(used, torch.tensor([70, 96], dtype=torch.int32))  # 500 past the capacity
+    assert torch.equal(used, torch.tensor([70, 192], dtype=torch.int32))  # 500 past the capacity
 
 
 def test_paged_prefill_int_length(fake_launches, monkeypatch):
@@ -1056,7 +1056,7 @@ def test_paged_prefill_int_length(fake_launches, monkeypatch):
     real = varlen.paged_forward
     monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
     q = torch.zeros(2, 40, 4, 128, dtype=BF)
-    kc = torch.zeros(10, 32, 2, 128, dtype=BF)
+    kc = torch.zeros(10, 64, 2, 128, dtype=BF)
     table = torch.tensor([[3, 0, 1, 0], [0, 0, 9, 0]], dtype=torch.int32)
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50, block_table=table, causal=True)
     ((name, p),) = fake_launches
@@ -1064,14 +1064,14 @@ def test_paged_prefill_int_length(fake_launches, monkeypatch):
     assert torch.equal(seen[0][4], torch.tensor([50, 50], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("case", ["page_24", "requires_grad", "window", "fp16"])
+@pytest.mark.parametrize("case", ["page_48", "requires_grad", "window", "fp16"])
 def test_paged_prefill_falls_back_to_the_gather(fake_launches, monkeypatch, case):
     """What the paged forward does not take goes to the gathered copy as before: pages that
-    are not a multiple of 16 rows, a q that requires grad (the paged forward has no backward),
+    are not a multiple of 64 rows (PAGED_CHUNK_ROWS), a q that requires grad (the paged forward has no backward),
     and keys the library has no paged variant for (a window here; fp16)."""
     from fa3gen import varlen
     calls = _stub_forwards(monkeypatch)
-    page = 24 if case == "page_24" else 32
+    page = 48 if case == "page_48" else 64
     q = torch.zeros(2, 40, 4, 128, dtype=torch.float16 if case == "fp16" else BF,
                     requires_grad=case == "requires_grad")
     kc = torch.zeros(10, page, 2, 128, dtype=q.dtype)

@@ -166,6 +166,7 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(intra_wg_overlap=True), "knob_realized"),
     (dict(paged=True), "paged_scope"),                              # not varlen
     (dict(paged=True, varlen=True, direction="bwd", tile_m=64), "paged_scope"),
+    (dict(paged=True, varlen=True, tile_n=176), "paged_scope"),        # not whole 64-row chunks
     (dict(p_in_smem=True, direction="bwd", tile_m=64), "p_in_smem_scope"),
     (dict(p_in_smem=True, dtype="e4m3", intra_wg_overlap=True), "p_in_smem_scope"),
     (dict(p_in_smem=True), "p_in_smem_scope"),                      # no overlap: not tested
@@ -187,6 +188,16 @@ def test_p_in_smem_counts_p_tile():
     with_p = dataclasses.replace(v, p_in_smem=True)
     assert V.smem_bytes(with_p) - V.smem_bytes(v) == 2 * 192 * 128
     assert check(with_p) is None and with_p.name.endswith("_ov1_psmem")
+
+
+def test_paged_chunk_is_the_kernels_chunk():
+    """The runtime routes pages of whole chunks to the paged kernels (varlen.paged_fits), the
+    pruning asks tiles of whole chunks: one chunk, FwdTraits::kPageChunk's."""
+    import re
+    from fa3gen.contract import PAGED_CHUNK_ROWS
+    from generator.paths import KERNELS_DIR
+    text = (KERNELS_DIR / "fwd_traits.cuh").read_text()
+    assert int(re.search(r"constexpr int kPageChunk = (\d+);", text).group(1)) == PAGED_CHUNK_ROWS
 
 
 def test_smem_limit_is_the_kernels_limit():

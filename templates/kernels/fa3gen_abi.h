@@ -71,7 +71,7 @@ typedef struct fa3gen_fwd_params {
   // block_table[b * block_table_batch_stride + j / page_size] (int32 on the device, clamped to
   // [0, num_pages)) at row j % page_size. Sequence lengths come from cu_seqlens_k and seqused_k
   // as for varlen (at most block_table_cols * page_size keys); the rows cu_seqlens_k offsets
-  // point at are not read, total_k only clamps them. page_size is a multiple of 16. Other
+  // point at are not read, total_k only clamps them. page_size is a multiple of 64. Other
   // variants ignore these fields.
   const int32_t* block_table;
   int64_t block_table_batch_stride;

@@ -27,7 +27,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   if constexpr (Paged) {
     if (a.block_table == nullptr || a.page_size <= 0 || a.page_size % Traits::kPageChunk != 0 || a.num_pages <= 0 ||
         a.block_table_cols <= 0) {
-      fa3gen_set_error("paged: block_table must be set, page_size a positive multiple of 16, num_pages and "
+      fa3gen_set_error("paged: block_table must be set, page_size a positive multiple of 64, num_pages and "
                        "block_table_cols positive");
       return 1;
     }

@@ -153,30 +153,38 @@ struct FwdMainloop {
     TmaBarrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
     copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
   }
-  // Paged: key block n_block of sequence b in chunks, each from its page (PagedArgs::locate),
-  // into the chunk's rows of `stage` (kTileN * kHeadDim elements from `base`). Chunks of the
-  // block past the sequence read whatever their (clamped) pages hold, as varlen reads the next
-  // sequence: K's are masked, V's zeroed before the PV GEMM (clear_v_past_end).
+  // Paged: key block n_block of sequence b in chunks of kPageChunk keys, each from its page,
+  // into the chunk's rows of `stage` (kTileN * kHeadDim elements from `base`). One division and
+  // one table read per page the block touches. Chunks of the block past the sequence read
+  // whatever their (clamped) pages hold, as varlen reads the next sequence: K's are masked,
+  // V's zeroed before the PV GEMM (clear_v_past_end).
   template <bool IsV, class Tma>
   __device__ __forceinline__ void load_paged(Tma const& tma, uint64_t* barrier, Element* base, int stage,
                                              int n_block, int head_kv, int b) {
     constexpr int kChunk = Traits::kPageChunk;
     using ChunkLayout = cute::conditional_t<IsV, typename Traits::SmemLayoutVtChunk, typename Traits::SmemLayoutKChunk>;
+    const PagedArgs& pa = p.paged;
+    int col = n_block * kTileN / pa.page_size;
+    int row = n_block * kTileN - col * pa.page_size;
+    int page = pa.page(b, col);
     CUTE_UNROLL
     for (int c = 0; c < kTileN / kChunk; ++c) {
-      int page, chunk;
-      p.paged.template locate<kChunk>(b, n_block * kTileN + c * kChunk, page, chunk);
       Element* dst = base + stage * (kTileN * kHeadDim) + c * Traits::kChunkOffset;
       if constexpr (IsV) {
-        auto [tg, ts] = tma_tiles(tma, make_shape(Int<kHeadDim>{}, p.paged.page_size, p.heads_kv, p.paged.num_pages),
-                                  head_kv, page, Shape<Int<kHeadDim>, Int<kChunk>>{}, make_coord(_0{}, chunk), dst,
+        auto [tg, ts] = tma_tiles(tma, make_shape(Int<kHeadDim>{}, pa.page_size, p.heads_kv, pa.num_pages), head_kv,
+                                  page, Shape<Int<kHeadDim>, Int<kChunk>>{}, make_coord(_0{}, row / kChunk), dst,
                                   ChunkLayout{});
         copy(tma.with(*barrier, 0), tg, ts);
       } else {
-        auto [tg, ts] = tma_tiles(tma, make_shape(p.paged.page_size, Int<kHeadDim>{}, p.heads_kv, p.paged.num_pages),
-                                  head_kv, page, Shape<Int<kChunk>, Int<kHeadDim>>{}, make_coord(chunk, _0{}), dst,
+        auto [tg, ts] = tma_tiles(tma, make_shape(pa.page_size, Int<kHeadDim>{}, p.heads_kv, pa.num_pages), head_kv,
+                                  page, Shape<Int<kChunk>, Int<kHeadDim>>{}, make_coord(row / kChunk, _0{}), dst,
                                   ChunkLayout{});
         copy(tma.with(*barrier, 0), tg, ts);
+      }
+      row += kChunk;
+      if (row == pa.page_size && c + 1 < kTileN / kChunk) {
+        row = 0;
+        page = pa.page(b, ++col);
       }
     }
   }

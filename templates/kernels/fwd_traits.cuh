@@ -100,9 +100,9 @@ struct FwdTraits {
   static_assert(!PInSmem || !kFp8, "p_in_smem: 16-bit only");
   // Paged: keys and values of a varlen sequence read through a block table (PagedArgs), in
   // chunks of kPageChunk rows, each its own TMA load from its page; page sizes are multiples of
-  // it (fa3gen/contract.py PAGED_CHUNK_ROWS).
+  // it (fa3gen/contract.py PAGED_CHUNK_ROWS, which says why 64).
   static constexpr bool kPaged = Paged;
-  static constexpr int kPageChunk = 16;
+  static constexpr int kPageChunk = 64;
   static_assert(!Paged || (Varlen && !kFp8), "paged: a 16-bit varlen forward");
   static_assert(!Paged || TileN % kPageChunk == 0, "paged: whole chunks per key block");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;

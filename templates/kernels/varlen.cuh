@@ -38,14 +38,10 @@ struct PagedArgs {
   int64_t batch_stride;
   int page_size, num_pages, cols;
 
-  // Where keys [key, key + Chunk) of sequence b lie (key a multiple of Chunk, Chunk dividing
-  // page_size): the page, clamped to [0, num_pages) (the column too, for the chunks of a
-  // sequence's last block past its table), and the chunk's index within it.
-  template <int Chunk>
-  __device__ __forceinline__ void locate(int b, int key, int& page, int& chunk) const {
-    const int col = min(key / page_size, cols - 1);
-    page = min(max(block_table[b * batch_stride + col], 0), num_pages - 1);
-    chunk = (key - (key / page_size) * page_size) / Chunk;
+  // The page of table column col of sequence b, both clamped into range (a column past the
+  // table: the chunks of a sequence's last key block past its pages, whose rows are not used).
+  __device__ __forceinline__ int page(int b, int col) const {
+    return min(max(block_table[b * batch_stride + min(col, cols - 1)], 0), num_pages - 1);
   }
 };
 

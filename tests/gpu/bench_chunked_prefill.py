@@ -6,8 +6,10 @@ causal: bottom-right aligned) attends to a cache of seqlen_k keys. Rows: flash_a
 plain (1, seqlen_k, 8, 128) K and V (the dense rate); flash_attn_with_kvcache on a contiguous
 cache with room for 4096 more keys, cache_seqlens given as an int (flash_attn_func on a view of
 the cache) and as a tensor (flash_attn_varlen_func over the cache rows with seqused_k; no copy,
-no sync); and on a paged cache (64-row pages, shuffled), whose keys are gathered into a packed
-copy first (a device sync for the lengths). TFLOP/s count the
+no sync); and on a paged cache (--page rows, 64 by default, pages shuffled) through the paged
+varlen forward (K and V read through the block table in place), and the same paged call with
+that variant hidden ("paged, gathered": the keys gathered into a packed copy first, after a
+device sync for the lengths; the path before the paged kernels). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
@@ -17,9 +19,19 @@ import sys
 import torch
 
 import fa3gen
-from fa3gen import bench, kvcache, runtime, timing
+from fa3gen import bench, kvcache, runtime, timing, varlen
 
-HQ, HKV, D, PAGE, ROOM = 32, 8, 128, 64, 4096
+HQ, HKV, D, ROOM = 32, 8, 128, 4096
+
+
+def gathered(call):
+    """call() with the library's paged variants hidden: flash_attn_with_kvcache gathers."""
+    real = varlen.paged_variant
+    varlen.paged_variant = lambda *a, **kw: None
+    try:
+        return call()
+    finally:
+        varlen.paged_variant = real
 
 
 def main() -> int:
@@ -29,10 +41,12 @@ def main() -> int:
     ap.add_argument("--seqlens-k", type=int, nargs="+", default=[16384, 65536])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-ms", type=float, default=60)
+    ap.add_argument("--page", type=int, default=64)
     args = ap.parse_args()
-    dt, rows = torch.bfloat16, []
-    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | int / dense | paged / dense |")
-    print("|---|---|---|---|---|---|---|---|")
+    dt, rows, PAGE = torch.bfloat16, [], args.page
+    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | paged, gathered | int / dense | "
+          "paged / dense |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for sk in args.seqlens_k:
         for sq in args.seqlens_q:
             g = torch.Generator(device="cuda").manual_seed(sq + sk)
@@ -55,6 +69,8 @@ def main() -> int:
                                                                         causal=True),
                 "paged": lambda: kvcache.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lengths,
                                                                  block_table=table, causal=True),
+                "paged_gathered": lambda: gathered(lambda: kvcache.flash_attn_with_kvcache(
+                    q, kp, vp, cache_seqlens=lengths, block_table=table, causal=True)),
             }
             ref = fns["dense"]()
             for name, fn in fns.items():  # every path computes the same thing
@@ -68,7 +84,8 @@ def main() -> int:
             row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf}
             rows.append(row)
             print(f"| {sq} | {sk} | {tf['dense']:.0f} | {tf['cache_int']:.0f} | {tf['cache_tensor']:.0f} | "
-                  f"{tf['paged']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | {tf['paged'] / tf['dense']:.3f} |",
+                  f"{tf['paged']:.0f} | {tf['paged_gathered']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | "
+                  f"{tf['paged'] / tf['dense']:.3f} |",
                   flush=True)
             del kc, vc, k, v, kp, vp
             torch.cuda.empty_cache()
