@@ -1032,21 +1032,29 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
     seen = []
     real = varlen.paged_forward
     monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
+    varlen_args = []
+    real_set = varlen._set_varlen
+    monkeypatch.setattr(varlen, "_set_varlen", lambda p, *a: varlen_args.append(a) or real_set(p, *a))
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
-    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    q = torch.zeros(2, 200, 4, 128, dtype=BF)
     kc, vc = torch.zeros(10, 64, 2, 128, dtype=BF), torch.ones(10, 64, 2, 128, dtype=BF)
     table = torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.int32)
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([70, 500], dtype=torch.int32),
                                                block_table=table, causal=True, return_lse=True)
     ((name, p),) = fake_launches
-    assert name == PAGED_VARIANT and out.shape == q.shape and lse.shape == (2, 4, 40)
+    assert name == PAGED_VARIANT and out.shape == q.shape and lse.shape == (2, 4, 200)
     assert (p.k, p.v, p.block_table) == (kc.data_ptr(), vc.data_ptr(), table.data_ptr())
     assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 64, 10, 3)
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (64 * 256, 256, 128)
-    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 40, 192, 80, 384)
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 200, 192, 400, 384)
     used = seen[0][4]
     assert used.dtype == torch.int32
     assert torch.equal(used, torch.tensor([70, 192], dtype=torch.int32))  # 500 past the capacity
+    ((cu_q, cu_k, tiles, total_q, total_k),) = varlen_args  # sequence b: rows b * 200, keys b * 192
+    assert (total_q, total_k) == (400, 384)
+    assert torch.equal(cu_q, torch.tensor([0, 200, 400], dtype=torch.int32))
+    assert torch.equal(cu_k, torch.tensor([0, 192, 384], dtype=torch.int32))
+    assert tiles.dtype == torch.int32 and tiles.numel() == 2 * 5 * 4  # FA3GEN_VARLEN_TILES(400, 2, 128) = 5, 4 heads
 
 
 def test_paged_prefill_int_length(fake_launches, monkeypatch):
@@ -1080,3 +1088,24 @@ def test_paged_prefill_falls_back_to_the_gather(fake_launches, monkeypatch, case
                                     block_table=table, causal=True,
                                     window_size=(100, 0) if case == "window" else (-1, -1))
     assert [c[0] for c in calls] == ["varlen"] and not fake_launches
+
+
+@pytest.mark.parametrize("change,fits", [
+    ({}, True),
+    (dict(page=48), False),                  # not whole 64-row chunks
+    (dict(page=128), True),
+    (dict(cols=0), False),                   # a table of no column: no key to read
+    (dict(cols=1), True),
+    (dict(b=16384), True), (dict(b=16385), False),            # the varlen tile list's batch
+    (dict(hq=32767), True), (dict(hq=32768), False),          # and heads
+    (dict(sq=65535 * 64), True), (dict(sq=65535 * 64 + 1), False),  # its tiles per sequence
+    (dict(cols=2**24 - 1), True), (dict(cols=2**24), False),  # b * capacity: int32 row offsets
+])
+def test_paged_fits_edges(change, fits):
+    """Which calls the paged forward takes (the rest gather): its limits, inclusive."""
+    from fa3gen import varlen
+    a = {**dict(b=2, sq=40, hq=4, page=64, cols=3), **change}
+    q = torch.empty(a["b"], a["sq"], a["hq"], 128, dtype=BF, device="meta")
+    kc = torch.empty(10, a["page"], 2, 128, dtype=BF, device="meta")
+    table = torch.empty(a["b"], a["cols"], dtype=torch.int32, device="meta")
+    assert varlen.paged_fits(q, kc, table) is fits

@@ -228,7 +228,8 @@ def test_every_knob_value_is_realized_today(change):
 
 def test_constraint_table_order():
     assert [n for n, _ in CONSTRAINTS] == [
-        "head_dim_supported", "fp8_scope", "one_mask", "paged_scope", "backward_knobs", "mma_m_shape", "mma_n_shape",
+        "head_dim_supported", "fp8_scope", "one_mask", "paged_scope", "backward_knobs", "mma_m_shape",
+        "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
         "peel_needs_overlap", "p_in_smem_scope", "knob_realized"]
 

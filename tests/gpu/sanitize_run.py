@@ -11,7 +11,8 @@ keep, `--batch B` (default 1) for the forward: B = 40 gives more query tiles tha
 persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
 `--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
 and cap, as every variant is); `--varlen`: only the varlen variants, on fa3gen.checks'
-packed problem (unequal lengths, empty sequences), forward and backward. `--all`: every built
+packed problem (unequal lengths, empty sequences), forward and backward, and the paged ones
+on its paged cache (shuffled pages of fa3gen.checks.PAGED_CHECK_PAGE rows). `--all`: every built
 forward variant instead of the defaults (a candidate spec such as specs/peel.yaml, FA3GEN_LIB).
 """
 

@@ -2,7 +2,8 @@
 (device code only, a cubin) from REV's build inputs and from this tree (with --define, if given),
 disassembled, and compared after removing what does not change the code (instruction addresses
 and encodings, kernel-parameter offsets in the constant bank, the hashes in internal symbol
-names, label numbers; labels stay where they are).
+names, the kernels' mangled names (their template arguments: a new axis renames every kernel),
+label numbers; labels stay where they are).
 
     NVDISASM=... python3 tests/gpu/sass_same.py REV VARIANT... [--define NAME[=VALUE]]... [-j 2]
 
@@ -49,6 +50,8 @@ _ENCODING = re.compile(r"/\*\s*0x[0-9a-f]+\s*\*/")
 _HASH = re.compile(r"(_INTERNAL_|_GLOBAL__N__)[0-9a-f]+_")
 _CONST = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
 _LABEL = re.compile(r"\.L_x_\d+")  # numbered in order: one inserted branch renumbers the rest
+# A kernel's mangled name spells its template arguments: a new one (a new axis, off) renames it.
+_KERNEL = re.compile(r"_ZN6fa3gen\w+")
 
 
 def normalized(sass: str) -> list[str]:
@@ -56,7 +59,7 @@ def normalized(sass: str) -> list[str]:
     out = []
     for line in sass.splitlines():
         line = _CONST.sub("c[0x0][P]", _HASH.sub(r"\1H_", _ENCODING.sub("", _ADDRESS.sub("", line))))
-        line = _LABEL.sub(".L_x", line)
+        line = _KERNEL.sub("KERNEL", _LABEL.sub(".L_x", line))
         line = line.strip()
         if line and not line.startswith("//"):
             out.append(line)
