@@ -548,8 +548,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         # Lengths on the device, a contiguous cache: the varlen forward over the cache rows
         # themselves, sequence i at rows [i * capacity, ..) using its first length keys
         # (seqused_k). No copy, no device sync.
-        cu_k = torch.arange(0, (b + 1) * capacity, capacity, dtype=torch.int32, device=q.device)
-        cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=q.device)
+        cu_q, cu_k = varlen.packed_offsets(b, sq, capacity, q.device)
         kb, vb = kv(rows_k, v_cache[:b], slice(0, b))
         out, lse = flash_attn_varlen_func(q.reshape(b * sq, hq, d), kb.flatten(0, 1),
                                           vb.flatten(0, 1), cu_q, cu_k, sq,
@@ -563,7 +562,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         # A paged cache: the paged varlen forward reads each sequence's pages where they lie.
         info = varlen.paged_variant(q, mask)
         if info is not None:
-            used = (seqlens.clamp(0, capacity) if seqlens is not None
+            used = (seqlens if seqlens is not None  # the kernels clamp it to the capacity
                     else torch.full((b,), length, dtype=torch.int32, device=q.device))
             out, lse = varlen.paged_forward(q, k_cache, v_cache, block_table, used, mask, scale,
                                             info, runtime.get_library())

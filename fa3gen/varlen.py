@@ -195,6 +195,24 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
 # Forward over a paged KV cache (flash_attn_with_kvcache's chunked prefill).
 
 
+_offsets: dict = {}  # (device, batch, seqlen_q, capacity) -> packed_offsets' result
+_paged_plans: dict = {}  # paged_forward's call signature -> its params without pointers
+
+
+def packed_offsets(batch: int, seqlen_q: int, capacity: int, device):
+    """(cu_seqlens_q, cu_seqlens_k) of `batch` sequences of seqlen_q query rows each, sequence
+    b's keys from row b * capacity (a cache's rows): made once per shape and kept, so later
+    calls launch no kernel for them (the kernels only read them)."""
+    key = (device, batch, seqlen_q, capacity)
+    found = _offsets.get(key)
+    if found is None:
+        i32 = dict(dtype=torch.int32, device=device)
+        found = ops._remember(_offsets, key, (
+            torch.arange(0, batch * seqlen_q + 1, seqlen_q, **i32),
+            torch.arange(0, (batch + 1) * capacity, capacity, **i32)))
+    return found
+
+
 def paged_variant(q, mask: Masking, lib=None):
     """The paged forward of the library (default: runtime.get_library()) for q's dtype, head
     dim and mask, else None (a library built without one, or before the axis existed)."""
@@ -223,8 +241,8 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
     page_size, heads_kv, d): the paged varlen variant `info` reads the pages where they lie (no
     gather, no sync). The caller (flash_attn_with_kvcache) checked the rest and routes here
     only what fits (paged_fits): page_size a multiple of PAGED_CHUNK_ROWS, seqused_k int32
-    (batch,) in [0, capacity]. Returns out like q and lse (batch, heads_q, seqlen_q), views of
-    `outputs` when given (out (batch * seqlen_q, heads_q, d), lse (heads_q, batch * seqlen_q)
+    (batch,); the kernels clamp it to [0, capacity]. Returns out like q and lse (batch, heads_q,
+    seqlen_q), views of `outputs` when given (out (batch * seqlen_q, heads_q, d), lse (heads_q, batch * seqlen_q)
     contiguous, as _empty_outputs makes them)."""
     b, sq, hq, d = q.shape
     pages, page_size, hkv, _ = k_cache.shape
@@ -232,20 +250,28 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
     capacity = cols * page_size  # >= 1: the caller routes tables of no column elsewhere
     rows = q.reshape(b * sq, hq, d)
     out, lse = outputs if outputs is not None else _empty_outputs(rows)
-    dims = Dims(b, sq, capacity, hq, hkv, d, _DTYPES[q.dtype])
-    (q4, o4), device = _views(rows, out), q.device
-    ops.check_layout(q=q4, k_cache=k_cache, v_cache=v_cache)
-    p = ops._make_params(q4, k_cache, v_cache, o4, lse, dims, scale, ops._num_sms(device.index),
-                         ops._grid_mode(), mask)
+    device = q.device
+    key = (info.name, device, rows.shape, rows.stride(), out.stride(), k_cache.shape,
+           k_cache.stride(), v_cache.stride(), cols, block_table.stride(0), mask, scale,
+           ops._grid_mode())
+    template = _paged_plans.get(key)
+    if template is None:  # the checks and sizes of this signature, once
+        q4, o4 = _views(rows, out)
+        ops.check_layout(q=q4, k_cache=k_cache, v_cache=v_cache)
+        dims = Dims(b, sq, capacity, hq, hkv, d, _DTYPES[q.dtype])
+        p = ops._make_params(q4, k_cache, v_cache, o4, lse, dims, scale,
+                             ops._num_sms(device.index), ops._grid_mode(), mask)
+        p.block_table_batch_stride = block_table.stride(0)
+        p.page_size, p.num_pages, p.block_table_cols = page_size, pages, cols
+        template = ops._remember(_paged_plans, key, bytes(p))
+    p = runtime.FwdParams.from_buffer_copy(template)
     p.q, p.k, p.v, p.o = ops._aligned_pointers(q=rows, k=k_cache, v=v_cache, out=out)
-    i32 = dict(dtype=torch.int32, device=device)
-    cu_q = torch.arange(0, b * sq + 1, sq, **i32)
-    cu_k = torch.arange(0, (b + 1) * capacity, capacity, **i32)
-    tiles = torch.empty(2 * varlen_tiles(b * sq, b, info.tile_m) * hq, **i32)
+    p.lse = lse.data_ptr()
+    cu_q, cu_k = packed_offsets(b, sq, capacity, device)
+    tiles = torch.empty(2 * varlen_tiles(b * sq, b, info.tile_m) * hq, dtype=torch.int32,
+                        device=device)
     _set_varlen(p, cu_q, cu_k, tiles, b * sq, b * capacity)
-    p.seqused_k = seqused_k.data_ptr()
-    p.block_table, p.block_table_batch_stride = block_table.data_ptr(), block_table.stride(0)
-    p.page_size, p.num_pages, p.block_table_cols = page_size, pages, cols
+    p.seqused_k, p.block_table = seqused_k.data_ptr(), block_table.data_ptr()
     ops._launch(lib, info, device, lambda: p)
     return out.view(b, sq, hq, d), lse.view(hq, b, sq).permute(1, 0, 2)
 

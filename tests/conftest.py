@@ -88,7 +88,8 @@ def fake_launches(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
     for module, cache in ((ops, "_fwd_plans"), (ops, "_bwd_plans"), (varlen, "_plans"),
-                          (varlen, "_bwd_plans"), (fp8, "_plans"), (kvcache, "_plans")):
+                          (varlen, "_bwd_plans"), (varlen, "_paged_plans"), (varlen, "_offsets"),
+                          (fp8, "_plans"), (kvcache, "_plans")):
         monkeypatch.setattr(module, cache, {})
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append((info.name, make())))

@@ -1047,9 +1047,9 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
     assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 64, 10, 3)
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (64 * 256, 256, 128)
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 200, 192, 400, 384)
-    used = seen[0][4]
+    used = seen[0][4]  # the lengths as given (500 past the capacity: the kernels clamp it)
     assert used.dtype == torch.int32
-    assert torch.equal(used, torch.tensor([70, 192], dtype=torch.int32))  # 500 past the capacity
+    assert torch.equal(used, torch.tensor([70, 500], dtype=torch.int32))
     ((cu_q, cu_k, tiles, total_q, total_k),) = varlen_args  # sequence b: rows b * 200, keys b * 192
     assert (total_q, total_k) == (400, 384)
     assert torch.equal(cu_q, torch.tensor([0, 200, 400], dtype=torch.int32))
@@ -1109,3 +1109,31 @@ def test_paged_fits_edges(change, fits):
     kc = torch.empty(10, a["page"], 2, 128, dtype=BF, device="meta")
     table = torch.empty(a["b"], a["cols"], dtype=torch.int32, device="meta")
     assert varlen.paged_fits(q, kc, table) is fits
+
+
+@pytest.mark.parametrize("change", ["same", "pages", "cols", "scale", "grid"])
+def test_paged_prefill_plans_per_signature(fake_launches, monkeypatch, change):
+    """The paged forward checks and sizes a call signature once: a repeated one reuses them
+    with its own pointers; the number of pages, the table's width, the scale and the grid mode
+    each make a new plan."""
+    from fa3gen import varlen
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+
+    def call(pages=10, cols=3, scale=None, q=q):
+        kc = torch.zeros(pages, 64, 2, 128, dtype=BF)
+        table = torch.zeros(2, cols, dtype=torch.int32)
+        lengths = torch.tensor([70, 100], dtype=torch.int32)
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lengths, block_table=table,
+                                        causal=True, softmax_scale=scale)
+        return kc, table, lengths, fake_launches[-1][1]
+
+    call()
+    if change == "grid":
+        monkeypatch.setenv("FA3GEN_GRID", "persistent")
+    args = dict(same={}, pages=dict(pages=11), cols=dict(cols=4), scale=dict(scale=0.5), grid={})
+    kc, table, lengths, p = call(q=q.clone(), **args[change])
+    assert len(varlen._paged_plans) == (1 if change == "same" else 2)
+    assert (p.k, p.block_table, p.seqused_k) == (kc.data_ptr(), table.data_ptr(), lengths.data_ptr())
+    assert (p.num_pages, p.block_table_cols) == (11 if change == "pages" else 10, 4 if change == "cols" else 3)
+    assert p.softmax_scale == pytest.approx(0.5 if change == "scale" else 128**-0.5)
+    assert p.grid_mode == (1 if change == "grid" else 0)

@@ -215,7 +215,8 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     block table in place; pages of 192 rows split key blocks): shuffled pages, ragged lengths
     (0, 1, odd, a page's end), GQA,
     NaN in every row no sequence uses and out-of-range table entries past the used pages (the
-    kernel clamps them), against the reference on the gathered keys."""
+    kernel clamps them), a length past the table's capacity, against the reference on the
+    gathered keys."""
     from fa3gen import varlen
     info = varlen.paged_variant(torch.empty(1, 1, 1, d, dtype=dtype), ops.masking(causal), lib)
     if info is None:
@@ -225,11 +226,12 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     b, sq, hq, hkv, cols = 5, 80, 8, 2, -(-2560 // page)
     g = torch.Generator(device="cuda").manual_seed(11 + page + d)
-    seqlens = torch.tensor([2000, 0, 1, 1237, 5 * page], dtype=torch.int32, device="cuda")
+    # 3000: past the table's capacity (cols * page, 2560-2688), which the kernel clamps it to
+    seqlens = torch.tensor([3000, 0, 1, 1237, 5 * page], dtype=torch.int32, device="cuda")
     pages = b * cols + 2
     kc, vc = (torch.randn(pages, page, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     table = torch.randperm(pages, device="cuda", generator=g)[:b * cols].reshape(b, cols).to(torch.int32)
-    _poison_past_lengths(kc, vc, seqlens, table)
+    _poison_past_lengths(kc, vc, seqlens.clamp(max=cols * page), table)
     for i, n in enumerate(seqlens.tolist()):  # entries past a sequence's pages: anything
         used = -(-n // page)
         table[i, used:] = torch.tensor([10**6, -5] * cols, device="cuda")[:cols - used]
