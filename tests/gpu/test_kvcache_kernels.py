@@ -233,7 +233,7 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     table = torch.randperm(pages, device="cuda", generator=g)[:b * cols].reshape(b, cols).to(torch.int32)
     _poison_past_lengths(kc, vc, seqlens.clamp(max=cols * page), table)
     for i, n in enumerate(seqlens.tolist()):  # entries past a sequence's pages: anything
-        used = -(-n // page)
+        used = min(-(-n // page), cols)
         table[i, used:] = torch.tensor([10**6, -5] * cols, device="cuda")[:cols - used]
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype, generator=g)
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
