@@ -272,6 +272,9 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
                         device=device)
     _set_varlen(p, cu_q, cu_k, tiles, b * sq, b * capacity)
     p.seqused_k, p.block_table = seqused_k.data_ptr(), block_table.data_ptr()
+    if _trace._active:  # a trimmed build from the trace gets the paged variant, not the gather
+        _trace.record(info.name, True, batch=b, seqlen_q=sq, seqlen_k=capacity, heads_q=hq,
+                      heads_kv=hkv)
     ops._launch(lib, info, device, lambda: p)
     return out.view(b, sq, hq, d), lse.view(hq, b, sq).permute(1, 0, 2)
 

@@ -1137,3 +1137,25 @@ def test_paged_prefill_plans_per_signature(fake_launches, monkeypatch, change):
     assert (p.num_pages, p.block_table_cols) == (11 if change == "pages" else 10, 4 if change == "cols" else 3)
     assert p.softmax_scale == pytest.approx(0.5 if change == "scale" else 128**-0.5)
     assert p.grid_mode == (1 if change == "grid" else 0)
+
+
+def test_a_traced_paged_prefill_puts_its_variant_in_the_spec(fake_launches, tmp_path):
+    """A trace of chunked prefill over a paged cache records the paged variant (with the
+    table's capacity as seqlen_k), so the trimmed spec written from it builds that variant
+    instead of leaving the calls to the gather."""
+    import yaml
+
+    import fa3gen
+    from fa3gen import cli
+    path = tmp_path / "serve.yaml"
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    kc = torch.zeros(10, 64, 2, 128, dtype=BF)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    with fa3gen.trace(path):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([70, 100], dtype=torch.int32),
+                                        block_table=table, causal=True)
+    (entry,) = [e for e in yaml.safe_load(path.read_text())["calls"] if e["variant"] == PAGED_VARIANT]
+    assert entry["count"] == 1 and entry["seqlen_k"] == [192, 192] and entry["paged"] is True
+    out = tmp_path / "serve_spec.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    assert any(g["axes"].get("paged") is True for g in yaml.safe_load(out.read_text())["groups"])
