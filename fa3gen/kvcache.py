@@ -542,7 +542,8 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
     rows_k = k_cache[:b]
-    differentiable = torch.is_grad_enabled() and q.requires_grad  # the paths without a copy are not
+    # The paths that read the cache in place have no backward: a q that wants one gathers.
+    differentiable = torch.is_grad_enabled() and q.requires_grad
     if (block_table is None and seqlens is not None and batch_idx is None and not differentiable
             and rows_k.stride(0) == capacity * rows_k.stride(1)):
         # Lengths on the device, a contiguous cache: the varlen forward over the cache rows

@@ -242,8 +242,8 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
     gather, no sync). The caller (flash_attn_with_kvcache) checked the rest and routes here
     only what fits (paged_fits): page_size a multiple of PAGED_CHUNK_ROWS, seqused_k int32
     (batch,); the kernels clamp it to [0, capacity]. Returns out like q and lse (batch, heads_q,
-    seqlen_q), views of `outputs` when given (out (batch * seqlen_q, heads_q, d), lse (heads_q, batch * seqlen_q)
-    contiguous, as _empty_outputs makes them)."""
+    seqlen_q), views of `outputs` when given (out (batch * seqlen_q, heads_q, d) and lse
+    (heads_q, batch * seqlen_q), contiguous, as _empty_outputs makes them)."""
     b, sq, hq, d = q.shape
     pages, page_size, hkv, _ = k_cache.shape
     cols = block_table.shape[1]  # its rows contiguous (flash_attn_with_kvcache checks)
