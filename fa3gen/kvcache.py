@@ -520,9 +520,10 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
     contiguous cache: flash_attn_func on a view of the cache, no copy. A tensor cache_seqlens
     on a contiguous cache without cache_batch_idx: flash_attn_varlen_func over the cache rows
-    with seqused_k, no copy and no sync. A paged cache: the paged varlen forward through the
-    block table (varlen.paged_forward), no copy and no sync, where the library has the variant
-    and the pages suit it (varlen.paged_fits). Otherwise each sequence's keys are gathered into a
+    with seqused_k, no copy and no sync. A paged cache, or a contiguous one with
+    cache_batch_idx (one page a sequence): the paged varlen forward through the block table
+    (varlen.paged_forward), no copy and no sync, where the library has the variant and the
+    pages suit it (varlen.paged_fits). Otherwise each sequence's keys are gathered into a
     packed copy for flash_attn_varlen_func, which needs the lengths on the host (a sync)."""
     from fa3gen import varlen
     from fa3gen.varlen import flash_attn_varlen_func
@@ -558,15 +559,19 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         out = out.view(b, sq, hq, d)
         lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
-    if (block_table is not None and not plan.kv_fp8 and not differentiable
-            and varlen.paged_fits(q, k_cache, block_table)):
-        # A paged cache: the paged varlen forward reads each sequence's pages where they lie.
+    # A paged cache: the paged varlen forward reads each sequence's pages where they lie. A
+    # contiguous one with cache_batch_idx is a paged cache of one page a sequence (its cache
+    # row, `capacity` rows long): the same kernels, without the sync that picks the rows.
+    table = block_table if block_table is not None else (
+        batch_idx.view(b, 1) if batch_idx is not None else None)
+    if (table is not None and not plan.kv_fp8 and not differentiable
+            and varlen.paged_fits(q, k_cache, table)):
         info = varlen.paged_variant(q, mask)
         if info is not None:
             used = (seqlens if seqlens is not None  # the kernels clamp it to the capacity
                     else torch.full((b,), length, dtype=torch.int32, device=q.device))
-            out, lse = varlen.paged_forward(q, k_cache, v_cache, block_table, used, mask, scale,
-                                            info, runtime.get_library())
+            out, lse = varlen.paged_forward(q, k_cache, v_cache, table, used, mask, scale, info,
+                                            runtime.get_library())
             return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:

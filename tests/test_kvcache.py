@@ -1159,3 +1159,23 @@ def test_a_traced_paged_prefill_puts_its_variant_in_the_spec(fake_launches, tmp_
     out = tmp_path / "serve_spec.yaml"
     assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
     assert any(g["axes"].get("paged") is True for g in yaml.safe_load(out.read_text())["groups"])
+
+
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+def test_prefill_with_cache_batch_idx_runs_the_paged_forward(fake_launches, monkeypatch, lengths):
+    """Chunked prefill over a contiguous cache with cache_batch_idx reads each sequence's cache
+    row in place as one page (the index as a one-column block table): no gather and no sync
+    (either had one before)."""
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    kc = torch.zeros(3, 128, 2, 128, dtype=BF)
+    idx = torch.tensor([2, 0], dtype=torch.int32)
+    seqlens = torch.tensor([100, 50], dtype=torch.int32) if lengths == "tensor" else 77
+    out = kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, cache_batch_idx=idx,
+                                          causal=True)
+    ((name, p),) = fake_launches
+    assert name == PAGED_VARIANT and out.shape == q.shape
+    assert (p.k, p.block_table, p.block_table_batch_stride) == (kc.data_ptr(), idx.data_ptr(), 1)
+    assert (p.page_size, p.num_pages, p.block_table_cols, p.k_batch_stride) == (128, 3, 1, 128 * 256)
+    if lengths == "tensor":
+        assert p.seqused_k == seqlens.data_ptr()

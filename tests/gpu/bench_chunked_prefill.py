@@ -9,7 +9,10 @@ the cache) and as a tensor (flash_attn_varlen_func over the cache rows with sequ
 no sync); and on a paged cache (--page rows, 64 by default, pages shuffled) through the paged
 varlen forward (K and V read through the block table in place), and the same paged call with
 that variant hidden ("paged, gathered": the keys gathered into a packed copy first, after a
-device sync for the lengths; the path before the paged kernels). TFLOP/s count the
+device sync for the lengths; the path before the paged kernels); and the contiguous cache with
+cache_batch_idx (row 0; its cache row read as one page by the paged forward) and the same call
+with that variant hidden ("batch_idx, before": the length and the row read on the host, two
+syncs, then flash_attn_func on a view of the row). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
@@ -44,9 +47,9 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     args = ap.parse_args()
     dt, rows, PAGE = torch.bfloat16, [], args.page
-    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | paged, gathered | int / dense | "
-          "paged / dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | paged, gathered | batch_idx | "
+          "batch_idx, before | int / dense | paged / dense |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for sk in args.seqlens_k:
         for sq in args.seqlens_q:
             g = torch.Generator(device="cuda").manual_seed(sq + sk)
@@ -62,6 +65,7 @@ def main() -> int:
             vp[order] = vc[0].reshape(n_pages, PAGE, HKV, D)
             table = order.to(torch.int32).reshape(1, -1)
             lengths = torch.full((1,), sk, dtype=torch.int32, device="cuda")
+            idx = torch.zeros(1, dtype=torch.int32, device="cuda")
             fns = {
                 "dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True),
                 "cache_int": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, causal=True),
@@ -71,6 +75,10 @@ def main() -> int:
                                                                  block_table=table, causal=True),
                 "paged_gathered": lambda: gathered(lambda: kvcache.flash_attn_with_kvcache(
                     q, kp, vp, cache_seqlens=lengths, block_table=table, causal=True)),
+                "batch_idx": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                                     cache_batch_idx=idx, causal=True),
+                "batch_idx_gathered": lambda: gathered(lambda: kvcache.flash_attn_with_kvcache(
+                    q, kc, vc, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)),
             }
             ref = fns["dense"]()
             for name, fn in fns.items():  # every path computes the same thing
@@ -84,7 +92,8 @@ def main() -> int:
             row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf}
             rows.append(row)
             print(f"| {sq} | {sk} | {tf['dense']:.0f} | {tf['cache_int']:.0f} | {tf['cache_tensor']:.0f} | "
-                  f"{tf['paged']:.0f} | {tf['paged_gathered']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | "
+                  f"{tf['paged']:.0f} | {tf['paged_gathered']:.0f} | {tf['batch_idx']:.0f} | "
+                  f"{tf['batch_idx_gathered']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | "
                   f"{tf['paged'] / tf['dense']:.3f} |",
                   flush=True)
             del kc, vc, k, v, kp, vp

@@ -245,6 +245,38 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     _check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("capacity", [2048, 2000], ids=["rows_of_64s", "other_rows"])
+@pytest.mark.parametrize("lengths", ["tensor", "int"])
+def test_prefill_with_cache_batch_idx(lib, capacity, lengths, monkeypatch):
+    """Chunked prefill over a contiguous cache with cache_batch_idx (shuffled, one row unused):
+    capacities of whole 64-row chunks run the paged forward with each cache row as one page,
+    others gather; NaN in the rows no sequence reads; against the reference."""
+    from fa3gen import varlen
+    calls = []
+    real = varlen.paged_forward
+    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    b, sq, hq, hkv, d = 3, 96, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(13)
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc, vc = (torch.randn(b + 1, capacity, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+              for _ in range(2))
+    idx = torch.tensor([3, 0, 2], dtype=torch.int32, device="cuda")
+    seqlens = torch.tensor([1777, 96, 1999], dtype=torch.int32, device="cuda")
+    if lengths == "int":
+        seqlens = torch.full((b,), 1500, dtype=torch.int32, device="cuda")
+    for row, n in zip(idx.tolist(), seqlens.tolist()):
+        kc[row, n:], vc[row, n:] = float("nan"), float("nan")
+    kc[1], vc[1] = float("nan"), float("nan")
+    out, lse = kvcache.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=seqlens if lengths == "tensor" else 1500, cache_batch_idx=idx,
+        causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    info = varlen.paged_variant(q, ops.masking(True), lib)
+    assert calls == ([1] if capacity % 64 == 0 and info is not None else [])
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, cache_batch_idx=idx, causal=True)
+    _check(out, lse, ref, ref_lse)
+
+
 FP8 = torch.float8_e4m3fn
 
 
