@@ -2,17 +2,15 @@
 same sizes), sustained, one process:
     python3 tests/gpu/bench_chunked_prefill.py [--out chunked_prefill.json]
 A chunk of seqlen_q new query rows (bf16, d128, 32 query heads over 8 kv heads, batch 1,
-causal: bottom-right aligned) attends to a cache of seqlen_k keys. Rows: flash_attn_func on
-plain (1, seqlen_k, 8, 128) K and V (the dense rate); flash_attn_with_kvcache on a contiguous
-cache with room for 4096 more keys, cache_seqlens given as an int (flash_attn_func on a view of
-the cache) and as a tensor (flash_attn_varlen_func over the cache rows with seqused_k; no copy,
-no sync); and on a paged cache (--page rows, 64 by default, pages shuffled) through the paged
-varlen forward (K and V read through the block table in place), and the same paged call with
-that variant hidden ("paged, gathered": the keys gathered into a packed copy first, after a
-device sync for the lengths; the path before the paged kernels); and the contiguous cache with
-cache_batch_idx (row 0; its cache row read as one page by the paged forward) and the same call
-with that variant hidden ("batch_idx, before": the length and the row read on the host, two
-syncs, then flash_attn_func on a view of the row). TFLOP/s count the
+causal: bottom-right aligned) attends to a cache of seqlen_k keys. "dense": flash_attn_func on
+plain (1, seqlen_k, 8, 128) K and V (the dense rate). Then flash_attn_with_kvcache on a
+contiguous cache with room for 4096 more keys, cache_seqlens given as an int and as a tensor;
+on a paged cache (--page rows, 64 by default, pages shuffled); and on the contiguous cache with
+cache_batch_idx. Each runs the paged varlen forward where the pages suit it (a contiguous cache:
+one page a cache row), and again with the paged variants hidden ("before": the path taken
+before them: flash_attn_func on a view for an int length, the varlen forward over the cache
+rows for a tensor one, a gathered copy after a sync for the paged cache, the length and row
+read on the host (two syncs) and a view for cache_batch_idx). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
@@ -27,8 +25,14 @@ from fa3gen import bench, kvcache, runtime, timing, varlen
 HQ, HKV, D, ROOM = 32, 8, 128, 4096
 
 
-def gathered(call):
-    """call() with the library's paged variants hidden: flash_attn_with_kvcache gathers."""
+CALLS = ("cache_int", "cache_tensor", "paged", "batch_idx")
+LABELS = {"cache_int": "cache, int", "cache_tensor": "cache, tensor", "paged": "paged",
+          "batch_idx": "cache_batch_idx"}
+
+
+def before(call):
+    """call() with the library's paged variants hidden: flash_attn_with_kvcache takes the path
+    it took before them (a view, the varlen forward over the cache rows, or a gathered copy)."""
     real = varlen.paged_variant
     varlen.paged_variant = lambda *a, **kw: None
     try:
@@ -47,9 +51,9 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     args = ap.parse_args()
     dt, rows, PAGE = torch.bfloat16, [], args.page
-    print("| seqlen_q | seqlen_k | dense | cache, int | cache, tensor | paged | paged, gathered | batch_idx | "
-          "batch_idx, before | int / dense | paged / dense |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| seqlen_q | seqlen_k | dense | " + " | ".join(f"{LABELS[c]} (before)" for c in CALLS)
+          + " | " + " | ".join(f"{LABELS[c]} / dense" for c in CALLS) + " |")
+    print("|---" * (3 + 2 * len(CALLS)) + "|")
     for sk in args.seqlens_k:
         for sq in args.seqlens_q:
             g = torch.Generator(device="cuda").manual_seed(sq + sk)
@@ -66,20 +70,19 @@ def main() -> int:
             table = order.to(torch.int32).reshape(1, -1)
             lengths = torch.full((1,), sk, dtype=torch.int32, device="cuda")
             idx = torch.zeros(1, dtype=torch.int32, device="cuda")
-            fns = {
-                "dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True),
+            calls = {
                 "cache_int": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, causal=True),
                 "cache_tensor": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
                                                                         causal=True),
                 "paged": lambda: kvcache.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lengths,
                                                                  block_table=table, causal=True),
-                "paged_gathered": lambda: gathered(lambda: kvcache.flash_attn_with_kvcache(
-                    q, kp, vp, cache_seqlens=lengths, block_table=table, causal=True)),
                 "batch_idx": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
                                                                      cache_batch_idx=idx, causal=True),
-                "batch_idx_gathered": lambda: gathered(lambda: kvcache.flash_attn_with_kvcache(
-                    q, kc, vc, cache_seqlens=lengths, cache_batch_idx=idx, causal=True)),
             }
+            fns = {"dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True)}
+            for name, call in calls.items():
+                fns[name] = call
+                fns[name + "_before"] = lambda call=call: before(call)
             ref = fns["dense"]()
             for name, fn in fns.items():  # every path computes the same thing
                 err = (fn().float() - ref.float()).abs().max().item()
@@ -91,11 +94,10 @@ def main() -> int:
             tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
             row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf}
             rows.append(row)
-            print(f"| {sq} | {sk} | {tf['dense']:.0f} | {tf['cache_int']:.0f} | {tf['cache_tensor']:.0f} | "
-                  f"{tf['paged']:.0f} | {tf['paged_gathered']:.0f} | {tf['batch_idx']:.0f} | "
-                  f"{tf['batch_idx_gathered']:.0f} | {tf['cache_int'] / tf['dense']:.3f} | "
-                  f"{tf['paged'] / tf['dense']:.3f} |",
-                  flush=True)
+            print(f"| {sq} | {sk} | {tf['dense']:.0f} | "
+                  + " | ".join(f"{tf[c]:.0f} ({tf[c + '_before']:.0f})" for c in CALLS) + " | "
+                  + " | ".join(f"{tf[c] / tf['dense']:.2f} ({tf[c + '_before'] / tf['dense']:.2f})"
+                               for c in CALLS) + " |", flush=True)
             del kc, vc, k, v, kp, vp
             torch.cuda.empty_cache()
     if args.out:
