@@ -517,13 +517,13 @@ def _dequantize(x, factor, sequences, dtype):
 def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_table, return_lse,
              scales=(None, None)):
     """More query rows per kv head than the decode kernels take (chunked prefill): the forward
-    kernels over the cached keys. First choice, where the library has the variant and the
-    pages suit it (varlen.paged_fits): the paged varlen forward through the block table
-    (varlen.paged_forward), a contiguous cache being pages of one cache row each; no copy, no
-    sync. Else, one sequence length for all (an int cache_seqlens) on a contiguous cache:
-    flash_attn_func on a view of the cache, no copy. A tensor cache_seqlens on a contiguous
-    cache without cache_batch_idx: flash_attn_varlen_func over the cache rows with seqused_k,
-    no copy and no sync. Otherwise each sequence's keys are gathered into a
+    kernels over the cached keys. One sequence length for all (an int cache_seqlens) on a
+    contiguous cache: flash_attn_func on a view of the cache, no copy. A tensor cache_seqlens
+    on a contiguous cache without cache_batch_idx: flash_attn_varlen_func over the cache rows
+    with seqused_k, no copy and no sync. A paged cache, or a contiguous one with
+    cache_batch_idx (one page a sequence): the paged varlen forward through the block table
+    (varlen.paged_forward), no copy and no sync, where the library has the variant and the
+    pages suit it (varlen.paged_fits). Otherwise each sequence's keys are gathered into a
     packed copy for flash_attn_varlen_func, which needs the lengths on the host (a sync)."""
     from fa3gen import varlen
     from fa3gen.varlen import flash_attn_varlen_func
@@ -545,21 +545,6 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     rows_k = k_cache[:b]
     # The paths that read the cache in place have no backward: a q that wants one gathers.
     differentiable = torch.is_grad_enabled() and q.requires_grad
-    # A paged cache: the paged varlen forward reads each sequence's pages where they lie. A
-    # contiguous one is a paged cache of one page a sequence (its cache row, `capacity` rows
-    # long; cache_batch_idx, or row i, as a one-column table): the same kernels, no sync, at
-    # 0.95-1.01x of the dense rate where the view and varlen paths below ran 0.90-0.99x
-    # (docs/BENCHMARKS.md, "Chunked prefill against a cache").
-    table = block_table if block_table is not None else (
-        batch_idx.view(b, 1) if batch_idx is not None else varlen.row_table(b, q.device))
-    if (not plan.kv_fp8 and not differentiable and varlen.paged_fits(q, k_cache, table)):
-        info = varlen.paged_variant(q, mask)
-        if info is not None:
-            used = (seqlens if seqlens is not None  # the kernels clamp it to the capacity
-                    else torch.full((b,), length, dtype=torch.int32, device=q.device))
-            out, lse = varlen.paged_forward(q, k_cache, v_cache, table, used, mask, scale, info,
-                                            runtime.get_library())
-            return (out, lse) if return_lse else out
     if (block_table is None and seqlens is not None and batch_idx is None and not differentiable
             and rows_k.stride(0) == capacity * rows_k.stride(1)):
         # Lengths on the device, a contiguous cache: the varlen forward over the cache rows
@@ -574,6 +559,20 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         out = out.view(b, sq, hq, d)
         lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
+    # A paged cache: the paged varlen forward reads each sequence's pages where they lie. A
+    # contiguous one with cache_batch_idx is a paged cache of one page a sequence (its cache
+    # row, `capacity` rows long): the same kernels, without the sync that picks the rows.
+    table = block_table if block_table is not None else (
+        batch_idx.view(b, 1) if batch_idx is not None else None)
+    if (table is not None and not plan.kv_fp8 and not differentiable
+            and varlen.paged_fits(q, k_cache, table)):
+        info = varlen.paged_variant(q, mask)
+        if info is not None:
+            used = (seqlens if seqlens is not None  # the kernels clamp it to the capacity
+                    else torch.full((b,), length, dtype=torch.int32, device=q.device))
+            out, lse = varlen.paged_forward(q, k_cache, v_cache, table, used, mask, scale, info,
+                                            runtime.get_library())
+            return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size

@@ -195,7 +195,7 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
 # Forward over a paged KV cache (flash_attn_with_kvcache's chunked prefill).
 
 
-_offsets: dict = {}  # packed_offsets' and row_table's tensors, by their arguments
+_offsets: dict = {}  # (device, batch, seqlen_q, capacity) -> packed_offsets' result
 _paged_plans: dict = {}  # paged_forward's call signature -> its params without pointers
 
 
@@ -203,24 +203,13 @@ def packed_offsets(batch: int, seqlen_q: int, capacity: int, device):
     """(cu_seqlens_q, cu_seqlens_k) of `batch` sequences of seqlen_q query rows each, sequence
     b's keys from row b * capacity (a cache's rows): made once per shape and kept, so later
     calls launch no kernel for them (the kernels only read them)."""
-    key = ("offsets", device, batch, seqlen_q, capacity)
+    key = (device, batch, seqlen_q, capacity)
     found = _offsets.get(key)
     if found is None:
         i32 = dict(dtype=torch.int32, device=device)
         found = ops._remember(_offsets, key, (
             torch.arange(0, batch * seqlen_q + 1, seqlen_q, **i32),
             torch.arange(0, (batch + 1) * capacity, capacity, **i32)))
-    return found
-
-
-def row_table(batch: int, device):
-    """The block table (batch, 1) int32 that reads sequence i from cache row i (a contiguous
-    cache as pages of one row each), made once per size and kept."""
-    key = ("rows", device, batch)
-    found = _offsets.get(key)
-    if found is None:
-        found = ops._remember(_offsets, key, torch.arange(batch, dtype=torch.int32,
-                                                          device=device).view(batch, 1))
     return found
 
 

@@ -1179,21 +1179,3 @@ def test_prefill_with_cache_batch_idx_runs_the_paged_forward(fake_launches, monk
     assert (p.page_size, p.num_pages, p.block_table_cols, p.k_batch_stride) == (128, 3, 1, 128 * 256)
     if lengths == "tensor":
         assert p.seqused_k == seqlens.data_ptr()
-
-
-@pytest.mark.parametrize("lengths", ["tensor", "int"])
-def test_prefill_over_a_contiguous_cache_runs_the_paged_forward(fake_launches, monkeypatch, lengths):
-    """Without cache_batch_idx, sequence i reads cache row i as its one page: the table is
-    [[0], [1], ...], made once per batch size; no sync."""
-    from fa3gen import varlen
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
-    q = torch.zeros(2, 40, 4, 128, dtype=BF)
-    kc = torch.zeros(3, 192, 2, 128, dtype=BF)
-    seqlens = torch.tensor([100, 50], dtype=torch.int32) if lengths == "tensor" else 77
-    for _ in range(2):
-        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlens, causal=True)
-    (name, p), (_, p2) = fake_launches
-    table = varlen.row_table(2, q.device)
-    assert name == PAGED_VARIANT and p.block_table == p2.block_table == table.data_ptr()
-    assert torch.equal(table, torch.tensor([[0], [1]], dtype=torch.int32))
-    assert (p.page_size, p.num_pages, p.block_table_cols) == (192, 3, 1)
