@@ -4,13 +4,15 @@ same sizes), sustained, one process:
 A chunk of seqlen_q new query rows (bf16, d128, 32 query heads over 8 kv heads, batch 1,
 causal: bottom-right aligned) attends to a cache of seqlen_k keys. "dense": flash_attn_func on
 plain (1, seqlen_k, 8, 128) K and V (the dense rate). Then flash_attn_with_kvcache on a
-contiguous cache with room for 4096 more keys, cache_seqlens given as an int and as a tensor;
-on a paged cache (--page rows, 64 by default, pages shuffled); and on the contiguous cache with
-cache_batch_idx. Each runs the paged varlen forward where the pages suit it (a contiguous cache:
-one page a cache row), and again with the paged variants hidden ("before": the path taken
-before them: flash_attn_func on a view for an int length, the varlen forward over the cache
-rows for a tensor one, a gathered copy after a sync for the paged cache, the length and row
-read on the host (two syncs) and a view for cache_batch_idx). TFLOP/s count the
+contiguous cache with room for 4096 more keys, cache_seqlens given as an int (flash_attn_func
+on a view of the cache) and as a tensor (the varlen forward over the cache rows); on a paged
+cache (--page rows, 64 by default, pages shuffled) and on the contiguous cache with
+cache_batch_idx, both through the paged varlen forward (the latter one page a cache row). Each
+runs again with the paged variants hidden ("before": the path taken before them: a gathered
+copy after a sync for the paged cache; the length and row read on the host, two syncs, and a
+view for cache_batch_idx; the int and tensor calls take the same path twice, a control of what
+the bench's order alone moves: sustained_ms times the calls in a fixed cyclic order, so a call
+after a slow, low-power one may run with the power cap's headroom). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
