@@ -12,7 +12,8 @@ runs again with the paged variants hidden ("before": the path taken before them:
 copy after a sync for the paged cache; the length and row read on the host, two syncs, and a
 view for cache_batch_idx; the int and tensor calls take the same path twice, a control of what
 the bench's order alone moves: sustained_ms times the calls in a fixed cyclic order, so a call
-after a slow, low-power one may run with the power cap's headroom). TFLOP/s count the
+after a slow, low-power one may run with the power cap's headroom; each call's mean board power
+and SM clock, from nvidia-smi, are printed and kept to tell). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
@@ -56,52 +57,59 @@ def main() -> int:
     print("| seqlen_q | seqlen_k | dense | " + " | ".join(f"{LABELS[c]} (before)" for c in CALLS)
           + " | " + " | ".join(f"{LABELS[c]} / dense" for c in CALLS) + " |")
     print("|---" * (3 + 2 * len(CALLS)) + "|")
-    for sk in args.seqlens_k:
-        for sq in args.seqlens_q:
-            g = torch.Generator(device="cuda").manual_seed(sq + sk)
-            q = torch.randn(1, sq, HQ, D, device="cuda", dtype=dt, generator=g)
-            kc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
-            vc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
-            k, v = kc[:, :sk].contiguous(), vc[:, :sk].contiguous()
-            n_pages = -(-(sk + ROOM) // PAGE)
-            order = torch.randperm(n_pages, device="cuda", generator=g)
-            kp = torch.zeros(n_pages, PAGE, HKV, D, device="cuda", dtype=dt)
-            vp = torch.zeros_like(kp)
-            kp[order] = kc[0].reshape(n_pages, PAGE, HKV, D)
-            vp[order] = vc[0].reshape(n_pages, PAGE, HKV, D)
-            table = order.to(torch.int32).reshape(1, -1)
-            lengths = torch.full((1,), sk, dtype=torch.int32, device="cuda")
-            idx = torch.zeros(1, dtype=torch.int32, device="cuda")
-            calls = {
-                "cache_int": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, causal=True),
-                "cache_tensor": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
-                                                                        causal=True),
-                "paged": lambda: kvcache.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lengths,
-                                                                 block_table=table, causal=True),
-                "batch_idx": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
-                                                                     cache_batch_idx=idx, causal=True),
-            }
-            fns = {"dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True)}
-            for name, call in calls.items():
-                fns[name] = call
-                fns[name + "_before"] = lambda call=call: before(call)
-            ref = fns["dense"]()
-            for name, fn in fns.items():  # every path computes the same thing
-                err = (fn().float() - ref.float()).abs().max().item()
-                if err > 2e-2:
-                    print(f"{name}: differs from dense by {err}", file=sys.stderr)
-                    return 1
-            ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms)
-            pairs = sq * (sk - sq) + sq * (sq + 1) / 2
-            tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
-            row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf}
-            rows.append(row)
-            print(f"| {sq} | {sk} | {tf['dense']:.0f} | "
-                  + " | ".join(f"{tf[c]:.0f} ({tf[c + '_before']:.0f})" for c in CALLS) + " | "
-                  + " | ".join(f"{tf[c] / tf['dense']:.2f} ({tf[c + '_before'] / tf['dense']:.2f})"
-                               for c in CALLS) + " |", flush=True)
-            del kc, vc, k, v, kp, vp
-            torch.cuda.empty_cache()
+    # Each call's mean board power and SM clock (inert without nvidia-smi).
+    with timing.PowerSampler(torch.cuda.current_device()) as sampler:
+        for sk in args.seqlens_k:
+            for sq in args.seqlens_q:
+                g = torch.Generator(device="cuda").manual_seed(sq + sk)
+                q = torch.randn(1, sq, HQ, D, device="cuda", dtype=dt, generator=g)
+                kc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
+                vc = torch.randn(1, sk + ROOM, HKV, D, device="cuda", dtype=dt, generator=g)
+                k, v = kc[:, :sk].contiguous(), vc[:, :sk].contiguous()
+                n_pages = -(-(sk + ROOM) // PAGE)
+                order = torch.randperm(n_pages, device="cuda", generator=g)
+                kp = torch.zeros(n_pages, PAGE, HKV, D, device="cuda", dtype=dt)
+                vp = torch.zeros_like(kp)
+                kp[order] = kc[0].reshape(n_pages, PAGE, HKV, D)
+                vp[order] = vc[0].reshape(n_pages, PAGE, HKV, D)
+                table = order.to(torch.int32).reshape(1, -1)
+                lengths = torch.full((1,), sk, dtype=torch.int32, device="cuda")
+                idx = torch.zeros(1, dtype=torch.int32, device="cuda")
+                calls = {
+                    "cache_int": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=sk, causal=True),
+                    "cache_tensor": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                                            causal=True),
+                    "paged": lambda: kvcache.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lengths,
+                                                                     block_table=table, causal=True),
+                    "batch_idx": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths,
+                                                                         cache_batch_idx=idx, causal=True),
+                }
+                fns = {"dense": lambda: fa3gen.flash_attn_func(q, k, v, causal=True)}
+                for name, call in calls.items():
+                    fns[name] = call
+                    fns[name + "_before"] = lambda call=call: before(call)
+                ref = fns["dense"]()
+                for name, fn in fns.items():  # every path computes the same thing
+                    err = (fn().float() - ref.float()).abs().max().item()
+                    if err > 2e-2:
+                        print(f"{name}: differs from dense by {err}", file=sys.stderr)
+                        return 1
+                sampler.reset()
+                ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms, tag=sampler.tag)
+                power = sampler.means(range(len(fns)))
+                pairs = sq * (sk - sq) + sq * (sq + 1) / 2
+                tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
+                row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf,
+                       "power_w_sm_mhz": {name: power[i] for i, name in enumerate(fns)}}
+                rows.append(row)
+                print(f"| {sq} | {sk} | {tf['dense']:.0f} | "
+                      + " | ".join(f"{tf[c]:.0f} ({tf[c + '_before']:.0f})" for c in CALLS) + " | "
+                      + " | ".join(f"{tf[c] / tf['dense']:.2f} ({tf[c + '_before'] / tf['dense']:.2f})"
+                                   for c in CALLS) + " |", flush=True)
+                print("  mean SM MHz: " + ", ".join(f"{name} {mhz:.0f}" for name, (_, mhz) in
+                                                   row["power_w_sm_mhz"].items() if mhz), flush=True)
+                del kc, vc, k, v, kp, vp
+                torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"header": bench.provenance(runtime.get_library()), "dtype": "bf16", "heads_q": HQ, "heads_kv": HKV,
