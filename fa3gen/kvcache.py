@@ -526,7 +526,6 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     pages suit it (varlen.paged_fits). Otherwise each sequence's keys are gathered into a
     packed copy for flash_attn_varlen_func, which needs the lengths on the host (a sync)."""
     from fa3gen import varlen
-    from fa3gen.varlen import flash_attn_varlen_func
 
     mask, scale = plan.prefill
     if plan.kv_fp8:  # the forward kernels take one dtype: the keys read become q's
@@ -552,10 +551,10 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         # (seqused_k). No copy, no device sync.
         cu_q, cu_k = varlen.packed_offsets(b, sq, capacity, q.device)
         kb, vb = kv(rows_k, v_cache[:b], slice(0, b))
-        out, lse = flash_attn_varlen_func(q.reshape(b * sq, hq, d), kb.flatten(0, 1),
-                                          vb.flatten(0, 1), cu_q, cu_k, sq,
-                                          max(1, capacity), softmax_scale=scale, return_lse=True,
-                                          seqused_k=seqlens.clamp(0, capacity), **kwargs)
+        out, lse = varlen.flash_attn_varlen_func(
+            q.reshape(b * sq, hq, d), kb.flatten(0, 1), vb.flatten(0, 1), cu_q, cu_k, sq,
+            max(1, capacity), softmax_scale=scale, return_lse=True,
+            seqused_k=seqlens.clamp(0, capacity), **kwargs)
         out = out.view(b, sq, hq, d)
         lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
@@ -606,9 +605,9 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         starts.append(starts[-1] + n)
     cu_k = torch.tensor(starts, dtype=torch.int32, device=q.device)
     cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device=q.device)
-    out, lse = flash_attn_varlen_func(q.reshape(b * sq, hq, d), torch.cat(ks), torch.cat(vs), cu_q,
-                                      cu_k, sq, max(1, max(lengths)), softmax_scale=scale,
-                                      return_lse=True, **kwargs)
+    out, lse = varlen.flash_attn_varlen_func(
+        q.reshape(b * sq, hq, d), torch.cat(ks), torch.cat(vs), cu_q, cu_k, sq,
+        max(1, max(lengths)), softmax_scale=scale, return_lse=True, **kwargs)
     out = out.view(b, sq, hq, d)
     lse = lse.view(hq, b, sq).permute(1, 0, 2)
     return (out, lse) if return_lse else out

@@ -150,7 +150,10 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     return _Plan(lib, info, dims, mask, scale, q.device, params)
 
 
-def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k=None) -> None:
+def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k=None,
+             block_table=None) -> None:
+    """Launch plan on tensors of its signature. block_table: a paged plan's (paged_forward; k
+    and v are the pages, and sequence b's keys are the dims' seqlen_k rows from b times it)."""
     if plan.params is None:
         return
     if k.shape[0] == 0:  # no key in any sequence: every row is fully masked
@@ -161,8 +164,11 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
     d = plan.dims
     tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, plan.info.tile_m) * d.heads_q,
                         dtype=torch.int32)
-    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], k.shape[0])
+    total_k = k.shape[0] if block_table is None else d.batch * d.seqlen_k
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], total_k)
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
+    if block_table is not None:
+        p.block_table = block_table.data_ptr()
     ops._launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
@@ -196,7 +202,8 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
 
 
 _offsets: dict = {}  # (device, batch, seqlen_q, capacity) -> packed_offsets' result
-_paged_plans: dict = {}  # paged_forward's call signature -> its params without pointers
+_paged_plans: dict = {}  # paged_forward's call signature -> its _Plan
+_paged_variants: dict = {}  # (library, dtype, head_dim, mask) -> paged_variant's answer
 
 
 def packed_offsets(batch: int, seqlen_q: int, capacity: int, device):
@@ -217,11 +224,15 @@ def paged_variant(q, mask: Masking, lib=None):
     """The paged forward of the library (default: runtime.get_library()) for q's dtype, head
     dim and mask, else None (a library built without one, or before the axis existed)."""
     lib = lib or runtime.get_library()
-    try:
-        return lib.find("fwd", _DTYPES[q.dtype], q.shape[-1], varlen=True, paged=True,
-                        **mask.key())
-    except VariantNotBuiltError:
-        return None
+    key = (lib, q.dtype, q.shape[-1], mask)
+    if key not in _paged_variants:  # once: a miss costs a scan of the table and an error
+        try:
+            found = lib.find("fwd", _DTYPES[q.dtype], q.shape[-1], varlen=True, paged=True,
+                             **mask.key())
+        except VariantNotBuiltError:
+            found = None
+        ops._remember(_paged_variants, key, found)
+    return _paged_variants[key]
 
 
 def paged_fits(q, k_cache, block_table) -> bool:
@@ -231,7 +242,8 @@ def paged_fits(q, k_cache, block_table) -> bool:
     capacity = block_table.shape[1] * k_cache.shape[1]
     return (k_cache.shape[1] % PAGED_CHUNK_ROWS == 0 and block_table.shape[1] >= 1
             and b <= VARLEN_LIMITS["batch"] and hq <= VARLEN_LIMITS["heads"]
-            and -(-sq // 64) <= VARLEN_LIMITS["tiles_per_seq"] and b * max(capacity, sq) < 2**31)
+            and -(-sq // 64) <= VARLEN_LIMITS["tiles_per_seq"]  # 64: the smallest tile_m
+            and b * max(capacity, sq) < 2**31)
 
 
 def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, scale: float,
@@ -250,32 +262,24 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
     capacity = cols * page_size  # >= 1: the caller routes tables of no column elsewhere
     rows = q.reshape(b * sq, hq, d)
     out, lse = outputs if outputs is not None else _empty_outputs(rows)
-    device = q.device
-    key = (info.name, device, rows.shape, rows.stride(), out.stride(), k_cache.shape,
+    key = (lib, info.name, q.device, rows.shape, rows.stride(), out.stride(), k_cache.shape,
            k_cache.stride(), v_cache.stride(), cols, block_table.stride(0), mask, scale,
            ops._grid_mode())
-    template = _paged_plans.get(key)
-    if template is None:  # the checks and sizes of this signature, once
+    plan = _paged_plans.get(key)
+    if plan is None:  # the checks and sizes of this signature, once
         q4, o4 = _views(rows, out)
         ops.check_layout(q=q4, k_cache=k_cache, v_cache=v_cache)
         dims = Dims(b, sq, capacity, hq, hkv, d, _DTYPES[q.dtype])
         p = ops._make_params(q4, k_cache, v_cache, o4, lse, dims, scale,
-                             ops._num_sms(device.index), ops._grid_mode(), mask)
+                             ops._num_sms(q.device.index), ops._grid_mode(), mask)
         p.block_table_batch_stride = block_table.stride(0)
         p.page_size, p.num_pages, p.block_table_cols = page_size, pages, cols
-        template = ops._remember(_paged_plans, key, bytes(p))
-    p = runtime.FwdParams.from_buffer_copy(template)
-    p.q, p.k, p.v, p.o = ops._aligned_pointers(q=rows, k=k_cache, v=v_cache, out=out)
-    p.lse = lse.data_ptr()
-    cu_q, cu_k = packed_offsets(b, sq, capacity, device)
-    tiles = torch.empty(2 * varlen_tiles(b * sq, b, info.tile_m) * hq, dtype=torch.int32,
-                        device=device)
-    _set_varlen(p, cu_q, cu_k, tiles, b * sq, b * capacity)
-    p.seqused_k, p.block_table = seqused_k.data_ptr(), block_table.data_ptr()
+        plan = ops._remember(_paged_plans, key, _Plan(lib, info, dims, mask, scale, q.device, p))
     if _trace._active:  # a trimmed build from the trace gets the paged variant, not the gather
         _trace.record(info.name, True, batch=b, seqlen_q=sq, seqlen_k=capacity, heads_q=hq,
                       heads_kv=hkv)
-    ops._launch(lib, info, device, lambda: p)
+    _fwd_run(plan, rows, k_cache, v_cache, *packed_offsets(b, sq, capacity, q.device), out, lse,
+             seqused_k, block_table)
     return out.view(b, sq, hq, d), lse.view(hq, b, sq).permute(1, 0, 2)
 
 

@@ -89,11 +89,22 @@ def fake_launches(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
     for module, cache in ((ops, "_fwd_plans"), (ops, "_bwd_plans"), (varlen, "_plans"),
                           (varlen, "_bwd_plans"), (varlen, "_paged_plans"), (varlen, "_offsets"),
+                          (varlen, "_paged_variants"),
                           (fp8, "_plans"), (kvcache, "_plans")):
         monkeypatch.setattr(module, cache, {})
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append((info.name, make())))
     return launched
+
+
+@pytest.fixture
+def paged_forward_calls(monkeypatch):
+    """The argument tuples of every fa3gen.varlen.paged_forward call (which still runs)."""
+    from fa3gen import varlen
+    calls = []
+    real = varlen.paged_forward
+    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    return calls
 
 
 @pytest.fixture

@@ -1024,14 +1024,11 @@ def test_chunked_prefill_asks_for_the_lse_and_dequantizes_per_sequence(launched,
 PAGED_VARIANT = "fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1_paged"  # the fake library's
 
 
-def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
+def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch, paged_forward_calls):
     """A paged cache goes to the library's paged varlen forward: the cache, table and lengths
     reach its params as they are (no gather, no sync), sequence b's keys bounded by its length
     clamped to the table's capacity; the outputs come back in flash-attn's layouts."""
     from fa3gen import varlen
-    seen = []
-    real = varlen.paged_forward
-    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
     varlen_args = []
     real_set = varlen._set_varlen
     monkeypatch.setattr(varlen, "_set_varlen", lambda p, *a: varlen_args.append(a) or real_set(p, *a))
@@ -1047,7 +1044,7 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
     assert (p.block_table_batch_stride, p.page_size, p.num_pages, p.block_table_cols) == (3, 64, 10, 3)
     assert (p.k_batch_stride, p.k_row_stride, p.k_head_stride) == (64 * 256, 256, 128)
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (2, 200, 192, 400, 384)
-    used = seen[0][4]  # the lengths as given (500 past the capacity: the kernels clamp it)
+    used = paged_forward_calls[0][4]  # the lengths as given (500 past the capacity: the kernels clamp it)
     assert used.dtype == torch.int32
     assert torch.equal(used, torch.tensor([70, 500], dtype=torch.int32))
     ((cu_q, cu_k, tiles, total_q, total_k),) = varlen_args  # sequence b: rows b * 200, keys b * 192
@@ -1057,19 +1054,15 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch):
     assert tiles.dtype == torch.int32 and tiles.numel() == 2 * 5 * 4  # FA3GEN_VARLEN_TILES(400, 2, 128) = 5, 4 heads
 
 
-def test_paged_prefill_int_length(fake_launches, monkeypatch):
+def test_paged_prefill_int_length(fake_launches, paged_forward_calls):
     """An int cache_seqlens is every sequence's length, made on the device."""
-    from fa3gen import varlen
-    seen = []
-    real = varlen.paged_forward
-    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: seen.append(a) or real(*a, **kw))
     q = torch.zeros(2, 40, 4, 128, dtype=BF)
     kc = torch.zeros(10, 64, 2, 128, dtype=BF)
     table = torch.tensor([[3, 0, 1, 0], [0, 0, 9, 0]], dtype=torch.int32)
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=50, block_table=table, causal=True)
     ((name, p),) = fake_launches
     assert name == PAGED_VARIANT and p.block_table == table.data_ptr() and p.block_table_cols == 4
-    assert torch.equal(seen[0][4], torch.tensor([50, 50], dtype=torch.int32))
+    assert torch.equal(paged_forward_calls[0][4], torch.tensor([50, 50], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("case", ["page_48", "requires_grad", "window", "fp16"])

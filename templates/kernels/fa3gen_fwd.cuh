@@ -41,22 +41,15 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   auto k = rows(a.k, rows_k, a.heads_kv, batches_k, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
   // V as TMA loads it: V^T straight into the MN-major B operand (16-bit), or rows like K into
   // the raw slots the fp8 kernel transposes.
-  auto tma_v = [&]() {
+  auto v = [&]() {
     if constexpr (Traits::kFp8) {
-      auto v = rows(a.v, rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
-      return make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutVRaw{}));
+      return rows(a.v, rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
     } else {
-      auto vt = make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
-                            make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches_k),
-                                        make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
-      if constexpr (Paged) return make_tma_copy(SM90_TMA_LOAD{}, vt, typename Traits::SmemLayoutVtChunk{});
-      else return make_tma_copy(SM90_TMA_LOAD{}, vt, take<0, 2>(typename Traits::SmemLayoutVt{}));
+      return make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
+                         make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches_k),
+                                     make_stride(_1{}, a.v_row_stride, a.v_head_stride, a.v_batch_stride)));
     }
-  };
-  auto tma_k = [&]() {
-    if constexpr (Paged) return make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKChunk{});
-    else return make_tma_copy(SM90_TMA_LOAD{}, k, take<0, 2>(typename Traits::SmemLayoutK{}));
-  };
+  }();
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
   if (int64_t(m_blocks) * a.heads_q * a.batch > INT32_MAX / 2) {  // tile indices (pairs round up, plus 2 * grid) are ints
@@ -92,8 +85,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
 
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
-      tma_k(),
-      tma_v(),
+      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKBox{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutVBox{}),
       a.o, a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,

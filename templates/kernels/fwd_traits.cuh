@@ -209,17 +209,15 @@ struct FwdTraits {
   using SmemLayoutVtChunk = decltype(composition(
       take<0, 2>(SmemLayoutVt{}), Layout<Shape<Int<HeadDim>, Int<kPageChunk>>, Stride<_1, Int<HeadDim>>>{}));
   static constexpr int kChunkOffset = kPageChunk * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
-  static constexpr auto make_tma_k() {
-    if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutKChunk{});
-    else return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutK{}));
-  }
-  using TmaK = decltype(make_tma_k());
-  static constexpr auto make_tma_v() {
-    if constexpr (kFp8) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutVRaw{}));
-    else if constexpr (kPaged) return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, SmemLayoutVtChunk{});
-    else return make_tma_copy(SM90_TMA_LOAD{}, GmemTensorVt{}, take<0, 2>(SmemLayoutVt{}));
-  }
-  using TmaV = decltype(make_tma_v());
+  // What one TMA load of K or V lands (the host builds the descriptors with these): a whole
+  // stage, a paged chunk, or for fp8 a raw V slot (V as stored, rows like K).
+  using SmemLayoutKBox = cute::conditional_t<kPaged, SmemLayoutKChunk, decltype(take<0, 2>(SmemLayoutK{}))>;
+  using SmemLayoutVBox = cute::conditional_t<
+      kFp8, decltype(take<0, 2>(SmemLayoutVRaw{})),
+      cute::conditional_t<kPaged, SmemLayoutVtChunk, decltype(take<0, 2>(SmemLayoutVt{}))>>;
+  using GmemTensorV = cute::conditional_t<kFp8, GmemTensorRows, GmemTensorVt>;
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutKBox{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorV{}, SmemLayoutVBox{}));
 
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = TileN * HeadDim * sizeof(Element);

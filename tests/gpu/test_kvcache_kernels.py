@@ -210,7 +210,7 @@ def test_cache_rows_past_lengths_ignored(lib, seqlen_q, paged):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("page", [64, 192, 256])
-def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
+def test_paged_prefill_kernel(lib, dtype, d, causal, page, paged_forward_calls):
     """Chunked prefill over a paged cache runs the paged varlen forward (keys read through the
     block table in place; pages of 192 rows split key blocks): shuffled pages, ragged lengths
     (0, 1, odd, a page's end), GQA,
@@ -221,9 +221,6 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     info = varlen.paged_variant(torch.empty(1, 1, 1, d, dtype=dtype), ops.masking(causal), lib)
     if info is None:
         pytest.skip("the library has no paged forward for this key")
-    calls = []
-    real = varlen.paged_forward
-    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     b, sq, hq, hkv, cols = 5, 80, 8, 2, -(-2560 // page)
     g = torch.Generator(device="cuda").manual_seed(11 + page + d)
     # 3000: past the table's capacity (cols * page, 2560-2688), which the kernel clamps it to
@@ -239,7 +236,7 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
                                                causal=causal, return_lse=True)
     torch.cuda.synchronize()
-    assert calls == [1]
+    assert len(paged_forward_calls) == 1
     clean = table.clamp(0, pages - 1)  # the reference gathers the used pages only
     ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, block_table=clean)
     _check(out, lse, ref, ref_lse)
@@ -247,14 +244,11 @@ def test_paged_prefill_kernel(lib, dtype, d, causal, page, monkeypatch):
 
 @pytest.mark.parametrize("capacity", [2048, 2000], ids=["rows_of_64s", "other_rows"])
 @pytest.mark.parametrize("lengths", ["tensor", "int"])
-def test_prefill_with_cache_batch_idx(lib, capacity, lengths, monkeypatch):
+def test_prefill_with_cache_batch_idx(lib, capacity, lengths, paged_forward_calls):
     """Chunked prefill over a contiguous cache with cache_batch_idx (shuffled, one row unused):
     capacities of whole 64-row chunks run the paged forward with each cache row as one page,
     others gather; NaN in the rows no sequence reads; against the reference."""
     from fa3gen import varlen
-    calls = []
-    real = varlen.paged_forward
-    monkeypatch.setattr(varlen, "paged_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     b, sq, hq, hkv, d = 3, 96, 8, 2, 128
     g = torch.Generator(device="cuda").manual_seed(13)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -272,7 +266,7 @@ def test_prefill_with_cache_batch_idx(lib, capacity, lengths, monkeypatch):
         causal=True, return_lse=True)
     torch.cuda.synchronize()
     info = varlen.paged_variant(q, ops.masking(True), lib)
-    assert calls == ([1] if capacity % 64 == 0 and info is not None else [])
+    assert len(paged_forward_calls) == (1 if capacity % 64 == 0 and info is not None else 0)
     ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, cache_batch_idx=idx, causal=True)
     _check(out, lse, ref, ref_lse)
 
