@@ -81,21 +81,38 @@ def graph_replay(fn, calls: int):
     return graph.replay
 
 
-def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None) -> list[float]:
+def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: float = 0.0,
+                 order: str = "rotate") -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
-    steady use, not a burst): rounds of back-to-back launches lasting at least min_ms, the fns
-    alternating with their order rotated every round. tag(i) is called before each timed
-    batch of fns[i] and tag(None) after it (a PowerSampler's `tag`)."""
+    steady use, not a burst): rounds of back-to-back launches lasting at least min_ms each, the
+    fns alternating. order "rotate" starts each round one fn later (so a fn always follows the
+    same one); "shuffle" draws each round's order (seeded by the round). settle_ms > 0 runs each
+    fn untimed that long right before its timed batch, with no gap: under the 700 W cap a call
+    timed right after a slow or host-bound one starts with power headroom and reads fast.
+    tag(i) is called before each timed batch of fns[i] and tag(None) after it (a
+    PowerSampler's `tag`)."""
+    import random
+
+    if order not in ("rotate", "shuffle"):
+        raise ValueError(f"order must be 'rotate' or 'shuffle', not {order!r}")
     tag = tag or (lambda i: None)
     for fn in fns:  # warm-up
         batch_ms(fn, 3)
-    launches = max(3, int(min_ms / batch_ms(fns[0], 5)))
+    per_launch = [batch_ms(fn, 5) for fn in fns]
+    launches = [max(3, int(min_ms / ms)) for ms in per_launch]
+    settles = [int(settle_ms / ms) for ms in per_launch]
     times: list[list[float]] = [[] for _ in fns]
     for r in range(rounds):
-        order = list(range(len(fns)))
-        for i in order[r % len(fns):] + order[:r % len(fns)]:
+        ids = list(range(len(fns)))
+        if order == "rotate":
+            ids = ids[r % len(fns):] + ids[:r % len(fns)]
+        else:
+            random.Random(r).shuffle(ids)
+        for i in ids:
+            for _ in range(settles[i]):
+                fns[i]()
             tag(i)
-            times[i].append(batch_ms(fns[i], launches))
+            times[i].append(batch_ms(fns[i], launches[i]))
             tag(None)
     return [statistics.median(t) for t in times]
 

@@ -278,3 +278,53 @@ def test_provenance_names_the_command_that_ran(monkeypatch, tmp_path):
     assert (head["gpu"], head["commit"], head["build_info"]) == ("fake GPU", "abc1234", {"spec": "x"})
     monkeypatch.setattr(sys, "argv", ["tests/gpu/bench_features.py", "--kinds", "softcap"])
     assert bench.provenance(lib)["command"] == "python3 tests/gpu/bench_features.py --kinds softcap"
+
+
+def _fake_batches(monkeypatch):
+    """timing.batch_ms replaced by a log of (fn name, launches) that takes no time: each fn's
+    launch costs its `ms` attribute. Untimed settle launches log as calls of the fn itself."""
+    log = []
+
+    def batch_ms(fn, launches):
+        log.append(("timed", fn.__name__, launches))
+        return fn.ms
+
+    monkeypatch.setattr(timing, "batch_ms", batch_ms)
+
+    def make(name, ms):
+        def fn():
+            log.append(("settle", name))
+        fn.__name__, fn.ms = name, ms
+        return fn
+    return log, make
+
+
+def test_sustained_rotates_by_default_and_sizes_each_batch_by_its_own_fn(monkeypatch):
+    log, make = _fake_batches(monkeypatch)
+    fast, slow = make("fast", 0.5), make("slow", 4.0)
+    assert timing.sustained_ms([fast, slow], rounds=3, min_ms=20.0) == [0.5, 4.0]
+    assert log[:4] == [("timed", "fast", 3), ("timed", "slow", 3), ("timed", "fast", 5), ("timed", "slow", 5)]
+    # then 20 ms batches: 40 launches of the fast one, 5 of the slow one, order rotated a round
+    assert log[4:] == [("timed", "fast", 40), ("timed", "slow", 5), ("timed", "slow", 5),
+                       ("timed", "fast", 40), ("timed", "fast", 40), ("timed", "slow", 5)]
+    assert not [e for e in log if e[0] == "settle"]  # no settle by default
+
+
+def test_sustained_settles_each_fn_before_its_batch_and_can_shuffle(monkeypatch):
+    log, make = _fake_batches(monkeypatch)
+    fns = [make(f"f{i}", 1.0) for i in range(5)]
+    tags = []
+    timing.sustained_ms(fns, rounds=4, min_ms=10.0, settle_ms=6.0, order="shuffle", tag=tags.append)
+    body = log[10:]  # after each fn's warm-up and sizing batches
+    rounds = [body[r * 35:(r + 1) * 35] for r in range(4)]  # 5 fns x (6 settle + 1 timed)
+    orders = []
+    for chunk in rounds:
+        order = [e[1] for e in chunk if e[0] == "timed"]
+        assert sorted(order) == [f"f{i}" for i in range(5)]  # each fn once a round
+        for j, name in enumerate(order):  # its own six settle launches right before it
+            assert chunk[7 * j:7 * j + 7] == [("settle", name)] * 6 + [("timed", name, 10)]
+        orders.append(order)
+    assert len({tuple(o) for o in orders}) > 1  # not one fixed order
+    assert tags[1::2] == [None] * 20 and sorted(tags[0::2]) == sorted(list(range(5)) * 4)
+    with pytest.raises(ValueError, match="rotate"):
+        timing.sustained_ms(fns, 1, 1.0, order="random")

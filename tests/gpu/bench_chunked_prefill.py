@@ -11,9 +11,10 @@ cache_batch_idx, both through the paged varlen forward (the latter one page a ca
 runs again with the paged variants hidden ("before": the path taken before them: a gathered
 copy after a sync for the paged cache; the length and row read on the host, two syncs, and a
 view for cache_batch_idx; the int and tensor calls take the same path twice, a control of what
-the bench's order alone moves: sustained_ms times the calls in a fixed cyclic order, so a call
-after a slow, low-power one may run with the power cap's headroom; each call's mean board power
-and SM clock, from nvidia-smi, are printed and kept to tell). TFLOP/s count the
+the bench's order alone moves: with --order rotate and no --settle-ms, sustained_ms times the
+calls in a fixed cyclic order, so a call after a slow, low-power one may run with the power
+cap's headroom; "dense_again", the dense call placed after a fast one, is another; each call's
+mean board power and SM clock, from nvidia-smi, are printed and kept to tell). TFLOP/s count the
 visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
 Not a pytest module."""
 import argparse
@@ -52,6 +53,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--min-ms", type=float, default=60)
     ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--settle-ms", type=float, default=0.0,
+                    help="untimed launches of each call right before its timed batch (timing.sustained_ms)")
+    ap.add_argument("--order", choices=("rotate", "shuffle"), default="rotate")
     args = ap.parse_args()
     dt, rows, PAGE = torch.bfloat16, [], args.page
     print("| seqlen_q | seqlen_k | dense | " + " | ".join(f"{LABELS[c]} (before)" for c in CALLS)
@@ -88,6 +92,8 @@ def main() -> int:
                 for name, call in calls.items():
                     fns[name] = call
                     fns[name + "_before"] = lambda call=call: before(call)
+                    if name == "cache_int":  # a control: dense again, after a fast call (dense follows a syncing one)
+                        fns["dense_again"] = fns["dense"]
                 ref = fns["dense"]()
                 for name, fn in fns.items():  # every path computes the same thing
                     err = (fn().float() - ref.float()).abs().max().item()
@@ -95,7 +101,8 @@ def main() -> int:
                         print(f"{name}: differs from dense by {err}", file=sys.stderr)
                         return 1
                 sampler.reset()
-                ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms, tag=sampler.tag)
+                ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms, tag=sampler.tag,
+                                        settle_ms=args.settle_ms, order=args.order)
                 power = sampler.means(range(len(fns)))
                 pairs = sq * (sk - sq) + sq * (sq + 1) / 2
                 tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
@@ -106,6 +113,7 @@ def main() -> int:
                       + " | ".join(f"{tf[c]:.0f} ({tf[c + '_before']:.0f})" for c in CALLS) + " | "
                       + " | ".join(f"{tf[c] / tf['dense']:.2f} ({tf[c + '_before'] / tf['dense']:.2f})"
                                    for c in CALLS) + " |", flush=True)
+                print(f"  dense again: {tf['dense_again']:.0f}", flush=True)
                 print("  mean SM MHz: " + ", ".join(f"{name} {mhz:.0f}" for name, (_, mhz) in
                                                    row["power_w_sm_mhz"].items() if mhz), flush=True)
                 del kc, vc, k, v, kp, vp
@@ -113,7 +121,9 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"header": bench.provenance(runtime.get_library()), "dtype": "bf16", "heads_q": HQ, "heads_kv": HKV,
-                       "head_dim": D, "page_size": PAGE, "causal": True, "rows": rows}, f, indent=1)
+                       "head_dim": D, "page_size": PAGE, "causal": True, "rows": rows,
+                       "timing": {"rounds": args.rounds, "min_ms": args.min_ms, "settle_ms": args.settle_ms,
+                                  "order": args.order}}, f, indent=1)
     return 0
 
 
