@@ -294,13 +294,25 @@ def _dtype_list(s: str) -> list[str]:
 
 def positive_ms(text: str) -> float:
     """An argparse type: a finite number of milliseconds > 0 (--min-ms)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _ms(text)
     if not 0.0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number of milliseconds > 0, got {text!r}")
     return value
+
+
+def nonnegative_ms(text: str) -> float:
+    """An argparse type: a finite number of milliseconds >= 0 (--settle-ms)."""
+    value = _ms(text)
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of milliseconds >= 0, got {text!r}")
+    return value
+
+
+def _ms(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
 
 
 def int_list(example: str):
@@ -357,6 +369,13 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="sustained timing: back-to-back launches per round and backend, ms "
                         "(default 100)")
+    p.add_argument("--settle-ms", type=nonnegative_ms, default=None,
+                   help="sustained timing: untimed launches of a backend right before each of its "
+                        "timed batches, ms (default half of --min-ms; 0: none). Without them a "
+                        "backend timed after a slower one reads up to 9%% fast")
+    p.add_argument("--order", choices=("rotate", "shuffle"), default="rotate",
+                   help="sustained timing: the backends' order each round, rotated by one "
+                        "(default) or shuffled (seeded)")
     p.add_argument("--burst", action="store_true",
                    help="time each backend alone in a short burst (--warmup, --iters) instead: "
                         "reads 5-12%% higher than steady use on a power-capped board")
@@ -424,8 +443,9 @@ def run(args) -> int:
     header["timing"] = (f"burst: each backend alone, median of {args.iters} CUDA-event-timed "
                         f"launches after {args.warmup}" if args.burst else
                         f"sustained: {args.rounds} rounds of >= {args.min_ms:g} ms of "
-                        "back-to-back launches per backend, backends alternating with the order "
-                        "rotated, median")
+                        "back-to-back launches per backend, each after "
+                        f"{_settle(args):g} ms of its own untimed launches, backends alternating "
+                        f"with the order {'rotated' if args.order == 'rotate' else 'shuffled'}, median")
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
@@ -558,6 +578,12 @@ def _fa4_forward():
     return call
 
 
+def _settle(args) -> float:
+    """--settle-ms, or half of --min-ms when not given (timing.sustained_ms's default)."""
+    settle = getattr(args, "settle_ms", None)
+    return args.min_ms / 2 if settle is None else settle
+
+
 def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
     """(ms, power W, SM MHz) per backend of fns ({name: callable or None}). Each callable runs
     once first; one that fails is reported and left out. Sustained (the default): all of them
@@ -587,6 +613,7 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
     if sampler is not None:
         sampler.reset()
     times = sustained_ms([runnable[n] for n in names], args.rounds, args.min_ms,
+                         settle_ms=_settle(args), order=getattr(args, "order", "rotate"),
                          tag=sampler.tag if sampler is not None else None)
     ms = dict(zip(names, times))
     if sampler is not None:

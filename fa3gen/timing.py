@@ -81,14 +81,15 @@ def graph_replay(fn, calls: int):
     return graph.replay
 
 
-def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: float = 0.0,
+def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: float | None = None,
                  order: str = "rotate") -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
     steady use, not a burst): rounds of back-to-back launches lasting at least min_ms each, the
     fns alternating. order "rotate" starts each round one fn later (so a fn always follows the
-    same one); "shuffle" draws each round's order (seeded by the round). settle_ms > 0 runs each
-    fn untimed that long right before its timed batch, with no gap: under the 700 W cap a call
-    timed right after a slow or host-bound one starts with power headroom and reads fast.
+    same one); "shuffle" draws each round's order (seeded by the round). Each fn runs untimed for
+    settle_ms (default min_ms / 2; 0 for none) right before its timed batch, with no gap: under
+    the 700 W cap a call timed right after a slower, lower-power one starts with headroom and
+    read up to 9% fast (the same kernel 668 after a syncing call, 614 after a fast one).
     tag(i) is called before each timed batch of fns[i] and tag(None) after it (a
     PowerSampler's `tag`)."""
     import random
@@ -96,6 +97,7 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
     if order not in ("rotate", "shuffle"):
         raise ValueError(f"order must be 'rotate' or 'shuffle', not {order!r}")
     tag = tag or (lambda i: None)
+    settle_ms = min_ms / 2 if settle_ms is None else settle_ms
     for fn in fns:  # warm-up
         batch_ms(fn, 3)
     per_launch = [batch_ms(fn, 5) for fn in fns]

@@ -173,7 +173,8 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls = []
 
-    def fake_sustained(fns, rounds, min_ms, tag=None):
+    def fake_sustained(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate"):
+        calls.append((settle_ms, order))
         for i, _ in enumerate(fns):
             tag(i)
             calls.append(i)
@@ -201,6 +202,10 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
     ms, power, clock = bench.measure_backends(
         {"fa3gen": lambda: None, "cudnn": boom, "flash": None, "fa4": lambda: None}, args, sampler)
     assert ms == {"fa3gen": 1.0, "fa4": 2.0} and sampler.seen == [0, 1]
+    assert calls[0] == (2.5, "rotate")  # settle: half of --min-ms unless --settle-ms says
+    bench.measure_backends({"fa3gen": lambda: None}, types.SimpleNamespace(
+        burst=False, rounds=1, min_ms=5.0, settle_ms=0.0, order="shuffle"), sampler)
+    assert calls[-2] == (0.0, "shuffle")
     assert power == {"fa3gen": 300.0, "fa4": 301.0} and clock["fa4"] == 1980.0
     assert "cuDNN failed: no kernel for this shape" in capsys.readouterr().err
     monkeypatch.setattr(bench, "time_or_none", lambda label, fn, warmup, iters: 3.0)
@@ -299,15 +304,18 @@ def _fake_batches(monkeypatch):
     return log, make
 
 
-def test_sustained_rotates_by_default_and_sizes_each_batch_by_its_own_fn(monkeypatch):
+def test_sustained_rotates_and_sizes_each_batch_by_its_own_fn(monkeypatch):
     log, make = _fake_batches(monkeypatch)
     fast, slow = make("fast", 0.5), make("slow", 4.0)
-    assert timing.sustained_ms([fast, slow], rounds=3, min_ms=20.0) == [0.5, 4.0]
+    assert timing.sustained_ms([fast, slow], rounds=3, min_ms=20.0, settle_ms=0) == [0.5, 4.0]
     assert log[:4] == [("timed", "fast", 3), ("timed", "slow", 3), ("timed", "fast", 5), ("timed", "slow", 5)]
     # then 20 ms batches: 40 launches of the fast one, 5 of the slow one, order rotated a round
     assert log[4:] == [("timed", "fast", 40), ("timed", "slow", 5), ("timed", "slow", 5),
                        ("timed", "fast", 40), ("timed", "fast", 40), ("timed", "slow", 5)]
-    assert not [e for e in log if e[0] == "settle"]  # no settle by default
+    assert not [e for e in log if e[0] == "settle"]  # settle_ms=0: none
+    log.clear()
+    timing.sustained_ms([slow], rounds=1, min_ms=20.0)  # by default half of min_ms
+    assert log[2:] == [("settle", "slow")] * 2 + [("timed", "slow", 5)]
 
 
 def test_sustained_settles_each_fn_before_its_batch_and_can_shuffle(monkeypatch):

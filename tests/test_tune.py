@@ -223,7 +223,7 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
             return lambda: None
         return make
 
-    def sustained_ms(fns, rounds, min_ms, tag=None):
+    def sustained_ms(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate"):
         for i in range(len(fns)):
             tag(i)
             wait_for_sample(samplers[-1], i)
