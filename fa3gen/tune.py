@@ -4,7 +4,7 @@ winners into the spec's dispatch section.
 For each key of the spec with several candidates (a key with one needs no choice), every
 candidate runs the same shapes (batch = --tokens // seqlen, heads = --hidden // head_dim, one
 per --seqlens entry) under sustained timing (fa3gen.timing.sustained_ms: the candidates of a
-shape alternate, order rotated per round, median). The winner has the highest geometric-mean
+shape alternate, order rotated per round, each settled before its timed batch, median). The winner has the highest geometric-mean
 speed over the shapes. The spec's `dispatch:` block is then replaced by one exact entry per
 multi-candidate key (the winner; keys not timed keep their current default), each commented
 with its measurement; the new spec is validated (it must resolve to those defaults) before it
@@ -203,7 +203,12 @@ def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
     from fa3gen import ops, timing, varlen
     from fa3gen.ops import TORCH_DTYPES
 
-    direction, dtype, d, causal, local, softcap, packed = key
+    axes = dict(zip(KEY_AXES, key))
+    if axes["paged"]:
+        raise Fa3genError(f"fa3gen tune does not time paged keys yet ({key_str(key)}): "
+                          "leave them out with --keys")
+    direction, dtype, d, causal = axes["direction"], axes["dtype"], axes["head_dim"], axes["causal"]
+    local, softcap, packed = axes["local"], axes["softcap"], axes["varlen"]
     b, s, h = shape["batch"], shape["seqlen"], shape["heads"]
     mask = ops.masking(causal, LOCAL_WINDOW if local else (-1, -1), SOFTCAP if softcap else 0.0)
     kw = dict(causal=causal, window_size=(mask.window_left, mask.window_right),

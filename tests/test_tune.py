@@ -271,3 +271,26 @@ def test_keys_not_timed_keep_their_ranges_and_what_follows_the_block_stays(tmp_p
         (0, 2047, "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1")]
     out = path.read_text()
     assert "# --- kept comment ---" in out and spec.decode == (("bf16", 128),)
+
+
+def test_call_reads_every_key_axis_and_refuses_paged_keys(monkeypatch):
+    """_call takes a whole dispatch key (it had unpacked seven axes and broke on the eighth,
+    `paged`, on the GPU only): a plain and a varlen key give a candidate-maker; a paged key is
+    refused by name."""
+    torch = pytest.importorskip("torch")
+    from fa3gen import ops, timing, varlen
+    from fa3gen.contract import make_key
+
+    shape = {"batch": 2, "seqlen": 8, "heads": 2}
+    monkeypatch.setattr(timing, "random_inputs", lambda s, dt, n, seed=0: [
+        torch.zeros(s["batch"], s["seqlen"], s["heads"], s["head_dim"], dtype=dt) for _ in range(n)])
+    ran = []
+    monkeypatch.setattr(ops, "flash_attn_func", lambda *a, **kw: ran.append(("dense", kw)))
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda *a, **kw: ran.append(("varlen", kw)))
+    monkeypatch.setattr(torch, "arange", lambda *a, **kw: torch.tensor([0, 8, 16], dtype=torch.int32))
+    tune._call(make_key("fwd", "bf16", 64, True, softcap=True), shape)("v1")()
+    tune._call(make_key("fwd", "bf16", 64, False, varlen=True), shape)("v2")()
+    assert [(k, kw["variant"], kw["causal"], kw["softcap"]) for k, kw in ran] == [
+        ("dense", "v1", True, tune.SOFTCAP), ("varlen", "v2", False, 0.0)]
+    with pytest.raises(Fa3genError, match="paged keys"):
+        tune._call(make_key("fwd", "bf16", 64, True, varlen=True, paged=True), shape)
