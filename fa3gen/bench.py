@@ -27,7 +27,7 @@ from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
-                           report_failure, sustained_ms, tflops, time_or_none)
+                           report_failure, settle_for, sustained_ms, tflops, time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
 DOCS_DIR = REPO_ROOT / "docs" if IN_CHECKOUT else Path(".")
@@ -579,9 +579,8 @@ def _fa4_forward():
 
 
 def _settle(args) -> float:
-    """--settle-ms, or half of --min-ms when not given (timing.sustained_ms's default)."""
-    settle = getattr(args, "settle_ms", None)
-    return args.min_ms / 2 if settle is None else settle
+    """--settle-ms, or sustained_ms's default for --min-ms when not given."""
+    return settle_for(args.min_ms, getattr(args, "settle_ms", None))
 
 
 def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):

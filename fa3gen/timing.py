@@ -81,6 +81,12 @@ def graph_replay(fn, calls: int):
     return graph.replay
 
 
+def settle_for(min_ms: float, settle_ms: float | None = None) -> float:
+    """The untimed lead-in before each timed batch of sustained_ms: settle_ms, or half of
+    min_ms when None."""
+    return min_ms / 2 if settle_ms is None else settle_ms
+
+
 def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: float | None = None,
                  order: str = "rotate") -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
@@ -97,7 +103,7 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
     if order not in ("rotate", "shuffle"):
         raise ValueError(f"order must be 'rotate' or 'shuffle', not {order!r}")
     tag = tag or (lambda i: None)
-    settle_ms = min_ms / 2 if settle_ms is None else settle_ms
+    settle_ms = settle_for(min_ms, settle_ms)
     for fn in fns:  # warm-up
         batch_ms(fn, 3)
     per_launch = [batch_ms(fn, 5) for fn in fns]
