@@ -6,7 +6,8 @@ the same variant name in the second, in one process.
 
 Not a pytest module. Shapes follow the bench grid (16k tokens, hidden 2048). Each point is
 measured sustained: after a warm-up, rounds of back-to-back launches of at least --min-ms each,
-the two libraries alternating with the order rotated every round; a point's time is the median
+the two libraries alternating with the order rotated every round, each batch right after half of
+--min-ms of the same library's untimed launches; a point's time is the median
 over its rounds. Prints one markdown row per point with B / A. Varlen variants are timed on
 bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
 value as the mean length L, TFLOP/s on the real work.

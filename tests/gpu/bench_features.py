@@ -1,6 +1,7 @@
 """Sliding-window and softcap attention: fa3gen beside FA4 (flash_attn.cute, when it imports)
 in one process, measured sustained (fa3gen.timing.sustained_ms: rounds of back-to-back
-launches of at least --min-ms each, backends alternating with the order rotated, median).
+launches of at least --min-ms each, backends alternating with the order rotated, each settled
+first, median).
 
     python3 tests/gpu/bench_features.py --json features.json
 

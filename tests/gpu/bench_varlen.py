@@ -1,7 +1,7 @@
 """Variable-length batches: fa3gen's flash_attn_varlen_func beside FA4's (flash_attn.cute, when
 it imports) and beside fa3gen's own padded-batch call at seqlen L, in one process, measured
 sustained (fa3gen.timing.sustained_ms: rounds of back-to-back launches of at least --min-ms
-each, backends alternating with the order rotated, median).
+each, backends alternating with the order rotated, each settled first, median).
 
     python3 tests/gpu/bench_varlen.py --json varlen.json
 

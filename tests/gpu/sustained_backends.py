@@ -1,6 +1,7 @@
 """The measurement the GPU bench scripts share (bench_features.py, bench_varlen.py): several
 backends on one point, each first run once (a failure is reported, not fatal), then timed
-together by fa3gen.timing.sustained_ms (rounds of back-to-back launches, order rotated)."""
+together by fa3gen.timing.sustained_ms (rounds of back-to-back launches, order rotated, each
+settled before its timed batch)."""
 
 import torch
 
