@@ -76,3 +76,30 @@ def test_ncu_phases_splits_the_steady_loop():
     assert result["all_samples"] == 1075 and result["steady_loop_warp_steps"] == 100
     assert result["steady_loop_samples"] == {"other": 1000, "softmax_math": 30, "wait_all_gemms": 19,
                                              "wait_S": 11, "gemm_issue": 7}
+
+
+def test_ab_libraries_times_a_paged_variant_through_its_pages(fake_launches):
+    """ab_libraries' paged points (the A/B of a paged variant ran into the varlen path, which
+    refuses it): each library's call launches the paged variant with the block table, pages of
+    PAGED_CHUNK_ROWS rows and every sequence's length, and the FLOPs are the dense shape's."""
+    torch = pytest.importorskip("torch")
+    from fa3gen import bench, runtime
+    from fa3gen.contract import PAGED_CHUNK_ROWS
+
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import ab_libraries
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    lib = runtime.get_library()
+    info = lib.get("fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1_paged")
+    assert info.paged and info.varlen  # what points() routes to paged_point, before varlen
+    shape = {"batch": 2, "seqlen": 192, "heads": 2, "head_dim": 128}
+    fns, flops = ab_libraries.paged_point([lib, lib], info, shape, device="cpu")
+    assert flops == bench.attention_flops(2, 2, 192, 192, 128, True)
+    for fn in fns:
+        fn()
+    assert [name for name, _ in fake_launches] == [info.name] * 2
+    p = fake_launches[0][1]
+    assert (p.page_size, p.num_pages, p.block_table_cols) == (PAGED_CHUNK_ROWS, 6, 3)
+    assert p.block_table and p.seqused_k  # the table and the lengths reach the kernel

@@ -10,7 +10,8 @@ the two libraries alternating with the order rotated every round, each batch rig
 --min-ms of the same library's untimed launches; a point's time is the median
 over its rounds. Prints one markdown row per point with B / A. Varlen variants are timed on
 bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
-value as the mean length L, TFLOP/s on the real work.
+value as the mean length L, TFLOP/s on the real work; paged variants on the bench grid's shapes,
+each sequence's keys in shuffled pages of 64 rows (paged_point).
 """
 
 import argparse
@@ -23,6 +24,7 @@ import torch
 from bench_varlen import TOTAL, cu_seqlens, lengths_for, real_flops
 from fa3gen import Fa3genError, bench, ops, runtime, timing, varlen
 from fa3gen.checks import probe_masking
+from fa3gen.contract import PAGED_CHUNK_ROWS
 
 
 def _forward_default(lib, info):
@@ -75,8 +77,33 @@ def varlen_point(libs, info, mean: int):
             for p in plans], real_flops(lengths, heads, d, info.causal, True)
 
 
+def paged_point(libs, info, shape: dict, device="cuda"):
+    """(one call a library, FLOPs) of a paged forward variant: batch x seqlen query rows over
+    their own seqlen keys, read from shuffled pages of PAGED_CHUNK_ROWS rows through
+    varlen.paged_forward (the chunked-prefill path of flash_attn_with_kvcache)."""
+    b, s, h, d = shape["batch"], shape["seqlen"], shape["heads"], shape["head_dim"]
+    page = PAGED_CHUNK_ROWS
+    per_seq = -(-s // page)
+    dt = ops.TORCH_DTYPES[info.dtype]
+    gen = torch.Generator(device=device).manual_seed(s)
+    q = torch.randn(b, s, h, d, device=device, dtype=dt, generator=gen)
+    order = torch.randperm(b * per_seq, device=device, generator=gen)
+    k_pages, v_pages = (torch.randn(b * per_seq, page, h, d, device=device, dtype=dt, generator=gen)
+                        for _ in range(2))
+    table = order.to(torch.int32).reshape(b, per_seq)  # sequence i's pages, shuffled
+    used = torch.full((b,), s, dtype=torch.int32, device=device)
+    mask = ops.masking(info.causal, **probe_masking(info))
+    outputs = varlen._empty_outputs(q.reshape(b * s, h, d))
+    fns = [lambda lib=lib: varlen.paged_forward(q, k_pages, v_pages, table, used, mask, d ** -0.5,
+                                                lib.get(info.name), lib, outputs) for lib in libs]
+    return fns, bench.attention_flops(b, h, s, s, d, info.causal, "fwd")
+
+
 def points(libs, info, seqlens):
     """[(seqlen or mean length, one call a library, FLOPs)] of one variant."""
+    if info.paged:
+        return [(shape["seqlen"], *paged_point(libs, info, shape))
+                for shape in bench.grid(seqlens, [info.head_dim])]
     if info.varlen:
         return [(mean, *varlen_point(libs, info, mean)) for mean in seqlens]
     return [(shape["seqlen"], point_fns(libs, info, shape),
