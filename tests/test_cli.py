@@ -242,7 +242,10 @@ def test_bad_option_values_are_argument_errors(capsys):
     for argv, message in ((["tune", "--spec", "h100", "--keys", "("], "not a regular expression"),
                           (["bench", "--min-ms", "inf"], "finite number of milliseconds"),
                           (["tune", "--min-ms", "-1"], "finite number of milliseconds"),
-                          (["ablate", "--min-ms", "nan"], "finite number of milliseconds")):
+                          (["ablate", "--min-ms", "nan"], "finite number of milliseconds"),
+                          (["bench", "--settle-ms", "-5"], "milliseconds >= 0"),
+                          (["bench", "--settle-ms", "x"], "milliseconds >= 0"),
+                          (["bench", "--order", "random"], "invalid choice")):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
