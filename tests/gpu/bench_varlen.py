@@ -15,6 +15,7 @@ only: 4 * head_dim FLOPs per visible (query, key) pair forward, 2.5x that backwa
 import argparse
 import itertools
 import json
+import os
 import random
 import sys
 
@@ -52,6 +53,19 @@ def real_flops(lengths: list[int], heads: int, head_dim: int, causal: bool, back
     return 4 * head_dim * heads * (2.5 if backward else 1.0) * sum(pairs(n, causal) for n in lengths)
 
 
+def with_grid(mode: str, call):
+    """call() with FA3GEN_GRID=mode (the forward's grid policy, read per call), then restored."""
+    old = os.environ.get("FA3GEN_GRID")
+    os.environ["FA3GEN_GRID"] = mode
+    try:
+        return call()
+    finally:
+        if old is None:
+            del os.environ["FA3GEN_GRID"]
+        else:
+            os.environ["FA3GEN_GRID"] = old
+
+
 def fa4_varlen():
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func as fa4
@@ -75,6 +89,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-ms", type=float, default=100.0)
     p.add_argument("--no-fa4", action="store_true")
+    p.add_argument("--persistent", action="store_true",
+                   help="also time fa3gen's varlen forward on the persistent grid "
+                        "(FA3GEN_GRID=persistent, one CTA per SM) in the same rounds")
     p.add_argument("--json")
     args = p.parse_args()
     fa4 = None if args.no_fa4 else fa4_varlen()
@@ -102,10 +119,13 @@ def main() -> int:
         }
         if fa4 is not None:
             calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, causal), (q, k, v))
+        if args.persistent and direction == "fwd":
+            calls["persistent"] = (lambda: with_grid("persistent", lambda: flash_attn_varlen_func(
+                q, k, v, cu, cu, longest, longest, causal=causal)), (q, k, v))
         res = measure(calls, direction, args.rounds, args.min_ms)
         flops = {"fa3gen": real_flops(lengths, h, d, causal, grad),
                  "padded": real_flops([mean] * (TOTAL // mean), h, d, causal, grad)}
-        flops["fa4"] = flops["fa3gen"]
+        flops["fa4"] = flops["persistent"] = flops["fa3gen"]
         row = dict(direction=direction, head_dim=d, causal=causal, mean=mean, heads=h,
                    sequences=len(lengths), longest=longest, flops=flops["fa3gen"])
         for name, val in res.items():
@@ -122,6 +142,9 @@ def main() -> int:
               f"{num(f4, 'fa4')} | {num(pad, 'padded')} | "
               f"{f'{a / f4:.2f}' if a and f4 else '-'} | {f'{a / pad:.2f}' if a and pad else '-'} |",
               flush=True)
+        if row.get("persistent_tflops"):
+            print(f"  persistent grid: {row['persistent_tflops']:.0f} TFLOP/s "
+                  f"({row['persistent_tflops'] / a:.3f}x)" if a else "", flush=True)
         del q, k, v, qp, kp, vp
     if args.json:
         with open(args.json, "w") as fh:
