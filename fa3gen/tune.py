@@ -5,10 +5,10 @@ For each key of the spec with several candidates (a key with one needs no choice
 candidate runs the same shapes (batch = --tokens // seqlen, heads = --hidden // head_dim, one
 per --seqlens entry) under sustained timing (fa3gen.timing.sustained_ms: the candidates of a
 shape alternate, order rotated per round, each settled before its timed batch, median). The
-winner has the highest geometric-mean speed over the shapes. The spec's `dispatch:` block is then replaced by one exact entry per
-multi-candidate key (the winner; keys not timed keep their current default), each commented
-with its measurement; the new spec is validated (it must resolve to those defaults) before it
-is written. The measurement is kept as JSON (--out).
+winner has the highest geometric-mean speed over the shapes. The spec's `dispatch:` block is
+then replaced by one exact entry per multi-candidate key (the winner; keys not timed keep
+their current default), each commented with its measurement; the new spec is validated (it
+must resolve to those defaults) before it is written. The measurement is kept as JSON (--out).
 
 Feature keys run with the call arguments that select them: window (1024, 0) for `local`,
 softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot

@@ -10,12 +10,13 @@ cache (--page rows, 64 by default, pages shuffled) and on the contiguous cache w
 cache_batch_idx, both through the paged varlen forward (the latter one page a cache row). Each
 runs again with the paged variants hidden ("before": the path taken before them: a gathered
 copy after a sync for the paged cache; the length and row read on the host, two syncs, and a
-view for cache_batch_idx; the int and tensor calls take the same path twice, a control of what
+view for cache_batch_idx; the int and tensor calls take the same path twice, a control of
 what the bench's order alone moves: a call timed after a slow or syncing, low-power one runs
 with the power cap's headroom, hence a 200 ms settle of each call before its timed batch and a
 shuffled order; "dense_again", the dense call placed after a fast one, is another control;
-each call's mean board power and SM clock, from nvidia-smi, are printed and kept). TFLOP/s count the
-visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q + 1) / 2.
+each call's mean board power and SM clock, from nvidia-smi, are printed and kept). TFLOP/s
+count the visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q +
+1) / 2.
 Not a pytest module."""
 import argparse
 import json
@@ -95,7 +96,7 @@ def main() -> int:
                 for name, call in calls.items():
                     fns[name] = call
                     fns[name + "_before"] = lambda call=call: before(call)
-                    if name == "cache_int":  # a control: dense again, after a fast call (dense follows a syncing one)
+                    if name == "cache_int":  # a control: dense again, placed after a fast call
                         fns["dense_again"] = fns["dense"]
                 ref = fns["dense"]()
                 for name, fn in fns.items():  # every path computes the same thing
