@@ -26,7 +26,7 @@ from pathlib import Path
 from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
-from fa3gen.timing import (GEMM_N, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
+from fa3gen.timing import (GEMM_N, ORDERS, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
                            report_failure, settle_for, sustained_ms, tflops, time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
@@ -315,6 +315,20 @@ def _ms(text: str) -> float:
         return math.nan
 
 
+def add_settle_arguments(p: argparse.ArgumentParser, settle_ms: float | None = None,
+                         order: str = "rotate") -> None:
+    """--settle-ms and --order of sustained timing (timing.sustained_ms), with these defaults
+    (settle_ms None: half of --min-ms)."""
+    default = "half of --min-ms" if settle_ms is None else f"{settle_ms:g}"
+    p.add_argument("--settle-ms", type=nonnegative_ms, default=settle_ms,
+                   help="sustained timing: untimed launches of a backend right before each of its "
+                        f"timed batches, ms (default {default}; 0: none). Without them a backend "
+                        "timed after a slower one reads up to 9%% fast")
+    p.add_argument("--order", choices=ORDERS, default=order,
+                   help="sustained timing: the backends' order each round, rotated by one or "
+                        f"shuffled (seeded; default {order})")
+
+
 def int_list(example: str):
     """An argparse type: a comma-separated list of positive integers, `example` in its message."""
     def parse(s: str) -> list[int]:
@@ -369,13 +383,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="sustained timing: back-to-back launches per round and backend, ms "
                         "(default 100)")
-    p.add_argument("--settle-ms", type=nonnegative_ms, default=None,
-                   help="sustained timing: untimed launches of a backend right before each of its "
-                        "timed batches, ms (default half of --min-ms; 0: none). Without them a "
-                        "backend timed after a slower one reads up to 9%% fast")
-    p.add_argument("--order", choices=("rotate", "shuffle"), default="rotate",
-                   help="sustained timing: the backends' order each round, rotated by one "
-                        "(default) or shuffled (seeded)")
+    add_settle_arguments(p)
     p.add_argument("--burst", action="store_true",
                    help="time each backend alone in a short burst (--warmup, --iters) instead: "
                         "reads 5-12%% higher than steady use on a power-capped board")

@@ -565,12 +565,13 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         batch_idx.view(b, 1) if batch_idx is not None else None)
     if (table is not None and not plan.kv_fp8 and not differentiable
             and varlen.paged_fits(q, k_cache, table)):
-        info = varlen.paged_variant(q, mask)
+        lib = runtime.get_library()
+        info = varlen.paged_variant(q, mask, lib)
         if info is not None:
             used = (seqlens if seqlens is not None  # the kernels clamp it to the capacity
                     else torch.full((b,), length, dtype=torch.int32, device=q.device))
             out, lse = varlen.paged_forward(q, k_cache, v_cache, table, used, mask, scale, info,
-                                            runtime.get_library())
+                                            lib)
             return (out, lse) if return_lse else out
     if block_table is None and (length is not None or b == 1):
         if length is None:

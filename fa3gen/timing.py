@@ -81,6 +81,9 @@ def graph_replay(fn, calls: int):
     return graph.replay
 
 
+ORDERS = ("rotate", "shuffle")  # sustained_ms's orders of the fns in a round
+
+
 def settle_for(min_ms: float, settle_ms: float | None = None) -> float:
     """The untimed lead-in before each timed batch of sustained_ms: settle_ms, or half of
     min_ms when None."""
@@ -100,8 +103,8 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
     PowerSampler's `tag`)."""
     import random
 
-    if order not in ("rotate", "shuffle"):
-        raise ValueError(f"order must be 'rotate' or 'shuffle', not {order!r}")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
     tag = tag or (lambda i: None)
     settle_ms = settle_for(min_ms, settle_ms)
     for fn in fns:  # warm-up

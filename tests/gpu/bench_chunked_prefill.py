@@ -57,9 +57,7 @@ def main() -> int:
     # Some calls sync (the "before" paths), so the board idles between their launches; a call
     # timed after one starts with the power cap's headroom for longer than sustained_ms's
     # default settle (30 ms here) covers: dense read 667 after one and 619 after a fast call.
-    ap.add_argument("--settle-ms", type=float, default=200.0,
-                    help="untimed launches of each call right before its timed batch (timing.sustained_ms)")
-    ap.add_argument("--order", choices=("rotate", "shuffle"), default="shuffle")
+    bench.add_settle_arguments(ap, settle_ms=200.0, order="shuffle")
     args = ap.parse_args()
     dt, rows, PAGE = torch.bfloat16, [], args.page
     print("| seqlen_q | seqlen_k | dense | " + " | ".join(f"{LABELS[c]} (before)" for c in CALLS)

@@ -24,7 +24,7 @@ import sys
 import torch
 
 from fa3gen import kvcache, ops, runtime, timing
-from fa3gen.bench import git_commit
+from fa3gen.bench import add_settle_arguments, git_commit
 
 MB = 1e6
 
@@ -99,9 +99,7 @@ def main():
     # The eager calls of the small cases are host-bound (the GPU idles between launches), and a
     # call timed right after one starts with the power cap's headroom: settle each call 200 ms
     # first and shuffle the order (bench_chunked_prefill measured the same effect up to 9%).
-    ap.add_argument("--settle-ms", type=float, default=200.0,
-                    help="untimed launches of each call right before its timed batch")
-    ap.add_argument("--order", choices=("rotate", "shuffle"), default="shuffle")
+    add_settle_arguments(ap, settle_ms=200.0, order="shuffle")
     args = ap.parse_args()
     fa4 = None if args.kv_fp8 or args.no_peers else _fa4()
     base = _RawDecode(args.baseline_so) if args.baseline_so else None
