@@ -63,17 +63,27 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     if (check_varlen(a.batch, a.heads_q, m_blocks, a.total_q, a.total_k, a.cu_seqlens_q, a.cu_seqlens_k, a.tile_list)) {
       return 1;
     }
-    // One CTA per listed tile (varlen.cuh), the longest sequences' first; FA3GEN_GRID_PERSISTENT:
-    // one CTA per multiprocessor walking entries b, b + G, ... (short sequences: the prologue
-    // and pipeline fill of each CTA are then paid once per SM, not once per tile).
+    // The tile list (varlen.cuh) holds the longest sequences' tiles first. Persistent (one CTA
+    // per multiprocessor walking the list: the prologue and pipeline fill are paid once per SM,
+    // not once per tile) where tiles are short or alike: non-causal without a window, and
+    // causal sequences of at most 512 keys on average, whose heads' tiles go in pairs of about
+    // equal cost (longest with shortest). H200, 2026-12-02, against one CTA per tile: non-causal
+    // 1.00-1.32x at mean lengths 256-2048, 0.99-1.02x at 8192; causal pairs 1.04-1.28x at mean 256, 0.99-1.15x at
+    // 512, 0.94-1.01x from 1024, where the hardware's dispatch of one CTA per tile balances
+    // sequences of unequal length better than the static walk (docs/BENCHMARKS.md). Local and
+    // paged calls were not measured and keep one CTA per tile. FA3GEN_GRID_PERSISTENT / _TILES
+    // force either.
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
-    if (a.grid_mode == FA3GEN_GRID_PERSISTENT) {
+    const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);
+    const bool walk = !Local && !Paged && (!Causal || short_seqs);
+    if (a.grid_mode == FA3GEN_GRID_PERSISTENT || (a.grid_mode == FA3GEN_GRID_AUTO && walk)) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
+      schedule.paired = Causal && !Local && schedule.ctas < entries;  // a causal head's tiles in pairs
     }
     cudaError_t err = launch_varlen_tiles<TileM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
-                                                         int(entries), stream);
+                                                         int(entries), stream, schedule.paired);
     if (err != cudaSuccess) return report("varlen tile list launch", err);
   } else {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,

@@ -7,7 +7,9 @@
 //    padding tiles), the sequence with the most work first (its cost: the other side's
 //    length), so that the hardware's in-order block dispatch runs the longest tiles first and
 //    ends on short ones. Within a sequence a head's tiles are consecutive (K and V stay in L2).
-//  - VarlenTileScheduler: the main kernel's CTA t runs entry t of that list (one CTA per tile).
+//  - VarlenTileScheduler: the main kernel's CTA t runs entry t of that list (one CTA per tile),
+//    or a persistent CTA walks entries b, b + G, ... (in pairs 2u, 2u + 1 for the causal
+//    forward, whose list then alternates each head's longest and shortest query tiles).
 // Offsets and lengths are clamped to [0, total]: cu_seqlens that are not what they should be
 // (decreasing, past the end) give wrong numbers, never an access outside the tensors.
 #pragma once
@@ -64,11 +66,14 @@ constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (th
 
 // One CTA. `rows`: the side the tiles cut (q for the forward, k for the backward); `cost`:
 // the other side, whose length each tile of the sequence walks. Writes `capacity` entries:
-// the tiles (heads x blocks per sequence), then {-1, 0}.
+// the tiles (heads x blocks per sequence), then {-1, 0}. A head's blocks run last to first
+// (BlocksDescending: the causal forward's longest query tiles first), or, `paired`, as
+// n - 1, 0, n - 2, 1, ...: consecutive entries then cost about n + 1 key blocks together, as
+// the dense kernels' pairs (tile_scheduler.cuh).
 template <int Tile, bool BlocksDescending>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
-                    int2* tiles, int capacity) {
+                    int2* tiles, int capacity, bool paired) {
   extern __shared__ int smem[];
   const bool sorted = batch <= kVarlenSortedBatch;
   int* blocks_of = smem;               // [batch]: tiles per head of sequence b
@@ -138,7 +143,8 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
     const int b = seq_at[lo], n = blocks_of[b];
     const int within = e - start_at[lo] * heads;  // head-major, then block
     const int head = within / n, j = within % n;
-    tiles[e] = make_int2(b, (head << 16) | (BlocksDescending ? n - 1 - j : j));
+    const int block = !BlocksDescending ? j : paired ? ((j & 1) ? j / 2 : n - 1 - j / 2) : n - 1 - j;
+    tiles[e] = make_int2(b, (head << 16) | block);
   }
 }
 
@@ -150,7 +156,8 @@ inline size_t varlen_tiles_smem(int batch) {
 // Launches the list kernel; returns the CUDA error (the list is `capacity` int2 entries).
 template <int Tile, bool BlocksDescending>
 inline cudaError_t launch_varlen_tiles(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost,
-                                       int batch, int heads, int2* tiles, int capacity, cudaStream_t stream) {
+                                       int batch, int heads, int2* tiles, int capacity, cudaStream_t stream,
+                                       bool paired = false) {
   const size_t smem = varlen_tiles_smem(batch);
   auto kernel = varlen_tiles_kernel<Tile, BlocksDescending>;
   if (smem > 48 * 1024) {
@@ -158,7 +165,7 @@ inline cudaError_t launch_varlen_tiles(const int* cu_rows, int total_rows, const
     if (err != cudaSuccess) return err;
   }
   kernel<<<1, kVarlenListThreads, smem, stream>>>(cu_rows, total_rows, cu_cost, total_cost, batch, heads, tiles,
-                                                  capacity);
+                                                  capacity, paired);
   return cudaGetLastError();
 }
 
@@ -177,13 +184,17 @@ __device__ __forceinline__ int seq_of_padded_tile(const int* cu_q, int total_q, 
   return lo;
 }
 
-// The main kernel's side: CTA t runs entry t (the host launches one CTA per entry).
+// The main kernel's side: CTA b runs entries b, b + G, ... (G = the grid: one CTA per entry, or
+// persistent), or with s.paired the pairs b, b + G, ... (entries 2u and 2u + 1 of pair u).
 struct VarlenTileScheduler {
   TileSchedule const& s;
   const int2* tiles;
-  __device__ __forceinline__ int first() const { return int(blockIdx.x); }
-  __device__ __forceinline__ int count() const { return s.blocks; }  // entries (the grid)
-  __device__ __forceinline__ int next(int t) const { return t + int(gridDim.x); }
+  __device__ __forceinline__ int first() const { return s.paired ? 2 * int(blockIdx.x) : int(blockIdx.x); }
+  __device__ __forceinline__ int count() const { return s.blocks; }  // entries
+  __device__ __forceinline__ int next(int t) const {
+    if (!s.paired) return t + int(gridDim.x);
+    return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
+  }
   __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     const int2 e = tiles[t];
     tile.batch = e.x;

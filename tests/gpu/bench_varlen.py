@@ -89,9 +89,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--min-ms", type=float, default=100.0)
     p.add_argument("--no-fa4", action="store_true")
-    p.add_argument("--persistent", action="store_true",
-                   help="also time fa3gen's varlen forward on the persistent grid "
-                        "(FA3GEN_GRID=persistent, one CTA per SM) in the same rounds")
+    p.add_argument("--grids", nargs="+", default=[], choices=["persistent", "tiles"],
+                   help="also time fa3gen's varlen forward with FA3GEN_GRID forced to each of "
+                        "these (persistent: one CTA per SM; tiles: one CTA per tile) in the "
+                        "same rounds, as columns grid_<mode>")
     p.add_argument("--json")
     args = p.parse_args()
     fa4 = None if args.no_fa4 else fa4_varlen()
@@ -119,13 +120,13 @@ def main() -> int:
         }
         if fa4 is not None:
             calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, causal), (q, k, v))
-        if args.persistent and direction == "fwd":
-            calls["persistent"] = (lambda: with_grid("persistent", lambda: flash_attn_varlen_func(
+        for mode in args.grids if direction == "fwd" else ():
+            calls[f"grid_{mode}"] = (lambda mode=mode: with_grid(mode, lambda: flash_attn_varlen_func(
                 q, k, v, cu, cu, longest, longest, causal=causal)), (q, k, v))
         res = measure(calls, direction, args.rounds, args.min_ms)
         flops = {"fa3gen": real_flops(lengths, h, d, causal, grad),
                  "padded": real_flops([mean] * (TOTAL // mean), h, d, causal, grad)}
-        flops["fa4"] = flops["persistent"] = flops["fa3gen"]
+        flops.update({name: flops["fa3gen"] for name in calls if name not in flops})
         row = dict(direction=direction, head_dim=d, causal=causal, mean=mean, heads=h,
                    sequences=len(lengths), longest=longest, flops=flops["fa3gen"])
         for name, val in res.items():
@@ -142,9 +143,10 @@ def main() -> int:
               f"{num(f4, 'fa4')} | {num(pad, 'padded')} | "
               f"{f'{a / f4:.2f}' if a and f4 else '-'} | {f'{a / pad:.2f}' if a and pad else '-'} |",
               flush=True)
-        if row.get("persistent_tflops"):
-            print(f"  persistent grid: {row['persistent_tflops']:.0f} TFLOP/s "
-                  f"({row['persistent_tflops'] / a:.3f}x)" if a else "", flush=True)
+        for mode in args.grids:
+            if row.get(f"grid_{mode}_tflops") and a:
+                print(f"  FA3GEN_GRID={mode}: {row[f'grid_{mode}_tflops']:.0f} TFLOP/s "
+                      f"({row[f'grid_{mode}_tflops'] / a:.3f}x)", flush=True)
         del q, k, v, qp, kp, vp
     if args.json:
         with open(args.json, "w") as fh:
