@@ -1,10 +1,12 @@
 // Small device helpers of the CuTe-free kernels (decode, fp8 quantizer): conversions, warp
-// reductions, cp.async and one vector load of a lane's consecutive elements. No CuTe, so the
-// translation units that include it compile in seconds.
+// reductions, cp.async, one vector load of a lane's consecutive elements, and the mma.sync
+// pieces (ldmatrix, m16n8k16, 16-bit pairs). No CuTe, so the translation units that include it
+// compile in seconds.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace fa3gen {
 namespace simt {
@@ -72,6 +74,44 @@ __device__ __forceinline__ void load_floats(const T* src, float (&out)[E]) {
   const T* elems = reinterpret_cast<const T*>(&raw);
 #pragma unroll
   for (int i = 0; i < E; ++i) out[i] = to_float(elems[i]);
+}
+
+// The tensor-core pieces of the decode kernels and the quantizer's Hadamard transform.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// c += a b, one m16n8k16 tile: a 16x16 (row-major fragment), b 16x8 (column-major), fp32 c.
+template <class T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two floats as one register of two 16-bit values, the first in the low half.
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// Two bf16 values (the first in the low half of `two`) as floats: a bf16 is a float's high half.
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t two) {
+  return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
 }
 
 }  // namespace simt
