@@ -253,13 +253,13 @@ __device__ __forceinline__ void rotate_pairs(float (&v)[32], const float* cos, c
 // Incoherent processing of the 32 values a thread owns (see Staged): sign flips (bit j of neg),
 // then the butterflies in stride order 1, 2, 4 (in a chunk), 8 .. 4T (across the row's lanes),
 // 8T, 16T (across chunks), the lower index keeping a + b, then 1/sqrt(d): the operations of
-// reference.hadamard_transform in its order, so the same bits. SignsDone: the caller flipped
-// the signs already (unpack_chunk); Scale false: the caller folds 1/sqrt(d) into the descale.
-template <int HeadDim, bool SignsDone = false, bool Scale = true>
+// reference.hadamard_transform in its order, so the same bits (the rotary instances; the
+// others take hadamard_mma_pass). Scale false: the caller folds 1/sqrt(d) into the descale.
+template <int HeadDim, bool Scale = true>
 __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, int lane) {
   constexpr int T = HeadDim / 32;
   #pragma unroll
-  for (int j = 0; j < 32 && !SignsDone; ++j) v[j] = __int_as_float(__float_as_int(v[j]) ^ (((neg >> j) & 1u) << 31));
+  for (int j = 0; j < 32; ++j) v[j] = __int_as_float(__float_as_int(v[j]) ^ (((neg >> j) & 1u) << 31));
   #pragma unroll
   for (int h = 1; h < 32; h *= 2) {
     if (h == 8) {  // the lane strides come between the in-chunk and the cross-chunk ones
@@ -288,11 +288,10 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 // The lean unpack, in the two-pass instances (where it measured a gain; H200 A/B, 2026-12-01,
 // docs/results/ab_quantize_lean.json, Hadamard blocks as % of copy: d64 160 rows 43 -> 48, 192
 // 46 -> 52, d128 160 43-45 -> 47, 192 49 -> 53, d256 128 55 -> 58; one pass lost, d128 128 rows
-// 60 -> 58, d64 128 59 -> 58). Fewer instructions a value where the kernel is bound by issue,
-// not memory (the Hadamard path, about 17 a value):
+// 60 -> 58, d64 128 59 -> 58; those Hadamard instances take hadamard_mma_pass since). Fewer
+// instructions a value:
 // - 16-bit -> fp32 by bit operations (bf16: a shift and a mask a pair, where the default
-//   conversion's upper half took a PRMT and a shift), with the Hadamard sign flips xored into
-//   the packed pair first (fp16 too, before its conversion) where no rotary comes first;
+//   conversion's upper half took a PRMT and a shift);
 // - d64 and d256: 1/sqrt(d) is a power of two, so multiplying by it is exact and commutes with
 //   every rounding (short of fp32's subnormals, which the flush-to-zero arithmetic departs from
 //   either way): the kernel keeps the unscaled values, scales the block's amax once and divides
@@ -302,16 +301,13 @@ constexpr bool kQuantizeLean = Passes > 1;
 template <int HeadDim, int Passes>
 constexpr bool kFoldInvSqrtD = kQuantizeLean<Passes> && (HeadDim == 64 || HeadDim == 256);
 
-// One 16-byte chunk of 16-bit values as 8 floats; value i negated where bit i of flips is set
-// (flips: the chunk's 8 bits of neg, or 0), one mask a pair of values (16 registers a thread
-// once hoisted, not 32: the two-pass kernels hold 64 values).
+// One 16-byte chunk of 16-bit values as 8 floats.
 template <class T>
-__device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out, uint32_t flips) {
+__device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const uint32_t lo = ((flips >> (2 * q)) & 1u) << 31, hi = ((flips >> (2 * q + 1)) & 1u) << 31;
-    const uint32_t x = w[q] ^ (lo >> 16) ^ hi;
+    const uint32_t x = w[q];
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       out[2 * q] = __uint_as_float(x << 16);
       out[2 * q + 1] = __uint_as_float(x & 0xffff0000u);
@@ -319,6 +315,133 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out, uint3
       const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&x));
       out[2 * q] = f.x;
       out[2 * q + 1] = f.y;
+    }
+  }
+}
+
+// The Hadamard transform on the tensor cores: the staged kernel's kHadamard instances (the
+// rotary ones keep transform_owned). The butterflies cost about 9 of the Hadamard path's 17
+// instructions a value and kept it at 51-69% of the copy's bandwidth where the plain path
+// reached 75-98% (docs/BENCHMARKS.md); here a value costs two mma.sync per 64 values and a
+// split into two bf16 halves.
+//   H_d = H_S (x) H_16 with S = d / 16 (Sylvester order: element 16a + b of a row is value b of
+// its segment a), so a row's y = H_d (signs x) is H_16 on each segment, then H_S across its
+// segments for each b. A warp takes its 1024 / d rows of a pass as 64 segment slots (slot =
+// row * S + segment; the same rows as transform_owned's layout):
+//  1. each 8 slots, C = H_16 X^T (m16n8k16: A = H_16, B = the 8 segments, read from the stage
+//     by ldmatrix with the signs xored in): C[b][slot];
+//  2. each 16 slots (two tiles of step 1), Y = blockdiag(H_S, ...) C^T over those slots
+//     (m16n8k16: its B fragment is step 1's two accumulators as they lie), for b 0-7 and 8-15.
+//     The accumulators enter as bf16 hi + lo (two mma each), so Y keeps about 16 bits of
+//     precision before e4m3 keeps 3: not the bits of reference.hadamard_transform's fp32
+//     butterflies (tests/gpu/test_fp8.py states the tolerance), and bf16 whatever x's dtype
+//     (f16 would overflow past 4096).
+// Lane (g, t) ends with v[8i + 4h + e]: Y[slot 16i + g + 8 (e / 2)][b = 8h + 2t + e % 2].
+template <int HeadDim>
+struct HadamardMma {
+  static constexpr int S = HeadDim / 16;             // segments a row
+  static constexpr int kRowsPerWarp = 1024 / HeadDim;  // a pass: 64 slots, 32 values a lane
+};
+
+// Entry (r, c) of a Sylvester-Hadamard matrix: (-1)^popcount(r & c).
+__device__ __forceinline__ float hadamard_entry(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
+
+// The m16n8k16 A fragment of H_16 (T) and of blockdiag(H_S, ...) (bf16), and the sign bits of
+// step 1's B fragment (per tile parity at d256, whose tiles alternate between segments 0-7 and
+// 8-15; every tile holds the same segments of its rows below).
+template <class T, int HeadDim>
+struct HadamardFragments {
+  static constexpr int kParities = HeadDim > 128 ? 2 : 1;
+  uint32_t h16[4], hs[4], flips[kParities][2];
+  __device__ HadamardFragments(const float* signs, int lane) {
+    constexpr int S = HadamardMma<HeadDim>::S;
+    const int g = lane / 4, t = lane % 4;
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {  // a0: (g, 2t), a1: (g + 8, 2t), a2: (g, 2t + 8), a3: (g + 8, 2t + 8)
+      const int r = g + 8 * (j & 1), c = 2 * t + 8 * (j >> 1);
+      h16[j] = pack2<T>(hadamard_entry(r, c), hadamard_entry(r, c + 1));
+      auto block = [&](int cc) { return r / S == cc / S ? hadamard_entry(r % S, cc % S) : 0.f; };
+      hs[j] = pack2<__nv_bfloat16>(block(c), block(c + 1));
+    }
+    #pragma unroll
+    for (int q = 0; q < kParities; ++q) {
+      const int seg = (8 * q + g) % S;
+      #pragma unroll
+      for (int j = 0; j < 2; ++j) {  // b0: k = 2t, 2t + 1; b1: k = 2t + 8, 2t + 9
+        const int e = 16 * seg + 2 * t + 8 * j;
+        flips[q][j] = (signs[e] < 0.f ? 0x8000u : 0u) | (signs[e + 1] < 0.f ? 0x80000000u : 0u);
+      }
+    }
+  }
+};
+
+// One pass of a warp: its rows first .. first + kRowsPerWarp - 1 of the stage (rows at or past
+// `rows` read as zeros) into v, unscaled (the caller applies 1/sqrt(d) with the descale).
+template <class T, int HeadDim>
+__device__ __forceinline__ void hadamard_mma_pass(float (&v)[32], const uint8_t* stage, int first, int rows,
+                                                  int lane, const HadamardFragments<T, HeadDim>& f) {
+  using S_ = Staged<HeadDim>;  // the stage's row bytes and swizzle (any thread count)
+  constexpr int S = HadamardMma<HeadDim>::S;
+  const int g = lane / 4;
+  #pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // ldmatrix: lane L addresses row L % 8 of matrix L / 8 = (tile 2i + L / 16, values 8 (L / 8 % 2) ..);
+    // it returns lane (g, t) row g of each: slot 16i + 8 (j / 2) + g, values 2t, 2t + 1 (+ 8 (j % 2)).
+    const int slot = 16 * i + 8 * (lane / 16) + lane % 8;
+    const int row = first + slot / S, safe = row < rows ? row : 0;  // inside the stage either way
+    const int chunk = 2 * (slot % S) + (lane / 8) % 2;
+    uint32_t b[4];
+    ldmatrix_x4(b, smem_addr(stage + safe * S_::kRowBytes + ((chunk ^ S_::swizzle(safe)) << 4)));
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool live = first + (16 * i + 8 * (j / 2) + g) / S < rows;  // zeros, not 0 x NaN, past the block
+      b[j] = live ? b[j] ^ f.flips[j / 2 % f.kParities][j % 2] : 0u;
+    }
+    float c[2][4] = {};
+    mma_16816<T>(c[0], f.h16, b[0], b[1]);
+    mma_16816<T>(c[1], f.h16, b[2], b[3]);
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {  // c[.][2h], c[.][2h + 1]: b = 8h + g, slots 2t, 2t + 1 of the tile
+      const uint32_t hi0 = pack2<__nv_bfloat16>(c[0][2 * h], c[0][2 * h + 1]);
+      const uint32_t hi1 = pack2<__nv_bfloat16>(c[1][2 * h], c[1][2 * h + 1]);
+      const float2 r0 = bf16x2_to_float2(hi0), r1 = bf16x2_to_float2(hi1);
+      const uint32_t lo0 = pack2<__nv_bfloat16>(c[0][2 * h] - r0.x, c[0][2 * h + 1] - r0.y);
+      const uint32_t lo1 = pack2<__nv_bfloat16>(c[1][2 * h] - r1.x, c[1][2 * h + 1] - r1.y);
+      float y[4] = {};
+      mma_16816<__nv_bfloat16>(y, f.hs, hi0, hi1);
+      mma_16816<__nv_bfloat16>(y, f.hs, lo0, lo1);
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) v[8 * i + 4 * h + e] = y[e];
+    }
+  }
+}
+
+// hadamard_mma_pass's values times `factor` (1/sqrt(d) / descale; or divided, Divide) as e4m3,
+// two adjacent bytes a store.
+template <int HeadDim, int Threads, int Passes, bool Divide>
+__device__ __forceinline__ void store_mma(uint8_t* out, int heads, int rows, int warp, int lane,
+                                          const float (&v)[Passes][32], float factor, float descale) {
+  using M = HadamardMma<HeadDim>;
+  const int g = lane / 4, t = lane % 4;
+  #pragma unroll
+  for (int ps = 0; ps < Passes; ++ps) {
+    const int first = ps * Staged<HeadDim, Threads>::kRowsPerPass + warp * M::kRowsPerWarp;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int slot = 16 * i + g + 8 * half, r = first + slot / M::S;
+        if (r >= rows) continue;
+        uint8_t* row_out = out + int64_t(r) * heads * HeadDim + 16 * (slot % M::S) + 2 * t;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float a = v[ps][8 * i + 4 * h + 2 * half], b = v[ps][8 * i + 4 * h + 2 * half + 1];
+          const float2 q = Divide ? make_float2(__fdiv_rn(a * kInvSqrtD<HeadDim>, descale),
+                                                __fdiv_rn(b * kInvSqrtD<HeadDim>, descale))
+                                  : make_float2(a * factor, b * factor);
+          *reinterpret_cast<uint16_t*>(row_out + 8 * h) = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+        }
+      }
     }
   }
 }
@@ -376,13 +499,6 @@ template <int Hadamard>
 __device__ __forceinline__ bool transforms(const fa3gen_quantize_params& p) {
   return Hadamard == kHadamardAtRunTime ? p.signs != nullptr : Hadamard == kHadamard;
 }
-
-// Warps whose rows all lie past the block skip the Hadamard pass: in the two-pass instances at
-// d128 and d256 (H200 A/B, 2026-12-02, docs/results/ab_quantize_skip_idle_warps.json: d128
-// Hadamard blocks of 160 rows 53 -> 59% of copy, 192 rows 59-63 -> 62-67%; d256 unchanged; at
-// d64 it gained nothing at 160 rows and lost 2-3 points at 192).
-template <int HeadDim, int Passes, int Hadamard>
-constexpr bool kSkipIdleWarps = Passes > 1 && Hadamard == kHadamard && HeadDim >= 128;
 
 // The staged kernel's copy loop unrolled (one pointer a thread, a constant stride) except in
 // the plain instances of the 3-stage ring, which loop over the chunks. H200, 2026-12-02, each
@@ -455,14 +571,18 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     cp_async_commit();  // empty groups keep the count uniform
   };
 
-  // The Hadamard signs flipped while unpacking (kQuantizeLean), where no rotary comes first.
-  constexpr bool kFoldSigns = kQuantizeLean<Passes> && !Rotary && Hadamard == kHadamard;
+  constexpr bool kMma = Hadamard == kHadamard && !Rotary;  // the transform on the tensor cores
   uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
-  if (transforms<Hadamard>(p)) {
+  if (!kMma && transforms<Hadamard>(p)) {
     #pragma unroll
     for (int j = 0; j < 32; ++j) neg |= uint32_t(p.signs[8 * (t + S::T * (j / 8)) + j % 8] < 0.f) << j;
   }
   const int kshift = p.rotary_half * 4 / HeadDim;  // halves: rotary_half / 8T (1 or 2)
+  using Fragments = std::conditional_t<kMma, HadamardFragments<T, HeadDim>, int>;
+  const Fragments fragments = [&] {
+    if constexpr (kMma) return HadamardFragments<T, HeadDim>(p.signs, lane);
+    else return 0;
+  }();
 
   #pragma unroll 1
   for (int s = 0; s < Stages; ++s) load(blockIdx.x + s * gridDim.x, s);
@@ -478,22 +598,27 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     float amax = 0.f;
     #pragma unroll
     for (int ps = 0; ps < Passes; ++ps) {
-      const int r = ps * S::kRowsPerPass + tid / S::T;
-      // A warp whose rows all lie past the block (warp-uniform: its first row) skips the pass,
-      // transform included, where kSkipIdleWarps. store_owned reads none of its values; zeroing
-      // them anyway kept ptxas from spilling (d128 two-pass bf16, 2026-12-02: 100 bytes without).
-      if (kSkipIdleWarps<HeadDim, Passes, Hadamard> && ps * S::kRowsPerPass + warp * 32 / S::T >= rows) {
+      if constexpr (kMma) {  // the warp's rows of the pass (those of the layout below); a warp
+                             // whose rows all lie past the block skips the transform
+        const int first = ps * S::kRowsPerPass + warp * HadamardMma<HeadDim>::kRowsPerWarp;
+        if (first < rows) {
+          hadamard_mma_pass<T, HeadDim>(v[ps], ring + stage * stage_bytes, first, rows, lane, fragments);
+        } else {
+          #pragma unroll
+          for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
+        }
         #pragma unroll
-        for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
         continue;
       }
+      const int r = ps * S::kRowsPerPass + tid / S::T;
       if (r < rows) {
         const uint8_t* row = ring + stage * stage_bytes + r * S::kRowBytes;
         #pragma unroll
         for (int k = 0; k < 4; ++k) {
           const uint4 raw = *reinterpret_cast<const uint4*>(row + (((t + S::T * k) ^ S::swizzle(r)) << 4));
           if constexpr (kQuantizeLean<Passes>) {
-            unpack_chunk<T>(raw, &v[ps][8 * k], kFoldSigns ? (neg >> (8 * k)) & 0xffu : 0u);
+            unpack_chunk<T>(raw, &v[ps][8 * k]);
           } else {
             const T* e = reinterpret_cast<const T*>(&raw);
             #pragma unroll
@@ -511,7 +636,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;  // rows past the end: zeros, never stored
       }
       // Every lane of the warp shuffles (whole rows are live or not, but a warp may hold both).
-      if (transforms<Hadamard>(p)) transform_owned<HeadDim, kFoldSigns, !kFoldInvSqrtD<HeadDim, Passes>>(v[ps], neg, lane);
+      if (transforms<Hadamard>(p)) transform_owned<HeadDim, !kFoldInvSqrtD<HeadDim, Passes>>(v[ps], neg, lane);
       #pragma unroll
       for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
     }
@@ -522,16 +647,25 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     amax = warp_amax[n & 1][0];
     #pragma unroll
     for (int w = 1; w < Threads / 32; ++w) amax = fmaxf(amax, warp_amax[n & 1][w]);
-    // Values left unscaled (kFoldInvSqrtD): the scaled amax, exact, and a divisor as exact.
-    const bool unscaled = kFoldInvSqrtD<HeadDim, Passes> && transforms<Hadamard>(p);
+    // Values left unscaled (kFoldInvSqrtD, kMma): the scaled amax (exact for d64 and d256), and
+    // a divisor as exact.
+    const bool unscaled = (kMma || kFoldInvSqrtD<HeadDim, Passes>) && transforms<Hadamard>(p);
     const float descale = descale_of(unscaled ? amax * kInvSqrtD<HeadDim> : amax);
     const float divisor = unscaled ? descale * (1.f / kInvSqrtD<HeadDim>) : descale;
     if (tid == 0) p.descale[(int64_t(b) * p.heads + head) * nblk + blk] = descale;
 
     uint8_t* out = static_cast<uint8_t*>(p.out) + ((int64_t(b) * p.seqlen + row0) * p.heads + head) * HeadDim;
     // div_by needs a normal 1 / divisor; blocks of tiny or infinite magnitudes divide.
-    if (divisor >= 0x1p-100f && !isinf(divisor)) store_owned<HeadDim, Threads, Passes, false>(out, p.heads, rows, tid, v, divisor);
-    else store_owned<HeadDim, Threads, Passes, true>(out, p.heads, rows, tid, v, divisor);
+    const bool normal = divisor >= 0x1p-100f && !isinf(divisor);
+    if constexpr (kMma) {
+      const float factor = kInvSqrtD<HeadDim> * __frcp_rn(descale);
+      if (normal) store_mma<HeadDim, Threads, Passes, false>(out, p.heads, rows, warp, lane, v, factor, descale);
+      else store_mma<HeadDim, Threads, Passes, true>(out, p.heads, rows, warp, lane, v, factor, descale);
+    } else if (normal) {
+      store_owned<HeadDim, Threads, Passes, false>(out, p.heads, rows, tid, v, divisor);
+    } else {
+      store_owned<HeadDim, Threads, Passes, true>(out, p.heads, rows, tid, v, divisor);
+    }
   }
   cp_async_wait<0>();  // no copy outlives the CTA (the refills past the last item are empty)
 }

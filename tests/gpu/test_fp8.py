@@ -205,6 +205,32 @@ def _quantizer_lib():
     return lib
 
 
+# The tolerance rule of the quantizer's Hadamard transform on the tensor cores (block scales of
+# at most 32768 values without rotary: quantize_fp8.cuh, hadamard_mma_pass). Its transform keeps
+# about 16 bits where reference.hadamard_transform's fp32 butterflies keep 24, so a value within
+# that distance of a rounding boundary of e4m3 (3 bits) may round the other way: each byte is the
+# reference's or one e4m3 step away (same sign; +-0 and the smallest magnitudes may swap
+# signs), at most 0.5% of them differ, and each descale is within 1e-4 of the reference's.
+MMA_MISMATCH_FRACTION = 5e-3
+
+
+def assert_e4m3_close(got: torch.Tensor, want: torch.Tensor, got_descale, want_descale):
+    torch.testing.assert_close(got_descale, want_descale, rtol=1e-4, atol=0)
+    a, b = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    mag_a, mag_b = a & 0x7F, b & 0x7F
+    same_sign = (a & 0x80) == (b & 0x80)
+    step = (mag_a - mag_b).abs()
+    ok = (same_sign & (step <= 1)) | ((mag_a <= 1) & (mag_b <= 1))
+    assert bool(ok.all()), f"{int((~ok).sum())} bytes more than one e4m3 step off"
+    differ = float((a != b).float().mean())
+    assert differ <= MMA_MISMATCH_FRACTION, f"{differ:.2%} of the bytes differ"
+
+
+def _hadamard_on_tensor_cores(d: int, block_rows) -> bool:
+    """Whether the kernel takes its tensor-core transform (the staged kernel, no rotary)."""
+    return block_rows is not None and block_rows * d <= 32768
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_rows", [128, 64, 96, 100, 160, 192, 384, None],
@@ -212,7 +238,8 @@ def _quantizer_lib():
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadamard):
     """fa3gen_quantize_fp8 against fp8.quantize (and reference.hadamard_transform): the same
-    fp32 operations in the same order, so the same bytes; on a strided view (a packed qkv)."""
+    fp32 operations in the same order, so the same bytes; on a strided view (a packed qkv).
+    Except the Hadamard transform on the tensor cores: within assert_e4m3_close's rule."""
     from fa3gen.reference import hadamard_transform, random_signs
 
     lib = _quantizer_lib()
@@ -224,6 +251,9 @@ def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadam
     xr = hadamard_transform(x.float() * signs) if hadamard else x
     want, want_descale = fp8.quantize(xr, block_rows)
     torch.cuda.synchronize()
+    if hadamard and _hadamard_on_tensor_cores(d, block_rows):
+        assert_e4m3_close(got, want, got_descale, want_descale)
+        return
     assert torch.equal(got_descale, want_descale)
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
