@@ -67,12 +67,12 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // per multiprocessor walking the list: the prologue and pipeline fill are paid once per SM,
     // not once per tile) where tiles are short or alike: non-causal without a window, and
     // causal sequences of at most 512 keys on average, whose heads' tiles go in pairs of about
-    // equal cost (longest with shortest). H200, 2026-12-02, against one CTA per tile: non-causal
-    // 1.00-1.32x at mean lengths 256-2048, 1.00-1.02x at 8192; causal pairs 1.04-1.28x at mean 256, 0.99-1.15x at
-    // 512, 0.94-1.01x from 1024, where the hardware's dispatch of one CTA per tile balances
-    // sequences of unequal length better than the static walk (docs/BENCHMARKS.md). Local and
-    // paged calls were not measured and keep one CTA per tile. FA3GEN_GRID_PERSISTENT / _TILES
-    // force either.
+    // equal cost (longest with shortest). H200, 2026-12-02, against one CTA per tile:
+    // non-causal 1.00-1.32x at mean lengths 256-2048, 1.00-1.02x at 8192; causal pairs
+    // 1.04-1.28x at mean 256, 0.99-1.15x at 512, 0.94-1.01x from 1024, where the hardware's
+    // dispatch of one CTA per tile balances sequences of unequal length better than the static
+    // walk (docs/BENCHMARKS.md). Local and paged calls were not measured and keep one CTA per
+    // tile. FA3GEN_GRID_PERSISTENT / _TILES force either.
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
     const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);

@@ -320,10 +320,11 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out) {
 }
 
 // The Hadamard transform on the tensor cores: the staged kernel's kHadamard instances (the
-// rotary ones keep transform_owned). The butterflies cost about 9 of the Hadamard path's 17
-// instructions a value and kept it at 51-69% of the copy's bandwidth where the plain path
-// reached 75-98% (docs/BENCHMARKS.md); here a value costs two mma.sync per 64 values and a
-// split into two bf16 halves.
+// rotary ones keep transform_owned, whose butterflies cost about 9 instructions a value; here
+// 24 mma.sync a warp per 32 values a lane, and a split into two bf16 halves). H200,
+// 2026-12-02, against the butterflies: d64 and d256 Hadamard blocks 4-6 points of the copy's
+// bandwidth faster, d128 the same (55-66% at the e4m3 defaults' blocks, plain blocks 75-98%;
+// docs/BENCHMARKS.md).
 //   H_d = H_S (x) H_16 with S = d / 16 (Sylvester order: element 16a + b of a row is value b of
 // its segment a), so a row's y = H_d (signs x) is H_16 on each segment, then H_S across its
 // segments for each b. A warp takes its 1024 / d rows of a pass as 64 segment slots (slot =
