@@ -52,6 +52,18 @@ struct TileCoord {
   int block, head, batch;
 };
 
+// A persistent CTA's walk over tile indices t: b, b + G, ... (G = the grid), or with pairs the
+// pairs b, b + G, ... (indices 2u and 2u + 1 of pair u). Shared by the dense and varlen
+// schedulers.
+__device__ __forceinline__ int walk_first(bool pairs) { return pairs ? 2 * int(blockIdx.x) : int(blockIdx.x); }
+__device__ __forceinline__ int walk_next(int t, bool pairs) {
+  if (!pairs) return t + int(gridDim.x);
+  return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
+}
+// The query block of pair member `second` of pair j among n blocks: longest (n - 1 - j) first,
+// then shortest (j), so that a pair costs about n + 1 key blocks.
+__host__ __device__ __forceinline__ int paired_block(int j, bool second, int n) { return second ? j : n - 1 - j; }
+
 // LongestFirst (causal forward): a head's query tiles differ in length; the longest comes
 // first, and pairs are walked when the host asked for them. Without it (non-causal forward,
 // backward) the pairing compiles away.
@@ -65,18 +77,15 @@ struct TileScheduler {
   __device__ __forceinline__ int count() const {
     return (paired() ? 2 * s.pairs_per_head : s.blocks) * s.heads * s.batch;
   }
-  __device__ __forceinline__ int first() const { return paired() ? 2 * int(blockIdx.x) : int(blockIdx.x); }
-  __device__ __forceinline__ int next(int t) const {
-    if (!paired()) return t + gridDim.x;
-    return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
-  }
+  __device__ __forceinline__ int first() const { return walk_first(paired()); }
+  __device__ __forceinline__ int next(int t) const { return walk_next(t, paired()); }
   // False for the empty half of the middle pair (M odd): skip it.
   __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     int hb;
     if (paired()) {
       const int pair = t >> 1, j = pair % s.pairs_per_head;
       hb = pair / s.pairs_per_head;
-      tile.block = (t & 1) ? j : s.blocks - 1 - j;
+      tile.block = paired_block(j, t & 1, s.blocks);
       if ((t & 1) && j == s.blocks - 1 - j) return false;
     } else {
       const int m = t % s.blocks;

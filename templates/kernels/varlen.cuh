@@ -143,7 +143,7 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
     const int b = seq_at[lo], n = blocks_of[b];
     const int within = e - start_at[lo] * heads;  // head-major, then block
     const int head = within / n, j = within % n;
-    const int block = !BlocksDescending ? j : paired ? ((j & 1) ? j / 2 : n - 1 - j / 2) : n - 1 - j;
+    const int block = !BlocksDescending ? j : paired ? paired_block(j / 2, j & 1, n) : n - 1 - j;
     tiles[e] = make_int2(b, (head << 16) | block);
   }
 }
@@ -189,12 +189,9 @@ __device__ __forceinline__ int seq_of_padded_tile(const int* cu_q, int total_q, 
 struct VarlenTileScheduler {
   TileSchedule const& s;
   const int2* tiles;
-  __device__ __forceinline__ int first() const { return s.paired ? 2 * int(blockIdx.x) : int(blockIdx.x); }
+  __device__ __forceinline__ int first() const { return walk_first(s.paired); }
   __device__ __forceinline__ int count() const { return s.blocks; }  // entries
-  __device__ __forceinline__ int next(int t) const {
-    if (!s.paired) return t + int(gridDim.x);
-    return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
-  }
+  __device__ __forceinline__ int next(int t) const { return walk_next(t, s.paired); }
   __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     const int2 e = tiles[t];
     tile.batch = e.x;

@@ -228,7 +228,7 @@ def assert_e4m3_close(got: torch.Tensor, want: torch.Tensor, got_descale, want_d
 
 def _hadamard_on_tensor_cores(d: int, block_rows) -> bool:
     """Whether the kernel takes its tensor-core transform (the staged kernel, no rotary)."""
-    return block_rows is not None and block_rows * d <= 32768
+    return block_rows is not None and block_rows * d <= fp8.KERNEL_BLOCK_VALUES
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
