@@ -176,6 +176,12 @@ struct Staged {
   // Bank swizzle of a row's chunks: the 8 lanes of one shared-memory phase (8 / T rows) read
   // 8 distinct 16-byte bank groups.
   __device__ static int swizzle(int row) { return (row % (8 / T)) * T; }
+  // The tensor-core instances' layout instead (hadamard_mma_pass): a phase of ldmatrix reads
+  // every other chunk of 128 bytes (the first or second halves of 8 segments), which a row's
+  // swizzle leaves on 4 bank groups (2-way conflicts: 0.55M excess wavefronts at d128 on
+  // 2048 blocks); flipping the chunk's low bit in every other 128 bytes of the stage spreads
+  // them over 8.
+  __device__ static int mma_swizzle(int row, int chunk) { return ((row * kChunks + chunk) >> 3) & 1; }
 };
 
 // The largest block the staged kernel takes: two passes of its rows (64 values a thread), the
@@ -337,12 +343,19 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out) {
 //     precision before e4m3 keeps 3: not the bits of reference.hadamard_transform's fp32
 //     butterflies (tests/gpu/test_fp8.py states the tolerance), and bf16 whatever x's dtype
 //     (f16 would overflow past 4096).
-// Lane (g, t) ends with v[8i + 4h + e]: Y[slot 16i + g + 8 (e / 2)][b = 8h + 2t + e % 2].
+// Step 1's A is H_16 with its rows permuted (hadamard_out_index), so that the four values of
+// a slot that a lane ends with are four adjacent output bytes: lane (g, t) ends with
+// v[8i + 4h + e]: Y[slot 16i + g + 8 (e / 2)][b = 4t + 2h + e % 2], and stores 4 bytes a slot
+// (whole 32-byte sectors a warp) where 2-byte stores left each sector half written twice.
 template <int HeadDim>
 struct HadamardMma {
   static constexpr int S = HeadDim / 16;             // segments a row
   static constexpr int kRowsPerWarp = 1024 / HeadDim;  // a pass: 64 slots, 32 values a lane
 };
+
+// The output value b of step 1's accumulator row r: rows 2t, 2t + 1 (a lane's c0, c1) give
+// 4t, 4t + 1 and rows 8 + 2t, 9 + 2t (its c2, c3) give 4t + 2, 4t + 3.
+__host__ __device__ constexpr int hadamard_out_index(int r) { return 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2; }
 
 // Entry (r, c) of a Sylvester-Hadamard matrix: (-1)^popcount(r & c).
 __device__ __forceinline__ float hadamard_entry(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
@@ -360,7 +373,7 @@ struct HadamardFragments {
     #pragma unroll
     for (int j = 0; j < 4; ++j) {  // a0: (g, 2t), a1: (g + 8, 2t), a2: (g, 2t + 8), a3: (g + 8, 2t + 8)
       const int r = g + 8 * (j & 1), c = 2 * t + 8 * (j >> 1);
-      h16[j] = pack2<T>(hadamard_entry(r, c), hadamard_entry(r, c + 1));
+      h16[j] = pack2<T>(hadamard_entry(hadamard_out_index(r), c), hadamard_entry(hadamard_out_index(r), c + 1));
       auto block = [&](int cc) { return r / S == cc / S ? hadamard_entry(r % S, cc % S) : 0.f; };
       hs[j] = pack2<__nv_bfloat16>(block(c), block(c + 1));
     }
@@ -377,8 +390,9 @@ struct HadamardFragments {
 };
 
 // One pass of a warp: its rows first .. first + kRowsPerWarp - 1 of the stage (rows at or past
-// `rows` read as zeros) into v, unscaled (the caller applies 1/sqrt(d) with the descale).
-template <class T, int HeadDim>
+// `rows` read as zeros; Full: none are) into v, unscaled (the caller applies 1/sqrt(d) with the
+// descale).
+template <class T, int HeadDim, bool Full>
 __device__ __forceinline__ void hadamard_mma_pass(float (&v)[32], const uint8_t* stage, int first, int rows,
                                                   int lane, const HadamardFragments<T, HeadDim>& f) {
   using S_ = Staged<HeadDim>;  // the stage's row bytes and swizzle (any thread count)
@@ -389,13 +403,13 @@ __device__ __forceinline__ void hadamard_mma_pass(float (&v)[32], const uint8_t*
     // ldmatrix: lane L addresses row L % 8 of matrix L / 8 = (tile 2i + L / 16, values 8 (L / 8 % 2) ..);
     // it returns lane (g, t) row g of each: slot 16i + 8 (j / 2) + g, values 2t, 2t + 1 (+ 8 (j % 2)).
     const int slot = 16 * i + 8 * (lane / 16) + lane % 8;
-    const int row = first + slot / S, safe = row < rows ? row : 0;  // inside the stage either way
+    const int row = first + slot / S, safe = Full || row < rows ? row : 0;  // inside the stage either way
     const int chunk = 2 * (slot % S) + (lane / 8) % 2;
     uint32_t b[4];
-    ldmatrix_x4(b, smem_addr(stage + safe * S_::kRowBytes + ((chunk ^ S_::swizzle(safe)) << 4)));
+    ldmatrix_x4(b, smem_addr(stage + safe * S_::kRowBytes + ((chunk ^ S_::mma_swizzle(safe, chunk)) << 4)));
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const bool live = first + (16 * i + 8 * (j / 2) + g) / S < rows;  // zeros, not 0 x NaN, past the block
+      const bool live = Full || first + (16 * i + 8 * (j / 2) + g) / S < rows;  // zeros, not 0 x NaN, past the block
       b[j] = live ? b[j] ^ f.flips[j / 2 % f.kParities][j % 2] : 0u;
     }
     float c[2][4] = {};
@@ -418,30 +432,37 @@ __device__ __forceinline__ void hadamard_mma_pass(float (&v)[32], const uint8_t*
 }
 
 // hadamard_mma_pass's values times `factor` (1/sqrt(d) / descale; or divided, Divide) as e4m3,
-// two adjacent bytes a store.
+// four adjacent bytes a store. A slot 16i + 8 half + g lies in row first + step_row + g / S at
+// byte 16 (slot % S): the lane's part (g) is fixed, the step's (i, half) a constant.
 template <int HeadDim, int Threads, int Passes, bool Divide>
 __device__ __forceinline__ void store_mma(uint8_t* out, int heads, int rows, int warp, int lane,
                                           const float (&v)[Passes][32], float factor, float descale) {
   using M = HadamardMma<HeadDim>;
+  constexpr int S = M::S;
   const int g = lane / 4, t = lane % 4;
+  const int lane_row = g / S, lane_col = 16 * (g % S) + 4 * t;
+  const int64_t row_bytes = int64_t(heads) * HeadDim;
+  auto e4m3x2 = [&](float a, float b) -> uint32_t {
+    const float2 q = Divide ? make_float2(__fdiv_rn(a * kInvSqrtD<HeadDim>, descale),
+                                          __fdiv_rn(b * kInvSqrtD<HeadDim>, descale))
+                            : make_float2(a * factor, b * factor);
+    return __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
+  };
   #pragma unroll
   for (int ps = 0; ps < Passes; ++ps) {
     const int first = ps * Staged<HeadDim, Threads>::kRowsPerPass + warp * M::kRowsPerWarp;
+    if (first >= rows) continue;
+    const bool full = first + M::kRowsPerWarp <= rows;
+    uint8_t* base = out + int64_t(first + lane_row) * row_bytes + lane_col;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int slot = 16 * i + g + 8 * half, r = first + slot / M::S;
-        if (r >= rows) continue;
-        uint8_t* row_out = out + int64_t(r) * heads * HeadDim + 16 * (slot % M::S) + 2 * t;
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float a = v[ps][8 * i + 4 * h + 2 * half], b = v[ps][8 * i + 4 * h + 2 * half + 1];
-          const float2 q = Divide ? make_float2(__fdiv_rn(a * kInvSqrtD<HeadDim>, descale),
-                                                __fdiv_rn(b * kInvSqrtD<HeadDim>, descale))
-                                  : make_float2(a * factor, b * factor);
-          *reinterpret_cast<uint16_t*>(row_out + 8 * h) = __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
-        }
+        const int step_row = (16 * i + 8 * half) / S, step_col = 16 * ((16 * i + 8 * half) % S);
+        if (!full && first + lane_row + step_row >= rows) continue;
+        const float* y = &v[ps][8 * i + 2 * half];  // bytes 4t, 4t + 1 (y[0], y[1]); 4t + 2, 4t + 3 (y[4], y[5])
+        *reinterpret_cast<uint32_t*>(base + step_row * row_bytes + step_col) =
+            e4m3x2(y[0], y[1]) | e4m3x2(y[4], y[5]) << 16;
       }
     }
   }
@@ -537,16 +558,21 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     row0 = blk * p.block_rows;
     rows = min(p.block_rows, p.seqlen - row0);
   };
+  constexpr bool kMma = Hadamard == kHadamard && !Rotary;  // the transform on the tensor cores
+  // Where chunk `chunk` of a stage's row `row` lies (16-byte units from the row's start).
+  auto placed = [](int row, int chunk) {
+    return chunk ^ (kMma ? S::mma_swizzle(row, chunk) : S::swizzle(row));
+  };
   // An item's copies into a stage (one group). Where kUnrolledCopy, thread tid copies chunk
   // tid % kChunks of rows tid / kChunks + k kCopyRows, one source pointer a thread stepping by a
   // constant stride, the steps unrolled (the bank swizzle of those rows is the same: kCopyRows
-  // is a multiple of 8 / T); elsewhere a loop over the block's chunks.
+  // is a multiple of 8 / T, and even); elsewhere a loop over the block's chunks.
   constexpr int kCopyRows = Threads / S::kChunks;
-  static_assert(kCopyRows % (8 / S::T) == 0 && staged_stage_rows<HeadDim, Stages>() % kCopyRows == 0,
+  static_assert(kCopyRows % (8 / S::T) == 0 && kCopyRows % 2 == 0 &&
+                    staged_stage_rows<HeadDim, Stages>() % kCopyRows == 0,
                 "a thread's copied rows share their swizzle and fill a stage");
   const int copy_row = tid / S::kChunks, copy_chunk = tid % S::kChunks;
-  const uint32_t copy_dst =
-      smem_addr(ring) + copy_row * S::kRowBytes + ((copy_chunk ^ S::swizzle(copy_row)) << 4);
+  const uint32_t copy_dst = smem_addr(ring) + copy_row * S::kRowBytes + (placed(copy_row, copy_chunk) << 4);
   auto load = [&](int item, int stage) {
     if (item < items) {
       int blk, row0, rows, head, b;
@@ -564,7 +590,7 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
         const uint32_t dst = smem_addr(ring + stage * stage_bytes);
         for (int c = tid; c < rows * S::kChunks; c += Threads) {
           const int r = c / S::kChunks, ch = c % S::kChunks;
-          cp_async_16(dst + r * S::kRowBytes + ((ch ^ S::swizzle(r)) << 4),
+          cp_async_16(dst + r * S::kRowBytes + (placed(r, ch) << 4),
                       base + int64_t(row0 + r) * p.x_row_stride + ch * 8, true);
         }
       }
@@ -572,7 +598,6 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     cp_async_commit();  // empty groups keep the count uniform
   };
 
-  constexpr bool kMma = Hadamard == kHadamard && !Rotary;  // the transform on the tensor cores
   uint32_t neg = 0;  // the signs of this thread's elements (bit j: value j negated)
   if (!kMma && transforms<Hadamard>(p)) {
     #pragma unroll
@@ -602,14 +627,22 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
       if constexpr (kMma) {  // the warp's rows of the pass (those of the layout below); a warp
                              // whose rows all lie past the block skips the transform
         const int first = ps * S::kRowsPerPass + warp * HadamardMma<HeadDim>::kRowsPerWarp;
-        if (first < rows) {
-          hadamard_mma_pass<T, HeadDim>(v[ps], ring + stage * stage_bytes, first, rows, lane, fragments);
+        const uint8_t* stage_data = ring + stage * stage_bytes;
+        // A second copy of the pass without the row checks, for warps whose rows are all in the
+        // block (the d128 and d256 two-pass instances spilled 4-16 bytes with it).
+        constexpr bool kFullPassCopy = Passes == 1 || HeadDim == 64;
+        if (kFullPassCopy && first + HadamardMma<HeadDim>::kRowsPerWarp <= rows) {
+          hadamard_mma_pass<T, HeadDim, true>(v[ps], stage_data, first, rows, lane, fragments);
+        } else if (first < rows) {
+          hadamard_mma_pass<T, HeadDim, false>(v[ps], stage_data, first, rows, lane, fragments);
         } else {
           #pragma unroll
           for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
         }
+        float part[4] = {};  // four independent chains
         #pragma unroll
-        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(v[ps][j]));
+        for (int j = 0; j < 32; ++j) part[j % 4] = fmaxf(part[j % 4], fabsf(v[ps][j]));
+        amax = fmaxf(amax, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         continue;
       }
       const int r = ps * S::kRowsPerPass + tid / S::T;
