@@ -176,7 +176,7 @@ struct Staged {
   // Bank swizzle of a row's chunks: the 8 lanes of one shared-memory phase (8 / T rows) read
   // 8 distinct 16-byte bank groups.
   __device__ static int swizzle(int row) { return (row % (8 / T)) * T; }
-  // The tensor-core instances' layout instead (hadamard_mma_pass): a phase of ldmatrix reads
+  // The tensor-core instances' layout instead (hadamard_mma_tile): a phase of ldmatrix reads
   // every other chunk of 128 bytes (the first or second halves of 8 segments), which a row's
   // swizzle leaves on 4 bank groups (2-way conflicts: 0.55M excess wavefronts at d128 on
   // 2048 blocks); flipping the chunk's low bit in every other 128 bytes of the stage spreads
@@ -260,7 +260,7 @@ __device__ __forceinline__ void rotate_pairs(float (&v)[32], const float* cos, c
 // then the butterflies in stride order 1, 2, 4 (in a chunk), 8 .. 4T (across the row's lanes),
 // 8T, 16T (across chunks), the lower index keeping a + b, then 1/sqrt(d): the operations of
 // reference.hadamard_transform in its order, so the same bits (the rotary instances; the
-// others take hadamard_mma_pass). Scale false: the caller folds 1/sqrt(d) into the descale.
+// others take hadamard_mma_tile). Scale false: the caller folds 1/sqrt(d) into the descale.
 template <int HeadDim, bool Scale = true>
 __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, int lane) {
   constexpr int T = HeadDim / 32;
@@ -294,7 +294,7 @@ __device__ __forceinline__ void transform_owned(float (&v)[32], uint32_t neg, in
 // The lean unpack, in the two-pass instances (where it measured a gain; H200 A/B, 2026-12-01,
 // docs/results/ab_quantize_lean.json, Hadamard blocks as % of copy: d64 160 rows 43 -> 48, 192
 // 46 -> 52, d128 160 43-45 -> 47, 192 49 -> 53, d256 128 55 -> 58; one pass lost, d128 128 rows
-// 60 -> 58, d64 128 59 -> 58; those Hadamard instances take hadamard_mma_pass since). Fewer
+// 60 -> 58, d64 128 59 -> 58; those Hadamard instances take hadamard_mma_tile since). Fewer
 // instructions a value:
 // - 16-bit -> fp32 by bit operations (bf16: a shift and a mask a pair, where the default
 //   conversion's upper half took a PRMT and a shift);
@@ -333,11 +333,12 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out) {
 // docs/BENCHMARKS.md).
 //   H_d = H_S (x) H_16 with S = d / 16 (Sylvester order: element 16a + b of a row is value b of
 // its segment a), so a row's y = H_d (signs x) is H_16 on each segment, then H_S across its
-// segments for each b. A warp takes its 1024 / d rows of a pass as 64 segment slots (slot =
-// row * S + segment; the same rows as transform_owned's layout):
+// segments for each b. A block's rows are segment slots (slot = row * S + segment) in tiles of
+// 16 (16 / S whole rows); a CTA's warps take the tiles in turn (tile k of warp w is k Warps + w),
+// so the block's tiles spread evenly (at most 4 Passes a warp):
 //  1. each 8 slots, C = H_16 X^T (m16n8k16: A = H_16, B = the 8 segments, read from the stage
 //     by ldmatrix with the signs xored in): C[b][slot];
-//  2. each 16 slots (two tiles of step 1), Y = blockdiag(H_S, ...) C^T over those slots
+//  2. each tile (two of step 1), Y = blockdiag(H_S, ...) C^T over its slots
 //     (m16n8k16: its B fragment is step 1's two accumulators as they lie), for b 0-7 and 8-15.
 //     The accumulators enter as bf16 hi + lo (two mma each), so Y keeps about 16 bits of
 //     precision before e4m3 keeps 3: not the bits of reference.hadamard_transform's fp32
@@ -345,12 +346,13 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float* out) {
 //     (f16 would overflow past 4096).
 // Step 1's A is H_16 with its rows permuted (hadamard_out_index), so that the four values of
 // a slot that a lane ends with are four adjacent output bytes: lane (g, t) ends with
-// v[8i + 4h + e]: Y[slot 16i + g + 8 (e / 2)][b = 4t + 2h + e % 2], and stores 4 bytes a slot
+// y[4h + e] of a tile: Y[slot g + 8 (e / 2)][b = 4t + 2h + e % 2], and stores 4 bytes a slot
 // (whole 32-byte sectors a warp) where 2-byte stores left each sector half written twice.
 template <int HeadDim>
 struct HadamardMma {
-  static constexpr int S = HeadDim / 16;             // segments a row
-  static constexpr int kRowsPerWarp = 1024 / HeadDim;  // a pass: 64 slots, 32 values a lane
+  static constexpr int S = HeadDim / 16;         // segments a row
+  static constexpr int kTileRows = 16 / S;       // rows a tile
+  __device__ static int tiles(int rows) { return (rows + kTileRows - 1) / kTileRows; }
 };
 
 // The output value b of step 1's accumulator row r: rows 2t, 2t + 1 (a lane's c0, c1) give
@@ -367,6 +369,7 @@ template <class T, int HeadDim>
 struct HadamardFragments {
   static constexpr int kParities = HeadDim > 128 ? 2 : 1;
   uint32_t h16[4], hs[4], flips[kParities][2];
+  HadamardFragments() = default;
   __device__ HadamardFragments(const float* signs, int lane) {
     constexpr int S = HadamardMma<HeadDim>::S;
     const int g = lane / 4, t = lane % 4;
@@ -387,53 +390,65 @@ struct HadamardFragments {
       }
     }
   }
+  // Through shared memory (kSmemWords 16-byte words a lane, word-major; kFragmentsInSmem).
+  static constexpr int kSmemWords = 3;
+  __device__ void save(uint4* smem, int lane) const {
+    smem[lane] = make_uint4(h16[0], h16[1], h16[2], h16[3]);
+    smem[32 + lane] = make_uint4(hs[0], hs[1], hs[2], hs[3]);
+    smem[64 + lane] = make_uint4(flips[0][0], flips[0][1], flips[kParities - 1][0], flips[kParities - 1][1]);
+  }
+  __device__ static HadamardFragments load(const uint4* smem, int lane) {
+    HadamardFragments f;
+    const uint4 a = smem[lane], b = smem[32 + lane], c = smem[64 + lane];
+    f.h16[0] = a.x, f.h16[1] = a.y, f.h16[2] = a.z, f.h16[3] = a.w;
+    f.hs[0] = b.x, f.hs[1] = b.y, f.hs[2] = b.z, f.hs[3] = b.w;
+    f.flips[0][0] = c.x, f.flips[0][1] = c.y, f.flips[kParities - 1][0] = c.z, f.flips[kParities - 1][1] = c.w;
+    return f;
+  }
 };
 
-// One pass of a warp: its rows first .. first + kRowsPerWarp - 1 of the stage (rows at or past
-// `rows` read as zeros; Full: none are) into v, unscaled (the caller applies 1/sqrt(d) with the
-// descale).
+// Tile `tile` of the stage (rows at or past `rows` read as zeros; Full: none are) into y,
+// unscaled (the caller applies 1/sqrt(d) with the descale).
 template <class T, int HeadDim, bool Full>
-__device__ __forceinline__ void hadamard_mma_pass(float (&v)[32], const uint8_t* stage, int first, int rows,
-                                                  int lane, const HadamardFragments<T, HeadDim>& f) {
+__device__ __forceinline__ void hadamard_mma_tile(float* y, const uint8_t* stage, int tile, int rows, int lane,
+                                                  const HadamardFragments<T, HeadDim>& f) {
   using S_ = Staged<HeadDim>;  // the stage's row bytes and swizzle (any thread count)
   constexpr int S = HadamardMma<HeadDim>::S;
   const int g = lane / 4;
+  // ldmatrix: lane L addresses row L % 8 of matrix L / 8 = (slots 8 (L / 16) .., values 8 (L / 8 % 2) ..);
+  // it returns lane (g, t) row g of each: slot 8 (j / 2) + g, values 2t, 2t + 1 (+ 8 (j % 2)).
+  const int slot = 16 * tile + 8 * (lane / 16) + lane % 8;
+  const int row = slot / S, safe = Full || row < rows ? row : 0;  // inside the stage either way
+  const int chunk = 2 * (slot % S) + (lane / 8) % 2;
+  uint32_t b[4];
+  ldmatrix_x4(b, smem_addr(stage + safe * S_::kRowBytes + ((chunk ^ S_::mma_swizzle(safe, chunk)) << 4)));
   #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    // ldmatrix: lane L addresses row L % 8 of matrix L / 8 = (tile 2i + L / 16, values 8 (L / 8 % 2) ..);
-    // it returns lane (g, t) row g of each: slot 16i + 8 (j / 2) + g, values 2t, 2t + 1 (+ 8 (j % 2)).
-    const int slot = 16 * i + 8 * (lane / 16) + lane % 8;
-    const int row = first + slot / S, safe = Full || row < rows ? row : 0;  // inside the stage either way
-    const int chunk = 2 * (slot % S) + (lane / 8) % 2;
-    uint32_t b[4];
-    ldmatrix_x4(b, smem_addr(stage + safe * S_::kRowBytes + ((chunk ^ S_::mma_swizzle(safe, chunk)) << 4)));
+  for (int j = 0; j < 4; ++j) {
+    const bool live = Full || (16 * tile + 8 * (j / 2) + g) / S < rows;  // zeros, not 0 x NaN, past the block
+    b[j] = live ? b[j] ^ f.flips[j / 2 % f.kParities][j % 2] : 0u;
+  }
+  float c[2][4] = {};
+  mma_16816<T>(c[0], f.h16, b[0], b[1]);
+  mma_16816<T>(c[1], f.h16, b[2], b[3]);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {  // c[.][2h], c[.][2h + 1]: step 1's row 8h + g, slots 2t, 2t + 1 of each half
+    const uint32_t hi0 = pack2<__nv_bfloat16>(c[0][2 * h], c[0][2 * h + 1]);
+    const uint32_t hi1 = pack2<__nv_bfloat16>(c[1][2 * h], c[1][2 * h + 1]);
+    const float2 r0 = bf16x2_to_float2(hi0), r1 = bf16x2_to_float2(hi1);
+    const uint32_t lo0 = pack2<__nv_bfloat16>(c[0][2 * h] - r0.x, c[0][2 * h + 1] - r0.y);
+    const uint32_t lo1 = pack2<__nv_bfloat16>(c[1][2 * h] - r1.x, c[1][2 * h + 1] - r1.y);
+    float acc[4] = {};
+    mma_16816<__nv_bfloat16>(acc, f.hs, hi0, hi1);
+    mma_16816<__nv_bfloat16>(acc, f.hs, lo0, lo1);
     #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const bool live = Full || first + (16 * i + 8 * (j / 2) + g) / S < rows;  // zeros, not 0 x NaN, past the block
-      b[j] = live ? b[j] ^ f.flips[j / 2 % f.kParities][j % 2] : 0u;
-    }
-    float c[2][4] = {};
-    mma_16816<T>(c[0], f.h16, b[0], b[1]);
-    mma_16816<T>(c[1], f.h16, b[2], b[3]);
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // c[.][2h], c[.][2h + 1]: b = 8h + g, slots 2t, 2t + 1 of the tile
-      const uint32_t hi0 = pack2<__nv_bfloat16>(c[0][2 * h], c[0][2 * h + 1]);
-      const uint32_t hi1 = pack2<__nv_bfloat16>(c[1][2 * h], c[1][2 * h + 1]);
-      const float2 r0 = bf16x2_to_float2(hi0), r1 = bf16x2_to_float2(hi1);
-      const uint32_t lo0 = pack2<__nv_bfloat16>(c[0][2 * h] - r0.x, c[0][2 * h + 1] - r0.y);
-      const uint32_t lo1 = pack2<__nv_bfloat16>(c[1][2 * h] - r1.x, c[1][2 * h + 1] - r1.y);
-      float y[4] = {};
-      mma_16816<__nv_bfloat16>(y, f.hs, hi0, hi1);
-      mma_16816<__nv_bfloat16>(y, f.hs, lo0, lo1);
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) v[8 * i + 4 * h + e] = y[e];
-    }
+    for (int e = 0; e < 4; ++e) y[4 * h + e] = acc[e];
   }
 }
 
-// hadamard_mma_pass's values times `factor` (1/sqrt(d) / descale; or divided, Divide) as e4m3,
-// four adjacent bytes a store. A slot 16i + 8 half + g lies in row first + step_row + g / S at
-// byte 16 (slot % S): the lane's part (g) is fixed, the step's (i, half) a constant.
+// The warp's tiles' values (tile k in v[k / 4][8 (k % 4) ..]) times `factor` (1/sqrt(d) /
+// descale; or divided, Divide) as e4m3, four adjacent bytes a store. Slot 8 half + g of a tile
+// lies in its row (8 half + g) / S at byte 16 ((8 half + g) % S): the lane's part (g) is
+// fixed, the half's a constant.
 template <int HeadDim, int Threads, int Passes, bool Divide>
 __device__ __forceinline__ void store_mma(uint8_t* out, int heads, int rows, int warp, int lane,
                                           const float (&v)[Passes][32], float factor, float descale) {
@@ -448,22 +463,21 @@ __device__ __forceinline__ void store_mma(uint8_t* out, int heads, int rows, int
                             : make_float2(a * factor, b * factor);
     return __nv_cvt_float2_to_fp8x2(q, __NV_SATFINITE, __NV_E4M3);
   };
+  // Rows of the block from the warp's tile 0 on, and from the lane's row of it: one compare a
+  // store (with a bound a tile the two-pass instances spilled about 30 bytes more).
+  constexpr int kStepRows = Threads / 32 * M::kTileRows;  // from a warp's tile k to k + 1
+  const int warp_rows = rows - warp * M::kTileRows, lane_rows = warp_rows - lane_row;
+  uint8_t* base = out + int64_t(warp * M::kTileRows + lane_row) * row_bytes + lane_col;
   #pragma unroll
-  for (int ps = 0; ps < Passes; ++ps) {
-    const int first = ps * Staged<HeadDim, Threads>::kRowsPerPass + warp * M::kRowsPerWarp;
-    if (first >= rows) continue;
-    const bool full = first + M::kRowsPerWarp <= rows;
-    uint8_t* base = out + int64_t(first + lane_row) * row_bytes + lane_col;
+  for (int k = 0; k < 4 * Passes; ++k, base += kStepRows * row_bytes) {
+    if (k * kStepRows >= warp_rows) break;  // tile k * Warps + warp is past the block
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int step_row = (16 * i + 8 * half) / S, step_col = 16 * ((16 * i + 8 * half) % S);
-        if (!full && first + lane_row + step_row >= rows) continue;
-        const float* y = &v[ps][8 * i + 2 * half];  // bytes 4t, 4t + 1 (y[0], y[1]); 4t + 2, 4t + 3 (y[4], y[5])
-        *reinterpret_cast<uint32_t*>(base + step_row * row_bytes + step_col) =
-            e4m3x2(y[0], y[1]) | e4m3x2(y[4], y[5]) << 16;
-      }
+    for (int half = 0; half < 2; ++half) {
+      const int step_row = 8 * half / S, step_col = 16 * (8 * half % S);
+      if (k * kStepRows + step_row >= lane_rows) continue;
+      const float* y = &v[k / 4][8 * (k % 4) + 2 * half];  // bytes 4t, 4t + 1 (y[0], y[1]); 4t + 2, 4t + 3 (y[4], y[5])
+      *reinterpret_cast<uint32_t*>(base + step_row * row_bytes + step_col) =
+          e4m3x2(y[0], y[1]) | e4m3x2(y[4], y[5]) << 16;
     }
   }
 }
@@ -604,11 +618,21 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     for (int j = 0; j < 32; ++j) neg |= uint32_t(p.signs[8 * (t + S::T * (j / 8)) + j % 8] < 0.f) << j;
   }
   const int kshift = p.rotary_half * 4 / HeadDim;  // halves: rotary_half / 8T (1 or 2)
-  using Fragments = std::conditional_t<kMma, HadamardFragments<T, HeadDim>, int>;
-  const Fragments fragments = [&] {
-    if constexpr (kMma) return HadamardFragments<T, HeadDim>(p.signs, lane);
+  // The tensor-core transform's constant fragments: in registers in the one-pass instances; the
+  // two-pass ones keep them in shared memory (HadamardFragments::save; the first item's barrier
+  // publishes them) and load them where a block is transformed. H200, 2026-12-02: in registers
+  // the two-pass instances spilled 4-40 bytes; in shared memory the one-pass d128 blocks lost
+  // 4-5 points of the copy's bandwidth.
+  constexpr bool kFragmentsInSmem = kMma && Passes == 2;
+  __shared__ uint4 fragment_words[kFragmentsInSmem ? HadamardFragments<T, HeadDim>::kSmemWords * 32 : 1];
+  using KeptFragments = std::conditional_t<kMma && !kFragmentsInSmem, HadamardFragments<T, HeadDim>, int>;
+  const KeptFragments kept_fragments = [&] {
+    if constexpr (kMma && !kFragmentsInSmem) return HadamardFragments<T, HeadDim>(p.signs, lane);
     else return 0;
   }();
+  if constexpr (kFragmentsInSmem) {
+    if (warp == 0) HadamardFragments<T, HeadDim>(p.signs, lane).save(fragment_words, lane);
+  }
 
   #pragma unroll 1
   for (int s = 0; s < Stages; ++s) load(blockIdx.x + s * gridDim.x, s);
@@ -624,24 +648,36 @@ __global__ void __launch_bounds__(staged_threads(Stages), 512 / staged_threads(S
     float amax = 0.f;
     #pragma unroll
     for (int ps = 0; ps < Passes; ++ps) {
-      if constexpr (kMma) {  // the warp's rows of the pass (those of the layout below); a warp
-                             // whose rows all lie past the block skips the transform
-        const int first = ps * S::kRowsPerPass + warp * HadamardMma<HeadDim>::kRowsPerWarp;
+      if constexpr (kMma) {  // the pass's tiles of this warp (tile k * Warps + warp of the block)
         const uint8_t* stage_data = ring + stage * stage_bytes;
-        // A second copy of the pass without the row checks, for warps whose rows are all in the
-        // block (the d128 and d256 two-pass instances spilled 4-16 bytes with it).
-        constexpr bool kFullPassCopy = Passes == 1 || HeadDim == 64;
-        if (kFullPassCopy && first + HadamardMma<HeadDim>::kRowsPerWarp <= rows) {
-          hadamard_mma_pass<T, HeadDim, true>(v[ps], stage_data, first, rows, lane, fragments);
-        } else if (first < rows) {
-          hadamard_mma_pass<T, HeadDim, false>(v[ps], stage_data, first, rows, lane, fragments);
-        } else {
-          #pragma unroll
-          for (int j = 0; j < 32; ++j) v[ps][j] = 0.f;
-        }
+        const int tiles = HadamardMma<HeadDim>::tiles(rows);
+        const HadamardFragments<T, HeadDim> fragments = [&] {
+          if constexpr (kFragmentsInSmem) return HadamardFragments<T, HeadDim>::load(fragment_words, lane);
+          else return kept_fragments;
+        }();
+        // A second copy of the tiles without the row checks, for blocks of whole tiles (d64's
+        // two-pass instances spilled 24 bytes with it; the 4-stage one spills 4 without).
+        constexpr bool kWholeTilesCopy = Passes == 1 || HeadDim != 64;
+        const bool whole_tiles = kWholeTilesCopy && rows % HadamardMma<HeadDim>::kTileRows == 0;
         float part[4] = {};  // four independent chains
         #pragma unroll
-        for (int j = 0; j < 32; ++j) part[j % 4] = fmaxf(part[j % 4], fabsf(v[ps][j]));
+        for (int i = 0; i < 4; ++i) {
+          // A branch a pair of tiles: a pair whose first tile is in the block computes both,
+          // the second as zeros where it lies past the block (the measured form; a branch a
+          // tile was not timed).
+          const int tile = (4 * ps + i) * (Threads / 32) + warp, pair = (4 * ps + i / 2 * 2) * (Threads / 32) + warp;
+          float* y = &v[ps][8 * i];
+          if (pair >= tiles) {
+            #pragma unroll
+            for (int j = 0; j < 8; ++j) y[j] = 0.f;
+          } else if (whole_tiles && tile < tiles) {
+            hadamard_mma_tile<T, HeadDim, true>(y, stage_data, tile, rows, lane, fragments);
+          } else {
+            hadamard_mma_tile<T, HeadDim, false>(y, stage_data, tile, rows, lane, fragments);
+          }
+          #pragma unroll
+          for (int j = 0; j < 8; ++j) part[j % 4] = fmaxf(part[j % 4], fabsf(y[j]));
+        }
         amax = fmaxf(amax, fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
         continue;
       }

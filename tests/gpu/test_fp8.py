@@ -206,7 +206,7 @@ def _quantizer_lib():
 
 
 # The tolerance rule of the quantizer's Hadamard transform on the tensor cores (block scales of
-# at most 32768 values without rotary: quantize_fp8.cuh, hadamard_mma_pass). Its transform keeps
+# at most 32768 values without rotary: quantize_fp8.cuh, hadamard_mma_tile). Its transform keeps
 # about 16 bits where reference.hadamard_transform's fp32 butterflies keep 24, so a value within
 # that distance of a rounding boundary of e4m3 (3 bits) may round the other way: each byte is the
 # reference's or one e4m3 step away (same sign; +-0 and the smallest magnitudes may swap
