@@ -358,6 +358,17 @@ struct HadamardMma {
 // The output value b of step 1's accumulator row r: rows 2t, 2t + 1 (a lane's c0, c1) give
 // 4t, 4t + 1 and rows 8 + 2t, 9 + 2t (its c2, c3) give 4t + 2, 4t + 3.
 __host__ __device__ constexpr int hadamard_out_index(int r) { return 4 * (r % 8 / 2) + 2 * (r / 8) + r % 2; }
+constexpr bool hadamard_out_index_fits_store_mma() {
+  int seen = 0;
+  for (int t = 0; t < 4; ++t) {
+    for (int e = 0; e < 2; ++e) {
+      if (hadamard_out_index(2 * t + e) != 4 * t + e || hadamard_out_index(8 + 2 * t + e) != 4 * t + 2 + e) return false;
+      seen |= 1 << hadamard_out_index(2 * t + e) | 1 << hadamard_out_index(8 + 2 * t + e);
+    }
+  }
+  return seen == 0xFFFF;
+}
+static_assert(hadamard_out_index_fits_store_mma(), "a permutation of H_16's rows giving each lane 4 adjacent bytes");
 
 // Entry (r, c) of a Sylvester-Hadamard matrix: (-1)^popcount(r & c).
 __device__ __forceinline__ float hadamard_entry(int r, int c) { return (__popc(r & c) & 1) ? -1.f : 1.f; }
