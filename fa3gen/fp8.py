@@ -270,12 +270,17 @@ def _kernel_serves(x) -> bool:
 KERNEL_BLOCK_VALUES = 32768
 
 
+def staged_blocks(d: int, block_rows: int | None) -> bool:
+    """Whether the fused kernel reads blocks of block_rows rows once (its staged kernel: where
+    rotary is fused and the Hadamard transform runs on the tensor cores)."""
+    return block_rows is not None and block_rows * d <= KERNEL_BLOCK_VALUES
+
+
 def _kernel_rotates(x, block_rows: int | None, rotary, interleaved: bool) -> bool:
     """Whether the fused kernel applies `rotary` itself on x: block scales of a size it holds,
     and rotated pairs that stay inside a thread (adjacent pairs, or halves of d or d / 2)."""
     d, half = x.shape[-1], rotary[0].shape[-1]
-    return (block_rows is not None and block_rows * d <= KERNEL_BLOCK_VALUES
-            and (interleaved or half in (d // 4, d // 2)))
+    return staged_blocks(d, block_rows) and (interleaved or half in (d // 4, d // 2))
 
 
 def _quantize_kernel(lib, x, block_rows: int | None, signs, rotary=None, interleaved: bool = False):

@@ -94,10 +94,6 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
   return swizzled_row<HeadDim * 2>(row, chunk);
 }
 
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
 __device__ __forceinline__ uint32_t byte_perm(uint32_t x, uint32_t selector) {
   uint32_t r;
   asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(r) : "r"(x), "r"(selector));

@@ -226,11 +226,6 @@ def assert_e4m3_close(got: torch.Tensor, want: torch.Tensor, got_descale, want_d
     assert differ <= MMA_MISMATCH_FRACTION, f"{differ:.2%} of the bytes differ"
 
 
-def _hadamard_on_tensor_cores(d: int, block_rows) -> bool:
-    """Whether the kernel takes its tensor-core transform (the staged kernel, no rotary)."""
-    return block_rows is not None and block_rows * d <= fp8.KERNEL_BLOCK_VALUES
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("block_rows", [128, 64, 96, 100, 160, 192, 384, None],
@@ -251,7 +246,7 @@ def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadam
     xr = hadamard_transform(x.float() * signs) if hadamard else x
     want, want_descale = fp8.quantize(xr, block_rows)
     torch.cuda.synchronize()
-    if hadamard and _hadamard_on_tensor_cores(d, block_rows):
+    if hadamard and fp8.staged_blocks(d, block_rows):  # the tensor-core transform (no rotary)
         assert_e4m3_close(got, want, got_descale, want_descale)
         return
     assert torch.equal(got_descale, want_descale)
