@@ -66,16 +66,20 @@ struct Config {
   static constexpr int kChunks = HeadDim / 8;  // 16-byte chunks per 16-bit row (Q, out)
   static constexpr int kElemBytes = KvFp8 ? 1 : 2;  // of the cache
   static constexpr int kCacheChunks = HeadDim * kElemBytes / 16;  // 16-byte chunks per cache row
+#ifdef FA3GEN_DECODE_STAGES  // measurement builds: another ring depth (and so CTAs per SM)
+  static constexpr int kStages = FA3GEN_DECODE_STAGES * (KvFp8 ? 2 : 1);
+#else
   static constexpr int kStages = (HeadDim <= 64 ? 4 : 3) * (KvFp8 ? 2 : 1);  // per warp ring
+#endif
   static constexpr int kCacheSliceBytes = kSlice * HeadDim * kElemBytes;  // one K or V slice as stored
   static constexpr int kQBytes = kRows * HeadDim * 2;
   static constexpr int kRingBytes = kStages * 2 * kCacheSliceBytes;  // per warp
   static constexpr int kSmemBytes = kQBytes + kWarps * kRingBytes;
-  // The final merge reuses the rings for (warp, row, column) fp32 partial outputs, rows padded
+  // The final merge: each warp's ring takes its (row, column) fp32 partial output, rows padded
   // by 4 floats: the 8 rows of a fragment store then start on different banks (unpadded, a
   // row of 64-256 floats put all 8 on the same ones).
   static constexpr int kMergeStride = HeadDim + 4;
-  static_assert(kWarps * kRows * kMergeStride * 4 <= kWarps * kRingBytes, "merge buffer");
+  static_assert(kRows * kMergeStride * 4 <= kRingBytes, "merge buffer");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of RowBytes-wide rows, swizzled
@@ -197,7 +201,7 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   constexpr int kSteps = HeadDim / 16;  // k steps of Q K^T
   constexpr int kLoads = kSlice * C::kCacheChunks / 32;  // 16-byte chunks per lane per K (or V) slice
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows], row_m[kRows], row_l[kRows];
+  __shared__ float warp_m[kWarps][kRows], warp_l[kWarps][kRows];
 
   const int split = blockIdx.x, head_kv = blockIdx.y, b = blockIdx.z;
   // A programmatic dependent of the kernel before it (the previous decode step's combine or
@@ -465,60 +469,63 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
   cp_async_wait<0>();
   FA3GEN_DECODE_STAMP(lane == 0, kTraceWarpDone + warp);
 
-  // Merge the four warps: row max and sum, then the rescaled partial outputs summed.
+  // Merge the four warps behind one barrier: each writes its rows' maximum and sum and its
+  // unscaled partial output into its own ring (its copies have all landed: no barrier needed
+  // first); then each thread rescales and sums one row chunk of the four.
+  float* own = reinterpret_cast<float*>(ring);  // (row, column)
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     l[j] += __shfl_xor_sync(0xffffffff, l[j], 1);
     l[j] += __shfl_xor_sync(0xffffffff, l[j], 2);
-    if (t == 0) {
-      warp_m[warp][g + 8 * j] = m[j];
-      warp_l[warp][g + 8 * j] = l[j];
-    }
-  }
-  __syncthreads();  // also: every warp is done with its ring, reused below
-  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceMerged);
-  if (threadIdx.x < kRows) {
-    const int r = threadIdx.x;
-    float mx = -INFINITY, sum = 0.f;
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w][r]);
-    if (mx != -INFINITY) {
-      for (int w = 0; w < kWarps; ++w) sum += warp_l[w][r] * exp2f((warp_m[w][r] - mx) * scale_log2);
-    }
-    row_m[r] = mx;
-    row_l[r] = sum;
-  }
-  __syncthreads();
-  float* merged = reinterpret_cast<float*>(smem + C::kQBytes);  // (warp, row, column)
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
     const int r = g + 8 * j;
+    if (t == 0) {
+      warp_m[warp][r] = m[j];
+      warp_l[warp][r] = l[j];
+    }
     if (r >= rows) continue;  // padding rows of the M tile: never read
-    const float f = row_m[r] == -INFINITY ? 0.f : exp2f((m[j] - row_m[r]) * scale_log2);
-    float* row_out = merged + (warp * kRows + r) * C::kMergeStride;
+    float* row_out = own + r * C::kMergeStride;
     if constexpr (KvFp8) {  // o[2c], o[2c + 1]: columns 16c + 4t + (0, 2), (1, 3) (pv_fp8)
 #pragma unroll
       for (int c = 0; c < HeadDim / 16; ++c) {
         *reinterpret_cast<float4*>(row_out + 16 * c + 4 * t) =
-            make_float4(o[2 * c][2 * j] * f, o[2 * c + 1][2 * j] * f, o[2 * c][2 * j + 1] * f, o[2 * c + 1][2 * j + 1] * f);
+            make_float4(o[2 * c][2 * j], o[2 * c + 1][2 * j], o[2 * c][2 * j + 1], o[2 * c + 1][2 * j + 1]);
       }
     } else {
 #pragma unroll
       for (int n = 0; n < HeadDim / 8; ++n) {
-        *reinterpret_cast<float2*>(row_out + n * 8 + 2 * t) = make_float2(o[n][2 * j] * f, o[n][2 * j + 1] * f);
+        *reinterpret_cast<float2*>(row_out + n * 8 + 2 * t) = make_float2(o[n][2 * j], o[n][2 * j + 1]);
       }
     }
   }
   __syncthreads();
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceMerged);
+  // Row r's maximum over the warps, each warp's factor to it and the row's sum.
+  auto row_merge = [&](int r, float (&f)[kWarps], float& mx, float& sum) {
+    mx = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, warp_m[w][r]);
+    sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      f[w] = mx == -INFINITY ? 0.f : exp2f((warp_m[w][r] - mx) * scale_log2);
+      sum = fmaf(warp_l[w][r], f[w], sum);
+    }
+  };
   for (int i = threadIdx.x; i < rows * C::kChunks; i += kWarps * 32) {
     const int r = i / C::kChunks, col = (i % C::kChunks) * 8;
-    const float inv = row_l[r] > 0.f ? v_factor / row_l[r] : 0.f;
+    float f[kWarps], mx, sum;
+    row_merge(r, f, mx, sum);
+    const float inv = sum > 0.f ? v_factor / sum : 0.f;
     float v[8] = {};
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float4* src = reinterpret_cast<const float4*>(merged + (w * kRows + r) * C::kMergeStride + col);
+      const float* part = reinterpret_cast<const float*>(smem + C::kQBytes + w * C::kRingBytes);
+      const float4* src = reinterpret_cast<const float4*>(part + r * C::kMergeStride + col);
       const float4 x0 = src[0], x1 = src[1];
-      v[0] += x0.x; v[1] += x0.y; v[2] += x0.z; v[3] += x0.w;
-      v[4] += x1.x; v[5] += x1.y; v[6] += x1.z; v[7] += x1.w;
+      v[0] = fmaf(f[w], x0.x, v[0]); v[1] = fmaf(f[w], x0.y, v[1]);
+      v[2] = fmaf(f[w], x0.z, v[2]); v[3] = fmaf(f[w], x0.w, v[3]);
+      v[4] = fmaf(f[w], x1.x, v[4]); v[5] = fmaf(f[w], x1.y, v[5]);
+      v[6] = fmaf(f[w], x1.z, v[6]); v[7] = fmaf(f[w], x1.w, v[7]);
     }
     const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
     const int64_t row = (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;  // (b, hq, sq)
@@ -540,7 +547,9 @@ __global__ void __launch_bounds__(kWarps * 32) split_kernel(const fa3gen_decode_
     const int r = threadIdx.x;
     const int head = head_kv * group + r / p.seqlen_q, qi = r % p.seqlen_q;
     const int64_t row = (int64_t(b) * p.heads_q + head) * p.seqlen_q + qi;
-    const float lse = row_l[r] > 0.f ? row_m[r] * score_scale + logf(row_l[r]) : -INFINITY;
+    float f[kWarps], mx, sum;
+    row_merge(r, f, mx, sum);
+    const float lse = sum > 0.f ? mx * score_scale + logf(sum) : -INFINITY;
     if (p.num_splits == 1) {
       p.lse[row] = lse;
     } else {
