@@ -1,7 +1,7 @@
 """Decode over a KV cache against the copy roof and the peers, sustained (issue 17: at least 80%
 of the H200's device-to-device copy bandwidth whenever at least 64 MB of K and V are read):
     python3 tests/gpu/bench_kvcache.py [--out decode.json] [--quick] [--max-mb 300] [--kv-fp8] [--dtype fp16]
-        [--baseline-so OLD.so] [--no-peers] [--case SQ,HKV,B,N ...] [--settle-ms 200] [--order shuffle]
+        [--baseline-so OLD.so] [--no-peers] [--case SQ,HKV,B,N ...] [--num-splits N] [--settle-ms 200] [--order shuffle]
 Grid: seqlen_q 1 and 4; heads_q 32 over heads_kv 8 and 32; d128 bf16 (--dtype); batch 1, 8, 64, 256;
 cache lengths 1k to 128k (cases above 8 GB of KV, or --max-mb, left out); contiguous and paged (64-row pages,
 shuffled) caches. Bytes = K and V rows read + q + out. Peers when they import, in the same
@@ -96,6 +96,7 @@ def main():
     ap.add_argument("--case", action="append", default=[], metavar="SQ,HKV,B,N",
                     help="only these cases (seqlen_q, heads_kv, batch, cache length; repeatable)")
     ap.add_argument("--no-peers", action="store_true", help="fa3gen alone (and --baseline-so)")
+    ap.add_argument("--num-splits", type=int, default=0, help="fa3gen's split count (0: its heuristic)")
     # The eager calls of the small cases are host-bound (the GPU idles between launches), and a
     # call timed right after one starts with the power cap's headroom: settle each call 200 ms
     # first and shuffle the order (bench_chunked_prefill measured the same effect up to 9%).
@@ -136,9 +137,11 @@ def main():
         table = torch.randperm(b * n // page, device="cuda", generator=g).to(torch.int32).reshape(b, -1)
         seqlens = torch.full((b,), n, dtype=torch.int32, device="cuda")
         fns = {
-            "fa3gen": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, **factors),
+            "fa3gen": lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens,
+                                                              num_splits=args.num_splits, **factors),
             "fa3gen_paged": lambda: kvcache.flash_attn_with_kvcache(q, pages, vpages, cache_seqlens=seqlens,
-                                                                    block_table=table, **factors),
+                                                                    block_table=table, num_splits=args.num_splits,
+                                                                    **factors),
         }
         if base is not None:
             for name in ("fa3gen", "fa3gen_paged"):
