@@ -81,6 +81,17 @@ def graph_replay(fn, calls: int):
     return graph.replay
 
 
+def copy_roof_gbs(nbytes: int = 2 << 30) -> float:
+    """The device-to-device copy's bandwidth in GB/s (bytes read plus written), sustained: the
+    roof the memory-bound kernels (decode, the fp8 quantizer) are measured against."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = sustained_ms([lambda: dst.copy_(src)], 3, 100)[0]
+    return 2 * nbytes / ms / 1e6
+
+
 ORDERS = ("rotate", "shuffle")  # sustained_ms's orders of the fns in a round
 
 

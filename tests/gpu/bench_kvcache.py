@@ -107,12 +107,8 @@ def main():
     elem = 1 if args.kv_fp8 else 2  # bytes per cached value
     hq, d, page = 32, 128, 64
     dt = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    other = torch.empty_like(big)
-    copy_ms = timing.sustained_ms([lambda: other.copy_(big)], 3, 100)[0]
-    copy_gbs = 2 * big.numel() / copy_ms / MB
+    copy_gbs = timing.copy_roof_gbs()
     print(f"device copy: {copy_gbs:.0f} GB/s")
-    del big, other
     rows = []
     grid = [(sq, hkv, b, n) for sq in (1, 4) for hkv in (8, 32) for b in (1, 8, 64, 256)
             for n in (1024, 4096, 16384, 65536, 131072)]
