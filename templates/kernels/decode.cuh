@@ -33,27 +33,37 @@ constexpr int kRows = 16;   // query rows per kv head: M of the mma
 constexpr int kSlice = 16;  // keys per warp and stage: K of the P V mma
 
 // Debugging builds only (fa3gen build --define FA3GEN_DECODE_TRACE): each split-kernel CTA
-// stamps %globaltimer (ns) at its phases into kTracePoints slots, read back through
-// fa3gen_decode_trace (tests/gpu/trace_decode.py); the last call's stamps stay, for up to
-// kTraceCtas CTAs. Compiled out otherwise (the kernels' code is unchanged).
+// stamps %globaltimer (ns) at its phases into kTracePoints slots, with the SM it ran on in the
+// last slot, and each combine CTA (slots kTraceCtas on) its start, release, LSEs loaded (in
+// kTraceQStaged), partials summed (kTraceFirstSlice), warps merged and stores; read back
+// through fa3gen_decode_trace (tests/gpu/trace_decode.py). The last call's stamps stay, for up
+// to kTraceCtas CTAs of each kernel. Compiled out otherwise (the kernels' code is unchanged).
 enum TracePoint { kTraceStart, kTraceReleased, kTraceQStaged, kTraceFirstSlice, kTraceWarpDone,
-                  kTraceMerged = kTraceWarpDone + kWarps, kTraceStored, kTracePoints };
+                  kTraceMerged = kTraceWarpDone + kWarps, kTraceStored, kTraceSm, kTracePoints };
 constexpr int kTraceCtas = 1 << 16;
 #ifdef FA3GEN_DECODE_TRACE
-__device__ unsigned long long g_trace[kTraceCtas * kTracePoints];
-__device__ __forceinline__ void trace(int point) {
+__device__ unsigned long long g_trace[2 * kTraceCtas * kTracePoints];
+// first_cta: 0 for the split kernel, kTraceCtas for the combine.
+__device__ __forceinline__ void trace(int point, unsigned first_cta = 0) {
   const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   unsigned long long now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  if (cta < kTraceCtas) g_trace[cta * kTracePoints + point] = now;
+  if (cta >= kTraceCtas) return;
+  unsigned long long* slots = g_trace + (first_cta + cta) * kTracePoints;
+  slots[point] = now;
+  if (point == kTraceStart) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    slots[kTraceSm] = sm;
+  }
 }
-#define FA3GEN_DECODE_STAMP(when, point) \
-  do {                                   \
-    if (when) trace(point);              \
+#define FA3GEN_DECODE_STAMP(when, point, ...) \
+  do {                                        \
+    if (when) trace(point, ##__VA_ARGS__);    \
   } while (0)
 #else
-#define FA3GEN_DECODE_STAMP(when, point) \
-  do {                                   \
+#define FA3GEN_DECODE_STAMP(when, point, ...) \
+  do {                                        \
   } while (0)
 #endif
 
@@ -573,7 +583,9 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const fa3ge
   constexpr int kBatch = 8;        // splits per warp whose partials are in flight at once
   struct alignas(E * 4 <= 16 ? E * 4 : 16) Part { float v[E]; };
   __shared__ float warp_o[kCombineWarps][HeadDim];
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceStart, kTraceCtas);
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceReleased, kTraceCtas);
   asm volatile("griddepcontrol.launch_dependents;");  // the next call's split kernel may be placed
   const int64_t row = blockIdx.x;  // (b, hq, sq) flattened
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, splits = p.num_splits;
@@ -600,6 +612,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const fa3ge
   }
   total = warp_sum(total);
   const float lse = lmax == -INFINITY ? -INFINITY : lmax + logf(total);
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceQStaged, kTraceCtas);
   float o[E] = {};
   if (lmax != -INFINITY) {
     for (int s0 = 0;;) {
@@ -614,9 +627,11 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const fa3ge
       load_batch(s0, part, w);
     }
   }
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceFirstSlice, kTraceCtas);
 #pragma unroll
   for (int i = 0; i < E; ++i) warp_o[warp][lane * E + i] = o[i];
   __syncthreads();
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceMerged, kTraceCtas);
   const int qi = int(row % p.seqlen_q), head = int((row / p.seqlen_q) % p.heads_q);
   const int b = int(row / (int64_t(p.seqlen_q) * p.heads_q));
   T* out = static_cast<T*>(p.out) + int64_t(b) * p.out_batch_stride + int64_t(qi) * p.out_row_stride +
@@ -628,6 +643,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32) combine_kernel(const fa3ge
     from_float(sum, out[c]);
   }
   if (threadIdx.x == 0) p.lse[row] = lse;
+  FA3GEN_DECODE_STAMP(threadIdx.x == 0, kTraceStored, kTraceCtas);
 }
 
 template <class T, int HeadDim, bool KvFp8>

@@ -10,13 +10,17 @@ tensor) is captured in a CUDA graph of 20 calls and replayed a few times, so the
 steady-state call's, with the call before still draining. Printed per phase, in us after the
 first CTA's start (min / median / max over CTAs; warp ends over warps): the wait on the kernel
 before (programmatic dependent launch), Q in shared memory, the first slice landed, each warp's
-last slice done, the warps merged, the partials stored. Not a pytest module."""
+last slice done, the warps merged, the partials stored, the combine kernel's start, release,
+LSEs loaded, partials summed, warps merged and stores, and the next call's release (a call's period later); then where the warps' finishing times
+spread: within a CTA (last warp minus first), between the CTAs of one SM (their last warps), and
+each SM's last warp. Not a pytest module."""
 import argparse
 import ctypes
 import json
 
 POINTS = ("start", "released", "q_staged", "first_slice", "warp0_done", "warp1_done", "warp2_done",
-          "warp3_done", "merged", "stored")
+          "warp3_done", "merged", "stored", "sm")
+TRACE_CTAS = 1 << 16  # decode.cuh's kTraceCtas: the combine's stamps start at this CTA's slots
 CASES = ((1, 8, 1, 16384), (1, 32, 1, 4096), (1, 8, 1, 1024), (1, 8, 1, 65536))
 
 
@@ -32,30 +36,61 @@ def trace_case(read, case, splits, paged):
         kc, vc = kc.reshape(-1, 64, hkv, 128), vc.reshape(-1, 64, hkv, 128)
         extra["block_table"] = torch.randperm(b * n // 64, device="cuda").to(torch.int32).reshape(b, -1)
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
+    calls = 20
     replay = timing.graph_replay(lambda: kvcache.flash_attn_with_kvcache(
-        q, kc, vc, cache_seqlens=lengths, num_splits=splits, **extra), 20)
+        q, kc, vc, cache_seqlens=lengths, num_splits=splits, **extra), calls)
     for _ in range(5):
         replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    replay()
+    end.record()
     torch.cuda.synchronize()
+    period = begin.elapsed_time(end) * 1e3 / calls  # us per call, the stamps' last call's among them
     used = kvcache._split_count(n, splits, b, hkv, kvcache.ops._num_sms(q.device.index), 128, None)
     ctas = used * hkv * b
-    stride = len(POINTS)
-    raw = (ctypes.c_ulonglong * (ctas * stride))()
-    if read(raw, ctas * stride) != 0:
-        raise SystemExit("fa3gen_decode_trace failed")
-    t = np.frombuffer(raw, dtype=np.uint64).reshape(ctas, stride).astype(np.int64)
-    t = (t - t[:, 0].min()) / 1e3
-    phases = {name: t[:, i] for i, name in enumerate(POINTS) if not name.startswith("warp")}
-    phases["warps_done"] = t[:, 4:8].ravel()
+    stride, rows = len(POINTS), b * 32 * sq  # the combine: one CTA per output row (when split)
+
+    def stamps(first, n):
+        raw = (ctypes.c_ulonglong * (n * stride))()
+        if read(raw, first * stride, n * stride) != 0:
+            raise SystemExit("fa3gen_decode_trace failed")
+        return np.frombuffer(raw, dtype=np.uint64).reshape(n, stride).astype(np.int64)
+
+    t = stamps(0, ctas)
+    t0 = t[:, 0].min()
+    sm, t = t[:, -1], (t[:, :-1] - t0) / 1e3
+    phases = {name: t[:, i] for i, name in enumerate(POINTS[:-1]) if not name.startswith("warp")}
+    done = t[:, 4:8]
+    phases["warps_done"] = done.ravel()
+    # Where the warps' spread of finishing times lies: within a CTA (its four warps), between
+    # the CTAs of one SM, or between SMs (each SM's last warp).
+    sm_last = {s: done[sm == s].max() for s in np.unique(sm)}
+    spread = {"within_cta": done.max(1) - done.min(1),
+              "within_sm": np.array([done[sm == s].max(1).max() - done[sm == s].max(1).min() for s in sm_last]),
+              "sm_last": np.array(list(sm_last.values()))}
+    if used > 1:  # the combine's phases (decode.cuh: its slots of the split kernel's points), same clock
+        c = (stamps(TRACE_CTAS, rows)[:, :-1] - t0) / 1e3
+        for name, point in (("comb_start", "start"), ("comb_release", "released"), ("comb_lses", "q_staged"),
+                            ("comb_summed", "first_slice"), ("comb_merged", "merged"), ("comb_stored", "stored")):
+            phases[name] = c[:, POINTS.index(point)]
+    # The next call's split kernel starts one period later: the gap from these stamps to its
+    # release is the time between two calls' key streams.
+    phases["next_released"] = period + phases["released"]
     summary = {k: [round(float(f(v)), 2) for f in (np.min, np.median, np.max)] for k, v in phases.items()}
     print(f"seqlen_q {sq}, kv heads {hkv}, batch {b}, {n} keys{' (paged)' if paged else ''}: "
-          f"{used} splits, {ctas} CTAs (us after the first start: min / median / max)")
+          f"{used} splits, {ctas} CTAs, {period:.2f} us a call (us after the first start: min / median / max)")
     for k, (lo, mid, hi) in summary.items():
         print(f"  {k:12s} {lo:7.2f} {mid:7.2f} {hi:7.2f}")
     deciles = [round(float(x), 2) for x in np.percentile(phases["warps_done"], range(0, 101, 10))]
     print("  warps done, deciles:", " ".join(f"{x:.1f}" for x in deciles))
-    return {"case": list(case), "paged": paged, "splits": used, "ctas": ctas, "phases": summary,
-            "warps_done_deciles": deciles}
+    spreads = {k: [round(float(f(v)), 2) for f in (np.min, np.median, np.max)] for k, v in spread.items()}
+    print(f"  CTAs on {len(sm_last)} SMs, at most {int(np.bincount(sm).max())} on one")
+    for k, (lo, mid, hi) in spreads.items():
+        print(f"  {k:12s} {lo:7.2f} {mid:7.2f} {hi:7.2f}")
+    return {"case": list(case), "paged": paged, "splits": used, "ctas": ctas, "us_per_call": round(period, 2),
+            "phases": summary,
+            "warps_done_deciles": deciles, "spreads": spreads}
 
 
 def main():
@@ -71,7 +106,7 @@ def main():
     if read is None:
         raise SystemExit(f"{lib.path} has no decode trace: build it with --define FA3GEN_DECODE_TRACE")
     read.restype = ctypes.c_int
-    read.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int]
+    read.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_int, ctypes.c_int]
     cases = [tuple(int(x) for x in c.split(",")) for c in args.case] or CASES
     rows = [trace_case(read, case, args.splits, args.paged) for case in cases]
     if args.json:
