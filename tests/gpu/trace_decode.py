@@ -10,10 +10,11 @@ tensor) is captured in a CUDA graph of 20 calls and replayed a few times, so the
 steady-state call's, with the call before still draining. Printed per phase, in us after the
 first CTA's start (min / median / max over CTAs; warp ends over warps): the wait on the kernel
 before (programmatic dependent launch), Q in shared memory, the first slice landed, each warp's
-last slice done, the warps merged, the partials stored, the combine kernel's start, release,
-LSEs loaded, partials summed, warps merged and stores, and the next call's release (a call's period later); then where the warps' finishing times
-spread: within a CTA (last warp minus first), between the CTAs of one SM (their last warps), and
-each SM's last warp. Not a pytest module."""
+last slice done, the warps merged, the partials stored; the combine kernel's start, release,
+LSEs loaded, partials summed, warps merged and stores; and the next call's release (one period,
+a call's GPU time, later). Then where the warps' finishing times spread: within a CTA (last warp
+minus first), between the CTAs of one SM (their last warps), and each SM's last warp. Not a
+pytest module."""
 import argparse
 import ctypes
 import json
@@ -46,18 +47,18 @@ def trace_case(read, case, splits, paged):
     replay()
     end.record()
     torch.cuda.synchronize()
-    period = begin.elapsed_time(end) * 1e3 / calls  # us per call, the stamps' last call's among them
+    period = begin.elapsed_time(end) * 1e3 / calls  # us per call; the stamps are the last call's
     used = kvcache._split_count(n, splits, b, hkv, kvcache.ops._num_sms(q.device.index), 128, None)
     ctas = used * hkv * b
     stride, rows = len(POINTS), b * 32 * sq  # the combine: one CTA per output row (when split)
 
-    def stamps(first, n):
-        raw = (ctypes.c_ulonglong * (n * stride))()
-        if read(raw, first * stride, n * stride) != 0:
+    def stamps(first_cta, count):  # (count, stride) stamps from CTA slot first_cta on
+        raw = (ctypes.c_ulonglong * (count * stride))()
+        if read(raw, first_cta * stride, count * stride) != 0:
             raise SystemExit("fa3gen_decode_trace failed")
-        return np.frombuffer(raw, dtype=np.uint64).reshape(n, stride).astype(np.int64)
+        return np.frombuffer(raw, dtype=np.uint64).reshape(count, stride).astype(np.int64)
 
-    t = stamps(0, ctas)
+    t = stamps(0, min(ctas, TRACE_CTAS))  # the kernels stamp the first TRACE_CTAS CTAs
     t0 = t[:, 0].min()
     sm, t = t[:, -1], (t[:, :-1] - t0) / 1e3
     phases = {name: t[:, i] for i, name in enumerate(POINTS[:-1]) if not name.startswith("warp")}
@@ -70,7 +71,7 @@ def trace_case(read, case, splits, paged):
               "within_sm": np.array([done[sm == s].max(1).max() - done[sm == s].max(1).min() for s in sm_last]),
               "sm_last": np.array(list(sm_last.values()))}
     if used > 1:  # the combine's phases (decode.cuh: its slots of the split kernel's points), same clock
-        c = (stamps(TRACE_CTAS, rows)[:, :-1] - t0) / 1e3
+        c = (stamps(TRACE_CTAS, min(rows, TRACE_CTAS))[:, :-1] - t0) / 1e3
         for name, point in (("comb_start", "start"), ("comb_release", "released"), ("comb_lses", "q_staged"),
                             ("comb_summed", "first_slice"), ("comb_merged", "merged"), ("comb_stored", "stored")):
             phases[name] = c[:, POINTS.index(point)]
