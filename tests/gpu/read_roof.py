@@ -16,10 +16,8 @@ import tempfile
 
 import torch
 
-from bench_kvcache import GRAPH_CALLS  # timed as bench_kvcache times the decode
+from bench_kvcache import GRAPH_CALLS, MB  # timed as bench_kvcache times the decode
 from fa3gen import kvcache, timing
-
-MB = 1e6
 
 SOURCE = r"""
 #include <cuda_runtime.h>

@@ -21,6 +21,7 @@ import json
 
 POINTS = ("start", "released", "q_staged", "first_slice", "warp0_done", "warp1_done", "warp2_done",
           "warp3_done", "merged", "stored", "sm")
+HEADS_Q, HEAD_DIM = 32, 128  # of every case (bf16)
 TRACE_CTAS = 1 << 16  # decode.cuh's kTraceCtas: the combine's stamps start at this CTA's slots
 CASES = ((1, 8, 1, 16384), (1, 32, 1, 4096), (1, 8, 1, 1024), (1, 8, 1, 65536))
 
@@ -30,11 +31,11 @@ def trace_case(read, case, splits, paged):
     import torch
     from fa3gen import kvcache, timing
     sq, hkv, b, n = case
-    q = torch.randn(b, sq, 32, 128, device="cuda", dtype=torch.bfloat16)
-    kc, vc = (torch.randn(b, n, hkv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(b, sq, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(b, n, hkv, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     extra = {}
     if paged:
-        kc, vc = kc.reshape(-1, 64, hkv, 128), vc.reshape(-1, 64, hkv, 128)
+        kc, vc = kc.reshape(-1, 64, hkv, HEAD_DIM), vc.reshape(-1, 64, hkv, HEAD_DIM)
         extra["block_table"] = torch.randperm(b * n // 64, device="cuda").to(torch.int32).reshape(b, -1)
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
     calls = 20
@@ -48,9 +49,9 @@ def trace_case(read, case, splits, paged):
     end.record()
     torch.cuda.synchronize()
     period = begin.elapsed_time(end) * 1e3 / calls  # us per call; the stamps are the last call's
-    used = kvcache._split_count(n, splits, b, hkv, kvcache.ops._num_sms(q.device.index), 128, None)
+    used = kvcache._split_count(n, splits, b, hkv, kvcache.ops._num_sms(q.device.index), HEAD_DIM, None)
     ctas = used * hkv * b
-    stride, rows = len(POINTS), b * 32 * sq  # the combine: one CTA per output row (when split)
+    stride, rows = len(POINTS), b * HEADS_Q * sq  # the combine: one CTA per output row (when split)
 
     def stamps(first_cta, count):  # (count, stride) stamps from CTA slot first_cta on
         raw = (ctypes.c_ulonglong * (count * stride))()
@@ -66,10 +67,10 @@ def trace_case(read, case, splits, paged):
     phases["warps_done"] = done.ravel()
     # Where the warps' spread of finishing times lies: within a CTA (its four warps), between
     # the CTAs of one SM, or between SMs (each SM's last warp).
-    sm_last = {s: done[sm == s].max() for s in np.unique(sm)}
-    spread = {"within_cta": done.max(1) - done.min(1),
-              "within_sm": np.array([done[sm == s].max(1).max() - done[sm == s].max(1).min() for s in sm_last]),
-              "sm_last": np.array(list(sm_last.values()))}
+    cta_last, sms = done.max(1), np.unique(sm)
+    spread = {"within_cta": cta_last - done.min(1),
+              "within_sm": np.array([np.ptp(cta_last[sm == s]) for s in sms]),
+              "sm_last": np.array([cta_last[sm == s].max() for s in sms])}
     if used > 1:  # the combine's phases (decode.cuh: its slots of the split kernel's points), same clock
         c = (stamps(TRACE_CTAS, min(rows, TRACE_CTAS))[:, :-1] - t0) / 1e3
         for name, point in (("comb_start", "start"), ("comb_release", "released"), ("comb_lses", "q_staged"),
@@ -86,7 +87,7 @@ def trace_case(read, case, splits, paged):
     deciles = [round(float(x), 2) for x in np.percentile(phases["warps_done"], range(0, 101, 10))]
     print("  warps done, deciles:", " ".join(f"{x:.1f}" for x in deciles))
     spreads = {k: [round(float(f(v)), 2) for f in (np.min, np.median, np.max)] for k, v in spread.items()}
-    print(f"  CTAs on {len(sm_last)} SMs, at most {int(np.bincount(sm).max())} on one")
+    print(f"  CTAs on {len(sms)} SMs, at most {int(np.bincount(sm).max())} on one")
     for k, (lo, mid, hi) in spreads.items():
         print(f"  {k:12s} {lo:7.2f} {mid:7.2f} {hi:7.2f}")
     return {"case": list(case), "paged": paged, "splits": used, "ctas": ctas, "us_per_call": round(period, 2),
