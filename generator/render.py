@@ -17,7 +17,7 @@ from fa3gen.contract import (LAUNCHERS, Variant, launch_symbol, template_args,
 from fa3gen.files import write_atomically
 
 from .paths import TEMPLATES_DIR
-from .variants import bwd_splits_head_dim, consumer_warpgroups
+from .variants import bwd_splits_head_dim, bwd_transposes_dkv, consumer_warpgroups
 
 
 def c_string(text: str) -> str:
@@ -55,6 +55,8 @@ def wgmma_n_sizes(v: Variant) -> set[int]:
     bwd_traits.cuh); the traits assert that each is available, so a drift fails to compile."""
     if v.direction == "fwd":
         return {v.tile_n, v.head_dim}            # S = Q K^T, O += P V
+    if bwd_transposes_dkv(v):                    # S, dP: keys per warpgroup; dK^T, dV^T; dQ
+        return {v.tile_n // consumer_warpgroups(v), v.tile_n, 64}
     if bwd_splits_head_dim(v):                   # two warpgroups: half the queries, half of d
         return {v.tile_m // 2, v.head_dim // 2}
     if v.tile_m % 64:                            # dQ^T = K^T dS^T: N = tile_m

@@ -17,16 +17,27 @@ from .spec import Spec, fmt_value
 
 def consumer_warpgroups(v: Variant) -> int:
     """Forward: one per 64 query rows (WGMMA M = 64). Backward: one per 64 keys, or two that
-    split head_dim over 64 keys (bwd_splits_head_dim)."""
+    split head_dim over 64 keys (bwd_splits_head_dim), or one per 64 rows of head_dim
+    (bwd_transposes_dkv)."""
     if v.direction == "bwd":
+        if bwd_transposes_dkv(v):
+            return v.head_dim // 64
         return 2 if bwd_splits_head_dim(v) else v.tile_n // 64
     return v.tile_m // 64
 
 
+def bwd_transposes_dkv(v: Variant) -> bool:
+    """Backward with a tile_n that is not whole 64-key warpgroups (d192: 64x96): dK^T and dV^T
+    with head_dim on the WGMMA M axis, one consumer warpgroup per 64 rows of head_dim; S, dP,
+    P and dS with the queries on M, P and dS through shared memory (BwdTraits::kTransposedDkv)."""
+    return v.direction == "bwd" and v.tile_n % 64 != 0
+
+
 def bwd_splits_head_dim(v: Variant) -> bool:
-    """Backward above BACKWARD_SPLIT_HEAD_DIM_ABOVE: two consumer warpgroups over 64 keys, each
-    with half of head_dim's columns of dK, dV and dQ; P^T goes through shared memory."""
-    return v.direction == "bwd" and v.head_dim > BACKWARD_SPLIT_HEAD_DIM_ABOVE
+    """Backward above BACKWARD_SPLIT_HEAD_DIM_ABOVE (and 64-key tiles): two consumer warpgroups
+    over 64 keys, each with half of head_dim's columns of dK, dV and dQ; P^T goes through
+    shared memory."""
+    return v.direction == "bwd" and v.head_dim > BACKWARD_SPLIT_HEAD_DIM_ABOVE and not bwd_transposes_dkv(v)
 
 
 def knobs_of(v: Variant) -> dict:
@@ -64,7 +75,7 @@ def smem_bytes(v: Variant) -> int:
     and dO buffers: BwdTraits::kDqInStages)."""
     elem = DTYPES[v.dtype].bytes
     if v.direction == "bwd":
-        split = bwd_splits_head_dim(v)
+        split = bwd_splits_head_dim(v) or bwd_transposes_dkv(v)  # P (or P^T) buffers too
         core = elem * (2 * v.tile_n * v.head_dim + 2 * v.stages * v.tile_m * v.head_dim
                        + (4 if split else 2) * v.tile_m * v.tile_n) + 8 * v.stages * v.tile_m \
             + SMEM_RESERVED
@@ -87,7 +98,14 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
     Backward: a consumer warpgroup owns 64 keys: dK and dV (64 x head_dim each) live all the
     time, S^T and dP^T (64 x tile_m each) per query block: head_dim + tile_m per thread. When
     two warpgroups split head_dim, each holds half of dK and dV, of S^T and dP^T (half of the
-    queries) and of dQ (tile_m x head_dim, live while S^T and dP^T are not)."""
+    queries) and of dQ (tile_m x head_dim, live while S^T and dP^T are not). When each
+    warpgroup owns 64 rows of head_dim (bwd_transposes_dkv), it holds dK^T and dV^T (64 x
+    tile_n each), its share of the keys of S and dP, and its 64 columns of dQ; 160 registers
+    with three consumer warpgroups."""
+    if bwd_transposes_dkv(v):
+        wgs = consumer_warpgroups(v)
+        sdp = 2 * v.tile_m * (v.tile_n // wgs) // 128
+        return v.tile_n + max(sdp, v.tile_m * 64 // 128) + REG_OVERHEAD, 240 if wgs <= 2 else 160
     if bwd_splits_head_dim(v):
         dq = v.tile_m * v.head_dim // 256
         return v.head_dim // 2 + max(v.tile_m // 2, dq) + REG_OVERHEAD, 240
@@ -144,6 +162,9 @@ def mma_m_shape(v: Variant) -> Optional[str]:
         # two 64-row WGMMAs, or dQ^T = K^T dS^T (N = tile_m) when tile_m is not.
         if v.tile_m % 16 or not 16 <= v.tile_m <= 128:
             return f"backward tile_m {v.tile_m} must be a multiple of 16 in [16, 128] (query rows per block)"
+        if bwd_transposes_dkv(v):  # mma_n_shape checks the rest
+            return None if v.tile_m == 64 else (
+                f"backward tile_n {v.tile_n} (dK^T / dV^T) takes tile_m 64, not {v.tile_m}")
         if v.tile_m % 64 and v.head_dim != v.tile_n:
             return (f"backward tile_m {v.tile_m} computes dQ^T, which needs head_dim == tile_n "
                     f"(64 head_dim rows per consumer warpgroup); head_dim is {v.head_dim}")
@@ -156,6 +177,12 @@ def mma_m_shape(v: Variant) -> Optional[str]:
 
 def mma_n_shape(v: Variant) -> Optional[str]:
     if v.direction == "bwd":
+        if bwd_transposes_dkv(v):
+            # GPU-tested at d192 only (three warpgroups of 64 head_dim rows, 32 keys each of S)
+            if v.head_dim != 192 or v.tile_n != 96:
+                return (f"backward tile_n {v.tile_n}: dK^T / dV^T with head_dim on WGMMA M is "
+                        f"realized for head_dim 192 with tile 64x96 only (head_dim {v.head_dim})")
+            return None
         if bwd_splits_head_dim(v):
             if v.tile_n != 64 or v.tile_m != 64:
                 return (f"backward head_dim {v.head_dim} (above {BACKWARD_SPLIT_HEAD_DIM_ABOVE}) "

@@ -220,6 +220,29 @@ def test_backward_above_128_splits_head_dim_over_64_keys(head_dim, stages):
     assert wgmma_n_sizes(v) == {32, head_dim // 2}
 
 
+def test_backward_d192_64x96_transposes_dkv_over_three_warpgroups():
+    """tile_n 96 is not whole 64-key warpgroups: dK^T and dV^T with head_dim on WGMMA M, one
+    consumer warpgroup per 64 head_dim rows (160 registers with three), S and dP split over the
+    keys (32 each), dQ over head_dim (64 each); the fp32 dQ tile does not fit beside two stages."""
+    v = dataclasses.replace(BASE, direction="bwd", head_dim=192, tile_m=64, tile_n=96, pingpong=False,
+                            intra_wg_overlap=False)
+    assert check(v) is None
+    assert V.bwd_transposes_dkv(v) and not V.bwd_splits_head_dim(v)
+    assert V.consumer_warpgroups(v) == 3
+    assert V.consumer_registers(v) == (96 + 32 + V.REG_OVERHEAD, 160)
+    # K, V 72 KiB; Q, dO two stages 96 KiB; P and dS two buffers each 48 KiB; LSE and D; no dQ tile
+    assert V.smem_bytes(v) == 73728 + 98304 + 49152 + 8 * 2 * 64 + V.SMEM_RESERVED
+    assert wgmma_n_sizes(v) == {32, 96, 64}
+
+
+@pytest.mark.parametrize("change,constraint", [
+    (dict(head_dim=128), "mma_n_shape"), (dict(tile_n=80), "mma_n_shape"), (dict(tile_m=128), "mma_m_shape")])
+def test_backward_transposed_dkv_is_d192_64x96_only(change, constraint):
+    axes = dict(direction="bwd", head_dim=192, tile_m=64, tile_n=96, pingpong=False, intra_wg_overlap=False)
+    v = dataclasses.replace(BASE, **{**axes, **change})
+    assert check(v)[0] == constraint
+
+
 @pytest.mark.parametrize("change", [
     dict(warp_specialized=False), dict(pingpong=True), dict(intra_wg_overlap=True)])
 def test_every_knob_value_is_realized_today(change):

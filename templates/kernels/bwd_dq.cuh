@@ -22,7 +22,7 @@ __device__ __forceinline__ void bulk_wait_done() { asm volatile("cp.async.bulk.w
 // the bulk reduction is one contiguous block per query block. bwd_convert_dq_kernel maps it
 // back to (row, column) with the same TiledMma.
 // When dQ is handed over in the query block's own Q and dO stage buffers instead (half of the
-// tile each; Traits::kDqInStages, where two warpgroups split head_dim), the order is
+// tile each; Traits::kDqInStages, where the warpgroups split head_dim), the order is
 // [half][warpgroup][element / 2 within the half][thread of the warpgroup][2], so that each
 // warpgroup's share of a half lands on the bytes of its own head_dim columns, which only its
 // own (finished) dK / dV GEMMs read.
@@ -32,7 +32,7 @@ __device__ __forceinline__ int dq_slot(int tid, int chunk) {
   if constexpr (Traits::kDqInStages) {
     constexpr int kHalf = Traits::kDqChunks / 2;
     const int half = chunk / kHalf, wg = tid / 128;
-    return ((half * 2 + wg) * kHalf + chunk % kHalf) * 128 + tid % 128;
+    return ((half * Traits::kConsumerWGs + wg) * kHalf + chunk % kHalf) * 128 + tid % 128;
   } else {
     return chunk * kThreads + tid;
   }

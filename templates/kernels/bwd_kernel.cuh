@@ -57,11 +57,14 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   // ---------------- consumers ----------------
   const int tid = int(threadIdx.x) - 128;
   typename Traits::TiledMmadKV mma_dkv;
-  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<Traits::kTileN>, Int<Traits::kHeadDim>>{});
-  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<Traits::kTileN>, Int<Traits::kHeadDim>>{});
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, typename Traits::DkvTileShape{});  // dV^T when kTransposedDkv
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, typename Traits::DkvTileShape{});
   clear(tdVrdV);
   clear(tdKrdK);
-  if (has_work) mainloop.mma(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
+  if (has_work) {
+    if constexpr (Traits::kTransposedDkv) mainloop.mma_transposed(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
+    else mainloop.mma(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
+  }
   store_bwd_tile(p, smem, tile, seq, tdKrdK, tdVrdV, tid);
 }
 

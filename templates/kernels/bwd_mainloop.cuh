@@ -146,6 +146,73 @@ struct BwdMainloop {
   }
 
   // ---------------- consumers: every query block of the key block ----------------
+  // varlen: TMA reads rows past a sequence's ends unbounded (the next sequence, padding), and
+  // 0 * NaN is NaN in the GEMMs (fwd_mainloop.cuh, clear_v_past_end). So K and V rows past
+  // seqlen_k and the last query block's Q and dO rows past seqlen_q are zeroed before the
+  // GEMMs read them: S^T and dP^T are then 0 there, P^T = exp2(-LSE) = 0 (a padded row's LSE
+  // is +inf, D 0: bwd_prepost.cuh) and dS^T = 0, so nothing from those rows reaches dK, dV,
+  // dQ. (kBwdDsReady: every consumer passes it in the same order, once more here.)
+  template <int Rows>
+  __device__ __forceinline__ void zero_rows_past(Element* a, Element* b, int valid, int tid) {
+    constexpr int kLineBytes = smem_swizzle_bytes<Element, Traits::kDkvCols>();  // AtomRows
+    zero_tile_rows<Element, Rows, kHeadDim, kLineBytes, Traits::kConsumerThreads>(a, valid, tid);
+    zero_tile_rows<Element, Rows, kHeadDim, kLineBytes, Traits::kConsumerThreads>(b, valid, tid);
+    cutlass::arch::fence_view_async_shared();
+    barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+  }
+  // K and V landed (and their rows past the sequence zeroed).
+  __device__ __forceinline__ void wait_kv(typename Traits::Mask const& mask, int n_block, int tid) {
+    TmaBarrier::wait(&smem.barrier_kv, 0);
+    if constexpr (Traits::kVarlen) {
+      if (mask.seqlen_k - n_block * kTileN < kTileN) {
+        zero_rows_past<kTileN>(smem.k.data(), smem.v.data(), mask.seqlen_k - n_block * kTileN, tid);
+      }
+    }
+  }
+  // The stage's Q and dO rows past the sequence zeroed (its last query block).
+  __device__ __forceinline__ void zero_q_rows_past(typename Traits::Mask const& mask, int m_block,
+                                                   PipelineState const& st, int tid) {
+    if constexpr (Traits::kVarlen) {
+      if (mask.seqlen_q - m_block * kTileM < kTileM) {
+        constexpr int kStageElems = kTileM * kHeadDim;
+        static_assert(cosize_v<typename Traits::SmemLayoutQ> == kStageElems * Traits::kStages);
+        zero_rows_past<kTileM>(smem.q.data() + st.index() * kStageElems,
+                               smem.dout.data() + st.index() * kStageElems, mask.seqlen_q - m_block * kTileM, tid);
+      }
+    }
+  }
+
+  // Hand a query block's dQ fragment to the writer warp (once it has read the previous
+  // block's), then release the stage's Q, dO, LSE and D (kDqInStages: the stage is free once
+  // the writer has also read dQ out of it).
+  template <class TDq>
+  __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid) {
+    if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    if constexpr (Traits::kDqInStages) {
+      // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
+      // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
+      constexpr int kHalfSlots = kTileM * kHeadDim / 4;  // float2 per half
+      static_assert(decltype(size(tdQrdQ))::value / 2 == Traits::kDqChunks);
+      float2* sdQ_q = reinterpret_cast<float2*>(dq_stage_half(st.index(), 0));
+      float2* sdQ_do = reinterpret_cast<float2*>(dq_stage_half(st.index(), 1));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // the first half's chunks first (dq_slot)
+        const float2 v = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+        if (j < Traits::kDqChunks / 2) sdQ_q[dq_slot<Traits>(tid, j)] = v;
+        else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
+      }
+    } else {
+      float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+        sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+      }
+    }
+    cutlass::arch::fence_view_async_shared();
+    barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
+    pipe.consumer_release(st);
+  }
+
   // Accumulates dK (unscaled) and dV into tdKrdK and tdVrdV; tid is the thread's index among
   // the consumers.
   template <class TAcc>
@@ -208,38 +275,13 @@ struct BwdMainloop {
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
 
-    // varlen: TMA reads rows past a sequence's ends unbounded (the next sequence, padding), and
-    // 0 * NaN is NaN in the GEMMs (fwd_mainloop.cuh, clear_v_past_end). So K and V rows past
-    // seqlen_k and the last query block's Q and dO rows past seqlen_q are zeroed before the
-    // GEMMs read them: S^T and dP^T are then 0 there, P^T = exp2(-LSE) = 0 (a padded row's LSE
-    // is +inf, D 0: bwd_prepost.cuh) and dS^T = 0, so nothing from those rows reaches dK, dV,
-    // dQ. (kBwdDsReady: every consumer passes it in the same order, once more here.)
-    constexpr int kLineBytes = smem_swizzle_bytes<Element, Traits::kDkvCols>();  // AtomRows
-    auto zero_rows_past = [&](auto rows, Element* a, Element* b, int valid) {
-      zero_tile_rows<Element, decltype(rows)::value, kHeadDim, kLineBytes, Traits::kConsumerThreads>(a, valid, tid);
-      zero_tile_rows<Element, decltype(rows)::value, kHeadDim, kLineBytes, Traits::kConsumerThreads>(b, valid, tid);
-      cutlass::arch::fence_view_async_shared();
-      barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
-    };
-    TmaBarrier::wait(&smem.barrier_kv, 0);
-    if constexpr (Traits::kVarlen) {
-      if (mask.seqlen_k - n_block * kTileN < kTileN) {
-        zero_rows_past(Int<kTileN>{}, smem.k.data(), smem.v.data(), mask.seqlen_k - n_block * kTileN);
-      }
-    }
+    wait_kv(mask, n_block, tid);
     PipelineState st;
     int iter = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++iter) {
         pipe.consumer_wait(st);
-        if constexpr (Traits::kVarlen) {
-          if (mask.seqlen_q - m_block * kTileM < kTileM) {
-            constexpr int kStageElems = kTileM * kHeadDim;
-            static_assert(cosize_v<typename Traits::SmemLayoutQ> == kStageElems * Traits::kStages);
-            zero_rows_past(Int<kTileM>{}, smem.q.data() + st.index() * kStageElems,
-                           smem.dout.data() + st.index() * kStageElems, mask.seqlen_q - m_block * kTileM);
-          }
-        }
+        zero_q_rows_past(mask, m_block, st, tid);
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
@@ -328,39 +370,131 @@ struct BwdMainloop {
         }
         warpgroup_wait<0>();
 
-        // Hand dQ to the writer warp (once it has read the previous query block's).
-        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-        if constexpr (Traits::kDqInStages) {
-          // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
-          // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
-          constexpr int kHalfSlots = kTileM * kHeadDim / 4;  // float2 per half
-          static_assert(size(tdQrdQ) / 2 == Traits::kDqChunks);
-          float2* sdQ_q = reinterpret_cast<float2*>(dq_stage_half(st.index(), 0));
-          float2* sdQ_do = reinterpret_cast<float2*>(dq_stage_half(st.index(), 1));
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {  // the first half's chunks first (dq_slot)
-            const float2 v = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
-            if (j < Traits::kDqChunks / 2) sdQ_q[dq_slot<Traits>(tid, j)] = v;
-            else sdQ_do[dq_slot<Traits>(tid, j) - kHalfSlots] = v;
-          }
-        } else {
-          float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-            sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
-          }
-        }
-        cutlass::arch::fence_view_async_shared();
-        barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-        // Q, dO, LSE, D of this block are no longer read (kDqInStages: the stage is free once
-        // the writer has also read dQ out of it).
-        pipe.consumer_release(st);
+        hand_dq(tdQrdQ, st, iter, tid);
         ++st;
       }
     }
     // The writer signals "empty" after every block; take the last one so that no arrival is
     // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+  }
+
+  // kTransposedDkv (bwd_traits.cuh): S and dP with the queries on M and the keys split over
+  // the warpgroups; accumulates dK^T (unscaled) and dV^T, this warpgroup's 64 head_dim rows.
+  template <class TAcc>
+  __device__ __forceinline__ void mma_transposed(TileCoord const& tile, int m_first, int m_end,
+                                                 typename Traits::Mask const& mask, TAcc& tdKrdKt, TAcc& tdVrdVt,
+                                                 int tid) {
+    static_assert(Traits::kTransposedDkv && Traits::kDqInStages && !Traits::kDqTransposed);
+    const int n_block = tile.block;
+    typename Traits::TiledMmaSdP mma_sdp;
+    typename Traits::TiledMmadKV mma_dkv;
+    typename Traits::TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(tid);
+    auto wg_sdp = warpgroup_slice(mma_sdp, tid);
+    auto wg_dkv = warpgroup_slice(mma_dkv, tid);
+    auto wg_dq = warpgroup_slice(mma_dq, tid);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
+    Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+
+    Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);        // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = wg_sdp.partition_fragment_A(sdO);
+    Tensor tSrK = wg_sdp.partition_fragment_B(sK);        // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = wg_sdp.partition_fragment_B(sV);
+    Tensor tdVrdOt = wg_dkv.partition_fragment_A(sdOt);   // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = wg_dkv.partition_fragment_A(sQt);
+    Tensor tdVrPt = wg_dkv.partition_fragment_B(sPt);     // (MMA, MMA_N, MMA_K, 2)
+    Tensor tdKrdSt = wg_dkv.partition_fragment_B(sdSt);
+    Tensor tdQrdS = wg_dq.partition_fragment_A(sdS);      // (MMA, MMA_M, MMA_K, 2)
+    Tensor tdQrKt = wg_dq.partition_fragment_B(sKt);
+    // P and dS go to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous keys).
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
+    auto thr_r2s = r2s.get_thread_slice(tid);
+    Tensor tPsP = thr_r2s.partition_D(sP);                // (CPY, CPY_M, CPY_N, 2)
+    Tensor tdSsdS = thr_r2s.partition_D(sdS);
+    Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+    Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (query, key) in the tile
+
+    wait_kv(mask, n_block, tid);
+    PipelineState st;
+    int iter = 0;
+    for (int hq = 0; hq < p.heads_per_kv; ++hq) {
+      for (int m_block = m_first; m_block < m_end; ++m_block, ++iter) {
+        pipe.consumer_wait(st);
+        zero_q_rows_past(mask, m_block, st, tid);
+        Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileM>, Int<kTileN>>{});
+        Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileM>, Int<kTileN>>{});
+        wgmma_issue<true>(mma_sdp, tSrQ(_, _, _, st.index()), tSrK, tSrS);
+        wgmma_issue<true>(mma_sdp, tSrdO(_, _, _, st.index()), tSrV, tSrdP);
+        Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
+        Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
+        const float* lse_log2 = smem.lse_log2[st.index()];
+        const float* dsum = smem.dsum[st.index()];
+
+        // As in mma(), with the queries on the rows (the softcap's order explained there).
+        warpgroup_wait<1>();  // S is done, dP may still run
+        if constexpr (Traits::kSoftcap) {
+          p.softcap.apply(S);
+          warpgroup_wait<0>();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            const float d = dsum[get<0>(coordS(r, 0))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
+          }
+          if (mask.needs_mask(m_block, n_block)) mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            const float lse = lse_log2[get<0>(coordS(r, 0))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) {
+              S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+              dP(r, c) *= S(r, c);
+            }
+          }
+        } else {
+          if (mask.needs_mask(m_block, n_block)) mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            const float lse = lse_log2[get<0>(coordS(r, 0))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+          }
+          warpgroup_wait<0>();  // dP
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < size<0>(S); ++r) {
+            const float d = dsum[get<0>(coordS(r, 0))];
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
+          }
+        }
+        const int buf = iter & 1;
+        Tensor rP = convert_fragment<Element>(tSrS);
+        Tensor rdS = convert_fragment<Element>(tSrdP);
+        copy(r2s, thr_r2s.retile_S(rP), tPsP(_, _, _, buf));
+        copy(r2s, thr_r2s.retile_S(rdS), tdSsdS(_, _, _, buf));
+        cutlass::arch::fence_view_async_shared();
+        barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+        wgmma_issue<false>(mma_dkv, tdVrdOt(_, _, _, st.index()), tdVrPt(_, _, _, buf), tdVrdVt);
+        wgmma_issue<false>(mma_dkv, tdKrQt(_, _, _, st.index()), tdKrdSt(_, _, _, buf), tdKrdKt);
+        Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+        warpgroup_wait<0>();
+        hand_dq(tdQrdQ, st, iter, tid);
+        ++st;
+      }
+    }
+    if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);  // as in mma()
   }
 };
 

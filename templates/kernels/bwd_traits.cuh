@@ -14,6 +14,18 @@
 // consumer warpgroups compute S^T and dP^T for half of the queries each, P^T joins dS^T in
 // shared memory, and each warpgroup accumulates its half of the columns of dK, dV and dQ with
 // SS GEMMs (d256: 64 + 64 + 64 accumulator registers per thread).
+// A TileN that is not whole 64-key warpgroups (d192: 64 x 96) computes the products with
+// head_dim on the WGMMA M axis instead (kTransposedDkv), one consumer warpgroup per 64 rows of
+// head_dim (three at d192):
+//   S    = Q K^T     (TileM x TileN)  SS  the warpgroups split the keys (N)
+//   dP   = dO V^T    (TileM x TileN)  SS
+//   dV^T += dO^T P   (d x TileN)      SS  P and dS go through shared memory, keys contiguous
+//   dK^T += Q^T dS   (d x TileN)      SS
+//   dQ   = dS K      (TileM x d)      SS  the warpgroups split head_dim (N)
+// Each warpgroup's dK^T / dV^T rows are its own 64 columns of Q and dO, so dQ can be handed
+// over in them (kDqInStages), and 96 keys per CTA read each query block 1.5x less often than
+// 64 (d192: 48 + 48 accumulator registers for dK^T and dV^T, 160 per thread with three
+// consumer warpgroups).
 #pragma once
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
@@ -40,25 +52,29 @@ struct BwdTraits {
   static constexpr bool kCausal = Causal, kLocal = Local, kSoftcap = Softcap, kVarlen = Varlen;
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
-  // One consumer warpgroup per 64 keys, or two over 64 keys that split head_dim, plus the
-  // producer warpgroup (TMA loads).
-  static constexpr bool kSplitHeadDim = HeadDim > 128;
+  // One consumer warpgroup per 64 keys, or two over 64 keys that split head_dim, or one per
+  // 64 rows of head_dim (kTransposedDkv), plus the producer warpgroup (TMA loads).
+  static constexpr bool kTransposedDkv = TileN % 64 != 0;
+  static_assert(!kTransposedDkv || (TileM == 64 && HeadDim % 64 == 0 && HeadDim / 64 <= 3 &&
+                                    TileN % (16 * (HeadDim / 64)) == 0),
+                "dK^T / dV^T: TileM 64, head_dim whole 64-row warpgroups (at most 3), TileN split over them");
+  static constexpr bool kSplitHeadDim = HeadDim > 128 && !kTransposedDkv;
   static_assert(!kSplitHeadDim || TileN == 64, "head_dim above 128: TileN 64 (two warpgroups split head_dim)");
-  static constexpr int kConsumerWGs = kSplitHeadDim ? 2 : TileN / 64;
+  static constexpr int kConsumerWGs = kTransposedDkv ? HeadDim / 64 : kSplitHeadDim ? 2 : TileN / 64;
   // Columns of head_dim per dK / dV accumulator; the smem atoms of Q, dO, K and V are chosen
-  // on that extent so that each warpgroup's columns start on a swizzle atom (d192: 96 columns,
-  // 64-byte swizzle).
-  static constexpr int kDkvCols = kSplitHeadDim ? HeadDim / 2 : HeadDim;
+  // on that extent so that each warpgroup's columns start on a swizzle atom (d192 split: 96
+  // columns, 64-byte swizzle).
+  static constexpr int kDkvCols = HeadDim / (kTransposedDkv ? kConsumerWGs : kSplitHeadDim ? 2 : 1);
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + 128;
-  // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly);
-  // the producer warpgroup's 24 also hold the dQ writer warp.
+  // setmaxnreg split as in the forward (24/240 uses the 168 x 384 launch allocation exactly,
+  // 24/160 the 128 x 512 one); the producer warpgroup's 24 also hold the dQ writer warp.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : 240;
   static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
                 "setmaxnreg split exceeds the CTA's register allocation (the kernel would hang)");
-  static_assert(TileN % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 2);
+  static_assert((TileN % 64 == 0 || kTransposedDkv) && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileM % 16 == 0 && TileM <= 128, "TileM is the N of S^T and the K of dV / dK");
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
   static_assert(Stages >= 1 && Stages <= 4);
@@ -74,8 +90,9 @@ struct BwdTraits {
   using AtomRows = decltype(smem_atom<Element, kDkvCols, true>());
   static_assert(kDqWgN == 1 || (HeadDim / kDqWgN) % size<1>(AtomRows{}) == 0,
                 "dQ tile: each warpgroup's share of head_dim must be whole swizzle atoms");
-  static constexpr int kSdPN = kSplitHeadDim ? TileM / 2 : TileM;  // queries per warpgroup in S^T
-  static_assert(gmma_n_available(kSdPN) && gmma_n_available(kDkvCols) &&
+  // N of S^T / dP^T per warpgroup (queries), or of S / dP (keys) when kTransposedDkv.
+  static constexpr int kSdPN = kTransposedDkv ? TileN / kConsumerWGs : kSplitHeadDim ? TileM / 2 : TileM;
+  static_assert(gmma_n_available(kSdPN) && gmma_n_available(kTransposedDkv ? TileN : kDkvCols) &&
                     gmma_n_available(kDqTransposed ? TileM : HeadDim / kDqWgN),
                 "WGMMA N outside CuTe's standard shapes: define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED");
 
@@ -94,34 +111,49 @@ struct BwdTraits {
   // dS: (TileM, TileN) with TileM contiguous (MN-major A operand of dQ = dS K, or B operand
   // of dQ^T = K^T dS^T; its transposed view is the K-major A operand of dK = dS^T Q when
   // kSplitHeadDim, and P^T's buffer has the same layout); two buffers so that one
-  // iteration's writes never race the previous iteration's GEMMs.
-  using SmemLayoutdS = decltype(tile_to_shape(smem_atom<Element, TileM, false>(),
-                                              Shape<Int<TileM>, Int<TileN>, _2>{}));
+  // iteration's writes never race the previous iteration's GEMMs. kTransposedDkv: TileN
+  // contiguous instead (K-major A operand of dQ = dS K, and the transposed view is the MN-major
+  // B operand of dK^T = Q^T dS; P likewise for dV^T).
+  using SmemLayoutdS = decltype(tile_to_shape(
+      cute::conditional_t<kTransposedDkv, decltype(smem_atom<Element, TileN, true>()),
+                          decltype(smem_atom<Element, TileM, false>())>{},
+      Shape<Int<TileM>, Int<TileN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
       SmemLayoutdS{}, make_layout(Shape<Int<TileN>, Int<TileM>, _2>{},
                                   Stride<Int<TileM>, _1, Int<TileM * TileN>>{})));
 
   // The consumer warpgroups over the M (keys) of S^T, dP^T, dV and dK, or (kSplitHeadDim) over
-  // their N: the queries of S^T and dP^T, the head_dim columns of dV and dK.
+  // their N: the queries of S^T and dP^T, the head_dim columns of dV and dK. kTransposedDkv:
+  // over the N (keys) of S and dP and the M (head_dim rows) of dK^T and dV^T.
   using ConsumerWgLayout =
       cute::conditional_t<kSplitHeadDim, Layout<Shape<_1, _2, _1>>, Layout<Shape<Int<kConsumerWGs>, _1, _1>>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPN>, Int<HeadDim>>>(), ConsumerWgLayout{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kSdPN>, Int<HeadDim>>>(),
+      cute::conditional_t<kTransposedDkv, Layout<Shape<_1, Int<kConsumerWGs>, _1>>, ConsumerWgLayout>{}));
   // dV += P^T dO and dK += dS^T Q: A from the S^T accumulators (RS), or from shared memory
-  // with the warpgroups splitting head_dim (SS).
+  // with the warpgroups splitting head_dim (SS). kTransposedDkv: dV^T += dO^T P and
+  // dK^T += Q^T dS, both operands MN-major views of shared memory.
   using TiledMmadKV = decltype(make_tiled_mma(
       cute::conditional_t<
-          kSplitHeadDim,
-          decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDkvCols>, Int<TileM>>,
-                                        GMMA::Major::K, GMMA::Major::MN>()),
-          decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
-                                        GMMA::Major::K, GMMA::Major::MN>())>{},
+          kTransposedDkv,
+          decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<TileM>>,
+                                        GMMA::Major::MN, GMMA::Major::MN>()),
+          cute::conditional_t<
+              kSplitHeadDim,
+              decltype(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kDkvCols>, Int<TileM>>,
+                                            GMMA::Major::K, GMMA::Major::MN>()),
+              decltype(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<HeadDim>, Int<TileM>>,
+                                            GMMA::Major::K, GMMA::Major::MN>())>>{},
       ConsumerWgLayout{}));
-  // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views.
+  // dK / dV accumulator tile: (TileN, d), or (d, TileN) when kTransposedDkv.
+  using DkvTileShape = cute::conditional_t<kTransposedDkv, Shape<Int<HeadDim>, Int<TileN>>,
+                                           Shape<Int<TileN>, Int<HeadDim>>>;
+  // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views
+  // (kTransposedDkv: dS is K-major).
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<_64, Int<kDqTransposed ? TileM : HeadDim / kDqWgN>, Int<TileN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+                           kTransposedDkv ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
   // The dQ accumulator tile: (TileM, d), or (d, TileM) when transposed.
   using DqTileShape = cute::conditional_t<kDqTransposed, Shape<Int<HeadDim>, Int<TileM>>,
@@ -141,6 +173,7 @@ struct BwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<Stages>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
+  static constexpr bool kPInSmem = kSplitHeadDim || kTransposedDkv;
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -148,24 +181,33 @@ struct BwdTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutdS>> ds;
-    alignas(1024) cute::array_aligned<Element, kSplitHeadDim ? cosize_v<SmemLayoutdS> : 8> p;  // P^T, kSplitHeadDim
+    alignas(1024) cute::array_aligned<Element, kPInSmem ? cosize_v<SmemLayoutdS> : 8> p;  // P^T (P when kTransposedDkv)
     alignas(128) cute::array_aligned<float, DqTile ? TileM * HeadDim : 4> dq;  // one query block's dQ, dq_slot order
     alignas(16) float lse_log2[Stages][TileM];  // LSE * log2(e) of the stage's query rows
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
   };
-  // When the dQ tile does not fit beside the stages (d256: 290 KB with two), kSplitHeadDim
-  // hands dQ over in the Q and dO buffers of its own stage (dq_slot): each holds half of the
-  // fp32 tile, warpgroup w's columns of Q are the w-th half of the buffer, and the stage is
-  // free once the dQ writer has read them too. Where the tile fits (d192) it is kept: the
-  // stage is then freed a bulk read earlier, and the next block's load starts sooner.
-  static constexpr bool kDqInStages = kSplitHeadDim && sizeof(SharedStorageT<true>) > kSmemPerBlockLimit;
+  // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
+  // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
+  // stage (dq_slot): each holds half of the fp32 tile, warpgroup w's columns of Q are the w-th
+  // part of the buffer, and the stage is free once the dQ writer has read them too. Where the
+  // tile fits (d192 64x64) it is kept: the stage is then freed a bulk read earlier, and the
+  // next block's load starts sooner.
+  static constexpr bool kDqInStages = kPInSmem && sizeof(SharedStorageT<true>) > kSmemPerBlockLimit;
   using SharedStorage = SharedStorageT<!kDqInStages>;
-  static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ &&
-                                 SmemLayoutQ{}(0, kDkvCols, 0) == TileM * HeadDim / 2 &&
-                                 SmemLayoutQ{}(TileM - 1, kDkvCols - 1, 0) < TileM * HeadDim / 2),
-                "dQ hand-off in the stage buffers: each warpgroup's columns must be one half");
+  static constexpr bool own_columns_contiguous() {
+    for (int w = 0; w < kConsumerWGs; ++w) {
+      if (SmemLayoutQ{}(0, w * kDkvCols, 0) != w * TileM * kDkvCols ||
+          SmemLayoutQ{}(TileM - 1, (w + 1) * kDkvCols - 1, 0) >= (w + 1) * TileM * kDkvCols) {
+        return false;
+      }
+    }
+    return true;
+  }
+  static_assert(!kDqInStages || (2 * kBytesQ == kBytesdQ && kDkvCols * kConsumerWGs == HeadDim &&
+                                 own_columns_contiguous()),
+                "dQ hand-off in the stage buffers: each warpgroup's columns must be one contiguous part");
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store

@@ -118,6 +118,18 @@ __device__ __forceinline__ void stage_fragment_rows(ThrMma const& thr, Frag cons
   }
 }
 
+// The same for an fp32 fragment of the transposed tile (a Cols x Rows accumulator), converted
+// element by element: its neighbouring elements are neighbouring rows of the staging tile (a
+// converted copy of the whole fragment spilled 116 bytes at 160 registers, d192 64x96).
+template <int Rows, int Cols, class ThrMma, class Frag, class Element>
+__device__ __forceinline__ void stage_fragment_rows_transposed(ThrMma const& thr, Frag const& frag, Element* stage) {
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<Cols>, Int<Rows>>{}));
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(frag); ++i) {
+    stage[get<1>(coords(i)) * staged_row_stride<Cols>() + get<0>(coords(i))] = Element(frag(i));
+  }
+}
+
 // Rows [0, row_end) of a staging tile to global memory (row stride in elements), 16 bytes per
 // store, by Threads threads; tile and row_stride must be 16-byte aligned.
 template <int Rows, int Cols, int Threads, class Element>
@@ -130,6 +142,17 @@ __device__ __forceinline__ void store_staged_rows(const Element* stage, Element*
     if (i < kTotal && r < row_end) {
       *reinterpret_cast<uint4*>(tile + r * row_stride + c) = *reinterpret_cast<const uint4*>(&stage[r * staged_row_stride<Cols>() + c]);
     }
+  }
+}
+
+// The same, 2 bytes per copy (rows not 16-byte aligned); a rolled loop, as it is rare.
+template <int Rows, int Cols, int Threads, class Element>
+__device__ __forceinline__ void store_staged_elems(const Element* stage, Element* tile, int64_t row_stride,
+                                                   int row_end, int tid) {
+#pragma unroll 1
+  for (int i = tid; i < Rows * Cols; i += Threads) {
+    const int r = i / Cols, c = i % Cols;
+    if (r < row_end) tile[r * row_stride + c] = stage[r * staged_row_stride<Cols>() + c];
   }
 }
 
