@@ -146,6 +146,19 @@ struct BwdMainloop {
   }
 
   // ---------------- consumers: every query block of the key block ----------------
+  // The shared-memory tiles as the GEMMs read them (the t-suffixed ones are transposed views
+  // of the same bytes; P's only where the kernel stores P or P^T: Traits::kPInSmem).
+  __device__ __forceinline__ auto smem_tiles() const {
+    auto tile = [](auto* ptr, auto layout) { return make_tensor(make_smem_ptr(ptr), layout); };
+    using T = Traits;
+    return cute::make_tuple(
+        tile(smem.q.data(), typename T::SmemLayoutQ{}), tile(smem.dout.data(), typename T::SmemLayoutQ{}),
+        tile(smem.q.data(), typename T::SmemLayoutQt{}), tile(smem.dout.data(), typename T::SmemLayoutQt{}),
+        tile(smem.k.data(), typename T::SmemLayoutK{}), tile(smem.v.data(), typename T::SmemLayoutK{}),
+        tile(smem.k.data(), typename T::SmemLayoutKt{}), tile(smem.ds.data(), typename T::SmemLayoutdS{}),
+        tile(smem.ds.data(), typename T::SmemLayoutdSt{}), tile(smem.p.data(), typename T::SmemLayoutdS{}),
+        tile(smem.p.data(), typename T::SmemLayoutdSt{}));
+  }
   // varlen: TMA reads rows past a sequence's ends unbounded (the next sequence, padding), and
   // 0 * NaN is NaN in the GEMMs (fwd_mainloop.cuh, clear_v_past_end). So K and V rows past
   // seqlen_k and the last query block's Q and dO rows past seqlen_q are zeroed before the
@@ -226,17 +239,7 @@ struct BwdMainloop {
     auto wg_sdp = warpgroup_slice(mma_sdp, tid);    // shared-memory operands: per warpgroup
     auto wg_dkv = warpgroup_slice(mma_dkv, tid);
     auto wg_dq = warpgroup_slice(mma_dq, tid);
-
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
-    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});  // kSplitHeadDim
+    auto [sQ, sdO, sQt, sdOt, sK, sV, sKt, sdS, sdSt, sP, sPt] = smem_tiles();  // sP, sPt: kSplitHeadDim
 
     Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
     Tensor tSrV = wg_sdp.partition_fragment_A(sV);
@@ -394,18 +397,7 @@ struct BwdMainloop {
     auto wg_sdp = warpgroup_slice(mma_sdp, tid);
     auto wg_dkv = warpgroup_slice(mma_dkv, tid);
     auto wg_dq = warpgroup_slice(mma_dq, tid);
-
-    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
-    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
-    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
-    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
-    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutdSt{});
-    Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdS{});
-    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutdSt{});
+    auto [sQ, sdO, sQt, sdOt, sK, sV, sKt, sdS, sdSt, sP, sPt] = smem_tiles();
 
     Tensor tSrQ = wg_sdp.partition_fragment_A(sQ);        // (MMA, MMA_M, MMA_K, Stages)
     Tensor tSrdO = wg_sdp.partition_fragment_A(sdO);
