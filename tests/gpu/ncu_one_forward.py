@@ -1,5 +1,6 @@
-"""One forward call between cudaProfilerStart/Stop (three warm-up calls before), for ncu with
---profile-from-start off, so fa3gen and FA4 kernels are profiled on the same shape:
+"""One forward call (or with --backward one backward, its forward outside the range) between
+cudaProfilerStart/Stop (three warm-up calls before), for ncu with --profile-from-start off, so
+fa3gen and FA4 kernels are profiled on the same shape:
 
     ncu --profile-from-start off --clock-control none --metrics sass__inst_executed_per_opcode \
         --print-metric-instances details --csv --page raw python3 tests/gpu/ncu_one_forward.py fa3gen 128 0 16384
@@ -26,6 +27,8 @@ def main() -> int:
     p.add_argument("seqlen", type=int)
     p.add_argument("dtype", nargs="?", default="bf16", choices=("bf16", "fp16", "e4m3"))
     p.add_argument("variant", nargs="?", help="a fa3gen variant name (default: the key's default)")
+    p.add_argument("--backward", action="store_true",
+                   help="profile the backward's kernels (inputs require grad; dO is random)")
     args = p.parse_args()
     which, d, causal, s = args.backend, args.head_dim, args.causal == "1", args.seqlen
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[args.dtype]
@@ -37,11 +40,28 @@ def main() -> int:
         from fa3gen import flash_attn_func
         if args.variant:
             kwargs["variant"] = args.variant
+    if args.backward:
+        if args.dtype == "e4m3":
+            p.error("--backward: e4m3 is a forward-only dtype")
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        d_out = torch.randn_like(q)
+
+    def call():
+        out = flash_attn_func(q, k, v, causal=causal, **kwargs)
+        out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
+        if not args.backward:
+            return lambda: None
+        return lambda: torch.autograd.grad(out, (q, k, v), d_out)
+
     for _ in range(3):
-        flash_attn_func(q, k, v, causal=causal, **kwargs)
+        call()()
+    backward = call()  # the forward runs outside the profiled range
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    flash_attn_func(q, k, v, causal=causal, **kwargs)
+    if not args.backward:
+        call()
+    backward()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return 0
