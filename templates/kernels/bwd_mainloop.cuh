@@ -258,14 +258,10 @@ struct BwdMainloop {
     }();
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
-    // d128 64x128 from 497 to ~557 TFLOP/s at seqlen 16k. The dQ^T variants (TileM 80) spilled
-    // 8 bytes with it and keep the element-wise store.
+    // d128 64x128 from 497 to ~557 TFLOP/s at seqlen 16k, and d128 80x128 (dQ^T) by 5-9%.
     auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
-    Tensor tdSsdS = [&] {
-      if constexpr (Traits::kDqTransposed) return thr_sdp.partition_C(sdSt);  // accumulator layout
-      else return thr_r2s_ds.partition_D(sdSt);                               // (CPY, CPY_N, CPY_M, 2)
-    }();
+    Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, 2)
     // kSplitHeadDim: the A operands of dV and dK, from shared memory.
     auto tdVsPt = [&] {
       if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
@@ -347,18 +343,14 @@ struct BwdMainloop {
         } else {
           // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the
           // warpgroups meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps
-          // the dK GEMM, spilled 20-48 bytes at 240 registers in d64 and both d128 tiles.)
+          // the dK GEMM, as FA3 and FA4 do: 0.965-1.005x at d128 64x128, where it no longer
+          // spills; the wait it shortens is for the tensor pipe, which dK keeps busy anyway.)
           Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
           wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
           wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
         }
-        if constexpr (Traits::kDqTransposed) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int e = 0; e < size(rdS); ++e) tdSsdS(_, _, _, buf)(e) = rdS(e);
-        } else {
-          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
-        }
+        copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
         if constexpr (Traits::kSplitHeadDim) {
