@@ -30,6 +30,10 @@ def main() -> int:
     p.add_argument("--backward", action="store_true",
                    help="profile the backward's kernels (inputs require grad; dO is random)")
     args = p.parse_args()
+    if args.backward and args.dtype == "e4m3":
+        p.error("--backward: e4m3 is a forward-only dtype")
+    if args.backward and args.variant:
+        p.error("--backward: the backward runs its key's default; a variant names a forward")
     which, d, causal, s = args.backend, args.head_dim, args.causal == "1", args.seqlen
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[args.dtype]
     q, k, v = timing.random_inputs(bench.grid([s], [d])[0], dtype, 3)
@@ -41,27 +45,26 @@ def main() -> int:
         if args.variant:
             kwargs["variant"] = args.variant
     if args.backward:
-        if args.dtype == "e4m3":
-            p.error("--backward: e4m3 is a forward-only dtype")
         for t in (q, k, v):
             t.requires_grad_(True)
         d_out = torch.randn_like(q)
 
-    def call():
+    def forward():
         out = flash_attn_func(q, k, v, causal=causal, **kwargs)
-        out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
-        if not args.backward:
-            return lambda: None
-        return lambda: torch.autograd.grad(out, (q, k, v), d_out)
+        return out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
 
     for _ in range(3):
-        call()()
-    backward = call()  # the forward runs outside the profiled range
+        out = forward()
+        if args.backward:
+            torch.autograd.grad(out, (q, k, v), d_out)
+    if args.backward:
+        out = forward()  # outside the profiled range
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
-    if not args.backward:
-        call()
-    backward()
+    if args.backward:
+        torch.autograd.grad(out, (q, k, v), d_out)
+    else:
+        forward()
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
     return 0
