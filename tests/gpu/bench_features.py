@@ -10,6 +10,8 @@ Not a pytest module. Rows (bf16, hidden 2048: heads = 2048 / head_dim):
            row beside them (w = -1); d64/d128/d256, forward and backward (autograd).
   softcap: causal, cap 30 and none, seqlen 4k (batch 4) and 16k (batch 1); d128/d256, forward
            and backward.
+  --head-dims 192 adds both kinds at d192, which specs/h100.yaml builds without window or
+  softcap: point FA3GEN_LIB at a library that has d192's dense and feature variants.
 TFLOP/s count only visible (query, key) pairs: 4 * head_dim FLOPs per pair forward, 2.5x that
 backward. So a window's rate is comparable with the dense causal rate: a kernel whose time
 grows with the window, not with seqlen, keeps the same rate.
@@ -65,11 +67,11 @@ def main() -> int:
     args = p.parse_args()
     fns = backends()
     points = []  # (kind, direction, head_dim, seqlen, batch, window left, cap)
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         for direction in ("fwd", "bwd"):
             for w in [-1, *args.windows]:
                 points.append(("window", direction, d, 16384, 1, w, 0.0))
-    for d in (128, 256):
+    for d in (128, 192, 256):
         for direction in ("fwd", "bwd"):
             for s in (4096, 16384):
                 for cap in (0.0, args.softcap):
