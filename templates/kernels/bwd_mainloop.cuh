@@ -226,6 +226,56 @@ struct BwdMainloop {
     pipe.consumer_release(st);
   }
 
+  // P and dS from the S and dP accumulators (both GEMMs issued, S's committed first), in
+  // place: S becomes P = exp2(S * scale_log2 - LSE) and dP becomes dS = P (dP - D). S and dP
+  // are (query, key) views, so that a row's LSE and D are read once; query(r) is row r's
+  // index in the stage's LSE and D. mask_s() masks S in place (-inf outside the mask).
+  template <class TScores, class QueryOf, class MaskS>
+  __device__ __forceinline__ void scores_to_grads(TScores& S, TScores& dP, QueryOf const& query,
+                                                  const float* lse_log2, const float* dsum, MaskS const& mask_s) {
+    warpgroup_wait<1>();  // S is done, dP may still run
+    if constexpr (Traits::kSoftcap) {
+      // S becomes t = tanh(S * scale / cap); once dP is done, dP becomes (dP - D)(1 - t^2),
+      // then the mask, then P = exp2(t * scale_log2 - LSE) (scale_log2 holds cap * log2(e))
+      // and dS = P * dP. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
+      // (d128 64x128), one fused pass 16-44 bytes (the compiler batched every exp2, keeping
+      // t and P both live), and masking before the (1 - t^2) pass 4-12 bytes.
+      p.softcap.apply(S);
+      warpgroup_wait<0>();  // dP
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        const float d = dsum[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
+      }
+      mask_s();  // only now: 1 - t^2 above took finite t; exp2(-inf) = 0 below
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        const float lse = lse_log2[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) {
+          S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+          dP(r, c) *= S(r, c);
+        }
+      }
+    } else {
+      mask_s();
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        const float lse = lse_log2[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+      }
+      warpgroup_wait<0>();  // dP
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < size<0>(S); ++r) {
+        const float d = dsum[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
+      }
+    }
+  }
+
   // Accumulates dK (unscaled) and dV into tdKrdK and tdVrdV; tid is the thread's index among
   // the consumers.
   template <class TAcc>
@@ -287,53 +337,14 @@ struct BwdMainloop {
         wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
-        const float* lse_log2 = smem.lse_log2[st.index()];
-        const float* dsum = smem.dsum[st.index()];
-
-        warpgroup_wait<1>();  // S^T is done, dP^T may still run
-        if constexpr (Traits::kSoftcap) {
-          // S becomes t = tanh(S * scale / cap); once dP^T is done, dP^T becomes
-          // (dP^T - D)(1 - t^2), then the mask, then P^T = exp2(t * scale_log2 - LSE) (scale_log2
-          // holds cap * log2(e)) and dS^T = P^T * dP^T. Only t is kept: 1 - t^2 in a fragment of its own spilled 36 bytes
-          // (d128 64x128), one fused pass 16-44 bytes (the compiler batched every exp2, keeping
-          // t and P both live), and masking before the (1 - t^2) pass 4-12 bytes.
-          p.softcap.apply(S);
-          warpgroup_wait<0>();  // dP^T
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            const float d = dsum[get<1>(coordS(0, c))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
-            }
-          }
-          // Masked only now: 1 - t^2 above took finite t; exp2(-inf) = 0 below.
-          if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            const float lse = lse_log2[get<1>(coordS(0, c))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) {
-              S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-              dP(r, c) *= S(r, c);
-            }
-          }
-        } else {
-          if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            const float lse = lse_log2[get<1>(coordS(0, c))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-          }
-          warpgroup_wait<0>();  // dP^T
-          CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < size<1>(S); ++c) {
-            const float d = dsum[get<1>(coordS(0, c))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < size<0>(S); ++r) dP(r, c) = S(r, c) * (dP(r, c) - d);
-          }
-        }
+        // Keys on the rows here: the (query, key) views are transposes.
+        Tensor S_qk = make_tensor(S.data(), make_layout(layout<1>(S), layout<0>(S)));
+        Tensor dP_qk = make_tensor(dP.data(), make_layout(layout<1>(dP), layout<0>(dP)));
+        scores_to_grads(S_qk, dP_qk, [&](int q) { return get<1>(coordS(0, q)); }, smem.lse_log2[st.index()],
+                        smem.dsum[st.index()], [&] {
+                          if (mask.needs_mask(m_block, n_block))
+                            mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
+                        });
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
         const int buf = iter & 1;
@@ -422,46 +433,11 @@ struct BwdMainloop {
         wgmma_issue<true>(mma_sdp, tSrdO(_, _, _, st.index()), tSrV, tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
-        const float* lse_log2 = smem.lse_log2[st.index()];
-        const float* dsum = smem.dsum[st.index()];
-
-        // As in mma(), with the queries on the rows (the softcap's order explained there).
-        warpgroup_wait<1>();  // S is done, dP may still run
-        if constexpr (Traits::kSoftcap) {
-          p.softcap.apply(S);
-          warpgroup_wait<0>();
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            const float d = dsum[get<0>(coordS(r, 0))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
-          }
-          if (mask.needs_mask(m_block, n_block)) mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            const float lse = lse_log2[get<0>(coordS(r, 0))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) {
-              S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-              dP(r, c) *= S(r, c);
-            }
-          }
-        } else {
-          if (mask.needs_mask(m_block, n_block)) mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            const float lse = lse_log2[get<0>(coordS(r, 0))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-          }
-          warpgroup_wait<0>();  // dP
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < size<0>(S); ++r) {
-            const float d = dsum[get<0>(coordS(r, 0))];
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
-          }
-        }
+        scores_to_grads(S, dP, [&](int q) { return get<0>(coordS(q, 0)); }, smem.lse_log2[st.index()],
+                        smem.dsum[st.index()], [&] {
+                          if (mask.needs_mask(m_block, n_block))
+                            mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
+                        });
         const int buf = iter & 1;
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
