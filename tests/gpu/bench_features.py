@@ -65,6 +65,8 @@ def main() -> int:
     p.add_argument("--directions", nargs="+", default=["fwd", "bwd"])
     p.add_argument("--json")
     args = p.parse_args()
+    if unknown := sorted(set(args.head_dims) - {64, 128, 192, 256}):
+        p.error(f"--head-dims: no rows for {unknown}; this script times 64, 128, 192 and 256")
     fns = backends()
     points = []  # (kind, direction, head_dim, seqlen, batch, window left, cap)
     for d in (64, 128, 192, 256):
