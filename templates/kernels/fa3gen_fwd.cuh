@@ -15,8 +15,11 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                            WarpSpecialized, Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
-  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale, a.seqlen_q,
-                                   a.seqlen_k, masking)) {
+  // A window's unbounded side must outreach every sequence: with varlen, the totals (max_seqlen
+  // is the caller's word, and may understate the longest sequence).
+  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale,
+                                   Varlen && Local ? a.total_q : a.seqlen_q,
+                                   Varlen && Local ? a.total_k : a.seqlen_k, masking)) {
     return 1;
   }
   using E = Element;

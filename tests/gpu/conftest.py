@@ -44,7 +44,7 @@ def pytest_generate_tests(metafunc):
             # (dtype, head_dim, causal) of each default varlen variant
             lib, why = _library()
             keys = [(v.dtype, v.head_dim, v.causal) for v in lib.defaults(direction)
-                    if v.varlen] if lib else []
+                    if v.varlen and not (v.paged or v.local or v.softcap)] if lib else []
             params = [pytest.param(k, id=f"{k[0]}-d{k[1]}-{'causal' if k[2] else 'nocausal'}")
                       for k in keys]
             params = params or [pytest.param(None, marks=pytest.mark.skip(
@@ -69,6 +69,15 @@ def pytest_generate_tests(metafunc):
             params = params or [pytest.param(None, marks=pytest.mark.skip(
                 reason=why or f"the library has no local/softcap {direction} variants"))]
             metafunc.parametrize(f"{direction}_feature_key", params)
+        if f"{direction}_varlen_feature_key" in metafunc.fixturenames:
+            # the same for the varlen defaults with local or softcap
+            lib, why = _library()
+            keys = [v.key for v in lib.defaults(direction)
+                    if (v.local or v.softcap) and v.varlen and not v.paged] if lib else []
+            params = [pytest.param(k[1:6], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
+            params = params or [pytest.param(None, marks=pytest.mark.skip(
+                reason=why or f"the library has no varlen local/softcap {direction} variants"))]
+            metafunc.parametrize(f"{direction}_varlen_feature_key", params)
 
 
 @pytest.fixture(scope="session")
