@@ -236,8 +236,9 @@ def _num_sms(index: int) -> int:
 def _grid_mode() -> int:
     """FA3GEN_GRID: the forward's CTA count. auto (default): persistent (one CTA per SM), except
     one CTA per query tile where tiles are long or uneven: causal over more than 8192 keys,
-    windows that show a query 2048 keys, varlen calls that are local, paged, or causal over
-    sequences of more than 512 keys on average (the policy lives in launch_fwd); persistent |
+    windows that show a query 2048 keys, varlen calls that are paged, causal over sequences
+    of more than 512 keys on average, or windowed over sequences shorter than twice the window
+    (the policy lives in launch_fwd); persistent |
     tiles force one policy, for measurements."""
     mode = os.environ.get("FA3GEN_GRID") or "auto"  # set but empty: unset, as the other variables
     if mode not in GRID_MODES:

@@ -60,6 +60,9 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     return 1;
   }
   TileSchedule schedule;
+  // Keys a query sees through a window (an unbounded side counts every key).
+  const int64_t window_keys = std::min<int64_t>(Varlen ? a.total_k : a.seqlen_k,
+                                                int64_t(masking.window_left) + masking.window_right + 1);
   VarlenArgs varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
                     a.seqused_k};
   if constexpr (Varlen) {
@@ -74,12 +77,15 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // non-causal 1.00-1.32x at mean lengths 256-2048, 1.00-1.02x at 8192; causal pairs
     // 1.04-1.28x at mean 256, 0.99-1.15x at 512, 0.94-1.01x from 1024, where the hardware's
     // dispatch of one CTA per tile balances sequences of unequal length better than the static
-    // walk (docs/BENCHMARKS.md). Local and paged calls were not measured and keep one CTA per
-    // tile. FA3GEN_GRID_PERSISTENT / _TILES force either.
+    // walk (docs/BENCHMARKS.md). A window of fewer than 2048 keys over sequences at least twice
+    // as long on average: every tile costs about the window, so they are alike (window 1024:
+    // 1.02-1.09x at mean lengths 2k-8k, 0.85-0.96x at 512; window 4096 0.84-1.00x). Paged calls
+    // were not measured and keep one CTA per tile. FA3GEN_GRID_PERSISTENT / _TILES force either.
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
     const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);
-    const bool walk = !Local && !Paged && (!Causal || short_seqs);
+    const bool alike_windows = window_keys < 2048 && int64_t(a.total_k) >= 2 * window_keys * a.batch;
+    const bool walk = !Paged && (Local ? alike_windows : !Causal || short_seqs);
     if (a.grid_mode == FA3GEN_GRID_PERSISTENT || (a.grid_mode == FA3GEN_GRID_AUTO && walk)) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
       schedule.paired = Causal && !Local && schedule.ctas < entries;  // a causal head's tiles in pairs
@@ -91,7 +97,6 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   } else {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
     // or a window that shows a query at least 2048 keys.
-    const int64_t window_keys = std::min<int64_t>(a.seqlen_k, int64_t(masking.window_left) + masking.window_right + 1);
     const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? window_keys >= 2048 : false;
     schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
   }
