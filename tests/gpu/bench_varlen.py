@@ -10,6 +10,8 @@ sequence lengths drawn uniformly from [1, 2L] (seeded; the last one trimmed to t
 mean L in --means; the padded row runs batch 16k / L sequences of exactly L. Forward for
 d64/d128/d256, backward (autograd) for d64/d128, causal and not. TFLOP/s count real work
 only: 4 * head_dim FLOPs per visible (query, key) pair forward, 2.5x that backward.
+--window W gives every call the window (W, 0) if causal, (W, W) if not; --softcap C the cap
+(the varlen variants with a window or softcap, and the padded ones of the same key).
 """
 
 import argparse
@@ -43,14 +45,22 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
 
 
-def pairs(n: int, causal: bool) -> int:
-    return n * (n + 1) // 2 if causal else n * n
+def pairs(n: int, causal: bool, window: int = -1) -> int:
+    """Visible (query, key) pairs of one sequence of n under causal and window (W, 0 if causal
+    else W); W < 0: no window."""
+    if window < 0:
+        return n * (n + 1) // 2 if causal else n * n
+    i = torch.arange(n, dtype=torch.int64)
+    last = i if causal else (i + window).clamp(max=n - 1)
+    return int((last - (i - window).clamp(min=0) + 1).sum())
 
 
-def real_flops(lengths: list[int], heads: int, head_dim: int, causal: bool, backward: bool) -> float:
+def real_flops(lengths: list[int], heads: int, head_dim: int, causal: bool, backward: bool,
+               window: int = -1) -> float:
     """The FLOPs of sequences of these lengths (q and k alike): 4 * head_dim a visible pair,
     2.5x backward."""
-    return 4 * head_dim * heads * (2.5 if backward else 1.0) * sum(pairs(n, causal) for n in lengths)
+    return 4 * head_dim * heads * (2.5 if backward else 1.0) * sum(
+        pairs(n, causal, window) for n in lengths)
 
 
 def with_grid(mode: str, call):
@@ -73,9 +83,10 @@ def fa4_varlen():
         print(f"FA4 unavailable: {e!r}"[:300], file=sys.stderr)
         return None
 
-    def call(q, k, v, cu, max_len, causal):
+    def call(q, k, v, cu, max_len, causal, window_size=(-1, -1), softcap=0.0):
+        kw = {"window_size": window_size} if window_size != (-1, -1) else {}
         o = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
-                max_seqlen_k=max_len, causal=causal)
+                max_seqlen_k=max_len, causal=causal, softcap=softcap, **kw)
         return o[0] if isinstance(o, tuple) else o
     return call
 
@@ -93,6 +104,9 @@ def main() -> int:
                    help="also time fa3gen's varlen forward with FA3GEN_GRID forced to each of "
                         "these (persistent: one CTA per SM; tiles: one CTA per tile) in the "
                         "same rounds, as columns grid_<mode>")
+    p.add_argument("--window", type=int, default=-1,
+                   help="window (W, 0) for causal rows, (W, W) for the others (default: none)")
+    p.add_argument("--softcap", type=float, default=0.0)
     p.add_argument("--json")
     args = p.parse_args()
     fa4 = None if args.no_fa4 else fa4_varlen()
@@ -113,22 +127,25 @@ def main() -> int:
         qp, kp, vp = (torch.randn(TOTAL // mean, mean, h, d, device="cuda", dtype=torch.bfloat16,
                                   requires_grad=grad) for _ in range(3))
         longest = max(lengths)
+        window = (-1, -1) if args.window < 0 else (args.window, 0 if causal else args.window)
+        kw = dict(causal=causal, window_size=window, softcap=args.softcap)
         calls = {
-            "fa3gen": (lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest,
-                                                      causal=causal), (q, k, v)),
-            "padded": (lambda: flash_attn_func(qp, kp, vp, causal=causal), (qp, kp, vp)),
+            "fa3gen": (lambda: flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, **kw),
+                       (q, k, v)),
+            "padded": (lambda: flash_attn_func(qp, kp, vp, **kw), (qp, kp, vp)),
         }
         if fa4 is not None:
-            calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, causal), (q, k, v))
+            calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, **kw), (q, k, v))
         for mode in args.grids if direction == "fwd" else ():
             calls[f"grid_{mode}"] = (lambda mode=mode: with_grid(mode, lambda: flash_attn_varlen_func(
-                q, k, v, cu, cu, longest, longest, causal=causal)), (q, k, v))
+                q, k, v, cu, cu, longest, longest, **kw)), (q, k, v))
         res = measure(calls, direction, args.rounds, args.min_ms)
-        flops = {"fa3gen": real_flops(lengths, h, d, causal, grad),
-                 "padded": real_flops([mean] * (TOTAL // mean), h, d, causal, grad)}
+        flops = {"fa3gen": real_flops(lengths, h, d, causal, grad, args.window),
+                 "padded": real_flops([mean] * (TOTAL // mean), h, d, causal, grad, args.window)}
         flops.update({name: flops["fa3gen"] for name in calls if name not in flops})
         row = dict(direction=direction, head_dim=d, causal=causal, mean=mean, heads=h,
-                   sequences=len(lengths), longest=longest, flops=flops["fa3gen"])
+                   sequences=len(lengths), longest=longest, flops=flops["fa3gen"],
+                   window=list(window), softcap=args.softcap)
         for name, val in res.items():
             if isinstance(val, float):
                 row[f"{name}_ms"], row[f"{name}_tflops"] = val, timing.tflops(flops[name], val)
