@@ -111,6 +111,19 @@ def test_backward_windows(lib, bwd_feature_key, shape, window):
     assert res["ok"], f"{bwd_feature_key} {shape} {kw}: {res['why']}"
 
 
+def repeated_grads(call, inputs, dout, what, times=3):
+    """dq, dk, dv of call(q, k, v) on fresh leaf copies of `inputs`, `times` times; asserts the
+    runs are bitwise equal and returns the first."""
+    runs = []
+    for _ in range(times):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        runs.append(torch.autograd.grad(call(*leaves), leaves, dout))
+    for other in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(a, b), f"{what}: {name} differs between runs"
+    return runs[0]
+
+
 def test_backward_deterministic(lib, bwd_feature_key):
     """Deterministic mode is bitwise repeatable: with a window, a query block's dQ comes from a
     band of key blocks that starts above 0 (the semaphore turn counts from the band's first)."""
@@ -118,17 +131,11 @@ def test_backward_deterministic(lib, bwd_feature_key):
     kw = _call_args(bwd_feature_key, (300, 200), 3.0)
     q, k, v = make_qkv(2, 900, 1100, 4, 2, d, DTYPES[dtype], seed=24)
     dout = torch.randn_like(q)
-    runs = []
-    for _ in range(3):
-        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
-        out = flash_attn_func(qg, kg, vg, deterministic=True, **kw)
-        runs.append(torch.autograd.grad(out, (qg, kg, vg), dout))
-    res = compare_grads_to_reference(runs[0], q, k, v, dout, kw["causal"], None,
+    grads = repeated_grads(lambda *qkv: flash_attn_func(*qkv, deterministic=True, **kw),
+                           (q, k, v), dout, bwd_feature_key)
+    res = compare_grads_to_reference(grads, q, k, v, dout, kw["causal"], None,
                                      window_size=kw["window_size"], softcap=kw["softcap"])
     assert res["ok"], f"{bwd_feature_key}: {res['why']}"
-    for other in runs[1:]:
-        for what, a, b in zip(("dq", "dk", "dv"), runs[0], other):
-            assert torch.equal(a, b), f"{bwd_feature_key}: {what} differs between runs"
 
 
 def test_feature_opcheck(lib, bwd_feature_key):
