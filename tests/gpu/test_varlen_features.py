@@ -19,7 +19,7 @@ from test_varlen_kernels import LENGTHS, packed
 pytestmark = pytest.mark.gpu
 
 # (left, right); a causal key only uses left (right is 0). 5000 is wider than every sequence.
-WINDOWS = [(0, 0), (37, 0), (130, 61), (-1, 50), (50, -1), (5000, 5000)]
+WINDOWS = [(0, 0), (0, 37), (37, 0), (130, 61), (-1, 50), (50, -1), (5000, 5000)]
 
 
 def _call_args(key, window, softcap):
