@@ -103,3 +103,21 @@ def test_ab_libraries_times_a_paged_variant_through_its_pages(fake_launches):
     p = fake_launches[0][1]
     assert (p.page_size, p.num_pages, p.block_table_cols) == (PAGED_CHUNK_ROWS, 6, 3)
     assert p.block_table and p.seqused_k  # the table and the lengths reach the kernel
+
+
+def test_bench_varlen_counts_the_visible_pairs():
+    """bench_varlen.py's FLOPs: the (query, key) pairs a window (W, 0) causal or (W, W) shows,
+    against a count of the mask itself."""
+    spec = importlib.util.spec_from_file_location("bench_varlen", GPU_DIR / "bench_varlen.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    from fa3gen.reference import window_mask
+
+    for n, causal, w in [(1, True, 0), (5, False, 3), (37, True, 4), (37, False, 100), (40, True, -1),
+                         (40, False, -1)]:
+        window = (-1, 0 if causal else -1) if w < 0 else (w, 0 if causal else w)
+        assert module.pairs(n, causal, w) == int(window_mask(n, n, window).sum()), (n, causal, w)
