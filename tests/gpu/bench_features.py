@@ -28,12 +28,13 @@ from fa3gen.ops import flash_attn_func
 from sustained_backends import measure
 
 
-def visible_pairs(seqlen: int, left: int) -> int:
-    """Pairs a causal query block sees with window (left, 0) over seqlen x seqlen (left < 0:
-    no window)."""
-    if left < 0 or left >= seqlen - 1:
-        return seqlen * (seqlen + 1) // 2
-    return (left + 1) * (left + 2) // 2 + (seqlen - left - 1) * (left + 1)
+def visible_pairs(seqlen: int, left: int, right: int = 0) -> int:
+    """(query, key) pairs of seqlen x seqlen that window (left, right) shows, -1 unbounded:
+    query i sees keys [i - left, i + right]; right 0 is causal."""
+    i = torch.arange(seqlen, dtype=torch.int64)
+    last = (i + right).clamp(max=seqlen - 1) if right >= 0 else torch.full_like(i, seqlen - 1)
+    first = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    return int((last - first + 1).clamp(min=0).sum())
 
 
 def backends():

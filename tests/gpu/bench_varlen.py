@@ -26,6 +26,7 @@ import torch
 from fa3gen import bench, runtime, timing
 from fa3gen.ops import flash_attn_func
 from fa3gen.varlen import flash_attn_varlen_func
+from bench_features import visible_pairs
 from sustained_backends import measure
 
 TOTAL = 16384
@@ -48,11 +49,7 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
 def pairs(n: int, causal: bool, window: int = -1) -> int:
     """Visible (query, key) pairs of one sequence of n under causal and window (W, 0 if causal
     else W); W < 0: no window."""
-    if window < 0:
-        return n * (n + 1) // 2 if causal else n * n
-    i = torch.arange(n, dtype=torch.int64)
-    last = i if causal else (i + window).clamp(max=n - 1)
-    return int((last - (i - window).clamp(min=0) + 1).sum())
+    return visible_pairs(n, window, 0 if causal else window)
 
 
 def real_flops(lengths: list[int], heads: int, head_dim: int, causal: bool, backward: bool,

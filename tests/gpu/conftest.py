@@ -60,24 +60,18 @@ def pytest_generate_tests(metafunc):
             params = params or [pytest.param(None, marks=pytest.mark.skip(
                 reason=why or f"the library has no default {direction} variants"))]
             metafunc.parametrize(f"{direction}_default_key", params)
-        if f"{direction}_feature_key" in metafunc.fixturenames:
-            # (dtype, head_dim, causal, local, softcap) of each default with local or softcap
-            lib, why = _library()
-            keys = [v.key for v in lib.defaults(direction)
-                    if (v.local or v.softcap) and not v.varlen] if lib else []
-            params = [pytest.param(k[1:6], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
-            params = params or [pytest.param(None, marks=pytest.mark.skip(
-                reason=why or f"the library has no local/softcap {direction} variants"))]
-            metafunc.parametrize(f"{direction}_feature_key", params)
-        if f"{direction}_varlen_feature_key" in metafunc.fixturenames:
-            # the same for the varlen defaults with local or softcap
-            lib, why = _library()
-            keys = [v.key for v in lib.defaults(direction)
-                    if (v.local or v.softcap) and v.varlen and not v.paged] if lib else []
-            params = [pytest.param(k[1:6], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
-            params = params or [pytest.param(None, marks=pytest.mark.skip(
-                reason=why or f"the library has no varlen local/softcap {direction} variants"))]
-            metafunc.parametrize(f"{direction}_varlen_feature_key", params)
+        # (dtype, head_dim, causal, local, softcap) of each default with local or softcap,
+        # padded (test_features.py) or varlen (test_varlen_features.py)
+        for fixture, varlen in ((f"{direction}_feature_key", False),
+                                (f"{direction}_varlen_feature_key", True)):
+            if fixture in metafunc.fixturenames:
+                lib, why = _library()
+                keys = [v.key for v in lib.defaults(direction) if (v.local or v.softcap)
+                        and v.varlen == varlen and not v.paged] if lib else []
+                params = [pytest.param(k[1:6], id=key_str(k)[1:-1].replace(", ", "-")) for k in keys]
+                params = params or [pytest.param(None, marks=pytest.mark.skip(reason=why or (
+                    f"the library has no {'varlen ' if varlen else ''}local/softcap {direction} variants")))]
+                metafunc.parametrize(fixture, params)
 
 
 @pytest.fixture(scope="session")

@@ -19,25 +19,17 @@ import sys
 import torch
 
 from fa3gen.ops import flash_attn_func
-from fa3gen.reference import attention_reference, window_mask
+from fa3gen.reference import _heads_and_scores, attention_reference, window_mask
 
 
 def emulate(q, k, v, window, softcap):
-    """The kernel's rounding on (b, s, h, d) inputs: out in q's dtype."""
-    b, sq, hq, d = q.shape
-    groups = hq // k.shape[2]
-    qh = q.double().transpose(1, 2)
-    kh = k.double().transpose(1, 2).repeat_interleave(groups, 1)
-    vh = v.double().transpose(1, 2).repeat_interleave(groups, 1)
-    s = (qh @ kh.transpose(-1, -2)).float()  # fp32 accumulation, as the GEMM's
-    scale = d ** -0.5
-    logits = torch.tanh(s * (scale / softcap)) * softcap if softcap > 0 else s * scale
-    visible = window_mask(sq, k.shape[1], window, q.device)
-    logits = logits.masked_fill(~visible, float("-inf"))
-    m = logits.amax(-1, keepdim=True).clamp(min=-1e30)
-    p = torch.exp(logits - m)
-    rowsum = p.sum(-1, keepdim=True)
-    out = (p.to(q.dtype).float() @ vh.float()) / rowsum
+    """The kernel's rounding on (b, s, h, d) inputs: the reference's fp32 scores (softcapped
+    and masked), P rounded to q's dtype before P V, the row sum of the unrounded P; out in
+    q's dtype."""
+    _, _, vt, scores, _, _ = _heads_and_scores(q, k, v, False, None, torch.float32, window, softcap)
+    m = scores.amax(-1, keepdim=True).clamp(min=-1e30)  # a row that sees no key: P = 0
+    p = torch.exp(scores - m)
+    out = (p.to(q.dtype).float() @ vt) / p.sum(-1, keepdim=True)
     return out.nan_to_num(0.0).transpose(1, 2).to(q.dtype)
 
 

@@ -12,7 +12,7 @@ from fa3gen import ops, varlen
 from fa3gen.reference import compare_varlen_grads_to_reference, compare_varlen_to_reference
 from fa3gen.varlen import flash_attn_varlen_func
 
-from test_features import _ids, repeated_grads
+from test_features import _call_args, _ids, repeated_grads
 from test_forward import DTYPES
 from test_varlen_kernels import LENGTHS, packed
 
@@ -20,14 +20,6 @@ pytestmark = pytest.mark.gpu
 
 # (left, right); a causal key only uses left (right is 0). 5000 is wider than every sequence.
 WINDOWS = [(0, 0), (0, 37), (37, 0), (130, 61), (-1, 50), (50, -1), (5000, 5000)]
-
-
-def _call_args(key, window, softcap):
-    """flash_attn_varlen_func keywords that reach `key`'s variant."""
-    _, _, causal, local, has_cap = key
-    if not local:
-        window = (-1, -1)
-    return dict(causal=causal, window_size=window, softcap=softcap if has_cap else 0.0)
 
 
 def _check_forward(key, q, k, v, cu_q, cu_k, mq, mk, kw, what=""):
