@@ -61,11 +61,6 @@ struct FwdMainloop {
   using PipelineV = typename Traits::PipelineV;
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
-#ifdef FA3GEN_SOFTCAP_SCALED_Q  // measurement switch (not yet measured): Q times scale / cap once a tile
-  static constexpr bool kSoftcapScaledQ = true;
-#else
-  static constexpr bool kSoftcapScaledQ = false;
-#endif
   static constexpr int kStages = Traits::kStages;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
@@ -401,29 +396,6 @@ struct FwdMainloop {
     }
   }
 
-  // FA3GEN_SOFTCAP_SCALED_Q: this warpgroup's 64 Q rows times softmax_scale / cap in shared
-  // memory, once a tile, so that softcap's scores need no multiply before the tanh (one of
-  // its two extra instructions a score). q * scale / cap is rounded to the input type. Each
-  // warp fences its own stores; the warpgroup's GEMM, which no warp starts alone, reads them
-  // (as p_in_smem's P).
-  template <class TQ>
-  __device__ __forceinline__ void scale_q_rows(TQ& sQ, float factor, int tid) {
-    constexpr int kRowsPerWg = kTileM / Traits::kConsumerWGs, kChunks = kHeadDim / 8;  // 16-byte chunks
-    static_assert(kRowsPerWg == 64 && kHeadDim % 8 == 0);
-    const int row0 = tid / 128 * kRowsPerWg;
-#pragma unroll 1  // once a tile: unrolled, d256 128x64 local softcap varlen spilled 88 bytes
-    for (int i = tid % 128; i < kRowsPerWg * kChunks; i += 128) {
-      // Eight consecutive columns from a multiple of 8 are one 16-byte unit of the swizzle.
-      auto* chunk = reinterpret_cast<cutlass::Array<Element, 8>*>(&sQ(row0 + i / kChunks, i % kChunks * 8));
-      cutlass::Array<Element, 8> v = *chunk;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < 8; ++j) v[j] = Element(float(v[j]) * factor);
-      *chunk = v;
-    }
-    cutlass::arch::fence_view_async_shared();  // generic-proxy stores, read by WGMMA
-    __syncwarp();
-  }
-
   // Leaves O (unnormalized) in tOrO and the row statistics in softmax; tid is the thread's
   // index among the consumers.
   template <class TO>
@@ -544,10 +516,7 @@ struct FwdMainloop {
     // per block); the peeled loop's unmasked run has no mask code.
     auto softmax_block = [&](int i, auto masked) {
       const int n_block = blocks.at(i);
-      if constexpr (Traits::kSoftcap) {  // before the mask: -inf stays -inf
-        if constexpr (kSoftcapScaledQ) p.softcap.apply_prescaled(S);
-        else p.softcap.apply(S);
-      }
+      if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if constexpr (decltype(masked)::value) {
         if (mask(seq).needs_mask(tile.block, n_block)) mask(seq).apply(S, coordS, tile.block * kTileM, n_block * kTileN);
       }
@@ -599,9 +568,6 @@ struct FwdMainloop {
 
     clear(tOrO);
     if (n_blocks > 0) TmaBarrier::wait(&smem.barrier_q[q_part], q_iter & 1);
-    if constexpr (Traits::kSoftcap && kSoftcapScaledQ) {
-      if (n_blocks > 0) scale_q_rows(sQ, p.softcap.pre, tid);
-    }
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {

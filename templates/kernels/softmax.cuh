@@ -167,12 +167,6 @@ struct LogitSoftcap {
     CUTLASS_PRAGMA_UNROLL
     for (int e = 0; e < size(S); ++e) S(e) = tanh_approx(S(e) * pre);
   }
-  // Scores of a Q already multiplied by pre (FA3GEN_SOFTCAP_SCALED_Q, fwd_mainloop.cuh).
-  template <class TS>
-  __device__ __forceinline__ void apply_prescaled(TS& S) const {
-    CUTLASS_PRAGMA_UNROLL
-    for (int e = 0; e < size(S); ++e) S(e) = tanh_approx(S(e));
-  }
 };
 
 template <class TO, int Rows>
