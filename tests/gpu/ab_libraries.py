@@ -15,6 +15,7 @@ each sequence's keys in shuffled pages of 64 rows (paged_point).
 """
 
 import argparse
+import fnmatch
 import json
 import statistics
 import sys
@@ -123,6 +124,9 @@ def main() -> int:
     parser.add_argument("--all-variants", action="store_true",
                         help="every variant of A, not only those it dispatches to (a spec of "
                              "candidates without defaults, e.g. specs/tiles_96_192.yaml)")
+    parser.add_argument("--only", action="append", default=[], metavar="GLOB",
+                        help="time only variants whose name matches (repeatable), e.g. the "
+                             "forwards a compile-time switch changes")
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
@@ -133,6 +137,8 @@ def main() -> int:
     print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
     infos = ([libs[0].get(name) for name in libs[0].names()] if args.all_variants
              else libs[0].dispatched())
+    if args.only:
+        infos = [i for i in infos if any(fnmatch.fnmatch(i.name, g) for g in args.only)]
     for info in infos:
         if libs[1].get(info.name) is None:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
