@@ -121,3 +121,31 @@ def test_bench_varlen_counts_the_visible_pairs():
                          (40, False, -1)]:
         window = (-1, 0 if causal else -1) if w < 0 else (w, 0 if causal else w)
         assert module.pairs(n, causal, w) == int(window_mask(n, n, window).sum()), (n, causal, w)
+
+
+def test_few_key_rows_emulates_the_kernels_order():
+    """few_key_rows.emulate on one query and two keys (scores 0 and -1.5, values 1 and -1):
+    with the true maximum the small P, e^-1.5, is the one rounded to bf16; in the kernel's
+    order (the key of score -1.5 in the last block, seen first, and a threshold of 8 log2
+    units the other key does not pass) it is e^1.5 that is rounded, and the output moves by one
+    bf16 step. With threshold -1 the order changes nothing."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        from few_key_rows import emulate
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    bf16 = torch.bfloat16
+    q = torch.ones(1, 1, 1, 1, dtype=bf16)
+    k = torch.tensor([0.0, -1.5], dtype=bf16).reshape(1, 2, 1, 1)
+    v = torch.tensor([1.0, -1.0], dtype=bf16).reshape(1, 2, 1, 1)
+    e = torch.tensor(1.5).exp()
+
+    def by_hand(p0, p1):  # P rounded for P V, the row sum unrounded, out rounded
+        return ((p0.to(bf16).float() - p1.to(bf16).float()) / (p0 + p1)).to(bf16).item()
+
+    true_max = emulate(q, k, v, (-1, -1), 0.0).item()
+    assert true_max == by_hand(torch.tensor(1.0), 1 / e) == 0.63671875
+    assert emulate(q, k, v, (-1, -1), 0.0, block=1, threshold=-1.0).item() == true_max
+    assert emulate(q, k, v, (-1, -1), 0.0, block=1, threshold=8.0).item() == \
+        by_hand(e, torch.tensor(1.0)) == 0.6328125
