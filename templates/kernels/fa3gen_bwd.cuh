@@ -15,13 +15,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   using E = Element;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
-  // A window's unbounded side must outreach every sequence: with varlen, the totals (max_seqlen
-  // is the caller's word, and may understate the longest sequence).
-  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale,
-                                   Varlen && Local ? a.total_q : a.seqlen_q,
-                                   Varlen && Local ? a.total_k : a.seqlen_k, masking)) {
-    return 1;
-  }
+  if (masking_args<Local, Softcap, Varlen>(a, masking)) return 1;
   const int seqlen_q_rounded = (a.seqlen_q + TileM - 1) / TileM * TileM;
   const int m_blocks = seqlen_q_rounded / TileM;
   const int n_blocks = (a.seqlen_k + TileN - 1) / TileN;

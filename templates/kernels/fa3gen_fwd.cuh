@@ -15,13 +15,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                            WarpSpecialized, Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
-  // A window's unbounded side must outreach every sequence: with varlen, the totals (max_seqlen
-  // is the caller's word, and may understate the longest sequence).
-  if (masking_args<Local, Softcap>(a.window_left, a.window_right, a.softcap, a.softmax_scale,
-                                   Varlen && Local ? a.total_q : a.seqlen_q,
-                                   Varlen && Local ? a.total_k : a.seqlen_k, masking)) {
-    return 1;
-  }
+  if (masking_args<Local, Softcap, Varlen>(a, masking)) return 1;
   using E = Element;
   auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
     return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),

@@ -110,10 +110,15 @@ struct Masking {
   float lse_scale = 0.f, scale_log2 = 0.f;
 };
 
-// Returns nonzero (with a message) for arguments the variant cannot honour.
-template <bool Local, bool Softcap>
-inline int masking_args(int32_t window_left, int32_t window_right, float softcap, float softmax_scale,
-                        int seqlen_q, int seqlen_k, Masking& out) {
+// Returns nonzero (with a message) for arguments the variant cannot honour. A window's unbounded
+// side must outreach every sequence: with varlen, the totals bound it (max_seqlen is the caller's
+// word, and may understate the longest sequence). Args: fa3gen_fwd_params or fa3gen_bwd_params.
+template <bool Local, bool Softcap, bool Varlen, class Args>
+inline int masking_args(const Args& a, Masking& out) {
+  const float softmax_scale = a.softmax_scale, softcap = a.softcap;
+  const int32_t window_left = a.window_left, window_right = a.window_right;
+  const int seqlen_q = Varlen && Local ? a.total_q : a.seqlen_q;
+  const int seqlen_k = Varlen && Local ? a.total_k : a.seqlen_k;
   if (!(softmax_scale > 0.f)) {
     fa3gen_set_error("softmax_scale must be positive");
     return 1;
