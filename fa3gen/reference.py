@@ -338,21 +338,11 @@ def fp8_attention_emulated(q, k, v, *, block_q: int | None = None, block_k: int 
                                                    quantize_e4m3(k, block_k),
                                                    quantize_e4m3(v, block_k))]
     qt, kt, vt = (t.transpose(1, 2) for t in deq)  # (b, h, s, d)
-    s_k = kt.shape[2]
-    row_max = torch.full(qt.shape[:3] + (1,), float("-inf"), device=q.device)
-    row_sum = torch.zeros_like(row_max)
-    acc = torch.zeros(qt.shape, device=q.device)
-    for start in reversed(range(0, s_k, key_block)):
-        kb, vb = kt[:, :, start:start + key_block], vt[:, :, start:start + key_block]
-        scores = torch.matmul(qt, kb.transpose(-1, -2)) / math.sqrt(d)
-        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
-        rescale = torch.exp(row_max - new_max)
-        p = torch.exp(scores - new_max)
-        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
-        p8 = (p * p_scale).to(torch.float8_e4m3fn).float() / p_scale
-        acc = acc * rescale + torch.matmul(p8, vb)
-        row_max = new_max
-    return (acc / row_sum).transpose(1, 2).to(out_dtype)
+    scores = torch.matmul(qt, kt.transpose(-1, -2)) / math.sqrt(d)
+    out, _ = blockwise_softmax_pv(  # threshold -1: the maximum moves with every block
+        scores, vt, key_block, -1.0,
+        lambda p: (p * p_scale).to(torch.float8_e4m3fn).float() / p_scale)
+    return out.transpose(1, 2).to(out_dtype)
 
 
 def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q=None, block_k=None):
@@ -387,6 +377,35 @@ FP8_RESCALE_THRESHOLD = 0.8
 LOG2E = 1.0 / math.log(2.0)
 
 
+def blockwise_softmax_pv(scores, vt, key_block: int, rescale_threshold: float, round_p):
+    """(out, lse) of softmax(scores) @ vt in the forward kernels' order, in scores' dtype: key
+    blocks of key_block from the last down with the online softmax, a row keeping its running
+    maximum while a block raises it by at most rescale_threshold (log2 units; its P then
+    exceeds 1), round_p(P) (P as the P V GEMM takes it) in the product, the row sum of the
+    unrounded P. scores (..., sq, sk) in natural-log units, masked keys -inf; vt (..., sk, d).
+    A row that sees no key: out 0, lse -inf. out (..., sq, d), lse (..., sq)."""
+    sk = scores.shape[-1]
+    row_max = torch.full(scores.shape[:-1] + (1,), float("-inf"), dtype=scores.dtype,
+                         device=scores.device)
+    row_sum = torch.zeros_like(row_max)
+    acc = scores.new_zeros(scores.shape[:-1] + (vt.shape[-1],))
+    for start in reversed(range(0, sk, key_block)):
+        sb = scores[..., start:start + key_block]
+        grown = torch.maximum(row_max, sb.amax(-1, keepdim=True))
+        grew = (grown - row_max) * LOG2E  # inf on a row's first visible key, NaN before any
+        new_max = torch.where(grew <= rescale_threshold, row_max, grown)
+        safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no key yet
+        rescale = torch.exp(row_max - safe)
+        p = torch.exp(sb - safe)
+        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
+        acc = acc * rescale + torch.matmul(round_p(p), vt[..., start:start + key_block, :])
+        row_max = new_max
+    empty = row_sum == 0
+    out = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, row_sum))
+    lse = torch.where(empty, float("-inf"), row_max + torch.log(torch.where(empty, 1.0, row_sum)))
+    return out, lse[..., 0]
+
+
 def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=None,
                             causal: bool = False, softmax_scale: float | None = None, *,
                             key_block: int | None = None, p_scale: float = FP8_P_SCALE,
@@ -412,25 +431,10 @@ def fp8_attention_reference(q, k, v, q_descale=None, k_descale=None, v_descale=N
         finite = torch.isfinite(lse)[..., None]
         p = torch.where(finite, torch.exp(scores - torch.where(finite, lse[..., None], 0.0)), 0.0)
         return torch.matmul(p, vt).transpose(1, 2), lse
-    row_max = torch.full(qt.shape[:3] + (1,), float("-inf"), dtype=torch.float64, device=q.device)
-    row_sum = torch.zeros_like(row_max)
-    acc = torch.zeros(qt.shape[:3] + (vt.shape[-1],), dtype=torch.float64, device=q.device)
-    for start in reversed(range(0, sk, key_block)):
-        sb = scores[..., start:start + key_block]
-        grown = torch.maximum(row_max, sb.amax(-1, keepdim=True))
-        grew = (grown - row_max) * LOG2E  # inf on a row's first visible key, NaN before any
-        new_max = torch.where(grew <= rescale_threshold, row_max, grown)
-        safe = torch.where(torch.isinf(new_max), 0.0, new_max)  # rows with no key yet
-        rescale = torch.exp(row_max - safe)
-        p = torch.exp(sb - safe)
-        row_sum = row_sum * rescale + p.sum(-1, keepdim=True)
-        p8 = (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale
-        acc = acc * rescale + torch.matmul(p8, vt[:, :, start:start + key_block])
-        row_max = new_max
-    empty = row_sum == 0
-    out = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, row_sum))
-    lse = torch.where(empty, float("-inf"), row_max + torch.log(torch.where(empty, 1.0, row_sum)))
-    return out.transpose(1, 2), lse[..., 0]
+    out, lse = blockwise_softmax_pv(
+        scores, vt, key_block, rescale_threshold,
+        lambda p: (p * p_scale).float().to(torch.float8_e4m3fn).double() / p_scale)
+    return out.transpose(1, 2), lse
 
 
 def compare_fp8_to_reference(out, lse, q, k, v, descales: dict, causal: bool, tile_n: int,

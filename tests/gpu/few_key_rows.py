@@ -17,41 +17,26 @@ some rows has an extra error source.
 """
 
 import argparse
-import math
 import sys
 
 import torch
 
 from fa3gen.ops import flash_attn_func
-from fa3gen.reference import _heads_and_scores, attention_reference, window_mask
-
-LOG2E = math.log2(math.e)
+from fa3gen.reference import (_heads_and_scores, attention_reference, blockwise_softmax_pv,
+                              window_mask)
 
 
 def emulate(q, k, v, window, softcap, block=0, threshold=-1.0):
     """The kernel's rounding on (b, s, h, d) inputs: the reference's fp32 scores (softcapped
     and masked), P rounded to q's dtype before P V, the row sum of the unrounded P; out in
-    q's dtype. block=0: one pass with each row's true maximum. block=N: the kernel's online
-    softmax, key blocks of N from the last to the first, a row's running maximum moved only
-    when a block raises it by more than `threshold` (log2 units; FA3GEN_RESCALE_THRESHOLD,
-    8 by default, -1 every time), so a P of up to 2^threshold is what gets rounded."""
+    q's dtype. block=0: one pass with each row's true maximum. block=N: the kernel's order
+    (reference.blockwise_softmax_pv), key blocks of N from the last, a row's running maximum
+    moved only when a block raises it by more than `threshold` (log2 units;
+    FA3GEN_RESCALE_THRESHOLD, 8 by default), so a P of up to 2^threshold is what gets rounded."""
     _, _, vt, scores, _, _ = _heads_and_scores(q, k, v, False, None, torch.float32, window, softcap)
-    s2 = scores * LOG2E
-    block = block or s2.shape[-1]
-    m = torch.full_like(s2[..., :1], -math.inf)
-    o, rowsum = s2.new_zeros(*s2.shape[:-1], vt.shape[-1]), torch.zeros_like(m)
-    for start in reversed(range(0, s2.shape[-1], block)):
-        sb = s2[..., start:start + block]
-        high = torch.maximum(m, sb.amax(-1, keepdim=True))
-        moves = ~(high - m <= threshold)  # NaN (no key yet) moves
-        m_new = torch.where(moves, high, m)
-        bias = torch.where(m_new == -math.inf, 0.0, m_new)  # a row with no key yet: P = 0
-        rescale = torch.where(moves, torch.exp2(m - bias), 1.0)
-        p = torch.exp2(sb - bias)
-        o = o * rescale + p.to(q.dtype).float() @ vt[..., start:start + block, :]
-        rowsum = rowsum * rescale + p.sum(-1, keepdim=True)
-        m = m_new
-    return (o / rowsum).nan_to_num(0.0).transpose(1, 2).to(q.dtype)
+    out, _ = blockwise_softmax_pv(scores, vt, block or scores.shape[-1], threshold,
+                                  lambda p: p.to(q.dtype).float())
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def main() -> int:
