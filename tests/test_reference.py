@@ -151,3 +151,23 @@ def test_nan_is_reported_as_unwritten_elements():
     grads[1][0, 2, 0, 0] = float("nan")
     res = reference.compare_grads_to_reference(grads, q, k, v, dout)
     assert not res["ok"] and res["why"] == "NaN in dk (1): elements not written or NaN math"
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.8, 8.0])
+def test_blockwise_softmax_is_the_softmax_without_rounding(threshold):
+    """blockwise_softmax_pv with P unrounded gives the softmax whatever the rescale threshold
+    (the kernels' claim: a kept maximum changes only which P values get rounded): fp64 scores
+    whose maxima grow block after block (so threshold 0.8 moves some rows and keeps others),
+    masked keys, a row that sees no key (out 0, lse -inf), a last block shorter than the rest."""
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(2, 3, 7, 45, generator=g, dtype=torch.float64) * 3
+    scores += torch.linspace(0, 6, 45, dtype=torch.float64)  # later keys larger: maxima grow
+    scores[..., ::7] = float("-inf")
+    scores[0, 1, 4] = float("-inf")
+    vt = torch.randn(2, 3, 45, 5, generator=g, dtype=torch.float64)
+    out, lse = reference.blockwise_softmax_pv(scores, vt, 16, threshold, lambda p: p)
+    seen = torch.isfinite(scores).any(-1)
+    want = torch.softmax(scores, -1).nan_to_num(0.0) @ vt
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    assert torch.allclose(lse[seen], torch.logsumexp(scores, -1)[seen], rtol=0, atol=1e-12)
+    assert not seen[0, 1, 4] and lse[0, 1, 4] == float("-inf") and (out[0, 1, 4] == 0).all()
