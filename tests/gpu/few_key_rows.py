@@ -1,11 +1,12 @@
-"""Errors on rows that see few keys, the forward kernel against a CPU emulation of its rounding:
+"""Errors on rows that see few keys, the forward kernel against a PyTorch emulation of its rounding:
 is a window + softcap row's error over the tolerance rule rounding or a kernel defect?
 
     FA3GEN_LIB=... python3 tests/gpu/few_key_rows.py --head-dims 64 96 128 --seeds 40
 
 Not a pytest module. The case of specs/features_96.yaml's known failure (test_features.py,
-2026-12-03; the rescale threshold's rounding, docs/BENCHMARKS.md): 513 queries, 257 keys, 2 query heads over 1 kv head, window (1, 200), softcap 4, so
-the last query row sees 2 keys in two key blocks. Per head dim, softcap on and off, and seed,
+2026-12-03; the rescale threshold's rounding, docs/BENCHMARKS.md): 513 queries, 257 keys, 2
+query heads over 1 kv head, window (1, 200), softcap 4, so the last query row sees 2 keys in
+two key blocks. Per head dim, softcap on and off, and seed,
 it reports the worst row among those seeing at most --max-keys keys: the kernel's error, the
 bf16 reference's (compare_to_reference's baseline) and those of two emulations of the kernel's
 arithmetic on the same inputs (fp32 scores, tanh, P rounded to the input type before P V, the
