@@ -54,9 +54,6 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     return 1;
   }
   TileSchedule schedule;
-  // Keys a query sees through a window (an unbounded side counts every key).
-  const int64_t window_keys = std::min<int64_t>(Varlen ? a.total_k : a.seqlen_k,
-                                                int64_t(masking.window_left) + masking.window_right + 1);
   VarlenArgs varlen{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
                     a.seqused_k};
   if constexpr (Varlen) {
@@ -78,7 +75,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     schedule = one_cta_per_tile(int(entries), 1, 1);
     const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);
-    const bool alike_windows = window_keys < 2048 && int64_t(a.total_k) >= 2 * window_keys * a.batch;
+    const bool alike_windows =
+        masking.window_keys < 2048 && int64_t(a.total_k) >= 2 * masking.window_keys * a.batch;
     const bool walk = !Paged && (Local ? alike_windows : !Causal || short_seqs);
     if (a.grid_mode == FA3GEN_GRID_PERSISTENT || (a.grid_mode == FA3GEN_GRID_AUTO && walk)) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
@@ -91,7 +89,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   } else {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
     // or a window that shows a query at least 2048 keys.
-    const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? window_keys >= 2048 : false;
+    const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? masking.window_keys >= 2048 : false;
     schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
   }
 

@@ -1,5 +1,6 @@
 // Host-side helpers shared by the forward and backward launchers.
 #pragma once
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -106,6 +107,9 @@ inline int check_varlen(int batch, int heads, int blocks_per_seq, int total_q, i
 // tanh(s * softmax_scale / cap), and the cap into the softmax's scale).
 struct Masking {
   int window_left = 0, window_right = 0;
+  // Local only: the keys a query can see through the window (a side of -1 counts every key;
+  // varlen: the packed total), for the forward's grid policy.
+  int64_t window_keys = 0;
   float softcap_pre = 0.f;
   float lse_scale = 0.f, scale_log2 = 0.f;
 };
@@ -140,6 +144,7 @@ inline int masking_args(const Args& a, Masking& out) {
   if (Local) {
     out.window_left = bound(window_left);
     out.window_right = bound(window_right);
+    out.window_keys = std::min<int64_t>(seqlen_k, int64_t(out.window_left) + out.window_right + 1);
   }
   out.lse_scale = softmax_scale;
   if (Softcap) {
