@@ -198,8 +198,11 @@ def mma_n_shape(v: Variant) -> Optional[str]:
             return (f"backward dQ tile {v.tile_m}x{v.head_dim} cannot be split over "
                     f"{wgs} consumer warpgroups in whole 64-row / 64-column pieces")
         return None
-    if v.tile_n % 16 or not 16 <= v.tile_n <= 256:
-        return f"tile_n {v.tile_n} must be a multiple of 16 in [16, 256] (WGMMA N)"
+    # Below 64 keys the K and V^T tiles do not hold one 64-key chunk, the unit of the paged
+    # loads whose layouts every forward instantiates (a CuTe static assertion otherwise).
+    if v.tile_n % 16 or not 64 <= v.tile_n <= 256:
+        return (f"tile_n {v.tile_n} must be a multiple of 16 in [64, 256] (WGMMA N, and at least "
+                "one 64-key chunk of K and V)")
     return None
 
 

@@ -155,6 +155,7 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(tile_m=96), "mma_m_shape"),
     (dict(tile_m=256), "mma_m_shape"),
     (dict(tile_n=120), "mma_n_shape"),
+    (dict(tile_n=48), "mma_n_shape"),                                 # below one 64-key chunk
     (dict(tile_n=272), "mma_n_shape"),
     (dict(stages=5), "stages_range"),
     (dict(head_dim=256, tile_n=128), "smem_budget"),
