@@ -11,7 +11,10 @@ the two libraries alternating with the order rotated every round, each batch rig
 over its rounds. Prints one markdown row per point with B / A. Varlen variants are timed on
 bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
 value as the mean length L, TFLOP/s on the real work; paged variants on the bench grid's shapes,
-each sequence's keys in shuffled pages of 64 rows (paged_point).
+each sequence's keys in shuffled pages of 64 rows (paged_point). Local variants run with
+checks.PROBE_WINDOW, a window of about one key block, unless --window gives one (e.g. 1024 0,
+a sliding window of a long-context model); their FLOPs are counted as for the full matrix, so
+compare B / A, not TFLOP/s across windows.
 """
 
 import argparse
@@ -37,9 +40,18 @@ def _forward_default(lib, info):
         return None
 
 
-def point_fns(libs, info, shape: dict):
+def masking_kwargs(info, window=None) -> dict:
+    """window_size and softcap for info: checks.probe_masking's, with `window` (left, right) for
+    local variants when given."""
+    kwargs = probe_masking(info)
+    if window is not None and info.local:
+        kwargs["window_size"] = tuple(window)
+    return kwargs
+
+
+def point_fns(libs, info, shape: dict, window=None):
     q, k, v, dout = timing.random_inputs(shape, ops.TORCH_DTYPES[info.dtype], 4)
-    scale, extra = shape["head_dim"] ** -0.5, probe_masking(info)
+    scale, extra = shape["head_dim"] ** -0.5, masking_kwargs(info, window)
     out, lse = ops._empty_outputs(q)
     if info.direction == "fwd":
         return [lambda lib=lib: ops._fwd_into(q, k, v, out, lse, info.causal, scale, info.name,
@@ -53,14 +65,14 @@ def point_fns(libs, info, shape: dict):
                                           info.name, lib=lib, **extra) for lib in libs]
 
 
-def varlen_point(libs, info, mean: int):
+def varlen_point(libs, info, mean: int, window=None):
     """(one call a library, FLOPs) of a varlen variant on a packed batch of mean length `mean`."""
     lengths = lengths_for(mean, seed=mean)
     heads, d = 2048 // info.head_dim, info.head_dim
     cu = cu_seqlens(lengths)
     q, k, v, dout = (torch.randn(TOTAL, heads, d, device="cuda", dtype=ops.TORCH_DTYPES[info.dtype])
                      for _ in range(4))
-    longest, mask = max(lengths), ops.masking(info.causal, **probe_masking(info))
+    longest, mask = max(lengths), ops.masking(info.causal, **masking_kwargs(info, window))
     out, lse = varlen._empty_outputs(q)
     if info.direction == "fwd":
         plans = [varlen._fwd_plan(q, k, v, cu, cu, longest, longest, out, lse, mask, None,
@@ -78,7 +90,7 @@ def varlen_point(libs, info, mean: int):
             for p in plans], real_flops(lengths, heads, d, info.causal, True)
 
 
-def paged_point(libs, info, shape: dict, device="cuda"):
+def paged_point(libs, info, shape: dict, window=None, device="cuda"):
     """(one call a library, FLOPs) of a paged forward variant: batch x seqlen query rows over
     their own seqlen keys, read from shuffled pages of PAGED_CHUNK_ROWS rows through
     varlen.paged_forward (the chunked-prefill path of flash_attn_with_kvcache)."""
@@ -93,21 +105,21 @@ def paged_point(libs, info, shape: dict, device="cuda"):
                         for _ in range(2))
     table = order.to(torch.int32).reshape(b, per_seq)  # sequence i's pages, shuffled
     used = torch.full((b,), s, dtype=torch.int32, device=device)
-    mask = ops.masking(info.causal, **probe_masking(info))
+    mask = ops.masking(info.causal, **masking_kwargs(info, window))
     outputs = varlen._empty_outputs(q.reshape(b * s, h, d))
     fns = [lambda lib=lib: varlen.paged_forward(q, k_pages, v_pages, table, used, mask, d ** -0.5,
                                                 lib.get(info.name), lib, outputs) for lib in libs]
     return fns, bench.attention_flops(b, h, s, s, d, info.causal, "fwd")
 
 
-def points(libs, info, seqlens):
+def points(libs, info, seqlens, window=None):
     """[(seqlen or mean length, one call a library, FLOPs)] of one variant."""
     if info.paged:
-        return [(shape["seqlen"], *paged_point(libs, info, shape))
+        return [(shape["seqlen"], *paged_point(libs, info, shape, window))
                 for shape in bench.grid(seqlens, [info.head_dim])]
     if info.varlen:
-        return [(mean, *varlen_point(libs, info, mean)) for mean in seqlens]
-    return [(shape["seqlen"], point_fns(libs, info, shape),
+        return [(mean, *varlen_point(libs, info, mean, window)) for mean in seqlens]
+    return [(shape["seqlen"], point_fns(libs, info, shape, window),
              bench.attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                                    shape["head_dim"], info.causal, info.direction))
             for shape in bench.grid(seqlens, [info.head_dim])]
@@ -127,6 +139,8 @@ def main() -> int:
     parser.add_argument("--only", action="append", default=[], metavar="GLOB",
                         help="time only variants whose name matches (repeatable), e.g. the "
                              "forwards a compile-time switch changes")
+    parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
+                        help="window_size of the local variants (default: checks.PROBE_WINDOW)")
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
@@ -143,11 +157,13 @@ def main() -> int:
         if libs[1].get(info.name) is None:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
             continue
-        for seqlen, fns, flops in points(libs, info, args.seqlens):
+        for seqlen, fns, flops in points(libs, info, args.seqlens, args.window):
             ms_a, ms_b = timing.sustained_ms(fns, args.rounds, args.min_ms)
             row = {"variant": info.name, "seqlen": seqlen, "ms_a": ms_a, "ms_b": ms_b,
                    "tflops_a": timing.tflops(flops, ms_a), "tflops_b": timing.tflops(flops, ms_b),
                    "b_over_a": ms_a / ms_b}
+            if info.local:
+                row["window"] = list(masking_kwargs(info, args.window)["window_size"])
             if info.varlen:
                 row["mean_length"] = seqlen  # packed: 16k tokens of lengths in [1, 2 seqlen]
             rows.append(row)
