@@ -1,3 +1,7 @@
+import os
+import stat
+import threading
+
 import pytest
 
 from fa3gen.files import replacing, write_atomically
@@ -20,3 +24,18 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
             raise RuntimeError("killed mid-write")
     assert path.read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]
+
+
+def test_a_pipe_or_device_is_written_through_not_replaced(tmp_path):
+    """`--out /dev/null` must not replace /dev/null (as root a rename would): a path that is
+    not a regular file gets the bytes written into it. Shown with a named pipe."""
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_atomically(fifo, "report\n")
+    reader.join(timeout=10)
+    assert got == ["report\n"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo"]
