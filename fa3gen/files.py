@@ -4,7 +4,6 @@ old content or the new, never a cut-off file."""
 from __future__ import annotations
 
 import os
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -15,26 +14,19 @@ def replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` to write; it replaces `path` in one step when the block
     ends normally and is removed when it raises. Named by process id, so that two processes
     writing the same file never share one. A `path` that exists but is not a regular file
-    (/dev/null, /dev/stdout, a pipe) is written through instead of replaced: renaming over
+    (/dev/null, /dev/stdout, a pipe) is handed out itself, to be written through: renaming over
     /dev/null as root would leave a regular file in its place."""
     path = Path(path)
-    special = path.exists() and not path.is_file() and not path.is_dir()
-    if special:
-        tmp = Path(tempfile.mkdtemp(prefix="fa3gen-")) / path.name
-    else:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    if path.exists() and not path.is_file() and not path.is_dir():
+        yield path
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         yield tmp
-        if special:
-            with open(path, "wb") as out:
-                out.write(tmp.read_bytes())
-        else:
-            tmp.replace(path)
+        tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
-        if special:
-            tmp.parent.rmdir()
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

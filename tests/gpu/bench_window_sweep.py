@@ -19,6 +19,7 @@ import torch
 
 from fa3gen import runtime, timing
 from fa3gen.ops import flash_attn_func
+from bench_features import visible_pairs
 
 SEQLEN = 16384
 
@@ -66,9 +67,8 @@ def main() -> int:
         fns = [lambda w=w: flash_attn_func(q, k, v, causal=True, window_size=(w, 0)) for w in args.windows]
         rows = []
         for w, ms in zip(args.windows, timing.sustained_ms(fns, args.rounds, args.min_ms)):
-            pairs = sum(min(i + 1, w + 1) for i in range(SEQLEN))
             rows.append({"d": d, "variant": info.name, "window": w, "ms": ms,
-                         "tflops": 4 * d * pairs * heads / (ms * 1e-3) / 1e12})
+                         "tflops": 4 * d * visible_pairs(SEQLEN, w) * heads / (ms * 1e-3) / 1e12})
             print(rows[-1], flush=True)
         fit = per_tile_blocks(rows, info.tile_m, info.tile_n, args.fit_up_to)
         out["fits"][str(d)] = fit
