@@ -149,3 +149,31 @@ def test_few_key_rows_emulates_the_kernels_order():
     assert emulate(q, k, v, (-1, -1), 0.0, block=1, threshold=-1.0).item() == true_max
     assert emulate(q, k, v, (-1, -1), 0.0, block=1, threshold=8.0).item() == \
         by_hand(e, torch.tensor(1.0)) == 0.6328125
+
+
+def test_steady_state_splits_a_run_into_stretches():
+    """steady_state.summarize: windows and power samples go to the stretch in which they ended
+    (first 200 ms, 0.2-1 s, from 1 s), TFLOP/s over the stretch's launches, the reasons seen."""
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import steady_state
+    finally:
+        sys.path.remove(str(GPU_DIR))
+
+    class Samples:
+        rows = [(100.1, 500.0, 1900.0, 40.0, "0x1"), (100.5, 700.0, 1700.0, 50.0, "0x4"),
+                (101.5, 690.0, 1600.0, 60.0, "0x4"), (102.5, 690.0, 1500.0, 60.0, "0x4")]
+
+        def between(self, t0, t1):
+            return [s for s in self.rows if t0 <= s[0] < t1]
+
+    # (host time at the end, window ms, launches): 1 ms a launch early, 2 ms later
+    windows = [(100.1, 10.0, 10), (100.6, 20.0, 10), (101.5, 20.0, 10), (102.5, 60.0, 20)]
+    out = steady_state.summarize(100.0, windows, Samples(), flops=1e12)
+    assert list(out) == ["0-0.2s", "0.2-1s", "1s-end"]
+    assert out["0-0.2s"]["tflops"] == pytest.approx(1000.0)  # 1e12 FLOPs in 1 ms
+    assert out["0.2-1s"]["tflops"] == pytest.approx(500.0)
+    assert out["1s-end"]["tflops"] == pytest.approx(1e12 / (80.0 / 30) / 1e9)
+    assert out["1s-end"]["windows"] == 2
+    assert out["1s-end"]["sm_mhz"] == pytest.approx(1550.0)
+    assert out["0-0.2s"]["reasons"] == ["0x1"] and out["1s-end"]["reasons"] == ["0x4"]

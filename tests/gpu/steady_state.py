@@ -1,0 +1,176 @@
+"""Each backend alone for seconds: does the bench's sustained timing (rounds of ~100 ms, the
+backends interleaved) read what long steady use gets under the board's power cap?
+
+For each point and backend: the GPU idles --idle-s, then the backend runs back to back for
+--run-s, timed in windows of about --window-ms (CUDA events; the next window is queued before
+the last one is waited on, so the GPU never idles). nvidia-smi samples board power, SM clock,
+temperature and the active clock-event reasons every 20 ms, stamped with host time. The report
+gives each backend's TFLOP/s, power and clock over the first 200 ms, 0.2-1 s and from 1 s to
+the end, and the reasons seen in that last stretch. The backends run in the given order, then
+in reverse, so that neither side always runs on a warmer board.
+
+  FA3GEN_LIB=... python3 tests/gpu/steady_state.py --point 128,0,16384 --point 256,1,16384 \
+      --point 128,1,16384,bwd --out steady.json
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fa3gen import bench, timing
+from fa3gen.ops import flash_attn_func
+
+QUERY = ("timestamp,power.draw.instant,clocks.sm,temperature.gpu,clocks_event_reasons.active")
+STRETCHES = (("0-0.2s", 0.0, 0.2), ("0.2-1s", 0.2, 1.0), ("1s-end", 1.0, 1e9))
+
+
+class Sampler:
+    """nvidia-smi every period_ms in the background; samples stamped with perf_counter."""
+
+    def __init__(self, period_ms=20):
+        self.samples = []
+        self.query = QUERY
+        probe = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:  # older drivers name the reasons "throttle"
+            self.query = QUERY.replace("clocks_event_reasons", "clocks_throttle_reasons")
+        self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.query}", "--format=csv,noheader,nounits",
+                                      f"-lms={period_ms}", "--id=0"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            try:
+                self.samples.append((time.perf_counter(), float(parts[1]), float(parts[2]),
+                                     float(parts[3]), parts[4]))
+            except (ValueError, IndexError):
+                continue
+
+    def between(self, t0, t1):
+        return [s for s in self.samples if t0 <= s[0] < t1]
+
+    def close(self):
+        self.proc.terminate()
+
+
+def run_alone(fn, run_s, window_ms):
+    """[(host time at the window's end, window ms, launches)] for run_s of back-to-back calls."""
+    ms1 = timing.batch_ms(fn, 5)
+    n = max(1, int(window_ms / ms1))
+    windows, pending = [], None
+    t_start = time.perf_counter()
+    while True:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        if pending is not None:
+            p0, p1 = pending
+            p1.synchronize()
+            windows.append((time.perf_counter(), p0.elapsed_time(p1), n))
+        pending = (e0, e1)
+        if time.perf_counter() - t_start > run_s:
+            break
+    e1.synchronize()
+    windows.append((time.perf_counter(), pending[0].elapsed_time(pending[1]), n))
+    return t_start, windows
+
+
+def summarize(t_start, windows, sampler, flops):
+    out = {}
+    for name, lo, hi in STRETCHES:
+        ws = [w for w in windows if lo <= w[0] - t_start < hi]
+        ss = sampler.between(t_start + lo, t_start + hi)
+        if not ws:
+            continue
+        ms = sum(w[1] for w in ws) / sum(w[2] for w in ws)
+        out[name] = {"tflops": flops / ms / 1e9, "windows": len(ws),
+                     "power_w": statistics.fmean(s[1] for s in ss) if ss else None,
+                     "sm_mhz": statistics.fmean(s[2] for s in ss) if ss else None,
+                     "temp_c": statistics.fmean(s[3] for s in ss) if ss else None,
+                     "reasons": sorted({s[4] for s in ss})}
+    return out
+
+
+def point_calls(d, causal, seqlen, direction="fwd"):
+    """The backends' calls for one point; "bwd": autograd.grad of one recorded forward each,
+    as fa3gen bench times the backward."""
+    shape = bench.grid([seqlen], [d])[0]
+    q, k, v, dout = timing.random_inputs(shape, torch.bfloat16, 4)
+    if direction == "bwd":
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+    forwards = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+    fa4 = bench._fa4_forward()
+    if fa4 is not None:
+        forwards["fa4"] = lambda: fa4(q, k, v, causal)
+    if direction == "fwd":
+        calls = forwards
+    else:
+        def grad_of(forward):
+            out = forward()
+            return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        calls = {name: grad_of(f) for name, f in forwards.items()}
+    flops = bench.attention_flops(shape["batch"], shape["heads"], seqlen, seqlen, d, causal, direction)
+    return shape, calls, flops
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--point", action="append", required=True,
+                   help="HEAD_DIM,CAUSAL(0/1),SEQLEN[,bwd] (forward unless bwd)")
+    p.add_argument("--run-s", type=float, default=4.0)
+    p.add_argument("--idle-s", type=float, default=1.5)
+    p.add_argument("--window-ms", type=float, default=20.0)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    sampler = Sampler()
+    time.sleep(0.5)
+    report = {"query": sampler.query, "run_s": args.run_s, "idle_s": args.idle_s, "points": []}
+    for spec in args.point:
+        fields = spec.split(",")
+        direction = fields[3] if len(fields) > 3 else "fwd"
+        if direction not in ("fwd", "bwd"):
+            p.error(f"--point {spec}: the fourth field is fwd or bwd")
+        d, causal, seqlen = (int(x) for x in fields[:3])
+        shape, calls, flops = point_calls(d, bool(causal), seqlen, direction)
+        for fn in calls.values():
+            fn()
+        torch.cuda.synchronize()
+        names = list(calls)
+        runs = []
+        for order in (names, names[::-1]):
+            for name in order:
+                time.sleep(args.idle_s)
+                t_start, windows = run_alone(calls[name], args.run_s, args.window_ms)
+                s = summarize(t_start, windows, sampler, flops)
+                runs.append({"backend": name, "stretches": s})
+                line = "  ".join(f"{k}: {v['tflops']:.0f} TF {v['power_w'] or 0:.0f} W {v['sm_mhz'] or 0:.0f} MHz"
+                                 for k, v in s.items())
+                print(f"{direction} d{d} causal={causal} {seqlen} {name:6s} {line}  reasons {s.get('1s-end', {}).get('reasons')}",
+                      flush=True)
+        report["points"].append({"direction": direction, "head_dim": d, "causal": bool(causal), "seqlen": seqlen, **shape, "runs": runs})
+        del calls
+        torch.cuda.empty_cache()
+    sampler.close()
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
