@@ -26,8 +26,9 @@ from pathlib import Path
 from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
-from fa3gen.timing import (GEMM_N, ORDERS, PowerSampler, gemm_tflops, joules_per_pflop, random_inputs,
-                           report_failure, settle_for, sustained_ms, tflops, time_or_none)
+from fa3gen.timing import (GEMM_N, ORDERS, STEADY_FROM_S, PowerSampler, gemm_tflops, joules_per_pflop,
+                           random_inputs, report_failure, settle_for, steady_ms, sustained_ms, tflops,
+                           time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
 DOCS_DIR = REPO_ROOT / "docs" if IN_CHECKOUT else Path(".")
@@ -329,6 +330,27 @@ def add_settle_arguments(p: argparse.ArgumentParser, settle_ms: float | None = N
                         f"shuffled (seeded; default {order})")
 
 
+def steady_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (--steady-s, --idle-s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def steady_run_seconds(text: str) -> float:
+    """An argparse type: --steady-s, finite seconds beyond the STEADY_FROM_S a run is counted
+    from."""
+    value = steady_seconds(text)
+    if value <= STEADY_FROM_S:
+        raise argparse.ArgumentTypeError(
+            f"expected more than {STEADY_FROM_S:g} s (a run is counted from {STEADY_FROM_S:g} s on), got {text!r}")
+    return value
+
+
 def int_list(example: str):
     """An argparse type: a comma-separated list of positive integers, `example` in its message."""
     def parse(s: str) -> list[int]:
@@ -384,9 +406,20 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="sustained timing: back-to-back launches per round and backend, ms "
                         "(default 100)")
     add_settle_arguments(p)
-    p.add_argument("--burst", action="store_true",
-                   help="time each backend alone in a short burst (--warmup, --iters) instead: "
-                        "reads 5-12%% higher than steady use on a power-capped board")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--burst", action="store_true",
+                      help="time each backend alone in a short burst (--warmup, --iters) instead: "
+                           "reads 5-12%% higher than steady use on a power-capped board")
+    mode.add_argument("--steady-s", type=steady_run_seconds, default=None, metavar="S",
+                      help="time each backend alone for S seconds (more than "
+                           f"{STEADY_FROM_S:g}) of back-to-back calls after --idle-s of idle, "
+                           f"counted from {STEADY_FROM_S:g} s on, in the given order and then "
+                           "reversed, the mean of the two: the steady state at the power cap, "
+                           "where the interleaved rounds read a backend up to 4%% high; about "
+                           "2 x (S + idle) s per backend and point. --all-variants candidates "
+                           "keep the interleaved rounds")
+    p.add_argument("--idle-s", type=steady_seconds, default=1.0, metavar="S",
+                   help="--steady-s: idle GPU before each backend's run, s (default 1)")
     p.add_argument("--warmup", type=count(0), default=5,
                    help="--burst: untimed launches before timing each case (default 5)")
     p.add_argument("--iters", type=count(1), default=30,
@@ -450,6 +483,9 @@ def run(args) -> int:
     header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
     header["timing"] = (f"burst: each backend alone, median of {args.iters} CUDA-event-timed "
                         f"launches after {args.warmup}" if args.burst else
+                        f"steady: each backend alone for {args.steady_s:g} s of back-to-back "
+                        f"launches after {args.idle_s:g} s idle, counted from {STEADY_FROM_S:g} s, "
+                        "order given then reversed, mean of the two" if args.steady_s else
                         f"sustained: {args.rounds} rounds of >= {args.min_ms:g} ms of "
                         "back-to-back launches per backend, each after "
                         f"{_settle(args):g} ms of its own untimed launches, backends alternating "
@@ -595,8 +631,9 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
     """(ms, power W, SM MHz) per backend of fns ({name: callable or None}). Each callable runs
     once first; one that fails is reported and left out. Sustained (the default): all of them
     interleaved, rounds of at least --min-ms of back-to-back launches (timing.sustained_ms),
-    with the sampler's mean power and clock per backend; --burst: each alone, the median of
-    --iters launches after --warmup (timing.time_ms)."""
+    with the sampler's mean power and clock per backend; --steady-s: each alone for that long,
+    counted once its clock has settled (timing.steady_ms), power and clock as sustained;
+    --burst: each alone, the median of --iters launches after --warmup (timing.time_ms)."""
     import torch
 
     runnable = {}
@@ -619,9 +656,12 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
         return ms, power, clock
     if sampler is not None:
         sampler.reset()
-    times = sustained_ms([runnable[n] for n in names], args.rounds, args.min_ms,
-                         settle_ms=_settle(args), order=getattr(args, "order", "rotate"),
-                         tag=sampler.tag if sampler is not None else None)
+    tag = sampler.tag if sampler is not None else None
+    if getattr(args, "steady_s", None):
+        times = steady_ms([runnable[n] for n in names], args.steady_s, args.idle_s, tag=tag)
+    else:
+        times = sustained_ms([runnable[n] for n in names], args.rounds, args.min_ms,
+                             settle_ms=_settle(args), order=getattr(args, "order", "rotate"), tag=tag)
     ms = dict(zip(names, times))
     if sampler is not None:
         for i, (w, mhz) in sampler.means(range(len(names))).items():

@@ -139,6 +139,67 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
     return [statistics.median(t) for t in times]
 
 
+# Steady-state timing: the 700 W board's power controller brings the clock down to the cap in
+# about 200 ms after a backend starts (tests/gpu/steady_state.py, 2026-12-03), so a backend's
+# steady rate is read from this many seconds into its run.
+STEADY_FROM_S = 1.0
+
+
+def steady_windows(fn, run_s: float, window_ms: float = 20.0, at_s: float | None = None,
+                   on_time=None):
+    """Back-to-back calls of fn for run_s seconds, timed in windows of about window_ms (CUDA
+    events; the next window is queued before the last one is waited on, so the GPU does not
+    idle between them). on_time() is called once, when at_s seconds have passed. Returns the
+    host time of the start and [(host time at the window's end, window ms, calls)]."""
+    import torch
+
+    n = max(1, int(window_ms / batch_ms(fn, 3)))
+    windows, pending, fired = [], None, at_s is None
+    t_start = time.perf_counter()
+    while True:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(n):
+            fn()
+        e1.record()
+        if pending is not None:
+            pending[1].synchronize()
+            windows.append((time.perf_counter(), pending[0].elapsed_time(pending[1]), n))
+        pending = (e0, e1)
+        elapsed = time.perf_counter() - t_start
+        if not fired and elapsed >= at_s:
+            fired = True
+            on_time()
+        if elapsed > run_s:
+            break
+    pending[1].synchronize()
+    windows.append((time.perf_counter(), pending[0].elapsed_time(pending[1]), n))
+    return t_start, windows
+
+
+def steady_ms(fns: list, run_s: float, idle_s: float = 1.0, window_ms: float = 20.0,
+              from_s: float = STEADY_FROM_S, tag=None) -> list[float]:
+    """Ms per launch of each fn in steady use, each alone: idle_s of idle GPU, then run_s of
+    back-to-back calls, counted over the windows that end after from_s. The fns run in the
+    given order and then reversed (neither side always on a warmer board); the mean of the two
+    runs. tag(i) is called when fns[i]'s count starts and tag(None) after each run (a
+    PowerSampler's `tag`)."""
+    if run_s <= from_s:
+        raise ValueError(f"run_s ({run_s:g} s) must exceed the {from_s:g} s the clock needs to settle")
+    tag = tag or (lambda i: None)
+    for fn in fns:  # warm-up (compilation, plan caches)
+        batch_ms(fn, 3)
+    runs: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    for i in order + order[::-1]:
+        time.sleep(idle_s)
+        t_start, windows = steady_windows(fns[i], run_s, window_ms, from_s, lambda i=i: tag(i))
+        tag(None)
+        counted = [w for w in windows if w[0] - t_start >= from_s]
+        runs[i].append(sum(w[1] for w in counted) / sum(w[2] for w in counted))
+    return [statistics.fmean(r) for r in runs]
+
+
 class PowerSampler:
     """Board power (W) and SM clock (MHz) sampled every period_ms by `nvidia-smi -lms` in the
     background; samples taken while tag(i) is set count for i. means() gives each tag's mean

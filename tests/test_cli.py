@@ -79,7 +79,9 @@ def test_list_with_filter(capsys):
     rc, out, _ = run(["list", "--spec", "h100", "--only", "*fp16_d64*"], capsys)
     en, _ = h100()
     want = [v.name for v in sorted(en.kept) if fnmatch.fnmatchcase(v.name, "*fp16_d64*")]
-    assert rc == 0 and want and [l[2:] for l in out.splitlines()] == want
+    # a range default carries its range: "+ name  (seqlen_k 0-2048)"
+    assert rc == 0 and want and [l[2:].split("  (")[0] for l in out.splitlines()] == want
+    assert any(l.startswith("+ ") and l.endswith("(seqlen_k 0-2048)") for l in out.splitlines())
 
 
 def test_spec_error_is_one_line(tmp_path, capsys):
@@ -245,7 +247,11 @@ def test_bad_option_values_are_argument_errors(capsys):
                           (["ablate", "--min-ms", "nan"], "finite number of milliseconds"),
                           (["bench", "--settle-ms", "-5"], "milliseconds >= 0"),
                           (["bench", "--settle-ms", "x"], "milliseconds >= 0"),
-                          (["bench", "--order", "random"], "invalid choice")):
+                          (["bench", "--order", "random"], "invalid choice"),
+                          (["bench", "--steady-s", "1"], "more than 1 s"),
+                          (["bench", "--steady-s", "inf"], "finite number of seconds"),
+                          (["bench", "--idle-s", "-1"], "seconds >= 0"),
+                          (["bench", "--burst", "--steady-s", "3"], "not allowed with argument")):
         with pytest.raises(SystemExit) as exit_:
             cli.main(argv)
         assert exit_.value.code == 2 and message in capsys.readouterr().err, argv

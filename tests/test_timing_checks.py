@@ -211,6 +211,45 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
     monkeypatch.setattr(bench, "time_or_none", lambda label, fn, warmup, iters: 3.0)
     burst = types.SimpleNamespace(burst=True, warmup=1, iters=2)
     assert bench.measure_backends({"fa3gen": lambda: None}, burst) == ({"fa3gen": 3.0}, {}, {})
+    steady_calls = []
+    monkeypatch.setattr(bench, "steady_ms", lambda fns, run_s, idle_s, tag=None:
+                        steady_calls.append((len(fns), run_s, idle_s)) or [7.0] * len(fns))
+    steady = types.SimpleNamespace(burst=False, steady_s=3.0, idle_s=0.5)
+    assert bench.measure_backends({"fa3gen": lambda: None, "fa4": lambda: None}, steady)[0] == \
+        {"fa3gen": 7.0, "fa4": 7.0}
+    assert steady_calls == [(2, 3.0, 0.5)]
+
+
+def test_steady_ms_counts_each_run_from_the_settled_clock(monkeypatch):
+    """timing.steady_ms: each fn alone, in order and then reversed; only the windows that end
+    after from_s count; the mean of its two runs; the sampler's tag set from from_s to the run's
+    end."""
+    monkeypatch.setattr(timing, "batch_ms", lambda fn, n: 1.0)
+    monkeypatch.setattr(timing.time, "sleep", lambda s: None)
+    runs = []
+
+    def fake_windows(fn, run_s, window_ms, at_s, on_time):
+        runs.append(fn.__name__)
+        on_time()
+        # (seconds after the start, window ms, calls): a fast first window (the burst), then
+        # fn.ms a call; the second run of `b` is slower
+        slow = 2.0 if fn.__name__ == "b" and runs.count("b") == 2 else 1.0
+        return 100.0, [(100.1, 1.0, 10), (101.5, 10.0 * fn.ms * slow, 10), (102.5, 20.0 * fn.ms * slow, 20)]
+
+    monkeypatch.setattr(timing, "steady_windows", fake_windows)
+
+    def a():
+        pass
+
+    def b():
+        pass
+    a.ms, b.ms = 2.0, 3.0
+    tags = []
+    assert timing.steady_ms([a, b], run_s=3.0, idle_s=0.0, tag=tags.append) == [2.0, 4.5]
+    assert runs == ["a", "b", "b", "a"]
+    assert tags == [0, None, 1, None, 1, None, 0, None]
+    with pytest.raises(ValueError, match="must exceed"):
+        timing.steady_ms([a], run_s=1.0)
 
 
 def wait_for_sample(sampler, tag, timeout_s=30.0):

@@ -1,5 +1,7 @@
 """Each backend alone for seconds: does the bench's sustained timing (rounds of ~100 ms, the
-backends interleaved) read what long steady use gets under the board's power cap?
+backends interleaved) read what long steady use gets under the board's power cap? The
+diagnostic behind `fa3gen bench --steady-s` (which shares timing.steady_windows): it reports
+the stretches of a run apart, and the clock-event reasons.
 
 For each point and backend: the GPU idles --idle-s, then the backend runs back to back for
 --run-s, timed in windows of about --window-ms (CUDA events; the next window is queued before
@@ -59,30 +61,6 @@ class Sampler:
 
     def close(self):
         self.proc.terminate()
-
-
-def run_alone(fn, run_s, window_ms):
-    """[(host time at the window's end, window ms, launches)] for run_s of back-to-back calls."""
-    ms1 = timing.batch_ms(fn, 5)
-    n = max(1, int(window_ms / ms1))
-    windows, pending = [], None
-    t_start = time.perf_counter()
-    while True:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(n):
-            fn()
-        e1.record()
-        if pending is not None:
-            p0, p1 = pending
-            p1.synchronize()
-            windows.append((time.perf_counter(), p0.elapsed_time(p1), n))
-        pending = (e0, e1)
-        if time.perf_counter() - t_start > run_s:
-            break
-    e1.synchronize()
-    windows.append((time.perf_counter(), pending[0].elapsed_time(pending[1]), n))
-    return t_start, windows
 
 
 def summarize(t_start, windows, sampler, flops):
@@ -157,7 +135,7 @@ def main():
         for order in (names, names[::-1]):
             for name in order:
                 time.sleep(args.idle_s)
-                t_start, windows = run_alone(calls[name], args.run_s, args.window_ms)
+                t_start, windows = timing.steady_windows(calls[name], args.run_s, args.window_ms)
                 s = summarize(t_start, windows, sampler, flops)
                 runs.append({"backend": name, "stretches": s})
                 line = "  ".join(f"{k}: {v['tflops']:.0f} TF {v['power_w'] or 0:.0f} W {v['sm_mhz'] or 0:.0f} MHz"
