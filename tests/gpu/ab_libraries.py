@@ -8,7 +8,8 @@ Not a pytest module. Shapes follow the bench grid (16k tokens, hidden 2048). Eac
 measured sustained: after a warm-up, rounds of back-to-back launches of at least --min-ms each,
 the two libraries alternating with the order rotated every round, each batch right after half of
 --min-ms of the same library's untimed launches; a point's time is the median
-over its rounds. Prints one markdown row per point with B / A. Varlen variants are timed on
+over its rounds (--steady-s: each alone for seconds instead, timing.steady_ms). Prints one
+markdown row per point with B / A. Varlen variants are timed on
 bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
 value as the mean length L, TFLOP/s on the real work; paged variants on the bench grid's shapes,
 each sequence's keys in shuffled pages of 64 rows (paged_point). Local variants run with
@@ -141,9 +142,16 @@ def main() -> int:
                              "forwards a compile-time switch changes")
     parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
                         help="window_size of the local variants (default: checks.PROBE_WINDOW)")
+    parser.add_argument("--steady-s", type=float, default=None, metavar="S",
+                        help="time A and B each alone for S seconds (> 1) after a second of idle, "
+                             "counted from 1 s, A B then B A (timing.steady_ms; fa3gen bench "
+                             "--steady-s) instead of interleaved rounds: the steady state at the "
+                             "power cap, where an energy difference shows; about 4 (S + 1) s a point")
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
+    if args.steady_s is not None and not args.steady_s > timing.STEADY_FROM_S:
+        parser.error(f"--steady-s must exceed {timing.STEADY_FROM_S:g} s (a run is counted from there)")
     if not torch.cuda.is_available():
         sys.exit("ab_libraries.py times kernels: it needs a CUDA GPU (Hopper sm_90)")
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
@@ -158,7 +166,10 @@ def main() -> int:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
             continue
         for seqlen, fns, flops in points(libs, info, args.seqlens, args.window):
-            ms_a, ms_b = timing.sustained_ms(fns, args.rounds, args.min_ms)
+            if args.steady_s:
+                ms_a, ms_b = timing.steady_ms(fns, args.steady_s)
+            else:
+                ms_a, ms_b = timing.sustained_ms(fns, args.rounds, args.min_ms)
             row = {"variant": info.name, "seqlen": seqlen, "ms_a": ms_a, "ms_b": ms_b,
                    "tflops_a": timing.tflops(flops, ms_a), "tflops_b": timing.tflops(flops, ms_b),
                    "b_over_a": ms_a / ms_b}
