@@ -332,10 +332,7 @@ def add_settle_arguments(p: argparse.ArgumentParser, settle_ms: float | None = N
 
 def steady_seconds(text: str) -> float:
     """An argparse type: a finite number of seconds >= 0 (--steady-s, --idle-s)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _ms(text)  # the same parse: a float, NaN when it is not one
     if not 0.0 <= value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
     return value
@@ -468,6 +465,19 @@ def provenance(lib) -> dict:
     }
 
 
+def _timing_description(args) -> str:
+    """The report header's line on how the backends were timed."""
+    if args.burst:
+        return f"burst: each backend alone, median of {args.iters} CUDA-event-timed launches after {args.warmup}"
+    if args.steady_s:
+        return (f"steady: each backend alone for {args.steady_s:g} s of back-to-back launches after "
+                f"{args.idle_s:g} s idle, counted from {STEADY_FROM_S:g} s, order given then reversed, "
+                "mean of the two")
+    return (f"sustained: {args.rounds} rounds of >= {args.min_ms:g} ms of back-to-back launches per "
+            f"backend, each after {_settle(args):g} ms of its own untimed launches, backends "
+            f"alternating with the order {'rotated' if args.order == 'rotate' else 'shuffled'}, median")
+
+
 def run(args) -> int:
     import torch
 
@@ -481,15 +491,7 @@ def run(args) -> int:
 
     header = provenance(lib)
     header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
-    header["timing"] = (f"burst: each backend alone, median of {args.iters} CUDA-event-timed "
-                        f"launches after {args.warmup}" if args.burst else
-                        f"steady: each backend alone for {args.steady_s:g} s of back-to-back "
-                        f"launches after {args.idle_s:g} s idle, counted from {STEADY_FROM_S:g} s, "
-                        "order given then reversed, mean of the two" if args.steady_s else
-                        f"sustained: {args.rounds} rounds of >= {args.min_ms:g} ms of "
-                        "back-to-back launches per backend, each after "
-                        f"{_settle(args):g} ms of its own untimed launches, backends alternating "
-                        f"with the order {'rotated' if args.order == 'rotate' else 'shuffled'}, median")
+    header["timing"] = _timing_description(args)
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []

@@ -177,26 +177,37 @@ def steady_windows(fn, run_s: float, window_ms: float = 20.0, at_s: float | None
     return t_start, windows
 
 
-def steady_ms(fns: list, run_s: float, idle_s: float = 1.0, window_ms: float = 20.0,
-              from_s: float = STEADY_FROM_S, tag=None) -> list[float]:
-    """Ms per launch of each fn in steady use, each alone: idle_s of idle GPU, then run_s of
-    back-to-back calls, counted over the windows that end after from_s. The fns run in the
-    given order and then reversed (neither side always on a warmer board); the mean of the two
-    runs. tag(i) is called when fns[i]'s count starts and tag(None) after each run (a
-    PowerSampler's `tag`)."""
-    if run_s <= from_s:
-        raise ValueError(f"run_s ({run_s:g} s) must exceed the {from_s:g} s the clock needs to settle")
+def ms_per_call(windows) -> float:
+    """Ms per call over steady_windows' windows."""
+    return sum(w[1] for w in windows) / sum(w[2] for w in windows)
+
+
+def steady_runs(fns: list, run_s: float, idle_s: float = 1.0, window_ms: float = 20.0,
+                from_s: float = STEADY_FROM_S, tag=None):
+    """Each fn alone: idle_s of idle GPU, then run_s of back-to-back calls (steady_windows), in
+    the given order and then reversed (neither side always on a warmer board). Yields (i, host
+    time of the start, windows). tag(i) is called from_s into fns[i]'s run and tag(None) after
+    it (a PowerSampler's `tag`)."""
     tag = tag or (lambda i: None)
-    for fn in fns:  # warm-up (compilation, plan caches)
-        batch_ms(fn, 3)
-    runs: list[list[float]] = [[] for _ in fns]
     order = list(range(len(fns)))
     for i in order + order[::-1]:
         time.sleep(idle_s)
         t_start, windows = steady_windows(fns[i], run_s, window_ms, from_s, lambda i=i: tag(i))
         tag(None)
-        counted = [w for w in windows if w[0] - t_start >= from_s]
-        runs[i].append(sum(w[1] for w in counted) / sum(w[2] for w in counted))
+        yield i, t_start, windows
+
+
+def steady_ms(fns: list, run_s: float, idle_s: float = 1.0, window_ms: float = 20.0,
+              from_s: float = STEADY_FROM_S, tag=None) -> list[float]:
+    """Ms per launch of each fn in steady use (steady_runs), counted over the windows that end
+    after from_s; the mean of its two runs."""
+    if run_s <= from_s:
+        raise ValueError(f"run_s ({run_s:g} s) must exceed the {from_s:g} s the clock needs to settle")
+    for fn in fns:  # warm-up (compilation, plan caches)
+        batch_ms(fn, 3)
+    runs: list[list[float]] = [[] for _ in fns]
+    for i, t_start, windows in steady_runs(fns, run_s, idle_s, window_ms, from_s, tag):
+        runs[i].append(ms_per_call([w for w in windows if w[0] - t_start >= from_s]))
     return [statistics.fmean(r) for r in runs]
 
 

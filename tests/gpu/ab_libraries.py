@@ -142,7 +142,7 @@ def main() -> int:
                              "forwards a compile-time switch changes")
     parser.add_argument("--window", type=int, nargs=2, metavar=("LEFT", "RIGHT"),
                         help="window_size of the local variants (default: checks.PROBE_WINDOW)")
-    parser.add_argument("--steady-s", type=float, default=None, metavar="S",
+    parser.add_argument("--steady-s", type=bench.steady_run_seconds, default=None, metavar="S",
                         help="time A and B each alone for S seconds (> 1) after a second of idle, "
                              "counted from 1 s, A B then B A (timing.steady_ms; fa3gen bench "
                              "--steady-s) instead of interleaved rounds: the steady state at the "
@@ -150,8 +150,6 @@ def main() -> int:
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
-    if args.steady_s is not None and not args.steady_s > timing.STEADY_FROM_S:
-        parser.error(f"--steady-s must exceed {timing.STEADY_FROM_S:g} s (a run is counted from there)")
     if not torch.cuda.is_available():
         sys.exit("ab_libraries.py times kernels: it needs a CUDA GPU (Hopper sm_90)")
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]

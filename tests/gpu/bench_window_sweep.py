@@ -14,6 +14,7 @@ dim alternate, rotated, settled); TFLOP/s count the visible (query, key) pairs o
 import argparse
 import json
 import os
+import statistics
 
 import torch
 
@@ -40,10 +41,7 @@ def per_tile_blocks(rows: list[dict], tile_m: int, tile_n: int, max_window: int)
            for r in rows if r["window"] <= max_window]
     if len(pts) < 2:
         return None
-    n = len(pts)
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
-    a = my - b * mx
+    b, a = statistics.linear_regression([x for x, _ in pts], [y for _, y in pts])
     return a / b
 
 

@@ -1,6 +1,6 @@
 """Each backend alone for seconds: does the bench's sustained timing (rounds of ~100 ms, the
 backends interleaved) read what long steady use gets under the board's power cap? The
-diagnostic behind `fa3gen bench --steady-s` (which shares timing.steady_windows): it reports
+diagnostic behind `fa3gen bench --steady-s` (the same runs: timing.steady_runs): it reports
 the stretches of a run apart, and the clock-event reasons.
 
 For each point and backend: the GPU idles --idle-s, then the backend runs back to back for
@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import threading
 import time
 
 import torch
@@ -28,39 +27,38 @@ import torch.nn.functional as F
 from fa3gen import bench, timing
 from fa3gen.ops import flash_attn_func
 
-QUERY = ("timestamp,power.draw.instant,clocks.sm,temperature.gpu,clocks_event_reasons.active")
+FIELDS = "power.draw.instant,clocks.sm,temperature.gpu,clocks_event_reasons.active"
 STRETCHES = (("0-0.2s", 0.0, 0.2), ("0.2-1s", 0.2, 1.0), ("1s-end", 1.0, 1e9))
 
 
-class Sampler:
-    """nvidia-smi every period_ms in the background; samples stamped with perf_counter."""
+class StampedSampler(timing.PowerSampler):
+    """timing.PowerSampler's nvidia-smi process, with temperature and the clock-event reasons
+    too, every sample kept with its host time (perf_counter) instead of by tag."""
 
-    def __init__(self, period_ms=20):
-        self.samples = []
-        self.query = QUERY
-        probe = subprocess.run(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader"],
-                               capture_output=True, text=True)
-        if probe.returncode != 0:  # older drivers name the reasons "throttle"
-            self.query = QUERY.replace("clocks_event_reasons", "clocks_throttle_reasons")
-        self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.query}", "--format=csv,noheader,nounits",
-                                      f"-lms={period_ms}", "--id=0"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
+    def __init__(self):
+        fields = FIELDS
+        try:
+            probe = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
+                                   capture_output=True).returncode
+        except OSError:  # no nvidia-smi: the sampler stays inert, as PowerSampler does
+            probe = 0
+        if probe != 0:  # older drivers name the reasons "throttle"
+            fields = fields.replace("clocks_event_reasons", "clocks_throttle_reasons")
+        self.QUERY = f"--query-gpu={fields}"
+        super().__init__()
+        self.stamped = []
 
     def _read(self):
         for line in self.proc.stdout:
             parts = [p.strip() for p in line.split(",")]
             try:
-                self.samples.append((time.perf_counter(), float(parts[1]), float(parts[2]),
-                                     float(parts[3]), parts[4]))
+                self.stamped.append((time.perf_counter(), float(parts[0]), float(parts[1]),
+                                     float(parts[2]), parts[3]))
             except (ValueError, IndexError):
                 continue
 
     def between(self, t0, t1):
-        return [s for s in self.samples if t0 <= s[0] < t1]
-
-    def close(self):
-        self.proc.terminate()
+        return [s for s in self.stamped if t0 <= s[0] < t1]
 
 
 def summarize(t_start, windows, sampler, flops):
@@ -70,8 +68,7 @@ def summarize(t_start, windows, sampler, flops):
         ss = sampler.between(t_start + lo, t_start + hi)
         if not ws:
             continue
-        ms = sum(w[1] for w in ws) / sum(w[2] for w in ws)
-        out[name] = {"tflops": flops / ms / 1e9, "windows": len(ws),
+        out[name] = {"tflops": flops / timing.ms_per_call(ws) / 1e9, "windows": len(ws),
                      "power_w": statistics.fmean(s[1] for s in ss) if ss else None,
                      "sm_mhz": statistics.fmean(s[2] for s in ss) if ss else None,
                      "temp_c": statistics.fmean(s[3] for s in ss) if ss else None,
@@ -117,38 +114,36 @@ def main():
     p.add_argument("--window-ms", type=float, default=20.0)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    sampler = Sampler()
-    time.sleep(0.5)
-    report = {"query": sampler.query, "run_s": args.run_s, "idle_s": args.idle_s, "points": []}
-    for spec in args.point:
-        fields = spec.split(",")
-        direction = fields[3] if len(fields) > 3 else "fwd"
-        if direction not in ("fwd", "bwd"):
-            p.error(f"--point {spec}: the fourth field is fwd or bwd")
-        d, causal, seqlen = (int(x) for x in fields[:3])
-        shape, calls, flops = point_calls(d, bool(causal), seqlen, direction)
-        for fn in calls.values():
-            fn()
-        torch.cuda.synchronize()
-        names = list(calls)
-        runs = []
-        for order in (names, names[::-1]):
-            for name in order:
-                time.sleep(args.idle_s)
-                t_start, windows = timing.steady_windows(calls[name], args.run_s, args.window_ms)
+    with StampedSampler() as sampler:
+        report = {"query": sampler.QUERY.split("=", 1)[1], "run_s": args.run_s, "idle_s": args.idle_s,
+                  "points": []}
+        time.sleep(0.5)
+        for spec in args.point:
+            fields = spec.split(",")
+            direction = fields[3] if len(fields) > 3 else "fwd"
+            if direction not in ("fwd", "bwd"):
+                p.error(f"--point {spec}: the fourth field is fwd or bwd")
+            d, causal, seqlen = (int(x) for x in fields[:3])
+            shape, calls, flops = point_calls(d, bool(causal), seqlen, direction)
+            names = list(calls)
+            for fn in calls.values():
+                fn()
+            torch.cuda.synchronize()
+            runs = []
+            for i, t_start, windows in timing.steady_runs([calls[n] for n in names], args.run_s,
+                                                          args.idle_s, args.window_ms):
                 s = summarize(t_start, windows, sampler, flops)
-                runs.append({"backend": name, "stretches": s})
-                line = "  ".join(f"{k}: {v['tflops']:.0f} TF {v['power_w'] or 0:.0f} W {v['sm_mhz'] or 0:.0f} MHz"
-                                 for k, v in s.items())
-                print(f"{direction} d{d} causal={causal} {seqlen} {name:6s} {line}  reasons {s.get('1s-end', {}).get('reasons')}",
-                      flush=True)
-        report["points"].append({"direction": direction, "head_dim": d, "causal": bool(causal), "seqlen": seqlen, **shape, "runs": runs})
-        del calls
-        torch.cuda.empty_cache()
-    sampler.close()
+                runs.append({"backend": names[i], "stretches": s})
+                line = "  ".join(f"{k}: {v['tflops']:.0f} TF {v['power_w'] or 0:.0f} W "
+                                 f"{v['sm_mhz'] or 0:.0f} MHz" for k, v in s.items())
+                print(f"{direction} d{d} causal={causal} {seqlen} {names[i]:6s} {line}  "
+                      f"reasons {s.get('1s-end', {}).get('reasons')}", flush=True)
+            report["points"].append({"direction": direction, "head_dim": d, "causal": bool(causal),
+                                     "seqlen": seqlen, **shape, "runs": runs})
+            del calls
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
