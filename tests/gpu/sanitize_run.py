@@ -7,8 +7,9 @@ meant to run under compute-sanitizer:
 
 Not a pytest module (the sanitizer wraps the whole process). Shapes are small and not tile
 multiples, with GQA, so masked tails and partial tiles are exercised. Arguments: head dims to
-keep, `--batch B` (default 1) for the forward: B = 40 gives more query tiles than SMs, so
-persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
+keep, `--batch B` (default 1): B = 40 gives more query tiles (forward) and key tiles
+(backward) than SMs, so persistent CTAs walk several tiles (Q slices reloaded, GEMM turns
+carried across tiles; the backward's K and V reloaded behind the epilogue), and
 `--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
 and cap, as every variant is); `--varlen`: only the varlen variants, on fa3gen.checks'
 packed problem (unequal lengths, empty sequences), forward and backward, and the paged ones
@@ -29,7 +30,7 @@ from fa3gen.ops import TORCH_DTYPES, flash_attn_func
 def main() -> int:
     parser = argparse.ArgumentParser(description="small fa3gen launches to run under compute-sanitizer")
     parser.add_argument("head_dims", nargs="*", help="keep only these head dims")
-    parser.add_argument("--batch", type=int, default=1, help="forward batch size")
+    parser.add_argument("--batch", type=int, default=1, help="batch size")
     parser.add_argument("--features", action="store_true", help="only local/softcap variants")
     parser.add_argument("--varlen", action="store_true", help="only varlen variants")
     parser.add_argument("--fp8", action="store_true", help="only e4m3 variants")
@@ -76,7 +77,7 @@ def main() -> int:
         ran += 1
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(1)
-        shapes = ((1, 150, 4, info.head_dim), (1, 200, 2, info.head_dim), (1, 200, 2, info.head_dim))
+        shapes = ((batch, 150, 4, info.head_dim), (batch, 200, 2, info.head_dim), (batch, 200, 2, info.head_dim))
         q, k, v = (torch.randn(*s, device="cuda", dtype=dtype, generator=g).requires_grad_()
                    for s in shapes)
         for deterministic in (False, True):

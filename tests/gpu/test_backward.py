@@ -28,6 +28,8 @@ SHAPES = [
     (3, 128, 256, 2, 2),   # tile multiples
     (1, 1, 777, 8, 8),     # one query
     (2, 600, 7, 3, 1),     # few keys
+    (10, 700, 850, 8, 2),  # more key-block tiles than SMs (7 blocks x 2 x 10 = 140 at 128 keys):
+                           # persistent CTAs walk several, causal ones in pairs, one pair single
 ]
 
 
