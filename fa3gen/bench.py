@@ -624,6 +624,42 @@ def _fa4_forward():
     return call
 
 
+def peer_forwards(q, k, v, causal: bool) -> dict:
+    """The 16-bit peers' forwards on fa3gen's (batch, seqlen, heads, head_dim) q, k, v: SDPA's
+    cuDNN and FA2 backends on (b, h, s, d) views (no copy), their output viewed back as (b, s,
+    h, d), and FA4 when it imports ({name: callable}, names as in LABELS)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def sdpa(backend):
+        def fn():
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            return out.transpose(1, 2)  # a view: the grad of the transposed view is dout
+        return fn
+
+    fns = {"cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    fa4 = _fa4_forward()
+    if fa4 is not None:
+        fns["fa4"] = lambda: fa4(q, k, v, causal)
+    return fns
+
+
+def backward_call(label: str, forward, q, k, v, dout):
+    """How a backward is timed: autograd.grad of one recorded forward's output (retain_graph,
+    so it can run again), or None, reported, when the forward fails."""
+    import torch
+
+    try:
+        out = forward()
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        report_failure(f"{label} forward", e)
+        return None
+    return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+
 def _settle(args) -> float:
     """--settle-ms, or sustained_ms's default for --min-ms when not given."""
     return settle_for(args.min_ms, getattr(args, "settle_ms", None))
@@ -673,8 +709,6 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
 
 def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -> dict:
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fa3gen.ops import _DTYPES, flash_attn_func
 
@@ -691,19 +725,7 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
         except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
             report_failure("cuDNN fp8", e)
     if not args.no_baselines and dtype.itemsize > 1:  # SDPA and FA4 take no fp8 inputs
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout (b, h, s, d), views
-
-        def sdpa(backend):
-            def fn():
-                with sdpa_kernel([backend]):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            return fn
-
-        fns["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
-        fns["flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
-        fa4 = _fa4_forward()
-        if fa4 is not None:
-            fns["fa4"] = lambda: fa4(q, k, v, causal)
+        fns.update(peer_forwards(q, k, v, causal))
     ms, power, clock = measure_backends(fns, args, sampler)
     candidates = {}
     if getattr(args, "all_variants", False):
@@ -721,8 +743,6 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
 def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -> dict:
     """Backward alone: each backend records one forward, then autograd.grad is timed."""
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fa3gen.ops import _DTYPES, flash_attn_func
 
@@ -730,36 +750,14 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
     q, k, v, dout = random_inputs(shape, dtype, 4)
     for t in (q, k, v):
         t.requires_grad_(True)
-
-    def grad_of(label, forward):
-        """autograd.grad of one recorded forward, or None when the forward fails."""
-        try:
-            out = forward()
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            report_failure(f"{label} forward", e)
-            return None
-        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
     fns: dict = {}
     variant = _find_variant(lib, "bwd", dt_name, d, causal, shape["seqlen"])
     fwd_variant = _find_variant(lib, "fwd", dt_name, d, causal, shape["seqlen"])
     if variant is not None and fwd_variant is not None:
-        fns["fa3gen"] = grad_of("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal))
+        fns["fa3gen"] = backward_call("fa3gen", lambda: flash_attn_func(q, k, v, causal=causal), q, k, v, dout)
     if not args.no_baselines:
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-
-        def sdpa(backend):
-            def fn():
-                with sdpa_kernel([backend]):
-                    out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                return out.transpose(1, 2)  # the grad of the transposed view is dout
-            return fn
-
-        fns["cudnn"] = grad_of("cuDNN", sdpa(SDPBackend.CUDNN_ATTENTION))
-        fns["flash"] = grad_of("FA2", sdpa(SDPBackend.FLASH_ATTENTION))
-        fa4 = _fa4_forward()
-        if fa4 is not None:
-            fns["fa4"] = grad_of("FA4", lambda: fa4(q, k, v, causal))
+        for name, forward in peer_forwards(q, k, v, causal).items():
+            fns[name] = backward_call(LABELS[name], forward, q, k, v, dout)
     ms, power, clock = measure_backends(fns, args, sampler)
     candidates = {}
     if getattr(args, "all_variants", False) and fwd_variant is not None:

@@ -7,9 +7,9 @@ meant to run under compute-sanitizer:
 
 Not a pytest module (the sanitizer wraps the whole process). Shapes are small and not tile
 multiples, with GQA, so masked tails and partial tiles are exercised. Arguments: head dims to
-keep, `--batch B` (default 1): B = 40 gives more query tiles (forward) and key tiles
-(backward) than SMs, so persistent CTAs walk several tiles (Q slices reloaded, GEMM turns
-carried across tiles; the backward's K and V reloaded behind the epilogue), and
+keep, `--batch B` (default 1): B = 40 gives more query tiles than SMs, so the forward's
+persistent CTAs walk several tiles (Q slices reloaded, GEMM turns carried across tiles), and
+more key tiles than SMs for the backward (one CTA each, in several waves), and
 `--features`: only the local/softcap variants (run with fa3gen.checks.probe_masking's window
 and cap, as every variant is); `--varlen`: only the varlen variants, on fa3gen.checks'
 packed problem (unequal lengths, empty sequences), forward and backward, and the paged ones

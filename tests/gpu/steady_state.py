@@ -22,7 +22,6 @@ import subprocess
 import time
 
 import torch
-import torch.nn.functional as F
 
 from fa3gen import bench, timing
 from fa3gen.ops import flash_attn_func
@@ -77,30 +76,20 @@ def summarize(t_start, windows, sampler, flops):
 
 
 def point_calls(d, causal, seqlen, direction="fwd"):
-    """The backends' calls for one point; "bwd": autograd.grad of one recorded forward each,
-    as fa3gen bench times the backward."""
+    """The backends' calls for one point (fa3gen, cuDNN and FA4 as fa3gen bench builds them);
+    "bwd": autograd.grad of one recorded forward each, as fa3gen bench times the backward."""
     shape = bench.grid([seqlen], [d])[0]
     q, k, v, dout = timing.random_inputs(shape, torch.bfloat16, 4)
     if direction == "bwd":
         for t in (q, k, v):
             t.requires_grad_(True)
-    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def cudnn():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-    forwards = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
-    fa4 = bench._fa4_forward()
-    if fa4 is not None:
-        forwards["fa4"] = lambda: fa4(q, k, v, causal)
+    forwards = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal)}
+    forwards.update((n, f) for n, f in bench.peer_forwards(q, k, v, causal).items() if n != "flash")
     if direction == "fwd":
         calls = forwards
     else:
-        def grad_of(forward):
-            out = forward()
-            return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-        calls = {name: grad_of(f) for name, f in forwards.items()}
+        calls = {n: bench.backward_call(bench.LABELS[n], f, q, k, v, dout) for n, f in forwards.items()}
+        calls = {n: c for n, c in calls.items() if c is not None}
     flops = bench.attention_flops(shape["batch"], shape["heads"], seqlen, seqlen, d, causal, direction)
     return shape, calls, flops
 

@@ -29,7 +29,7 @@ SHAPES = [
     (1, 1, 777, 8, 8),     # one query
     (2, 600, 7, 3, 1),     # few keys
     (10, 700, 850, 8, 2),  # more key-block tiles than SMs (7 blocks x 2 x 10 = 140 at 128 keys):
-                           # persistent CTAs walk several, causal ones in pairs, one pair single
+                           # CTAs in several waves (and a walk's several tiles a CTA, if one returns)
 ]
 
 
