@@ -5,7 +5,7 @@ fa3gen and FA4 kernels are profiled on the same shape:
     ncu --profile-from-start off --clock-control none --metrics sass__inst_executed_per_opcode \
         --print-metric-instances details --csv --page raw python3 tests/gpu/ncu_one_forward.py fa3gen 128 0 16384
 
-Arguments: backend (fa3gen or fa4), head dim, causal (0/1), seqlen[, dtype: bf16 (default),
+Arguments: backend (fa3gen, fa4, or cudnn: cuDNN's fp8 SDPA through cudnn-frontend, e4m3 only), head dim, causal (0/1), seqlen[, dtype: bf16 (default),
 fp16 or e4m3 (fa3gen only)[, a variant name (fa3gen only; default: the key's default)]]; batch x seqlen = 16k tokens, heads x head_dim = 2048 (the bench
 grid). Not a pytest module. docs/results/
 ncu_fwd_d128_vs_fa4.json holds what it gave on 2026-12-01.
@@ -21,7 +21,7 @@ from fa3gen import bench, timing
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("backend", choices=("fa3gen", "fa4"))
+    p.add_argument("backend", choices=("fa3gen", "fa4", "cudnn"))
     p.add_argument("head_dim", type=int)
     p.add_argument("causal", choices=("0", "1"))
     p.add_argument("seqlen", type=int)
@@ -35,10 +35,21 @@ def main() -> int:
     if args.backward and args.variant:
         p.error("--backward: the backward runs its key's default; a variant names a forward")
     which, d, causal, s = args.backend, args.head_dim, args.causal == "1", args.seqlen
+    if which == "cudnn" and (args.dtype != "e4m3" or args.backward or args.variant):
+        p.error("cudnn: the fp8 forward only (dtype e4m3, no variant, no --backward)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[args.dtype]
     q, k, v = timing.random_inputs(bench.grid([s], [d])[0], dtype, 3)
     kwargs = {}
-    if which == "fa4":
+    if which == "cudnn":
+        graph = bench.cudnn_fp8_graph(q, k, v, causal)
+        if graph is None:
+            p.error("cudnn: cudnn-frontend does not import")
+        run_cudnn = graph[0]
+
+        def flash_attn_func(q, k, v, causal):
+            run_cudnn()
+            return graph[1]
+    elif which == "fa4":
         from flash_attn.cute.interface import flash_attn_func
     else:
         from fa3gen import flash_attn_func
