@@ -113,8 +113,10 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
         return v.head_dim + v.tile_m + REG_OVERHEAD, 240
     need = v.tile_n // 2 + v.head_dim // 2 + REG_OVERHEAD
     cap = 240 if consumer_warpgroups(v) <= 2 else 160
-    if v.dtype == "e4m3":  # P's e4m3 copy; the transposing producers keep 40, not 24 (FwdTraits)
-        need, cap = need + v.tile_n // 8, min(cap, 232)
+    if v.dtype == "e4m3":  # the transposing producers keep 40, not 24 (FwdTraits)
+        # P's e4m3 copy is live beside S only when S(i) runs with P(i-1) V(i-1) (the
+        # intra-warpgroup overlap); otherwise it takes S's registers as they die.
+        need, cap = need + (v.tile_n // 8 if v.intra_wg_overlap else 0), min(cap, 232)
     return need, cap
 
 

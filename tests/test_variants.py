@@ -452,3 +452,14 @@ def test_forward_register_and_smem_model_mirrors_the_kernel_headers():
     for (dtype, d, tile_m), cap in cases.items():
         v = parse_name(f"fwd_{dtype}_d{d}_nocausal_m{tile_m}n128_s2_ws1_pp0_ov1")
         assert V.consumer_registers(v)[1] == cap, (dtype, d, tile_m)
+
+
+def test_fp8_p_copy_counts_only_with_the_intra_warpgroup_overlap():
+    """e4m3 P (tile_n / 8 registers) is live beside S only while S(i) runs with P(i-1) V(i-1);
+    without the overlap it takes S's registers, so 128x256 (d128) fits (the shipped default)
+    and the overlapped one is pruned."""
+    no_overlap = parse_name("fwd_e4m3_d128_nocausal_m128n256_s2_ws1_pp0_ov0")
+    overlap = parse_name("fwd_e4m3_d128_nocausal_m128n256_s2_ws1_pp0_ov1")
+    assert V.consumer_registers(overlap)[0] == V.consumer_registers(no_overlap)[0] + 256 // 8
+    assert V.register_budget(no_overlap) is None
+    assert "registers per consumer thread" in V.register_budget(overlap)

@@ -17,6 +17,9 @@ enum class BarrierId : uint32_t {
   kFwdVTransposed = 4,
   // varlen: the consumers have zeroed the V rows past the sequence (fwd_mainloop.cuh).
   kFwdVTail = 5,
+  // fp8 without the intra-warpgroup overlap: both consumer warpgroups, once a block, half a
+  // block apart (fwd_mainloop.cuh, kStagger).
+  kFwdStagger = 6,
   // Backward.
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory
@@ -45,6 +48,18 @@ __device__ __forceinline__ void barrier_sync_at(int offset, int threads) {
 template <BarrierId First>
 __device__ __forceinline__ void barrier_arrive_at(int offset, int threads) {
   cutlass::arch::NamedBarrier::arrive(threads, static_cast<uint32_t>(First) + offset);
+}
+
+// bar.red.popc on a named barrier: waits like barrier_sync and returns how many of the
+// threads gave pred = true, a value the compiler cannot know (the fp8 stagger orders
+// arithmetic against the barrier through it).
+template <BarrierId Id>
+__device__ __forceinline__ int barrier_sync_popc(int threads, bool pred) {
+  constexpr uint32_t kId = static_cast<uint32_t>(Id) + uint32_t(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+  int count;
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n bar.red.popc.u32 %0, %1, %3, p;\n}"
+               : "=r"(count) : "n"(kId), "r"(int(pred)), "r"(threads) : "memory");
+  return count;
 }
 
 }  // namespace fa3gen

@@ -62,6 +62,13 @@ struct FwdMainloop {
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kStages = Traits::kStages;
+  // fp8 without the intra-warpgroup overlap: the two consumer warpgroups are held half a block
+  // apart by one barrier a block, which warpgroup 0 meets between its row maxima and its
+  // exponentials and warpgroup 1 after its exponentials (softmax_block). So their exp2 phases,
+  // each as long as its S and P V GEMMs, take turns on the MUFU units, the other's GEMMs
+  // running meanwhile. As in cuDNN's fp8 kernel (its SASS: 128x256 tiles, this barrier);
+  // measured +7-11% on 128x256 against the same tile without it (docs/BENCHMARKS.md).
+  static constexpr bool kStagger = Traits::kFp8 && Traits::kConsumerWGs == 2 && !Traits::kPingpong && !Traits::kOverlap;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
   static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
@@ -524,7 +531,24 @@ struct FwdMainloop {
         // Block quantization of K: this block's factor on its scores, taken by the softmax
         // (per row, not per score).
         const float k_descale = p.descale.k_blocks() ? p.descale.k_(tile.batch, head_kv, n_block) : 1.f;
-        rescale_o = softmax.step(S, rescale, k_descale);
+        if constexpr (kStagger) {
+          // Warpgroup 0 starts its exponentials when warpgroup 1 has finished its own (kStagger).
+          // bar.red.popc both times: ptxas moves arithmetic across a plain bar.sync (it put
+          // exponentials on both sides), so warpgroup 0's exponentials take in the first one's
+          // count less 256 (0), and warpgroup 1's barrier waits on its row sums (a predicate
+          // that is always true).
+          rescale_o = softmax.step(S, rescale, k_descale, [&]() {
+            return tid < 128 ? barrier_sync_popc<BarrierId::kFwdStagger>(256, true) - 256 : 0;
+          });
+          if (tid >= 128) {
+            float sums = 0.f;
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < kRows; ++r) sums += softmax.row_sum[r];
+            barrier_sync_popc<BarrierId::kFwdStagger>(256, sums != -1.f);
+          }
+        } else {
+          rescale_o = softmax.step(S, rescale, k_descale);
+        }
       } else {
         rescale_o = softmax.step(S, rescale);
       }

@@ -4,6 +4,7 @@
 // reduced across the quad only once, at the end.
 #pragma once
 #include <cmath>
+#include <type_traits>
 #include "fragments.cuh"
 #include "rescale_threshold.cuh"
 
@@ -58,19 +59,25 @@ struct OnlineSoftmax {
   // where the row kept its maximum). Returns whether any of this thread's rows needs one.
   template <class TS>
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows]) {
-    return step_impl<false>(S, rescale, 1.f);
+    return step_impl<false>(S, rescale, 1.f, NoHook{});
   }
   // The same on the scores S * block_scale (a factor of this key block, e.g. its fp8 descale),
   // without multiplying them: the block's maximum and the exponent's multiplier take the factor
   // instead, one multiply per row instead of one per score. A factor of 0 (a block of zeros:
   // its scores are 0) is taken as 1e-30, so that a masked -inf times it stays -inf; a NaN
   // stays NaN and shows in the output.
-  template <class TS>
-  __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale) {
-    return step_impl<true>(S, rescale, block_scale == 0.f ? 1e-30f : block_scale);
+  // between(): called once every row's maximum is known and before the first exponential
+  // (the rows' two phases then run as two loops); without it each row runs both in turn. It
+  // returns an int that is 0 at run time but not to the compiler: the exponentials take it in,
+  // so they cannot be scheduled before the call.
+  struct NoHook {};
+  template <class TS, class Hook = NoHook>
+  __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale, Hook&& between = {}) {
+    return step_impl<true>(S, rescale, block_scale == 0.f ? 1e-30f : block_scale, between);
   }
-  template <bool kScaled, class TS>
-  __device__ __forceinline__ bool step_impl(TS& S, float (&rescale)[Rows], float block_scale) {
+  template <bool kScaled, class TS, class Hook>
+  __device__ __forceinline__ bool step_impl(TS& S, float (&rescale)[Rows], float block_scale, Hook&& between) {
+    constexpr bool kSplit = !std::is_same_v<cute::remove_cvref_t<Hook>, NoHook>;
     static_assert(decltype(size<0>(S))::value == Rows);
     const float mul = kScaled ? scale_log2 * block_scale : scale_log2;
     bool any = false;
@@ -116,20 +123,31 @@ struct OnlineSoftmax {
           rescale[r] = 1.f;
         }
       }
-      const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
-      float bias;  // the exponent's constant term (PLog2 0: exactly -m_scaled)
-      if constexpr (PLog2 == 0) bias = -m_scaled;
-      else bias = float(PLog2) - m_scaled;
-      float sum[kChains] = {};
+      if constexpr (!kSplit) exp_row(S, r, mul, rescale[r]);
+    }
+    if constexpr (kSplit) {
+      const int zero = between();
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(S); ++c) {
-        float p = exp2f(fmaf(S(r, c), mul, bias));
-        S(r, c) = p;
-        sum[c % kChains] += p;
-      }
-      row_sum[r] = row_sum[r] * rescale[r] + chains_total(sum);
+      for (int r = 0; r < Rows; ++r) exp_row(S, r, mul, rescale[r], zero);
     }
     return any;
+  }
+  // Row r's exponentials and its running sum, once row_max[r] is final for the block.
+  template <class TS>
+  __device__ __forceinline__ void exp_row(TS& S, int r, float mul, float rescale, int zero = 0) {
+    const float m_scaled = (row_max[r] == -INFINITY) ? 0.f : row_max[r] * scale_log2;
+    float bias;  // the exponent's constant term (PLog2 0: exactly -m_scaled)
+    if constexpr (PLog2 == 0) bias = -m_scaled;
+    else bias = float(PLog2) - m_scaled;
+    if (zero != 0) bias = __int_as_float(__float_as_int(bias) + zero);
+    float sum[kChains] = {};
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      float p = exp2f(fmaf(S(r, c), mul, bias));
+      S(r, c) = p;
+      sum[c % kChains] += p;
+    }
+    row_sum[r] = row_sum[r] * rescale + chains_total(sum);
   }
 
   // 1/rowsum (0 for a row with no visible key) and the natural-log LSE (-inf for such rows).

@@ -228,8 +228,8 @@ def assert_e4m3_close(got: torch.Tensor, want: torch.Tensor, got_descale, want_d
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("block_rows", [128, 64, 96, 100, 160, 192, 384, None],
-                         ids=["b128", "b64", "b96", "b100", "b160", "b192", "b384", "tensor"])
+@pytest.mark.parametrize("block_rows", [128, 64, 96, 100, 160, 192, 256, 384, None],
+                         ids=["b128", "b64", "b96", "b100", "b160", "b192", "b256", "b384", "tensor"])
 @pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
 def test_quantize_kernel_matches_pytorch_bit_for_bit(dtype, d, block_rows, hadamard):
     """fa3gen_quantize_fp8 against fp8.quantize (and reference.hadamard_transform): the same
