@@ -139,7 +139,7 @@ struct OnlineSoftmax {
     float bias;  // the exponent's constant term (PLog2 0: exactly -m_scaled)
     if constexpr (PLog2 == 0) bias = -m_scaled;
     else bias = float(PLog2) - m_scaled;
-    if (zero != 0) bias = __int_as_float(__float_as_int(bias) + zero);
+    bias = __int_as_float(__float_as_int(bias) + zero);  // between()'s 0: orders, changes nothing
     float sum[kChains] = {};
     CUTLASS_PRAGMA_UNROLL
     for (int c = 0; c < size<1>(S); ++c) {

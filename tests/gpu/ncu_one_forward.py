@@ -44,11 +44,11 @@ def main() -> int:
         graph = bench.cudnn_fp8_graph(q, k, v, causal)
         if graph is None:
             p.error("cudnn: cudnn-frontend does not import")
-        run_cudnn = graph[0]
+        run_cudnn, cudnn_out = graph
 
         def flash_attn_func(q, k, v, causal):
             run_cudnn()
-            return graph[1]
+            return cudnn_out
     elif which == "fa4":
         from flash_attn.cute.interface import flash_attn_func
     else:
