@@ -32,7 +32,8 @@ BEGIN, END = "<!-- numerics:begin -->", "<!-- numerics:end -->"
 PAPER = {"standard_fp16": 3.2e-4, "flash_fp16": 1.9e-4, "sdpa_fa2_fp16": 1.9e-4,
          "fa3gen_fp16": 1.9e-4, "fp8_per_tensor": 2.4e-2, "fp8_block_hadamard": 9.1e-3,
          "fp8_hadamard": 9.3e-3, "fp8_block": 2.4e-2, "fa3gen_fp8_per_tensor": 2.4e-2,
-         "fa3gen_fp8_hadamard": 9.3e-3}
+         "fa3gen_fp8_hadamard": 9.3e-3, "fa3gen_fp8_block": 2.4e-2,
+         "fa3gen_fp8_block_hadamard": 9.1e-3}
 LABELS = {
     "standard_fp16": "standard attention, fp16 (scores and softmax in fp16)",
     "flash_fp16": "FlashAttention-style fp16, emulated (fp32 softmax, P in fp16)",
@@ -46,6 +47,8 @@ LABELS = {
     "fp8_block_hadamard": "fp8, block quantization + incoherent processing, emulated",
     "fa3gen_fp8_per_tensor": "fa3gen e4m3 kernel, per-tensor scales",
     "fa3gen_fp8_hadamard": "fa3gen e4m3 kernel, per-tensor scales + incoherent processing",
+    "fa3gen_fp8_block": "fa3gen e4m3 kernel, block scales at its tiles (fa3gen.quantize_fp8)",
+    "fa3gen_fp8_block_hadamard": "fa3gen e4m3 kernel, block scales + incoherent processing",
     "cudnn_fp8": "cuDNN fp8 SDPA, per-tensor scales (the e4m3 kernel's inputs, P times 256)",
 }
 DEFAULT_SHAPES = ((1, 8192, 2, 128), (1, 4096, 4, 64))  # (batch, seqlen, heads, head_dim)
@@ -128,8 +131,8 @@ def gpu_rows(q, k, v) -> tuple[dict, dict, dict]:
     try:
         outs.update(fa3gen_fp8_rows(q, k, v))
     except Exception as e:
-        missing["fa3gen_fp8_per_tensor"] = missing["fa3gen_fp8_hadamard"] = \
-            str(e).splitlines()[0][:200]
+        for name in FA3GEN_FP8_ROWS:
+            missing[name] = str(e).splitlines()[0][:200]
     try:
         out, detail = cudnn_fp8_row(q, k, v)  # detail: the output's dtype, or why not measured
         (missing if out is None else notes)["cudnn_fp8"] = detail
@@ -174,16 +177,22 @@ def cudnn_fp8_row(q, k, v):
     return None, "; ".join(errors)
 
 
+FA3GEN_FP8_ROWS = {  # row: (block scales, incoherent processing)
+    "fa3gen_fp8_per_tensor": (False, False), "fa3gen_fp8_hadamard": (False, True),
+    "fa3gen_fp8_block": (True, False), "fa3gen_fp8_block_hadamard": (True, True)}
+
+
 def fa3gen_fp8_rows(q, k, v, seed: int = 0) -> dict:
-    """The e4m3 kernel on per-tensor quantized inputs (fa3gen.quantize_fp8, the scales as its
-    descales), without and with incoherent processing (the same seed as the emulated rows).
-    Block quantization at the kernel's tiles is not in the paper's table."""
+    """The e4m3 kernel on inputs quantized by fa3gen.quantize_fp8, the scales as its descales:
+    per tensor or per (batch, head, block of the serving variant's tiles), without and with
+    incoherent processing (the same seed as the emulated rows). The block rows' blocks are the
+    kernel's (tile_m rows of q, tile_n of k and v), not the emulation's 128."""
     from fa3gen.fp8 import quantize_fp8
     from fa3gen.ops import flash_attn_func
 
     rows = {}
-    for name, hadamard in (("fa3gen_fp8_per_tensor", False), ("fa3gen_fp8_hadamard", True)):
-        q8, k8, v8, descales = quantize_fp8(q, k, v, block=False, hadamard=hadamard, seed=seed)
+    for name, (block, hadamard) in FA3GEN_FP8_ROWS.items():
+        q8, k8, v8, descales = quantize_fp8(q, k, v, block=block, hadamard=hadamard, seed=seed)
         rows[name] = flash_attn_func(q8, k8, v8, **descales)
     return rows
 
@@ -203,8 +212,8 @@ def study(shapes, seed: int, device: str) -> dict:
             got, missing, notes = gpu_rows(q, k, v)
             outs.update(got)
         else:
-            for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", "fa3gen_fp8_per_tensor",
-                         "fa3gen_fp8_hadamard", "cudnn_fp8"):
+            for name in ("fa3gen_fp16", "fa3gen_bf16", "sdpa_fa2_fp16", *FA3GEN_FP8_ROWS,
+                         "cudnn_fp8"):
                 missing[name] = "needs a GPU (this run: cpu)"
         row = {"shape": list(shape), "rmse": {n: rmse(o, ref) for n, o in outs.items()},
                "not_measured": missing, "notes": notes}
