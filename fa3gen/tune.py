@@ -10,7 +10,8 @@ then replaced by one exact entry per multi-candidate key (the winner; keys not t
 their current default), each commented with its measurement; the new spec is validated (it
 must resolve to those defaults) before it is written. The measurement is kept as JSON (--out).
 
-Feature keys run with the call arguments that select them: window (1024, 0) for `local`,
+Feature keys run with the call arguments that select them: window (1024, 0) for `local` (or
+--window's),
 softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot
 condition on the sequence length, so one winner per key covers every length (the per-shape
 times in the JSON show where another candidate would win).
@@ -44,6 +45,19 @@ def _regex(text: str) -> str:
     except re.error as e:
         raise argparse.ArgumentTypeError(f"not a regular expression ({e}): {text!r}")
     return text
+
+
+def _window(text: str) -> tuple[int, int]:
+    """LEFT,RIGHT for --window: flash-attn's window_size, -1 for no limit on that side (not
+    both: that is no window)."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers), got {text!r}")
+    if min(left, right) < -1 or (left, right) == (-1, -1):
+        raise argparse.ArgumentTypeError(
+            f"window sides are >= -1 (-1: no limit), not both -1; got {text!r}")
+    return left, right
 
 
 # The top-level `dispatch:` line and the lines that belong to it: indented, list items (YAML
@@ -196,8 +210,10 @@ def _without_dispatch(text: str) -> dict:
 # GPU measurement.
 
 
-def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
-    """make(variant name) -> a no-argument call running that candidate on `shape`."""
+def _call(key: tuple, shape: dict,
+          window: tuple[int, int] = LOCAL_WINDOW) -> Callable[[str], Callable[[], object]]:
+    """make(variant name) -> a no-argument call running that candidate on `shape` (local keys
+    with window_size `window`)."""
     import torch
 
     from fa3gen import ops, timing, varlen
@@ -210,7 +226,7 @@ def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
     direction, dtype, d, causal = axes["direction"], axes["dtype"], axes["head_dim"], axes["causal"]
     local, softcap, packed = axes["local"], axes["softcap"], axes["varlen"]
     b, s, h = shape["batch"], shape["seqlen"], shape["heads"]
-    mask = ops.masking(causal, LOCAL_WINDOW if local else (-1, -1), SOFTCAP if softcap else 0.0)
+    mask = ops.masking(causal, tuple(window) if local else (-1, -1), SOFTCAP if softcap else 0.0)
     kw = dict(causal=causal, window_size=(mask.window_left, mask.window_right),
               softcap=mask.softcap)
     dt, scale = TORCH_DTYPES[dtype], d ** -0.5
@@ -234,9 +250,10 @@ def _call(key: tuple, shape: dict) -> Callable[[str], Callable[[], object]]:
 
 
 def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
-            min_ms: float, sampler=None, power: dict | None = None) -> dict[str, list[float | None]]:
+            min_ms: float, sampler=None, power: dict | None = None,
+            window: tuple[int, int] = LOCAL_WINDOW) -> dict[str, list[float | None]]:
     """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape
-    (bench.measure_backends, sustained). With a PowerSampler, power gets {candidate: [[mean
+    (bench.measure_backends, sustained); local keys with window_size `window`. With a PowerSampler, power gets {candidate: [[mean
     board W, mean SM MHz] per shape]} over that candidate's timed batches ([None, None]
     without samples)."""
     from fa3gen.bench import measure_backends
@@ -247,7 +264,7 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
     if sampler is not None and power is not None:
         power.update({n: [] for n in names})
     for shape in shapes:
-        make = _call(key, shape)
+        make = _call(key, shape, window)
         fns = {}
         for name in names:
             try:
@@ -278,6 +295,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--keys", default=None, metavar="REGEX", type=_regex,
                    help="tune only keys whose spelling, e.g. '(fwd, bf16, d128, causal)', "
                         "matches (re.search); the others keep their default")
+    p.add_argument("--window", type=_window, default=LOCAL_WINDOW, metavar="LEFT,RIGHT",
+                   help="window_size of the local keys' calls (default 1024,0): tune at the "
+                        "window the model uses")
     p.add_argument("--rounds", type=count(1), default=3, help="sustained rounds (default 3)")
     p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="back-to-back launches per round and candidate, ms (default 100)")
@@ -318,7 +338,8 @@ def run(args) -> int:
                           f"{absent[0]}); build them first: fa3gen build --spec {args.spec}")
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"header": provenance(lib), "keys": []}
-    report["header"].update(spec=str(spec_path), seqlens=args.seqlens, rounds=args.rounds,
+    report["header"].update(spec=str(spec_path), seqlens=args.seqlens, window=list(args.window),
+                            rounds=args.rounds,
                             min_ms=args.min_ms, complete=False)
     out = Path(str(args.out).replace("<spec>", spec_path.stem))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -338,14 +359,17 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
                   for s in args.seqlens]
         names = [v.name for v in variants]
         power: dict = {}  # filled only with a sampler
-        times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power)
+        times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power,
+                        args.window)
         best, relative = choose(times)
         winner = next(v for v in variants if v.name == best)
         old = current.get(key)
         winners[key] = winner
         runner_up = next((f"{n} {r:.3f}" for n, r in relative.items() if n != best), "none")
-        notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}: geomean speed "
-                      f"vs the winner: runner-up {runner_up}")
+        window = (f", window {args.window[0]},{args.window[1]}"
+                  if dict(zip(KEY_AXES, key)).get("local") else "")
+        notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}{window}: geomean "
+                      f"speed vs the winner: runner-up {runner_up}")
         if args.ranges and not dict(zip(KEY_AXES, key)).get("varlen"):  # no one length to pick by
             by_name = {v.name: v for v in variants}
             found = seqlen_ranges(list(args.seqlens), times, best)

@@ -105,15 +105,16 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     monkeypatch.setattr(tune, "provenance", lambda lib: {"gpu": "fake"})
     timed = []
 
-    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None):
-        timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms))
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None,
+                window=tune.LOCAL_WINDOW):
+        timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms, window))
         return {NC_128: [1.0, 1.0], NC_176: [1.1, 1.05]}
 
     monkeypatch.setattr(tune, "measure", measure)
     out = tmp_path / "tune.json"
     assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--rounds", "2",
-                     "--min-ms", "5", "--out", str(out), "--no-power"]) == 0
-    assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0)]
+                     "--min-ms", "5", "--out", str(out), "--no-power", "--window", "4096,0"]) == 0
+    assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0, (4096, 0))]
     assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in capsys.readouterr().out
     report = json.loads(out.read_text())
     assert report["keys"][0]["winner"] == NC_128 and report["keys"][0]["previous_default"] == NC_176
@@ -179,7 +180,7 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
         variants=[parse_name(n) for n in (NC_128, NC_176, c_128, c_176)], path=tmp_path / "x.so"))
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
 
-    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None):
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None, window=None):
         if NC_128 in names:  # keys go in name order: causal, then nocausal
             raise RuntimeError("second key fails")
         return {c_128: [1.0, 1.0, 1.0], c_176: [1.1, 1.1, 1.1]}
@@ -216,7 +217,7 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
         variants=[parse_name(NC_128), parse_name(NC_176)], path=tmp_path / "lib.so"))
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
 
-    def call(key, shape):
+    def call(key, shape, window=tune.LOCAL_WINDOW):
         def make(name):
             if name == NC_176 and shape["seqlen"] == 4096:
                 raise RuntimeError("this candidate cannot run 4096")
@@ -294,3 +295,15 @@ def test_call_reads_every_key_axis_and_refuses_paged_keys(monkeypatch):
         ("dense", "v1", True, tune.SOFTCAP), ("varlen", "v2", False, 0.0)]
     with pytest.raises(Fa3genError, match="paged keys"):
         tune._call(make_key("fwd", "bf16", 64, True, varlen=True, paged=True), shape)
+    ran.clear()  # local keys run at the window asked for (--window), else (1024, 0)
+    tune._call(make_key("fwd", "bf16", 64, False, local=True), shape, (4096, 0))("v3")()
+    tune._call(make_key("fwd", "bf16", 64, False, local=True), shape)("v4")()
+    tune._call(make_key("fwd", "bf16", 64, True), shape, (4096, 0))("v5")()
+    assert [kw["window_size"] for _, kw in ran] == [(4096, 0), tune.LOCAL_WINDOW, (-1, -1)]
+
+
+@pytest.mark.parametrize("text", ["4096", "a,b", "-2,0", "-1,-1", "1,2,3"])
+def test_tune_window_refuses_what_is_not_a_window(text, spec_file, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["tune", "--spec", str(spec_file), "--window", text])
+    assert "--window" in capsys.readouterr().err
