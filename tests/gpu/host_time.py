@@ -5,7 +5,11 @@ of --calls calls is reported per backend, forward with and without requires_grad
 forward+backward, and the forward replayed from a CUDA graph (the GPU's share: what remains
 without host work). Also the first call of the process (library load + first resolution).
 
-    python3 tests/gpu/host_time.py [--json out.json]
+    python3 tests/gpu/host_time.py [--json out.json] [--profile]
+
+--profile also times fa3gen's eager backward alone (ops._eager_backward on the main thread, no
+autograd engine) and prints where its host time goes (cProfile, by own time); autograd runs
+backward functions on its device threads, which a profiler of the main thread does not see.
 
 Not a pytest module. Peers (SDPA's cuDNN backend, FA4 when flash_attn.cute imports) run in the
 same process, after fa3gen's first call has been timed.
@@ -34,11 +38,37 @@ def per_call_us(fn, calls: int, rounds: int) -> float:
     return statistics.median(samples)
 
 
+def profile_backward(q, k, v, args) -> float:
+    """Per-call µs of fa3gen's eager backward called directly (its Python, allocations and
+    launches), and its cProfile by own time."""
+    import cProfile
+    import pstats
+
+    from fa3gen import ops
+
+    plan = ops._eager_fwd_plan(q, k, v, ops.masking(), None, None)
+    out, lse = ops._eager_forward(plan, q.detach(), k.detach(), v.detach())
+    dout = torch.randn_like(out)
+    call = lambda: ops._eager_backward(plan, False, dout, q.detach(), k.detach(), v.detach(),
+                                       out, lse)
+    us = per_call_us(call, args.calls, args.rounds)
+    print(f"fa3gen eager backward alone: {us:.1f} us")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return us
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
     shape = (1, 128, 1, 64)
@@ -97,6 +127,8 @@ def main() -> int:
         rows[name] = row
         print(f"{name:14s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in row.items()), flush=True)
     print(f"fa3gen first call in the process: {first_ms:.0f} ms")
+    if args.profile:
+        rows["fa3gen"]["eager backward alone"] = profile_backward(qg, kg, vg, args)
     if args.json:
         from fa3gen import bench, runtime  # after the timing: the first call is measured cold
 
