@@ -11,8 +11,7 @@ their current default), each commented with its measurement; the new spec is val
 must resolve to those defaults) before it is written. The measurement is kept as JSON (--out).
 
 Feature keys run with the call arguments that select them: window (1024, 0) for `local` (or
---window's),
-softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot
+--window's), softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot
 condition on the sequence length, so one winner per key covers every length (the per-shape
 times in the JSON show where another candidate would win).
 
@@ -253,9 +252,9 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             min_ms: float, sampler=None, power: dict | None = None,
             window: tuple[int, int] = LOCAL_WINDOW) -> dict[str, list[float | None]]:
     """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape
-    (bench.measure_backends, sustained); local keys with window_size `window`. With a PowerSampler, power gets {candidate: [[mean
-    board W, mean SM MHz] per shape]} over that candidate's timed batches ([None, None]
-    without samples)."""
+    (bench.measure_backends, sustained); local keys run with window_size `window`. With a
+    PowerSampler, power gets {candidate: [[mean board W, mean SM MHz] per shape]} over that
+    candidate's timed batches ([None, None] without samples)."""
     from fa3gen.bench import measure_backends
     from fa3gen.timing import report_failure
 
@@ -339,8 +338,7 @@ def run(args) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     report = {"header": provenance(lib), "keys": []}
     report["header"].update(spec=str(spec_path), seqlens=args.seqlens, window=list(args.window),
-                            rounds=args.rounds,
-                            min_ms=args.min_ms, complete=False)
+                            rounds=args.rounds, min_ms=args.min_ms, complete=False)
     out = Path(str(args.out).replace("<spec>", spec_path.stem))
     out.parent.mkdir(parents=True, exist_ok=True)
     from fa3gen.timing import PowerSampler
