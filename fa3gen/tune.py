@@ -11,9 +11,10 @@ their current default), each commented with its measurement; the new spec is val
 must resolve to those defaults) before it is written. The measurement is kept as JSON (--out).
 
 Feature keys run with the call arguments that select them: window (1024, 0) for `local` (or
---window's), softcap 30 for `softcap`, packed sequences of equal length for `varlen`. The dispatch cannot
-condition on the sequence length, so one winner per key covers every length (the per-shape
-times in the JSON show where another candidate would win).
+--window's), softcap 30 for `softcap`, packed sequences of equal length for `varlen`. Without
+--ranges one winner per key covers every length (the per-shape times in the JSON show where
+another candidate would win); the dispatch cannot condition on the window's size, so tune at
+the window the model uses.
 
 Pure parts (candidates, choice, rendering, writing) run on CPU; torch is imported only to time.
 """
