@@ -54,13 +54,15 @@ class VariantNotBuiltError(Fa3genError):
     """No variant of the loaded library serves the call (never silently fall back)."""
 
     def __init__(self, requested: str, available: Sequence[str], hint: str, library: str = "",
-                 lead: str = "To build it: "):
+                 lead: str = "To build it: ", *, no_default: bool = False):
         self.requested = requested
         self.available = list(available)
         self.hint = hint
         where = f" in {library}" if library else ""
+        # no_default: variants of the key are built, none is its default (a candidates' spec)
+        what = "no default fa3gen variant" if no_default else "no fa3gen variant built"
         super().__init__(
-            f"no fa3gen variant built for {requested}{where}.\n"
+            f"{what} for {requested}{where}.\n"
             f"{format_variant_list(self.available)}\n"
             f"{lead}{hint}"
         )

@@ -199,7 +199,8 @@ def select_variant(
             f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}{features}) "
             f"to a group of {spec_file} and run: {build}"
         )
-    raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead)
+    raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead,
+                               no_default=bool(same_key))
 
 
 def _filters_that_dropped(key: tuple, build_info: dict[str, Any] | None) -> str:

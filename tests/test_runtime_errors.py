@@ -277,8 +277,13 @@ def test_non_default_hint_mentions_a_filter_that_may_have_dropped_the_default():
 
 
 def test_variant_not_built_never_falls_back_to_non_default():
-    with pytest.raises(VariantNotBuiltError, match="non-default variants for this key.*d256"):
+    with pytest.raises(VariantNotBuiltError, match="non-default variants for this key.*d256") as e:
         select_variant(TABLE, "fwd", "fp16", 256, True, spec_name="h100")
+    # the headline says what is missing: the key's default, not its variants
+    assert str(e.value).startswith("no default fa3gen variant for direction=fwd dtype=fp16")
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100")
+    assert str(e.value).startswith("no fa3gen variant built for direction=fwd dtype=fp16")
 
 
 def test_unknown_and_mismatched_variant_names():
