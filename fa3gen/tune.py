@@ -48,15 +48,19 @@ def _regex(text: str) -> str:
 
 
 def _window(text: str) -> tuple[int, int]:
-    """LEFT,RIGHT for --window: flash-attn's window_size, -1 for no limit on that side (not
-    both: that is no window)."""
+    """LEFT,RIGHT for --window: a window_size that selects the local keys (ops.masking's rules,
+    -1 for no limit on that side)."""
+    from fa3gen.errors import InvalidInputError
+    from fa3gen.ops import masking  # imports torch: only when --window is given
+
     try:
         left, right = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT (two integers), got {text!r}")
-    if min(left, right) < -1 or (left, right) == (-1, -1):
-        raise argparse.ArgumentTypeError(
-            f"window sides are >= -1 (-1: no limit), not both -1; got {text!r}")
+        local = masking(False, (left, right)).local
+    except (ValueError, InvalidInputError) as e:
+        raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT, two integers >= -1: {e}")
+    if not local:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sliding window (-1,0 is causal, "
+                                         "-1,-1 no window)")
     return left, right
 
 
@@ -226,7 +230,7 @@ def _call(key: tuple, shape: dict,
     direction, dtype, d, causal = axes["direction"], axes["dtype"], axes["head_dim"], axes["causal"]
     local, softcap, packed = axes["local"], axes["softcap"], axes["varlen"]
     b, s, h = shape["batch"], shape["seqlen"], shape["heads"]
-    mask = ops.masking(causal, tuple(window) if local else (-1, -1), SOFTCAP if softcap else 0.0)
+    mask = ops.masking(causal, window if local else (-1, -1), SOFTCAP if softcap else 0.0)
     kw = dict(causal=causal, window_size=(mask.window_left, mask.window_right),
               softcap=mask.softcap)
     dt, scale = TORCH_DTYPES[dtype], d ** -0.5
@@ -297,7 +301,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "matches (re.search); the others keep their default")
     p.add_argument("--window", type=_window, default=LOCAL_WINDOW, metavar="LEFT,RIGHT",
                    help="window_size of the local keys' calls (default 1024,0): tune at the "
-                        "window the model uses")
+                        "window the model uses (--window=-1,N for a side without limit)")
     p.add_argument("--rounds", type=count(1), default=3, help="sustained rounds (default 3)")
     p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help="back-to-back launches per round and candidate, ms (default 100)")
@@ -365,11 +369,11 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         old = current.get(key)
         winners[key] = winner
         runner_up = next((f"{n} {r:.3f}" for n, r in relative.items() if n != best), "none")
-        window = (f", window {args.window[0]},{args.window[1]}"
-                  if dict(zip(KEY_AXES, key)).get("local") else "")
+        axes = dict(zip(KEY_AXES, key))
+        window = f", window {args.window[0]},{args.window[1]}" if axes["local"] else ""
         notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}{window}: geomean "
                       f"speed vs the winner: runner-up {runner_up}")
-        if args.ranges and not dict(zip(KEY_AXES, key)).get("varlen"):  # no one length to pick by
+        if args.ranges and not axes["varlen"]:  # no one length to pick by
             by_name = {v.name: v for v in variants}
             found = seqlen_ranges(list(args.seqlens), times, best)
             if found:
