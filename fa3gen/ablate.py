@@ -286,6 +286,27 @@ def _b(x) -> str:
     return str(int(bool(x)))
 
 
+def clock_summary(rows: list[dict]) -> str | None:
+    """One line on the board's state over the timed batches: the range of SM clock and power,
+    and how many batches each clock-event reason held back (a clock below the maximum without
+    sw_power_cap is the board, thermal or otherwise, not the cell). None without samples."""
+    mhz = [m for r in rows for m in r.get("sm_mhz_batches") or () if m]
+    watts = [w for r in rows for w in r.get("power_w_batches") or () if w]
+    if not mhz:
+        return None
+    text = (f"Board: SM clock {min(mhz):.0f}-{max(mhz):.0f} MHz, power {min(watts):.0f}-"
+            f"{max(watts):.0f} W over the timed batches")
+    batches = [b for r in rows for b in r.get("clock_reasons_batches") or () if b is not None]
+    if not batches:
+        return text + "; clock-event reasons not recorded."
+    counts: dict[str, int] = {}
+    for names in batches:
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    seen = ", ".join(f"{name} in {n}" for name, n in sorted(counts.items(), key=lambda c: -c[1]))
+    return text + f"; clock-event reasons over {len(batches)} batches: {seen or 'none'}."
+
+
 def render_markdown(report: dict) -> str:
     """The block between the ablation markers: header, paper table, knob effects, all cells."""
     h, rows = report["header"], report["rows"]
@@ -310,6 +331,8 @@ def render_markdown(report: dict) -> str:
         "- ws = warp specialization (producer warpgroup), ov = intra-warpgroup GEMM-softmax "
         "overlap, pp = pingpong scheduling between consumer warpgroups.",
     ]
+    if (clocks := clock_summary(rows)):
+        lines.append(f"- {clocks}")
 
     ptab = report.get("paper_table") or []
     if ptab:
@@ -508,8 +531,9 @@ def run_cells(cells, shapes: list[dict], check: Callable[[object], dict],
 
     check(cell) -> {"status": "ok" | "wrong" | "error", "max_err": float|None, "detail": str}
     time(cell, shape) -> milliseconds, or a list of per-batch milliseconds (the row reports their
-    median and keeps them in ms_batches), or {"ms": [...], "sm_mhz": [...], "power_w": [...]}
-    (per batch; the row keeps the clocks and power as sm_mhz_batches and power_w_batches). An
+    median and keeps them in ms_batches), or {"ms": [...], "sm_mhz": [...], "power_w": [...],
+    "clock_reasons": [...]} (per batch; the row keeps them as sm_mhz_batches, power_w_batches
+    and clock_reasons_batches). An
     exception in either makes the cell "error"."""
     rows = []
     resources = resources or {}
@@ -558,7 +582,8 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
     min_ms set (the default of the command), each batch is at least min_ms of back-to-back
     launches between two events (sustained); else the median of `iters` event-timed launches
     after a warm-up (a burst). With a PowerSampler (sustained only) it returns {"ms", "sm_mhz",
-    "power_w"}, each per batch: a slow batch shows whether the clock dropped with it. Inputs
+    "power_w", "clock_reasons"}, each per batch: a slow batch shows whether the clock dropped
+    with it, and the reasons say whether the power cap or something else held it back. Inputs
     are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
     import torch
 
@@ -591,7 +616,8 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
             if sampler is None:
                 return times
             power, clock = zip(*(sampler.means(range(TIMED_BATCHES)).values()))
-            return {"ms": times, "sm_mhz": list(clock), "power_w": list(power)}
+            return {"ms": times, "sm_mhz": list(clock), "power_w": list(power),
+                    "clock_reasons": list(sampler.reasons(range(TIMED_BATCHES)).values())}
         return [time_ms(fn, warmup, iters) for _ in range(TIMED_BATCHES)]
 
     return time

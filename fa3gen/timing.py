@@ -211,15 +211,49 @@ def steady_ms(fns: list, run_s: float, idle_s: float = 1.0, window_ms: float = 2
     return [statistics.fmean(r) for r in runs]
 
 
+# NVML's clock-event reasons (nvidia-smi clocks_event_reasons.active, a bit mask): why the SM
+# clock was below its maximum while a sample was taken.
+CLOCK_REASONS = {0x1: "idle", 0x2: "applications_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                 0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake",
+                 0x100: "display_clock"}
+
+
+def clock_reason_names(mask: int) -> list[str]:
+    """The names of the reasons set in a clocks_event_reasons mask (unknown bits as hex)."""
+    names = [name for bit, name in CLOCK_REASONS.items() if mask & bit]
+    rest = mask & ~sum(CLOCK_REASONS)
+    return names + ([hex(rest)] if rest else [])
+
+
+def reasons_field(command: str = "nvidia-smi", device_index: int = 0) -> str | None:
+    """The name under which this nvidia-smi reports the clock-event reasons (older drivers:
+    clocks_throttle_reasons), or None when neither answers."""
+    import subprocess
+
+    for field in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        try:
+            done = subprocess.run([command, f"--query-gpu={field}", "--format=csv,noheader",
+                                   f"--id={device_index}"], capture_output=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if done.returncode == 0:
+            return field
+    return None
+
+
 class PowerSampler:
-    """Board power (W) and SM clock (MHz) sampled every period_ms by `nvidia-smi -lms` in the
-    background; samples taken while tag(i) is set count for i. means() gives each tag's mean
-    (power, clock), None for a tag without samples. Without nvidia-smi (or when it fails) the
-    sampler is inert and every mean is None: the numbers are optional in a report."""
+    """Board power (W), SM clock (MHz) and the clock-event reasons sampled every period_ms by
+    `nvidia-smi -lms` in the background; samples taken while tag(i) is set count for i. means()
+    gives each tag's mean (power, clock), None for a tag without samples; reasons() the reasons
+    seen (a clock below the cap's with no power-cap reason is the board, not the kernel). Without
+    nvidia-smi (or when it fails) the sampler is inert and every mean is None: the numbers are
+    optional in a report."""
 
     QUERY = "--query-gpu=power.draw.instant,clocks.sm"
+    PROBE_REASONS = True  # add the reasons field to QUERY when this nvidia-smi has it
 
     def __init__(self, device_index: int = 0, period_ms: int = 20, command: str = "nvidia-smi"):
+        self.command, self.device_index = command, device_index
         self.argv = [command, self.QUERY, "--format=csv,noheader,nounits", f"-lms={period_ms}",
                      f"--id={device_index}"]
         self.current = None
@@ -231,6 +265,8 @@ class PowerSampler:
         import subprocess
         import threading
 
+        if self.PROBE_REASONS and (field := reasons_field(self.command, self.device_index)):
+            self.argv[1] = f"{self.QUERY},{field}"
         try:
             self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE,
                                          stderr=subprocess.DEVNULL, text=True)
@@ -242,13 +278,15 @@ class PowerSampler:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
+            parts = line.split(",")
             try:
-                power, clock = (float(x) for x in line.split(","))
-            except ValueError:
+                power, clock = float(parts[0]), float(parts[1])
+                reasons = int(parts[2], 16) if len(parts) > 2 else None
+            except (ValueError, IndexError):
                 continue  # "[N/A]" or a header: not a sample
             tag = self.current
             if tag is not None:
-                self.samples.setdefault(tag, []).append((power, clock))
+                self.samples.setdefault(tag, []).append((power, clock, reasons))
 
     def tag(self, i) -> None:
         self.current = i
@@ -270,8 +308,20 @@ class PowerSampler:
         out = {}
         for t in tags:
             got = self.samples.get(t)
-            out[t] = (statistics.fmean(p for p, _ in got), statistics.fmean(c for _, c in got)) \
+            out[t] = (statistics.fmean(s[0] for s in got), statistics.fmean(s[1] for s in got)) \
                 if got else (None, None)
+        return out
+
+    def reasons(self, tags) -> dict:
+        """tag -> the clock-event reasons set in any of its samples (sorted names; [] when the
+        clock was never held back), None without samples or without the reasons field."""
+        out = {}
+        for t in tags:
+            masks = [s[2] for s in self.samples.get(t, ()) if s[2] is not None]
+            mask = 0
+            for m in masks:
+                mask |= m
+            out[t] = sorted(clock_reason_names(mask)) if masks else None
         return out
 
 

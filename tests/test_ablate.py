@@ -324,15 +324,29 @@ def test_sustained_batches_carry_their_clock_and_power(monkeypatch):
         def means(self, tags):
             return {t: (600.0 + t, [1980.0, 990.0, 1980.0][t]) for t in tags}
 
+        def reasons(self, tags):
+            return {t: [[], ["sw_thermal"], ["sw_power_cap"]][t] for t in tags}
+
     sampler = Sampler()
     got = A.make_timer(5, 30, 100.0, sampler)(cell(name(ws=1)), SHAPE)
     assert got == {"ms": [5.0, 7.0, 5.0], "sm_mhz": [1980.0, 990.0, 1980.0],
-                   "power_w": [600.0, 601.0, 602.0]}
+                   "power_w": [600.0, 601.0, 602.0],
+                   "clock_reasons": [[], ["sw_thermal"], ["sw_power_cap"]]}
     assert sampler.tags == [0, None, 1, None, 2, None] and sampler.resets == 1
     ok = lambda c_: {"status": "ok", "max_err": 1e-3, "detail": None}  # noqa: E731
     row, = A.run_cells([cell(name(ws=1))], [SHAPE], ok, lambda c_, s: got, log=lambda m: None)
     assert row["ms"] == 5.0 and row["ms_batches"] == [5.0, 7.0, 5.0]
     assert row["sm_mhz_batches"] == [1980.0, 990.0, 1980.0] and row["power_w_batches"][1] == 601.0
+    assert row["clock_reasons_batches"][1] == ["sw_thermal"]
+    # the report's board line: ranges, and which reason held back how many batches
+    assert A.clock_summary([row]) == ("Board: SM clock 990-1980 MHz, power 600-602 W over the timed "
+                                      "batches; clock-event reasons over 3 batches: sw_thermal in 1, "
+                                      "sw_power_cap in 1.")
+    assert "Board: SM clock 990-1980 MHz" in A.render_markdown(
+        {"header": {}, "rows": [row], "pruned": [], "knob_effects": [], "paper_table": []})
+    old = dict(row, clock_reasons_batches=None)  # a run from before the reasons were sampled
+    assert A.clock_summary([old]).endswith("clock-event reasons not recorded.")
+    assert A.clock_summary([dict(row, sm_mhz_batches=None)]) is None
 
 
 # ---- CLI --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """fa3gen.timing and fa3gen.checks without a GPU: what they report when a backend or a kernel
 fails, check_cell's verdict over its problems and quick_check's failure list. (That they
 import without torch is in tests/test_cli.py.)"""
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -279,12 +280,41 @@ def test_power_sampler_tags_samples_from_nvidia_smi(monkeypatch):
         sampler.tag(None)
     means = sampler.means([0, 1])
     assert means[0] == (None, None) and means[1] == (600.0, 1755.0)
+    assert sampler.argv[1].endswith(",clocks_event_reasons.active")  # the probe found the field
+    assert sampler.reasons([0, 1]) == {0: None, 1: None}  # no reasons in these samples
     with PowerSampler(0, command="/nonexistent/nvidia-smi") as inert:
         inert.tag(0)
     assert inert.means([0]) == {0: (None, None)}
     # 600 W for 2 ms on 1e12 FLOPs: 1.2 J per 1e12 FLOPs, 1200 J per PFLOP
     assert joules_per_pflop(600.0, 2.0, 1e12) == pytest.approx(1200.0)
     assert joules_per_pflop(None, 2.0, 1e12) is None
+
+
+def test_power_sampler_reports_the_clock_event_reasons(monkeypatch):
+    from pathlib import Path
+
+    from fa3gen.timing import PowerSampler, clock_reason_names
+
+    fake = Path(__file__).parent / "fake_nvidia_smi.py"
+    # a power-capped sample, then one held back by thermal slowdown and an unknown bit
+    monkeypatch.setenv("FAKE_SMI_VALUES", "690.0, 1600, 0x0000000000000004;590.0, 1400, 0x0000000000010020")
+    with PowerSampler(0, period_ms=5, command=str(fake)) as sampler:
+        sampler.tag(0)
+        deadline = time.monotonic() + 10
+        while len(sampler.samples.get(0, [])) < 2:
+            assert time.monotonic() < deadline, "fewer than 2 samples in 10 s"
+            time.sleep(0.01)
+        sampler.tag(None)
+    assert sampler.reasons([0, 1]) == {0: ["0x10000", "sw_power_cap", "sw_thermal"], 1: None}
+    assert clock_reason_names(0) == [] and clock_reason_names(0x41) == ["idle", "hw_thermal"]
+    monkeypatch.setenv("FAKE_SMI_NO_REASONS", "1")  # an nvidia-smi without the field: power and clock only
+    monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1755")
+    with PowerSampler(0, period_ms=5, command=str(fake)) as plain:
+        plain.tag(0)
+        wait_for_sample(plain, 0)
+        plain.tag(None)
+    assert plain.argv[1] == PowerSampler.QUERY and plain.reasons([0]) == {0: None}
+    assert plain.means([0])[0] == (600.0, 1755.0)
 
 
 def test_markdown_has_the_fa4_column_best_peer_and_energy():

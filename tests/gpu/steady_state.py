@@ -18,7 +18,6 @@ in reverse, so that neither side always runs on a warmer board.
 import argparse
 import json
 import statistics
-import subprocess
 import time
 
 import torch
@@ -34,16 +33,11 @@ class StampedSampler(timing.PowerSampler):
     """timing.PowerSampler's nvidia-smi process, with temperature and the clock-event reasons
     too, every sample kept with its host time (perf_counter) instead of by tag."""
 
+    PROBE_REASONS = False  # FIELDS names the reasons itself, under this driver's name for them
+
     def __init__(self):
-        fields = FIELDS
-        try:
-            probe = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
-                                   capture_output=True).returncode
-        except OSError:  # no nvidia-smi: the sampler stays inert, as PowerSampler does
-            probe = 0
-        if probe != 0:  # older drivers name the reasons "throttle"
-            fields = fields.replace("clocks_event_reasons", "clocks_throttle_reasons")
-        self.QUERY = f"--query-gpu={fields}"
+        reasons = timing.reasons_field() or "clocks_event_reasons.active"
+        self.QUERY = f"--query-gpu={FIELDS.replace('clocks_event_reasons.active', reasons)}"
         super().__init__()
         self.stamped = []
 
