@@ -281,9 +281,12 @@ class PowerSampler:
             parts = line.split(",")
             try:
                 power, clock = float(parts[0]), float(parts[1])
-                reasons = int(parts[2], 16) if len(parts) > 2 else None
             except (ValueError, IndexError):
                 continue  # "[N/A]" or a header: not a sample
+            try:
+                reasons = int(parts[2], 16) if len(parts) > 2 else None
+            except ValueError:
+                reasons = None  # the reasons alone unreadable: power and clock still count
             tag = self.current
             if tag is not None:
                 self.samples.setdefault(tag, []).append((power, clock, reasons))

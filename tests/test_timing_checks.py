@@ -297,15 +297,17 @@ def test_power_sampler_reports_the_clock_event_reasons(monkeypatch):
 
     fake = Path(__file__).parent / "fake_nvidia_smi.py"
     # a power-capped sample, then one held back by thermal slowdown and an unknown bit
-    monkeypatch.setenv("FAKE_SMI_VALUES", "690.0, 1600, 0x0000000000000004;590.0, 1400, 0x0000000000010020")
+    monkeypatch.setenv("FAKE_SMI_VALUES", "690.0, 1600, 0x0000000000000004;590.0, 1400, 0x0000000000010020;"
+                       "500.0, 1500, [N/A]")  # unreadable reasons: the sample's power and clock count
     with PowerSampler(0, period_ms=5, command=str(fake)) as sampler:
         sampler.tag(0)
         deadline = time.monotonic() + 10
-        while len(sampler.samples.get(0, [])) < 2:
-            assert time.monotonic() < deadline, "fewer than 2 samples in 10 s"
+        while len(sampler.samples.get(0, [])) < 3:
+            assert time.monotonic() < deadline, "fewer than 3 samples in 10 s"
             time.sleep(0.01)
         sampler.tag(None)
     assert sampler.reasons([0, 1]) == {0: ["0x10000", "sw_power_cap", "sw_thermal"], 1: None}
+    assert (500.0, 1500.0, None) in sampler.samples[0]
     assert clock_reason_names(0) == [] and clock_reason_names(0x41) == ["idle", "hw_thermal"]
     monkeypatch.setenv("FAKE_SMI_NO_REASONS", "1")  # an nvidia-smi without the field: power and clock only
     monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1755")
