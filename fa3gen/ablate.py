@@ -29,7 +29,8 @@ from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, p
                           update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.errors import Fa3genError
-from fa3gen.timing import WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, tflops, time_ms
+from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts, tflops,
+                           time_ms)
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 DEFAULT_SPEC = "ablation"  # specs/ablation.yaml, bundled with the generator
@@ -299,12 +300,7 @@ def clock_summary(rows: list[dict]) -> str | None:
     batches = [b for r in rows for b in r.get("clock_reasons_batches") or () if b is not None]
     if not batches:
         return text + "; clock-event reasons not recorded."
-    counts: dict[str, int] = {}
-    for names in batches:
-        for name in names:
-            counts[name] = counts.get(name, 0) + 1
-    seen = ", ".join(f"{name} in {n}" for name, n in sorted(counts.items(), key=lambda c: -c[1]))
-    return text + f"; clock-event reasons over {len(batches)} batches: {seen or 'none'}."
+    return text + f"; clock-event reasons over {len(batches)} batches: {reason_counts(batches)}."
 
 
 def render_markdown(report: dict) -> str:

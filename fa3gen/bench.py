@@ -27,7 +27,7 @@ from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, ORDERS, STEADY_FROM_S, PowerSampler, gemm_tflops, joules_per_pflop,
-                           random_inputs, report_failure, settle_for, steady_ms, sustained_ms, tflops,
+                           random_inputs, reason_counts, report_failure, settle_for, steady_ms, sustained_ms, tflops,
                            time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
@@ -67,11 +67,12 @@ def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, directio
 
 
 def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, ms: dict,
-             power: dict | None = None, clock: dict | None = None) -> dict:
-    """power / clock: mean board W and SM MHz per backend while it ran (sustained timing)."""
+             power: dict | None = None, clock: dict | None = None, reasons: dict | None = None) -> dict:
+    """power / clock / reasons: mean board W, SM MHz and the clock-event reasons per backend
+    while it ran (sustained timing)."""
     flops = attention_flops(shape["batch"], shape["heads"], shape["seqlen"], shape["seqlen"],
                             shape["head_dim"], causal, direction)
-    power, clock = power or {}, clock or {}
+    power, clock, reasons = power or {}, clock or {}, reasons or {}
     return {
         "direction": direction, "dtype": dtype, "head_dim": shape["head_dim"], "causal": causal,
         "batch": shape["batch"], "seqlen": shape["seqlen"], "heads": shape["heads"],
@@ -80,6 +81,7 @@ def make_row(direction, dtype, shape: dict, causal: bool, variant: str | None, m
         "tflops": {b: tflops(flops, ms.get(b)) for b in BACKENDS},
         "power_w": {b: power.get(b) for b in BACKENDS},
         "sm_mhz": {b: clock.get(b) for b in BACKENDS},
+        "clock_reasons": {b: reasons.get(b) for b in BACKENDS},
         "j_per_pflop": {b: joules_per_pflop(power.get(b), ms.get(b), flops) for b in BACKENDS},
     }
 
@@ -124,6 +126,11 @@ def render_markdown(report: dict) -> str:
         f"- Timing: {timing}. W and J/PFLOP: mean board power (nvidia-smi) while the backend "
         "ran, and the energy per 10^15 FLOPs at that power.",
     ]
+    seen = [r["clock_reasons"]["fa3gen"] for r in report["rows"]
+            if (r.get("clock_reasons") or {}).get("fa3gen") is not None]
+    if seen:
+        lines.append(f"- Clock-event reasons while fa3gen ran, over {len(seen)} rows: "
+                     f"{reason_counts(seen)} (sw_power_cap alone: the 700 W cap, as in steady use).")
     for (direction, dtype, causal), rows in _groups(report["rows"]).items():
         lines += [
             "",
@@ -665,8 +672,9 @@ def _settle(args) -> float:
     return settle_for(args.min_ms, getattr(args, "settle_ms", None))
 
 
-def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
-    """(ms, power W, SM MHz) per backend of fns ({name: callable or None}). Each callable runs
+def measure_backends(fns: dict, args, sampler: PowerSampler | None = None, reasons: dict | None = None):
+    """(ms, power W, SM MHz) per backend of fns ({name: callable or None}); `reasons`, when
+    given, gets each backend's clock-event reasons from the sampler. Each callable runs
     once first; one that fails is reported and left out. Sustained (the default): all of them
     interleaved, rounds of at least --min-ms of back-to-back launches (timing.sustained_ms),
     with the sampler's mean power and clock per backend; --steady-s: each alone for that long,
@@ -704,6 +712,8 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None):
     if sampler is not None:
         for i, (w, mhz) in sampler.means(range(len(names))).items():
             power[names[i]], clock[names[i]] = w, mhz
+        if reasons is not None:
+            reasons.update((names[i], r) for i, r in sampler.reasons(range(len(names))).items())
     return ms, power, clock
 
 
@@ -726,7 +736,8 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
             report_failure("cuDNN fp8", e)
     if not args.no_baselines and dtype.itemsize > 1:  # SDPA and FA4 take no fp8 inputs
         fns.update(peer_forwards(q, k, v, causal))
-    ms, power, clock = measure_backends(fns, args, sampler)
+    reasons: dict = {}
+    ms, power, clock = measure_backends(fns, args, sampler, reasons)
     candidates = {}
     if getattr(args, "all_variants", False):
         candidates = _time_candidates(
@@ -734,7 +745,7 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
             lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
     del q, k, v
     torch.cuda.empty_cache()
-    row = make_row("fwd", dt_name, shape, causal, variant, ms, power, clock)
+    row = make_row("fwd", dt_name, shape, causal, variant, ms, power, clock, reasons)
     if candidates:
         row["candidates"] = candidates
     return row
@@ -758,7 +769,8 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
     if not args.no_baselines:
         for name, forward in peer_forwards(q, k, v, causal).items():
             fns[name] = backward_call(LABELS[name], forward, q, k, v, dout)
-    ms, power, clock = measure_backends(fns, args, sampler)
+    reasons: dict = {}
+    ms, power, clock = measure_backends(fns, args, sampler, reasons)
     candidates = {}
     if getattr(args, "all_variants", False) and fwd_variant is not None:
         # Every backward variant of the key, called through the op (same work as the autograd
@@ -774,7 +786,7 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
             args)
     del q, k, v, dout
     torch.cuda.empty_cache()
-    row = make_row("bwd", dt_name, shape, causal, variant, ms, power, clock)
+    row = make_row("bwd", dt_name, shape, causal, variant, ms, power, clock, reasons)
     if candidates:
         row["candidates"] = candidates
     return row

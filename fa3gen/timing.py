@@ -225,6 +225,16 @@ def clock_reason_names(mask: int) -> list[str]:
     return names + ([hex(rest)] if rest else [])
 
 
+def reason_counts(reason_lists) -> str:
+    """"name in N, ..." over lists of reason names (most frequent first), "none" when no list
+    names one: how many timed batches or backends each clock-event reason held back."""
+    counts: dict[str, int] = {}
+    for names in reason_lists:
+        for name in names:
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} in {n}" for name, n in sorted(counts.items(), key=lambda c: -c[1])) or "none"
+
+
 def reasons_field(command: str = "nvidia-smi", device_index: int = 0) -> str | None:
     """The name under which this nvidia-smi reports the clock-event reasons (older drivers:
     clocks_throttle_reasons), or None when neither answers."""

@@ -195,14 +195,20 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
         def means(self, tags):
             return {i: (300.0 + i, 1980.0) for i in tags}
 
+        def reasons(self, tags):
+            return {i: [["sw_power_cap"], ["sw_thermal"]][i] for i in tags}
+
     def boom():
         raise RuntimeError("no kernel for this shape")
 
     sampler = Sampler()
     args = types.SimpleNamespace(burst=False, rounds=2, min_ms=5.0)
+    reasons = {}
     ms, power, clock = bench.measure_backends(
-        {"fa3gen": lambda: None, "cudnn": boom, "flash": None, "fa4": lambda: None}, args, sampler)
+        {"fa3gen": lambda: None, "cudnn": boom, "flash": None, "fa4": lambda: None}, args, sampler,
+        reasons)
     assert ms == {"fa3gen": 1.0, "fa4": 2.0} and sampler.seen == [0, 1]
+    assert reasons == {"fa3gen": ["sw_power_cap"], "fa4": ["sw_thermal"]}
     assert calls[0] == (2.5, "rotate")  # settle: half of --min-ms unless --settle-ms says
     bench.measure_backends({"fa3gen": lambda: None}, types.SimpleNamespace(
         burst=False, rounds=1, min_ms=5.0, settle_ms=0.0, order="shuffle"), sampler)
@@ -330,6 +336,12 @@ def test_markdown_has_the_fa4_column_best_peer_and_energy():
     assert bench.best_peer(row)[0] == "fa4"
     text = bench.render_markdown({"header": {"timing": "sustained: test"}, "rows": [row]})
     assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer |" in text
+    assert "Clock-event reasons" not in text  # none sampled
+    capped = bench.make_row("fwd", "bf16", shape, False, "v", {"fa3gen": 1.0},
+                            reasons={"fa3gen": ["sw_power_cap"], "fa4": ["hw_slowdown"]})
+    assert capped["clock_reasons"]["fa3gen"] == ["sw_power_cap"] and capped["clock_reasons"]["cudnn"] is None
+    with_reasons = bench.render_markdown({"header": {}, "rows": [row, capped]})
+    assert "- Clock-event reasons while fa3gen ran, over 1 rows: sw_power_cap in 1 " in with_reasons
     line = next(x for x in text.splitlines() if x.startswith("| 128 | 4096 |"))
     assert "| 0.90 (FA4) |" in line and "| 650 |" in line
     assert "Timing: sustained: test." in text
