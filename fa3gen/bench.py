@@ -27,8 +27,8 @@ from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, ORDERS, STEADY_FROM_S, PowerSampler, gemm_tflops, joules_per_pflop,
-                           random_inputs, reason_counts, report_failure, settle_for, steady_ms, sustained_ms, tflops,
-                           time_or_none)
+                           random_inputs, reason_counts, report_failure, settle_for, steady_ms,
+                           sustained_ms, tflops, time_or_none)
 
 # Reports go to the checkout's docs/ (what the repository keeps), else to the working directory.
 DOCS_DIR = REPO_ROOT / "docs" if IN_CHECKOUT else Path(".")
