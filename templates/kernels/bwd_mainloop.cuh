@@ -260,6 +260,31 @@ struct BwdMainloop {
       }
     } else {
       mask_s();
+#ifdef FA3GEN_BWD_DP_WAIT_EIGHTHS
+      // Measurement switch: the dP wait after the exponentials of the first E/8 of the thread's
+      // rows (E = FA3GEN_BWD_DP_WAIT_EIGHTHS, 0-8), as FA4's sm90 backward has it (16 of 32
+      // exponentials before its dP wait at d128 64x128 causal, 11 of 40 at 80x128). Without a
+      // block boundary ptxas lifts the wait (it has no inputs) to after the first few.
+      static_assert(FA3GEN_BWD_DP_WAIT_EIGHTHS >= 0 && FA3GEN_BWD_DP_WAIT_EIGHTHS <= 8);
+      constexpr int kRows = decltype(size<0>(S))::value;
+      constexpr int kEarlyRows = kRows * FA3GEN_BWD_DP_WAIT_EIGHTHS / 8;
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = 0; r < kEarlyRows; ++r) {
+        const float lse = lse_log2[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+      }
+      // Ends ptxas's basic block: a loop it can neither drop nor predicate, on a parameter read
+      // each time (so that the loop is not unswitched away) that is never true (batch >= 1).
+      while (*reinterpret_cast<volatile const int*>(&p.batch) <= 0) asm volatile("nanosleep.u32 32;");
+      warpgroup_wait<0>();  // dP
+      CUTLASS_PRAGMA_UNROLL
+      for (int r = kEarlyRows; r < kRows; ++r) {
+        const float lse = lse_log2[query(r)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+      }
+#else
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
         const float lse = lse_log2[query(r)];
@@ -267,6 +292,7 @@ struct BwdMainloop {
         for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
       }
       warpgroup_wait<0>();  // dP
+#endif
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
         const float d = dsum[query(r)];
