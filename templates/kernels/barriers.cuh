@@ -20,7 +20,12 @@ enum class BarrierId : uint32_t {
   // fp8 without the intra-warpgroup overlap: both consumer warpgroups, once a block, half a
   // block apart (fwd_mainloop.cuh, kStagger).
   kFwdStagger = 6,
-  // Backward.
+  // Backward. kDqPerWg (bwd_traits.cuh): consumer warpgroup w hands its own slice of dQ to
+  // the writer warp on kBwdDqFull0 + w and waits for it to be read on kBwdDqEmpty0 + w.
+  kBwdDqFull0 = 0,
+  kBwdDqFull1 = 1,
+  kBwdDqEmpty0 = 2,
+  kBwdDqEmpty1 = 3,
   kBwdDsReady = 4,   // consumers: every warpgroup's part of dS is in shared memory
   kBwdDqFull = 5,    // consumers -> dQ writer: the query block's dQ is in shared memory
   kBwdDqEmpty = 6,   // dQ writer -> consumers: the dQ buffer has been read

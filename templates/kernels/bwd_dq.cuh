@@ -33,6 +33,8 @@ __device__ __forceinline__ int dq_slot(int tid, int chunk) {
     constexpr int kHalf = Traits::kDqChunks / 2;
     const int half = chunk / kHalf, wg = tid / 128;
     return ((half * Traits::kConsumerWGs + wg) * kHalf + chunk % kHalf) * 128 + tid % 128;
+  } else if constexpr (Traits::kDqPerWg) {  // [warpgroup][element / 2][thread][2]: a half each
+    return ((tid / 128) * Traits::kDqChunks + chunk) * 128 + tid % 128;
   } else {
     return chunk * kThreads + tid;
   }

@@ -111,6 +111,10 @@ struct BwdMainloop {
     const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
+        if constexpr (Traits::kDqPerWg) {
+          write_dq_halves(dq_tile, m_block, tile, mask, leader);
+          continue;
+        }
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
         if (leader) {
           if (p.deterministic) {
@@ -143,6 +147,35 @@ struct BwdMainloop {
       }
     }
     if (leader) bulk_wait_done();
+  }
+
+  // kDqPerWg: each consumer warpgroup's half of a query block's dQ, as it arrives.
+  __device__ __forceinline__ void write_dq_halves(int64_t dq_tile, int m_block, TileCoord const& tile,
+                                                  typename Traits::Mask const& mask, bool leader) {
+    constexpr int kHalfElems = kTileM * kHeadDim / 2;
+    constexpr int kHalfThreads = 128 + 32;  // a consumer warpgroup and the writer warp
+    float* dq_gmem = p.dq_accum + dq_tile * (kTileM * kHeadDim);
+    if (leader && p.deterministic) {
+      const int turn = tile.block - mask.key_blocks(m_block).first;
+      while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
+    }
+    barrier_sync<BarrierId::kBwdDqFull0>(kHalfThreads);
+    if (leader) bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ / 2);
+    barrier_sync<BarrierId::kBwdDqFull1>(kHalfThreads);
+    if (leader) bulk_reduce_add(dq_gmem + kHalfElems, smem.dq.data() + kHalfElems, Traits::kBytesdQ / 2);
+    if (leader) {
+      if (p.deterministic) {
+        bulk_wait_done();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        __threadfence();
+        atomicAdd(p.dq_semaphore + dq_tile, 1);
+      } else {
+        bulk_wait_read();
+      }
+    }
+    __syncwarp();
+    barrier_arrive<BarrierId::kBwdDqEmpty0>(kHalfThreads);
+    barrier_arrive<BarrierId::kBwdDqEmpty1>(kHalfThreads);
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -377,6 +410,31 @@ struct BwdMainloop {
         if constexpr (Traits::kSplitHeadDim) {
           // Each warpgroup holds half of the queries of P^T: the dV GEMMs need all of them.
           copy(r2s_ds, thr_r2s_ds.retile_S(rP), thr_r2s_ds.partition_D(sPt)(_, _, _, buf));
+        } else if constexpr (Traits::kDqPerWg) {
+          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
+          cutlass::arch::fence_view_async_shared();
+          barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
+          wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+          warpgroup_wait<1>();  // dV
+          wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+          warpgroup_wait<1>();  // dQ; dK runs on
+          const int wg = __shfl_sync(0xffffffff, tid / 128, 0);
+          if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, 128 + 32);
+          float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+            sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
+          }
+          cutlass::arch::fence_view_async_shared();
+          barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, 128 + 32);
+          warpgroup_wait<0>();  // dK: done with the stage's Q
+          pipe.consumer_release(st);
+          ++st;
+          continue;
         } else {
           // dV and dK run while dS^T goes to shared memory (buffer iter % 2) and the
           // warpgroups meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps
@@ -408,7 +466,11 @@ struct BwdMainloop {
     }
     // The writer signals "empty" after every block; take the last one so that no arrival is
     // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
-    if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    if constexpr (Traits::kDqPerWg) {
+      if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), 128 + 32);
+    } else {
+      if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    }
   }
 
   // kTransposedDkv (bwd_traits.cuh): S and dP with the queries on M and the keys split over
