@@ -255,11 +255,13 @@ def _call(key: tuple, shape: dict,
 
 def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             min_ms: float, sampler=None, power: dict | None = None,
-            window: tuple[int, int] = LOCAL_WINDOW) -> dict[str, list[float | None]]:
+            window: tuple[int, int] = LOCAL_WINDOW,
+            reasons: dict | None = None) -> dict[str, list[float | None]]:
     """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape
     (bench.measure_backends, sustained); local keys run with window_size `window`. With a
     PowerSampler, power gets {candidate: [[mean board W, mean SM MHz] per shape]} over that
-    candidate's timed batches ([None, None] without samples)."""
+    candidate's timed batches ([None, None] without samples), and reasons {candidate: [the
+    clock-event reasons per shape]} (None without them)."""
     from fa3gen.bench import measure_backends
     from fa3gen.timing import report_failure
 
@@ -267,6 +269,8 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
     times: dict = {n: [] for n in names}
     if sampler is not None and power is not None:
         power.update({n: [] for n in names})
+    if sampler is not None and reasons is not None:
+        reasons.update({n: [] for n in names})
     for shape in shapes:
         make = _call(key, shape, window)
         fns = {}
@@ -276,11 +280,14 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             except Exception as e:  # a candidate that cannot run this shape cannot win
                 report_failure(name, e)
                 fns[name] = None
-        ms, watts, mhz = measure_backends(fns, timing, sampler)
+        seen: dict = {}
+        ms, watts, mhz = measure_backends(fns, timing, sampler, seen)
         for name in names:
             times[name].append(ms.get(name))
             if sampler is not None and power is not None:
                 power[name].append([watts.get(name), mhz.get(name)])
+            if sampler is not None and reasons is not None:
+                reasons[name].append(seen.get(name))
     return times
 
 
@@ -361,9 +368,9 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
         names = [v.name for v in variants]
-        power: dict = {}  # filled only with a sampler
+        power, reasons = {}, {}  # filled only with a sampler
         times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power,
-                        args.window)
+                        args.window, reasons=reasons)
         best, relative = choose(times)
         winner = next(v for v in variants if v.name == best)
         old = current.get(key)
@@ -383,7 +390,8 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
                                "previous_default": old.name if old else None,
                                "seqlen_ranges": [[lo, hi, v.name] for lo, hi, v
                                                  in ranges.get(key, [])],
-                               **({"power_w_sm_mhz": power} if power else {})})
+                               **({"power_w_sm_mhz": power} if power else {}),
+                               **({"clock_reasons": reasons} if reasons else {})})
         change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
         print(f"{key_str(key)}: {best}{change}; " + ", ".join(
             f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)

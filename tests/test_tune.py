@@ -106,7 +106,7 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     timed = []
 
     def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None,
-                window=tune.LOCAL_WINDOW):
+                window=tune.LOCAL_WINDOW, reasons=None):
         timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms, window))
         return {NC_128: [1.0, 1.0], NC_176: [1.1, 1.05]}
 
@@ -152,7 +152,7 @@ def test_tune_writes_ranges_that_resolve(spec_file, tmp_path, monkeypatch, capsy
         variants=[parse_name(NC_128), parse_name(NC_176)], path=tmp_path / "lib.so"))
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
     # 128x128 faster at 1024, 128x176 at 4096 and 16384 (and in the geomean)
-    monkeypatch.setattr(tune, "measure", lambda *a: {NC_128: [1.0, 4.0, 40.0],
+    monkeypatch.setattr(tune, "measure", lambda *a, **kw: {NC_128: [1.0, 4.0, 40.0],
                                                      NC_176: [1.2, 3.5, 30.0]})
     assert cli.main(["tune", "--spec", str(spec_file), "--ranges", "--no-power", "--out",
                      str(tmp_path / "t.json")]) == 0
@@ -180,7 +180,8 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
         variants=[parse_name(n) for n in (NC_128, NC_176, c_128, c_176)], path=tmp_path / "x.so"))
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
 
-    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None, window=None):
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None, window=None,
+                reasons=None):
         if NC_128 in names:  # keys go in name order: causal, then nocausal
             raise RuntimeError("second key fails")
         return {c_128: [1.0, 1.0, 1.0], c_176: [1.1, 1.1, 1.1]}
@@ -198,8 +199,9 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
 
 def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeypatch):
     """Sampled (the default): each key's report holds every candidate's mean board power and
-    SM clock per shape over its own timed batches (nvidia-smi faked at 600 W, 1700 MHz); a
-    candidate that fails a shape gets [None, None] there."""
+    SM clock per shape over its own timed batches, and the clock-event reasons (nvidia-smi
+    faked at 600 W, 1700 MHz, power-capped); a candidate that fails a shape gets [None, None]
+    and None there."""
     from pathlib import Path
 
     import torch
@@ -210,7 +212,7 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     real, samplers = timing.PowerSampler, []
     monkeypatch.setattr(timing, "PowerSampler",
                         lambda index: samplers.append(real(index, period_ms=2, command=str(fake))) or samplers[-1])
-    monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1700")
+    monkeypatch.setenv("FAKE_SMI_VALUES", "600.0, 1700, 0x0000000000000004")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(runtime, "use_spec", lambda spec: types.SimpleNamespace(
@@ -244,6 +246,7 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     assert key["ms"] == {NC_128: [1.0, 1.0], NC_176: [2.0, None]}
     assert key["power_w_sm_mhz"] == {NC_128: [[600.0, 1700.0]] * 2,
                                      NC_176: [[600.0, 1700.0], [None, None]]}
+    assert key["clock_reasons"] == {NC_128: [["sw_power_cap"]] * 2, NC_176: [["sw_power_cap"], None]}
 
 
 def test_keys_not_timed_keep_their_ranges_and_what_follows_the_block_stays(tmp_path):
