@@ -1,7 +1,6 @@
 """fa3gen.timing and fa3gen.checks without a GPU: what they report when a backend or a kernel
 fails, check_cell's verdict over its problems and quick_check's failure list. (That they
 import without torch is in tests/test_cli.py.)"""
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -259,14 +258,14 @@ def test_steady_ms_counts_each_run_from_the_settled_clock(monkeypatch):
         timing.steady_ms([a], run_s=1.0)
 
 
-def wait_for_sample(sampler, tag, timeout_s=30.0):
-    """Until the sampler has a sample for tag: the fake nvidia-smi is a Python process whose
-    start-up took more than a fixed sleep on a loaded CI machine."""
+def wait_for_sample(sampler, tag, timeout_s=30.0, count=1):
+    """Until the sampler has `count` samples for tag: the fake nvidia-smi is a Python process
+    whose start-up took more than a fixed sleep on a loaded CI machine."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    while not sampler.samples.get(tag):
-        assert time.monotonic() < deadline, f"no sample for tag {tag} in {timeout_s} s"
+    while len(sampler.samples.get(tag, ())) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} samples for tag {tag} in {timeout_s} s"
         time.sleep(0.01)
 
 
@@ -307,10 +306,7 @@ def test_power_sampler_reports_the_clock_event_reasons(monkeypatch):
                        "500.0, 1500, [N/A]")  # unreadable reasons: the sample's power and clock count
     with PowerSampler(0, period_ms=5, command=str(fake)) as sampler:
         sampler.tag(0)
-        deadline = time.monotonic() + 10
-        while len(sampler.samples.get(0, [])) < 3:
-            assert time.monotonic() < deadline, "fewer than 3 samples in 10 s"
-            time.sleep(0.01)
+        wait_for_sample(sampler, 0, count=3)
         sampler.tag(None)
     assert sampler.reasons([0, 1]) == {0: ["0x10000", "sw_power_cap", "sw_thermal"], 1: None}
     assert (500.0, 1500.0, None) in sampler.samples[0]

@@ -24,6 +24,7 @@ struct BwdMainloop {
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kWriterThreads = Traits::kConsumerThreads + 32;  // consumers + the dQ writer warp
+  static constexpr int kWgWriterThreads = 128 + 32;  // kDqPerWg: one consumer warpgroup + the writer
 
   BwdParams<Traits> const& p;
   typename Traits::SharedStorage& smem;
@@ -129,14 +130,7 @@ struct BwdMainloop {
           } else {
             bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ);
           }
-          if (p.deterministic) {
-            bulk_wait_done();  // the additions are complete before the next key block's turn
-            asm volatile("fence.proxy.async.global;" ::: "memory");
-            __threadfence();
-            atomicAdd(p.dq_semaphore + dq_tile, 1);
-          } else {
-            bulk_wait_read();
-          }
+          finish_dq_add(dq_tile);
           // The stage's last arrival (the consumers' come when they are done with it); on the
           // barrier itself, as consumer_release traps outside a consumer warpgroup in debug builds.
           if constexpr (Traits::kDqInStages) smem.pipeline_q.empty_barrier_[st.index()].arrive();
@@ -149,33 +143,36 @@ struct BwdMainloop {
     if (leader) bulk_wait_done();
   }
 
+  // The leader's end of a query block's dQ addition: deterministic mode waits for it to be
+  // complete before the next key block's turn; otherwise only for the shared memory to be read.
+  __device__ __forceinline__ void finish_dq_add(int64_t dq_tile) {
+    if (p.deterministic) {
+      bulk_wait_done();
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      __threadfence();
+      atomicAdd(p.dq_semaphore + dq_tile, 1);
+    } else {
+      bulk_wait_read();
+    }
+  }
+
   // kDqPerWg: each consumer warpgroup's half of a query block's dQ, as it arrives.
   __device__ __forceinline__ void write_dq_halves(int64_t dq_tile, int m_block, TileCoord const& tile,
                                                   typename Traits::Mask const& mask, bool leader) {
     constexpr int kHalfElems = kTileM * kHeadDim / 2;
-    constexpr int kHalfThreads = 128 + 32;  // a consumer warpgroup and the writer warp
     float* dq_gmem = p.dq_accum + dq_tile * (kTileM * kHeadDim);
     if (leader && p.deterministic) {
       const int turn = tile.block - mask.key_blocks(m_block).first;
       while (load_acquire(p.dq_semaphore + dq_tile) != turn) {}
     }
-    barrier_sync<BarrierId::kBwdDqFull0>(kHalfThreads);
+    barrier_sync<BarrierId::kBwdDqFull0>(kWgWriterThreads);
     if (leader) bulk_reduce_add(dq_gmem, smem.dq.data(), Traits::kBytesdQ / 2);
-    barrier_sync<BarrierId::kBwdDqFull1>(kHalfThreads);
+    barrier_sync<BarrierId::kBwdDqFull1>(kWgWriterThreads);
     if (leader) bulk_reduce_add(dq_gmem + kHalfElems, smem.dq.data() + kHalfElems, Traits::kBytesdQ / 2);
-    if (leader) {
-      if (p.deterministic) {
-        bulk_wait_done();
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        __threadfence();
-        atomicAdd(p.dq_semaphore + dq_tile, 1);
-      } else {
-        bulk_wait_read();
-      }
-    }
+    if (leader) finish_dq_add(dq_tile);
     __syncwarp();
-    barrier_arrive<BarrierId::kBwdDqEmpty0>(kHalfThreads);
-    barrier_arrive<BarrierId::kBwdDqEmpty1>(kHalfThreads);
+    barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
+    barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -423,14 +420,14 @@ struct BwdMainloop {
           wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           warpgroup_wait<1>();  // dQ; dK runs on
           const int wg = __shfl_sync(0xffffffff, tid / 128, 0);
-          if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, 128 + 32);
+          if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, kWgWriterThreads);
           float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
             sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
           }
           cutlass::arch::fence_view_async_shared();
-          barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, 128 + 32);
+          barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, kWgWriterThreads);
           warpgroup_wait<0>();  // dK: done with the stage's Q
           pipe.consumer_release(st);
           ++st;
@@ -467,7 +464,7 @@ struct BwdMainloop {
     // The writer signals "empty" after every block; take the last one so that no arrival is
     // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
     if constexpr (Traits::kDqPerWg) {
-      if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), 128 + 32);
+      if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), kWgWriterThreads);
     } else {
       if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
     }
