@@ -256,6 +256,26 @@ struct BwdMainloop {
     pipe.consumer_release(st);
   }
 
+  // S(r, c) = P = exp2(S * scale_log2 - LSE) for rows [First, Last) of the thread's fragment.
+  template <int First, int Last, class TScores, class QueryOf>
+  __device__ __forceinline__ void exp_rows(TScores& S, QueryOf const& query, const float* lse_log2) const {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = First; r < Last; ++r) {
+      const float lse = lse_log2[query(r)];
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
+    }
+  }
+
+  // Ends ptxas's basic block here: a loop on the clock, which it can neither drop nor predicate
+  // (taken at most once in 2^32 cycles, to sleep). A volatile read of a parameter instead was
+  // hoisted above its guard as a generic load of the parameter's offset: an illegal address.
+  __device__ __forceinline__ static void end_basic_block() {
+    uint32_t clock;
+    asm volatile("mov.u32 %0, %%clock;" : "=r"(clock));
+    while (clock == 0u) asm volatile("nanosleep.u32 32;\n\tmov.u32 %0, %%clock;" : "=r"(clock));
+  }
+
   // P and dS from the S and dP accumulators (both GEMMs issued, S's committed first), in
   // place: S becomes P = exp2(S * scale_log2 - LSE) and dP becomes dS = P (dP - D). S and dP
   // are (query, key) views, so that a row's LSE and D are read once; query(r) is row r's
@@ -290,39 +310,15 @@ struct BwdMainloop {
       }
     } else {
       mask_s();
-#ifdef FA3GEN_BWD_DP_WAIT_EIGHTHS
-      // Measurement switch: the dP wait after the exponentials of the first E/8 of the thread's
-      // rows (E = FA3GEN_BWD_DP_WAIT_EIGHTHS, 0-8), as FA4's sm90 backward has it (16 of 32
-      // exponentials before its dP wait at d128 64x128 causal, 11 of 40 at 80x128). Without a
-      // block boundary ptxas lifts the wait (it has no inputs) to after the first few.
-      static_assert(FA3GEN_BWD_DP_WAIT_EIGHTHS >= 0 && FA3GEN_BWD_DP_WAIT_EIGHTHS <= 8);
+      // kDqPerWg (FA4's sm90 step): half of the rows' exponentials before the dP wait, the rest
+      // after it, so that the warps are not left waiting on dP with the softmax still to do.
+      // Without a block boundary ptxas lifts the wait (it has no inputs) to after the first few.
       constexpr int kRows = decltype(size<0>(S))::value;
-      constexpr int kEarlyRows = kRows * FA3GEN_BWD_DP_WAIT_EIGHTHS / 8;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kEarlyRows; ++r) {
-        const float lse = lse_log2[query(r)];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-      }
-      // Ends ptxas's basic block: a loop it can neither drop nor predicate, on a parameter read
-      // each time (so that the loop is not unswitched away) that is never true (batch >= 1).
-      while (*reinterpret_cast<volatile const int*>(&p.batch) <= 0) asm volatile("nanosleep.u32 32;");
+      constexpr int kEarlyRows = Traits::kDqPerWg ? kRows / 2 : kRows;
+      exp_rows<0, kEarlyRows>(S, query, lse_log2);
+      if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = kEarlyRows; r < kRows; ++r) {
-        const float lse = lse_log2[query(r)];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-      }
-#else
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(S); ++r) {
-        const float lse = lse_log2[query(r)];
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
-      }
-      warpgroup_wait<0>();  // dP
-#endif
+      exp_rows<kEarlyRows, kRows>(S, query, lse_log2);
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
         const float d = dsum[query(r)];

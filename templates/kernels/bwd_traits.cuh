@@ -174,15 +174,13 @@ struct BwdTraits {
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
   static constexpr bool kPInSmem = kSplitHeadDim || kTransposedDkv;
-  // Measurement switch FA3GEN_BWD_DQ_PER_WG (FA4's sm90 order): dV, the dS hand-over, dQ, then
-  // dK; each consumer warpgroup waits for its dQ only and hands its own contiguous half to the
-  // writer warp on barriers of its own (160 threads) while dK runs, and frees the stage after
-  // dK. Two consumer warpgroups, dQ = dS K in a buffer of its own.
-#ifdef FA3GEN_BWD_DQ_PER_WG
-  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2;
-#else
-  static constexpr bool kDqPerWg = false;
-#endif
+  // FA4's sm90 step order: dV, the dS hand-over, dQ, then dK; each consumer warpgroup waits for
+  // its dQ only and hands its own contiguous half to the writer warp on barriers of its own (160
+  // threads) while dK runs, and frees the stage after dK; half of P's exponentials come before
+  // the dP wait (bwd_mainloop.cuh). Two consumer warpgroups, dQ = dS K in a buffer of its own.
+  // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gains at
+  // most 1% and spills 4 bytes with it, so it keeps the old order.
+  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
