@@ -179,7 +179,7 @@ struct BwdTraits {
   // threads) while dK runs, and frees the stage after dK; half of P's exponentials come before
   // the dP wait (bwd_mainloop.cuh). Two consumer warpgroups, dQ = dS K in a buffer of its own.
   // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gains at
-  // most 1% and spills 4 bytes with it, so it keeps the old order.
+  // most 1.5% and spills 4 bytes with it, so it keeps the old order.
   static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
   template <bool DqTile>
   struct SharedStorageT {
