@@ -343,20 +343,20 @@ struct BwdMainloop {
     auto wg_dq = warpgroup_slice(mma_dq, tid);
     auto [sQ, sdO, sQt, sdOt, sK, sV, sKt, sdS, sdSt, sP, sPt] = smem_tiles();  // sP, sPt: kSplitHeadDim
 
-    Tensor tSrK = wg_sdp.partition_fragment_A(sK);      // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
-    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);      // (MMA, MMA_M, MMA_K, Stages)
-    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
-    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
-    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
+    Tensor tSrK = opaque_desc_hi<0>(wg_sdp.partition_fragment_A(sK));      // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = opaque_desc_hi<0>(wg_sdp.partition_fragment_A(sV));
+    Tensor tSrQ = opaque_desc_hi<1>(wg_sdp.partition_fragment_B(sQ));      // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = opaque_desc_hi<1>(wg_sdp.partition_fragment_B(sdO));
+    Tensor tdVrdOt = opaque_desc_hi<1>(wg_dkv.partition_fragment_B(sdOt));  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = opaque_desc_hi<1>(wg_dkv.partition_fragment_B(sQt));
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
     Tensor tdQrdS = [&] {
-      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
-      else return wg_dq.partition_fragment_A(sdS);
+      if constexpr (Traits::kDqTransposed) return opaque_desc_hi<1, 2>(wg_dq.partition_fragment_B(sdS));
+      else return opaque_desc_hi<0, 2>(wg_dq.partition_fragment_A(sdS));
     }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
     Tensor tdQrKt = [&] {
-      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
-      else return wg_dq.partition_fragment_B(sKt);
+      if constexpr (Traits::kDqTransposed) return opaque_desc_hi<0, 2>(wg_dq.partition_fragment_A(sKt));
+      else return opaque_desc_hi<1, 2>(wg_dq.partition_fragment_B(sKt));
     }();
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
