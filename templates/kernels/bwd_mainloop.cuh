@@ -18,6 +18,33 @@
 
 namespace fa3gen {
 
+// Measurement switch FA3GEN_BWD_ROWS_BY_SHFL (FA4's way): a warp's rows of LSE (or D) read
+// from shared memory once, 8-byte words spread over the lanes, and handed to the lanes that
+// need them by shuffles: 2 reads a lane at 128 queries instead of 32, fewer shared-memory
+// wavefronts beside the GEMMs' operand reads. The thread's accumulator column r (of the
+// (query, key) view) is query 8 (r / 2) + 2 (lane % 4) + r % 2 (the WGMMA C layout, one MMA
+// along the queries, which a warpgroup spans unless kSplitHeadDim; checked on the host for
+// d128 64x128 and 80x128 and d64 128x128); lane 4 J + t holds queries 8 (J + 8 k) + 2 t +
+// {0, 1} in v[k].
+template <int TileM>
+struct ShuffledRowStats {
+  static constexpr int kWords = (TileM / 8 + 7) / 8;
+  float2 v[kWords];
+  __device__ __forceinline__ explicit ShuffledRowStats(const float* stats) {
+    const int lane = threadIdx.x % 32;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < kWords; ++k) {
+      const int query = 8 * (lane / 4 + 8 * k) + 2 * (lane % 4);
+      v[k] = query < TileM ? *reinterpret_cast<const float2*>(stats + query) : make_float2(0.f, 0.f);
+    }
+  }
+  __device__ __forceinline__ float operator()(int r) const {
+    const int j = r / 2;
+    const float word = r % 2 ? v[j / 8].y : v[j / 8].x;
+    return __shfl_sync(0xffffffff, word, 4 * (j % 8) + threadIdx.x % 4);
+  }
+};
+
 template <class Traits>
 struct BwdMainloop {
   using Element = typename Traits::Element;
@@ -257,11 +284,11 @@ struct BwdMainloop {
   }
 
   // S(r, c) = P = exp2(S * scale_log2 - LSE) for rows [First, Last) of the thread's fragment.
-  template <int First, int Last, class TScores, class QueryOf>
-  __device__ __forceinline__ void exp_rows(TScores& S, QueryOf const& query, const float* lse_log2) const {
+  template <int First, int Last, class TScores, class LseOf>
+  __device__ __forceinline__ void exp_rows(TScores& S, LseOf const& lse_of) const {
     CUTLASS_PRAGMA_UNROLL
     for (int r = First; r < Last; ++r) {
-      const float lse = lse_log2[query(r)];
+      const float lse = lse_of(r);
       CUTLASS_PRAGMA_UNROLL
       for (int c = 0; c < size<1>(S); ++c) S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
     }
@@ -278,11 +305,11 @@ struct BwdMainloop {
 
   // P and dS from the S and dP accumulators (both GEMMs issued, S's committed first), in
   // place: S becomes P = exp2(S * scale_log2 - LSE) and dP becomes dS = P (dP - D). S and dP
-  // are (query, key) views, so that a row's LSE and D are read once; query(r) is row r's
-  // index in the stage's LSE and D. mask_s() masks S in place (-inf outside the mask).
-  template <class TScores, class QueryOf, class MaskS>
-  __device__ __forceinline__ void scores_to_grads(TScores& S, TScores& dP, QueryOf const& query,
-                                                  const float* lse_log2, const float* dsum, MaskS const& mask_s) {
+  // are (query, key) views, so that a row's LSE and D are read once; lse_of(r) and d_of(r) are
+  // row r's. mask_s() masks S in place (-inf outside the mask).
+  template <class TScores, class LseOf, class DOf, class MaskS>
+  __device__ __forceinline__ void scores_to_grads(TScores& S, TScores& dP, LseOf const& lse_of, DOf const& d_of,
+                                                  MaskS const& mask_s) {
     warpgroup_wait<1>();  // S is done, dP may still run
     if constexpr (Traits::kSoftcap) {
       // S becomes t = tanh(S * scale / cap); once dP is done, dP becomes (dP - D)(1 - t^2),
@@ -294,14 +321,14 @@ struct BwdMainloop {
       warpgroup_wait<0>();  // dP
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
-        const float d = dsum[query(r)];
+        const float d = d_of(r);
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(S); ++c) dP(r, c) = (dP(r, c) - d) * fmaf(-S(r, c), S(r, c), 1.f);
       }
       mask_s();  // only now: 1 - t^2 above took finite t; exp2(-inf) = 0 below
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
-        const float lse = lse_log2[query(r)];
+        const float lse = lse_of(r);
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(S); ++c) {
           S(r, c) = exp2f(fmaf(S(r, c), p.scale_log2, -lse));
@@ -315,13 +342,13 @@ struct BwdMainloop {
       // Without a block boundary ptxas lifts the wait (it has no inputs) to after the first few.
       constexpr int kRows = decltype(size<0>(S))::value;
       constexpr int kEarlyRows = Traits::kDqPerWg ? kRows / 2 : kRows;
-      exp_rows<0, kEarlyRows>(S, query, lse_log2);
+      exp_rows<0, kEarlyRows>(S, lse_of);
       if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
-      exp_rows<kEarlyRows, kRows>(S, query, lse_log2);
+      exp_rows<kEarlyRows, kRows>(S, lse_of);
       CUTLASS_PRAGMA_UNROLL
       for (int r = 0; r < size<0>(S); ++r) {
-        const float d = dsum[query(r)];
+        const float d = d_of(r);
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
       }
@@ -392,11 +419,24 @@ struct BwdMainloop {
         // Keys on the rows here: the (query, key) views are transposes.
         Tensor S_qk = make_tensor(S.data(), make_layout(layout<1>(S), layout<0>(S)));
         Tensor dP_qk = make_tensor(dP.data(), make_layout(layout<1>(dP), layout<0>(dP)));
-        scores_to_grads(S_qk, dP_qk, [&](int q) { return get<1>(coordS(0, q)); }, smem.lse_log2[st.index()],
-                        smem.dsum[st.index()], [&] {
-                          if (mask.needs_mask(m_block, n_block))
-                            mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
-                        });
+        auto mask_s = [&] {
+          if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
+        };
+#ifdef FA3GEN_BWD_ROWS_BY_SHFL
+        constexpr bool kShuffled = !Traits::kSplitHeadDim;  // a warpgroup's columns: every query
+#else
+        constexpr bool kShuffled = false;
+#endif
+        if constexpr (kShuffled) {
+          const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
+          scores_to_grads(S_qk, dP_qk, lse, dsum, mask_s);
+        } else {
+          const float* lse_log2 = smem.lse_log2[st.index()];
+          const float* dsum = smem.dsum[st.index()];
+          auto query = [&](int r) { return get<1>(coordS(0, r)); };  // row r's query in the tile
+          scores_to_grads(S_qk, dP_qk, [&](int r) { return lse_log2[query(r)]; },
+                          [&](int r) { return dsum[query(r)]; }, mask_s);
+        }
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
         const int buf = iter & 1;
@@ -514,8 +554,11 @@ struct BwdMainloop {
         wgmma_issue<true>(mma_sdp, tSrdO(_, _, _, st.index()), tSrV, tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
-        scores_to_grads(S, dP, [&](int q) { return get<0>(coordS(q, 0)); }, smem.lse_log2[st.index()],
-                        smem.dsum[st.index()], [&] {
+        const float* lse_log2 = smem.lse_log2[st.index()];
+        const float* dsum = smem.dsum[st.index()];
+        auto query = [&](int r) { return get<0>(coordS(r, 0)); };  // row r's query in the tile
+        scores_to_grads(S, dP, [&](int r) { return lse_log2[query(r)]; }, [&](int r) { return dsum[query(r)]; },
+                        [&] {
                           if (mask.needs_mask(m_block, n_block))
                             mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
                         });
