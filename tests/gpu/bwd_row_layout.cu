@@ -1,0 +1,49 @@
+// Host-only check (no GPU needed) of the column layout that bwd_mainloop.cuh's
+// ShuffledRowStats (FA3GEN_BWD_ROWS_BY_SHFL) relies on: the backward's S^T accumulator column r
+// of consumer thread tid is query 8 (r / 2) + 2 (tid % 4) + r % 2. Run it after changing the
+// backward's TiledMma or tiles:
+//   nvcc -std=c++17 --expt-relaxed-constexpr -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED \
+//     -Itemplates/kernels -I$CUTLASS_DIR -gencode arch=compute_90a,code=sm_90a \
+//     -o /tmp/bwd_row_layout tests/gpu/bwd_row_layout.cu && /tmp/bwd_row_layout
+// Exit status 1 when a tile the switch serves breaks it. d256 64x64 is printed as the
+// counter-example: split-head-dim tiles hand each warpgroup half of the queries, and the
+// switch leaves them alone.
+#include <cstdio>
+#include "bwd_traits.cuh"
+#include "fragments.cuh"
+using namespace cute;
+
+template <class Layout>
+constexpr auto rowcol(Layout const& acc) {  // fragments.cuh acc_as_rowcol, which is device-only
+  auto v = get<0>(acc);
+  return make_layout(make_layout(get<1>(v), get<1>(acc)), make_layout(get<0>(v), get<2>(v), get<2>(acc)));
+}
+
+template <class Traits>
+int check(const char* name) {
+  typename Traits::TiledMmaSdP mma;
+  int bad = 0, cols = 0;
+  for (int tid = 0; tid < Traits::kConsumerThreads; ++tid) {
+    auto thr = mma.get_thread_slice(tid);
+    auto cS = thr.partition_C(make_identity_tensor(Shape<Int<Traits::kTileN>, Int<Traits::kTileM>>{}));
+    auto coordS = make_tensor(cS.data(), rowcol(cS.layout()));
+    cols = size<1>(coordS);
+    for (int r = 0; r < size<1>(coordS); ++r) {
+      int q = get<1>(coordS(0, r));
+      int want = 8 * (r / 2) + 2 * (tid % 4) + r % 2;
+      if (q != want && bad++ < 3) printf("%s tid %d r %d: query %d, formula %d\n", name, tid, r, q, want);
+    }
+  }
+  printf("%s: %d columns a thread, %d mismatches\n", name, cols, bad);
+  return bad;
+}
+
+int main() {
+  int bad = 0;
+  bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 128, 64, 128, 2, true, false, false, false>>("d128 64x128");
+  bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 64, 128, 128, 2, true, false, false, false>>("d64 128x128");
+  bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 128, 80, 128, 2, false, false, false, false>>("d128 80x128");
+  const int fitting = bad;
+  check<fa3gen::BwdTraits<cutlass::bfloat16_t, 256, 64, 64, 2, true, false, false, false>>("d256 64x64 (split head dim: expected not to fit)");
+  return fitting != 0;
+}
