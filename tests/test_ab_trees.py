@@ -130,6 +130,44 @@ def test_run_a_tree_times_a_compile_time_switch(monkeypatch, tmp_path):
         ab_trees.run(args, [])
 
 
+def test_run_b_defines_times_several_switches_against_one_a(monkeypatch, tmp_path):
+    """--a-tree --b-defines SET (repeatable): one A build and one B build per set, the jobs
+    split among them, then ab_libraries.py for A against each B, each with its own JSON."""
+    monkeypatch.setattr(ab_trees, "BASE_DIR", tmp_path / "no_export_here")
+    started, ran = [], []
+
+    class Build:
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            started.append((env["FA3GEN_GENERATED"], argv[2:]))
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", Build)
+    monkeypatch.setattr(ab_trees.subprocess, "run",
+                        lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    work = tmp_path / "w"
+    args = type("Args", (), {"spec": "h100", "only": ["bwd_*"], "jobs": 16, "a_tree": True,
+                             "define": [], "b_defines": ["X=2", "X=2  Y"], "work": str(work)})
+    assert ab_trees.run(args, ["--rounds", "3", "--json", str(tmp_path / "ab.json")]) == 0
+    common = ["--spec", "h100", "-j", "5", "--only", "bwd_*"]
+    assert started == [(str(work / "A"), common),
+                       (str(work / "B1"), [*common, "--define", "X=2"]),
+                       (str(work / "B2"), [*common, "--define", "X=2", "--define", "Y"])]
+    assert [cmd[2:4] for cmd in ran] == [
+        [str(work / "A/h100/lib/libfa3gen_h100.so"), str(work / f"{side}/h100/lib/libfa3gen_h100.so")]
+        for side in ("B1", "B2")]
+    assert [cmd[cmd.index("--json") + 1] for cmd in ran] == [
+        str(tmp_path / "ab_B1.json"), str(tmp_path / "ab_B2.json")]
+    assert all(cmd[cmd.index("--commit-a") + 1] == "this tree without X=2 Y" for cmd in ran)
+    args.define = ["Z"]  # --b-defines replaces --define
+    with pytest.raises(SystemExit, match="--b-defines"):
+        ab_trees.run(args, [])
+    args.define, args.ncu = [], "bwd_x"  # ncu compares A with one B
+    with pytest.raises(SystemExit, match="one set"):
+        ab_trees.run(args, [])
+
+
 def test_run_ncu_profiles_one_variant_from_each_side(monkeypatch, tmp_path):
     """--ncu VARIANT: each library's launch of the variant under ncu (its head dim, causality
     and dtype from the name), the source pages as CSV, then ncu_phases.py on both."""

@@ -10,6 +10,8 @@ and from this tree, then timed side by side by ab_libraries.py.
     python3 tests/gpu/ab_trees.py run --a-tree --define NAME[=VALUE] --only 'fwd_e4m3_d128_*' ...
                                                       # a compile-time switch: A and B both from
                                                       # this tree, B built with the define
+    python3 tests/gpu/ab_trees.py run --a-tree --b-defines 'X=1' --b-defines 'X=2 Y' --only ...
+                                                      # several switches against one A build
     python3 tests/gpu/ab_trees.py run --only VARIANT --ncu VARIANT [--json phases.json]
                                                       # where each build's warps wait (ncu)
 
@@ -58,17 +60,36 @@ def export(rev: str, dest: Path = BASE_DIR) -> str:
     return commit
 
 
+def b_sides(b_sets: list[tuple[str, ...]]) -> list[str]:
+    """The B builds' names: B alone, or B1, B2, ... for several sets of defines."""
+    return ["B"] if len(b_sets) <= 1 else [f"B{i}" for i in range(1, len(b_sets) + 1)]
+
+
 def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR,
-                   b_defines: tuple[str, ...] = (), allow_spills: bool = False):
-    """[(cwd, env additions, argv)] of the two builds: A in `base`, B in this tree (with
-    `--define` for each of b_defines)."""
-    args = ["--spec", spec, "-j", str(max(1, jobs // 2)), *(["--allow-spills"] if allow_spills else [])]
+                   b_defines: tuple[str, ...] = (), allow_spills: bool = False,
+                   b_sets: list[tuple[str, ...]] | None = None):
+    """[(cwd, env additions, argv)] of the builds: A in `base`, then B in this tree (with
+    `--define` for each of b_defines), or one B per set of defines in b_sets (B1, B2, ...),
+    the compile jobs split between them."""
+    b_sets = b_sets or [tuple(b_defines)]
+    args = ["--spec", spec, "-j", str(max(1, jobs // (1 + len(b_sets)))),
+            *(["--allow-spills"] if allow_spills else [])]
     for glob in only:
         args += ["--only", glob]
-    defines = [a for d in b_defines for a in ("--define", d)]
+    sides = [(base, "A", ())] + [(ROOT, side, defines) for side, defines in zip(b_sides(b_sets), b_sets)]
     return [(tree, {"FA3GEN_GENERATED": str(work / side), "PYTHONPATH": str(tree)},
-             [sys.executable, "build.py", *args, *(defines if side == "B" else [])])
-            for tree, side in ((base, "A"), (ROOT, "B"))]
+             [sys.executable, "build.py", *args, *(a for d in defines for a in ("--define", d))])
+            for tree, side, defines in sides]
+
+
+def json_for(ab_args: list[str], side: str, several: bool) -> list[str]:
+    """ab_args with --json's path suffixed by the side (a.json -> a_B2.json) when several B
+    libraries are timed, so that each keeps its own."""
+    if not several or "--json" not in ab_args[:-1]:
+        return list(ab_args)
+    i = ab_args.index("--json") + 1
+    path = Path(ab_args[i])
+    return [*ab_args[:i], str(path.with_name(f"{path.stem}_{side}{path.suffix}")), *ab_args[i + 1:]]
 
 
 def build_failures(log_text: str, limit: int = 8) -> list[str]:
@@ -116,12 +137,19 @@ def ncu_profiles(variant: str, seqlen: int, libs: dict, work: Path, phases_args:
 
 def run(args, ab_args: list[str]) -> int:
     defines = tuple(getattr(args, "define", None) or ())
+    b_sets = [tuple(group.split()) for group in getattr(args, "b_defines", None) or ()]
     a_tree = getattr(args, "a_tree", False)
+    if b_sets and (defines or not a_tree or not all(b_sets)):
+        raise SystemExit("--b-defines takes the place of --define, with --a-tree: one B library "
+                         "per use, each a non-empty set of defines")
+    if len(b_sets) > 1 and any(getattr(args, flag, None) for flag in ("ncu", "quantizer", "decode")):
+        raise SystemExit("--ncu, --quantizer and --decode compare A with one B: give one set of defines")
+    b_sets = b_sets or [defines]
     if a_tree:  # a compile-time switch: both sides from this tree
-        if not defines:
+        if not any(b_sets):
             raise SystemExit("--a-tree builds A and B from this tree: name the switch B gets "
                              "with --define")
-        base, commit = ROOT, "this tree without " + " ".join(defines)
+        base, commit = ROOT, "this tree without " + " ".join(dict.fromkeys(d for s in b_sets for d in s))
     else:
         base = BASE_DIR
         if not (base / "AB_BASE_COMMIT").is_file():
@@ -131,9 +159,11 @@ def run(args, ab_args: list[str]) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     builds = []
+    sides = ["A", *b_sides(b_sets)]
     for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base,
-                                                       defines, getattr(args, "allow_spills", False)),
-                                        "AB"):
+                                                       allow_spills=getattr(args, "allow_spills", False),
+                                                       b_sets=b_sets),
+                                        sides):
         log = open(work / f"build_{side}.log", "w")
         builds.append((cwd, log, subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra},
                                                   stdout=log, stderr=subprocess.STDOUT)))
@@ -146,9 +176,17 @@ def run(args, ab_args: list[str]) -> int:
     if failed:
         raise SystemExit("build failed: " + "\n".join(failed) +
                          "\n(--allow-spills times variants that spill too; or leave them out of --only)")
-    b_name = "this tree" + (" with " + " ".join(defines) if defines else "")
-    print(f"built A ({commit if a_tree else commit[:10]}) and B ({b_name}) under {work}", flush=True)
-    lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, "B", args.spec))
+    b_names = ", ".join(f"{side} (this tree" + (" with " + " ".join(d) if d else "") + ")"
+                        for side, d in zip(sides[1:], b_sets))
+    print(f"built A ({commit if a_tree else commit[:10]}) and {b_names} under {work}", flush=True)
+    lib_a = str(library(work, "A", args.spec))
+    if len(b_sets) > 1:  # each B against the same A, one after another
+        codes = [subprocess.run([sys.executable, str(Path(__file__).with_name("ab_libraries.py")), lib_a,
+                                 str(library(work, side, args.spec)), "--commit-a", commit,
+                                 *json_for(ab_args, side, True)]).returncode
+                 for side in sides[1:]]
+        return max(codes)
+    lib_b = str(library(work, "B", args.spec))
     if getattr(args, "ncu", None):
         return ncu_profiles(args.ncu, args.ncu_seqlen, {"A": lib_a, "B": lib_b}, work, ab_args)
     bench = {"quantizer": "bench_fp8_quantize.py", "decode": "bench_kvcache.py"}
@@ -181,6 +219,11 @@ def main() -> int:
     p_run.add_argument("--define", action="append", metavar="NAME[=VALUE]",
                        help="build B with this preprocessor definition (repeatable; build.py "
                             "--define)")
+    p_run.add_argument("--b-defines", action="append", metavar="'NAME[=VALUE] ...'",
+                       help="with --a-tree, instead of --define: one B library per use, built "
+                            "with these space-separated definitions (B1, B2, ...: one A build "
+                            "for several switches); each is timed against A in turn, --json "
+                            "getting the side's name (ab.json -> ab_B1.json)")
     p_run.add_argument("--a-tree", action="store_true",
                        help="build A from this tree too (no export): with --define, an A/B of "
                             "a compile-time switch")
