@@ -230,3 +230,13 @@ def test_run_says_which_variant_failed_and_can_allow_spills(monkeypatch, tmp_pat
     assert all(argv[4] == "--allow-spills" for argv in started) and len(started) == 2
     assert ab_trees.build_failures("ok\nFAILED: [code=1] obj/a.o\nx.cu(3): error: no\n") == [
         "FAILED: [code=1] obj/a.o", "x.cu(3): error: no"]
+
+
+def test_time_only_reaches_ab_libraries_as_only(monkeypatch):
+    """run's --only picks what both sides build; --time-only what ab_libraries.py times."""
+    seen = []
+    monkeypatch.setattr(ab_trees, "run", lambda args, ab_args: seen.append((args.only, ab_args)) or 0)
+    monkeypatch.setattr(ab_trees.sys, "argv", ["ab_trees.py", "run", "--only", "bwd_x*", "--only",
+                                               "fwd_y", "--time-only", "bwd_*", "--all-variants"])
+    assert ab_trees.main() == 0
+    assert seen == [(["bwd_x*", "fwd_y"], ["--all-variants", "--only", "bwd_*"])]

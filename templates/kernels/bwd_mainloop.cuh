@@ -451,7 +451,11 @@ struct BwdMainloop {
           cutlass::arch::fence_view_async_shared();
           barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
-          wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+          if constexpr (Traits::kDqTransposed) {
+            wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
+          } else {
+            wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+          }
           warpgroup_wait<1>();  // dV
           wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           warpgroup_wait<1>();  // dQ; dK runs on

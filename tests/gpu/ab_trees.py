@@ -219,6 +219,10 @@ def main() -> int:
     p_run.add_argument("--define", action="append", metavar="NAME[=VALUE]",
                        help="build B with this preprocessor definition (repeatable; build.py "
                             "--define)")
+    p_run.add_argument("--time-only", action="append", default=[], metavar="GLOB",
+                       help="time only the variants matching (ab_libraries.py --only; "
+                            "repeatable): e.g. with --all-variants, the backward candidates "
+                            "and not the forwards built for their inputs")
     p_run.add_argument("--b-defines", action="append", metavar="'NAME[=VALUE] ...'",
                        help="with --a-tree, instead of --define: one B library per use, built "
                             "with these space-separated definitions (B1, B2, ...: one A build "
@@ -240,6 +244,7 @@ def main() -> int:
                        help="time the two builds' decode kernels (bench_kvcache.py --baseline-so "
                             "A); any --only brings them along")
     args, rest = parser.parse_known_args()
+    rest += [a for glob in getattr(args, "time_only", []) for a in ("--only", glob)]
     if args.command == "export":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
