@@ -340,8 +340,12 @@ struct BwdMainloop {
       // kDqPerWg (FA4's sm90 step): half of the rows' exponentials before the dP wait, the rest
       // after it, so that the warps are not left waiting on dP with the softmax still to do.
       // Without a block boundary ptxas lifts the wait (it has no inputs) to after the first few.
+      // With the shuffled LSE (FA3GEN_BWD_ROWS_BY_SHFL) ptxas would wait for dP before every
+      // exponential in the old order (d64), so there a quarter come first, about where it
+      // places the wait with the shared-memory reads (13 of 64).
       constexpr int kRows = decltype(size<0>(S))::value;
-      constexpr int kEarlyRows = Traits::kDqPerWg ? kRows / 2 : kRows;
+      constexpr int kEarlyRows = Traits::kDqPerWg ? kRows / 2
+                                 : is_same_v<LseOf, ShuffledRowStats<kTileM>> ? kRows / 4 : kRows;
       exp_rows<0, kEarlyRows>(S, lse_of);
       if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
