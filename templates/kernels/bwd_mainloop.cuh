@@ -283,6 +283,14 @@ struct BwdMainloop {
     pipe.consumer_release(st);
   }
 
+  // Row r's LSE and D read from the stage's shared-memory copies; query(r) is its query in the tile.
+  template <class QueryOf>
+  __device__ __forceinline__ auto smem_row_stats(int stage, QueryOf const& query) const {
+    const float* lse_log2 = smem.lse_log2[stage];
+    const float* dsum = smem.dsum[stage];
+    return cute::make_tuple([=](int r) { return lse_log2[query(r)]; }, [=](int r) { return dsum[query(r)]; });
+  }
+
   // S(r, c) = P = exp2(S * scale_log2 - LSE) for rows [First, Last) of the thread's fragment.
   template <int First, int Last, class TScores, class LseOf>
   __device__ __forceinline__ void exp_rows(TScores& S, LseOf const& lse_of) const {
@@ -306,8 +314,9 @@ struct BwdMainloop {
   // P and dS from the S and dP accumulators (both GEMMs issued, S's committed first), in
   // place: S becomes P = exp2(S * scale_log2 - LSE) and dP becomes dS = P (dP - D). S and dP
   // are (query, key) views, so that a row's LSE and D are read once; lse_of(r) and d_of(r) are
-  // row r's. mask_s() masks S in place (-inf outside the mask).
-  template <class TScores, class LseOf, class DOf, class MaskS>
+  // row r's. mask_s() masks S in place (-inf outside the mask). Without softcap, the
+  // exponentials of the first EarlyQuarters / 4 of the rows come before the dP wait.
+  template <int EarlyQuarters, class TScores, class LseOf, class DOf, class MaskS>
   __device__ __forceinline__ void scores_to_grads(TScores& S, TScores& dP, LseOf const& lse_of, DOf const& d_of,
                                                   MaskS const& mask_s) {
     warpgroup_wait<1>();  // S is done, dP may still run
@@ -337,15 +346,10 @@ struct BwdMainloop {
       }
     } else {
       mask_s();
-      // kDqPerWg (FA4's sm90 step): half of the rows' exponentials before the dP wait, the rest
-      // after it, so that the warps are not left waiting on dP with the softmax still to do.
-      // Without a block boundary ptxas lifts the wait (it has no inputs) to after the first few.
-      // With the shuffled LSE (FA3GEN_BWD_ROWS_BY_SHFL) ptxas would wait for dP before every
-      // exponential in the old order (d64), so there a quarter come first, about where it
-      // places the wait with the shared-memory reads (13 of 64).
+      // Without a block boundary ptxas lifts the dP wait (it has no inputs) to after the first
+      // few exponentials, or above all of them.
       constexpr int kRows = decltype(size<0>(S))::value;
-      constexpr int kEarlyRows = Traits::kDqPerWg ? kRows / 2
-                                 : is_same_v<LseOf, ShuffledRowStats<kTileM>> ? kRows / 4 : kRows;
+      constexpr int kEarlyRows = kRows * EarlyQuarters / 4;
       exp_rows<0, kEarlyRows>(S, lse_of);
       if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
@@ -389,6 +393,14 @@ struct BwdMainloop {
       if constexpr (Traits::kDqTransposed) return opaque_desc_hi<0, 2>(wg_dq.partition_fragment_A(sKt));
       else return opaque_desc_hi<1, 2>(wg_dq.partition_fragment_B(sKt));
     }();
+    // dQ = dS K, or dQ^T = K^T dS^T, from dS^T buffer buf.
+    auto issue_dq = [&](int buf, auto& tdQrdQ) {
+      if constexpr (Traits::kDqTransposed) {
+        wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
+      } else {
+        wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
+      }
+    };
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
     // d128 64x128 from 497 to ~557 TFLOP/s at seqlen 16k, and d128 80x128 (dQ^T) by 5-9%.
@@ -431,15 +443,17 @@ struct BwdMainloop {
 #else
         constexpr bool kShuffled = false;
 #endif
+        // kDqPerWg (FA4's sm90 step): half of the exponentials before the dP wait, so that the
+        // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
+        // ptxas put the wait above every exponential in the old order (d64): a quarter there,
+        // about where it places it with the shared-memory reads (13 of 64).
+        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : kShuffled ? 1 : 4;
         if constexpr (kShuffled) {
           const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
-          scores_to_grads(S_qk, dP_qk, lse, dsum, mask_s);
+          scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse, dsum, mask_s);
         } else {
-          const float* lse_log2 = smem.lse_log2[st.index()];
-          const float* dsum = smem.dsum[st.index()];
-          auto query = [&](int r) { return get<1>(coordS(0, r)); };  // row r's query in the tile
-          scores_to_grads(S_qk, dP_qk, [&](int r) { return lse_log2[query(r)]; },
-                          [&](int r) { return dsum[query(r)]; }, mask_s);
+          auto [lse_of, d_of] = smem_row_stats(st.index(), [&](int r) { return get<1>(coordS(0, r)); });
+          scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse_of, d_of, mask_s);
         }
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);
@@ -455,11 +469,7 @@ struct BwdMainloop {
           cutlass::arch::fence_view_async_shared();
           barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
-          if constexpr (Traits::kDqTransposed) {
-            wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
-          } else {
-            wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-          }
+          issue_dq(buf, tdQrdQ);
           warpgroup_wait<1>();  // dV
           wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           warpgroup_wait<1>();  // dQ; dK runs on
@@ -494,11 +504,7 @@ struct BwdMainloop {
           wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buf), tdKrQt(_, _, _, st.index()), tdKrdK);
         }
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
-        if constexpr (Traits::kDqTransposed) {
-          wgmma_issue<true>(mma_dq, tdQrKt, tdQrdS(_, _, _, buf), tdQrdQ);
-        } else {
-          wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
-        }
+        issue_dq(buf, tdQrdQ);
         warpgroup_wait<0>();
 
         hand_dq(tdQrdQ, st, iter, tid);
@@ -562,14 +568,10 @@ struct BwdMainloop {
         wgmma_issue<true>(mma_sdp, tSrdO(_, _, _, st.index()), tSrV, tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
-        const float* lse_log2 = smem.lse_log2[st.index()];
-        const float* dsum = smem.dsum[st.index()];
-        auto query = [&](int r) { return get<0>(coordS(r, 0)); };  // row r's query in the tile
-        scores_to_grads(S, dP, [&](int r) { return lse_log2[query(r)]; }, [&](int r) { return dsum[query(r)]; },
-                        [&] {
-                          if (mask.needs_mask(m_block, n_block))
-                            mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
-                        });
+        auto [lse_of, d_of] = smem_row_stats(st.index(), [&](int r) { return get<0>(coordS(r, 0)); });
+        scores_to_grads<4>(S, dP, lse_of, d_of, [&] {
+          if (mask.needs_mask(m_block, n_block)) mask.apply(S, coordS, m_block * kTileM, n_block * kTileN);
+        });
         const int buf = iter & 1;
         Tensor rP = convert_fragment<Element>(tSrS);
         Tensor rdS = convert_fragment<Element>(tSrdP);

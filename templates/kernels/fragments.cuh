@@ -64,7 +64,7 @@ __device__ __forceinline__ auto warpgroup_slice(TiledMma const& tiled_mma, int t
 // A WGMMA accumulator fragment has layout ((2, 2, N/8), MMA_M, MMA_N): (column pair,
 // row half, 8-column block). View it as (rows, cols) so that softmax can reduce along rows.
 template <class Layout>
-__device__ __forceinline__ constexpr auto acc_as_rowcol(Layout const& acc) {
+CUTE_HOST_DEVICE constexpr auto acc_as_rowcol(Layout const& acc) {  // host too: tests/gpu/bwd_row_layout.cu
   static_assert(rank(Layout{}) == 3);
   auto v = get<0>(acc);
   return make_layout(make_layout(get<1>(v), get<1>(acc)),

@@ -66,12 +66,10 @@ def b_sides(b_sets: list[tuple[str, ...]]) -> list[str]:
 
 
 def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path = BASE_DIR,
-                   b_defines: tuple[str, ...] = (), allow_spills: bool = False,
-                   b_sets: list[tuple[str, ...]] | None = None):
-    """[(cwd, env additions, argv)] of the builds: A in `base`, then B in this tree (with
-    `--define` for each of b_defines), or one B per set of defines in b_sets (B1, B2, ...),
-    the compile jobs split between them."""
-    b_sets = b_sets or [tuple(b_defines)]
+                   b_sets: tuple[tuple[str, ...], ...] | list = ((),), allow_spills: bool = False):
+    """[(cwd, env additions, argv)] of the builds: A in `base`, then one B in this tree per set
+    of defines in b_sets (`--define` for each; B alone, or B1, B2, ...), the compile jobs split
+    between them."""
     args = ["--spec", spec, "-j", str(max(1, jobs // (1 + len(b_sets)))),
             *(["--allow-spills"] if allow_spills else [])]
     for glob in only:
@@ -82,10 +80,10 @@ def build_commands(spec: str, only: list[str], jobs: int, work: Path, base: Path
             for tree, side, defines in sides]
 
 
-def json_for(ab_args: list[str], side: str, several: bool) -> list[str]:
-    """ab_args with --json's path suffixed by the side (a.json -> a_B2.json) when several B
-    libraries are timed, so that each keeps its own."""
-    if not several or "--json" not in ab_args[:-1]:
+def json_for(ab_args: list[str], side: str) -> list[str]:
+    """ab_args with --json's path suffixed by the side (a.json -> a_B2.json) for one of several
+    B libraries, so that each keeps its own; unchanged for the only one (side "B")."""
+    if side == "B" or "--json" not in ab_args[:-1]:
         return list(ab_args)
     i = ab_args.index("--json") + 1
     path = Path(ab_args[i])
@@ -160,9 +158,8 @@ def run(args, ab_args: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     builds = []
     sides = ["A", *b_sides(b_sets)]
-    for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base,
-                                                       allow_spills=getattr(args, "allow_spills", False),
-                                                       b_sets=b_sets),
+    for (cwd, extra, argv), side in zip(build_commands(args.spec, args.only, args.jobs, work, base, b_sets,
+                                                       getattr(args, "allow_spills", False)),
                                         sides):
         log = open(work / f"build_{side}.log", "w")
         builds.append((cwd, log, subprocess.Popen(argv, cwd=cwd, env={**os.environ, **extra},
@@ -179,14 +176,7 @@ def run(args, ab_args: list[str]) -> int:
     b_names = ", ".join(f"{side} (this tree" + (" with " + " ".join(d) if d else "") + ")"
                         for side, d in zip(sides[1:], b_sets))
     print(f"built A ({commit if a_tree else commit[:10]}) and {b_names} under {work}", flush=True)
-    lib_a = str(library(work, "A", args.spec))
-    if len(b_sets) > 1:  # each B against the same A, one after another
-        codes = [subprocess.run([sys.executable, str(Path(__file__).with_name("ab_libraries.py")), lib_a,
-                                 str(library(work, side, args.spec)), "--commit-a", commit,
-                                 *json_for(ab_args, side, True)]).returncode
-                 for side in sides[1:]]
-        return max(codes)
-    lib_b = str(library(work, "B", args.spec))
+    lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, sides[1], args.spec))
     if getattr(args, "ncu", None):
         return ncu_profiles(args.ncu, args.ncu_seqlen, {"A": lib_a, "B": lib_b}, work, ab_args)
     bench = {"quantizer": "bench_fp8_quantize.py", "decode": "bench_kvcache.py"}
@@ -194,9 +184,11 @@ def run(args, ab_args: list[str]) -> int:
         if getattr(args, flag, False):
             cmd = [sys.executable, str(Path(__file__).with_name(script)), "--baseline-so", lib_a, *ab_args]
             return subprocess.run(cmd, env={**os.environ, "FA3GEN_LIB": lib_b}).returncode
-    cmd = [sys.executable, str(Path(__file__).with_name("ab_libraries.py")), lib_a, lib_b,
-           "--commit-a", commit, *ab_args]
-    return subprocess.run(cmd).returncode
+    # each B against the same A, one after another
+    return max(subprocess.run([sys.executable, str(Path(__file__).with_name("ab_libraries.py")), lib_a,
+                               str(library(work, side, args.spec)), "--commit-a", commit,
+                               *json_for(ab_args, side)]).returncode
+               for side in sides[1:])
 
 
 def main() -> int:

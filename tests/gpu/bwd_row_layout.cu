@@ -13,12 +13,6 @@
 #include "fragments.cuh"
 using namespace cute;
 
-template <class Layout>
-constexpr auto rowcol(Layout const& acc) {  // fragments.cuh acc_as_rowcol, which is device-only
-  auto v = get<0>(acc);
-  return make_layout(make_layout(get<1>(v), get<1>(acc)), make_layout(get<0>(v), get<2>(v), get<2>(acc)));
-}
-
 template <class Traits>
 int check(const char* name) {
   typename Traits::TiledMmaSdP mma;
@@ -26,7 +20,7 @@ int check(const char* name) {
   for (int tid = 0; tid < Traits::kConsumerThreads; ++tid) {
     auto thr = mma.get_thread_slice(tid);
     auto cS = thr.partition_C(make_identity_tensor(Shape<Int<Traits::kTileN>, Int<Traits::kTileM>>{}));
-    auto coordS = make_tensor(cS.data(), rowcol(cS.layout()));
+    auto coordS = make_tensor(cS.data(), fa3gen::acc_as_rowcol(cS.layout()));
     cols = size<1>(coordS);
     for (int r = 0; r < size<1>(coordS); ++r) {
       int q = get<1>(coordS(0, r));
