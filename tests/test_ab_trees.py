@@ -240,3 +240,38 @@ def test_time_only_reaches_ab_libraries_as_only(monkeypatch):
                                                "fwd_y", "--time-only", "bwd_*", "--all-variants"])
     assert ab_trees.main() == 0
     assert seen == [(["bwd_x*", "fwd_y"], ["--all-variants", "--only", "bwd_*"])]
+
+
+def test_check_drops_a_b_whose_tests_fail_before_timing(monkeypatch, tmp_path):
+    """--check 'PYTEST ARGS': pytest against each B library first; a B that fails is not
+    timed (its kernels could fault and take the A/B's process with them). --build-only then
+    times nothing."""
+    monkeypatch.setattr(ab_trees, "BASE_DIR", tmp_path / "no_export_here")
+    ran = []
+
+    class Build:
+        def __init__(self, argv, cwd, env, stdout, stderr):
+            pass
+
+        def wait(self):
+            return 0
+
+    def fake_run(cmd, env=None, cwd=None):
+        ran.append((cmd, env))
+        failing = "pytest" in cmd and env["FA3GEN_LIB"].startswith(str(tmp_path / "w/B1/"))
+        return subprocess.CompletedProcess(cmd, int(failing))
+
+    monkeypatch.setattr(ab_trees.subprocess, "Popen", Build)
+    monkeypatch.setattr(ab_trees.subprocess, "run", fake_run)
+    args = type("Args", (), {"spec": "h100", "only": ["bwd_*"], "jobs": 16, "a_tree": True,
+                             "define": [], "b_defines": ["X=1", "X=2"], "work": str(tmp_path / "w"),
+                             "check": "tests/gpu/test_backward.py -k 'a or b'"})
+    assert ab_trees.run(args, []) == 0
+    checks = [cmd for cmd, _ in ran if "pytest" in cmd]
+    assert len(checks) == 2 and checks[0][-3:] == ["tests/gpu/test_backward.py", "-k", "a or b"]
+    timed = [cmd for cmd, _ in ran if "pytest" not in cmd]
+    assert [cmd[3] for cmd in timed] == [str(tmp_path / "w/B2/h100/lib/libfa3gen_h100.so")]
+    ran.clear()
+    args.build_only = True
+    assert ab_trees.run(args, []) == 0
+    assert all("pytest" in cmd for cmd, _ in ran)

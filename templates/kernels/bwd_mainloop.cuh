@@ -18,7 +18,7 @@
 
 namespace fa3gen {
 
-// Measurement switch FA3GEN_BWD_ROWS_BY_SHFL (FA4's way): a warp's rows of LSE (or D) read
+// BwdTraits::kRowsByShfl (FA4's way): a warp's rows of LSE (or D) read
 // from shared memory once, 8-byte words spread over the lanes, and handed to the lanes that
 // need them by shuffles: 2 reads a lane at 128 queries instead of 32, fewer shared-memory
 // wavefronts beside the GEMMs' operand reads. The thread's accumulator column r (of the
@@ -378,20 +378,20 @@ struct BwdMainloop {
     auto wg_dq = warpgroup_slice(mma_dq, tid);
     auto [sQ, sdO, sQt, sdOt, sK, sV, sKt, sdS, sdSt, sP, sPt] = smem_tiles();  // sP, sPt: kSplitHeadDim
 
-    Tensor tSrK = opaque_desc_hi<0>(wg_sdp.partition_fragment_A(sK));      // (MMA, MMA_N, MMA_K)
-    Tensor tSrV = opaque_desc_hi<0>(wg_sdp.partition_fragment_A(sV));
-    Tensor tSrQ = opaque_desc_hi<1>(wg_sdp.partition_fragment_B(sQ));      // (MMA, MMA_M, MMA_K, Stages)
-    Tensor tSrdO = opaque_desc_hi<1>(wg_sdp.partition_fragment_B(sdO));
-    Tensor tdVrdOt = opaque_desc_hi<1>(wg_dkv.partition_fragment_B(sdOt));  // (MMA, MMA_D, MMA_K, Stages)
-    Tensor tdKrQt = opaque_desc_hi<1>(wg_dkv.partition_fragment_B(sQt));
+    Tensor tSrK = wg_sdp.partition_fragment_A(sK);  // (MMA, MMA_N, MMA_K)
+    Tensor tSrV = wg_sdp.partition_fragment_A(sV);
+    Tensor tSrQ = wg_sdp.partition_fragment_B(sQ);  // (MMA, MMA_M, MMA_K, Stages)
+    Tensor tSrdO = wg_sdp.partition_fragment_B(sdO);
+    Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
+    Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
     Tensor tdQrdS = [&] {
-      if constexpr (Traits::kDqTransposed) return opaque_desc_hi<1, 2>(wg_dq.partition_fragment_B(sdS));
-      else return opaque_desc_hi<0, 2>(wg_dq.partition_fragment_A(sdS));
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
+      else return wg_dq.partition_fragment_A(sdS);
     }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
     Tensor tdQrKt = [&] {
-      if constexpr (Traits::kDqTransposed) return opaque_desc_hi<0, 2>(wg_dq.partition_fragment_A(sKt));
-      else return opaque_desc_hi<1, 2>(wg_dq.partition_fragment_B(sKt));
+      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
+      else return wg_dq.partition_fragment_B(sKt);
     }();
     // dQ = dS K, or dQ^T = K^T dS^T, from dS^T buffer buf.
     auto issue_dq = [&](int buf, auto& tdQrdQ) {
@@ -438,17 +438,12 @@ struct BwdMainloop {
         auto mask_s = [&] {
           if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
         };
-#ifdef FA3GEN_BWD_ROWS_BY_SHFL
-        constexpr bool kShuffled = !Traits::kSplitHeadDim;  // a warpgroup's columns: every query
-#else
-        constexpr bool kShuffled = false;
-#endif
         // kDqPerWg (FA4's sm90 step): half of the exponentials before the dP wait, so that the
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
-        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : kShuffled ? 1 : 4;
-        if constexpr (kShuffled) {
+        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
+        if constexpr (Traits::kRowsByShfl) {
           const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
           scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse, dsum, mask_s);
         } else {

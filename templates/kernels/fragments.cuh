@@ -29,28 +29,6 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
 }
 
-// Measurement switch FA3GEN_BWD_DESC_HI_OPAQUE: a GEMM descriptor's upper word (layout type and
-// strides) is a constant, so ptxas rematerializes it with a UMOV before every GEMM that reads
-// it (68 of the d128 64x128 backward step's 549 instructions; FA4's step has 20 UMOV). Made
-// opaque (plus a zero ptxas cannot fold, one per descriptor slot, so that equal upper words
-// are not merged into one register that must then be copied), it stays in its register.
-// Measured 0.944-1.007 on 2026-12-01 under the old step order; kept to time it under FA4's.
-// 1: the descriptors of the S, dP, dV and dK GEMMs; 2: also dQ's (MinLevel 2).
-template <int Slot, int MinLevel = 1, class TensorD>
-__device__ __forceinline__ auto opaque_desc_hi(TensorD const& t) {
-#if defined(FA3GEN_BWD_DESC_HI_OPAQUE) && FA3GEN_BWD_DESC_HI_OPAQUE >= 1
-  if constexpr (FA3GEN_BWD_DESC_HI_OPAQUE < MinLevel) {
-    return t;
-  } else {
-    auto it = t.data();
-    it.desc_.reg32_[1] += (Slot == 0 ? blockIdx.x : Slot == 1 ? blockIdx.y : blockIdx.z) >> 31;
-    return make_tensor(it, t.layout());
-  }
-#else
-  return t;
-#endif
-}
-
 // The slice of a warpgroup-level TiledMma for its shared-memory operands (descriptors). A
 // descriptor depends only on the warpgroup, so slicing at the warpgroup's first thread, with
 // the index broadcast from lane 0, lets ptxas see the values as warp-uniform and keep them in

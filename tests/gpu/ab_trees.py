@@ -12,6 +12,10 @@ and from this tree, then timed side by side by ab_libraries.py.
                                                       # this tree, B built with the define
     python3 tests/gpu/ab_trees.py run --a-tree --b-defines 'X=1' --b-defines 'X=2 Y' --only ...
                                                       # several switches against one A build
+    python3 tests/gpu/ab_trees.py run ... --check 'tests/gpu/test_backward.py -k reference' \
+        [--build-only]                                # each B's tests first (a failing B is not
+                                                      # timed); --build-only: build and check,
+                                                      # time later with the same arguments
     python3 tests/gpu/ab_trees.py run --only VARIANT --ncu VARIANT [--json phases.json]
                                                       # where each build's warps wait (ncu)
 
@@ -30,6 +34,7 @@ Not a pytest module.
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -176,6 +181,23 @@ def run(args, ab_args: list[str]) -> int:
     b_names = ", ".join(f"{side} (this tree" + (" with " + " ".join(d) if d else "") + ")"
                         for side, d in zip(sides[1:], b_sets))
     print(f"built A ({commit if a_tree else commit[:10]}) and {b_names} under {work}", flush=True)
+    if getattr(args, "check", None):  # a switch's kernels checked before they are timed: a wrong one is dropped
+        passed = []
+        for side in sides[1:]:
+            cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                   *shlex.split(args.check)]
+            env = {**os.environ, "FA3GEN_LIB": str(library(work, side, args.spec))}
+            ok = subprocess.run(cmd, env=env, cwd=ROOT).returncode == 0
+            print(f"check {side}: {'passed' if ok else 'FAILED, not timed'}", flush=True)
+            if ok:
+                passed.append(side)
+        sides = ["A", *passed]
+    if getattr(args, "build_only", False):
+        for side in sides:
+            print(f"{side}: {library(work, side, args.spec)}")
+        return 0
+    if len(sides) < 2:
+        return 1
     lib_a, lib_b = str(library(work, "A", args.spec)), str(library(work, sides[1], args.spec))
     if getattr(args, "ncu", None):
         return ncu_profiles(args.ncu, args.ncu_seqlen, {"A": lib_a, "B": lib_b}, work, ab_args)
@@ -226,6 +248,13 @@ def main() -> int:
     p_run.add_argument("--allow-spills", action="store_true",
                        help="pass --allow-spills to both builds: a switch that makes one variant "
                             "spill then costs that variant's clean timing, not the whole A/B")
+    p_run.add_argument("--check", metavar="'PYTEST ARGS'",
+                       help="before timing, run pytest with these arguments (e.g. "
+                            "\"tests/gpu/test_backward.py -k matches_reference\") against each B "
+                            "library; a B that fails is reported and not timed")
+    p_run.add_argument("--build-only", action="store_true",
+                       help="build (and --check), print the libraries' paths, time nothing: "
+                            "a later run with the same arguments finds the builds up to date")
     p_run.add_argument("--ncu", metavar="VARIANT",
                        help="instead of timing: one launch of VARIANT from each side under ncu "
                             "(warp-state sampling), then ncu_phases.py on both (other arguments "

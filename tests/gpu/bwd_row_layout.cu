@@ -1,13 +1,13 @@
 // Host-only check (no GPU needed) of the column layout that bwd_mainloop.cuh's
-// ShuffledRowStats (FA3GEN_BWD_ROWS_BY_SHFL) relies on: the backward's S^T accumulator column r
+// ShuffledRowStats (BwdTraits::kRowsByShfl) relies on: the backward's S^T accumulator column r
 // of consumer thread tid is query 8 (r / 2) + 2 (tid % 4) + r % 2. Run it after changing the
 // backward's TiledMma or tiles:
 //   nvcc -std=c++17 --expt-relaxed-constexpr -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED \
 //     -Itemplates/kernels -I$CUTLASS_DIR -gencode arch=compute_90a,code=sm_90a \
 //     -o /tmp/bwd_row_layout tests/gpu/bwd_row_layout.cu && /tmp/bwd_row_layout
-// Exit status 1 when a tile the switch serves breaks it. d256 64x64 is printed as the
+// Exit status 1 when a checked tile breaks it. d256 64x64 is printed as the
 // counter-example: split-head-dim tiles hand each warpgroup half of the queries, and the
-// switch leaves them alone.
+// trait leaves them alone.
 #include <cstdio>
 #include "bwd_traits.cuh"
 #include "fragments.cuh"
