@@ -719,10 +719,15 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.deterministic = plan, deterministic
         ctx.mark_non_differentiable(lse)  # as the custom op: gradients flow through out only
+        # lse's gradient is always zero: passed as None instead of a zero-filled tensor (an
+        # allocation and a fill kernel per backward call otherwise).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # not reached through out (lse carries no gradient): nothing flows back
+            return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse)
         return (*no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None)

@@ -446,10 +446,13 @@ class _EagerVarlenAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
         ctx.plan, ctx.deterministic = plan, deterministic
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse's zero gradient as None (ops._EagerAttention)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:
+            return (None,) * 8
         q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse, cu_q,
                                      cu_k, seqused_k)

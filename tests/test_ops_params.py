@@ -126,3 +126,23 @@ def test_backward_copies_a_misaligned_dout(fake_launches):
         torch.autograd.grad(out, (q, k, v), dout)
         name, p = fake_launches[-1]
         assert name.startswith("bwd_") and p.dout % 16 == 0 and p.dout != dout.data_ptr()
+
+
+def test_eager_backward_fills_no_gradient_for_lse(fake_launches):
+    """lse carries no gradient: the eager backward gets None for it, not a zero-filled tensor
+    (an allocation and a fill kernel per call, seen as a FillFunctor<float> kernel in every
+    backward on the H200), for the padded and the varlen function alike."""
+    from fa3gen.varlen import flash_attn_varlen_func
+
+    padded = [t.requires_grad_() for t in qkv(hq=2)]
+    packed = [t[0, :40].detach().requires_grad_() for t in padded]  # leaves: no slice's backward
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    calls = [(lambda q, k, v: ops.flash_attn_func(q, k, v, return_lse=True)[0], padded),
+             (lambda q, k, v: flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True), packed)]
+    for call, (q, k, v) in calls:
+        out = call(q, k, v)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        ops_run = {e.name for e in prof.events()}
+        assert not ops_run & {"aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_"}, ops_run
+        assert fake_launches[-1][0].startswith("bwd_") and all(g is not None for g in grads)
