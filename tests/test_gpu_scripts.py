@@ -177,3 +177,23 @@ def test_steady_state_splits_a_run_into_stretches():
     assert out["1s-end"]["windows"] == 2
     assert out["1s-end"]["sm_mhz"] == pytest.approx(1550.0)
     assert out["0-0.2s"]["reasons"] == ["0x1"] and out["1s-end"]["reasons"] == ["0x4"]
+
+
+def test_bwd_kernel_times_sorts_kernels_into_phases():
+    """bwd_kernel_times.py's phases, on kernel names fa3gen, FA4 and cuDNN launch: the main
+    kernel is whatever is neither a preprocess nor a conversion (the longest such, per call)."""
+    spec = importlib.util.spec_from_file_location("bwd_kernel_times", GPU_DIR / "bwd_kernel_times.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = {
+        "void fa3gen::bwd_preprocess_kernel<cutlass::bfloat16_t, 64, 0>(fa3gen::BwdRowParams)": "pre",
+        "void fa3gen::bwd_kernel<fa3gen::BwdTraits<cutlass::bfloat16_t, 64>>(fa3gen::BwdParams<T1>)": "main",
+        "void fa3gen::bwd_convert_dq_kernel<fa3gen::BwdTraits<cutlass::bfloat16_t>>(fa3gen::BwdDqParams)": "post",
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPreprocess_0": "pre",
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_0": "main",
+        "kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardPostprocess_0": "post",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3": "main",
+        "cudnn::fusion::compute_dot_do_o": "pre",
+        "cudnn::fusion::convert_dq_to_16bits": "post",
+    }
+    assert {n: module.phase_of(n) for n in names} == names
