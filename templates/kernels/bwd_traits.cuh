@@ -201,6 +201,10 @@ struct BwdTraits {
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
+#ifdef FA3GEN_BWD_FUSED_DQ
+    alignas(8) uint64_t barrier_dq_counted;       // the dQ writer counted this CTA (kFusedDq)
+    int dq_last;                                  // ... and it was its head group's last
+#endif
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
@@ -223,6 +227,16 @@ struct BwdTraits {
                                  own_columns_contiguous()),
                 "dQ hand-off in the stage buffers: each warpgroup's columns must be one contiguous part");
   static constexpr int kSmemBytes = sizeof(SharedStorage);
+  // Measurement switch FA3GEN_BWD_FUSED_DQ: the dQ conversion inside the main kernel, by the
+  // last key-block CTA of each (batch, kv head) to finish, staged in its dS buffer, for
+  // problems where that CTA's share is small (fa3gen_bwd.cuh); the conversion kernel costs
+  // 48 us a call at 16k tokens (d128 1k: 7% of the call; docs/BENCHMARKS.md 2026-12-04, fourth).
+#ifdef FA3GEN_BWD_FUSED_DQ
+  static constexpr bool kFusedDq = !kVarlen && !kDqInStages &&
+      staged_tile_bytes<TileM, HeadDim, Element>() <= int(sizeof(Element)) * cosize_v<SmemLayoutdS>;
+#else
+  static constexpr bool kFusedDq = false;
+#endif
   // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
   // their fragments directly.
@@ -258,6 +272,12 @@ struct BwdParams {
   TileSchedule schedule;  // one CTA per (key block, kv head, batch)
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
   int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
+#ifdef FA3GEN_BWD_FUSED_DQ
+  int* dq_counters;       // (batch, heads_kv) key-block CTAs done, zeroed; null: no fused conversion
+  typename Traits::Element* dq;
+  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
+  bool dq_vector_stores;  // dq rows are 16-byte aligned
+#endif
 };
 
 // First query tile of (batch b, query head) in the stats (times TileM: the row) and in
