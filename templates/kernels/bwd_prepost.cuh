@@ -146,10 +146,10 @@ struct BwdDqParams {
 // CTA among the n_blocks of its (batch, kv head) (count_dq_done); the consumers of the one
 // that counts last convert every query block of the head group's query heads after their
 // epilogue, staging each in the dS buffer (free by then).
-// bwd_convert_dq_kernel's body in two steps, for the switch (the kernel keeps its own copy, so
-// that the default build's SASS is unchanged until the switch is measured; if it is kept, the
-// kernel calls these).
-// One query block's dQ, in two steps around a barrier: stage_dq_tile puts softmax_scale times
+
+// One query block's dQ, in two steps around a barrier: bwd_convert_dq_kernel's body, which
+// keeps its own copy so that the default build's SASS stays as it is until the switch is
+// measured (if kept, the kernel calls these). stage_dq_tile puts softmax_scale times
 // its TileM x d fp32 tile of dq_accum (dq_slot order), in the input dtype, row-major in
 // `staged`: each of the kConsumerThreads threads reads the fragment of the main kernel's
 // consumer thread tid (coalesced 8-byte loads, past L1: other CTAs added to the tile in this
@@ -226,8 +226,8 @@ __device__ __forceinline__ void convert_dq_if_last(BwdParams<Traits> const& p, t
       // epilogue has no barrier when it stores dK and dV from registers) and, after the first
       // block, the previous block's rows are out.
       sync();
-      stage_dq_tile<Traits>(p.dq_accum + dq_tile_index(tile.batch, head, p.heads_q, m_blocks, m_block) *
-                                                   (kTileM * kHeadDim), p.softmax_scale, smem.ds.data(), tid);
+      const int64_t index = dq_tile_index(tile.batch, head, p.heads_q, m_blocks, m_block);
+      stage_dq_tile<Traits>(p.dq_accum + index * (kTileM * kHeadDim), p.softmax_scale, smem.ds.data(), tid);
       sync();
       Element* dq = p.dq + tile.batch * p.dq_batch_stride + head * p.dq_head_stride +
                     int64_t(m_block) * kTileM * p.dq_row_stride;

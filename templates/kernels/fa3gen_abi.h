@@ -107,7 +107,8 @@ typedef struct fa3gen_fwd_params {
 //   lse_log2     fp32 (batch, heads_q, seqlen_q_rounded)
 //   dsum         fp32 (batch, heads_q, seqlen_q_rounded)
 //   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m) in deterministic mode,
-//                then batch * heads_kv more (read only by builds with FA3GEN_BWD_FUSED_DQ)
+//                then batch * heads_kv more (padded batches; read only by builds with
+//                FA3GEN_BWD_FUSED_DQ)
 typedef struct fa3gen_bwd_params {
   const void* q;
   const void* k;
