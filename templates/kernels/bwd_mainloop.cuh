@@ -388,14 +388,16 @@ struct BwdMainloop {
     Tensor tdVrdOt = wg_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_D, MMA_K, Stages)
     Tensor tdKrQt = wg_dkv.partition_fragment_B(sQt);
     // dQ = dS K (dS is A, K^T is B) or dQ^T = K^T dS^T (K^T is A, dS is B).
-    Tensor tdQrdS = [&] {
-      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_B(sdS);
-      else return wg_dq.partition_fragment_A(sdS);
-    }();  // (MMA, MMA_M or MMA_N, MMA_K, 2)
-    Tensor tdQrKt = [&] {
-      if constexpr (Traits::kDqTransposed) return wg_dq.partition_fragment_A(sKt);
-      else return wg_dq.partition_fragment_B(sKt);
-    }();
+    // (The operands are arguments, not captures: a lambda may not capture a structured
+    // binding before C++20.)
+    Tensor tdQrdS = [](auto const& wg, auto const& tile) {
+      if constexpr (Traits::kDqTransposed) return wg.partition_fragment_B(tile);
+      else return wg.partition_fragment_A(tile);
+    }(wg_dq, sdS);  // (MMA, MMA_M or MMA_N, MMA_K, 2)
+    Tensor tdQrKt = [](auto const& wg, auto const& tile) {
+      if constexpr (Traits::kDqTransposed) return wg.partition_fragment_A(tile);
+      else return wg.partition_fragment_B(tile);
+    }(wg_dq, sKt);
     // dQ = dS K, or dQ^T = K^T dS^T, from dS^T buffer buf.
     auto issue_dq = [&](int buf, auto& tdQrdQ) {
       if constexpr (Traits::kDqTransposed) {
@@ -411,14 +413,12 @@ struct BwdMainloop {
     auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, 2)
     // kSplitHeadDim: the A operands of dV and dK, from shared memory.
-    auto tdVsPt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sPt);  // (MMA, MMA_N, MMA_K, 2)
+    auto split_operand_a = [](auto const& wg, auto const& tile) {
+      if constexpr (Traits::kSplitHeadDim) return wg.partition_fragment_A(tile);  // (MMA, MMA_N, MMA_K, 2)
       else return 0;
-    }();
-    auto tdKsdSt = [&] {
-      if constexpr (Traits::kSplitHeadDim) return wg_dkv.partition_fragment_A(sdSt);
-      else return 0;
-    }();
+    };
+    auto tdVsPt = split_operand_a(wg_dkv, sPt);
+    auto tdKsdSt = split_operand_a(wg_dkv, sdSt);
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
 
