@@ -5,7 +5,7 @@ forward (torch.autograd.grad with retain_graph), bf16, batch x seqlen = 16k toke
 2048, as `fa3gen bench`.
 
     python3 tests/gpu/bwd_kernel_times.py --head-dims 64 128 --seqlens 1024 4096 16384 \
-        [--causal both] [--json times.json]
+        [--causal both] [--settle-ms 200] [--json times.json]
 
 Each kernel is put in a phase by its name (pre: names with "preprocess" or "dot_do_o";
 post: "convert", "postprocess"; main: the longest of the rest; other: the rest, such as a
@@ -20,6 +20,7 @@ import itertools
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,13 +46,20 @@ def backends(q, k, v, causal):
     return fns
 
 
-def phase_times(forward, leaves, calls: int) -> dict:
-    """{phase: median us per backward call} for the backward of forward()'s output."""
+def phase_times(forward, leaves, calls: int, settle_ms: float) -> dict:
+    """{phase: median us per backward call} for the backward of forward()'s output, profiled
+    after settle_ms of the same calls unprofiled (the board's clock then is this call's, not
+    the previous row's: the first run read causal 1k rows 20% slow right after 16k ones)."""
     out = forward()
     dout = torch.randn_like(out)
     for _ in range(3):  # warm-up: first-call costs, the compile of a CuTe kernel
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < settle_ms:
+        for _ in range(5):
+            torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             torch.autograd.grad(out, leaves, dout, retain_graph=True)
@@ -85,6 +93,8 @@ def main() -> int:
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--settle-ms", type=float, default=200.0,
+                   help="unprofiled calls of the same backward before each profile (0: none)")
     p.add_argument("--json")
     args = p.parse_args()
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
@@ -95,7 +105,7 @@ def main() -> int:
                    for _ in range(3))
         for name, fwd in backends(q, k, v, causal).items():
             try:
-                t = phase_times(fwd, [q, k, v], args.calls)
+                t = phase_times(fwd, [q, k, v], args.calls, args.settle_ms)
             except Exception as e:  # a peer that fails is a missing column
                 print(f"d{d} causal={causal} s={s} {name}: failed: {e!r}"[:300], flush=True)
                 continue
