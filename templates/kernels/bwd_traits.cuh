@@ -178,16 +178,22 @@ struct BwdTraits {
   // its dQ only and hands its own contiguous half to the writer warp on barriers of its own (160
   // threads) while dK runs, and frees the stage after dK; half of P's exponentials come before
   // the dP wait (bwd_mainloop.cuh). Two consumer warpgroups, dQ = dS K in a buffer of its own.
-  // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gains at
-  // most 1.5% and spills 4 bytes with it, so it keeps the old order.
+  // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gained at
+  // most 1.5% and spilled 4 bytes with it, so it keeps the old order. Measurement switch
+  // FA3GEN_BWD_D64_DQ_PER_WG: FA4's order at d64 too, spill-free since the shuffled row stats
+  // (kRowsByShfl), its step then FA4's d64 one wait for wait (prepared, not yet GPU-run).
   // (80x128, dQ^T = K^T dS^T, FA4's own d128 non-causal tile, with each warpgroup's 64 head_dim
   // rows of dQ^T its half: 1.00-1.03x at 80x128, still below 64x128 in the old order; removed.)
+#ifdef FA3GEN_BWD_D64_DQ_PER_WG
+  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 64;
+#else
   static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
+#endif
   // LSE and D read once a warp and spread by shuffles (bwd_mainloop.cuh ShuffledRowStats), as
   // FA4 does: d64 128x128 1.00-1.03x (fewer shared-memory reads beside the GEMMs); at d128
   // 64x128 (FA4's step order) 0.94-0.99x, so there the reads stay (docs/BENCHMARKS.md
   // "2026-12-04 (fourth)"). The column layout it assumes is checked by tests/gpu/bwd_row_layout.cu.
-  static constexpr bool kRowsByShfl = !kSplitHeadDim && !kDqPerWg && HeadDim == 64;
+  static constexpr bool kRowsByShfl = !kSplitHeadDim && HeadDim == 64;
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
