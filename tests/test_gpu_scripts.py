@@ -197,3 +197,22 @@ def test_bwd_kernel_times_sorts_kernels_into_phases():
         "cudnn::fusion::convert_dq_to_16bits": "post",
     }
     assert {n: module.phase_of(n) for n in names} == names
+
+
+def test_ab_libraries_summary_reads_b_over_a_against_the_control():
+    """ab_libraries --control: A timed twice, A' / A per point; the summary names the control's
+    range and how many points' B / A leave it (a 1% change inside 2.4% of noise is a tie)."""
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        spec = importlib.util.spec_from_file_location("ab_libraries", GPU_DIR / "ab_libraries.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    rows = [dict(b_over_a=1.030, control=1.010), dict(b_over_a=1.005, control=0.990),
+            dict(b_over_a=0.980, control=1.000)]
+    text = module.summary(rows)
+    assert "B / A median 1.005, min 0.980, max 1.030" in text
+    assert "control A' / A median 1.000, min 0.990, max 1.010" in text
+    assert "above the control's max on 1, below its min on 1" in text
+    assert "control" not in module.summary([dict(b_over_a=1.0)])

@@ -9,7 +9,8 @@ measured sustained: after a warm-up, rounds of back-to-back launches of at least
 the two libraries alternating with the order rotated every round, each batch right after half of
 --min-ms of the same library's untimed launches; a point's time is the median
 over its rounds (--steady-s: each alone for seconds instead, timing.steady_ms). Prints one
-markdown row per point with B / A. Varlen variants are timed on
+markdown row per point with B / A (--control: and A' / A, A timed a second time in the same
+rounds, whose spread is the noise a B / A must exceed). Varlen variants are timed on
 bench_varlen.py's packed batches (16k tokens, lengths uniform in [1, 2L]) with each --seqlens
 value as the mean length L, TFLOP/s on the real work; paged variants on the bench grid's shapes,
 each sequence's keys in shuffled pages of 64 rows (paged_point). Local variants run with
@@ -126,6 +127,21 @@ def points(libs, info, seqlens, window=None):
             for shape in bench.grid(seqlens, [info.head_dim])]
 
 
+def summary(rows: list[dict]) -> str:
+    """B / A's median and range over the points; with a control (A' / A per point), its range
+    too and how many points' B / A lie outside it."""
+    ratios = [r["b_over_a"] for r in rows]
+    text = (f"{len(rows)} points: B / A median {statistics.median(ratios):.3f}, "
+            f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    controls = [r["control"] for r in rows if "control" in r]
+    if controls:
+        low, high = min(controls), max(controls)
+        text += (f"; control A' / A median {statistics.median(controls):.3f}, min {low:.3f}, "
+                 f"max {high:.3f}; B / A above the control's max on "
+                 f"{sum(r > high for r in ratios)}, below its min on {sum(r < low for r in ratios)}")
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("lib_a")
@@ -147,6 +163,11 @@ def main() -> int:
                              "counted from 1 s, A B then B A (timing.steady_ms; fa3gen bench "
                              "--steady-s) instead of interleaved rounds: the steady state at the "
                              "power cap, where an energy difference shows; about 4 (S + 1) s a point")
+    parser.add_argument("--control", action="store_true",
+                        help="time A a second time in the same rounds (A, B, A'): each point gets "
+                             "A' / A, and the summary the control's spread, the noise a B / A "
+                             "must exceed (identical launches read up to 2.4%% apart on "
+                             "2026-12-04); 1.5x the timing")
     parser.add_argument("--commit-a", help="the commit A was built from (recorded in the JSON; "
                                            "ab_trees.py passes it)")
     args = parser.parse_args()
@@ -154,7 +175,8 @@ def main() -> int:
         sys.exit("ab_libraries.py times kernels: it needs a CUDA GPU (Hopper sm_90)")
     libs = [runtime.Library(args.lib_a), runtime.Library(args.lib_b)]
     rows = []
-    print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |\n|---|---|---|---|---|")
+    print("| variant | seqlen | A TFLOP/s | B TFLOP/s | B / A |" + (" A' / A |" if args.control else "")
+          + "\n|---|---|---|---|---|" + ("---|" if args.control else ""))
     infos = ([libs[0].get(name) for name in libs[0].names()] if args.all_variants
              else libs[0].dispatched())
     if args.only:
@@ -164,27 +186,30 @@ def main() -> int:
             print(f"skipped {info.name}: not in {args.lib_b}", file=sys.stderr)
             continue
         for seqlen, fns, flops in points(libs, info, args.seqlens, args.window):
+            timed = fns + fns[:1] if args.control else fns  # A, B[, A again]
             if args.steady_s:
-                ms_a, ms_b = timing.steady_ms(fns, args.steady_s)
+                ms = timing.steady_ms(timed, args.steady_s)
             else:
-                ms_a, ms_b = timing.sustained_ms(fns, args.rounds, args.min_ms)
+                ms = timing.sustained_ms(timed, args.rounds, args.min_ms)
+            ms_a, ms_b = ms[0], ms[1]
             row = {"variant": info.name, "seqlen": seqlen, "ms_a": ms_a, "ms_b": ms_b,
                    "tflops_a": timing.tflops(flops, ms_a), "tflops_b": timing.tflops(flops, ms_b),
                    "b_over_a": ms_a / ms_b}
+            if args.control:
+                row["ms_a_again"], row["control"] = ms[2], ms_a / ms[2]
             if info.local:
                 row["window"] = list(masking_kwargs(info, args.window)["window_size"])
             if info.varlen:
                 row["mean_length"] = seqlen  # packed: 16k tokens of lengths in [1, 2 seqlen]
             rows.append(row)
             print(f"| {info.name} | {seqlen} | {row['tflops_a']:.0f} | {row['tflops_b']:.0f} | "
-                  f"{row['b_over_a']:.3f} |", flush=True)
+                  f"{row['b_over_a']:.3f} |" + (f" {row['control']:.3f} |" if args.control else ""),
+                  flush=True)
             del fns
             torch.cuda.empty_cache()
     if not rows:
         sys.exit("no variant of A was timed (a spec without defaults needs --all-variants)")
-    ratios = [r["b_over_a"] for r in rows]
-    print(f"\n{len(rows)} points: B / A median {statistics.median(ratios):.3f}, "
-          f"min {min(ratios):.3f}, max {max(ratios):.3f}")
+    print("\n" + summary(rows))
     if args.json:
         with open(args.json, "w") as f:
             header = bench.provenance(libs[1])  # date, GPU, commit of this tree, B's build
