@@ -204,10 +204,9 @@ __device__ __forceinline__ void count_dq_done(BwdParams<Traits> const& p, typena
   // deterministic mode orders its turns (bwd_mainloop.cuh finish_dq_add).
   asm volatile("fence.proxy.async.global;" ::: "memory");
   __threadfence();
-  const int n_blocks = (p.seqlen_k + Traits::kTileN - 1) / Traits::kTileN;
   const int done = atomicAdd(p.dq_counters + tile.batch * p.heads_kv + tile.head, 1) + 1;
   __threadfence();  // every other CTA's additions before the consumers' reads
-  smem.dq_last = done == n_blocks;
+  smem.dq_last = done == p.schedule.blocks;  // the grid's key-block CTAs of a (batch, kv head)
   cutlass::arch::ClusterBarrier::arrive(&smem.barrier_dq_counted);  // release: dq_last is set
 }
 

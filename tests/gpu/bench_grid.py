@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_varlen import with_grid  # noqa: E402
+from bench_varlen import CAUSALS, with_grid  # noqa: E402
 
 from fa3gen import runtime, timing  # noqa: E402
+from fa3gen.bench import HIDDEN, TOTAL_TOKENS  # noqa: E402
 from fa3gen.ops import flash_attn_func  # noqa: E402
 
-TOKENS, HIDDEN = 16384, 2048
 MODES = ("auto", "persistent", "tiles")
 
 
@@ -39,10 +39,10 @@ def main() -> int:
     p.add_argument("--json")
     args = p.parse_args()
     lib = runtime.get_library()
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causals = CAUSALS[args.causal]
     rows = []
     for d, causal, s in itertools.product(args.head_dims, causals, args.seqlens):
-        h, b = HIDDEN // d, TOKENS // s
+        h, b = HIDDEN // d, TOTAL_TOKENS // s
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         names = [None]
         if args.variants:

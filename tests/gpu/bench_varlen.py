@@ -30,6 +30,7 @@ from bench_features import visible_pairs
 from sustained_backends import measure
 
 TOTAL = 16384
+CAUSALS = {"both": (False, True), "yes": (True,), "no": (False,)}  # --causal's choices
 
 
 def lengths_for(mean: int, seed: int) -> list[int]:
@@ -107,7 +108,7 @@ def main() -> int:
     p.add_argument("--json")
     args = p.parse_args()
     fa4 = None if args.no_fa4 else fa4_varlen()
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causals = CAUSALS[args.causal]
     rows = []
     print("| dir | d | causal | mean L | seqs | varlen TFLOP/s | FA4 varlen | padded at L | "
           "varlen / FA4 | varlen / padded |")

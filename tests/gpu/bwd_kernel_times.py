@@ -27,10 +27,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_varlen import CAUSALS  # noqa: E402
+
 from fa3gen import bench  # noqa: E402
 from fa3gen.ops import flash_attn_func  # noqa: E402
 
-TOKENS, HIDDEN = 16384, 2048
 PHASES = {"pre": ("preprocess", "dot_do_o"), "post": ("convert", "postprocess")}
 
 
@@ -97,10 +99,10 @@ def main() -> int:
                    help="unprofiled calls of the same backward before each profile (0: none)")
     p.add_argument("--json")
     args = p.parse_args()
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    causals = CAUSALS[args.causal]
     rows = []
     for d, causal, s in itertools.product(args.head_dims, causals, args.seqlens):
-        h, b = HIDDEN // d, TOKENS // s
+        h, b = bench.HIDDEN // d, bench.TOTAL_TOKENS // s
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
         for name, fwd in backends(q, k, v, causal).items():
