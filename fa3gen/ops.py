@@ -473,14 +473,11 @@ _WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # _bwd_workspace'
 
 def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
     """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks. Left
-    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (since ABI 3).
-    dq_semaphore: one per query block in deterministic mode, then one per (batch, kv head)
-    (the key-block counters of a build with FA3GEN_BWD_FUSED_DQ; fa3gen_abi.h)."""
+    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (since ABI 3)."""
     rows = -(-dims.seqlen_q // tile_m) * tile_m
     stats = (dims.batch, dims.heads_q, rows)
     f32 = dict(dtype=torch.float32, device=q.device)
-    turns = dims.batch * dims.heads_q * (rows // tile_m) if deterministic else 0
-    sem_shape = (turns + dims.batch * dims.heads_kv,)
+    sem_shape = (dims.batch, dims.heads_q, rows // tile_m) if deterministic else (1,)
     return dict(
         dq_accum=torch.empty(stats + (dims.head_dim,), **f32),
         lse_log2=torch.empty(stats, **f32),

@@ -48,21 +48,8 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
     // only by these warps (the consumers read shared memory they fill).
     if constexpr (!Traits::kVarlen) prerequisite_grid_wait();
     // Writer first: values it needs are then not live across the TMA loop (24 registers).
-#ifdef FA3GEN_BWD_FUSED_DQ
-    // In the writer's branch, so that the TMA loop keeps to its 24 registers (52 bytes of
-    // spills with the count after both branches).
-    if (warp_idx == 1) {
-      if (has_work) mainloop.write_dq(tile, seq, m_first, m_end, m_blocks, mask);
-      if constexpr (Traits::kFusedDq) {
-        if (p.dq_counters != nullptr) count_dq_done(p, smem, tile);  // every CTA counts, with work or not
-      }
-    } else if (threadIdx.x == 0 && has_work) {
-      mainloop.produce(tile, seq, m_first, m_end);
-    }
-#else
     if (warp_idx == 1 && has_work) mainloop.write_dq(tile, seq, m_first, m_end, m_blocks, mask);
     else if (threadIdx.x == 0 && has_work) mainloop.produce(tile, seq, m_first, m_end);
-#endif
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
@@ -79,11 +66,6 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
     else mainloop.mma(tile, m_first, m_end, mask, tdKrdK, tdVrdV, tid);
   }
   store_bwd_tile(p, smem, tile, seq, tdKrdK, tdVrdV, tid);
-#ifdef FA3GEN_BWD_FUSED_DQ
-  if constexpr (Traits::kFusedDq) {
-    if (p.dq_counters != nullptr) convert_dq_if_last(p, smem, tile, m_blocks, tid);
-  }
-#endif
 }
 
 }  // namespace fa3gen

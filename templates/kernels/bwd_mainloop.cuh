@@ -61,9 +61,6 @@ struct BwdMainloop {
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
     TmaBarrier::init(&smem.barrier_kv, 1);
-#ifdef FA3GEN_BWD_FUSED_DQ
-    if constexpr (Traits::kFusedDq) TmaBarrier::init(&smem.barrier_dq_counted, 1);
-#endif
   }
 
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)

@@ -2,12 +2,9 @@
 // workspace zeroing) before it and the dQ conversion after it. Plain CUDA.
 #pragma once
 #include <cmath>
-#include <cutlass/arch/barrier.h>
-#include "barriers.cuh"
 #include "bwd_dq.cuh"
 #include "bwd_traits.cuh"
 #include "fragments.cuh"
-#include "tile_scheduler.cuh"
 
 namespace fa3gen {
 
@@ -27,10 +24,6 @@ struct BwdRowParams {
   // (heads_q, total_q), O and dO are packed (total_q rows).
   const int* cu_seqlens_q;
   int total_q, q_tiles_padded;
-#ifdef FA3GEN_BWD_FUSED_DQ
-  int* dq_counters;    // zeroed here unless null: `counters` of them (BwdParams::dq_counters)
-  int counters;
-#endif
 };
 
 // Threads per query row in the preprocess, and elements per vector load (16 bytes where
@@ -122,9 +115,6 @@ __global__ void __launch_bounds__(kRowThreads) bwd_preprocess_kernel(const BwdRo
     p.dsum[row] = dot;
     p.lse_log2[row] = lse_log2;
     if (p.dq_semaphore != nullptr && m % p.tile_m == 0) p.dq_semaphore[row / p.tile_m] = 0;
-#ifdef FA3GEN_BWD_FUSED_DQ
-    if (p.dq_counters != nullptr && row < p.counters) p.dq_counters[row] = 0;
-#endif
   }
 }
 
@@ -139,103 +129,6 @@ struct BwdDqParams {
   const int* cu_seqlens_q;
   int batch, total_q, q_tiles_padded;
 };
-
-#ifdef FA3GEN_BWD_FUSED_DQ
-// Measurement switch FA3GEN_BWD_FUSED_DQ (Traits::kFusedDq): the dQ conversion in the main
-// kernel. The dQ writer warp of each key-block CTA, its bulk additions complete, counts the
-// CTA among the n_blocks of its (batch, kv head) (count_dq_done); the consumers of the one
-// that counts last convert every query block of the head group's query heads after their
-// epilogue, staging each in the dS buffer (free by then).
-
-// One query block's dQ, in two steps around a barrier: bwd_convert_dq_kernel's body, which
-// keeps its own copy so that the default build's SASS stays as it is until the switch is
-// measured (if kept, the kernel calls these). stage_dq_tile puts softmax_scale times
-// its TileM x d fp32 tile of dq_accum (dq_slot order), in the input dtype, row-major in
-// `staged`: each of the kConsumerThreads threads reads the fragment of the main kernel's
-// consumer thread tid (coalesced 8-byte loads, past L1: other CTAs added to the tile in this
-// kernel) and places it with the dQ TiledMma; then store_dq_rows writes `rows` rows of
-// dq as whole rows with 16-byte stores (placing the fragments straight into global memory took
-// 3x cuDNN's conversion time).
-template <class Traits>
-__device__ __forceinline__ void stage_dq_tile(const float* tile, float scale, typename Traits::Element* staged,
-                                              int tid) {
-  using Element = typename Traits::Element;
-  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
-  typename Traits::TiledMmadQ mma_dq;
-  auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor acc = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});  // the main kernel's dQ fragment
-  const float2* pairs = reinterpret_cast<const float2*>(tile);
-  CUTLASS_PRAGMA_UNROLL
-  for (int j = 0; j < size(acc) / 2; ++j) {
-    const float2 v = __ldcg(pairs + dq_slot<Traits>(tid, j));
-    acc(2 * j) = v.x * scale;
-    acc(2 * j + 1) = v.y * scale;
-  }
-  Tensor frag = convert_fragment<Element>(acc);
-  if constexpr (Traits::kDqTransposed) {  // (d, query): neighbouring elements are two query rows
-    Tensor coords = thr_dq.partition_C(make_identity_tensor(typename Traits::DqTileShape{}));
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(frag); ++i) {
-      staged[get<1>(coords(i)) * staged_row_stride<kHeadDim>() + get<0>(coords(i))] = frag(i);
-    }
-  } else {
-    stage_fragment_rows<kTileM, kHeadDim>(thr_dq, frag, staged);
-  }
-}
-
-template <class Traits>
-__device__ __forceinline__ void store_dq_rows(const typename Traits::Element* staged, typename Traits::Element* dq,
-                                              int64_t row_stride, int rows, bool vector_stores, int tid) {
-  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim, kThreads = Traits::kConsumerThreads;
-  if (vector_stores) {
-    store_staged_rows<kTileM, kHeadDim, kThreads>(staged, dq, row_stride, rows, tid);
-  } else {
-    for (int i = tid; i < rows * kHeadDim; i += kThreads) {
-      dq[(i / kHeadDim) * row_stride + i % kHeadDim] = staged[(i / kHeadDim) * staged_row_stride<kHeadDim>() + i % kHeadDim];
-    }
-  }
-}
-
-template <class Traits>
-__device__ __forceinline__ void count_dq_done(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem,
-                                              TileCoord const& tile) {
-  if (threadIdx.x % 32 != 0) return;
-  // The async proxy's additions (this CTA's, complete: write_dq waited) before the count, as
-  // deterministic mode orders its turns (bwd_mainloop.cuh finish_dq_add).
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  __threadfence();
-  const int done = atomicAdd(p.dq_counters + tile.batch * p.heads_kv + tile.head, 1) + 1;
-  __threadfence();  // every other CTA's additions before the consumers' reads
-  smem.dq_last = done == p.schedule.blocks;  // the grid's key-block CTAs of a (batch, kv head)
-  cutlass::arch::ClusterBarrier::arrive(&smem.barrier_dq_counted);  // release: dq_last is set
-}
-
-template <class Traits>
-__device__ __forceinline__ void convert_dq_if_last(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem,
-                                                   TileCoord const& tile, int m_blocks, int tid) {
-  using Element = typename Traits::Element;
-  constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
-  cutlass::arch::ClusterBarrier::wait(&smem.barrier_dq_counted, 0);
-  if (!smem.dq_last) return;
-  auto sync = [] { barrier_sync<BarrierId::kBwdStaged>(Traits::kConsumerThreads); };
-  for (int hq = 0; hq < p.heads_per_kv; ++hq) {
-    const int head = tile.head * p.heads_per_kv + hq;
-    for (int m_block = 0; m_block < m_blocks; ++m_block) {
-      // Before staging: every consumer is past its last GEMM (the dS buffer is free; the
-      // epilogue has no barrier when it stores dK and dV from registers) and, after the first
-      // block, the previous block's rows are out.
-      sync();
-      const int64_t index = dq_tile_index(tile.batch, head, p.heads_q, m_blocks, m_block);
-      stage_dq_tile<Traits>(p.dq_accum + index * (kTileM * kHeadDim), p.softmax_scale, smem.ds.data(), tid);
-      sync();
-      Element* dq = p.dq + tile.batch * p.dq_batch_stride + head * p.dq_head_stride +
-                    int64_t(m_block) * kTileM * p.dq_row_stride;
-      store_dq_rows<Traits>(smem.ds.data(), dq, p.dq_row_stride, min(kTileM, p.seqlen_q - m_block * kTileM),
-                            p.dq_vector_stores, tid);
-    }
-  }
-}
-#endif
 
 // dQ = softmax_scale * dq_accum, converted to the input dtype in the caller's layout. One CTA
 // per (query block, head, batch), one thread per consumer thread of the main kernel: it reads

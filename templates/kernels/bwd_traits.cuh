@@ -179,16 +179,11 @@ struct BwdTraits {
   // threads) while dK runs, and frees the stage after dK; half of P's exponentials come before
   // the dP wait (bwd_mainloop.cuh). Two consumer warpgroups, dQ = dS K in a buffer of its own.
   // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gained at
-  // most 1.5% and spilled 4 bytes with it, so it keeps the old order. Measurement switch
-  // FA3GEN_BWD_D64_DQ_PER_WG: FA4's order at d64 too, spill-free since the shuffled row stats
-  // (kRowsByShfl), its step then FA4's d64 one wait for wait (prepared, not yet GPU-run).
+  // most 1.5% and spilled 4 bytes with it, so it keeps the old order; with the shuffled row
+  // stats (kRowsByShfl) it fits and loses 0-2.6% (FA3GEN_BWD_D64_DQ_PER_WG, 2026-12-04 fifth).
   // (80x128, dQ^T = K^T dS^T, FA4's own d128 non-causal tile, with each warpgroup's 64 head_dim
   // rows of dQ^T its half: 1.00-1.03x at 80x128, still below 64x128 in the old order; removed.)
-#ifdef FA3GEN_BWD_D64_DQ_PER_WG
-  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 64;
-#else
   static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
-#endif
   // LSE and D read once a warp and spread by shuffles (bwd_mainloop.cuh ShuffledRowStats), as
   // FA4 does: d64 128x128 1.00-1.03x (fewer shared-memory reads beside the GEMMs); at d128
   // 64x128 (FA4's step order) 0.94-0.99x, so there the reads stay (docs/BENCHMARKS.md
@@ -207,10 +202,6 @@ struct BwdTraits {
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
-#ifdef FA3GEN_BWD_FUSED_DQ
-    alignas(8) uint64_t barrier_dq_counted;       // the dQ writer counted this CTA (kFusedDq)
-    int dq_last;                                  // ... and it was its head group's last
-#endif
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
@@ -233,16 +224,6 @@ struct BwdTraits {
                                  own_columns_contiguous()),
                 "dQ hand-off in the stage buffers: each warpgroup's columns must be one contiguous part");
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  // Measurement switch FA3GEN_BWD_FUSED_DQ: the dQ conversion inside the main kernel, by the
-  // last key-block CTA of each (batch, kv head) to finish, staged in its dS buffer, for
-  // problems where that CTA's share is small (fa3gen_bwd.cuh); the conversion kernel costs
-  // 48 us a call at 16k tokens (d128 1k: 7% of the call; docs/BENCHMARKS.md 2026-12-04, fourth).
-#ifdef FA3GEN_BWD_FUSED_DQ
-  static constexpr bool kFusedDq = !kVarlen && !kDqInStages &&
-      staged_tile_bytes<TileM, HeadDim, Element>() <= int(sizeof(Element)) * cosize_v<SmemLayoutdS>;
-#else
-  static constexpr bool kFusedDq = false;
-#endif
   // The epilogue stages dK and dV row-major from the start of the Q buffer over Q, dO, K and V
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
   // their fragments directly.
@@ -278,12 +259,6 @@ struct BwdParams {
   TileSchedule schedule;  // one CTA per (key block, kv head, batch)
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
   int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
-#ifdef FA3GEN_BWD_FUSED_DQ
-  int* dq_counters;       // (batch, heads_kv) key-block CTAs done, zeroed; null: no fused conversion
-  typename Traits::Element* dq;
-  int64_t dq_batch_stride, dq_row_stride, dq_head_stride;
-  bool dq_vector_stores;  // dq rows are 16-byte aligned
-#endif
 };
 
 // First query tile of (batch b, query head) in the stats (times TileM: the row) and in

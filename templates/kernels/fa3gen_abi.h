@@ -106,9 +106,7 @@ typedef struct fa3gen_fwd_params {
 //   dq_accum     fp32 batch * heads_q * seqlen_q_rounded * head_dim (order private to the kernel)
 //   lse_log2     fp32 (batch, heads_q, seqlen_q_rounded)
 //   dsum         fp32 (batch, heads_q, seqlen_q_rounded)
-//   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m) in deterministic mode,
-//                then batch * heads_kv more (padded batches; read only by builds with
-//                FA3GEN_BWD_FUSED_DQ)
+//   dq_semaphore int32 (batch, heads_q, seqlen_q_rounded / tile_m) (deterministic only)
 typedef struct fa3gen_bwd_params {
   const void* q;
   const void* k;

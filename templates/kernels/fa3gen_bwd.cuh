@@ -38,15 +38,6 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
     }
   }
   const int rows_q = Varlen ? a.total_q : a.seqlen_q, rows_k = Varlen ? a.total_k : a.seqlen_k;
-#ifdef FA3GEN_BWD_FUSED_DQ
-  // The last key-block CTA of a (batch, kv head) converts its query heads' dQ: only where that
-  // is little (a long serial tail otherwise). Its counters follow the semaphores in dq_semaphore.
-  constexpr int64_t kFusedDqMaxBytes = 1 << 20;
-  const bool fused_dq = Traits::kFusedDq &&
-      int64_t(a.heads_q / a.heads_kv) * seqlen_q_rounded * HeadDim * int64_t(sizeof(float)) <= kFusedDqMaxBytes;
-  int* dq_counters = fused_dq ? a.dq_semaphore + (a.deterministic ? int64_t(a.batch) * a.heads_q * m_blocks : 0)
-                              : nullptr;
-#endif
   const int batches = Varlen ? 1 : a.batch;
   cudaError_t err;
 
@@ -60,11 +51,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
                     a.batch, a.heads_q, a.seqlen_q, seqlen_q_rounded, TileM,
                     vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, kVec) &&
                         vec_aligned<E>(a.dout, a.do_batch_stride, a.do_row_stride, a.do_head_stride, kVec),
-                    a.cu_seqlens_q, a.total_q, int(q_tiles_padded)
-#ifdef FA3GEN_BWD_FUSED_DQ
-                    , dq_counters, a.batch * a.heads_kv
-#endif
-  };
+                    a.cu_seqlens_q, a.total_q, int(q_tiles_padded)};
   const int64_t row_count = workspace_rows;
   constexpr int kRowsPerCta = kRowThreads / kRowLanes;
   bwd_preprocess_kernel<E, HeadDim, Varlen><<<unsigned((row_count + kRowsPerCta - 1) / kRowsPerCta), kRowThreads, 0, stream>>>(rows);
@@ -108,12 +95,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       schedule,
       VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
                  a.seqused_k},
-      int(q_tiles_padded)
-#ifdef FA3GEN_BWD_FUSED_DQ
-      , dq_counters, static_cast<E*>(a.dq), a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
-      vec_aligned<E>(a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride, 8)
-#endif
-  };
+      int(q_tiles_padded)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = set_smem_limit_once(kernel, smem_bytes);
@@ -128,9 +110,6 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
 #endif
   if (err != cudaSuccess) return report("backward kernel launch", err);
 
-#ifdef FA3GEN_BWD_FUSED_DQ
-  if (fused_dq) return 0;  // the main kernel converted dQ
-#endif
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
   BwdDqParams dq{a.dq_accum, a.dq, a.dq_batch_stride, a.dq_row_stride, a.dq_head_stride,
                  a.heads_q, a.seqlen_q, m_blocks, a.softmax_scale,
