@@ -413,10 +413,7 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
         keys = [k for k in by_key if e.when.matches_flags_off(dict(zip(KEY_AXES, k)))]
         if not keys:
             raise spec.error(f"{e.describe()} matches no kept variant key")
-        for key in keys:
-            if dict(zip(KEY_AXES, key)).get("varlen"):
-                raise spec.error(f"{e.describe()}: a varlen key takes no seqlen_k range (a packed "
-                                 "batch has no one length to choose by); give it a default only")
+        for key in keys:  # a varlen key's range is on the call's max_seqlen_k
             if key not in defaults:
                 raise spec.error(f"{e.describe()}: {key_str(key)} has no default for the calls "
                                  "outside the range; give it one")

@@ -3,6 +3,7 @@ import textwrap
 
 import pytest
 
+from fa3gen.contract import KEY_AXES
 from generator.errors import SpecError
 from generator.paths import SPECS_DIR
 from generator.spec import load_spec, parse_spec
@@ -315,13 +316,15 @@ def test_a_null_seqlen_k_is_an_error_not_every_length():
         parse_spec(text)
 
 
-def test_a_varlen_key_takes_no_seqlen_range():
-    """The varlen APIs pass no seqlen_k: a range there was accepted, listed and never used."""
+def test_a_varlen_keys_range_resolves_like_a_padded_one():
+    """A varlen key's seqlen_k range (the runtime reads it as max_seqlen_k) resolves to its
+    variant; the padded key's entries do not reach it."""
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
     spec = parse_spec(BASE.replace("causal: false,", "causal: false, varlen: true,") + (
         "dispatch:\n  - {when: {varlen: true}, use: {tile: [128, 176]}}\n"
-        "  - {when: {varlen: true}, seqlen_k: [0, 2048], use: {tile: [128, 128]}}\n"))
+        "  - {when: {varlen: true}, seqlen_k: [0, 1536], use: {tile: [128, 128]}}\n"))
     kept = enumerate_variants(spec).kept
-    with pytest.raises(SpecError, match="varlen key takes no seqlen_k range"):
-        resolve_seqlen_dispatch(spec, kept, resolve_dispatch(spec, kept))
+    [(key, [(lo, hi, v)])] = resolve_seqlen_dispatch(spec, kept, resolve_dispatch(spec, kept)).items()
+    assert dict(zip(KEY_AXES, key))["varlen"] and (lo, hi) == (0, 1536)
+    assert v.name == "fwd_bf16_d128_nocausal_varlen_m128n128_s2_ws1_pp1_ov1"

@@ -12,6 +12,8 @@ d64/d128/d256, backward (autograd) for the same (d256's since 2026-12-03), causa
 only: 4 * head_dim FLOPs per visible (query, key) pair forward, 2.5x that backward.
 --window W gives every call the window (W, 0) if causal, (W, W) if not; --softcap C the cap
 (the varlen variants with a window or softcap, and the padded ones of the same key).
+--variants also times every varlen variant the library holds for each row's key (a candidate
+spec such as specs/varlen_tiles.yaml through FA3GEN_LIB): the tile to choose by max_seqlen_k.
 """
 
 import argparse
@@ -24,6 +26,7 @@ import sys
 import torch
 
 from fa3gen import bench, runtime, timing
+from fa3gen.contract import make_key
 from fa3gen.ops import flash_attn_func
 from fa3gen.varlen import flash_attn_varlen_func
 from bench_features import visible_pairs
@@ -105,6 +108,10 @@ def main() -> int:
     p.add_argument("--window", type=int, default=-1,
                    help="window (W, 0) for causal rows, (W, W) for the others (default: none)")
     p.add_argument("--softcap", type=float, default=0.0)
+    p.add_argument("--variants", action="store_true",
+                   help="also time every varlen variant the library holds for the row's key "
+                        "(variant=, in the same rounds), as columns v_<name>: tiles to choose "
+                        "by max_seqlen_k")
     p.add_argument("--json")
     args = p.parse_args()
     fa4 = None if args.no_fa4 else fa4_varlen()
@@ -132,6 +139,13 @@ def main() -> int:
         }
         if fa4 is not None:
             calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, **kw), (q, k, v))
+        if args.variants:
+            key = make_key(direction, "bf16", d, causal, window[0] >= 0 or window[1] >= 0,
+                           args.softcap > 0, True)
+            for info in runtime.get_library().variants:
+                if info.key == key:
+                    calls[f"v_{info.name}"] = (lambda name=info.name: flash_attn_varlen_func(
+                        q, k, v, cu, cu, longest, longest, variant=name, **kw), (q, k, v))
         for mode in args.grids if direction == "fwd" else ():
             calls[f"grid_{mode}"] = (lambda mode=mode: with_grid(mode, lambda: flash_attn_varlen_func(
                 q, k, v, cu, cu, longest, longest, **kw)), (q, k, v))
@@ -156,6 +170,10 @@ def main() -> int:
               f"{num(f4, 'fa4')} | {num(pad, 'padded')} | "
               f"{f'{a / f4:.2f}' if a and f4 else '-'} | {f'{a / pad:.2f}' if a and pad else '-'} |",
               flush=True)
+        for name in (n for n in calls if n.startswith("v_")):
+            if row.get(f"{name}_tflops") and a:
+                print(f"  {name[2:]}: {row[f'{name}_tflops']:.0f} TFLOP/s "
+                      f"({row[f'{name}_tflops'] / a:.3f}x)", flush=True)
         for mode in args.grids:
             if row.get(f"grid_{mode}_tflops") and a:
                 print(f"  FA3GEN_GRID={mode}: {row[f'grid_{mode}_tflops']:.0f} TFLOP/s "
