@@ -10,7 +10,7 @@ import torch
 
 from fa3gen import ops
 from fa3gen.checks import probe_masking
-from fa3gen.errors import InvalidInputError
+from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import compare_grads_to_reference
 
@@ -195,6 +195,10 @@ def test_torch_compile_fullgraph(lib, bwd_default_key):
     gradients match eager mode."""
     dtype_name, d, causal = bwd_default_key
     dtype = DTYPES[dtype_name]
+    try:  # compiled calls take the forward key's default, not its seqlen_k range default
+        lib.find("fwd", dtype_name, d, causal)
+    except VariantNotBuiltError:
+        pytest.skip("the forward key's default is not in this (subset) library")
     # `block` below is one code object for every parametrization: without a reset, dynamo's
     # recompile limit (8) is hit after 8 keys, which says nothing about fa3gen.
     torch._dynamo.reset()
