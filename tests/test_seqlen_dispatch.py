@@ -113,7 +113,7 @@ def test_range_bounds_are_inclusive_and_rows_of_another_key_are_ignored(tmp_path
 
 def test_varlen_forward_picks_by_max_seqlen_k(fake_launches, monkeypatch):
     """flash_attn_varlen_func's eager forward asks the dispatch with max_seqlen_k (a varlen
-    key's ranges are on it); a named variant and the backward do not choose by length."""
+    key's ranges are on it), once: the plan is cached for the call signature."""
     from fa3gen import varlen
 
     lib = runtime.get_library()
@@ -123,6 +123,7 @@ def test_varlen_forward_picks_by_max_seqlen_k(fake_launches, monkeypatch):
     q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     varlen.flash_attn_varlen_func(q, q, q, cu, cu, 5, 7, causal=True)
+    varlen.flash_attn_varlen_func(q, q, q, cu, cu, 5, 7, causal=True)
     [(direction, kw)] = asked
     assert direction == "fwd" and kw["varlen"] and kw["seqlen_k"] == 7 and kw["variant"] is None
-    assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"]
+    assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"] * 2

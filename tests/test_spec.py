@@ -318,7 +318,7 @@ def test_a_null_seqlen_k_is_an_error_not_every_length():
 
 def test_a_varlen_keys_range_resolves_like_a_padded_one():
     """A varlen key's seqlen_k range (the runtime reads it as max_seqlen_k) resolves to its
-    variant; the padded key's entries do not reach it."""
+    variant (the generator refused it before)."""
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
     spec = parse_spec(BASE.replace("causal: false,", "causal: false, varlen: true,") + (
