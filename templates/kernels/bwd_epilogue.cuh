@@ -27,13 +27,15 @@ __device__ __forceinline__ void store_bwd_tile(BwdParams<Traits> const& p, typen
     }
   };
   const int row_end = (Traits::kVarlen ? seq.seqlen_k : p.seqlen_k) - tile.block * kTileN;
-  // Staged row-major in the Q/dO/K/V buffers, which no GEMM reads any more, then written as
+  // Staged row-major in the Q/dO/K/V buffers, which no GEMM reads any more (kEpilogueSync:
+  // once both warpgroups are past their last one), then written as
   // whole rows with 16-byte stores. Storing the fragments straight from registers (4 bytes
   // each) took 9% of the stall samples at seqlen 2k: store backpressure, drain at exit.
   // kTransposedDkv always stages (dK^T / dV^T stored element by element from registers spilled
   // at 160 registers), and copies 2 bytes at a time when the rows are not 16-byte aligned.
   if constexpr (Traits::kStagedEpilogue) {
     if (Traits::kTransposedDkv || p.vector_stores) {
+      if constexpr (Traits::kEpilogueSync) barrier_sync<BarrierId::kBwdStaged>(Traits::kConsumerThreads);
       Element* stage_k = smem.q.data();
       Element* stage_v = stage_k + staged_tile_bytes<kTileN, kHeadDim, Element>() / sizeof(Element);
       if constexpr (Traits::kTransposedDkv) {  // dK^T and dV^T

@@ -139,8 +139,10 @@ struct BwdMainloop {
     const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
+        // kNoLastDqWait: no "empty" arrival after the last block, which no consumer waits for.
+        const bool arrive_empty = !Traits::kNoLastDqWait || hq + 1 < p.heads_per_kv || m_block + 1 < m_end;
         if constexpr (Traits::kDqPerWg) {
-          write_dq_halves(dq_tile, m_block, tile, mask, leader);
+          write_dq_halves(dq_tile, m_block, tile, mask, leader, arrive_empty);
           continue;
         }
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
@@ -164,7 +166,7 @@ struct BwdMainloop {
         }
         ++st;
         __syncwarp();
-        barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        if (arrive_empty) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
       }
     }
     if (leader) bulk_wait_done();
@@ -185,7 +187,8 @@ struct BwdMainloop {
 
   // kDqPerWg: each consumer warpgroup's half of a query block's dQ, as it arrives.
   __device__ __forceinline__ void write_dq_halves(int64_t dq_tile, int m_block, TileCoord const& tile,
-                                                  typename Traits::Mask const& mask, bool leader) {
+                                                  typename Traits::Mask const& mask, bool leader,
+                                                  bool arrive_empty) {
     constexpr int kHalfElems = kTileM * kHeadDim / 2;
     float* dq_gmem = p.dq_accum + dq_tile * (kTileM * kHeadDim);
     if (leader && p.deterministic) {
@@ -198,8 +201,10 @@ struct BwdMainloop {
     if (leader) bulk_reduce_add(dq_gmem + kHalfElems, smem.dq.data() + kHalfElems, Traits::kBytesdQ / 2);
     if (leader) finish_dq_add(dq_tile);
     __syncwarp();
-    barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
-    barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
+    if (arrive_empty) {
+      barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
+      barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
+    }
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -507,8 +512,10 @@ struct BwdMainloop {
       }
     }
     // The writer signals "empty" after every block; take the last one so that no arrival is
-    // left over (and the epilogue's staging over Q and dO never meets the last dQ's read).
-    if constexpr (Traits::kDqPerWg) {
+    // left over (kNoLastDqWait: the writer skips that one, and the epilogue syncs the
+    // consumers alone, kEpilogueSync).
+    if constexpr (Traits::kNoLastDqWait) {
+    } else if constexpr (Traits::kDqPerWg) {
       if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), kWgWriterThreads);
     } else {
       if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);

@@ -228,6 +228,21 @@ struct BwdTraits {
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
   // their fragments directly.
   static constexpr bool kStagedEpilogue = !kDqTransposed;
+  // Measurement switch FA3GEN_BWD_NO_LAST_DQ_WAIT: the consumers leave the loop without
+  // waiting for the dQ writer to have read the last block's dQ (the writer skips that "empty"
+  // arrival), as FA4 does, so the epilogue no longer waits for the last bulk reduction's read
+  // of 32 KB; its staging lies over Q, dO, K and V, not the dQ buffer. Not with kDqInStages,
+  // where dQ is handed over in the Q and dO buffers the staging overwrites.
+#ifdef FA3GEN_BWD_NO_LAST_DQ_WAIT
+  static constexpr bool kNoLastDqWait = !kDqInStages;
+#else
+  static constexpr bool kNoLastDqWait = false;
+#endif
+  // Both consumer warpgroups past their last GEMM before the epilogue stages over Q, dO, K
+  // and V. With kDqPerWg a warpgroup leaves the loop on its own writer barrier while the
+  // other's last dK GEMM may still read Q; otherwise the last dQ-empty sync, which both
+  // warpgroups and the writer meet, orders it.
+  static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
                 "dK/dV staging does not fit in the Q, dO, K and V buffers");
