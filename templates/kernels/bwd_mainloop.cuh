@@ -61,13 +61,20 @@ struct BwdMainloop {
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
     TmaBarrier::init(&smem.barrier_kv, 1);
+#ifdef FA3GEN_BWD_SPLIT_QDO
+    if constexpr (Traits::kSplitQdo) {
+      for (int s = 0; s < Traits::kStages; ++s) TmaBarrier::init(&smem.barrier_do[s], 1);
+    }
+#endif
   }
+  // The bytes a stage's pipeline barrier expects: Q, dO, LSE and D, or (kSplitQdo) Q and LSE.
+  static constexpr uint32_t kStageTxBytes = (Traits::kSplitQdo ? 1 : 2) * (Traits::kBytesQ + Traits::kBytesRowStats);
 
   __device__ __forceinline__ BwdMainloop(BwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
              // kDqInStages: the dQ writer's arrival too, once it has read dQ out of the stage
-             tma_pipeline_params<typename Traits::Pipeline>(2 * Traits::kBytesQ + 2 * Traits::kBytesRowStats, true, warp_idx,
+             tma_pipeline_params<typename Traits::Pipeline>(kStageTxBytes, true, warp_idx,
                                            Traits::kConsumerThreads + (Traits::kDqInStages ? 1 : 0)),
              Shape<_1, _1, _1>{}) {}
 
@@ -99,11 +106,12 @@ struct BwdMainloop {
     load_kv(p.tma_k, smem.k.data());
     load_kv(p.tma_v, smem.v.data());
 
-    auto load_rows = [&](auto const& tma, Element* smem_ptr, int head, int m_block, PipelineState const& st) {
+    auto load_rows = [&](auto const& tma, Element* smem_ptr, int head, int m_block, PipelineState const& st,
+                         uint64_t* barrier) {
       auto [tg, ts] = row_tiles(tma, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, head, b,
                                 Shape<Int<kTileM>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem_ptr,
                                 typename Traits::SmemLayoutQ{});
-      copy(tma.with(*pipe.producer_get_barrier(st), 0), tg(_, m_block), ts(_, st.index()));
+      copy(tma.with(*barrier, 0), tg(_, m_block), ts(_, st.index()));
     };
     PipelineState st = cutlass::make_producer_start_state<typename Traits::Pipeline>();
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
@@ -112,13 +120,25 @@ struct BwdMainloop {
                                                  : (int64_t(b) * p.heads_q + head) * p.seqlen_q_rounded;
       for (int m_block = m_first; m_block < m_end; ++m_block) {
         pipe.producer_acquire(st);
-        load_rows(p.tma_q, smem.q.data(), head, m_block, st);
-        load_rows(p.tma_do, smem.dout.data(), head, m_block, st);
+        uint64_t* barrier = pipe.producer_get_barrier(st);
+#ifdef FA3GEN_BWD_SPLIT_QDO
+        if constexpr (Traits::kSplitQdo) {  // what S needs first (Q, LSE), then dO and D
+          uint64_t* barrier_do = &smem.barrier_do[st.index()];
+          TmaBarrier::arrive_and_expect_tx(barrier_do, Traits::kBytesQ + Traits::kBytesRowStats);
+          const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
+          load_rows(p.tma_q, smem.q.data(), head, m_block, st, barrier);
+          SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, barrier, smem.lse_log2[st.index()], Traits::kBytesRowStats);
+          load_rows(p.tma_do, smem.dout.data(), head, m_block, st, barrier_do);
+          SM90_BULK_COPY_G2S::copy(p.dsum + row0, barrier_do, smem.dsum[st.index()], Traits::kBytesRowStats);
+          ++st;
+          continue;
+        }
+#endif
+        load_rows(p.tma_q, smem.q.data(), head, m_block, st, barrier);
+        load_rows(p.tma_do, smem.dout.data(), head, m_block, st, barrier);
         const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
-        SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, pipe.producer_get_barrier(st),
-                                 smem.lse_log2[st.index()], Traits::kBytesRowStats);
-        SM90_BULK_COPY_G2S::copy(p.dsum + row0, pipe.producer_get_barrier(st),
-                                 smem.dsum[st.index()], Traits::kBytesRowStats);
+        SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, barrier, smem.lse_log2[st.index()], Traits::kBytesRowStats);
+        SM90_BULK_COPY_G2S::copy(p.dsum + row0, barrier, smem.dsum[st.index()], Traits::kBytesRowStats);
         ++st;
       }
     }
@@ -434,6 +454,9 @@ struct BwdMainloop {
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
+#ifdef FA3GEN_BWD_SPLIT_QDO
+        if constexpr (Traits::kSplitQdo) TmaBarrier::wait(&smem.barrier_do[st.index()], st.phase());
+#endif
         wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));

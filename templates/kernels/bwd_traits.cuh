@@ -202,6 +202,9 @@ struct BwdTraits {
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
+#ifdef FA3GEN_BWD_SPLIT_QDO
+    alignas(8) uint64_t barrier_do[Stages];       // kSplitQdo: the stage's dO and D landed
+#endif
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
@@ -243,6 +246,15 @@ struct BwdTraits {
   // other's last dK GEMM may still read Q; otherwise the last dQ-empty sync, which both
   // warpgroups and the writer meet, orders it.
   static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
+  // Measurement switch FA3GEN_BWD_SPLIT_QDO: a stage's Q and LSE land on the pipeline's
+  // barrier and its dO and D on one of their own (barrier_do), so that S is issued once Q is
+  // in, before dO (FA4's separate Q and dO barriers: its first GEMM waits for about 33 KB at
+  // d64, fa3gen's for 65). The dense mma() path only (varlen zeroes both before the GEMMs).
+#ifdef FA3GEN_BWD_SPLIT_QDO
+  static constexpr bool kSplitQdo = !kPInSmem && !kVarlen;
+#else
+  static constexpr bool kSplitQdo = false;
+#endif
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
                 "dK/dV staging does not fit in the Q, dO, K and V buffers");
