@@ -537,11 +537,12 @@ struct BwdMainloop {
     // The writer signals "empty" after every block; take the last one so that no arrival is
     // left over (kNoLastDqWait: the writer skips that one, and the epilogue syncs the
     // consumers alone, kEpilogueSync).
-    if constexpr (Traits::kNoLastDqWait) {
-    } else if constexpr (Traits::kDqPerWg) {
-      if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), kWgWriterThreads);
-    } else {
-      if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    if constexpr (!Traits::kNoLastDqWait) {
+      if constexpr (Traits::kDqPerWg) {
+        if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), kWgWriterThreads);
+      } else {
+        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
+      }
     }
   }
 
