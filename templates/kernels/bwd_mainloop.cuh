@@ -494,8 +494,21 @@ struct BwdMainloop {
           Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
           issue_dq(buf, tdQrdQ);
           warpgroup_wait<1>();  // dV
-          wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
-          warpgroup_wait<1>();  // dQ; dK runs on
+#ifdef FA3GEN_BWD_DEBUG_LATE_DK
+          // Debug build: on the last block, warpgroup 1 issues its dK GEMM only after handing
+          // over dQ and a pause of about 50 us, so that it still reads Q when warpgroup 0
+          // reaches the epilogue, which stages over Q (kEpilogueSync must hold it back; with
+          // FA3GEN_BWD_NO_EPILOGUE_SYNC too, dK comes out wrong).
+          const bool late_dk = tid / 128 == 1 && hq + 1 == p.heads_per_kv && m_block + 1 == m_end;
+#else
+          constexpr bool late_dk = false;
+#endif
+          if (!late_dk) {
+            wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+            warpgroup_wait<1>();  // dQ; dK runs on
+          } else {
+            warpgroup_wait<0>();  // dQ
+          }
           const int wg = __shfl_sync(0xffffffff, tid / 128, 0);
           if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, kWgWriterThreads);
           float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
@@ -505,6 +518,10 @@ struct BwdMainloop {
           }
           cutlass::arch::fence_view_async_shared();
           barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, kWgWriterThreads);
+          if (late_dk) {
+            for (const long long start = clock64(); clock64() - start < 100000;) {}
+            wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+          }
           warpgroup_wait<0>();  // dK: done with the stage's Q
           pipe.consumer_release(st);
           ++st;

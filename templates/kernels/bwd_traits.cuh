@@ -245,7 +245,11 @@ struct BwdTraits {
   // and V. With kDqPerWg a warpgroup leaves the loop on its own writer barrier while the
   // other's last dK GEMM may still read Q; otherwise the last dQ-empty sync, which both
   // warpgroups and the writer meet, orders it.
+#ifdef FA3GEN_BWD_NO_EPILOGUE_SYNC  // debug builds only: shows the race (FA3GEN_BWD_DEBUG_LATE_DK)
+  static constexpr bool kEpilogueSync = false;
+#else
   static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
+#endif
   // Measurement switch FA3GEN_BWD_SPLIT_QDO: a stage's Q and LSE land on the pipeline's
   // barrier and its dO and D on one of their own (barrier_do), so that S is issued once Q is
   // in, before dO (FA4's separate Q and dO barriers: its first GEMM waits for about 33 KB at
