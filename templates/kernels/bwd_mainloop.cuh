@@ -74,6 +74,9 @@ struct BwdMainloop {
       : p(p_), smem(smem_),
         pipe(smem_.pipeline_q,
              // kDqInStages: the dQ writer's arrival too, once it has read dQ out of the stage
+             // (one arrival among the consumers' threads: CUTLASS's PipelineTmaAsync counts a
+             // one-CTA cluster's consumer arrivals per thread; a larger cluster counts one per
+             // warpgroup, which would lose it)
              tma_pipeline_params<typename Traits::Pipeline>(kStageTxBytes, true, warp_idx,
                                            Traits::kConsumerThreads + (Traits::kDqInStages ? 1 : 0)),
              Shape<_1, _1, _1>{}) {}
@@ -285,7 +288,10 @@ struct BwdMainloop {
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
     if constexpr (Traits::kDqInStages) {
       // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
-      // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady.
+      // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady. (The other
+      // warpgroup's S^T and dP^T GEMMs read every column: scores_to_grads waits for both
+      // before kBwdDsReady, which is what orders them; a dP wait moved past that barrier,
+      // as in kDqPerWg's step, would race here.)
       constexpr int kHalfSlots = kTileM * kHeadDim / 4;  // float2 per half
       static_assert(decltype(size(tdQrdQ))::value / 2 == Traits::kDqChunks);
       float2* sdQ_q = reinterpret_cast<float2*>(dq_stage_half(st.index(), 0));
