@@ -22,6 +22,7 @@ from bench_varlen import CAUSALS, with_grid  # noqa: E402
 
 from fa3gen import runtime, timing  # noqa: E402
 from fa3gen.bench import HIDDEN, TOTAL_TOKENS  # noqa: E402
+from fa3gen.contract import make_key  # noqa: E402
 from fa3gen.ops import flash_attn_func  # noqa: E402
 
 MODES = ("auto", "persistent", "tiles")
@@ -46,9 +47,7 @@ def main() -> int:
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         names = [None]
         if args.variants:
-            names += [x.name for x in lib.variants if x.direction == "fwd" and x.dtype == "bf16"
-                      and x.head_dim == d and x.causal == causal and not (
-                          x.local or x.softcap or x.varlen or x.paged)]
+            names += [x.name for x in lib.variants if x.key == make_key("fwd", "bf16", d, causal)]
         calls = {}
         for name, mode in itertools.product(names, MODES):
             label = f"{name or 'default'} {mode}"

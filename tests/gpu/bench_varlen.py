@@ -27,7 +27,7 @@ import torch
 
 from fa3gen import bench, runtime, timing
 from fa3gen.contract import make_key
-from fa3gen.ops import flash_attn_func
+from fa3gen.ops import flash_attn_func, masking
 from fa3gen.varlen import flash_attn_varlen_func
 from bench_features import visible_pairs
 from sustained_backends import measure
@@ -140,8 +140,7 @@ def main() -> int:
         if fa4 is not None:
             calls["fa4"] = (lambda: fa4(q, k, v, cu, longest, **kw), (q, k, v))
         if args.variants:
-            key = make_key(direction, "bf16", d, causal, window[0] >= 0 or window[1] >= 0,
-                           args.softcap > 0, True)
+            key = make_key(direction, "bf16", d, varlen=True, **masking(**kw).key())  # as the call dispatches
             for info in runtime.get_library().variants:
                 if info.key == key:
                     calls[f"v_{info.name}"] = (lambda name=info.name: flash_attn_varlen_func(
