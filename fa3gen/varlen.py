@@ -556,8 +556,11 @@ def flash_attn_varlen_func(
         ops.check_device(q, k, v)
         dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k)
+        # A max_seqlen_k that dynamo holds constant (it guards the value) picks the spec's
+        # range default as the eager call does; a dynamic one (torch.SymInt) takes the key's.
+        by_length = max_seqlen_k if isinstance(max_seqlen_k, int) else None
         name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
-                                 *ops._key_flags(mask), True)
+                                 *ops._key_flags(mask), True, by_length)
         q4, k4, v4 = _views(q, k, v)
         ops.check_layout(q=q4, k=k4, v=v4)
         _trace_call(name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
