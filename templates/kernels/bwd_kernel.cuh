@@ -25,15 +25,9 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
     if (!VarlenTileScheduler{p.schedule, p.varlen.tiles}.decode(int(blockIdx.x), tile)) return;  // past the list
     seq = seq_slice(p.varlen, tile.batch);
   } else {
-#ifdef FA3GEN_BWD_GRID_3D
-    // Measurement switch: a (key block, kv head, batch) grid read from blockIdx, as FA4 does,
-    // instead of a 1D index decoded by two integer divisions (about 60 instructions before
-    // the barrier set-up, fa3gen_bwd.cuh).
+    // A (key block, kv head, batch) grid read from blockIdx, as FA4 does, rather than a 1D
+    // index decoded by two integer divisions (about 60 instructions before the barrier set-up).
     tile = {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
-#else
-    const TileScheduler<false> sched{p.schedule};
-    sched.decode(sched.first(), tile);
-#endif
   }
   const typename Traits::Mask mask{Traits::kVarlen ? seq.seqlen_q : p.seqlen_q,
                                    Traits::kVarlen ? seq.seqlen_k : p.seqlen_k, p.window_left, p.window_right};

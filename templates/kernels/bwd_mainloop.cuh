@@ -61,11 +61,9 @@ struct BwdMainloop {
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
     TmaBarrier::init(&smem.barrier_kv, 1);
-#ifdef FA3GEN_BWD_SPLIT_QDO
     if constexpr (Traits::kSplitQdo) {
       for (int s = 0; s < Traits::kStages; ++s) TmaBarrier::init(&smem.barrier_do[s], 1);
     }
-#endif
   }
   // The bytes a stage's pipeline barrier expects: Q, dO, LSE and D, or (kSplitQdo) Q and LSE.
   static constexpr uint32_t kStageTxBytes = (Traits::kSplitQdo ? 1 : 2) * (Traits::kBytesQ + Traits::kBytesRowStats);
@@ -124,24 +122,16 @@ struct BwdMainloop {
       for (int m_block = m_first; m_block < m_end; ++m_block) {
         pipe.producer_acquire(st);
         uint64_t* barrier = pipe.producer_get_barrier(st);
-#ifdef FA3GEN_BWD_SPLIT_QDO
-        if constexpr (Traits::kSplitQdo) {  // what S needs first (Q, LSE), then dO and D
-          uint64_t* barrier_do = &smem.barrier_do[st.index()];
+        // What S needs first (Q, LSE), then dO and D: on barrier_do where kSplitQdo.
+        uint64_t* barrier_do = Traits::kSplitQdo ? &smem.barrier_do[st.index()] : barrier;
+        if constexpr (Traits::kSplitQdo) {
           TmaBarrier::arrive_and_expect_tx(barrier_do, Traits::kBytesQ + Traits::kBytesRowStats);
-          const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
-          load_rows(p.tma_q, smem.q.data(), head, m_block, st, barrier);
-          SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, barrier, smem.lse_log2[st.index()], Traits::kBytesRowStats);
-          load_rows(p.tma_do, smem.dout.data(), head, m_block, st, barrier_do);
-          SM90_BULK_COPY_G2S::copy(p.dsum + row0, barrier_do, smem.dsum[st.index()], Traits::kBytesRowStats);
-          ++st;
-          continue;
         }
-#endif
-        load_rows(p.tma_q, smem.q.data(), head, m_block, st, barrier);
-        load_rows(p.tma_do, smem.dout.data(), head, m_block, st, barrier);
         const int64_t row0 = stats_row0 + int64_t(m_block) * kTileM;
+        load_rows(p.tma_q, smem.q.data(), head, m_block, st, barrier);
         SM90_BULK_COPY_G2S::copy(p.lse_log2 + row0, barrier, smem.lse_log2[st.index()], Traits::kBytesRowStats);
-        SM90_BULK_COPY_G2S::copy(p.dsum + row0, barrier, smem.dsum[st.index()], Traits::kBytesRowStats);
+        load_rows(p.tma_do, smem.dout.data(), head, m_block, st, barrier_do);
+        SM90_BULK_COPY_G2S::copy(p.dsum + row0, barrier_do, smem.dsum[st.index()], Traits::kBytesRowStats);
         ++st;
       }
     }
@@ -460,9 +450,7 @@ struct BwdMainloop {
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
-#ifdef FA3GEN_BWD_SPLIT_QDO
         if constexpr (Traits::kSplitQdo) TmaBarrier::wait(&smem.barrier_do[st.index()], st.phase());
-#endif
         wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
         Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));

@@ -202,9 +202,8 @@ struct BwdTraits {
     alignas(16) float dsum[Stages][TileM];      // D = rowsum(dO * O)
     typename Pipeline::SharedStorage pipeline_q;  // Q, dO, LSE and D of one query block
     alignas(8) uint64_t barrier_kv;               // K and V landed
-#ifdef FA3GEN_BWD_SPLIT_QDO
+    // Last, in the tail padding: the other members keep their offsets where it is unused.
     alignas(8) uint64_t barrier_do[Stages];       // kSplitQdo: the stage's dO and D landed
-#endif
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
@@ -231,34 +230,26 @@ struct BwdTraits {
   // and writes 16-byte rows; the dQ^T (TileM 80) consumers spill 8 bytes with it and store
   // their fragments directly.
   static constexpr bool kStagedEpilogue = !kDqTransposed;
-  // Measurement switch FA3GEN_BWD_NO_LAST_DQ_WAIT: the consumers leave the loop without
-  // waiting for the dQ writer to have read the last block's dQ (the writer skips that "empty"
-  // arrival), as FA4 does, so the epilogue no longer waits for the last bulk reduction's read
-  // of 32 KB; its staging lies over Q, dO, K and V, not the dQ buffer. Not with kDqInStages,
-  // where dQ is handed over in the Q and dO buffers the staging overwrites.
-#ifdef FA3GEN_BWD_NO_LAST_DQ_WAIT
+  // The consumers leave the loop without waiting for the dQ writer to have read the last
+  // block's dQ (the writer skips that "empty" arrival), as FA4 does, so the epilogue does not
+  // wait for the last bulk reduction's read of up to 32 KB; its staging lies over Q, dO, K and
+  // V, not the dQ buffer. Not with kDqInStages, where dQ is handed over in the Q and dO
+  // buffers the staging overwrites. (Short rows +1-2.6%, docs/BENCHMARKS.md 2026-12-04 (sixth).)
   static constexpr bool kNoLastDqWait = !kDqInStages;
-#else
-  static constexpr bool kNoLastDqWait = false;
-#endif
   // Both consumer warpgroups past their last GEMM before the epilogue stages over Q, dO, K
-  // and V. With kDqPerWg a warpgroup leaves the loop on its own writer barrier while the
-  // other's last dK GEMM may still read Q; otherwise the last dQ-empty sync, which both
-  // warpgroups and the writer meet, orders it.
+  // and V: a warpgroup leaves the loop without the other (kNoLastDqWait, and with kDqPerWg on
+  // its own writer barrier) while the other's last dK GEMM may still read Q. With
+  // kDqInStages the last dQ-empty sync, which both warpgroups and the writer meet, orders it.
 #ifdef FA3GEN_BWD_NO_EPILOGUE_SYNC  // debug builds only: shows the race (FA3GEN_BWD_DEBUG_LATE_DK)
   static constexpr bool kEpilogueSync = false;
 #else
   static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
 #endif
-  // Measurement switch FA3GEN_BWD_SPLIT_QDO: a stage's Q and LSE land on the pipeline's
-  // barrier and its dO and D on one of their own (barrier_do), so that S is issued once Q is
-  // in, before dO (FA4's separate Q and dO barriers: its first GEMM waits for about 33 KB at
-  // d64, fa3gen's for 65). The dense mma() path only (varlen zeroes both before the GEMMs).
-#ifdef FA3GEN_BWD_SPLIT_QDO
+  // A stage's Q and LSE land on the pipeline's barrier and its dO and D on one of their own
+  // (barrier_do), so that S is issued once Q is in, before dO (FA4's separate Q and dO
+  // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). The dense mma() path
+  // only (varlen zeroes both before the GEMMs).
   static constexpr bool kSplitQdo = !kPInSmem && !kVarlen;
-#else
-  static constexpr bool kSplitQdo = false;
-#endif
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
                 "dK/dV staging does not fit in the Q, dO, K and V buffers");

@@ -102,11 +102,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   // Key blocks are the fastest tile index: in deterministic mode a CTA waits only for CTAs of
   // lower key blocks of its head, which the hardware has already started (no deadlock).
-#ifdef FA3GEN_BWD_GRID_3D  // bwd_kernel.cuh; heads and batch are at most 65535 (checked above)
+  // Dense: (key block, kv head, batch), read by bwd_kernel.cuh; heads and batch are at most
+  // 65535 (checked above). Varlen: the tile list's entries.
   const dim3 grid = Varlen ? dim3(unsigned(p.schedule.ctas)) : dim3(unsigned(n_blocks), unsigned(a.heads_kv), unsigned(a.batch));
-#else
-  const dim3 grid(unsigned(p.schedule.ctas));
-#endif
 #ifdef FA3GEN_BWD_PDL
   err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
 #else
