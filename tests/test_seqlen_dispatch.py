@@ -127,3 +127,39 @@ def test_varlen_forward_picks_by_max_seqlen_k(fake_launches, monkeypatch):
     [(direction, kw)] = asked
     assert direction == "fwd" and kw["varlen"] and kw["seqlen_k"] == 7 and kw["variant"] is None
     assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"] * 2
+
+
+class _Named(Exception):
+    """Stops a captured call once it has named its variant."""
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["constant", "symint"])
+def test_captured_varlen_forward_names_by_a_constant_max_seqlen_k(fake_launches, monkeypatch,
+                                                                   dynamic):
+    """Under graph capture the varlen forward names its variant by max_seqlen_k as the eager
+    call does while it is a plain int (dynamo holds it constant and guards the value); a
+    max_seqlen_k made dynamic (torch.SymInt) names the key's default."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fa3gen import varlen
+
+    asked = []
+
+    def named(*args):
+        asked.append(args)
+        raise _Named
+
+    monkeypatch.setattr(ops, "_captured", lambda *t: True)
+    monkeypatch.setattr(ops, "_variant_name", named)
+    max_k = 7
+    if dynamic:
+        env = ShapeEnv()
+        max_k = env.create_symintnode(env.create_symbol(7, ConstantSource("max_k")), hint=7)
+    q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(_Named):
+        varlen.flash_attn_varlen_func(q, q, q, cu, cu, 5, max_k, causal=True)
+    [args] = asked
+    assert args[:4] == ("fwd", "bf16", 128, None) and args[-2] is True  # varlen
+    assert args[-1] == (None if dynamic else 7)
