@@ -13,6 +13,7 @@
 #include "barriers.cuh"
 #include "bwd_dq.cuh"
 #include "bwd_traits.cuh"
+#include "gmma_desc.cuh"
 #include "tile_scheduler.cuh"
 #include "tma_pipeline.cuh"
 
