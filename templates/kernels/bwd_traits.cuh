@@ -163,6 +163,8 @@ struct BwdTraits {
   using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutQ{})));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutK{}));
+  // dK and dV stored by TMA from K's and V's buffers (kTmaStoreDkv).
+  using TmaStoreK = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorRows{}, SmemLayoutK{}));
 
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = TileN * HeadDim * sizeof(Element);
@@ -245,6 +247,17 @@ struct BwdTraits {
 #else
   static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
 #endif
+  // Measurement switch FA3GEN_BWD_TMA_STORE_DKV: the epilogue stages dK and dV with stmatrix
+  // over K and V (which no GEMM reads once both warpgroups are past kEpilogueSync) in the TMA
+  // box's layout, and one thread stores each with a TMA store, as FA4 does, instead of 16-byte
+  // stores of staged rows by every thread (8 dependent LDS -> STG per thread). Dense only (a
+  // TMA store clips at the tensor's end, not a sequence's), with 16-byte aligned rows
+  // (p.vector_stores); otherwise the staged rows below.
+#ifdef FA3GEN_BWD_TMA_STORE_DKV
+  static constexpr bool kTmaStoreDkv = !kVarlen && !kTransposedDkv && !kSplitHeadDim;
+#else
+  static constexpr bool kTmaStoreDkv = false;
+#endif
   // A stage's Q and LSE land on the pipeline's barrier and its dO and D on one of their own
   // (barrier_do), so that S is issued once Q is in, before dO (FA4's separate Q and dO
   // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). The dense mma() path
@@ -281,6 +294,9 @@ struct BwdParams {
   TileSchedule schedule;  // one CTA per (key block, kv head, batch)
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
   int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
+#ifdef FA3GEN_BWD_TMA_STORE_DKV
+  typename Traits::TmaStoreK tma_dk, tma_dv;  // kTmaStoreDkv and vector_stores: set by the host
+#endif
 };
 
 // First query tile of (batch b, query head) in the stats (times TileM: the row) and in
