@@ -114,8 +114,20 @@ struct BwdTraits {
   // iteration's writes never race the previous iteration's GEMMs. kTransposedDkv: TileN
   // contiguous instead (K-major A operand of dQ = dS K, and the transposed view is the MN-major
   // B operand of dK^T = Q^T dS; P likewise for dV^T).
+  // Measurement switch FA3GEN_BWD_DS_KEYS_CONTIGUOUS: the dS^T accumulator (keys x queries)
+  // goes to a keys-contiguous dS with transposed stmatrix (a K-major A operand of dQ = dS K),
+  // as FA4 stores it: the 8 stmatrix of a thread then lie whole swizzle periods apart (base +
+  // immediate), where the queries-contiguous layout puts them 32 bytes apart inside a
+  // swizzled line, and every address is swizzled anew each step (about 50 integer
+  // instructions of the d64 loop). Not with kSplitHeadDim (its dK reads dS^T K-major, queries
+  // contiguous) nor dQ^T (80-row tiles).
+#ifdef FA3GEN_BWD_DS_KEYS_CONTIGUOUS
+  static constexpr bool kDsKeysContiguous = kTransposedDkv || (!kSplitHeadDim && !kDqTransposed);
+#else
+  static constexpr bool kDsKeysContiguous = kTransposedDkv;
+#endif
   using SmemLayoutdS = decltype(tile_to_shape(
-      cute::conditional_t<kTransposedDkv, decltype(smem_atom<Element, TileN, true>()),
+      cute::conditional_t<kDsKeysContiguous, decltype(smem_atom<Element, TileN, true>()),
                           decltype(smem_atom<Element, TileM, false>())>{},
       Shape<Int<TileM>, Int<TileN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
@@ -149,11 +161,11 @@ struct BwdTraits {
   using DkvTileShape = cute::conditional_t<kTransposedDkv, Shape<Int<HeadDim>, Int<TileN>>,
                                            Shape<Int<TileN>, Int<HeadDim>>>;
   // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views
-  // (kTransposedDkv: dS is K-major).
+  // (kDsKeysContiguous: dS is K-major).
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<_64, Int<kDqTransposed ? TileM : HeadDim / kDqWgN>, Int<TileN>>,
-                           kTransposedDkv ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
+                           kDsKeysContiguous ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
   // The dQ accumulator tile: (TileM, d), or (d, TileM) when transposed.
   using DqTileShape = cute::conditional_t<kDqTransposed, Shape<Int<HeadDim>, Int<TileM>>,
