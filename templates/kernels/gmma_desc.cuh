@@ -11,8 +11,7 @@
 
 #ifdef FA3GEN_BWD_DESC_ADD64
 namespace cute::SM90::GMMA {
-template <>
-template <>
+template <>  // of the member template of a plain struct: one template<> only
 CUTE_HOST_DEVICE constexpr DescriptorIterator DescriptorIterator::operator+<int>(int const& offset) const {
   return {GmmaDescriptor{desc_.desc_ + uint64_t(int64_t(offset))}};
 }
