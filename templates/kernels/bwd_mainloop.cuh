@@ -552,15 +552,12 @@ struct BwdMainloop {
         ++st;
       }
     }
-    // The writer signals "empty" after every block; take the last one so that no arrival is
-    // left over (kNoLastDqWait: the writer skips that one, and the epilogue syncs the
-    // consumers alone, kEpilogueSync).
+    // kDqInStages: the writer signals "empty" after every block; take the last one so that no
+    // arrival is left over. (Elsewhere, kNoLastDqWait, it skips that one and the epilogue syncs
+    // the consumers alone, kEpilogueSync; kDqPerWg is always among those.)
+    static_assert(!Traits::kDqPerWg || Traits::kNoLastDqWait);
     if constexpr (!Traits::kNoLastDqWait) {
-      if constexpr (Traits::kDqPerWg) {
-        if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(__shfl_sync(0xffffffff, tid / 128, 0), kWgWriterThreads);
-      } else {
-        if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-      }
+      if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
     }
   }
 

@@ -251,13 +251,13 @@ struct BwdTraits {
   // buffers the staging overwrites. (Short rows +1-2.6%, docs/BENCHMARKS.md 2026-12-04 (sixth).)
   static constexpr bool kNoLastDqWait = !kDqInStages;
   // Both consumer warpgroups past their last GEMM before the epilogue stages over Q, dO, K
-  // and V: a warpgroup leaves the loop without the other (kNoLastDqWait, and with kDqPerWg on
-  // its own writer barrier) while the other's last dK GEMM may still read Q. With
+  // and V: with kNoLastDqWait a warpgroup leaves the loop without the other (with kDqPerWg, a
+  // subset, on its own writer barrier) while the other's last dK GEMM may still read Q. With
   // kDqInStages the last dQ-empty sync, which both warpgroups and the writer meet, orders it.
 #ifdef FA3GEN_BWD_NO_EPILOGUE_SYNC  // debug builds only: shows the race (FA3GEN_BWD_DEBUG_LATE_DK)
   static constexpr bool kEpilogueSync = false;
 #else
-  static constexpr bool kEpilogueSync = kDqPerWg || kNoLastDqWait;
+  static constexpr bool kEpilogueSync = kNoLastDqWait;
 #endif
   // Measurement switch FA3GEN_BWD_TMA_STORE_DKV: the epilogue stages dK and dV with stmatrix
   // over K and V (which no GEMM reads once both warpgroups are past kEpilogueSync) in the TMA
@@ -303,7 +303,8 @@ struct BwdParams {
   float softmax_scale, scale_log2;
   bool deterministic;
   bool vector_stores;     // dk and dv rows are 16-byte aligned: staged epilogue
-  TileSchedule schedule;  // one CTA per (key block, kv head, batch)
+  TileSchedule schedule;  // one CTA per (key block, kv head, batch): the dense grid's
+                          // dimensions, or the varlen tile list's entries
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
   int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
 #ifdef FA3GEN_BWD_TMA_STORE_DKV

@@ -95,7 +95,11 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       schedule,
       VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
                  a.seqused_k},
-      int(q_tiles_padded)};
+      int(q_tiles_padded)
+#ifdef FA3GEN_BWD_TMA_STORE_DKV
+      , {}, {}  // tma_dk, tma_dv: set below where used
+#endif
+  };
 #ifdef FA3GEN_BWD_TMA_STORE_DKV
   if constexpr (Traits::kTmaStoreDkv) {
     if (p.vector_stores) {  // 16-byte aligned base and strides, as a TMA tensor needs
@@ -116,7 +120,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // lower key blocks of its head, which the hardware has already started (no deadlock).
   // Dense: (key block, kv head, batch), read by bwd_kernel.cuh; heads and batch are at most
   // 65535 (checked above). Varlen: the tile list's entries.
-  const dim3 grid = Varlen ? dim3(unsigned(p.schedule.ctas)) : dim3(unsigned(n_blocks), unsigned(a.heads_kv), unsigned(a.batch));
+  const dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
+                           : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
 #ifdef FA3GEN_BWD_PDL
   err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
 #else
