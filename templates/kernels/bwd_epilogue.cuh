@@ -5,7 +5,6 @@
 #include "bwd_traits.cuh"
 #include "fragments.cuh"
 #include "tile_scheduler.cuh"
-#include "tma_pipeline.cuh"
 
 namespace fa3gen {
 
@@ -28,36 +27,6 @@ __device__ __forceinline__ void store_bwd_tile(BwdParams<Traits> const& p, typen
     }
   };
   const int row_end = (Traits::kVarlen ? seq.seqlen_k : p.seqlen_k) - tile.block * kTileN;
-#ifdef FA3GEN_BWD_TMA_STORE_DKV
-  if constexpr (Traits::kTmaStoreDkv) {  // bwd_traits.cuh
-    if (p.vector_stores) {
-      if constexpr (Traits::kEpilogueSync) barrier_sync<BarrierId::kBwdStaged>(Traits::kConsumerThreads);
-      using SmemLayoutK = typename Traits::SmemLayoutK;
-      auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_dkv);
-      auto thr_r2s = r2s.get_thread_slice(tid);
-      Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), SmemLayoutK{});
-      Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), SmemLayoutK{});
-      copy(r2s, thr_r2s.retile_S(convert_fragment<Element>(tdKrdK)), thr_r2s.partition_D(sdK));
-      copy(r2s, thr_r2s.retile_S(convert_fragment<Element>(tdVrdV)), thr_r2s.partition_D(sdV));
-      cutlass::arch::fence_view_async_shared();  // the TMA (async proxy) reads what these wrote
-      barrier_sync<BarrierId::kBwdStaged>(Traits::kConsumerThreads);
-      if (tid == 0) {
-        // Rows past seqlen_k are clipped by the store (the tensor ends there).
-        const auto shape = make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch);
-        const auto box = Shape<Int<kTileN>, Int<kHeadDim>>{};
-        auto [gk, sk] = tma_tiles(p.tma_dk, shape, tile.head, tile.batch, box, make_coord(tile.block, _0{}),
-                                  smem.k.data(), SmemLayoutK{});
-        copy(p.tma_dk, sk, gk);
-        auto [gv, sv] = tma_tiles(p.tma_dv, shape, tile.head, tile.batch, box, make_coord(tile.block, _0{}),
-                                  smem.v.data(), SmemLayoutK{});
-        copy(p.tma_dv, sv, gv);
-        tma_store_arrive();
-        tma_store_wait<0>();  // shared memory stays the CTA's until the stores have read it
-      }
-      return;
-    }
-  }
-#endif
   // Staged row-major in the Q/dO/K/V buffers, which no GEMM reads any more (kEpilogueSync:
   // once both warpgroups are past their last one), then written as
   // whole rows with 16-byte stores. Storing the fragments straight from registers (4 bytes

@@ -13,7 +13,6 @@
 #include "barriers.cuh"
 #include "bwd_dq.cuh"
 #include "bwd_traits.cuh"
-#include "gmma_desc.cuh"
 #include "tile_scheduler.cuh"
 #include "tma_pipeline.cuh"
 
@@ -428,15 +427,9 @@ struct BwdMainloop {
     // dS^T goes to shared memory with stmatrix (8x8 tiles whose 16-byte rows are contiguous
     // queries): a few STSM per thread instead of one 2-byte store per element, which took
     // d128 64x128 from 497 to ~557 TFLOP/s at seqlen 16k, and d128 80x128 (dQ^T) by 5-9%.
-    // kDsKeysContiguous: transposed 8x8 tiles, whose rows are contiguous keys.
-    using StsmDs = cute::conditional_t<Traits::kDsKeysContiguous, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>;
-    auto r2s_ds = make_tiled_copy_C(Copy_Atom<StsmDs, Element>{}, mma_sdp);
+    auto r2s_ds = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma_sdp);
     auto thr_r2s_ds = r2s_ds.get_thread_slice(tid);
     Tensor tdSsdS = thr_r2s_ds.partition_D(sdSt);  // (CPY, CPY_N, CPY_M, 2)
-    auto store_ds = [&](auto const& rdS, int buf) {  // dS^T into buffer buf
-      if constexpr (Traits::kDsKeysContiguous) stsm_t_period_apart(thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
-      else copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
-    };
     // kSplitHeadDim: the A operands of dV and dK, from shared memory.
     auto split_operand_a = [](auto const& wg, auto const& tile) {
       if constexpr (Traits::kSplitHeadDim) return wg.partition_fragment_A(tile);  // (MMA, MMA_N, MMA_K, 2)
@@ -489,7 +482,7 @@ struct BwdMainloop {
           Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
           wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-          store_ds(rdS, buf);
+          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
           barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
           Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
@@ -537,7 +530,7 @@ struct BwdMainloop {
           wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
           wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
         }
-        store_ds(rdS, buf);
+        copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();
         barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
         if constexpr (Traits::kSplitHeadDim) {

@@ -114,20 +114,8 @@ struct BwdTraits {
   // iteration's writes never race the previous iteration's GEMMs. kTransposedDkv: TileN
   // contiguous instead (K-major A operand of dQ = dS K, and the transposed view is the MN-major
   // B operand of dK^T = Q^T dS; P likewise for dV^T).
-  // Measurement switch FA3GEN_BWD_DS_KEYS_CONTIGUOUS: the dS^T accumulator (keys x queries)
-  // goes to a keys-contiguous dS with transposed stmatrix (a K-major A operand of dQ = dS K),
-  // as FA4 stores it: the 8 stmatrix of a thread then lie whole swizzle periods apart (base +
-  // immediate), where the queries-contiguous layout puts them 32 bytes apart inside a
-  // swizzled line, and every address is swizzled anew each step (about 50 integer
-  // instructions of the d64 loop). Not with kSplitHeadDim (its dK reads dS^T K-major, queries
-  // contiguous) nor dQ^T (80-row tiles).
-#ifdef FA3GEN_BWD_DS_KEYS_CONTIGUOUS
-  static constexpr bool kDsKeysContiguous = kTransposedDkv || (!kSplitHeadDim && !kDqTransposed);
-#else
-  static constexpr bool kDsKeysContiguous = kTransposedDkv;
-#endif
   using SmemLayoutdS = decltype(tile_to_shape(
-      cute::conditional_t<kDsKeysContiguous, decltype(smem_atom<Element, TileN, true>()),
+      cute::conditional_t<kTransposedDkv, decltype(smem_atom<Element, TileN, true>()),
                           decltype(smem_atom<Element, TileM, false>())>{},
       Shape<Int<TileM>, Int<TileN>, _2>{}));
   using SmemLayoutdSt = decltype(composition(
@@ -161,11 +149,11 @@ struct BwdTraits {
   using DkvTileShape = cute::conditional_t<kTransposedDkv, Shape<Int<HeadDim>, Int<TileN>>,
                                            Shape<Int<TileN>, Int<HeadDim>>>;
   // Both operands of dQ (dS, K^T) and of dQ^T (K^T, dS^T as (TileM, TileN)) are MN-major views
-  // (kDsKeysContiguous: dS is K-major).
+  // (kTransposedDkv: dS is K-major).
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float,
                            Shape<_64, Int<kDqTransposed ? TileM : HeadDim / kDqWgN>, Int<TileN>>,
-                           kDsKeysContiguous ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
+                           kTransposedDkv ? GMMA::Major::K : GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<Int<kDqWgM>, Int<kDqWgN>, _1>>{}));
   // The dQ accumulator tile: (TileM, d), or (d, TileM) when transposed.
   using DqTileShape = cute::conditional_t<kDqTransposed, Shape<Int<HeadDim>, Int<TileM>>,
@@ -175,8 +163,6 @@ struct BwdTraits {
   using GmemTensorRows = decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayoutRows{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, take<0, 2>(SmemLayoutQ{})));
   using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutK{}));
-  // dK and dV stored by TMA from K's and V's buffers (kTmaStoreDkv).
-  using TmaStoreK = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorRows{}, SmemLayoutK{}));
 
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesK = TileN * HeadDim * sizeof(Element);
@@ -259,17 +245,6 @@ struct BwdTraits {
 #else
   static constexpr bool kEpilogueSync = kNoLastDqWait;
 #endif
-  // Measurement switch FA3GEN_BWD_TMA_STORE_DKV: the epilogue stages dK and dV with stmatrix
-  // over K and V (which no GEMM reads once both warpgroups are past kEpilogueSync) in the TMA
-  // box's layout, and one thread stores each with a TMA store, as FA4 does, instead of 16-byte
-  // stores of staged rows by every thread (8 dependent LDS -> STG per thread). Dense only (a
-  // TMA store clips at the tensor's end, not a sequence's), with 16-byte aligned rows
-  // (p.vector_stores); otherwise the staged rows below.
-#ifdef FA3GEN_BWD_TMA_STORE_DKV
-  static constexpr bool kTmaStoreDkv = !kVarlen && !kTransposedDkv && !kSplitHeadDim;
-#else
-  static constexpr bool kTmaStoreDkv = false;
-#endif
   // A stage's Q and LSE land on the pipeline's barrier and its dO and D on one of their own
   // (barrier_do), so that S is issued once Q is in, before dO (FA4's separate Q and dO
   // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). The dense mma() path
@@ -307,9 +282,6 @@ struct BwdParams {
                           // dimensions, or the varlen tile list's entries
   VarlenArgs varlen;      // varlen variants (varlen.cuh): batch is 1 in the TMA tensors, and
   int q_tiles_padded;     // the stats and dq_accum are (heads_q, q_tiles_padded * TileM) rows
-#ifdef FA3GEN_BWD_TMA_STORE_DKV
-  typename Traits::TmaStoreK tma_dk, tma_dv;  // kTmaStoreDkv and vector_stores: set by the host
-#endif
 };
 
 // First query tile of (batch b, query head) in the stats (times TileM: the row) and in

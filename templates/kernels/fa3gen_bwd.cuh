@@ -95,23 +95,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
       schedule,
       VarlenArgs{a.cu_seqlens_q, a.cu_seqlens_k, a.total_q, a.total_k, reinterpret_cast<int2*>(a.tile_list),
                  a.seqused_k},
-      int(q_tiles_padded)
-#ifdef FA3GEN_BWD_TMA_STORE_DKV
-      , {}, {}  // tma_dk, tma_dv: set below where used
-#endif
-  };
-#ifdef FA3GEN_BWD_TMA_STORE_DKV
-  if constexpr (Traits::kTmaStoreDkv) {
-    if (p.vector_stores) {  // 16-byte aligned base and strides, as a TMA tensor needs
-      p.tma_dk = make_tma_copy(SM90_TMA_STORE{}, tensor(a.dk, rows_k, a.heads_kv, batches, a.dk_row_stride,
-                                                        a.dk_head_stride, a.dk_batch_stride),
-                               typename Traits::SmemLayoutK{});
-      p.tma_dv = make_tma_copy(SM90_TMA_STORE{}, tensor(a.dv, rows_k, a.heads_kv, batches, a.dv_row_stride,
-                                                        a.dv_head_stride, a.dv_batch_stride),
-                               typename Traits::SmemLayoutK{});
-    }
-  }
-#endif
+      int(q_tiles_padded)};
   auto kernel = bwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   err = set_smem_limit_once(kernel, smem_bytes);

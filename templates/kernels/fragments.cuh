@@ -156,34 +156,6 @@ __device__ __forceinline__ void store_staged_elems(const Element* stage, Element
   }
 }
 
-// Transposed stmatrix (.x4) of `src` (the copy's retile_S of a 16-bit fragment) to `dst` (its
-// partition_D of a tile behind a swizzling shared-memory pointer; 8 contiguous values a
-// stmatrix) through one 32-bit shared address: every stmatrix's destination lies a whole
-// number of swizzle periods from the first (checked at compile time), so the first one's
-// swizzle serves all and the rest are immediates. (Through CuTe's copy, ptxas swizzles each
-// address anew, in 64-bit generic arithmetic: about 6 instructions an stmatrix.)
-template <class TS, class TD>
-__device__ __forceinline__ void stsm_t_period_apart(TS const& src, TD const& dst) {
-  using Swz = get_swizzle_t<TD>;
-  constexpr int kPeriod = 1 << (Swz::num_bits + Swz::num_base + Swz::num_shft);  // elements
-  constexpr int kBytes = sizeof(typename TD::value_type);
-  using L = decltype(dst.layout());
-  constexpr int kCopies = decltype(size(dst))::value / 8;
-  static_assert(kBytes == 2 && decltype(size(src))::value == 8 * kCopies, "16-bit values, 8 a stmatrix");
-  const uint32_t base = cast_smem_ptr_to_uint(raw_pointer_cast(dst.data()));
-  Tensor s32 = recast<uint32_t>(src);
-  for_each(make_int_sequence<kCopies>{}, [&](auto c) {
-    constexpr int offset = L{}(Int<8 * c>{});
-    static_assert(offset % kPeriod == 0, "stmatrix destinations not whole swizzle periods apart");
-    for_each(make_int_sequence<8>{}, [&](auto v) {
-      static_assert(L{}(Int<8 * c + v>{}) == offset + v, "a stmatrix row: 8 contiguous values");
-    });
-    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     base + uint32_t(offset * kBytes)),
-                 "r"(s32(4 * c)), "r"(s32(4 * c + 1)), "r"(s32(4 * c + 2)), "r"(s32(4 * c + 3)));
-  });
-}
-
 template <int N>
 __device__ __forceinline__ float quad_allreduce_max(float x) {
   CUTLASS_PRAGMA_UNROLL
