@@ -180,7 +180,8 @@ struct BwdTraits {
   // the dP wait (bwd_mainloop.cuh). Two consumer warpgroups, dQ = dS K in a buffer of its own.
   // d128 64x128: 1.00-1.035x (docs/BENCHMARKS.md "2026-12-04 (third)"); d64 128x128 gained at
   // most 1.5% and spilled 4 bytes with it, so it keeps the old order; with the shuffled row
-  // stats (kRowsByShfl) it fits and loses 0-2.6% (FA3GEN_BWD_D64_DQ_PER_WG, 2026-12-04 fifth).
+  // stats (kRowsByShfl) it fits and loses 0-2.6% (FA3GEN_BWD_D64_DQ_PER_WG, 2026-12-04 fifth),
+  // and ties again under a profile: the wait moves to the dQ hand-over (2026-12-04 seventh).
   // (80x128, dQ^T = K^T dS^T, FA4's own d128 non-causal tile, with each warpgroup's 64 head_dim
   // rows of dQ^T its half: 1.00-1.03x at 80x128, still below 64x128 in the old order; removed.)
   static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
@@ -247,8 +248,8 @@ struct BwdTraits {
 #endif
   // A stage's Q and LSE land on the pipeline's barrier and its dO and D on one of their own
   // (barrier_do), so that S is issued once Q is in, before dO (FA4's separate Q and dO
-  // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). The dense mma() path
-  // only (varlen zeroes both before the GEMMs).
+  // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). Dense d64/d128 only
+  // (P in registers: mma()'s register path; varlen zeroes both before the GEMMs).
   static constexpr bool kSplitQdo = !kPInSmem && !kVarlen;
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),

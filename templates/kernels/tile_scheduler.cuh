@@ -1,6 +1,8 @@
-// Tile scheduling: which CTA computes which output tile, for both kernels. The policy is
-// decided on the host (how many CTAs, whether causal tiles go in pairs) and handed to the
-// kernel as a TileSchedule; the kernel only walks it.
+// Tile scheduling: which CTA computes which output tile. The policy is decided on the host
+// (how many CTAs, whether causal tiles go in pairs) and handed to the kernel as a
+// TileSchedule; the forward walks it. The dense backward launches its TileSchedule's
+// dimensions as a (key block, kv head, batch) grid and reads the tile from blockIdx
+// (bwd_kernel.cuh); varlen kernels walk a tile list (varlen.cuh).
 //
 // Tiles are ordered block-fastest, then head, then batch, so CTAs running together share one
 // head's K and V in L2. Three ways to walk them:
@@ -25,7 +27,7 @@ struct TileSchedule {
   int heads, batch;
   int pairs_per_head;  // (blocks + 1) / 2
   bool paired;         // walk tiles in (longest, shortest) pairs
-  int64_t ctas;        // the grid the host launches (one dimension)
+  int64_t ctas;        // the one-dimensional grid of the forward and varlen launches
 };
 
 // The forward's grid policy. FA3GEN_GRID_AUTO is persistent (one CTA per multiprocessor, or
@@ -43,7 +45,7 @@ inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool c
   return {m_blocks, heads, batch, (m_blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
 
-// One CTA per tile, tiles in order (the backward: one CTA per key block).
+// One CTA per tile, tiles in order (the backward: one CTA per key block, or per varlen list entry).
 inline TileSchedule one_cta_per_tile(int blocks, int heads, int batch) {
   return {blocks, heads, batch, (blocks + 1) / 2, false, int64_t(blocks) * heads * batch};
 }
