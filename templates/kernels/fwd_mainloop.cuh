@@ -521,7 +521,12 @@ struct FwdMainloop {
     o_units = 1.f;
     // masked (std::true_type / false_type): whether block i may need the mask (then checked
     // per block); the peeled loop's unmasked run has no mask code.
-    auto softmax_block = [&](int i, auto masked) {
+    // pinned (std::true_type in the steady state's step; Traits::kPinPvWait): the wait for
+    // P(i-1) V(i-1) inside the softmax, before the exponentials of the second half of the
+    // thread's rows, in a warp-uniform branch on the rows' maxima that is always taken, so
+    // that ptxas can neither lift it above them nor drop it; step()'s own wait then finds
+    // nothing left to wait for.
+    auto softmax_block = [&](int i, auto masked, auto pinned) {
       const int n_block = blocks.at(i);
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
       if constexpr (decltype(masked)::value) {
@@ -550,7 +555,14 @@ struct FwdMainloop {
           rescale_o = softmax.step(S, rescale, k_descale);
         }
       } else {
-        rescale_o = softmax.step(S, rescale);
+        if constexpr (Traits::kPinPvWait && decltype(pinned)::value) {
+          rescale_o = softmax.template step_hooked<kRows / 2>(S, rescale, [&]() {
+            if (__any_sync(0xffffffffu, softmax.row_max[0] == softmax.row_max[0])) warpgroup_wait<0>();
+            return 0;
+          });
+        } else {
+          rescale_o = softmax.step(S, rescale);
+        }
       }
       if constexpr (Traits::kFp8) {
         // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
@@ -601,7 +613,7 @@ struct FwdMainloop {
         pipe_k.consumer_release(st);
         release_q_if_last(i);
         refill_k(i);
-        softmax_block(i, std::true_type{});
+        softmax_block(i, std::true_type{}, std::false_type{});
         rescale_o_if_needed();
         to_p();
         if (i == 0) clear_v_past_end(st, blocks.at(0));
@@ -620,7 +632,7 @@ struct FwdMainloop {
       pipe_k.consumer_release(st);
       release_q_if_last(0);
       refill_k(0);
-      softmax_block(0, std::true_type{});
+      softmax_block(0, std::true_type{}, std::false_type{});
       to_p();
       clear_v_past_end(st, blocks.at(0));
       PipelineState st_v = st;  // V slot of the block whose P is in rP
@@ -636,12 +648,13 @@ struct FwdMainloop {
         // Groups retire in order: S(i) is done, P(i-1) V(i-1) may still run. In the 16-bit
         // variants ptxas moves the wait<0> below up to here (it has no inputs), so the softmax
         // does not overlap P(i-1) V(i-1); forcing it back measured slower (docs/BENCHMARKS.md,
-        // "Where the consumer warps wait"; tests/gpu/sass_loops.py --events shows the order).
+        // "Where the consumer warps wait"; tests/gpu/sass_loops.py --events shows the order),
+        // except in the sliding-window variants, which pin it halfway (Traits::kPinPvWait).
         warpgroup_wait<1>();
         pipe_k.consumer_release(st);
         release_q_if_last(i);
         refill_k(i);
-        softmax_block(i, masked);
+        softmax_block(i, masked, std::true_type{});
         warpgroup_wait<0>();
         pipe_v.consumer_release(st_v);
         refill_v(i - 1);

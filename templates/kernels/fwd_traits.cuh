@@ -140,9 +140,20 @@ struct FwdTraits {
   // threshold is 0.8, so rows move often and the vote seldom skips anything). Varlen as the
   // padded batch (2026-12-02, docs/results/ab_softmax_vote_varlen.json, mean lengths 512/2k/8k:
   // d128 causal 1.02-1.07x, non-causal 1.01-1.05, d64 non-causal 1.02-1.05).
+  // Sliding windows: d128 only, with the pinned wait below (1.01-1.04x; 2026-12-04 (eighth)).
   static constexpr bool kSoftmaxVote =
-      !kFp8 && !Local &&
+      !kFp8 && (!Local || HeadDim == 128) &&
       ((HeadDim >= 128 && (HeadDim < 256 || Softcap)) || (HeadDim == 64 && !Causal && !Softcap));
+
+  // The wait for the previous block's P V GEMM, pinned halfway through the softmax (after
+  // the exponentials of half of a thread's rows; fwd_mainloop.cuh, softmax_block). Where no
+  // branch splits the softmax, ptxas lifts that wait (it has no inputs) above the whole
+  // softmax, which then never overlaps P V: every variant without the vote (sass_loops.py
+  // --events: WAIT1 WAIT0 E66). Pinned in the 16-bit sliding-window variants, where it
+  // measured 1.00-1.05x (d128 and d256 window 4096 +2% at 16k; docs/BENCHMARKS.md
+  // 2026-12-04 (eighth)); d64 causal read 0.99 with it, and the vote variants keep ptxas's
+  // own placement (d128 causal: WAIT1 E32 WAIT0 E34).
+  static constexpr bool kPinPvWait = Local && !kFp8;
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);

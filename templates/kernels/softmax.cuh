@@ -75,7 +75,12 @@ struct OnlineSoftmax {
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale, Hook&& between = {}) {
     return step_impl<true>(S, rescale, block_scale == 0.f ? 1e-30f : block_scale, between);
   }
-  template <bool kScaled, class TS, class Hook>
+  // Unscaled, with between() called before row HookRow's exponentials (the two phases).
+  template <int HookRow, class TS, class Hook>
+  __device__ __forceinline__ bool step_hooked(TS& S, float (&rescale)[Rows], Hook&& between) {
+    return step_impl<false, HookRow>(S, rescale, 1.f, between);
+  }
+  template <bool kScaled, int HookRow = 0, class TS, class Hook>
   __device__ __forceinline__ bool step_impl(TS& S, float (&rescale)[Rows], float block_scale, Hook&& between) {
     constexpr bool kSplit = !std::is_same_v<cute::remove_cvref_t<Hook>, NoHook>;
     static_assert(decltype(size<0>(S))::value == Rows);
@@ -126,9 +131,13 @@ struct OnlineSoftmax {
       if constexpr (!kSplit) exp_row(S, r, mul, rescale[r]);
     }
     if constexpr (kSplit) {
-      const int zero = between();
+      static_assert(HookRow >= 0 && HookRow < Rows);
+      int zero = 0;
       CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < Rows; ++r) exp_row(S, r, mul, rescale[r], zero);
+      for (int r = 0; r < Rows; ++r) {
+        if (r == HookRow) zero = between();
+        exp_row(S, r, mul, rescale[r], zero);
+      }
     }
     return any;
   }

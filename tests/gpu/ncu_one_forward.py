@@ -5,7 +5,7 @@ fa3gen and FA4 kernels are profiled on the same shape:
     ncu --profile-from-start off --clock-control none --metrics sass__inst_executed_per_opcode \
         --print-metric-instances details --csv --page raw python3 tests/gpu/ncu_one_forward.py fa3gen 128 0 16384
 
-Arguments: backend (fa3gen, fa4, or cudnn: cuDNN's fp8 SDPA through cudnn-frontend, e4m3 only), head dim, causal (0/1), seqlen[, dtype: bf16 (default),
+Arguments (and --window W for a sliding window): backend (fa3gen, fa4, or cudnn: cuDNN's fp8 SDPA through cudnn-frontend, e4m3 only), head dim, causal (0/1), seqlen[, dtype: bf16 (default),
 fp16 or e4m3 (fa3gen only)[, a variant name (fa3gen only; default: the key's default)]]; batch x seqlen = 16k tokens, heads x head_dim = 2048 (the bench
 grid). Not a pytest module. docs/results/
 ncu_fwd_d128_vs_fa4.json holds what it gave on 2026-12-01.
@@ -29,6 +29,8 @@ def main() -> int:
     p.add_argument("variant", nargs="?", help="a fa3gen variant name (default: the key's default)")
     p.add_argument("--backward", action="store_true",
                    help="profile the backward's kernels (inputs require grad; dO is random)")
+    p.add_argument("--window", type=int, metavar="W",
+                   help="a sliding window (W, 0): with causal 1, bench_features.py's window rows")
     args = p.parse_args()
     if args.backward and args.dtype == "e4m3":
         p.error("--backward: e4m3 is a forward-only dtype")
@@ -40,6 +42,10 @@ def main() -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "e4m3": torch.float8_e4m3fn}[args.dtype]
     q, k, v = timing.random_inputs(bench.grid([s], [d])[0], dtype, 3)
     kwargs = {}
+    if args.window is not None:
+        if which == "cudnn" or args.window < 0:
+            p.error("--window: W >= 0, fa3gen or fa4")
+        kwargs["window_size"] = (args.window, 0)
     if which == "cudnn":
         graph = bench.cudnn_fp8_graph(q, k, v, causal)
         if graph is None:
