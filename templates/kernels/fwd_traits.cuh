@@ -135,7 +135,7 @@ struct FwdTraits {
   // causal 1.02-1.06x, non-causal 128x176 1.00-1.04, d192 1.01-1.04, d256 causal softcap
   // 1.04-1.08; d64 non-causal 192x128 1.02-1.04 (bf16 and fp16; 2026-12-02, docs/results/
   // ab_softmax_vote_d64_nc.json). Off where it lost: d64 causal and softcap, d96 (0.84-0.98),
-  // sliding windows (0.98-0.99; d128 local softcap 1.00-1.03), d256 without
+  // sliding windows (0.98-0.99 then; d128 local softcap 1.00-1.03), d256 without
   // softcap (non-causal 128x80 spills with it) and the fp8 forward (0.93-0.98: its rescale
   // threshold is 0.8, so rows move often and the vote seldom skips anything). Varlen as the
   // padded batch (2026-12-02, docs/results/ab_softmax_vote_varlen.json, mean lengths 512/2k/8k:
