@@ -422,8 +422,16 @@ struct FwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
     // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
-    // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md).
+    // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md). FA3GEN_FWD_Q_WG_SLICE
+    // (measurement builds, prepared 2026-12-04 (eighth), not yet timed) slices them per
+    // warpgroup: then d256 causal varlen 128x80 builds without its 4-byte spill (the
+    // warpgroup's Q descriptor base, kept across the tile loop), and the non-pingpong loops
+    // run 6-17 instructions a step fewer.
+#ifdef FA3GEN_FWD_Q_WG_SLICE
+    Tensor tSrQ = warpgroup_slice(mma_qk, tid).partition_fragment_A(sQ);
+#else
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
+#endif
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
