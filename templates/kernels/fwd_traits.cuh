@@ -153,8 +153,8 @@ struct FwdTraits {
   // measured 1.00-1.05x (d128 and d256 window 4096 +2% at 16k; docs/BENCHMARKS.md
   // 2026-12-04 (eighth)); d64 causal read 0.99 with it, and the vote variants keep ptxas's
   // own placement (d128 causal: WAIT1 E32 WAIT0 E34).
-#ifdef FA3GEN_FWD_PIN_PV_WAIT_ALL  // measurement builds (prepared, not yet timed): every
-  static constexpr bool kPinPvWait = !kFp8 && !kSoftmaxVote;  // 16-bit variant without the vote
+#ifdef FA3GEN_FWD_PIN_PV_WAIT_ALL  // measurement builds (prepared, not yet timed): also every
+  static constexpr bool kPinPvWait = !kFp8 && (Local || !kSoftmaxVote);  // 16-bit one without the vote
 #else
   static constexpr bool kPinPvWait = Local && !kFp8;
 #endif
