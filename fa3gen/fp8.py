@@ -345,12 +345,15 @@ def _fwd_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 q_descale: torch.Tensor | None, k_descale: torch.Tensor | None,
                 v_descale: torch.Tensor | None, causal: bool, softmax_scale: float, variant: str,
                 out_fp16: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """What torch.compile / export traces for an fp8 call (flash_attn_func resolves `variant`
-    first: the key's default, whatever the traced length; "" for block descales, whose blocks
-    are the tiles of the variant the length selects: resolved here, on concrete shapes)."""
+    """What torch.compile / export traces for an fp8 call: `variant` "" is the default for
+    the call's length, resolved here on concrete shapes (block descales are made for its
+    tiles). Records the call for fa3gen.trace."""
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
-    out, lse, _, _ = fp8_forward(q, k, v, ops.masking(causal), softmax_scale, variant or None,
-                                 descales, torch.float16 if out_fp16 else torch.bfloat16)
+    out, lse, name, dims = fp8_forward(q, k, v, ops.masking(causal), softmax_scale,
+                                       variant or None, descales,
+                                       torch.float16 if out_fp16 else torch.bfloat16)
+    if ops._trace._active:
+        ops._trace_call(name, not variant, dims)
     return out, lse
 
 

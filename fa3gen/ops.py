@@ -315,7 +315,9 @@ def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_outputs(out, lse, q, dims, out_dtype)
-    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
+    # variant "" or None: the default for this call's length (the op's compiled calls)
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant or None,
+                    seqlen_k=dims.seqlen_k, **mask.key())
     check_layout(q=q, k=k, v=v)
     launches = dims.batch and dims.seqlen_q and dims.heads_q and dims.seqlen_k
     params = _make_params(q, k, v, out, lse, dims, scale, _num_sms(q.device.index),
@@ -406,10 +408,14 @@ def _fwd_op(
 
 
 def _forward(q, k, v, mask: Masking, softmax_scale: float, variant: str):
-    """(out, lse) of forward variant `variant`: the custom op's body."""
+    """(out, lse) of forward variant `variant` ("": the default for the call's length): the
+    custom op's body, which also records the call for fa3gen.trace."""
     out, lse = _empty_outputs(q)
-    _fwd_run(_fwd_plan(q, k, v, out, lse, mask, float(softmax_scale), variant,
-                       runtime.get_library()), q, k, v, out, lse)
+    plan = _fwd_plan(q, k, v, out, lse, mask, float(softmax_scale), variant,
+                     runtime.get_library())
+    if _trace._active:
+        _trace_call(plan.info.name, not variant, plan.dims)
+    _fwd_run(plan, q, k, v, out, lse)
     return out, lse
 
 
@@ -587,7 +593,8 @@ def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool,
                         seqlen_k: int | None = None) -> str:
     """Name of the default backward variant for q's dtype (clear error when none was built).
     mask: the call's Masking, or just causal; seqlen_k: the keys, for a seqlen range default
-    (None under graph capture, as resolve_variant's by_length=False)."""
+    (None under graph capture: a compiled backward takes the key's default; no backward key
+    of specs/h100.yaml has ranges)."""
     dtype = _DTYPES.get(q.dtype, str(q.dtype))
     return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask), False, seqlen_k)
 
@@ -816,9 +823,8 @@ def resolve_variant(dims: Dims, mask: Masking | bool, variant: str | None = None
                     by_length: bool = True) -> str:
     """Name of the forward variant that serves dims (default dispatch, the spec's seqlen_k
     range default for dims.seqlen_k when by_length, or the named one). mask: the call's
-    Masking, or causal. Graph capture passes by_length=False: a traced length may be dynamic,
-    and the name is baked into the graph, so compiled calls take the key's default (fp8 calls
-    with block descales leave it to the op, fp8._fwd_fp8_op)."""
+    Masking, or causal. Graph capture passes by_length=False (a traced length may be dynamic)
+    only to check that the key is built: the op resolves a default call when it runs."""
     return _variant_name("fwd", dims.dtype, dims.head_dim, variant, *_key_flags(mask), False,
                          dims.seqlen_k if by_length else None)
 
@@ -915,24 +921,23 @@ def flash_attn_func(
         dims = check_inputs(q, k, v)
         if fp8:
             out_dtype = _fp8.check_call(q, k, v, mask, out_dtype)
+        # Tracing only checks that the key (or the named variant) is built. A default call
+        # leaves the choice to the op ("" below), which makes it when it runs, by the call's
+        # length as eager calls do (the spec's seqlen_k range defaults; fp8 block descales are
+        # made for those tiles): a traced length may be dynamic, and a name baked into the
+        # graph would serve every length. The op also records the call for fa3gen.trace.
         name = resolve_variant(dims, mask, variant, by_length=False)
+        op_variant = "" if variant is None else name
         check_layout(q=q, k=k, v=v)
-        if _trace._active:  # a call that passed every check
-            _trace_call(name, variant is None, dims)
         scale = _softmax_scale(softmax_scale, dims.head_dim)
         if fp8:
-            # Block descales were made for the tiles quantize_fp8 (block_sizes) picks by length:
-            # the key default's tiles would read them as other blocks (an error, or where the
-            # block counts agree, silently wrong), so the op resolves those calls when it runs
-            # ("": by length, on concrete shapes).
-            blocked = variant is None and any(isinstance(t, torch.Tensor) and t.dim() == 3
-                                              for t in descales.values())
             out, lse = torch.ops.fa3gen.fwd_fp8(q, k, v, q_descale, k_descale, v_descale,
-                                                mask.causal, scale, "" if blocked else name,
+                                                mask.causal, scale, op_variant,
                                                 out_dtype == torch.float16)
         else:
-            out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, name, bool(deterministic),
-                                            mask.window_left, mask.window_right, mask.softcap)
+            out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, op_variant,
+                                            bool(deterministic), mask.window_left,
+                                            mask.window_right, mask.softcap)
     elif fp8:
         out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant, descales,
                                                 out_dtype)

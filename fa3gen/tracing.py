@@ -5,7 +5,8 @@ write the smallest spec that builds exactly those.
         train_steps()
     fa3gen spec --from-trace used.yaml -o specs/mymodel.yaml
 
-Forward calls are recorded when flash_attn_func resolves its variant, backward ones when
+Forward calls are recorded when their variant is resolved (under torch.compile: by the custom
+op, each time the graph runs it), backward ones when
 autograd runs the backward (under torch.compile: while compiling, once per graph), decode calls
 (flash_attn_with_kvcache) as the (dtype, head_dim) pairs of the decode kernels they ran. Each
 entry keeps the call count and the range of every size seen. No torch import here.

@@ -141,7 +141,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # The spec's seqlen_k ranges of a varlen key are on max_seqlen_k (the longest sequence:
     # a packed batch has no one length, and the caller's bound costs no sync).
-    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, varlen=True,
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant or None, varlen=True,
                     seqlen_k=max_seqlen_k, **mask.key())
     q4, k4, v4, o4 = _views(q, k, v, out)
     ops.check_layout(q=q4, k=k4, v=v4)
@@ -192,10 +192,12 @@ def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
 
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
              variant, seqused_k=None):
-    """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q))."""
+    """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q)); variant
+    "": the default for max_seqlen_k. Records the call for fa3gen.trace."""
     out, lse = _empty_outputs(q)
     plan = _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
                      mask, scale, variant, runtime.get_library())
+    _trace_call(plan.info.name, not variant, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
     return out, lse
 
@@ -556,17 +558,18 @@ def flash_attn_varlen_func(
         ops.check_device(q, k, v)
         dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k)
-        # A max_seqlen_k that dynamo holds constant (it guards the value) picks the spec's
-        # range default as the eager call does; a dynamic one (torch.SymInt) takes the key's.
-        by_length = max_seqlen_k if isinstance(max_seqlen_k, int) else None
+        # As flash_attn_func's: tracing checks that the key (or the named variant) is built,
+        # and the op picks a default call's variant when it runs, by max_seqlen_k as eager
+        # calls do. (A max_seqlen_k that dynamo made dynamic passes isinstance(m, int) while
+        # tracing, and cannot reach the library lookup, whose arguments are constants.)
         name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
-                                 *ops._key_flags(mask), True, by_length)
+                                 *ops._key_flags(mask), True)
         q4, k4, v4 = _views(q, k, v)
         ops.check_layout(q=q4, k=k4, v=v4)
-        _trace_call(name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
         out, lse = torch.ops.fa3gen.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
-            ops._softmax_scale(softmax_scale, dims.head_dim), name, bool(deterministic),
+            ops._softmax_scale(softmax_scale, dims.head_dim), "" if variant is None else name,
+            bool(deterministic),
             mask.window_left, mask.window_right, mask.softcap, seqused_k)
         return (out, lse) if return_lse else out
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,

@@ -79,20 +79,21 @@ def test_masking_follows_flash_attn(causal, window, want):
     assert want.local == (want.window_left >= 0 or want.window_right >= 0)
 
 
-def test_window_and_softcap_select_the_feature_variant(stub_forward):
-    """window_size/softcap pick the key with local/softcap, and reach the op as the kernels take
-    them; a key the library lacks says which axes to add."""
-    calls = []
-    stub_forward(lambda *a: calls.append(a) or ("out", "lse"))
+def test_window_and_softcap_select_the_feature_variant(fake_launches, monkeypatch):
+    """window_size/softcap pick the key with local/softcap, and reach the kernel as it takes
+    them, through the custom op (as under torch.compile); a key the library lacks says, while
+    tracing, which axes to add."""
+    monkeypatch.setattr(ops, "_captured", lambda *t: True)
     k = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
-    assert ops.flash_attn_func(q, k, k, causal=True, window_size=(64, -1), softcap=30.0) == "out"
-    name, window_left, window_right, softcap = calls[-1][5], *calls[-1][7:]
+    ops.flash_attn_func(q, k, k, causal=True, window_size=(64, -1), softcap=30.0)
+    [(name, p)] = fake_launches
     assert name == "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"
-    assert (window_left, window_right, softcap, calls[-1][3]) == (64, 0, 30.0, False)
+    assert (p.window_left, p.window_right, p.softcap) == (64, 0, 30.0)
     with pytest.raises(Fa3genError, match="local: true\\) to a group of"):
         ops.flash_attn_func(q, k, k, window_size=(64, 64))  # no local variant without softcap
     with pytest.raises(Fa3genError, match="causal: true, softcap: true\\)"):
         ops.flash_attn_func(q, k, k, causal=True, softcap=5.0)
+    assert len(fake_launches) == 1
 
 
 def test_return_attn_probs_returns_the_lse(stub_forward):
@@ -265,13 +266,20 @@ def test_no_grad_calls_skip_autograd(eager, monkeypatch):
 
 def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
     """torch.compile(fullgraph=True) through flash_attn_func and its custom op, the launch
-    stubbed: a static length, then a length dynamo makes dynamic (the variant name must not
-    depend on a traced length)."""
+    stubbed: a static length, then a length dynamo makes dynamic. The op picks the variant
+    when it runs, so a seqlen_k range default serves compiled calls as it serves eager ones."""
+    from fa3gen import runtime
+    from fa3gen.contract import make_key
+
     launched, _ = eager
+    lib = runtime.get_library()
+    short = lib.find("fwd", "bf16", 128, False, variant="fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0")
+    monkeypatch.setattr(lib, "seqlen_dispatch", {make_key("fwd", "bf16", 128, False): [(0, 250, short)]})
+    torch._dynamo.reset()
     f = torch.compile(lambda q, k, v: ops.flash_attn_func(q, k, v, 0.5), fullgraph=True,
                       backend="eager")
     for seqlen in (64, 200, 300):
         x = torch.zeros(1, seqlen, 2, 128, dtype=torch.bfloat16)
         assert f(x, x, x).shape == x.shape
-    assert [n for n, _ in launched] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"] * 3
+    assert [n for n, _ in launched] == [short.name] * 2 + ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"]
     assert launched[0][1].softmax_scale == 0.5 and launched[2][1].seqlen_q == 300

@@ -181,9 +181,10 @@ def test_fp8_under_torch_compile_on_cpu(fake_launches):
 def test_compiled_calls_with_block_descales_take_the_tiles_their_blocks_were_made_for(
         fake_launches, monkeypatch):
     """A key whose spec has a seqlen_k range default (h100.yaml: e4m3 d128 128x128 below 2k
-    keys, 128x192 above): quantize_fp8 makes blocks of the by-length variant's tiles, so a
-    compiled call (whose name is otherwise the key default) launches that variant too, not the
-    default reading 96-row blocks as 128-row ones."""
+    keys, 128x192 above): quantize_fp8 makes blocks of the by-length variant's tiles, and a
+    compiled call launches that variant too (its op resolves a default call when it runs, by
+    length, with or without block descales), not the key default reading 96-row blocks as
+    128-row ones."""
     import dataclasses
 
     from fa3gen import runtime
@@ -200,8 +201,10 @@ def test_compiled_calls_with_block_descales_take_the_tiles_their_blocks_were_mad
     ops.flash_attn_func(x, x, x, causal=True, **descales)
     monkeypatch.setattr(ops, "_captured", lambda *a: True)  # as under torch.compile
     ops.flash_attn_func(x, x, x, causal=True, **descales)
-    ops.flash_attn_func(x, x, x, causal=True)  # no block descales: the key default, as before
-    assert [name for name, _ in fake_launches] == [short.name, short.name, default.name]
+    ops.flash_attn_func(x, x, x, causal=True)  # no block descales: by length too
+    assert [name for name, _ in fake_launches] == [short.name] * 3
+    ops.flash_attn_func(x, x, x, causal=True, variant=default.name)  # a named one is kept
+    assert fake_launches[-1][0] == default.name
     assert fake_launches[1][1].k_descale_block_stride == 1
 
 

@@ -129,37 +129,25 @@ def test_varlen_forward_picks_by_max_seqlen_k(fake_launches, monkeypatch):
     assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1"] * 2
 
 
-class _Named(Exception):
-    """Stops a captured call once it has named its variant."""
-
-
-@pytest.mark.parametrize("dynamic", [False, True], ids=["constant", "symint"])
-def test_captured_varlen_forward_names_by_a_constant_max_seqlen_k(fake_launches, monkeypatch,
-                                                                   dynamic):
-    """Under graph capture the varlen forward names its variant by max_seqlen_k as the eager
-    call does while it is a plain int (dynamo holds it constant and guards the value); a
-    max_seqlen_k made dynamic (torch.SymInt) names the key's default."""
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
+def test_compiled_varlen_forward_picks_by_max_seqlen_k_when_it_runs(fake_launches, monkeypatch):
+    """Under torch.compile(fullgraph=True) the varlen op picks a default call's variant when it
+    runs, by that call's max_seqlen_k as the eager call does: also once dynamo has made
+    max_seqlen_k dynamic (a SymInt, which passes isinstance(m, int) while tracing; handing it
+    to the library lookup, whose arguments must be constants, crashed dynamo)."""
     from fa3gen import varlen
 
-    asked = []
-
-    def named(*args):
-        asked.append(args)
-        raise _Named
-
-    monkeypatch.setattr(ops, "_captured", lambda *t: True)
-    monkeypatch.setattr(ops, "_variant_name", named)
-    max_k = 7
-    if dynamic:
-        env = ShapeEnv()
-        max_k = env.create_symintnode(env.create_symbol(7, ConstantSource("max_k")), hint=7)
-    q = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
-    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    with pytest.raises(_Named):
-        varlen.flash_attn_varlen_func(q, q, q, cu, cu, 5, max_k, causal=True)
-    [args] = asked
-    assert args[:4] == ("fwd", "bf16", 128, None) and args[-2] is True  # varlen
-    assert args[-1] == (None if dynamic else 7)
+    lib = runtime.get_library()
+    default = lib.find("fwd", "bf16", 128, True, varlen=True)
+    short = dataclasses.replace(default, tile_n=96)  # a stand-in range default
+    monkeypatch.setitem(lib._by_name, short.name, short)
+    key = make_key("fwd", "bf16", 128, True, False, False, True, False)
+    monkeypatch.setattr(lib, "seqlen_dispatch", {key: [(0, 100, short)]})
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, cu, m: varlen.flash_attn_varlen_func(q, q, q, cu, cu, m, m,
+                                                                     causal=True),
+                      fullgraph=True, backend="eager")
+    for m in (50, 90, 300, 70):  # the second call recompiles with m dynamic
+        q = torch.zeros(m + 3, 2, 128, dtype=torch.bfloat16)
+        f(q, torch.tensor([0, 3, m + 3], dtype=torch.int32), m)
+    assert [name for name, _ in fake_launches] == [short.name, short.name, default.name,
+                                                   short.name]

@@ -35,10 +35,13 @@ def test_trace_records_counts_and_size_ranges(tmp_path):
     assert calls[BWD]["count"] == 1 and calls[BWD]["default"] is True
 
 
-def test_flash_attn_func_records_what_it_dispatches(tmp_path, stub_forward):
-    """The ops hook: the resolved name and the call's sizes reach the trace."""
-    launched = []
-    stub_forward(lambda q, k, v, causal, scale, name, *rest: launched.append(name) or (q, None))
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "custom_op"])
+def test_flash_attn_func_records_what_it_dispatches(tmp_path, fake_launches, monkeypatch,
+                                                    captured):
+    """The ops hook, eager and through the custom op (as under torch.compile, where the op
+    resolves a default call when it runs): the resolved name and the call's sizes reach the
+    trace."""
+    monkeypatch.setattr(ops, "_captured", lambda *t: captured)
     q = torch.zeros(2, 33, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
     with fa3gen.trace(tmp_path / "t.yaml"):
@@ -48,7 +51,7 @@ def test_flash_attn_func_records_what_it_dispatches(tmp_path, stub_forward):
     assert [(c["variant"], c["default"]) for c in calls] == [
         ("fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", False), (D128, True)]
     assert calls[1]["seqlen_k"] == [40, 40] and calls[1]["heads_kv"] == [2, 2]
-    assert launched == [D128, "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"]
+    assert [name for name, _ in fake_launches] == [D128, "fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0"]
 
 
 def test_spec_from_trace_round_trip(tmp_path):
