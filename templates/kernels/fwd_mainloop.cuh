@@ -422,16 +422,10 @@ struct FwdMainloop {
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
     // Sliced per thread, not per warpgroup (warpgroup_slice): per warpgroup, Q's descriptors
-    // alone cost the pingpong variants 1-2% (docs/BENCHMARKS.md). FA3GEN_FWD_Q_WG_SLICE
-    // (measurement builds, prepared 2026-12-04 (eighth), not yet timed) slices them per
-    // warpgroup: then d256 causal varlen 128x80 builds without its 4-byte spill (the
-    // warpgroup's Q descriptor base, kept across the tile loop), and the non-pingpong loops
-    // run 6-17 instructions a step fewer.
-#ifdef FA3GEN_FWD_Q_WG_SLICE
-    Tensor tSrQ = warpgroup_slice(mma_qk, tid).partition_fragment_A(sQ);
-#else
+    // cost the pingpong variants 1-2% and the others 0-7% (d192 and d96 most), though the
+    // non-pingpong loops then run 6-17 instructions a step fewer (docs/BENCHMARKS.md,
+    // 2026-12-04 (ninth)).
     Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
-#endif
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
@@ -657,7 +651,7 @@ struct FwdMainloop {
         // variants ptxas moves the wait<0> below up to here (it has no inputs), so the softmax
         // does not overlap P(i-1) V(i-1); forcing it back measured slower (docs/BENCHMARKS.md,
         // "Where the consumer warps wait"; tests/gpu/sass_loops.py --events shows the order),
-        // except in the sliding-window variants, which pin it halfway (Traits::kPinPvWait).
+        // except in the window and d256 128x64 variants, which pin it halfway (Traits::kPinPvWait).
         warpgroup_wait<1>();
         pipe_k.consumer_release(st);
         release_q_if_last(i);

@@ -149,15 +149,13 @@ struct FwdTraits {
   // the exponentials of half of a thread's rows; fwd_mainloop.cuh, softmax_block). Where no
   // branch splits the softmax, ptxas lifts that wait (it has no inputs) above the whole
   // softmax, which then never overlaps P V: every variant without the vote (sass_loops.py
-  // --events: WAIT1 WAIT0 E66). Pinned in the 16-bit sliding-window variants, where it
-  // measured 1.00-1.05x (d128 and d256 window 4096 +2% at 16k; docs/BENCHMARKS.md
-  // 2026-12-04 (eighth)); d64 causal read 0.99 with it, and the vote variants keep ptxas's
-  // own placement (d128 causal: WAIT1 E32 WAIT0 E34).
-#ifdef FA3GEN_FWD_PIN_PV_WAIT_ALL  // measurement builds (prepared, not yet timed): also every
-  static constexpr bool kPinPvWait = !kFp8 && (Local || !kSoftmaxVote);  // 16-bit one without the vote
-#else
-  static constexpr bool kPinPvWait = Local && !kFp8;
-#endif
+  // --events: WAIT1 WAIT0 E66). Pinned in the 16-bit sliding-window variants (1.00-1.05x;
+  // d128 and d256 window 4096 +2% at 16k; docs/BENCHMARKS.md 2026-12-04 (eighth)) and d256's
+  // 128x64 ones (causal short rows and varlen 1.01-1.05x; 2026-12-04 (ninth)). Not elsewhere:
+  // d64 causal softcap 0.90x, d96 1.00, d64 causal 0.99, d256 128x80 1.00; the
+  // vote variants keep ptxas's own placement (d128 causal: WAIT1 E32 WAIT0 E34).
+  static constexpr bool kPinPvWait =
+      !kFp8 && (Local || (HeadDim == 256 && TileN == 64 && !kSoftmaxVote));
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
