@@ -194,10 +194,10 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
              variant, seqused_k=None):
     """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q)); variant
     "": the default for max_seqlen_k. Records the call for fa3gen.trace."""
-    out, lse = _empty_outputs(q)
-    plan = _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
-                     mask, scale, variant, runtime.get_library())
+    plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                       scale, variant or None)  # once per call signature, as eager calls
     _trace_call(plan.info.name, not variant, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out, lse = _empty_outputs(q)
     _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
     return out, lse
 
