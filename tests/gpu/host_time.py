@@ -3,7 +3,8 @@ the GPU is never the bottleneck (batch 1, seqlen 128, 1 head, d64, bf16). Calls 
 back to back without synchronizing and timed with perf_counter; the median of --rounds rounds
 of --calls calls is reported per backend, forward with and without requires_grad inputs,
 forward+backward, and the forward replayed from a CUDA graph (the GPU's share: what remains
-without host work). Also the first call of the process (library load + first resolution).
+without host work); fa3gen also under torch.compile(fullgraph=True). Also the first call of
+the process (library load + first resolution).
 
     python3 tests/gpu/host_time.py [--json out.json] [--profile]
 
@@ -87,7 +88,11 @@ def main() -> int:
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
-    fns = {"fa3gen": lambda q, k, v: flash_attn_func(q, k, v), "cudnn (sdpa)": sdpa}
+    fns = {"fa3gen": lambda q, k, v: flash_attn_func(q, k, v),
+           # the custom-op path (fa3gen::fwd / fa3gen::bwd) plus torch's guards and dispatch
+           "fa3gen compiled": torch.compile(lambda q, k, v: flash_attn_func(q, k, v),
+                                            fullgraph=True),
+           "cudnn (sdpa)": sdpa}
     try:
         from flash_attn.cute.interface import flash_attn_func as fa4
         fns["fa4"] = lambda q, k, v: fa4(q, k, v)

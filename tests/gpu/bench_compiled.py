@@ -1,0 +1,88 @@
+"""fa3gen under torch.compile beside the same call in eager mode: TFLOP/s of the forward on
+shapes whose key has a seqlen_k range default (specs/h100.yaml), with a third column, the key's
+default variant named in an eager call (what compiled calls ran before they resolved by
+length). The compiled output must equal the eager one bit for bit.
+
+    python3 tests/gpu/bench_compiled.py [--reverse] [--rounds 3] [--json out.json]
+
+16k tokens a shape (batch = 16384 / seqlen), 16 heads, bf16. Each column's time is the
+median of --rounds rounds of 100 back-to-back calls (CUDA events; not the sustained
+measurement: this compares paths to one kernel, not kernels). --reverse runs the shapes in
+the opposite order (a first look at compiled calls slowing down later in a process, seen on
+the H200 2026-12-04 (ninth): docs/BENCHMARKS.md). Not a pytest module.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+SHAPES = ((64, True, 512), (64, True, 1024), (128, False, 1024), (128, False, 4096),
+          (256, True, 1024))  # (head_dim, causal, seqlen)
+
+
+def ms_per_call(fn, calls: int = 100) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reverse", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from fa3gen import flash_attn_func, runtime
+
+    lib = runtime.get_library()
+    torch.manual_seed(0)
+    rows = []
+    print("| d | causal | seqlen | eager | compiled | key default (eager) | by length |")
+    print("|---|---|---|---|---|---|---|")
+    for d, causal, seqlen in (SHAPES[::-1] if args.reverse else SHAPES):
+        batch, heads = 16384 // seqlen, 16
+        q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        key_default = lib.find("fwd", "bf16", d, causal).name
+        by_length = lib.find("fwd", "bf16", d, causal, seqlen_k=seqlen).name
+        compiled = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=causal),
+                                 fullgraph=True)
+        fns = {"eager": lambda: flash_attn_func(q, k, v, causal=causal),
+               "compiled": lambda: compiled(q, k, v),
+               "key default": lambda: flash_attn_func(q, k, v, causal=causal,
+                                                      variant=key_default)}
+        if not torch.equal(fns["eager"](), fns["compiled"]()):
+            print(f"d{d} causal={causal} {seqlen}: compiled output differs from eager",
+                  file=sys.stderr)
+            return 1
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                times[name].append(ms_per_call(fn))
+        flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
+        tflops = {name: flops / (statistics.median(t) * 1e-3) / 1e12 for name, t in times.items()}
+        rows.append(dict(head_dim=d, causal=causal, seqlen=seqlen, by_length=by_length,
+                         key_default=key_default, tflops=tflops))
+        print(f"| {d} | {causal} | {seqlen} | {tflops['eager']:.0f} | {tflops['compiled']:.0f} | "
+              f"{tflops['key default']:.0f} | {by_length if by_length != key_default else 'same'} |",
+              flush=True)
+        torch._dynamo.reset()
+    if args.json:
+        from fa3gen import bench
+
+        with open(args.json, "w") as fh:
+            json.dump({"header": bench.provenance(lib), "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
