@@ -362,6 +362,29 @@ def enumerate_variants(spec: Spec) -> Enumeration:
 
 # --------------------------------------------------------------------------- dispatch
 
+def _left_by_use(entries, cands: list[Variant], key, spec: Spec) -> list[Variant]:
+    """The candidates every entry's `use` keeps; none or several is the spec's error, which
+    names the optional flags (peel_masked, ...) that a `use` leaves unnamed, and so asks off,
+    where only those stand between it and a candidate."""
+    left = [v for v in cands if all(e.use.matches_flags_off(knobs_of(v)) for e in entries)]
+    if len(left) == 1:
+        return left
+    what = "; ".join(e.describe() for e in entries)
+    picked = ", ".join(v.name for v in left) or "none"
+    msg = (f"{what}: must leave exactly one variant for {key_str(key)}, leaves {len(left)} "
+           f"({picked}); candidates: {', '.join(v.name for v in cands)}")
+    if not left:
+        named = {k for e in entries for k, _ in e.use.items}
+        flags = sorted({a for v in cands if all(e.use.matches(knobs_of(v)) for e in entries)
+                        for a, on in knobs_of(v).items()
+                        if on and a not in named and AXIS_BY_NAME[a].optional})
+        if flags:
+            msg += (f" (a `use` that does not name an optional flag asks for it off; the "
+                    f"candidates it otherwise matches have {', '.join(f'{a}: true' for a in flags)}"
+                    f": name it)")
+    raise spec.error(msg)
+
+
 def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
     """Default variant per dispatch key (direction, dtype, head_dim, causal).
 
@@ -380,13 +403,7 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
         names = ", ".join(v.name for v in cands)
         if entries:
             used.update(e.where for e in entries)
-            left = [v for v in cands if all(e.use.matches_flags_off(knobs_of(v)) for e in entries)]
-            if len(left) != 1:
-                what = "; ".join(e.describe() for e in entries)
-                picked = ", ".join(v.name for v in left) or "none"
-                raise spec.error(f"{what}: must leave exactly one variant for {key_str(key)}, "
-                                 f"leaves {len(left)} ({picked}); candidates: {names}")
-            defaults[key] = left[0]
+            defaults[key] = _left_by_use(entries, cands, key, spec)[0]
         elif len(cands) == 1:
             defaults[key] = cands[0]
         elif spec.dispatch_required:
@@ -426,9 +443,5 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
                                      f"another entry for {key_str(key)}")
             same = [x for x in spec.dispatch if x.seqlen_k == e.seqlen_k
                     and x.when.matches_flags_off(dict(zip(KEY_AXES, key)))]
-            left = [v for v in by_key[key] if all(x.use.matches_flags_off(knobs_of(v)) for x in same)]
-            if len(left) != 1:
-                raise spec.error(f"{'; '.join(x.describe() for x in same)}: must leave exactly "
-                                 f"one variant for {key_str(key)}, leaves {len(left)}")
-            ranges.append((*e.seqlen_k, left[0]))
+            ranges.append((*e.seqlen_k, _left_by_use(same, by_key[key], key, spec)[0]))
     return {k: sorted(r, key=lambda x: x[0]) for k, r in out.items()}

@@ -363,6 +363,22 @@ dispatch:
         resolve_dispatch(spec, enumerate_variants(spec).kept)
 
 
+def test_dispatch_entry_leaving_none_names_the_unnamed_flag():
+    """A `use` that does not name an optional flag asks for it off: where only that stands
+    between it and the key's variants (all peeled here), the error says so."""
+    spec = spec_of("""\
+axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: true, tile: [[128, 128], [128, 176]],
+       stages: 2, warp_specialized: true, pingpong: false, intra_wg_overlap: true,
+       peel_masked: true}
+dispatch:
+  - when: {head_dim: 128}
+    use: {tile: [128, 128]}
+""")
+    assert len(enumerate_variants(spec).kept) == 2
+    with pytest.raises(SpecError, match=r"leaves 0 \(none\).*have peel_masked: true: name it"):
+        resolve_dispatch(spec, enumerate_variants(spec).kept)
+
+
 def test_dispatch_entry_matching_no_key_is_error():
     spec = spec_of(AXES + """\
 dispatch:
