@@ -24,15 +24,11 @@ SHAPES = ((64, True, 512), (64, True, 1024), (128, False, 1024), (128, False, 40
 
 
 def ms_per_call(fn, calls: int = 100) -> float:
+    from fa3gen.timing import batch_ms
+
     for _ in range(5):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
+    return batch_ms(fn, calls)
 
 
 def main() -> int:
