@@ -315,9 +315,7 @@ def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_outputs(out, lse, q, dims, out_dtype)
-    # variant "" or None: the default for this call's length (the op's compiled calls)
-    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant or None,
-                    seqlen_k=dims.seqlen_k, **mask.key())
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
     launches = dims.batch and dims.seqlen_q and dims.heads_q and dims.seqlen_k
     params = _make_params(q, k, v, out, lse, dims, scale, _num_sms(q.device.index),

@@ -141,7 +141,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     # The spec's seqlen_k ranges of a varlen key are on max_seqlen_k (the longest sequence:
     # a packed batch has no one length, and the caller's bound costs no sync).
-    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant or None, varlen=True,
+    info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, varlen=True,
                     seqlen_k=max_seqlen_k, **mask.key())
     q4, k4, v4, o4 = _views(q, k, v, out)
     ops.check_layout(q=q4, k=k4, v=v4)
