@@ -570,13 +570,25 @@ def _bwd_op(
 def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, variant: str,
               deterministic: bool):
     """(dq, dk, dv) of backward variant `variant`: the custom op's body (and the eager path's
-    for a misaligned dout)."""
+    for a misaligned dout). Autograd (or a compiled graph) may hand over any strides: what TMA
+    cannot read is copied. The checks and params are planned once per call signature (with
+    which inputs it copies), as the eager backward's are."""
+    ins = (dout, q, k, v, out)
+    lib = runtime.get_library()
+    key = (*((*_signature(t), _data_ptr(t) % _TMA_ALIGN_BYTES) for t in ins), _signature(lse),
+           mask, float(softmax_scale), variant, bool(deterministic), lib,
+           os.environ.get("FA3GEN_GRID"))
+    found = _bwd_op_plans.get(key)
+    if found is None:
+        ready = tuple(_tma_ready(t) for t in ins)
+        dq, dk, dv = _empty_grads(q, k, v)
+        plan = _bwd_plan(*ready, lse.contiguous(), dq, dk, dv, mask, float(softmax_scale),
+                         variant, deterministic, lib)
+        found = _remember(_bwd_op_plans, key, (plan, tuple(r is not t for r, t in zip(ready, ins))))
+    plan, copies = found
+    dout, q, k, v, out = (_tma_ready(t) if c else t for t, c in zip(ins, copies))
     dq, dk, dv = _empty_grads(q, k, v)
-    # Autograd (or a compiled graph) may hand over any strides: copy what TMA cannot read.
-    dout, q, k, v, out = (_tma_ready(t) for t in (dout, q, k, v, out))
-    lse = lse.contiguous()
-    _bwd_run(_bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask, float(softmax_scale), variant,
-                       deterministic, runtime.get_library()), dout, q, k, v, out, lse, dq, dk, dv)
+    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), dq, dk, dv)
     return dq, dk, dv
 
 
@@ -635,6 +647,7 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 _fwd_plans: dict = {}  # forward call signature -> _Plan
 _bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
+_bwd_op_plans: dict = {}  # the bwd op's call signature -> (_Plan, which of dout..out it copies)
 _MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory stays bounded
 
 

@@ -264,6 +264,22 @@ def test_no_grad_calls_skip_autograd(eager, monkeypatch):
     assert not ops.flash_attn_func(q.detach(), q.detach(), q.detach()).requires_grad
 
 
+def test_compiled_backward_plans_once_per_call_signature(eager):
+    """The fa3gen::bwd op body plans once per call signature, as the eager backward does: three
+    compiled forward + backward steps check and plan each direction once. The gradient of a
+    sum reaches it expanded (stride 0), which TMA cannot read: every call copies it, and the
+    launch reads the copy's strides."""
+    launched, checks = eager
+    torch._dynamo.reset()
+    x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    f = torch.compile(lambda x: ops.flash_attn_func(x, x, x), fullgraph=True, backend="eager")
+    for _ in range(3):
+        f(x).sum().backward()
+    bwd = [p for name, p in launched if name.startswith("bwd_")]
+    assert len(bwd) == 3 and len(launched) == 6 and len(checks) == 2
+    assert all(p.do_row_stride == 2 * 128 and p.do_head_stride == 128 for p in bwd)
+
+
 def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
     """torch.compile(fullgraph=True) through flash_attn_func and its custom op, the launch
     stubbed: a static length, then a length dynamo makes dynamic. The op picks the variant
