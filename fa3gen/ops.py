@@ -575,8 +575,7 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
     which inputs it copies), as the eager backward's are."""
     ins = (dout, q, k, v, out)
     lib = runtime.get_library()
-    key = (*((*_signature(t), _data_ptr(t) % _TMA_ALIGN_BYTES) for t in ins), _signature(lse),
-           mask, float(softmax_scale), variant, bool(deterministic), lib,
+    key = (_layout_key(*ins, lse), mask, float(softmax_scale), variant, bool(deterministic), lib,
            os.environ.get("FA3GEN_GRID"))
     found = _bwd_op_plans.get(key)
     if found is None:
@@ -584,9 +583,9 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
         dq, dk, dv = _empty_grads(q, k, v)
         plan = _bwd_plan(*ready, lse.contiguous(), dq, dk, dv, mask, float(softmax_scale),
                          variant, deterministic, lib)
-        found = _remember(_bwd_op_plans, key, (plan, tuple(r is not t for r, t in zip(ready, ins))))
+        found = _remember(_bwd_op_plans, key, (plan, _copied(ready, ins)))
     plan, copies = found
-    dout, q, k, v, out = (_tma_ready(t) if c else t for t, c in zip(ins, copies))
+    dout, q, k, v, out = _ready_as_planned(ins, copies, _tma_ready)
     dq, dk, dv = _empty_grads(q, k, v)
     _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), dq, dk, dv)
     return dq, dk, dv
@@ -653,6 +652,22 @@ _MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory
 
 def _signature(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
+
+
+def _layout_key(*tensors: torch.Tensor) -> tuple:
+    """What a backward op body's checks read of its tensors (the TMA checks read the data
+    pointer's alignment too): part of the key its plan is kept under."""
+    return tuple((*_signature(t), _data_ptr(t) % _TMA_ALIGN_BYTES) for t in tensors)
+
+
+def _copied(ready: tuple, given: tuple) -> tuple:
+    """Which of `given` the planned call copied (ready[i] is given[i] when it did not)."""
+    return tuple(r is not t for r, t in zip(ready, given))
+
+
+def _ready_as_planned(given: tuple, copies: tuple, ready) -> tuple:
+    """`given` as a kept plan read them: those it copied copied again by `ready`."""
+    return tuple(ready(t) if c else t for t, c in zip(given, copies))
 
 
 def _remember(plans: dict, key, value):

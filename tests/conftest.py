@@ -88,7 +88,7 @@ def fake_launches(tmp_path, monkeypatch):
     monkeypatch.setattr(ops, "check_device", lambda *a: None)  # CPU tensors stand in
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
     for module, cache in ((ops, "_fwd_plans"), (ops, "_bwd_plans"), (ops, "_bwd_op_plans"),
-                          (varlen, "_plans"),
+                          (varlen, "_plans"), (varlen, "_bwd_op_plans"),
                           (varlen, "_bwd_plans"), (varlen, "_paged_plans"), (varlen, "_offsets"),
                           (varlen, "_paged_variants"),
                           (fp8, "_plans"), (kvcache, "_plans")):

@@ -189,7 +189,10 @@ def test_tile_bound_matches_the_abi_macro(tmp_path):
         assert contract.varlen_tiles(total, batch, tile) == most
 
 
-def test_eager_calls_plan_once_per_signature(fake_launches, monkeypatch):
+@pytest.mark.parametrize("through", ["eager", "op"])
+def test_calls_plan_once_per_signature(fake_launches, monkeypatch, through):
+    """Eager calls and the custom ops' bodies (the path of compiled calls) check and plan
+    once per call signature, forward and backward; the expanded dout is copied every call."""
     checks = []
     for plan in ("_fwd_plan", "_bwd_plan"):
         real = getattr(varlen, plan)
@@ -197,6 +200,8 @@ def test_eager_calls_plan_once_per_signature(fake_launches, monkeypatch):
     douts, run = [], varlen._bwd_run
     monkeypatch.setattr(varlen, "_bwd_run", lambda plan, dout, *a: douts.append(dout) or run(plan, dout, *a))
     q, k, v = qkv(grad=True)
+    if through == "op":
+        monkeypatch.setattr(ops, "_captured", lambda *t: True)
     for _ in range(3):  # a bf16 sum's grad: expanded, stride 0
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).sum().backward()
     assert len(fake_launches) == 6 and len(checks) == 2  # three forwards and backwards, one plan each
