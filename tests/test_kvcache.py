@@ -1172,3 +1172,21 @@ def test_prefill_with_cache_batch_idx_runs_the_paged_forward(fake_launches, monk
     assert (p.page_size, p.num_pages, p.block_table_cols, p.k_batch_stride) == (128, 3, 1, 128 * 256)
     if lengths == "tensor":
         assert p.seqused_k == seqlens.data_ptr()
+
+
+def test_torch_compile_breaks_the_graph_around_it(launched):
+    """README: not a custom op, so torch.compile runs it eagerly between graphs (the calls
+    still launch, one per call, with each call's lengths), and fullgraph=True refuses it."""
+    torch._dynamo.reset()
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = vc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    call = lambda q, kc, vc, s: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s,
+                                                                causal=True)
+    f = torch.compile(call, backend="eager")
+    for n in (700, 5):
+        assert f(q, kc, vc, torch.tensor([n, 5], dtype=torch.int32)).shape == q.shape
+    assert len(launched) == 2
+    torch._dynamo.reset()
+    from torch._dynamo.exc import Unsupported
+    with pytest.raises(Unsupported):
+        torch.compile(call, backend="eager", fullgraph=True)(q, kc, vc, torch.tensor([7, 5], dtype=torch.int32))
