@@ -3,13 +3,14 @@ shapes whose key has a seqlen_k range default (specs/h100.yaml), with a third co
 default variant named in an eager call (what compiled calls ran before they resolved by
 length). The compiled output must equal the eager one bit for bit.
 
-    python3 tests/gpu/bench_compiled.py [--reverse] [--rounds 3] [--json out.json]
+    python3 tests/gpu/bench_compiled.py [--reverse | --fresh] [--rounds 3] [--json out.json]
 
 16k tokens a shape (batch = 16384 / seqlen), 16 heads, bf16. Each column's time is the
 median of --rounds rounds of 100 back-to-back calls (CUDA events; not the sustained
 measurement: this compares paths to one kernel, not kernels). --reverse runs the shapes in
 the opposite order (a first look at compiled calls slowing down later in a process, seen on
-the H200 2026-12-04 (ninth): docs/BENCHMARKS.md). Not a pytest module.
+the H200 2026-12-04 (ninth): docs/BENCHMARKS.md); --fresh runs each shape in a process of
+its own. Not a pytest module.
 """
 
 import argparse
@@ -23,6 +24,34 @@ SHAPES = ((64, True, 512), (64, True, 1024), (128, False, 1024), (128, False, 40
           (256, True, 1024))  # (head_dim, causal, seqlen)
 
 
+HEADER = ("| d | causal | seqlen | eager | compiled | key default (eager) | by length |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def fresh(args) -> int:
+    """Each shape in a child process of its own (its table row and JSON rows collected)."""
+    import os
+    import subprocess
+    import tempfile
+
+    print(HEADER, flush=True)
+    rows = []
+    for i in range(len(SHAPES)):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, __file__, "--shape", str(i), "--rounds", str(args.rounds),
+                   "--json", out]
+            if subprocess.run(cmd).returncode:
+                return 1
+            with open(out) as fh:
+                got = json.load(fh)
+        rows += got["rows"]
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"header": got["header"], "fresh": True, "rows": rows}, fh, indent=1)
+    return 0
+
+
 def ms_per_call(fn, calls: int = 100) -> float:
     from fa3gen.timing import batch_ms
 
@@ -33,18 +62,25 @@ def ms_per_call(fn, calls: int = 100) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reverse", action="store_true")
+    order = ap.add_mutually_exclusive_group()
+    order.add_argument("--reverse", action="store_true")
+    order.add_argument("--fresh", action="store_true", help="each shape in a new process")
+    ap.add_argument("--shape", type=int, help=argparse.SUPPRESS)  # --fresh's child: SHAPES[i]
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.fresh:
+        return fresh(args)
     from fa3gen import flash_attn_func, runtime
 
     lib = runtime.get_library()
     torch.manual_seed(0)
     rows = []
-    print("| d | causal | seqlen | eager | compiled | key default (eager) | by length |")
-    print("|---|---|---|---|---|---|---|")
-    for d, causal, seqlen in (SHAPES[::-1] if args.reverse else SHAPES):
+    if args.shape is None:
+        print(HEADER)
+    shapes = [SHAPES[args.shape]] if args.shape is not None else (
+        SHAPES[::-1] if args.reverse else SHAPES)
+    for d, causal, seqlen in shapes:
         batch, heads = 16384 // seqlen, 16
         q, k, v = (torch.randn(batch, seqlen, heads, d, device="cuda", dtype=torch.bfloat16)
                    for _ in range(3))
