@@ -577,17 +577,11 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
     lib = runtime.get_library()
     key = (_layout_key(*ins, lse), mask, float(softmax_scale), variant, bool(deterministic), lib,
            os.environ.get("FA3GEN_GRID"))
-    found = _bwd_op_plans.get(key)
-    if found is None:
-        ready = tuple(_tma_ready(t) for t in ins)
-        dq, dk, dv = _empty_grads(q, k, v)
-        plan = _bwd_plan(*ready, lse.contiguous(), dq, dk, dv, mask, float(softmax_scale),
-                         variant, deterministic, lib)
-        found = _remember(_bwd_op_plans, key, (plan, _copied(ready, ins)))
-    plan, copies = found
-    dout, q, k, v, out = _ready_as_planned(ins, copies, _tma_ready)
     dq, dk, dv = _empty_grads(q, k, v)
-    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), dq, dk, dv)
+    plan, ready = _plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
+        *ready, lse.contiguous(), dq, dk, dv, mask, float(softmax_scale), variant,
+        deterministic, lib))
+    _bwd_run(plan, *ready, lse.contiguous(), dq, dk, dv)
     return dq, dk, dv
 
 
@@ -645,7 +639,7 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # pointer checks and the launch.
 
 _fwd_plans: dict = {}  # forward call signature -> _Plan
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the bwd op's call signature -> (_Plan, which of dout..out it copies)
 _MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory stays bounded
 
@@ -660,14 +654,18 @@ def _layout_key(*tensors: torch.Tensor) -> tuple:
     return tuple((*_signature(t), _data_ptr(t) % _TMA_ALIGN_BYTES) for t in tensors)
 
 
-def _copied(ready: tuple, given: tuple) -> tuple:
-    """Which of `given` the planned call copied (ready[i] is given[i] when it did not)."""
-    return tuple(r is not t for r, t in zip(ready, given))
-
-
-def _ready_as_planned(given: tuple, copies: tuple, ready) -> tuple:
-    """`given` as a kept plan read them: those it copied copied again by `ready`."""
-    return tuple(ready(t) if c else t for t, c in zip(given, copies))
+def _plan_once(plans: dict, key, given: tuple, ready, make_plan) -> tuple:
+    """(plan, `given` as it reads them) for a backward op body: make_plan(ready tensors) runs
+    the checks once per key, and remembers which of `given` `ready` copied (TMA cannot read
+    their layout); a repeated key copies those again and plans nothing."""
+    found = plans.get(key)
+    if found is None:
+        made = tuple(ready(t) for t in given)
+        plan = make_plan(made)
+        _remember(plans, key, (plan, tuple(m is not t for m, t in zip(made, given))))
+        return plan, made
+    plan, copies = found
+    return plan, tuple(ready(t) if c else t for t, c in zip(given, copies))
 
 
 def _remember(plans: dict, key, value):
@@ -713,12 +711,9 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
     `key`: make_plan(dout) runs the checks and the dispatch once per signature. Autograd may
     hand over dout with strides TMA cannot read; then every call copies it (`ready` makes the
     copy the plan is checked on; default _tma_ready)."""
-    found = plans.get(key)
-    if found is None:
-        ready_dout = (ready or _tma_ready)(dout)
-        found = _remember(plans, key, (make_plan(ready_dout), ready_dout is not dout))
-    plan, copied = found
-    return plan, (dout.contiguous() if copied else dout)
+    plan, (dout,) = _plan_once(plans, key, (dout,), ready or _tma_ready,
+                               lambda made: make_plan(made[0]))
+    return plan, dout
 
 
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):

@@ -361,18 +361,11 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     key = (ops._layout_key(*ins, lse), _cu_signature(cu_seqlens_q), _cu_signature(cu_seqlens_k),
            max_seqlen_q, max_seqlen_k, mask, float(scale), variant, bool(deterministic), lib,
            os.environ.get("FA3GEN_GRID"))
-    found = _bwd_op_plans.get(key)
-    if found is None:
-        ready = tuple(_tma_ready(t) for t in ins)
-        plan = _bwd_plan(*ready, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                         max_seqlen_k, *(t.new_empty(t.shape) for t in (q, k, v)), mask, scale,
-                         variant, deterministic, lib)
-        found = ops._remember(_bwd_op_plans, key, (plan, ops._copied(ready, ins)))
-    plan, copies = found
-    dout, q, k, v, out = ops._ready_as_planned(ins, copies, _tma_ready)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    _bwd_run(plan, dout, q, k, v, out, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
-             seqused_k)
+    plan, ready = ops._plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
+        *ready, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk,
+        dv, mask, scale, variant, deterministic, lib))
+    _bwd_run(plan, *ready, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv, seqused_k)
     return dq, dk, dv
 
 
@@ -476,7 +469,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
                 None)
 
 
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, copy dout)
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the varlen bwd op's call signature -> (_Plan, which inputs it copies)
 
 

@@ -362,13 +362,13 @@ def enumerate_variants(spec: Spec) -> Enumeration:
 
 # --------------------------------------------------------------------------- dispatch
 
-def _left_by_use(entries, cands: list[Variant], key, spec: Spec) -> list[Variant]:
-    """The candidates every entry's `use` keeps; none or several is the spec's error, which
+def _left_by_use(entries, cands: list[Variant], key, spec: Spec) -> Variant:
+    """The one candidate every entry's `use` keeps; none or several is the spec's error, which
     names the optional flags (peel_masked, ...) that a `use` leaves unnamed, and so asks off,
     where only those stand between it and a candidate."""
     left = [v for v in cands if all(e.use.matches_flags_off(knobs_of(v)) for e in entries)]
     if len(left) == 1:
-        return left
+        return left[0]
     what = "; ".join(e.describe() for e in entries)
     picked = ", ".join(v.name for v in left) or "none"
     msg = (f"{what}: must leave exactly one variant for {key_str(key)}, leaves {len(left)} "
@@ -403,7 +403,7 @@ def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
         names = ", ".join(v.name for v in cands)
         if entries:
             used.update(e.where for e in entries)
-            defaults[key] = _left_by_use(entries, cands, key, spec)[0]
+            defaults[key] = _left_by_use(entries, cands, key, spec)
         elif len(cands) == 1:
             defaults[key] = cands[0]
         elif spec.dispatch_required:
@@ -443,5 +443,5 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
                                      f"another entry for {key_str(key)}")
             same = [x for x in spec.dispatch if x.seqlen_k == e.seqlen_k
                     and x.when.matches_flags_off(dict(zip(KEY_AXES, key)))]
-            ranges.append((*e.seqlen_k, _left_by_use(same, by_key[key], key, spec)[0]))
+            ranges.append((*e.seqlen_k, _left_by_use(same, by_key[key], key, spec)))
     return {k: sorted(r, key=lambda x: x[0]) for k, r in out.items()}
