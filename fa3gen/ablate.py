@@ -142,7 +142,8 @@ def add_ratio_to_best(rows: list[dict]) -> list[dict]:
 
 def resources_from_manifest(path: Path) -> dict[str, dict]:
     """variant name -> {registers, spill_bytes, smem_bytes, compile_s} from a build manifest.
-    A missing or unreadable manifest gives {} (those columns stay empty)."""
+    A missing or unreadable manifest gives {} (those columns stay empty); compile_s is empty
+    for a cell that shared its translation unit with others."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -154,9 +155,11 @@ def resources_from_manifest(path: Path) -> dict[str, dict]:
         # Dynamic smem is sizeof(SharedStorage), unknown to ptxas: the generator's estimate.
         if smem is not None:
             smem += res.get("smem_static") or 0
+        # A TU's time is the cell's own only where the cell had its TU alone (generator/units.py)
+        alone = res.get("unit", v["name"]) == v["name"]
         out[v["name"]] = {"registers": res.get("registers"),
                           "spill_bytes": res.get("spill_stores"),
-                          "smem_bytes": smem, "compile_s": res.get("compile_seconds")}
+                          "smem_bytes": smem, "compile_s": res.get("compile_seconds") if alone else None}
     return out
 
 
@@ -374,7 +377,8 @@ def render_markdown(report: dict) -> str:
     lines += ["", "### All cells", "",
               "Sorted by dtype, masking and TFLOP/s; ratio = to the best cell of the same "
               "dtype, masking and shape. Registers, spills (bytes of spill stores) and compile "
-              "time from ptxas via the build manifest; shared memory = the generator's estimate "
+              "time from ptxas via the build manifest (the time of a cell compiled in a TU of its "
+              "own; blank where cells shared one); shared memory = the generator's estimate "
               "of the dynamic allocation.", "",
               ("| shape " if multi else "") + "| dtype | causal | tile | stages | ws | pp | ov | "
               "paper row | status | ms | TFLOP/s | ratio | regs | spills | smem KiB | "

@@ -29,7 +29,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     build(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs,
           dry_run=args.dry_run, compiler_launcher=args.launcher,
           allow_spills=args.allow_spills, debug=args.debug, lineinfo=args.lineinfo,
-          defines=args.define)
+          defines=args.define, units=args.unit_size)
     return 0
 
 
@@ -177,6 +177,10 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     _add_filters(b)
     b.add_argument("-j", "--jobs", type=_positive_int, default=None,
                    help="parallel compiles (default: min(cores, free GiB / 4))")
+    b.add_argument("--unit-size", type=_positive_int, default=None, metavar="N",
+                   help="variants of one direction, dtype and head dim compiled together in a "
+                        "translation unit, at most N (default: $FA3GEN_UNIT_SIZE, else 8; 1: "
+                        "one a TU, more parallel but several times the total work)")
     b.add_argument("--dry-run", action="store_true", help="show what would be rebuilt")
     b.add_argument("--allow-spills", action="store_true",
                    help="accept variants that spill or lose setmaxnreg (FA3GEN_ALLOW_SPILLS=1)")

@@ -25,6 +25,7 @@ from .lock import build_lock
 from .render import RenderPlan, environment, plain_units, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
+from .units import Unit, partition, unit_size
 from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
                        resolve_seqlen_dispatch, smem_bytes)
 
@@ -128,17 +129,22 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           jobs: Optional[int] = None, dry_run: bool = False,
           compiler_launcher: Optional[str] = None, allow_spills: bool = False,
           debug: bool = False, lineinfo: bool = False, defines: Sequence[str] = (),
-          toolchain: Optional[Toolchain] = None,
+          toolchain: Optional[Toolchain] = None, units: Optional[int] = None,
           log: Callable[[str], None] = print) -> BuildResult:
     """Render and compile a spec (or its --only/--exclude selection) into its library.
 
-    A filtered build links only the selected variants but keeps the other variants' objects,
-    so the full library comes back with one link. A dry run writes nothing. Builds of one
-    output directory take turns (generator/lock.py)."""
+    Variants compile in units of up to `units` a TU (generator/units.py; default: env
+    FA3GEN_UNIT_SIZE, else units.DEFAULT_SIZE). A filtered build compiles and links only the
+    selected variants but keeps the spec's units' objects, so the full library comes back
+    with one link. A dry run writes nothing. Builds of one output directory take turns
+    (generator/lock.py)."""
     if jobs is not None and jobs < 1:
         raise BuildError(f"-j/--jobs must be at least 1 (got {jobs})")
+    size = unit_size(units)
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
+    linked = partition(p.variants, size)
+    compiled = list({u.name: u for u in [*linked, *partition(p.enumeration.kept, size)]}.values())
     for warning in p.warnings:
         log(f"fa3gen: warning: {warning}")
     tc = toolchain or detect(debug=debug, lineinfo=lineinfo, defines=defines)
@@ -164,24 +170,26 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         info["seqlen_dispatch"] = p.seqlen_dispatch()
     info["decode"] = [list(pair) for pair in p.spec.decode]  # the runtime's check of a call
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
-                           spec_variants=p.enumeration.kept, env=env, decode=p.spec.decode)
+                           units=compiled, env=env, decode=p.spec.decode)
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,
-                                    spec_variants=p.enumeration.kept, decode=p.spec.decode)
+                                    units=compiled, linked=linked, decode=p.spec.decode)
     lib = out / library_name(p.spec.name)
     filtered = len(p.variants) < len(p.enumeration.kept)
     log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s)"
         + (f" of {len(p.enumeration.kept)} (filtered)" if filtered else "")
+        + f" in {len(linked)} compile unit(s) of up to {size}"
         + f", {len(p.default_names)} dispatch default(s), {len(p.enumeration.pruned)} pruned; "
         f"{jobs} parallel job(s){' (dry run)' if dry_run else ''} -> {out}")
 
     if dry_run:
-        return BuildResult(p, lib, planned=_dry_run(p, sources, ninja_text, jobs, log,
+        return BuildResult(p, lib, planned=_dry_run(p, linked, sources, ninja_text, jobs, log,
                                                     _strict(allow_spills)))
 
     with build_lock(out, f"spec {p.spec.name}", log):
         rendered = sources.apply()
         if rendered.removed:
-            log(f"fa3gen: removed {len(rendered.removed)} file(s) of variants no longer in the spec")
+            log(f"fa3gen: removed {len(rendered.removed)} file(s) of compile units no longer planned "
+                "(their variants left the spec, or were regrouped)")
         write_build_ninja(out, ninja_text)
         for obj in objects_without_deps(out):
             log(f"fa3gen: {obj} has no recorded header dependencies; compiling it again")
@@ -196,7 +204,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         if proc.returncode != 0:
             raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
                              f"see the messages above and {out}/obj/*.log")
-        manifest = write_manifest(p, tc, fp, lib, only, exclude)
+        manifest = write_manifest(p, tc, fp, lib, only, exclude, linked)
     log(f"fa3gen: built {lib}")
     return BuildResult(p, lib, manifest)
 
@@ -218,7 +226,7 @@ def objects_built_with_spills(out: Path) -> list[str]:
     return objects
 
 
-def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
+def _dry_run(p: Plan, linked: list[Unit], sources: RenderPlan, ninja_text: str, jobs: int,
              log: Callable[[str], None], strict: bool = True) -> list[str]:
     """What a build would do, from the files on disk, without writing any."""
     out = p.out_dir
@@ -230,10 +238,11 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
     for path in sources.stale:
         log(f"  would remove: {path.relative_to(out)}")
     if out / "fingerprint.txt" in changed:
-        why = "no build yet" if not (out / "fingerprint.txt").exists() else "the toolchain, flags or templates changed"
-        edges = ([f"NVCC {v.name}" for v in p.variants] + [dispatch_edge]
+        why = ("no build yet" if not (out / "fingerprint.txt").exists()
+               else "the toolchain, flags or templates changed")
+        edges = ([f"NVCC {u.name}" for u in linked] + [dispatch_edge]
                  + [f"NVCC obj/{name}.o" for name in plain] + [link_edge])
-        log(f"fa3gen: {why}: every variant compiles")
+        log(f"fa3gen: {why}: every unit compiles")
     else:
         edges = []
         if (out / "build.ninja").exists():  # ninja -n on the build file the build would write:
@@ -257,9 +266,9 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
                 log(f"fa3gen: note: {missing.group(1)} is missing (the build writes it first); "
                     "header changes are not checked in this dry run")
         changed_names = {path.name for path in changed}
-        for v in p.variants:
-            edge = f"NVCC {v.name}"
-            fresh = (out / "obj" / f"{v.name}.o").exists() and f"{v.name}.cu" not in changed_names
+        for u in linked:
+            edge = f"NVCC {u.name}"
+            fresh = (out / "obj" / f"{u.name}.o").exists() and f"{u.name}.cu" not in changed_names
             if not fresh and edge not in edges:
                 edges.append(edge)
         if "dispatch.cu" in changed_names and dispatch_edge not in edges:
@@ -273,7 +282,7 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
             edges.append(link_edge)
         for obj in objects_without_deps(out):
             log(f"fa3gen: note: {obj} has no recorded header dependencies; a build compiles it again")
-        selected = {v.name for v in p.variants}
+        selected = {u.name for u in linked}
         for obj in objects_built_with_spills(out) if strict else ():
             name = Path(obj).stem
             edge = f"NVCC {name}" if name in selected else f"NVCC {obj}"
@@ -288,25 +297,34 @@ def _dry_run(p: Plan, sources: RenderPlan, ninja_text: str, jobs: int,
     return edges
 
 
-def _resources(out: Path, name: str) -> Optional[dict]:
+def _resources(out: Path, name: str, variant: Optional[str] = None) -> Optional[dict]:
+    """Unit `name`'s obj/<name>.resources.json (compile_one), or its part for `variant`."""
     try:
         data = json.loads((out / "obj" / f"{name}.resources.json").read_text())
     except (OSError, ValueError):
         return None
+    if variant is not None:
+        own = (data.get("variants") or {}).get(variant)
+        if own is None:
+            return None
+        # compile_seconds: the unit's (a TU's time is not split between its kernels)
+        return {"unit": name, "compile_seconds": data.get("compile_seconds"), "ok": data.get("ok"), **own}
     data.pop("entries", None)
     data.pop("name", None)
+    data.pop("variants", None)
     return data
 
 
 def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
-                   only: list[str], exclude: list[str]) -> Path:
+                   only: list[str], exclude: list[str], linked: list[Unit]) -> Path:
     defaults = p.default_names
+    unit_of = {v.name: u.name for u in linked for v in u.variants}
     variants = []
     for v in p.variants:
         row = {"name": v.name, **asdict(v),
                "key": list(v.key), "is_default": v.name in defaults,
                "smem_bytes_estimate": smem_bytes(v),
-               "resources": _resources(p.out_dir, v.name)}
+               "resources": _resources(p.out_dir, unit_of[v.name], v.name)}
         variants.append(row)
     data = {
         "spec": p.spec.name,

@@ -1,8 +1,11 @@
 """Compile one translation unit for ninja: run nvcc, time it, keep its log, check ptxas.
 
     python -m generator.compile_one --name N --out obj/N.o --resources obj/N.resources.json \
-        -- nvcc ... -c src/N.cu -o obj/N.o
+        [--kernel VARIANT=MANGLED_TRAITS ...] -- nvcc ... -c src/N.cu -o obj/N.o
 
+A TU is a compile unit of variants (generator/units.py); --kernel names each, with the
+mangled Traits type that its kernels' names contain, and the resources are reported per
+variant (kernels that carry no variant's Traits, shared helpers, count for every variant).
 A variant whose kernel spills or whose setmaxnreg was dropped (C7508) fails the build:
 it would compile and run, just slowly, and nobody would notice. FA3GEN_ALLOW_SPILLS=1
 turns that failure into a warning. Stdlib only: it runs once per TU, start-up matters.
@@ -16,10 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from fa3gen.files import write_atomically
 
-from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, parse_ptxas
+from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, PtxasReport, parse_ptxas
 
 MARKER_SUFFIX = ".compiling"
 
@@ -36,13 +40,9 @@ def _excerpt(log: str, keep: int = 25) -> str:
     return "\n".join(errors + (["..."] if errors else []) + tail)
 
 
-def summarize(name: str, log: str, seconds: float, returncode: int) -> dict:
-    report = parse_ptxas(log)
+def _kernel_summary(report: PtxasReport) -> dict:
     k = report.kernel()
     return {
-        "name": name,
-        "returncode": returncode,
-        "compile_seconds": round(seconds, 2),
         "kernel": k.name if k else None,
         "registers": k.registers if k else None,
         "spill_stores": k.spill_stores if k else 0,
@@ -54,8 +54,58 @@ def summarize(name: str, log: str, seconds: float, returncode: int) -> dict:
         "wgmma_serialized": bool(report.codes() & set(WGMMA_SERIALIZED)),
         "warnings": [f"{d.code} {d.message}" for d in report.diagnostics],
         "problems": report.problems(),
-        "entries": report.to_dict()["entries"],
     }
+
+
+def split_by_variant(report: PtxasReport, kernels: dict[str, str]) -> dict[str, PtxasReport]:
+    """The report of each variant of a unit: the entries (and diagnostics) whose name holds its
+    mangled Traits (kernels: variant -> that), plus those of no variant (shared helpers). A
+    unit of one variant takes every entry. A variant none of whose kernels is found fails:
+    the attribution (generator/units.py: traits_mangled) no longer matches the kernels."""
+    if len(kernels) <= 1:
+        return {name: report for name in kernels}
+
+    def owners(function: Optional[str]) -> list[str]:
+        return [v for v, mangled in kernels.items() if function and mangled in function]
+
+    shared = PtxasReport([e for e in report.entries if not owners(e.name)],
+                         [d for d in report.diagnostics if not owners(d.function)])
+    out = {}
+    for variant in kernels:
+        entries = [e for e in report.entries if variant in owners(e.name)]
+        if not entries:
+            raise ValueError(f"no kernel of variant {variant} among the unit's ptxas entries "
+                             f"({', '.join(e.name for e in report.entries) or 'none'}); "
+                             "generator/units.py: traits_mangled no longer matches the kernels")
+        out[variant] = PtxasReport(entries + shared.entries,
+                                   [d for d in report.diagnostics if variant in owners(d.function)]
+                                   + shared.diagnostics)
+    return out
+
+
+def summarize(name: str, log: str, seconds: float, returncode: int,
+              kernels: Optional[dict[str, str]] = None) -> dict:
+    """The unit's resources: its heaviest kernel's at the top level (as for one variant), every
+    entry, and under "variants" each variant's own (split_by_variant)."""
+    report = parse_ptxas(log)
+    out = {"name": name, "returncode": returncode, "compile_seconds": round(seconds, 2),
+           **_kernel_summary(report), "entries": report.to_dict()["entries"], "variants": {}}
+    if returncode == 0 and kernels:
+        try:
+            out["variants"] = {v: _kernel_summary(r) for v, r in split_by_variant(report, kernels).items()}
+        except ValueError as e:
+            out["problems"] = [*out["problems"], str(e)]
+        else:
+            if len(kernels) > 1:  # the problems by variant (a shared kernel's under each)
+                out["problems"] = [f"{v}: {p}" for v, r in out["variants"].items() for p in r["problems"]]
+    return out
+
+
+def _what(name: str, kernels: dict[str, str]) -> str:
+    """How messages name the TU: "variant N", or the unit and its variants."""
+    if len(kernels) <= 1:
+        return f"variant {name}"
+    return f"unit {name} (variants {', '.join(kernels)})"
 
 
 def spills_allowed() -> bool:
@@ -74,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--resources", required=True, type=Path)
     ap.add_argument("--log", type=Path, help="default: --out with .log")
+    ap.add_argument("--kernel", action="append", default=[], metavar="VARIANT=MANGLED_TRAITS",
+                    help="a variant of the unit and the mangled Traits type of its kernels")
     args = ap.parse_args(argv[:split])
+    kernels = dict(k.split("=", 1) for k in args.kernel if "=" in k)
     cmd = argv[split + 1:]
     log_path = args.log or args.out.with_suffix(".log")
     allow = spills_allowed()
@@ -96,14 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(log)
 
-    res = summarize(args.name, log, seconds, rc)
+    res = summarize(args.name, log, seconds, rc, kernels)
     res["ok"] = rc == 0 and (allow or not res["problems"])
     _write_json(args.resources, res)
 
     if rc != 0:
         args.out.unlink(missing_ok=True)
         print(_excerpt(log), file=sys.stderr)
-        print(f"fa3gen: compiling variant {args.name} failed (exit {rc}); full log: {log_path}",
+        print(f"fa3gen: compiling {_what(args.name, kernels)} failed (exit {rc}); full log: {log_path}",
               file=sys.stderr)
         return rc
     if res["problems"]:
@@ -111,18 +164,19 @@ def main(argv: list[str] | None = None) -> int:
         if not allow:
             # Remove the object so ninja retries it instead of linking a slow kernel.
             args.out.unlink(missing_ok=True)
-            print(f"fa3gen: variant {args.name} failed the resource check: {what} "
+            print(f"fa3gen: {_what(args.name, kernels)} failed the resource check: {what} "
                   f"(log: {log_path}; FA3GEN_ALLOW_SPILLS=1 or --allow-spills accepts it)",
                   file=sys.stderr)
             return 1
-        print(f"fa3gen: warning: variant {args.name}: {what} (allowed by FA3GEN_ALLOW_SPILLS)",
+        print(f"fa3gen: warning: {_what(args.name, kernels)}: {what} (allowed by FA3GEN_ALLOW_SPILLS)",
               file=sys.stderr)
     regs = res["registers"] if res["registers"] is not None else "?"
     note = "" if res["kernel"] else " (no kernel entry found in ptxas output)"
     if res["wgmma_serialized"]:
         note += " WGMMA SERIALIZED"
+    count = f" ({len(kernels)} variants, the heaviest kernel's)" if len(kernels) > 1 else ""
     print(f"{args.name}: {regs} regs, spill {res['spill_stores']}/{res['spill_loads']} B, "
-          f"stack {res['stack_frame']} B, {seconds:.1f} s{note}")
+          f"stack {res['stack_frame']} B{count}, {seconds:.1f} s{note}")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Write build.ninja and run ninja.
 
-One compile edge per translation unit (through generator/compile_one.py, which checks
-ptxas resources) plus one link edge. Every edge depends on fingerprint.txt, so a toolchain
-or Jinja template change rebuilds everything; kernel headers come from nvcc's per-TU depfiles,
-so a header edit rebuilds only the variants that include it.
+One compile edge per translation unit, a compile unit of variants (generator/units.py),
+through generator/compile_one.py, which checks ptxas resources; plus one link edge. Every
+edge depends on fingerprint.txt, so a toolchain or Jinja template change rebuilds everything;
+kernel headers come from nvcc's per-TU depfiles, so a header edit rebuilds only the units that
+include it.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from fa3gen.contract import Variant, library_name
 from .errors import GeneratorError, ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
-from .render import (PLAIN_UNIT_HEADERS, environment, needs_extended_mma_shapes, plain_units,
-                     write_if_changed)
+from .render import PLAIN_UNIT_HEADERS, environment, plain_units, write_if_changed
 from .toolchain import Toolchain
+from .units import partition, traits_mangled
 
 
 def find_ninja() -> str:
@@ -84,18 +85,24 @@ def _interpreter() -> str:
 def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        launcher: str | None = None, kernels_dir: Path = KERNELS_DIR,
                        env: jinja2.Environment | None = None,
-                       spec_variants: list[Variant] | None = None, decode: tuple = ()) -> str:
-    """build.ninja linking `variants`, with a compile edge for each of `spec_variants` (all the
-    spec keeps; default: `variants`), so that a filtered build leaves the others' records."""
+                       units: list | None = None, linked: list | None = None,
+                       decode: tuple = ()) -> str:
+    """build.ninja linking the compile units `linked` (generator/units.py; default: one per
+    variant of `variants`), with a compile edge for each of `units` (default: `linked`): a
+    filtered build lists the spec's units too, so that it leaves their records."""
     env = env or environment()
     implicit = "fingerprint.txt"  # kernel headers: per-TU depfiles (build.ninja.j2)
+    linked = list(linked) if linked is not None else partition(variants, 1)
+    everything = {u.name: u for u in [*linked, *(units or [])]}
     # ninja starts edges in file order on a clean build (later it weighs them by the times in
-    # .ninja_log): the slow TUs (extended WGMMA shapes, about twice the others) go first, so
-    # that none of them starts last and stretches the build.
-    compiled = sorted(spec_variants or variants,  # the spec's variants include the selection
-                      key=lambda v: (not needs_extended_mma_shapes(v), v.name))
+    # .ninja_log): the slow TUs (extended WGMMA shapes, about twice the others; then the units
+    # of more variants) go first, so that none of them starts last and stretches the build.
+    compiled = sorted(everything.values(),
+                      key=lambda u: (not u.extended_mma_shapes, -len(u.variants), u.name))
+    kernels = {u.name: " ".join(f"--kernel {v.name}={traits_mangled(v)}" for v in u.variants)
+               for u in compiled}
     return env.get_template("build.ninja.j2").render(
-        spec_name=spec_name, variants=variants, compiled=compiled,
+        spec_name=spec_name, variants=variants, linked=linked, compiled=compiled, kernels=kernels,
         repo_root=_cmd([REPO_ROOT]), python=_cmd([_interpreter()]), nvcc=_cmd([tc.nvcc]),
         launcher=_cmd(_split_launcher(launcher)) if launcher else "",
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),

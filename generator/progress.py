@@ -2,8 +2,8 @@
 compiling, for how long, and an estimate of what remains.
 
 ninja prints a status line when an edge finishes ("[done/total elapsed] NVCC name") and
-compile_one prints "name: ... 41.9 s" per variant; the TUs in flight are the obj/*.compiling
-markers that compile_one keeps while it runs.
+compile_one prints "name: ... 41.9 s" per TU (a compile unit of variants); the TUs in flight
+are the obj/*.compiling markers that compile_one keeps while it runs.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Progress:
             self.tu_seconds.append(float(m.group(2)))
 
     def running(self, now: Optional[float] = None) -> list[tuple[str, float]]:
-        """(variant, seconds so far) of the TUs compiling now, longest first."""
+        """(unit, seconds so far) of the TUs compiling now, longest first."""
         now = time.time() if now is None else now
         out = []
         for marker in self.obj_dir.glob(f"*{MARKER_SUFFIX}"):
@@ -73,5 +73,5 @@ class Progress:
             parts.append(f"compiling {shown}{more}")
         left = self.remaining_seconds(running)
         parts.append(f"about {_duration(left)} left" if left is not None
-                     else "estimate after the first variant")
+                     else "estimate after the first unit")
         return "; ".join(parts)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import jinja2
 
@@ -70,11 +70,23 @@ def needs_extended_mma_shapes(v: Variant) -> bool:
     return not wgmma_n_sizes(v) <= STANDARD_GMMA_N
 
 
-def render_variant(v: Variant, env: jinja2.Environment | None = None) -> str:
+def render_unit(name: str, variants: Sequence[Variant], env: jinja2.Environment | None = None) -> str:
+    """The TU of a compile unit (generator/units.py): variants of one direction, dtype and head
+    dim, and so one launcher header and one answer to needs_extended_mma_shapes."""
     env = env or environment()
+    first = variants[0]
+    assert all(LAUNCHERS[v.direction] == LAUNCHERS[first.direction]
+               and needs_extended_mma_shapes(v) == needs_extended_mma_shapes(first) for v in variants)
+    entries = [{"name": v.name, "symbol": launch_symbol(v), "template_args": template_args(v)}
+               for v in variants]
     return env.get_template("variant.cu.j2").render(
-        name=v.name, launcher=LAUNCHERS[v.direction], symbol=launch_symbol(v),
-        template_args=template_args(v), extended_mma_shapes=needs_extended_mma_shapes(v))
+        name=name, launcher=LAUNCHERS[first.direction], entries=entries,
+        extended_mma_shapes=needs_extended_mma_shapes(first))
+
+
+def render_variant(v: Variant, env: jinja2.Environment | None = None) -> str:
+    """The TU of v alone (a unit of one, named after it)."""
+    return render_unit(v.name, [v], env)
 
 
 def render_dispatch(spec_name: str, variants: list[Variant], default_names: Iterable[str],
@@ -151,21 +163,21 @@ def plain_units(variants: Iterable[Variant], decode: bool) -> tuple[str, ...]:
 
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
-                 spec_variants: Optional[Iterable[Variant]] = None,
-                 env: jinja2.Environment | None = None, decode: tuple = ()) -> RenderPlan:
-    """src/<name>.cu per variant of the spec, src/dispatch.cu (the table of `variants`, the
-    ones linked) and fingerprint.txt; as stale, the sources and build products of variants
-    that are not in the spec. spec_variants: every variant the spec keeps (default:
-    `variants`); a filtered build passes them so that the other variants' sources and objects
-    survive it and a later full build only links again."""
+                 units: Iterable, env: jinja2.Environment | None = None, decode: tuple = ()) -> RenderPlan:
+    """src/<unit>.cu per compile unit (generator/units.py: Unit, its .name and .variants),
+    src/dispatch.cu (the table of `variants`, the
+    ones linked) and fingerprint.txt; as stale, the sources and build products of units not
+    listed. A filtered build lists the spec's units beside its own, so that their sources and
+    objects survive it and a later full build only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
-    everything = list(spec_variants) if spec_variants is not None else variants  # ⊇ variants
-    files = {out_dir / "src" / f"{v.name}.cu": render_variant(v, env) for v in everything}
+    units = list(units)
+    files = {out_dir / "src" / f"{u.name}.cu": render_unit(u.name, u.variants, env) for u in units}
     files[out_dir / "src" / "dispatch.cu"] = render_dispatch(
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
-    keep = {v.name for v in everything} | {"dispatch"}
+    keep = {u.name for u in units} | {"dispatch"}
+    everything = [v for u in units for v in u.variants] + list(variants)
     for unit in plain_units(everything, decode):  # as the variants: a filter keeps the spec's
         files[out_dir / "src" / f"{unit}.cu"] = env.get_template(f"{unit}.cu.j2").render(
             spec_name=spec_name, pairs=decode)  # decode.cu: the spec's (dtype, head_dim) pairs
@@ -173,4 +185,3 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
     stale = [p for pattern in ("src/*.cu", "obj/*.o", "obj/*.resources.json", "obj/*.log")
              for p in sorted(out_dir.glob(pattern)) if p.name.split(".", 1)[0] not in keep]
     return RenderPlan(files, stale)
-

@@ -38,6 +38,8 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
     monkeypatch.delenv("FA3GEN_COMPILER_LAUNCHER", raising=False)
     monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
+    # One variant a TU: these tests follow single TUs (the units' own tests set another size).
+    monkeypatch.setenv("FA3GEN_UNIT_SIZE", "1")
     nvcc = tmp_path / "nvcc"
     nvcc.write_text(f"#!{sys.executable}\n" + FAKE.read_text())
     nvcc.chmod(nvcc.stat().st_mode | stat.S_IEXEC)
@@ -231,7 +233,7 @@ def test_dry_run_writes_nothing(fake):
                          tuple(compile_flags(tc.cutlass_include, lineinfo=True)))
     lines = []
     planned = B.build(spec, toolchain=lineinfo, dry_run=True, log=lines.append).planned
-    assert any("every variant compiles" in ln for ln in lines) and f"NVCC {A}" in planned
+    assert any("every unit compiles" in ln for ln in lines) and f"NVCC {A}" in planned
     assert snapshot(out) == before
     assert take_calls(calls) == []
 
@@ -243,7 +245,8 @@ def test_filtered_build_keeps_the_other_objects(fake):
     take_calls(calls)
     lines = []
     B.build(spec, only=[A], toolchain=tc, log=lines.append)
-    assert any("1 variant(s) of 2 (filtered), 1 dispatch default(s)" in ln for ln in lines)
+    assert any("1 variant(s) of 2 (filtered) in 1 compile unit(s) of up to 1, 1 dispatch default(s)"
+               in ln for ln in lines)
     text = (out / "build.ninja").read_text()
     assert f"build obj/{B_}.o" in text  # its records stay with ninja
     assert f": link obj/{A}.o obj/dispatch.o" in text  # the library links the selection

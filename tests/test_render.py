@@ -9,6 +9,7 @@ import pytest
 from fa3gen.contract import Variant, parse_name
 from generator.ninja import render_build_ninja
 from generator.errors import ToolchainError
+from generator.units import partition
 from generator.render import c_string, plan_sources, render_dispatch, render_variant, write_if_changed
 from generator.toolchain import Toolchain, compile_flags
 
@@ -107,13 +108,13 @@ def test_planned_sources_applied_incrementally(tmp_path):
     b = parse_name("fwd_bf16_d128_causal_m128n128_s2_ws1_pp0_ov0")
     c = parse_name("fwd_bf16_d128_causal_m128n176_s2_ws1_pp0_ov0")
     info = {"spec": "t", "fingerprint": "f"}
-    r1 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info).apply()
+    r1 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info, units=partition([a, b], 1)).apply()
     assert len(r1.written) == 4  # 2 variants + dispatch + fingerprint
-    r2 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info).apply()
+    r2 = plan_sources(tmp_path, "t", [a, b], {a.name}, "f", info, units=partition([a, b], 1)).apply()
     assert r2.written == [] and not r2.removed  # rendering twice changes nothing
     (tmp_path / "obj").mkdir()
     (tmp_path / "obj" / f"{b.name}.o").write_text("o")
-    r3 = plan_sources(tmp_path, "t", [a, c], {a.name}, "f", info).apply()
+    r3 = plan_sources(tmp_path, "t", [a, c], {a.name}, "f", info, units=partition([a, c], 1)).apply()
     names = sorted(p.name for p in r3.written)
     # exactly one variant TU is new; the dispatch table changes with the set
     assert names == sorted([f"{c.name}.cu", "dispatch.cu"])
@@ -131,7 +132,7 @@ def test_build_ninja_content():
     assert "fa3gen_fwd.cuh" not in text
     assert "-MD -MF $out.d -c $in -o $out" in text
     assert "  depfile = $out.d\n  deps = gcc\n" in text
-    assert "-m generator.compile_one --name $name --out $out --resources $resources --" in text
+    assert "-m generator.compile_one --name $name --out $out --resources $resources $kernels --" in text
     assert f"build lib/libfa3gen_h100.so: link obj/{V1.name}.o obj/{V2.name}.o obj/dispatch.o" \
         " | fingerprint.txt" in text
     assert "build obj/dispatch.o: nvcc_plain src/dispatch.cu | fingerprint.txt" in text
@@ -220,9 +221,10 @@ def test_specs_with_e4m3_variants_get_the_quantizer(tmp_path):
     """src/quantize.cu and its edge (fa3gen_quantize_fp8) only where the spec has e4m3 variants."""
     f8 = parse_name("fwd_e4m3_d128_nocausal_m128n128_s2_ws1_pp1_ov1")
     info = {"spec": "t", "fingerprint": "f"}
-    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info)
+    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, units=partition([V1], 1))
     assert not any(p.name == "quantize.cu" for p in plan.files)
-    plan = plan_sources(tmp_path, "t", [V1, f8], {V1.name, f8.name}, "f", info)
+    plan = plan_sources(tmp_path, "t", [V1, f8], {V1.name, f8.name}, "f", info,
+                        units=partition([V1, f8], 1))
     quantize = plan.files[tmp_path / "src" / "quantize.cu"]
     assert "fa3gen_quantize_fp8" in quantize and '#include "quantize_fp8.cuh"' in quantize
     assert "quantize" not in render_build_ninja("t", [V1], fake_toolchain())
@@ -234,9 +236,10 @@ def test_decode_kernels_only_where_the_spec_asks(tmp_path):
     """`decode:` renders src/decode.cu (fa3gen_decode_fwd) with one instantiation per listed
     (dtype, head_dim) pair, and links it; other specs get none."""
     info = {"spec": "t", "fingerprint": "f"}
-    assert not any(p.name == "decode.cu" for p in plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info).files)
+    none = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, units=partition([V1], 1))
+    assert not any(p.name == "decode.cu" for p in none.files)
     pairs = (("bf16", 128), ("fp16", 64))
-    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, decode=pairs)
+    plan = plan_sources(tmp_path, "t", [V1], {V1.name}, "f", info, units=partition([V1], 1), decode=pairs)
     src = plan.files[tmp_path / "src" / "decode.cu"]
     assert "fa3gen_decode_fwd" in src and "fa3gen::check_decode(*p)" in src
     for kv_fp8 in ("false", "true"):  # each pair for a 16-bit and an e4m3 cache
