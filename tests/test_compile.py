@@ -1,5 +1,6 @@
-"""Compile specs/tiny.yaml (one forward, one backward variant) with the real nvcc (no GPU
-needed): the generated C++ builds, with no spills and setmaxnreg kept.
+"""Compile specs/tiny.yaml (one forward, one backward variant) plus a causal forward with the
+real nvcc (no GPU needed): the generated C++ builds, with no spills and setmaxnreg kept, and
+the two forwards share a compile unit whose ptxas entries go to each (generator/units.py).
 
     .venv/bin/python -m pytest -m compile tests/test_compile.py
 """
@@ -9,9 +10,11 @@ import subprocess
 
 import pytest
 
+from fa3gen.contract import parse_name
 from generator.errors import ToolchainError
 from generator.paths import KERNELS_DIR, SPECS_DIR
 from generator.toolchain import find_nvcc
+from generator.units import traits_mangled
 
 pytestmark = pytest.mark.compile
 
@@ -27,8 +30,15 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
 
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
     monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
-    res = build(SPECS_DIR / "tiny.yaml")
+    monkeypatch.delenv("FA3GEN_UNIT_SIZE", raising=False)
+    tiny = (SPECS_DIR / "tiny.yaml").read_text()
+    fwd = "axes: {direction: fwd, tile: [128, 128]}"
+    assert fwd in tiny
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(tiny.replace(fwd, "axes: {direction: fwd, tile: [128, 128], causal: [false, true]}"))
+    res = build(spec)
     names = ["bwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0",
+             "fwd_bf16_d64_causal_m128n128_s2_ws1_pp0_ov0",
              "fwd_bf16_d64_nocausal_m128n128_s2_ws1_pp0_ov0"]
     lib = tmp_path / "tiny" / "lib" / "libfa3gen_tiny.so"
     assert res.library == lib and lib.is_file()
@@ -56,6 +66,9 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
         assert r["registers"] and r["registers"] > 0
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0
         assert not r["setmaxnreg_ignored"]
+        assert traits_mangled(parse_name(row["name"])) in r["kernel"]  # its own kernel
+    units = {row["resources"]["unit"] for row in m["variants"]}
+    assert len(units) == 2  # the forwards together, the backward alone
 
 
 FAST_DIV_CHECK = r"""
