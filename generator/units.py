@@ -67,7 +67,8 @@ def unit_name(variants: tuple[Variant, ...]) -> str:
 
 def partition(variants: Iterable[Variant], size: Optional[int] = None) -> list[Unit]:
     """`variants` in units of at most `size` sharing (direction, dtype, head_dim, extended
-    shapes), in the order given; each group split into near-equal chunks."""
+    shapes), in the order given; each group split into near-equal runs of neighbours (a spec
+    lists a tile's variants together, and those share the most templates)."""
     size = unit_size(size)
     groups: dict[tuple, list[Variant]] = {}
     for v in variants:
@@ -75,8 +76,9 @@ def partition(variants: Iterable[Variant], size: Optional[int] = None) -> list[U
     units = []
     for members in groups.values():
         chunks = -(-len(members) // size)
-        for i in range(chunks):
-            part = tuple(members[i::chunks])  # interleaved: tiles and flags spread over the chunks
+        bounds = [len(members) * i // chunks for i in range(chunks + 1)]
+        for lo, hi in zip(bounds, bounds[1:]):
+            part = tuple(members[lo:hi])
             units.append(Unit(unit_name(part), part))
     return units
 
