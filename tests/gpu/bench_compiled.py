@@ -10,7 +10,10 @@ median of --rounds rounds of 100 back-to-back calls (CUDA events; not the sustai
 measurement: this compares paths to one kernel, not kernels). --reverse runs the shapes in
 the opposite order (a first look at compiled calls slowing down later in a process, seen on
 the H200 2026-12-04 (ninth): docs/BENCHMARKS.md); --fresh runs each shape in a process of
-its own. Not a pytest module.
+its own. The host columns say how long the calls took to issue (the loop's wall time before
+the synchronizing event, per call): where that reaches the GPU time, the calls are host-bound.
+"graphs" counts the graphs dynamo compiled for the shape (1 unless guards failed). Not a
+pytest module.
 """
 
 import argparse
@@ -24,8 +27,9 @@ SHAPES = ((64, True, 512), (64, True, 1024), (128, False, 1024), (128, False, 40
           (256, True, 1024))  # (head_dim, causal, seqlen)
 
 
-HEADER = ("| d | causal | seqlen | eager | compiled | key default (eager) | by length |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| d | causal | seqlen | eager | compiled | key default (eager) | by length | "
+          "host us/call eager / compiled | GPU us/call compiled | graphs |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def fresh(args) -> int:
@@ -52,12 +56,21 @@ def fresh(args) -> int:
     return 0
 
 
-def ms_per_call(fn, calls: int = 100) -> float:
-    from fa3gen.timing import batch_ms
+def ms_per_call(fn, calls: int = 100) -> tuple[float, float]:
+    """(GPU ms per call between two events, host ms per call to issue them)."""
+    import time
 
     for _ in range(5):
         fn()
-    return batch_ms(fn, calls)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls, host
 
 
 def main() -> int:
@@ -97,17 +110,26 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         times = {name: [] for name in fns}
+        host = {name: [] for name in fns}
         for _ in range(args.rounds):
             for name, fn in fns.items():
-                times[name].append(ms_per_call(fn))
+                gpu_ms, host_ms = ms_per_call(fn)
+                times[name].append(gpu_ms)
+                host[name].append(host_ms)
         flops = 4 * batch * heads * seqlen * seqlen * d / (2 if causal else 1)
         tflops = {name: flops / (statistics.median(t) * 1e-3) / 1e12 for name, t in times.items()}
+        host_us = {name: statistics.median(t) * 1e3 for name, t in host.items()}
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         rows.append(dict(head_dim=d, causal=causal, seqlen=seqlen, by_length=by_length,
-                         key_default=key_default, tflops=tflops))
+                         key_default=key_default, tflops=tflops, host_us_per_call=host_us,
+                         gpu_us_per_call={n: statistics.median(t) * 1e3 for n, t in times.items()},
+                         graphs=graphs))
         print(f"| {d} | {causal} | {seqlen} | {tflops['eager']:.0f} | {tflops['compiled']:.0f} | "
-              f"{tflops['key default']:.0f} | {by_length if by_length != key_default else 'same'} |",
-              flush=True)
+              f"{tflops['key default']:.0f} | {by_length if by_length != key_default else 'same'} | "
+              f"{host_us['eager']:.0f} / {host_us['compiled']:.0f} | "
+              f"{statistics.median(times['compiled']) * 1e3:.0f} | {graphs} |", flush=True)
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     if args.json:
         from fa3gen import bench
 
