@@ -179,7 +179,7 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                    help="parallel compiles (default: min(cores, free GiB / 4))")
     b.add_argument("--unit-size", type=_positive_int, default=None, metavar="N",
                    help="variants of one direction, dtype and head dim compiled together in a "
-                        "translation unit, at most N (default: $FA3GEN_UNIT_SIZE, else 8; 1: "
+                        "translation unit, at most N (default: $FA3GEN_UNIT_SIZE, else 16; 1: "
                         "one a TU, more parallel but several times the total work)")
     b.add_argument("--dry-run", action="store_true", help="show what would be rebuilt")
     b.add_argument("--allow-spills", action="store_true",

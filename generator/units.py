@@ -24,7 +24,9 @@ from fa3gen.contract import LAUNCHERS, Variant, template_args
 from .errors import BuildError
 from .render import needs_extended_mma_shapes
 
-DEFAULT_SIZE = 8
+# specs/h100.yaml on the 2-core host: up to 16 (30 TUs) 647 s, up to 8 (42 TUs) 789 s; a TU of
+# 16 variants takes 52-57 s and 2.4 GB (docs/BENCHMARKS.md, 2026-12-04 (tenth)).
+DEFAULT_SIZE = 16
 SIZE_ENV = "FA3GEN_UNIT_SIZE"
 
 

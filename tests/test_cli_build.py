@@ -24,7 +24,7 @@ def test_unit_size_reaches_the_build_and_below_one_is_a_usage_error(capsys, monk
     assert cli.main(["build", "--spec", "specs/tiny.yaml", "--unit-size", "3"]) == 0
     assert got["units"] == 3
     assert cli.main(["build", "--spec", "specs/tiny.yaml"]) == 0
-    assert got["units"] is None  # the build's default: FA3GEN_UNIT_SIZE, else 8
+    assert got["units"] is None  # the build's default: FA3GEN_UNIT_SIZE, else 16
     with pytest.raises(SystemExit) as e:
         cli.main(["build", "--spec", "specs/tiny.yaml", "--unit-size", "0"])
     assert e.value.code == 2 and "argument --unit-size: must be at least 1" in capsys.readouterr().err

@@ -113,7 +113,7 @@ def test_partition_groups_by_direction_dtype_head_dim_and_extended_shapes():
 
 def test_unit_size_from_the_argument_then_the_environment(monkeypatch):
     monkeypatch.delenv("FA3GEN_UNIT_SIZE", raising=False)
-    assert unit_size() == 8 and unit_size(3) == 3
+    assert unit_size() == 16 and unit_size(3) == 3
     monkeypatch.setenv("FA3GEN_UNIT_SIZE", "2")
     assert unit_size() == 2
     for bad in ("0", "x"):
