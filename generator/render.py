@@ -1,4 +1,4 @@
-"""Render the per-variant translation units and the dispatch table from Jinja templates.
+"""Render the compile units' translation units and the dispatch table from Jinja templates.
 
 Files are written only when their text changes, so untouched files keep their mtime and
 ninja recompiles exactly the variants whose source changed.
@@ -163,12 +163,13 @@ def plain_units(variants: Iterable[Variant], decode: bool) -> tuple[str, ...]:
 
 def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  default_names: Iterable[str], fingerprint: str, build_info: dict,
-                 units: Iterable, env: jinja2.Environment | None = None, decode: tuple = ()) -> RenderPlan:
+                 units: Iterable, env: jinja2.Environment | None = None,
+                 decode: tuple = ()) -> RenderPlan:
     """src/<unit>.cu per compile unit (generator/units.py: Unit, its .name and .variants),
-    src/dispatch.cu (the table of `variants`, the
-    ones linked) and fingerprint.txt; as stale, the sources and build products of units not
-    listed. A filtered build lists the spec's units beside its own, so that their sources and
-    objects survive it and a later full build only links again."""
+    src/dispatch.cu (the table of `variants`, the ones linked) and fingerprint.txt; as stale,
+    the sources and build products of units not listed. A filtered build lists the spec's
+    units beside its own, so that their sources and objects survive it and a later full build
+    only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
     units = list(units)
