@@ -291,8 +291,11 @@ def _dry_run(p: Plan, linked: list[Unit], sources: RenderPlan, ninja_text: str, 
                 edges.append(edge)
         if edges and link_edge not in edges:
             edges.append(link_edge)
+    members = {f"NVCC {u.name}": u.variants for u in linked if len(u.variants) > 1}
     for e in edges:
-        log(f"  would run: {e}")
+        held = members.get(e)
+        log(f"  would run: {e}" + (f" ({len(held)} variants: {', '.join(v.name for v in held)})"
+                                   if held else ""))
     log(f"fa3gen: {len(edges)} edge(s) out of date" if edges else "fa3gen: up to date")
     return edges
 

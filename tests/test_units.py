@@ -152,3 +152,14 @@ def test_a_unit_compiles_its_variants_in_one_tu(fake, monkeypatch):
         B.build(spec, toolchain=tc, log=lines.append)
     data = json.loads((out / "obj" / f"{unit.name}.resources.json").read_text())
     assert [p.split(":")[0] for p in data["problems"]] == [B_]
+
+
+def test_a_dry_run_names_each_units_variants(fake, monkeypatch):
+    spec, tc, calls = fake
+    monkeypatch.setenv("FA3GEN_UNIT_SIZE", "8")
+    lines = []
+    res = B.build(spec, toolchain=tc, dry_run=True, log=lines.append)
+    (unit,) = partition(res.plan.variants)
+    (line,) = [ln for ln in lines if f"would run: NVCC {unit.name}" in ln]
+    assert "(2 variants: " in line and A in line and B_ in line
+    assert f"NVCC {unit.name}" in res.planned and take_calls(calls) == []
