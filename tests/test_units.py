@@ -10,7 +10,7 @@ from generator.compile_one import split_by_variant, summarize
 from generator.errors import BuildError
 from generator.ptxas import parse_ptxas
 from generator.units import partition, traits_mangled, unit_size
-from tests.test_build import A, B_, SPEC, fake, quiet, take_calls  # noqa: F401 (fake: fixture)
+from tests.test_build import A, B_, fake, quiet, take_calls  # noqa: F401 (fake: fixture)
 
 # Entry names from real ptxas output (nvcc 13.0, CUTLASS 4.2, 2026-12-04): a forward unit of
 # twelve fwd bf16 d128 variants, a backward unit of five, an e4m3 and an fp16 TU.
