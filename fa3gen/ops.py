@@ -578,10 +578,10 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
     key = (_layout_key(*ins, lse), mask, float(softmax_scale), variant, bool(deterministic), lib,
            os.environ.get("FA3GEN_GRID"))
     dq, dk, dv = _empty_grads(q, k, v)
+    lse = lse.contiguous()
     plan, ready = _plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
-        *ready, lse.contiguous(), dq, dk, dv, mask, float(softmax_scale), variant,
-        deterministic, lib))
-    _bwd_run(plan, *ready, lse.contiguous(), dq, dk, dv)
+        *ready, lse, dq, dk, dv, mask, float(softmax_scale), variant, deterministic, lib))
+    _bwd_run(plan, *ready, lse, dq, dk, dv)
     return dq, dk, dv
 
 

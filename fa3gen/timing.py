@@ -50,15 +50,23 @@ def time_ms(fn, warmup: int, iters: int) -> float:
 
 def batch_ms(fn, launches: int) -> float:
     """Milliseconds per launch of `launches` back-to-back launches between two events."""
+    return batch_ms_and_host(fn, launches)[0]
+
+
+def batch_ms_and_host(fn, launches: int) -> tuple[float, float]:
+    """batch_ms, and the host's milliseconds per launch to issue them (the loop's wall time
+    before the closing event): where that reaches the first, the calls are host-bound."""
     import torch
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     for _ in range(launches):
         fn()
+    host = (time.perf_counter() - t0) * 1e3 / launches
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / launches
+    return start.elapsed_time(end) / launches, host
 
 
 def graph_replay(fn, calls: int):

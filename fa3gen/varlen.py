@@ -362,10 +362,11 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
            max_seqlen_q, max_seqlen_k, mask, float(scale), variant, bool(deterministic), lib,
            os.environ.get("FA3GEN_GRID"))
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    lse = lse.contiguous()
     plan, ready = ops._plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
-        *ready, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk,
-        dv, mask, scale, variant, deterministic, lib))
-    _bwd_run(plan, *ready, lse.contiguous(), cu_seqlens_q, cu_seqlens_k, dq, dk, dv, seqused_k)
+        *ready, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, mask,
+        scale, variant, deterministic, lib))
+    _bwd_run(plan, *ready, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv, seqused_k)
     return dq, dk, dv
 
 

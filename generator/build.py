@@ -144,6 +144,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
     linked = partition(p.variants, size)
+    # the selection's units and the spec's (a full build: the same ones), each once
     compiled = list({u.name: u for u in [*linked, *partition(p.enumeration.kept, size)]}.values())
     for warning in p.warnings:
         log(f"fa3gen: warning: {warning}")

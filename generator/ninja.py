@@ -88,16 +88,16 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
                        units: list | None = None, linked: list | None = None,
                        decode: tuple = ()) -> str:
     """build.ninja linking the compile units `linked` (generator/units.py; default: one per
-    variant of `variants`), with a compile edge for each of `units` (default: `linked`): a
-    filtered build lists the spec's units too, so that it leaves their records."""
+    variant of `variants`), with a compile edge for each of `units` (default: `linked`; they
+    include `linked`): a filtered build lists the spec's units too, so that it leaves their
+    records."""
     env = env or environment()
     implicit = "fingerprint.txt"  # kernel headers: per-TU depfiles (build.ninja.j2)
     linked = list(linked) if linked is not None else partition(variants, 1)
-    everything = {u.name: u for u in [*linked, *(units or [])]}
     # ninja starts edges in file order on a clean build (later it weighs them by the times in
     # .ninja_log): the slow TUs (extended WGMMA shapes, about twice the others; then the units
     # of more variants) go first, so that none of them starts last and stretches the build.
-    compiled = sorted(everything.values(),
+    compiled = sorted(units if units is not None else linked,
                       key=lambda u: (not u.extended_mma_shapes, -len(u.variants), u.name))
     kernels = {u.name: " ".join(f"--kernel {v.name}={traits_mangled(v)}" for v in u.variants)
                for u in compiled}

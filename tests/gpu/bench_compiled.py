@@ -58,19 +58,11 @@ def fresh(args) -> int:
 
 def ms_per_call(fn, calls: int = 100) -> tuple[float, float]:
     """(GPU ms per call between two events, host ms per call to issue them)."""
-    import time
+    from fa3gen.timing import batch_ms_and_host
 
     for _ in range(5):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = (time.perf_counter() - t0) * 1e3 / calls
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls, host
+    return batch_ms_and_host(fn, calls)
 
 
 def main() -> int:
