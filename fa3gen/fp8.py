@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -385,7 +384,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     if out is None:
         try:
             key = (ops._signature(q), ops._signature(k), ops._signature(v), mask, softmax_scale,
-                   variant, out_dtype, os.environ.get("FA3GEN_GRID"),
+                   variant, out_dtype, ops._grid_env(),
                    *(_descale_signature(descales.get(n)) for n in DESCALE_NAMES))
             plan = _plans.get(key)
         except (TypeError, AttributeError):  # not tensors: the checks below say what is wrong

@@ -233,6 +233,12 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _grid_env() -> str | None:
+    """The plan keys' part that the environment sets: a plan's params carry the grid mode
+    (_grid_mode), so a changed FA3GEN_GRID plans again."""
+    return os.environ.get("FA3GEN_GRID")
+
+
 def _grid_mode() -> int:
     """FA3GEN_GRID: the forward's CTA count. auto (default): persistent (one CTA per SM), except
     one CTA per query tile where tiles are long or uneven: causal over more than 8192 keys,
@@ -240,7 +246,7 @@ def _grid_mode() -> int:
     of more than 512 keys on average, or windowed over sequences shorter than twice the window
     (the policy lives in launch_fwd); persistent |
     tiles force one policy, for measurements."""
-    mode = os.environ.get("FA3GEN_GRID") or "auto"  # set but empty: unset, as the other variables
+    mode = _grid_env() or "auto"  # set but empty: unset, as the other variables
     if mode not in GRID_MODES:
         raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
     return GRID_MODES[mode]
@@ -576,7 +582,7 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
     ins = (dout, q, k, v, out)
     lib = runtime.get_library()
     key = (_layout_key(*ins, lse), mask, float(softmax_scale), variant, bool(deterministic), lib,
-           os.environ.get("FA3GEN_GRID"))
+           _grid_env())
     dq, dk, dv = _empty_grads(q, k, v)
     lse = lse.contiguous()
     plan, ready = _plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
@@ -688,7 +694,7 @@ def _eager_fwd_plan(q, k, v, mask: Masking, softmax_scale, variant: str | None) 
         raise
     key = (_signature(q), _signature(k), _signature(v), mask,
            softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib,
-           os.environ.get("FA3GEN_GRID"))
+           _grid_env())
     plan = _fwd_plans.get(key)
     if plan is None:
         check_device(q, k, v)

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Callable
 

@@ -11,7 +11,6 @@ FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at most at 
 max_seqlen is at least the longest sequence; seqused_k[b] lies within sequence b's keys.
 """
 
-import os
 
 import torch
 
@@ -360,7 +359,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lib = runtime.get_library()
     key = (ops._layout_key(*ins, lse), _cu_signature(cu_seqlens_q), _cu_signature(cu_seqlens_k),
            max_seqlen_q, max_seqlen_k, mask, float(scale), variant, bool(deterministic), lib,
-           os.environ.get("FA3GEN_GRID"))
+           ops._grid_env())
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     lse = lse.contiguous()
     plan, ready = ops._plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
@@ -600,7 +599,7 @@ def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant)
     sig = ops._signature
     key = (sig(q), sig(k), sig(v), _cu_signature(cu_q), _cu_signature(cu_k), max_q, max_k, mask,
            softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib,
-           os.environ.get("FA3GEN_GRID"))  # the params carry grid_mode, as in ops
+           ops._grid_env())
     plan = _plans.get(key)
     if plan is None:
         ops.check_device(q, k, v)
