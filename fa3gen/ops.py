@@ -16,6 +16,7 @@ Edge cases (decided here, documented in the docstring of flash_attn_func):
 """
 
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -74,13 +75,16 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
         left, right = window_size
     except (TypeError, ValueError):
         raise InvalidInputError(f"window_size must be a pair (left, right), got {window_size!r}")
-    for side, w in (("left", left), ("right", right)):
-        if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+    for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
             raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
                                     f"got {w!r}")
+    left, right = int(left), int(right)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
             not 0.0 <= float(softcap) < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    if softcap:
+        _check_fp32_range("softcap", softcap)
     # Wider than any sequence (the kernels take int32): unbounded on that side, not wrapped.
     if left > INT32_MAX:
         left = -1
@@ -873,6 +877,21 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     if value is None or not 0.0 < value < math.inf:
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
                                 f"sqrt(head_dim)), got {softmax_scale!r}{hint}")
+    _check_fp32_range("softmax_scale", value)
+
+
+# The kernels take softmax_scale and softcap as fp32 and derive scale * log2(e), scale / softcap
+# and softcap * log2(e) from them: within these bounds each stays a finite, normal fp32 number
+# (1e40 would have reached the kernel as inf, 1e-40 as a denormal: a silent wrong answer).
+FP32_ARG_RANGE = (2.0**-60, 2.0**60)
+
+
+def _check_fp32_range(name: str, value) -> None:
+    lo, hi = FP32_ARG_RANGE
+    if not lo <= float(value) <= hi:
+        raise InvalidInputError(f"{name}={value!r} is outside [2^-60, 2^60] (about 8.7e-19 to "
+                                f"1.2e18), the range in which the kernels' fp32 arithmetic stays "
+                                f"finite")
 
 
 def _check_fa3_arguments(softmax_scale) -> None:

@@ -37,8 +37,24 @@ def test_a_scale_that_is_not_a_positive_finite_number_is_one_clear_error(scale):
 
 
 def test_scalar_scales_are_taken():
-    for scale in (0.5, 2, torch.tensor(0.5)):
+    for scale in (0.5, 2, torch.tensor(0.5), 2.0**60, 2.0**-60):
         ops.check_softmax_scale(scale)
+
+
+def test_the_fp32_range_keeps_what_the_kernels_derive_finite_and_normal():
+    """The bounds hold for the kernels' derived values (scale * log2(e), scale / softcap,
+    softcap * log2(e)) at their extremes, in fp32."""
+    lo, hi = (torch.tensor(b, dtype=torch.float32) for b in ops.FP32_ARG_RANGE)
+    log2e = torch.tensor(1.4426950408889634, dtype=torch.float32)
+    info = torch.finfo(torch.float32)
+    for derived in (hi * log2e, hi / lo, lo / hi, lo * log2e):
+        assert info.tiny <= derived.item() <= info.max
+
+
+def test_numpy_integer_windows_are_taken_as_flash_attn_takes_them():
+    np = pytest.importorskip("numpy")
+    assert ops.masking(False, (np.int64(3), np.int32(0)), 0.0) == ops.Masking(False, 3, 0)
+    assert type(ops.masking(False, (np.int64(3), 0)).window_left) is int
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -51,6 +67,11 @@ def test_scalar_scales_are_taken():
     ({"softcap": float("inf")}, "softcap must be a finite number >= 0"),
     ({"softcap": float("nan")}, "softcap must be a finite number >= 0"),
     ({"softcap": True}, "softcap must be a finite number >= 0"),
+    # finite in Python but not once the kernel has it in fp32 (inf, denormal): never launched
+    ({"softcap": 1e39}, r"softcap=1e\+39 is outside \[2\^-60, 2\^60\]"),
+    ({"softcap": 1e-40}, r"softcap=1e-40 is outside \[2\^-60, 2\^60\]"),
+    ({"softmax_scale": 1e40}, r"softmax_scale=1e\+40 is outside \[2\^-60, 2\^60\]"),
+    ({"softmax_scale": 2.0**-61}, r"softmax_scale=4.3\d*e-19 is outside"),
 ])
 def test_bad_window_or_softcap_is_an_error(kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
