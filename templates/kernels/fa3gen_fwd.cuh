@@ -90,13 +90,14 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
     // or a window that shows a query at least 2048 keys.
     const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? masking.window_keys >= 2048 : false;
-    schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms);
+    schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms,
+                                 Traits::kClusterM);
   }
 
   FwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, typename Traits::SmemLayoutQPart{}),
-      make_tma_copy(SM90_TMA_LOAD{}, k, typename Traits::SmemLayoutKBox{}),
-      make_tma_copy(SM90_TMA_LOAD{}, v, typename Traits::SmemLayoutVBox{}),
+      make_tma_copy(typename Traits::TmaLoadKV{}, k, typename Traits::SmemLayoutKBox{}, Int<Traits::kClusterM>{}),
+      make_tma_copy(typename Traits::TmaLoadKV{}, v, typename Traits::SmemLayoutVBox{}, Int<Traits::kClusterM>{}),
       a.o, a.lse,
       a.o_batch_stride, a.o_row_stride, a.o_head_stride,
       a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv, a.batch, a.heads_q / a.heads_kv,
@@ -116,8 +117,12 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   cudaError_t err = set_smem_limit_once(kernel, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   const dim3 grid(static_cast<unsigned>(schedule.ctas));
-  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
-  err = cudaGetLastError();
+  if constexpr (Traits::kClusterM > 1) {
+    err = launch_clustered(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, Traits::kClusterM, p);
+  } else {
+    kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
+    err = cudaGetLastError();
+  }
   if (err != cudaSuccess) return report("kernel launch", err);
   return 0;
 }

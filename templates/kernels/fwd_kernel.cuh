@@ -27,7 +27,10 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
-  __syncthreads();  // barrier initialisation visible to every thread before first use
+  // Barrier initialisation visible to every thread before first use; in a cluster, to the
+  // other CTAs too (their TMA multicasts and consumers signal this CTA's pipeline barriers).
+  if constexpr (Traits::kClusterM > 1) cute::cluster_sync();
+  else __syncthreads();
 
   if constexpr (Traits::kWarpSpecialized) {
     if (warp_idx < 4) {  // producer warpgroup

@@ -62,6 +62,26 @@ struct FwdMainloop {
   using PipelineState = typename Traits::PipelineState;
   static constexpr int kTileM = Traits::kTileM, kTileN = Traits::kTileN, kHeadDim = Traits::kHeadDim;
   static constexpr int kStages = Traits::kStages;
+  // kClusterM > 1: every K and V load is multicast to all CTAs of the cluster.
+  static constexpr uint16_t kClusterMask = Traits::kClusterM > 1 ? uint16_t((1u << Traits::kClusterM) - 1) : 0;
+  __device__ __forceinline__ static int cluster_rank() {
+    if constexpr (Traits::kClusterM > 1) return int(cute::block_rank_in_cluster());
+    else return 0;
+  }
+  // A consumer warpgroup done with a K or V stage. In a cluster every CTA's producer writes
+  // into every CTA's stage, so each warpgroup arrives once on each CTA's empty barrier (the
+  // count PipelineTmaAsync initialises them with for a cluster): lane 0 of warp r for CTA r.
+  // The pipeline's own release keeps that assignment in registers across the whole loop,
+  // which made d128 128x176 spill inside its steady loop; recomputed here it costs none.
+  template <class Pipe, class Storage>
+  __device__ __forceinline__ static void release(Pipe& pipe, Storage& storage, PipelineState const& s) {
+    if constexpr (Traits::kClusterM == 1) {
+      pipe.consumer_release(s);
+    } else {
+      const int warp = (int(threadIdx.x) / 32) % 4;
+      storage.empty_barrier_[s.index()].arrive(uint32_t(warp), threadIdx.x % 32 == 0 && warp < Traits::kClusterM);
+    }
+  }
   // fp8 without the intra-warpgroup overlap: the two consumer warpgroups are held half a block
   // apart by one barrier a block, which warpgroup 0 meets between its row maxima and its
   // exponentials and warpgroup 1 after its exponentials (softmax_block). So their exp2 phases,
@@ -130,7 +150,7 @@ struct FwdMainloop {
 
   __device__ __forceinline__ FwdMainloop(FwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
-        pipe_k(smem_.pipeline_k, params(warp_idx), Shape<_1, _1, _1>{}),
+        pipe_k(smem_.pipeline_k, params(warp_idx), typename Traits::ClusterShape{}),
         pipe_v(make_pipe_v(smem_, warp_idx)) {}
 
   __device__ __forceinline__ static PipelineV make_pipe_v(typename Traits::SharedStorage& smem, int warp_idx) {
@@ -141,7 +161,7 @@ struct FwdMainloop {
       vp.consumer_arv_count = Traits::kConsumerThreads;
       return PipelineV(smem.pipeline_v, vp);
     } else {
-      return PipelineV(smem.pipeline_v, params(warp_idx), Shape<_1, _1, _1>{});
+      return PipelineV(smem.pipeline_v, params(warp_idx), typename Traits::ClusterShape{});
     }
   }
 
@@ -199,6 +219,13 @@ struct FwdMainloop {
     if constexpr (Traits::kPaged) {
       pipe_k.producer_acquire(s);
       load_paged<false>(p.tma_k, pipe_k.producer_get_barrier(s), smem.k.data(), s.index(), n_block, head_kv, b);
+    } else if constexpr (Traits::kClusterM > 1) {  // this CTA's share, multicast to the cluster
+      auto [tg, ts] = tma_tiles<Traits::kClusterM>(
+          p.tma_k, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), head_kv, b,
+          Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(), typename Traits::SmemLayoutK{},
+          cluster_rank());
+      pipe_k.producer_acquire(s);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), uint16_t(kClusterMask)), tg(_, n_block), ts(_, s.index()));
     } else {
       auto [tg, ts] = row_tiles(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
                                 Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
@@ -223,13 +250,14 @@ struct FwdMainloop {
                               make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _), smem.v.data(),
                               typename Traits::SmemLayoutVt{});
         } else {
-          return tma_tiles(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch), head_kv, b, kTile,
-                           make_coord(_0{}, _), smem.v.data(), typename Traits::SmemLayoutVt{});
+          return tma_tiles<Traits::kClusterM>(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch),
+                                              head_kv, b, kTile, make_coord(_0{}, _), smem.v.data(),
+                                              typename Traits::SmemLayoutVt{}, cluster_rank());
         }
       };
       auto [tg, ts] = tiles();
       pipe_v.producer_acquire(s);
-      copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(s), uint16_t(kClusterMask)), tg(_, n_block), ts(_, s.index()));
       ++s;
     }
   }
@@ -252,6 +280,12 @@ struct FwdMainloop {
         load_v(blocks.at(i), head_kv, tile.batch, seq, st_v);
       }
     });
+    if constexpr (Traits::kClusterM > 1) {
+      // The other CTA's consumers release this CTA's stages (its empty barriers): stay until
+      // they all have, so that no arrival reaches an exited CTA.
+      pipe_k.producer_tail(st_k);
+      pipe_v.producer_tail(st_v);
+    }
   }
 
   // The producer's walk over this CTA's tiles with work: the leader loads each tile's first K,
@@ -612,7 +646,7 @@ struct FwdMainloop {
         issue_s(st, true);
         turns.pass_turn();
         warpgroup_wait<0>();
-        pipe_k.consumer_release(st);
+        release(pipe_k, smem.pipeline_k, st);
         release_q_if_last(i);
         refill_k(i);
         softmax_block(i, std::true_type{}, std::false_type{});
@@ -622,7 +656,7 @@ struct FwdMainloop {
         issue_pv(st, true);
         turns.pass_turn();
         warpgroup_wait<0>();
-        pipe_v.consumer_release(st);
+        release(pipe_v, smem.pipeline_v, st);
         refill_v(i);
         ++st;
       }
@@ -631,7 +665,7 @@ struct FwdMainloop {
       // of a tile take no turn: every warpgroup starts its tile as soon as its Q and K are in.
       issue_s(st, false);
       warpgroup_wait<0>();
-      pipe_k.consumer_release(st);
+      release(pipe_k, smem.pipeline_k, st);
       release_q_if_last(0);
       refill_k(0);
       softmax_block(0, std::true_type{}, std::false_type{});
@@ -653,12 +687,12 @@ struct FwdMainloop {
         // "Where the consumer warps wait"; tests/gpu/sass_loops.py --events shows the order),
         // except in the window and d256 128x64 variants, which pin it halfway (Traits::kPinPvWait).
         warpgroup_wait<1>();
-        pipe_k.consumer_release(st);
+        release(pipe_k, smem.pipeline_k, st);
         release_q_if_last(i);
         refill_k(i);
         softmax_block(i, masked, std::true_type{});
         warpgroup_wait<0>();
-        pipe_v.consumer_release(st_v);
+        release(pipe_v, smem.pipeline_v, st_v);
         refill_v(i - 1);
         rescale_o_if_needed();
         to_p();
@@ -685,7 +719,7 @@ struct FwdMainloop {
       }
       issue_pv(st_v, false);
       warpgroup_wait<0>();
-      pipe_v.consumer_release(st_v);
+      release(pipe_v, smem.pipeline_v, st_v);
       refill_v(n_blocks - 1);
     }
     if (n_blocks > 0) ++q_iter;

@@ -229,8 +229,26 @@ struct FwdTraits {
       kFp8, decltype(take<0, 2>(SmemLayoutVRaw{})),
       cute::conditional_t<kPaged, SmemLayoutVtChunk, decltype(take<0, 2>(SmemLayoutVt{}))>>;
   using GmemTensorV = cute::conditional_t<kFp8, GmemTensorRows, GmemTensorVt>;
-  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorRows{}, SmemLayoutKBox{}));
-  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensorV{}, SmemLayoutVBox{}));
+  // FA3GEN_FWD_CLUSTER2 (an experiment, off unless defined): CTA pairs as thread-block clusters
+  // of two, each pair on two query tiles of one (head, batch) (tile_scheduler.cuh), so that they
+  // read the same K and V blocks; each CTA loads half of every block and multicasts it to both
+  // (FA3 does this for 16-bit non-causal head dims >= 128; FA4's sm90 forward does not). Halves
+  // the L2-to-SM traffic of K and V, the forward's largest, and the producer's TMA issue.
+  // Dense non-causal warp-specialized 16-bit variants only: there every tile of a head visits
+  // the same key blocks, so the two CTAs stay in step. Head dims 64, 128 and 256: CuTe halves a
+  // multicast load's last TMA box mode, which is then 128 keys (d64) or 2 or 4 blocks of 64
+  // columns; d96's and d192's 3 blocks do not halve.
+#ifdef FA3GEN_FWD_CLUSTER2
+  static constexpr int kClusterM =
+      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem &&
+       (HeadDim == 64 || HeadDim == 128 || HeadDim == 256)) ? 2 : 1;
+#else
+  static constexpr int kClusterM = 1;
+#endif
+  using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
+  using TmaLoadKV = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
+  using TmaK = decltype(make_tma_copy(TmaLoadKV{}, GmemTensorRows{}, SmemLayoutKBox{}, Int<kClusterM>{}));
+  using TmaV = decltype(make_tma_copy(TmaLoadKV{}, GmemTensorV{}, SmemLayoutVBox{}, Int<kClusterM>{}));
 
   static constexpr uint32_t kBytesQ = TileM * HeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = TileN * HeadDim * sizeof(Element);

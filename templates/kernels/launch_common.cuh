@@ -56,6 +56,25 @@ inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// Launches `kernel` in thread-block clusters of `cluster` CTAs along x (the grid a multiple of it).
+template <class... Params, class... Args>
+inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
+                                    cudaStream_t stream, int cluster, Args&&... args) {
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
 // True when `ptr` and the three strides (in elements of E) allow `elems`-element vector
 // accesses: the pointer aligned to the vector, every stride a multiple of it.
 template <class E>

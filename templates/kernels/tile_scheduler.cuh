@@ -37,12 +37,18 @@ struct TileSchedule {
 // costs are small and the hardware's dynamic dispatch balances better than equal static
 // shares. A local window of 4096 keys at seqlen 16k: one CTA per tile +6% (d128) and +4%
 // (d256); a window of 1024: 1-4% behind.
+// cluster > 1 (FwdTraits::kClusterM): a head's query tiles counted up to a multiple of the
+// cluster, so that CTAs c * cluster + r (one cluster) take tiles of one head side by side in
+// every step of the walk (the grid is a multiple of the cluster too); the tiles past m_blocks
+// load and compute with their cluster (Q zero-filled) and store nothing.
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
-                                      int grid_mode, int num_sms) {
-  const int64_t tiles = int64_t(m_blocks) * heads * batch;
+                                      int grid_mode, int num_sms, int cluster = 1) {
+  const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
+  const int64_t tiles = int64_t(blocks) * heads * batch;
   const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
-  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, num_sms > 0 ? num_sms : 132);
-  return {m_blocks, heads, batch, (m_blocks + 1) / 2, causal && ctas < tiles, ctas};
+  const int64_t sms = num_sms > 0 ? num_sms : 132;
+  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, sms / cluster * cluster);
+  return {blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
 
 // One CTA per tile, tiles in order (the backward: one CTA per key block, or per varlen list entry).

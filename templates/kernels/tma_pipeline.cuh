@@ -32,14 +32,20 @@ __device__ __forceinline__ typename Pipeline::Params tma_pipeline_params(uint32_
 
 // Source and destination partitions of a TMA load of tiles of one (head, batch) slice of a
 // global tensor (mode 2 = heads, mode 3 = batch) into shared memory. `coord` picks the tile;
-// an underscore in it leaves that tile mode to index at the copy (tg(_, block)).
-template <class Tma, class GShape, class TileShape, class Coord, class Element, class SmemLayout>
+// an underscore in it leaves that tile mode to index at the copy (tg(_, block)). Multicast > 1
+// (a descriptor made for that many CTAs): the share of CTA `rank` of the cluster, which the
+// copy writes to every CTA of its mask.
+template <int Multicast = 1, class Tma, class GShape, class TileShape, class Coord, class Element, class SmemLayout>
 __device__ __forceinline__ auto tma_tiles(Tma const& tma, GShape const& shape, int head, int b, TileShape tile,
-                                          Coord coord, Element* smem, SmemLayout layout) {
+                                          Coord coord, Element* smem, SmemLayout layout, int rank = 0) {
   Tensor m = tma.get_tma_tensor(shape);
   Tensor g = local_tile(m(_, _, head, b), tile, coord);
   Tensor s = make_tensor(make_smem_ptr(smem), layout);
-  return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  if constexpr (Multicast == 1) {
+    return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  } else {
+    return tma_partition(tma, rank, Layout<Int<Multicast>>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+  }
 }
 
 // The same for a packed (varlen) tensor: its one batch, the slice's coordinates shifted by
