@@ -9,6 +9,7 @@ rotary_sin) runs as PyTorch operations before the append. Not there yet: cache_l
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -119,6 +120,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     ops._check_tensors(q, k_cache, v_cache)
     ops.check_softmax_scale(softmax_scale)
     return_lse = bool(return_lse or return_softmax_lse)
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
     if rotary_cos is not None or rotary_sin is not None:
         try:
             local = tuple(window_size) != (-1, -1)

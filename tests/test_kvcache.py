@@ -1190,3 +1190,14 @@ def test_torch_compile_breaks_the_graph_around_it(launched):
     from torch._dynamo.exc import Unsupported
     with pytest.raises(Unsupported):
         torch.compile(call, backend="eager", fullgraph=True)(q, kc, vc, torch.tensor([7, 5], dtype=torch.int32))
+
+
+def test_a_numpy_integer_cache_seqlens_is_an_int(launched):
+    """flash-attn takes cache_seqlens as an int or a tensor; a numpy integer is an int."""
+    np = pytest.importorskip("numpy")
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 100, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=np.int32(70), cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=70, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    (a, b) = launched
+    assert a.seqlen_k == b.seqlen_k == 70 and not a.cache_seqlens
