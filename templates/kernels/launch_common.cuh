@@ -56,6 +56,34 @@ inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// How many clusters of `cluster` CTAs of `kernel` (its dynamic shared memory limit already set)
+// the device holds at once, asked once per device (0 when the query fails: no cap).
+template <class Kernel>
+inline int max_active_clusters_once(Kernel kernel, int threads, int smem_bytes, int cluster) {
+  static std::atomic<int> fit[64];  // per device: 0 unknown, else the count + 1
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  if (device < 64 && fit[device].load(std::memory_order_acquire) > 0) return fit[device].load() - 1;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(cluster));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = size_t(smem_bytes);
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: leave no error for the launch to report
+    return 0;
+  }
+  if (device < 64) fit[device].store(n + 1, std::memory_order_release);
+  return n;
+}
+
 // Launches `kernel` in thread-block clusters of `cluster` CTAs along x (the grid a multiple of it).
 template <class... Params, class... Args>
 inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
