@@ -659,23 +659,12 @@ int launch(const fa3gen_decode_params& p, cudaStream_t stream) {
   // Both kernels are programmatic dependents of the kernel before them (griddepcontrol.wait
   // at their start): each grid is set up while the one before drains, instead of after it
   // retires (the split kernel started 0.9 us after the previous step's combine, H200 graph).
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(p.num_splits, p.heads_kv, p.batch);
-  config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  err = cudaLaunchKernelEx(&config, split_kernel<T, HeadDim, KvFp8>, p);
+  err = launch_programmatic(split_kernel<T, HeadDim, KvFp8>, dim3(p.num_splits, p.heads_kv, p.batch),
+                            dim3(kWarps * 32), smem, stream, p);
   if (err != cudaSuccess) return report("decode split launch", err);
   if (p.num_splits > 1) {
-    config.gridDim = dim3(unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q));
-    config.blockDim = dim3(kCombineWarps * 32);
-    config.dynamicSmemBytes = 0;
-    err = cudaLaunchKernelEx(&config, combine_kernel<T, HeadDim>, p);
+    err = launch_programmatic(combine_kernel<T, HeadDim>, dim3(unsigned(int64_t(p.batch) * p.heads_q * p.seqlen_q)),
+                              dim3(kCombineWarps * 32), 0, stream, p);
     if (err != cudaSuccess) return report("decode combine launch", err);
   }
   err = cudaGetLastError();

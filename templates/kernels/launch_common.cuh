@@ -36,16 +36,9 @@ inline cudaError_t set_smem_limit_once(Kernel kernel, int bytes) {
   return err;
 }
 
-// Launches `kernel` as a programmatic dependent of the kernel before it on `stream`: its CTAs
-// may be placed once every CTA of that kernel has run griddepcontrol.launch_dependents (or
-// exited), and must run griddepcontrol.wait (prerequisite_grid_wait) before they read what
-// that kernel writes. Everything launched before that kernel has completed by then.
-template <class... Params, class... Args>
-inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
-                                       cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+// A launch with one attribute (`attribute` must outlive the launch).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
+                                        cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -53,6 +46,30 @@ inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim
   config.stream = stream;
   config.attrs = attribute;
   config.numAttrs = 1;
+  return config;
+}
+
+// Thread-block clusters of `cluster` CTAs along x.
+inline cudaLaunchAttribute cluster_attribute(int cluster) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = unsigned(cluster);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  return attribute;
+}
+
+// Launches `kernel` as a programmatic dependent of the kernel before it on `stream`: its CTAs
+// may be placed once every CTA of that kernel has run griddepcontrol.launch_dependents (or
+// exited), and must run griddepcontrol.wait (prerequisite_grid_wait) before they read what
+// that kernel writes. Everything launched before that kernel has completed by then.
+template <class... Params, class... Args>
+inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
+                                       cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem_bytes, stream, &attribute);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
@@ -64,17 +81,9 @@ inline int max_active_clusters_once(Kernel kernel, int threads, int smem_bytes, 
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   if (device < 64 && fit[device].load(std::memory_order_acquire) > 0) return fit[device].load() - 1;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = unsigned(cluster);
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned(cluster));
-  config.blockDim = dim3(unsigned(threads));
-  config.dynamicSmemBytes = size_t(smem_bytes);
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute = cluster_attribute(cluster);
+  const cudaLaunchConfig_t config = launch_config(dim3(unsigned(cluster)), dim3(unsigned(threads)), smem_bytes,
+                                                  nullptr, &attribute);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: leave no error for the launch to report
@@ -88,18 +97,8 @@ inline int max_active_clusters_once(Kernel kernel, int threads, int smem_bytes, 
 template <class... Params, class... Args>
 inline cudaError_t launch_clustered(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
                                     cudaStream_t stream, int cluster, Args&&... args) {
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = unsigned(cluster);
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = size_t(smem_bytes);
-  config.stream = stream;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute = cluster_attribute(cluster);
+  const cudaLaunchConfig_t config = launch_config(grid, block, smem_bytes, stream, &attribute);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
