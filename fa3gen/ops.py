@@ -63,6 +63,17 @@ class Masking:
         return dict(causal=self.causal, local=self.local, softcap=self.softcap > 0)
 
 
+# The kernels take softmax_scale and softcap as fp32 and derive scale * log2(e), scale / softcap
+# and softcap * log2(e) from them: within these bounds each stays a finite, normal fp32 number
+# (1e40 would have reached the kernel as inf, 1e-40 as a denormal: a silent wrong answer).
+FP32_ARG_RANGE = _FP32_LO, _FP32_HI = (2.0**-60, 2.0**60)
+
+
+def _fp32_range_error(name: str, value) -> None:
+    raise InvalidInputError(f"{name}={value!r} is outside [2^-60, 2^60] (about 8.7e-19 to 1.2e18), "
+                            f"the range in which the kernels' fp32 arithmetic stays finite")
+
+
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
@@ -75,16 +86,21 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
         left, right = window_size
     except (TypeError, ValueError):
         raise InvalidInputError(f"window_size must be a pair (left, right), got {window_size!r}")
-    for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+    if type(left) is not int or type(right) is not int:  # numpy integers too, as flash-attn
+        for side, w in (("left", left), ("right", right)):
+            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+                raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
+                                        f"got {w!r}")
+        left, right = int(left), int(right)
+    for side, w in (("left", left), ("right", right)):
+        if w < -1:
             raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
                                     f"got {w!r}")
-    left, right = int(left), int(right)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
             not 0.0 <= float(softcap) < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
-    if softcap:
-        _check_fp32_range("softcap", softcap)
+    if softcap and not _FP32_LO <= softcap <= _FP32_HI:
+        _fp32_range_error("softcap", softcap)
     # Wider than any sequence (the kernels take int32): unbounded on that side, not wrapped.
     if left > INT32_MAX:
         left = -1
@@ -867,7 +883,7 @@ def _key_flags(mask: Masking | bool) -> tuple:
 
 
 def check_softmax_scale(softmax_scale, hint: str = "") -> None:
-    """None (1 / sqrt(head_dim)) or a finite number > 0; anything else one clear error."""
+    """None (1 / sqrt(head_dim)) or a number in FP32_ARG_RANGE; anything else one clear error."""
     if softmax_scale is None:
         return
     try:  # what float() takes (numpy and 0-d tensor scalars too), but not text or a bool
@@ -877,21 +893,8 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     if value is None or not 0.0 < value < math.inf:
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
                                 f"sqrt(head_dim)), got {softmax_scale!r}{hint}")
-    _check_fp32_range("softmax_scale", value)
-
-
-# The kernels take softmax_scale and softcap as fp32 and derive scale * log2(e), scale / softcap
-# and softcap * log2(e) from them: within these bounds each stays a finite, normal fp32 number
-# (1e40 would have reached the kernel as inf, 1e-40 as a denormal: a silent wrong answer).
-FP32_ARG_RANGE = (2.0**-60, 2.0**60)
-
-
-def _check_fp32_range(name: str, value) -> None:
-    lo, hi = FP32_ARG_RANGE
-    if not lo <= float(value) <= hi:
-        raise InvalidInputError(f"{name}={value!r} is outside [2^-60, 2^60] (about 8.7e-19 to "
-                                f"1.2e18), the range in which the kernels' fp32 arithmetic stays "
-                                f"finite")
+    if not _FP32_LO <= value <= _FP32_HI:
+        _fp32_range_error("softmax_scale", softmax_scale)
 
 
 def _check_fa3_arguments(softmax_scale) -> None:
