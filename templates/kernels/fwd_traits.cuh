@@ -235,13 +235,14 @@ struct FwdTraits {
   // (FA3 does this for 16-bit non-causal head dims >= 128; FA4's sm90 forward does not). Halves
   // the L2-to-SM traffic of K and V, the forward's largest, and the producer's TMA issue.
   // Dense non-causal warp-specialized 16-bit variants only: there every tile of a head visits
-  // the same key blocks, so the two CTAs stay in step. Head dims 64, 128 and 256: CuTe halves a
-  // multicast load's last TMA box mode, which is then 128 keys (d64) or 2 or 4 blocks of 64
-  // columns; d96's and d192's 3 blocks do not halve.
+  // the same key blocks, so the two CTAs stay in step. CuTe halves each load's box along the
+  // keys (a box is one swizzle row of columns by TileN keys: 176 -> 88, 112 -> 56, 80 -> 40
+  // rows, whole 8-row swizzle atoms; printed on the host with a stand-in for the driver's
+  // cuTensorMapEncodeTiled, 2026-12-04 (eleventh)).
 #ifdef FA3GEN_FWD_CLUSTER2
   static constexpr int kClusterM =
-      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem &&
-       (HeadDim == 64 || HeadDim == 128 || HeadDim == 256)) ? 2 : 1;
+      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem) ? 2 : 1;
+  static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");
 #else
   static constexpr int kClusterM = 1;
 #endif
