@@ -173,9 +173,12 @@ struct FwdMainloop {
   // ---------------- TMA loads (issued by one thread) ----------------
   __device__ __forceinline__ void load_q(TileCoord const& tile, SeqSlice const& seq, int part) {
     constexpr int kRowsPerPart = kTileM / Traits::kQParts;
+    // kClusterM > 1: a head's extra tile (past the last query block, tile_scheduler.cuh) loads
+    // the last block's rows instead of a box wholly out of bounds; it stores nothing anyway.
+    const int block = Traits::kClusterM > 1 ? min(tile.block, (p.seqlen_q - 1) / kTileM) : tile.block;
     auto [tg, ts] = row_tiles(p.tma_q, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, tile.head, tile.batch,
                               Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
-                              make_coord(tile.block * Traits::kQParts + part, _0{}),
+                              make_coord(block * Traits::kQParts + part, _0{}),
                               smem.q.data() + part * Traits::kQPartOffset, typename Traits::SmemLayoutQPart{});
     TmaBarrier::arrive_and_expect_tx(&smem.barrier_q[part], Traits::kBytesQ / Traits::kQParts);
     copy(p.tma_q.with(smem.barrier_q[part], 0), tg, ts);
