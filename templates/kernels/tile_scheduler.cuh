@@ -40,7 +40,7 @@ struct TileSchedule {
 // cluster > 1 (FwdTraits::kClusterM): a head's query tiles counted up to a multiple of the
 // cluster, so that CTAs c * cluster + r (one cluster) take tiles of one head side by side in
 // every step of the walk (the grid is a multiple of the cluster too); the tiles past m_blocks
-// load and compute with their cluster (Q zero-filled) and store nothing.
+// load and compute with their cluster (on the last block's Q rows) and store nothing.
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1) {
   const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
