@@ -86,16 +86,12 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
         left, right = window_size
     except (TypeError, ValueError):
         raise InvalidInputError(f"window_size must be a pair (left, right), got {window_size!r}")
-    if type(left) is not int or type(right) is not int:  # numpy integers too, as flash-attn
-        for side, w in (("left", left), ("right", right)):
-            if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-                raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
-                                        f"got {w!r}")
-        left, right = int(left), int(right)
-    for side, w in (("left", left), ("right", right)):
-        if w < -1:
+    for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
+        if (type(w) is not int and (isinstance(w, bool) or not isinstance(w, numbers.Integral))) \
+                or w < -1:
             raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
                                     f"got {w!r}")
+    left, right = int(left), int(right)
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
             not 0.0 <= float(softcap) < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")

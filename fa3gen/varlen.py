@@ -11,7 +11,6 @@ FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at most at 
 max_seqlen is at least the longest sequence; seqused_k[b] lies within sequence b's keys.
 """
 
-
 import torch
 
 from fa3gen import ops, runtime

@@ -144,8 +144,10 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
     linked = partition(p.variants, size)
-    # the selection's units and the spec's (a full build: the same ones), each once
-    compiled = list({u.name: u for u in [*linked, *partition(p.enumeration.kept, size)]}.values())
+    filtered = len(p.variants) < len(p.enumeration.kept)
+    compiled = linked
+    if filtered:  # the selection's units and the spec's, each once
+        compiled = list({u.name: u for u in [*linked, *partition(p.enumeration.kept, size)]}.values())
     for warning in p.warnings:
         log(f"fa3gen: warning: {warning}")
     tc = toolchain or detect(debug=debug, lineinfo=lineinfo, defines=defines)
@@ -175,7 +177,6 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,
                                     units=compiled, linked=linked, decode=p.spec.decode)
     lib = out / library_name(p.spec.name)
-    filtered = len(p.variants) < len(p.enumeration.kept)
     log(f"fa3gen: spec {p.spec.name}: {len(p.variants)} variant(s)"
         + (f" of {len(p.enumeration.kept)} (filtered)" if filtered else "")
         + f" in {len(linked)} compile unit(s) of up to {size}"

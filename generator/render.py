@@ -166,9 +166,9 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
                  units: Iterable, env: jinja2.Environment | None = None,
                  decode: tuple = ()) -> RenderPlan:
     """src/<unit>.cu per compile unit (generator/units.py: Unit, its .name and .variants),
-    src/dispatch.cu (the table of `variants`, the ones linked) and fingerprint.txt; as stale,
-    the sources and build products of units not listed. A filtered build lists the spec's
-    units beside its own, so that their sources and objects survive it and a later full build
+    src/dispatch.cu (the table of `variants`, the ones linked, which the units include) and
+    fingerprint.txt; as stale, the sources and build products of units not listed. A filtered
+    build lists the spec's units beside its own, so that their sources and objects survive it and a later full build
     only links again."""
     env = env or environment()
     out_dir = Path(out_dir)
@@ -178,7 +178,7 @@ def plan_sources(out_dir: Path, spec_name: str, variants: list[Variant],
         spec_name, variants, default_names, build_info, env)
     files[out_dir / "fingerprint.txt"] = fingerprint + "\n"
     keep = {u.name for u in units} | {"dispatch"}
-    everything = [v for u in units for v in u.variants] + list(variants)
+    everything = [v for u in units for v in u.variants]  # the units hold `variants` too
     for unit in plain_units(everything, decode):  # as the variants: a filter keeps the spec's
         files[out_dir / "src" / f"{unit}.cu"] = env.get_template(f"{unit}.cu.j2").render(
             spec_name=spec_name, pairs=decode)  # decode.cu: the spec's (dtype, head_dim) pairs

@@ -90,20 +90,15 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
     // or a window that shows a query at least 2048 keys.
     const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? masking.window_keys >= 2048 : false;
-    schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms,
-                                 Traits::kClusterM);
+    int cluster_fit = 0;  // kClusterM > 1: clusters resident at once (the query needs the smem limit set)
     if constexpr (Traits::kClusterM > 1) {
-      // A static walk needs every cluster resident at once: one placed later would start its
-      // share after the others had finished theirs.
-      const int64_t tiles = int64_t(schedule.blocks) * schedule.heads * schedule.batch;
       cudaError_t err = set_smem_limit_once(fwd_kernel<Traits>, Traits::kSmemBytes);
       if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
-      const int fit = max_active_clusters_once(fwd_kernel<Traits>, Traits::kThreads, Traits::kSmemBytes,
-                                               Traits::kClusterM);
-      if (schedule.ctas < tiles && fit > 0) {
-        schedule.ctas = std::min<int64_t>(schedule.ctas, int64_t(fit) * Traits::kClusterM);
-      }
+      cluster_fit = max_active_clusters_once(fwd_kernel<Traits>, Traits::kThreads, Traits::kSmemBytes,
+                                             Traits::kClusterM);
     }
+    schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms,
+                                 Traits::kClusterM, cluster_fit);
   }
 
   FwdParams<Traits> p{

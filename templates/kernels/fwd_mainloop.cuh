@@ -128,12 +128,13 @@ struct FwdMainloop {
     else return SeqSlice{};
   }
 
-  // TMA partitions of row tiles of Q or K (tma_pipeline.cuh).
-  template <class Tma, class TileShape, class Coord, class SmemLayout>
+  // TMA partitions of row tiles of Q or K (tma_pipeline.cuh); Multicast > 1: this CTA's share.
+  template <int Multicast = 1, class Tma, class TileShape, class Coord, class SmemLayout>
   __device__ __forceinline__ auto row_tiles(Tma const& tma, int seqlen, int total, int offset, int heads, int head,
                                             int b, TileShape tile, Coord coord, Element* s, SmemLayout layout) const {
-    return fa3gen::row_tiles<Traits::kVarlen, kHeadDim>(tma, seqlen, p.batch, total, offset, heads, head, b, tile,
-                                                        coord, s, layout);
+    return fa3gen::row_tiles<Traits::kVarlen, kHeadDim, Multicast>(tma, seqlen, p.batch, total, offset, heads, head,
+                                                                   b, tile, coord, s, layout,
+                                                                   Multicast > 1 ? cluster_rank() : 0);
   }
 
   // Once, by one thread of warp 0, before the pipelines are built.
@@ -222,19 +223,12 @@ struct FwdMainloop {
     if constexpr (Traits::kPaged) {
       pipe_k.producer_acquire(s);
       load_paged<false>(p.tma_k, pipe_k.producer_get_barrier(s), smem.k.data(), s.index(), n_block, head_kv, b);
-    } else if constexpr (Traits::kClusterM > 1) {  // this CTA's share, multicast to the cluster
-      auto [tg, ts] = tma_tiles<Traits::kClusterM>(
-          p.tma_k, make_shape(p.seqlen_k, Int<kHeadDim>{}, p.heads_kv, p.batch), head_kv, b,
-          Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(), typename Traits::SmemLayoutK{},
-          cluster_rank());
+    } else {  // kClusterM > 1: this CTA's share, multicast to the cluster
+      auto [tg, ts] = row_tiles<Traits::kClusterM>(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv,
+                                                   head_kv, b, Shape<Int<kTileN>, Int<kHeadDim>>{},
+                                                   make_coord(_, _0{}), smem.k.data(), typename Traits::SmemLayoutK{});
       pipe_k.producer_acquire(s);
       copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), uint16_t(kClusterMask)), tg(_, n_block), ts(_, s.index()));
-    } else {
-      auto [tg, ts] = row_tiles(p.tma_k, p.seqlen_k, p.varlen.total_k, seq.offset_k, p.heads_kv, head_kv, b,
-                                Shape<Int<kTileN>, Int<kHeadDim>>{}, make_coord(_, _0{}), smem.k.data(),
-                                typename Traits::SmemLayoutK{});
-      pipe_k.producer_acquire(s);
-      copy(p.tma_k.with(*pipe_k.producer_get_barrier(s), 0), tg(_, n_block), ts(_, s.index()));
     }
     ++s;
   }

@@ -80,7 +80,8 @@ inline int max_active_clusters_once(Kernel kernel, int threads, int smem_bytes, 
   static std::atomic<int> fit[64];  // per device: 0 unknown, else the count + 1
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  if (device < 64 && fit[device].load(std::memory_order_acquire) > 0) return fit[device].load() - 1;
+  const int known = device < 64 ? fit[device].load(std::memory_order_acquire) : 0;
+  if (known > 0) return known - 1;
   cudaLaunchAttribute attribute = cluster_attribute(cluster);
   const cudaLaunchConfig_t config = launch_config(dim3(unsigned(cluster)), dim3(unsigned(threads)), smem_bytes,
                                                   nullptr, &attribute);

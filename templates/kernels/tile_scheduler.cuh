@@ -41,13 +41,16 @@ struct TileSchedule {
 // cluster, so that CTAs c * cluster + r (one cluster) take tiles of one head side by side in
 // every step of the walk (the grid is a multiple of the cluster too); the tiles past m_blocks
 // load and compute with their cluster (on the last block's Q rows) and store nothing.
+// cluster_fit (> 0): the clusters the device holds at once; a persistent grid stays within
+// them, since a cluster placed after the others would start its share when they had finished.
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
-                                      int grid_mode, int num_sms, int cluster = 1) {
+                                      int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0) {
   const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
   const int64_t tiles = int64_t(blocks) * heads * batch;
   const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
-  const int64_t sms = num_sms > 0 ? num_sms : 132;
-  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, sms / cluster * cluster);
+  int64_t slots = num_sms > 0 ? num_sms : 132;
+  if (cluster_fit > 0) slots = std::min<int64_t>(slots, int64_t(cluster_fit) * cluster);
+  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, slots / cluster * cluster);
   return {blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
 

@@ -63,15 +63,19 @@ __device__ __forceinline__ auto tma_tiles_at(Tma const& tma, GShape const& shape
 // Row tiles (rows, head_dim) of a (seqlen, head_dim, heads, batch) tensor as both mainloops
 // load Q, K (and the backward dO, V): one (head, b) slice of a dense tensor (seqlen rows,
 // `batch` batches), or the sequence starting at row `offset` of a packed one (`total` rows).
-template <bool Varlen, int HeadDim, class Tma, class TileShape, class Coord, class Element, class SmemLayout>
+// Multicast, rank: as tma_tiles (dense tensors only).
+template <bool Varlen, int HeadDim, int Multicast = 1, class Tma, class TileShape, class Coord, class Element,
+          class SmemLayout>
 __device__ __forceinline__ auto row_tiles(Tma const& tma, int seqlen, int batch, int total, int offset, int heads,
                                           int head, int b, TileShape tile, Coord coord, Element* smem,
-                                          SmemLayout layout) {
+                                          SmemLayout layout, int rank = 0) {
+  static_assert(!Varlen || Multicast == 1, "multicast loads of dense tensors only");
   if constexpr (Varlen) {
     return tma_tiles_at(tma, make_shape(total, Int<HeadDim>{}, heads, 1), head, make_coord(offset, _0{}), tile,
                         coord, smem, layout);
   } else {
-    return tma_tiles(tma, make_shape(seqlen, Int<HeadDim>{}, heads, batch), head, b, tile, coord, smem, layout);
+    return tma_tiles<Multicast>(tma, make_shape(seqlen, Int<HeadDim>{}, heads, batch), head, b, tile, coord, smem,
+                                layout, rank);
   }
 }
 
