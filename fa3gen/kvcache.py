@@ -131,6 +131,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                        bool(causal) or local)
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
+    if ops._captured(q, k_cache, v_cache):
+        return _captured_call(q, k_cache, v_cache, args, return_lse)
+    return _eager_call(q, k_cache, v_cache, args, return_lse)
+
+
+def _eager_call(q, k_cache, v_cache, args, return_lse):
+    """A call's plan (once per signature), append and launch."""
+    k, v, cache_seqlens, cache_batch_idx, block_table, *_, k_scale, v_scale = args
     try:
         key = _call_key(q, k_cache, v_cache, args)
         plan = _plans.get(key)
@@ -145,6 +153,81 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
+
+
+def _captured_call(q, k_cache, v_cache, args, return_lse):
+    """A call under torch.compile (or on tensor subclasses): the checks while tracing, the
+    append as PyTorch operations in the graph, the attention as the fa3gen::kvcache custom op,
+    which plans and launches when the graph runs (as an eager call, no device sync on the
+    decode path). A chunked prefill whose q needs a gradient runs eagerly instead, outside
+    the graph (it gathers the keys, a sync, and the op has no backward)."""
+    (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
+     softcap, num_splits, k_scale, v_scale) = args
+    c = _check(q, k_cache, v_cache, *args)
+    if c.prefill and torch.is_grad_enabled() and q.requires_grad:
+        return torch.compiler.disable(_eager_call)(q, k_cache, v_cache, args, return_lse)
+    b, sq, hq, d = q.shape
+    seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    length = cache_seqlens if seqlens is None else None  # an int (or None: the capacity)
+    if c.append and b:
+        with torch.no_grad():  # untracked, as eager calls write the cache
+            if c.kv_fp8:
+                k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
+            _append(c.geometry, k_cache, v_cache, k, v, length if seqlens is None else seqlens,
+                    cache_batch_idx, block_table)
+        if seqlens is None:
+            length = length + c.append
+        else:
+            seqlens = seqlens + c.append
+    if 0 in (b, sq, hq):
+        return _no_attention(q, return_lse)
+    scales = [(s, 1.0) if isinstance(s, torch.Tensor) else (None, 1.0 if s is None else float(s))
+              for s in (k_scale, v_scale)]
+    out, lse = torch.ops.fa3gen.kvcache(
+        q.detach(), k_cache, v_cache, seqlens, -1 if length is None else length, cache_batch_idx,
+        block_table, ops._softmax_scale(softmax_scale, d), c.mask.causal, c.mask.window_left,
+        c.mask.window_right, c.mask.softcap, num_splits, *scales[0], *scales[1])
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("fa3gen::kvcache", mutates_args=())
+def _kvcache_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    cache_length: int,
+    cache_batch_idx: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    k_scale: torch.Tensor | None,
+    k_scale_value: float,
+    v_scale: torch.Tensor | None,
+    v_scale_value: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention of a compiled flash_attn_with_kvcache call, after its append: an eager
+    call. cache_length: an int cache_seqlens (-1: none given); a factor is its tensor, else
+    its value (1.0: none)."""
+    length = cache_seqlens if cache_seqlens is not None else (
+        cache_length if cache_length >= 0 else None)
+    ks, vs = ((t if t is not None else (None if value == 1.0 else value))
+              for t, value in ((k_scale, k_scale_value), (v_scale, v_scale_value)))
+    out, lse = _eager_call(q, k_cache, v_cache, (
+        None, None, length, cache_batch_idx, block_table, softmax_scale, causal,
+        (window_left, window_right), softcap, num_splits, ks, vs), True)
+    return out, lse.contiguous()  # the chunked prefill's is a transposed view
+
+
+@_kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, cache_batch_idx, block_table,
+                  softmax_scale, causal, window_left, window_right, softcap, num_splits, k_scale,
+                  k_scale_value, v_scale, v_scale_value):
+    return ops._empty_outputs(q)
 
 
 def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
@@ -222,9 +305,23 @@ class _DecodePlan:
     kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
 
 
-def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-          causal, window_size, softcap, num_splits, k_scale, v_scale) -> _DecodePlan:
-    """Every check that the tensors' metadata and the arguments allow, and the static params."""
+@dataclass(frozen=True)
+class _Checked:
+    """What the checks of a call found (all from metadata: torch.compile runs them while it
+    traces)."""
+    mask: ops.Masking
+    kv_fp8: bool
+    geometry: tuple          # (cache rows: pages or sequences, page size, capacity)
+    heads_kv: int
+    append: int              # seqlen_new of k, v (0: nothing to append)
+    seqlen_k: int            # the keys of an int cache_seqlens after the append, else capacity
+    prefill: bool            # more rows than the decode kernels take: the forward kernels
+    scale_strides: tuple     # (batch, head) strides of the e4m3 factor tensors
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+           causal, window_size, softcap, num_splits, k_scale, v_scale) -> _Checked:
+    """Every check that the tensors' metadata and the arguments allow."""
     mask = ops.masking(causal, window_size, softcap)
     ops.check_device(q, k_cache, v_cache)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -297,7 +394,18 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
+    return _Checked(mask, kv_fp8, (pages_or_b, rows_per, capacity), hkv, append, seqlen_k,
+                    prefill, scale_strides)
 
+
+def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+          causal, window_size, softcap, num_splits, k_scale, v_scale) -> _DecodePlan:
+    """The checks, and the static params."""
+    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
+               softmax_scale, causal, window_size, softcap, num_splits, k_scale, v_scale)
+    mask, (pages_or_b, rows_per, _), seqlen_k = c.mask, c.geometry, c.seqlen_k
+    b, sq, hq, d = q.shape
+    hkv, paged = c.heads_kv, block_table is not None
     # A window: the splits share only the keys some query sees, the last window_left + seqlen_q.
     window_keys = mask.window_left + sq + 15 if mask.window_left >= 0 else None
     split_args = (num_splits, b, hkv, ops._num_sms(q.device.index), d, window_keys)
@@ -315,12 +423,12 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
     p.window_left, p.window_right, p.softcap = mask.window_left, mask.window_right, mask.softcap
-    p.kv_fp8 = int(kv_fp8)
-    p.kv_scale_batch_stride, p.kv_scale_head_stride = scale_strides
+    p.kv_fp8 = int(c.kv_fp8)
+    p.kv_scale_batch_stride, p.kv_scale_head_stride = c.scale_strides
     p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
                                         for s in (k_scale, v_scale))
-    return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, (pages_or_b, rows_per, capacity),
-                       append, (mask, p.softmax_scale) if prefill else None, kv_fp8)
+    return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, c.geometry, c.append,
+                       (mask, p.softmax_scale) if c.prefill else None, c.kv_fp8)
 
 
 FP32_MAX = torch.finfo(torch.float32).max  # a float factor travels as an fp32 param
@@ -402,13 +510,13 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
     return seqlens.long()[:, None].clamp(min=0)
 
 
-def _append(plan: _DecodePlan, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
+def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
     """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
     host sync). Rows past the capacity are not written: their positions clamp to the cache's
     last row, and every write there carries the same value (the sequence's last new row that
     fits, or the row's old value when none fits), so nothing outside the cache is touched and
     the duplicate writes cannot race."""
-    cache_rows, page_size, capacity = plan.geometry
+    cache_rows, page_size, capacity = geometry
     if capacity == 0:  # no row fits (a table of no pages, no rows a sequence; _plan refuses
         return          # a cache of no pages or sequences)
     b, n = k.shape[:2]
@@ -466,7 +574,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         with torch.no_grad():
             if plan.kv_fp8:
                 k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
-            _append(plan, k_cache, v_cache, k, v, length if length is not None else seqlens,
+            _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
                     batch_idx, block_table)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
@@ -617,6 +725,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     return (out, lse) if return_lse else out
 
 
+@ops._assume_constant_result  # torch.compile reads it once, while tracing (as ops._variant_name)
 def _built_decode_pairs() -> frozenset:
     """The (dtype, head_dim) pairs of the loaded library's decode kernels."""
     return runtime.get_library().decode_kernels

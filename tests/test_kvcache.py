@@ -1174,22 +1174,142 @@ def test_prefill_with_cache_batch_idx_runs_the_paged_forward(fake_launches, monk
         assert p.seqused_k == seqlens.data_ptr()
 
 
-def test_torch_compile_breaks_the_graph_around_it(launched):
-    """README: not a custom op, so torch.compile runs it eagerly between graphs (the calls
-    still launch, one per call, with each call's lengths), and fullgraph=True refuses it."""
+def _fields(p) -> dict:
+    """A DecodeParams' fields, pointers as set or not (a compiled call's buffers are its own)."""
+    from fa3gen.contract import DECODE_PARAMS
+    return {name: bool(getattr(p, name)) if "*" in ctype else getattr(p, name)
+            for name, ctype in DECODE_PARAMS}
+
+
+def _decode_case(case):
+    """(q, k_cache, v_cache, kwargs) of one flash_attn_with_kvcache call, fresh tensors."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 1, 8, 128, generator=g).to(BF)
+    lengths = torch.tensor([700, 5], dtype=torch.int32)
+    new = [torch.randn(2, 3, 2, 128, generator=g).to(BF) for _ in range(2)]
+    kw = dict(cache_seqlens=lengths, causal=True)
+    if case == "paged":
+        kc, vc = (torch.randn(40, 64, 2, 128, generator=g).to(BF) for _ in range(2))
+        kw.update(block_table=torch.randperm(40, generator=g)[:32].view(2, 16).to(torch.int32),
+                  k=new[0], v=new[1])
+    elif case == "fp8":
+        kc, vc = (torch.randn(3, 1000, 2, 128, generator=g).to(FP8) for _ in range(2))
+        kw.update(k=new[0], v=new[1], k_scale=torch.tensor([0.5, 2.0]), v_scale=0.25,
+                  cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
+    else:
+        kc, vc = (torch.randn(3, 1000, 2, 128, generator=g).to(BF) for _ in range(2))
+        if case == "window_softcap_splits":
+            kw.update(window_size=(100, 0), softcap=30.0, num_splits=3, softmax_scale=0.5)
+        elif case == "int_append":
+            kw.update(cache_seqlens=640, k=new[0], v=new[1])
+        elif case == "rotary":
+            theta = torch.rand(1000, 32, generator=g) * 6.3
+            kw.update(k=new[0], v=new[1], rotary_cos=theta.cos(), rotary_sin=theta.sin(),
+                      rotary_interleaved=False)
+    return q, kc, vc, kw
+
+
+@pytest.mark.parametrize("case", ["plain", "window_softcap_splits", "int_append", "paged", "fp8",
+                                  "rotary"])
+def test_torch_compile_fullgraph_does_what_eager_does(launched, case):
+    """Under torch.compile(fullgraph=True), aot_eager (functionalized, as inductor gets it): the
+    append (rotary included) runs as PyTorch operations in the graph and writes the same cache
+    bytes as an eager call; the fa3gen::kvcache op launches the eager call's params."""
+    q, kc, vc, kw = _decode_case(case)
+    out_e, lse_e = kvcache.flash_attn_with_kvcache(q, kc, vc, return_lse=True, **kw)
+    eager = [_fields(p) for p in launched]
+    launched.clear()
+    q, kc2, vc2, kw = _decode_case(case)
     torch._dynamo.reset()
+    f = torch.compile(lambda q, kc, vc, kw: kvcache.flash_attn_with_kvcache(q, kc, vc, return_lse=True, **kw),
+                      backend="aot_eager", fullgraph=True)
+    out, lse = f(q, kc2, vc2, kw)
+    assert [_fields(p) for p in launched] == eager and len(eager) == 1
+    for a, b in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert out.shape == out_e.shape and lse.shape == lse_e.shape and lse.is_contiguous()
+    if "k" in kw:  # the append happened (and only once)
+        assert not torch.equal(kc2.view(torch.uint8), _decode_case(case)[1].view(torch.uint8))
+
+
+def test_torch_compile_takes_a_growing_int_length_without_recompiling(launched):
+    """An int cache_seqlens grows every decode step: dynamo makes it dynamic on the second value
+    and compiles no more; each call launches its own length and split count."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
     q = torch.zeros(2, 1, 8, 128, dtype=BF)
-    kc = vc = torch.zeros(3, 1000, 2, 128, dtype=BF)
-    call = lambda q, kc, vc, s: kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s,
-                                                                causal=True)
-    f = torch.compile(call, backend="eager")
-    for n in (700, 5):
-        assert f(q, kc, vc, torch.tensor([n, 5], dtype=torch.int32)).shape == q.shape
-    assert len(launched) == 2
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    f = torch.compile(lambda q, kc, n: kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=n),
+                      backend="eager", fullgraph=True)
+    lengths = (700, 5, 64, 999, 1000, 0)
+    for n in lengths:
+        f(q, kc, n)
+    assert [p.seqlen_k for p in launched] == list(lengths)
+    assert [p.num_splits for p in launched] == [
+        kvcache._split_count(n, 0, 2, 2, 132, 128, None) for n in lengths]
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_torch_compile_refuses_bad_input_as_eager_does(launched):
+    """The checks run while tracing: an error, not a launch (fullgraph: dynamo's Unsupported
+    carrying it)."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    call = lambda q, kc, n: kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=n)
+    torch._dynamo.reset()
+    with pytest.raises(InvalidInputError, match="cache_seqlens 2000 outside"):
+        torch.compile(call, backend="eager")(q, kc, 2000)
     torch._dynamo.reset()
     from torch._dynamo.exc import Unsupported
+    with pytest.raises(Unsupported, match="cache_seqlens 2000 outside"):
+        torch.compile(call, backend="eager", fullgraph=True)(q, kc, 2000)
+    assert not launched
+
+
+@pytest.mark.parametrize("layout", ["tensor", "int", "paged"])
+def test_torch_compile_chunked_prefill(fake_launches, layout):
+    """More rows than the decode kernels take: the op runs the eager call's forward (the
+    fake library's variants) under fullgraph; a q that needs a gradient runs eagerly outside
+    the graph (fullgraph refuses it), with its autograd."""
+    q = torch.zeros(2, 40, 4, 128, dtype=BF)
+    kw = dict(causal=layout != "int",  # the fake library's: varlen causal, dense non-causal
+              cache_seqlens=torch.tensor([50, 60], dtype=torch.int32))
+    if layout == "paged":
+        kc = torch.zeros(10, 64, 2, 128, dtype=BF)
+        kw["block_table"] = torch.tensor([[3, 1, 7], [0, 9, 2]], dtype=torch.int32)
+    else:
+        kc = torch.zeros(2, 128, 2, 128, dtype=BF)
+        if layout == "int":
+            kw["cache_seqlens"] = 77
+    kvcache.flash_attn_with_kvcache(q, kc, kc, **kw)
+    eager = [name for name, _ in fake_launches]
+    fake_launches.clear()
+    call = lambda q, kc: kvcache.flash_attn_with_kvcache(q, kc, kc, **kw)
+    torch._dynamo.reset()
+    assert torch.compile(call, backend="aot_eager", fullgraph=True)(q, kc).shape == q.shape
+    assert [name for name, _ in fake_launches] == eager and len(eager) == 1
+    q.requires_grad_()
+    torch._dynamo.reset()
+    assert torch.compile(call, backend="eager")(q, kc).requires_grad
+    from torch._dynamo.exc import Unsupported
+    torch._dynamo.reset()
     with pytest.raises(Unsupported):
-        torch.compile(call, backend="eager", fullgraph=True)(q, kc, vc, torch.tensor([7, 5], dtype=torch.int32))
+        torch.compile(call, backend="eager", fullgraph=True)(q, kc)
+
+
+def test_the_custom_op_passes_opcheck_on_cpu(launched):
+    """fa3gen::kvcache's schema (it mutates nothing: the append runs before it) and its fake
+    implementation (shapes, strides, dtypes of out and lse) against the op itself; the rest of
+    opcheck compares values, which needs the kernels: tests/gpu/test_kvcache_kernels.py."""
+    q = torch.zeros(2, 3, 8, 64, dtype=BF)
+    kc = torch.zeros(3, 100, 2, 64, dtype=BF)  # (an e4m3 one: torch's schema check cannot
+    args = (q, kc, kc, torch.tensor([7, 5], dtype=torch.int32), -1,    # multiply e4m3 on CPU)
+            torch.tensor([2, 0], dtype=torch.int32), None, 0.125, True, 20, 0, 5.0, 3,
+            None, 1.0, None, 1.0)
+    torch.library.opcheck(torch.ops.fa3gen.kvcache.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    assert launched and all(p.window_left == 20 and p.softcap == 5.0 for p in launched)
 
 
 def test_a_numpy_integer_cache_seqlens_is_an_int(launched):

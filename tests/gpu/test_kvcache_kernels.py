@@ -394,3 +394,60 @@ def test_rotary_append_then_attend(lib, paged, interleaved):
             assert torch.equal(row, k_rot[i, j])
     ref, ref_lse = kvcache_attention_reference(q_rot, kc, vc, seqlens + sq, causal=True, **extra)
     _check(out, lse, ref, ref_lse)
+
+
+def _compiled_case(case):
+    """(q, k_cache, v_cache, kwargs) of one call, fresh tensors (same values every time)."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    b, hq, hkv, d, cap = 2, 8, 2, 128, 1024
+    sq = 64 if case == "prefill" else 1
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    new = [torch.randn(b, 3, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if case in ("paged_int", "prefill") else None)
+    kw = dict(cache_seqlens=torch.tensor([700, 5], dtype=torch.int32, device="cuda"), causal=True,
+              **extra)
+    if case == "append":
+        kw.update(k=new[0], v=new[1], window_size=(100, 0), softcap=20.0)
+    elif case == "paged_int":
+        kw.update(cache_seqlens=900, k=new[0], v=new[1])
+    elif case == "fp8_append":  # factors powers of 2: the quantizing division is exact anyway
+        kc, vc = kc.to(FP8), vc.to(FP8)
+        kw.update(k=new[0], v=new[1], k_scale=torch.tensor([0.5, 2.0], device="cuda"), v_scale=0.25)
+    elif case == "rotary":
+        theta = torch.rand(cap, d // 4, device="cuda", generator=g) * 6.3
+        kw.update(k=new[0], v=new[1], rotary_cos=theta.cos(), rotary_sin=theta.sin())
+    return q, kc, vc, kw
+
+
+@pytest.mark.parametrize("case", ["append", "paged_int", "fp8_append", "prefill", "rotary"])
+def test_compiled_calls_match_eager_ones(lib, case):
+    """torch.compile(fullgraph=True) with inductor: the append compiled into the graph, the
+    fa3gen::kvcache op running the eager call's kernels. Caches and outputs are bitwise the
+    eager call's, but with rotary, whose compiled multiplies may round differently (within a
+    bf16 step of the eager keys, outputs by the test's tolerance)."""
+    q, kc, vc, kw = _compiled_case(case)
+    out_e, lse_e = kvcache.flash_attn_with_kvcache(q, kc, vc, return_lse=True, **kw)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, kc, vc, kw: kvcache.flash_attn_with_kvcache(q, kc, vc, return_lse=True, **kw),
+                      fullgraph=True)
+    q, kc2, vc2, kw = _compiled_case(case)
+    out, lse = f(q, kc2, vc2, kw)
+    torch.cuda.synchronize()
+    if case == "rotary":
+        assert (kc2.float() - kc.float()).abs().max() <= 2 ** -7 * kc.float().abs().max()
+        _check(out, lse, out_e.float(), lse_e)
+        return
+    for a, b in ((kc, kc2), (vc, vc2)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
+def test_kvcache_op_opcheck(lib):
+    """fa3gen::kvcache under every opcheck test (schema, autograd registration, fake tensors,
+    AOT dispatch with dynamic shapes), decode kernels on a paged e4m3 cache."""
+    q, kc, vc, kw = _compiled_case("paged_int")
+    kc, vc = kc.to(FP8), vc.to(FP8)
+    args = (q, kc, vc, torch.tensor([700, 5], dtype=torch.int32, device="cuda"), -1, None,
+            kw["block_table"], 0.125, True, -1, 0, 0.0, 0,
+            torch.tensor([0.5, 2.0], device="cuda"), 1.0, None, 0.25)
+    torch.library.opcheck(torch.ops.fa3gen.kvcache.default, args)
