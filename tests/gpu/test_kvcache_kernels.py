@@ -451,3 +451,40 @@ def test_kvcache_op_opcheck(lib):
             kw["block_table"], 0.125, True, -1, 0, 0.0, 0,
             torch.tensor([0.5, 2.0], device="cuda"), 1.0, None, 0.25)
     torch.library.opcheck(torch.ops.fa3gen.kvcache.default, args)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_decode_step_in_a_cuda_graph(lib, paged):
+    """A decode step (append one token a sequence, then attend) captured in torch.cuda.graph, as
+    inference servers run them: replays follow new values in the same buffers (the lengths
+    and the new keys), and each matches an eager call on a copy of the cache, bit for bit."""
+    b, hq, hkv, d, cap = 3, 8, 2, 128, 256
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, 1, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    seqlens = torch.tensor([13, 0, 200], dtype=torch.int32, device="cuda")
+    kc, vc, extra = _cache(b, cap, hkv, d, g, 16 if paged else None)
+
+    def step():
+        return kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
+                                               return_lse=True, **extra)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (the plan) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for i in range(2):
+        seqlens.add_(1 + i)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g))
+        kc_e, vc_e = kc.clone(), vc.clone()
+        out_e, lse_e = kvcache.flash_attn_with_kvcache(q, kc_e, vc_e, k, v, cache_seqlens=seqlens,
+                                                       causal=True, return_lse=True, **extra)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+        assert torch.equal(kc, kc_e) and torch.equal(vc, vc_e)
