@@ -132,6 +132,13 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     from fa3gen.reference import apply_rotary, hadamard_transform
 
     _check_quantize_inputs(q, k, v, hadamard, seed)
+    if ops._captured(q, k, v):  # torch.compile: the checks here, the work in the custom op
+        _check_rotary(rotary, q, k)
+        cos, sin = rotary if rotary is not None else (None, None)
+        q8, k8, v8, qd, kd, vd = torch.ops.fa3gen.quantize_fp8(
+            q, k, v, bool(block), bool(hadamard), seed, bool(causal), variant or "", cos, sin,
+            bool(rotary_interleaved))
+        return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     key = _quantize_key((q, k, v), rotary,
                         (block, hadamard, seed, causal, variant, rotary_interleaved))
     plan = _quantize_plans.get(key) if key is not None else None
@@ -165,6 +172,34 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
         ops._remember(_quantize_plans, key, _QuantizePlan(lib, tuple(templates)))
     (q8, qd), (k8, kd), (v8, vd) = out
     return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+
+
+@torch.library.custom_op("fa3gen::quantize_fp8", mutates_args=())
+def _quantize_fp8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: bool,
+                     hadamard: bool, seed: int, causal: bool, variant: str,
+                     rotary_cos: torch.Tensor | None, rotary_sin: torch.Tensor | None,
+                     rotary_interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What torch.compile traces for quantize_fp8 (variant "": None): the eager call, its
+    outputs contiguous as the fake's (the PyTorch path keeps a strided input's layout)."""
+    q8, k8, v8, d = quantize_fp8(
+        q, k, v, block=block, hadamard=hadamard, seed=seed, causal=causal,
+        variant=variant or None, rotary=None if rotary_cos is None else (rotary_cos, rotary_sin),
+        rotary_interleaved=rotary_interleaved)
+    return tuple(t.contiguous() for t in (q8, k8, v8, *(d[n] for n in DESCALE_NAMES)))
+
+
+@_quantize_fp8_op.register_fake
+def _quantize_fp8_fake(q, k, v, block, hadamard, seed, causal, variant, rotary_cos, rotary_sin,
+                       rotary_interleaved):
+    """The shapes: values like the inputs, descales per tensor (1,) or per (batch, heads,
+    block) of the serving variant's tiles (chosen by length, as the eager call chooses)."""
+    rows = block_sizes(q, k, causal, variant or None) if block else (None, None)
+    out = [x.new_empty(x.shape, dtype=FP8_DTYPE) for x in (q, k, v)]
+    for x, r in zip((q, k, v), (rows[0], rows[1], rows[1])):
+        b, s, h, _ = x.shape
+        out.append(x.new_empty((b, h, -(-s // r)) if r else (1,), dtype=torch.float32))
+    return tuple(out)
 
 
 def _check_quantize_inputs(q, k, v, hadamard: bool, seed) -> None:

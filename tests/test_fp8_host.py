@@ -159,3 +159,60 @@ def test_empty_tensors_quantize_and_their_descales_are_taken(fake_launches):
     kv, kd = fp8.quantize(torch.ones(1, 200, 2, 128), 128)
     out = ops.flash_attn_func(vals, kv, kv, causal=True, q_descale=scale, k_descale=kd)
     assert out.shape == (1, 0, 2, 128) and fake_launches == []
+
+
+_POINTERS = ("x", "out", "descale", "amax_workspace", "signs", "rotary_cos", "rotary_sin")
+
+
+@pytest.mark.parametrize("case", ["blocks", "per_tensor", "hadamard_rotary"])
+def test_torch_compile_fullgraph_quantizes_as_eager(quantizer, monkeypatch, case):
+    """torch.compile(fullgraph=True) traces quantize_fp8 through the fa3gen::quantize_fp8 custom
+    op: the fused kernel gets the eager call's params (pointers aside) and the outputs have
+    the eager shapes (the fake's block counts from the serving variant's tiles, 64 q rows and
+    32 keys here)."""
+    monkeypatch.setattr(fp8, "block_sizes", lambda *a: (64, 32))
+    q, k, v = tensors(s=300)
+    theta = torch.rand(300, 32) * 6.3
+    kw = dict(block=case != "per_tensor", causal=True)
+    if case == "hadamard_rotary":
+        kw.update(hadamard=True, seed=5, rotary=(theta.cos(), theta.sin()), rotary_interleaved=True)
+    eager = fp8.quantize_fp8(q, k, v, **kw)
+    params = [{n: v for n, v in p.items() if n not in _POINTERS} for p in quantizer]
+    quantizer.clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fp8.quantize_fp8(q, k, v, **kw), backend="aot_eager",
+                             fullgraph=True)(q, k, v)
+    assert [{n: v for n, v in p.items() if n not in _POINTERS} for p in quantizer] == params
+    assert len(params) == 3
+    shapes = [t.shape for t in (*eager[:3], *eager[3].values())]
+    assert [t.shape for t in (*compiled[:3], *compiled[3].values())] == shapes
+    assert [t.dtype for t in compiled[:3]] == [fp8.FP8_DTYPE] * 3
+
+
+def test_torch_compile_takes_the_pytorch_path_values_bit_for_bit(fake_launches):
+    """Without the fused quantizer (CPU tensors) the op runs the PyTorch path: the values and
+    descales of a compiled call are the eager call's, for lengths dynamo makes dynamic too."""
+    f = torch.compile(lambda q, k, v: fp8.quantize_fp8(q, k, v, hadamard=True, causal=True),
+                      backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    for s in (100, 300):
+        q, k, v = tensors(s=s)
+        eager = fp8.quantize_fp8(q, k, v, hadamard=True, causal=True)
+        compiled = f(q, k, v)
+        for a, b in zip(eager[:3], compiled[:3]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(eager[3].values(), compiled[3].values()):
+            assert a.shape == b.shape and torch.equal(a, b)
+
+
+def test_the_quantize_op_passes_opcheck_on_cpu(fake_launches, monkeypatch):
+    """fa3gen::quantize_fp8's schema and fake (shapes, strides, dtypes) against the op, block
+    scales (q's 64 rows, k's and v's 32) and per tensor, a strided input among them (the op
+    returns it contiguous)."""
+    monkeypatch.setattr(fp8, "block_sizes", lambda *a: (64, 32))
+    q, k, v = tensors(s=150)
+    for block in (True, False):
+        torch.library.opcheck(torch.ops.fa3gen.quantize_fp8.default,
+                              (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, block, False, 0,
+                               True, "", None, None, False),
+                              test_utils=("test_schema", "test_faketensor"))

@@ -198,6 +198,34 @@ def test_quantize_fp8_end_to_end(hadamard):
     assert (out.float() - ref).pow(2).mean().sqrt() <= 8e-2 * ref.pow(2).mean().sqrt()
 
 
+@pytest.mark.parametrize("rotary", [False, True], ids=["plain", "rotary"])
+def test_quantize_fp8_and_attention_under_torch_compile(rotary):
+    """quantize_fp8 (the fa3gen::quantize_fp8 op: the fused kernel) and the fp8 attention in one
+    graph under torch.compile(fullgraph=True), inductor, at two lengths (the second dynamic):
+    bytes, descales and output are the eager calls'."""
+    _quantizer_lib()
+    if not [v for v in VARIANTS if v.is_default and v.head_dim == 128 and v.causal]:
+        pytest.skip("no default e4m3 d128 causal variant")
+    g = torch.Generator(device="cuda").manual_seed(13)
+    theta = torch.rand(2000, 64, device="cuda", generator=g) * 6.3
+    tables = (theta.cos(), theta.sin()) if rotary else None  # eager's: inductor's cos may round apart
+
+    def step(q, k, v):
+        q8, k8, v8, ds = fa3gen.quantize_fp8(q, k, v, hadamard=True, seed=2, causal=True,
+                                             rotary=tables)
+        return q8, k8, v8, ds, fa3gen.flash_attn_func(q8, k8, v8, causal=True, **ds)
+    torch._dynamo.reset()
+    f = torch.compile(step, fullgraph=True)
+    for s in (700, 1500):
+        q, k, v = (torch.randn(2, s, h, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+                   for h in (4, 2, 2))
+        eager, compiled = step(q, k, v), f(q, k, v)
+        for a, b in zip(eager[:3], compiled[:3]):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        assert all(torch.equal(eager[3][n], compiled[3][n]) for n in eager[3])
+        assert torch.equal(eager[4], compiled[4])
+
+
 def _quantizer_lib():
     lib = runtime.get_library()
     if not lib.has_quantizer:
