@@ -249,3 +249,17 @@ def test_cuda_graph_capture_and_replay(lib, fwd_default_key):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, flash_attn_func(q, k, v, causal=causal))
+
+
+def test_compiled_with_cuda_graphs(lib):
+    """torch.compile(mode="reduce-overhead", fullgraph=True): inductor records the fa3gen::fwd
+    op in a CUDA graph and replays it; each replay gives the eager call's bits for that step's
+    inputs (copied into the graph's buffers)."""
+    f = torch.compile(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_lse=True),
+                      mode="reduce-overhead", fullgraph=True)
+    torch._dynamo.reset()
+    for step in range(4):  # warm-up, record, replays
+        q, k, v = make_qkv(2, 300, 300, 4, 2, 128, torch.bfloat16, seed=50 + step)
+        out, lse = f(q, k, v)
+        want, want_lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), step
