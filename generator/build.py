@@ -172,6 +172,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     if p.seqlen_defaults:
         info["seqlen_dispatch"] = p.seqlen_dispatch()
     info["decode"] = [list(pair) for pair in p.spec.decode]  # the runtime's check of a call
+    if defines:  # a measurement or prepared switch: the GPU tests read which one a library has
+        info["defines"] = list(defines)
     sources = plan_sources(out, p.spec.name, p.variants, p.default_names, fp, info,
                            units=compiled, env=env, decode=p.spec.decode)
     ninja_text = render_build_ninja(p.spec.name, p.variants, tc, launcher, env=env,

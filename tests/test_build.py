@@ -528,3 +528,15 @@ def test_link_flags_and_ninja_keep_going():
     assert fingerprint("v", ["-O3"], ["-lfoo"], "4.2") != fingerprint("v", ["-O3"], [], "4.2")
     cmd = _ninja_cmd(Path("/x"), 3, dry_run=False)
     assert cmd[cmd.index("-k") + 1] == "0"
+
+
+def test_the_library_says_which_defines_built_it(fake):
+    """--define lands in fa3gen_build_info ("defines"), which the GPU tests of a prepared switch
+    read; a build without one keeps the build info (and so dispatch.cu) as it was."""
+    spec, tc, _ = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    dispatch = B.plan(spec).out_dir / "src" / "dispatch.cu"
+    plain = dispatch.read_text()
+    assert '\\"defines\\"' not in plain and "defines" not in plain
+    B.build(spec, toolchain=tc, log=quiet, defines=["FA3GEN_VARLEN_ZERO_PADDING"])
+    assert '"defines": ["FA3GEN_VARLEN_ZERO_PADDING"]'.replace('"', '\\"') in dispatch.read_text()

@@ -114,3 +114,84 @@ def test_fast_div_matches_division(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
     assert int(run.stdout.split()[0]) > 100000
+
+
+PADDING_CHECK = r"""
+#include <cstdio>
+#include <vector>
+#include "varlen.cuh"
+using fa3gen::padding_span;
+// For every tensor of up to 12 rows and every pair of first and last offsets in [-3, 15]
+// (out of order and out of range included): padding_span's rows are exactly the rows outside
+// [clamp(first), max(clamp(last), clamp(first))), each once, in increasing order.
+int main() {
+  long long checked = 0;
+  for (int rows = 0; rows <= 12; ++rows) {
+    for (int first = -3; first <= 15; ++first) {
+      for (int last = -3; last <= 15; ++last) {
+        const int lo = first < 0 ? 0 : first > rows ? rows : first;
+        int hi = last < 0 ? 0 : last > rows ? rows : last;
+        if (hi < lo) hi = lo;
+        std::vector<int> want;
+        for (int r = 0; r < rows; ++r) if (r < lo || r >= hi) want.push_back(r);
+        const auto s = padding_span(first, last, rows);
+        if (s.count != int(want.size())) { std::printf("rows %d first %d last %d: count %d\n", rows, first, last, s.count); return 1; }
+        for (int i = 0; i < s.count; ++i) {
+          if (s.row(i) != want[i]) { std::printf("rows %d first %d last %d: row(%d) %d\n", rows, first, last, i, s.row(i)); return 1; }
+          ++checked;
+        }
+      }
+    }
+  }
+  // Elements: a (rows, heads, cols) view with a packed-qkv row stride; every padding element
+  // (and LSE entry) is hit once, nothing of a sequence row.
+  const int rows = 11, heads = 3, cols = 5;
+  fa3gen::PaddedRows t{nullptr, nullptr, 3 * heads * cols, cols, rows, heads, cols};
+  for (int first = -1; first <= 12; ++first) {
+    for (int last = -1; last <= 12; ++last) {
+      const auto s = padding_span(first, last, rows);
+      std::vector<int> hits(rows * t.row_stride, 0), lse(heads * rows, 0);
+      for (long long e = 0; e < (long long)s.count * heads * cols; ++e) ++hits[fa3gen::padding_offset(t, s, e)];
+      for (long long e = 0; e < (long long)s.count * heads; ++e) ++lse[fa3gen::padding_lse_offset(t, s, e)];
+      for (int r = 0; r < rows; ++r) {
+        const bool pad = r < s.lo || r >= s.hi;
+        for (int h = 0; h < heads; ++h) {
+          if (lse[h * rows + r] != (pad ? 1 : 0)) { std::printf("lse row %d head %d\n", r, h); return 1; }
+          for (int c = 0; c < cols; ++c) {
+            if (hits[r * t.row_stride + h * t.head_stride + c] != (pad ? 1 : 0)) {
+              std::printf("first %d last %d: row %d head %d col %d hit %d\n", first, last, r, h, c,
+                          hits[r * t.row_stride + h * t.head_stride + c]);
+              return 1;
+            }
+            ++checked;
+          }
+        }
+      }
+      for (int x = 0; x < rows * (int)t.row_stride; ++x) {  // the view's gaps (k and v of qkv)
+        if (x % t.row_stride >= heads * cols && hits[x]) { std::printf("gap %d hit\n", x); return 1; }
+      }
+    }
+  }
+  std::printf("%lld checked\n", checked);
+  return 0;
+}
+"""
+
+
+def test_varlen_padding_rows_are_exactly_those_outside_the_sequences(tmp_path):
+    """varlen.cuh's padding_span and element offsets (what FA3GEN_VARLEN_ZERO_PADDING zeroes):
+    the rows before cu_seqlens[0] and from cu_seqlens[batch] on, clamped as the kernels clamp
+    offsets, every element of them once in a strided view (and each LSE entry), never a row
+    of a sequence nor the view's gaps."""
+    from generator.toolchain import find_cutlass_include
+    try:
+        nvcc, cutlass = find_nvcc(), find_cutlass_include()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    src, exe = tmp_path / "padding.cu", tmp_path / "padding"
+    src.write_text(PADDING_CHECK)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", "--expt-relaxed-constexpr", f"-I{KERNELS_DIR}",
+                    f"-I{cutlass}", str(src), "-o", str(exe)], check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout
+    assert int(run.stdout.split()[0]) > 5000

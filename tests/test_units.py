@@ -43,7 +43,7 @@ REAL = {
 DQ = ("_ZN6fa3gen21bwd_convert_dq_kernelINS_9BwdTraitsIN7cutlass10bfloat16_tELi128ELi64ELi128ELi2"
       "ELb1ELb0ELb0ELb0EEEEEvNS_11BwdDqParamsE")  # bwd_bf16_d128_causal_m64n128's
 PREPROCESS = "_ZN6fa3gen21bwd_preprocess_kernelIN7cutlass10bfloat16_tELi128ELb0EEEvNS_12BwdRowParamsE"
-VARLEN_TILES = "_ZN6fa3gen19varlen_tiles_kernelILi128ELb0EEEvPKiiS2_iiiP4int2ib"
+VARLEN_TILES = "_ZN6fa3gen19varlen_tiles_kernelILi128ELb0EEEvPKiiS2_iiiP4int2ibNS_11PaddingArgsE"
 
 
 @pytest.mark.parametrize("name", sorted(REAL))

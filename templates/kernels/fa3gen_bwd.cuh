@@ -73,8 +73,14 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
     // sequence's key blocks in order (deterministic mode waits on lower ones).
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_k, a.batch, TileN) * a.heads_kv;
     schedule = one_cta_per_tile(int(entries), 1, 1);
+    PaddingArgs padding;  // dQ, dK, dV rows outside every sequence (FA3GEN_VARLEN_ZERO_PADDING)
+    padding.rows[0] = PaddedRows{a.dq, a.cu_seqlens_q, a.dq_row_stride, a.dq_head_stride, a.total_q, a.heads_q, HeadDim};
+    padding.rows[1] = PaddedRows{a.dk, a.cu_seqlens_k, a.dk_row_stride, a.dk_head_stride, a.total_k, a.heads_kv, HeadDim};
+    padding.rows[2] = PaddedRows{a.dv, a.cu_seqlens_k, a.dv_row_stride, a.dv_head_stride, a.total_k, a.heads_kv, HeadDim};
+    padding.batch = a.batch;
     err = launch_varlen_tiles<TileN, false>(a.cu_seqlens_k, a.total_k, a.cu_seqlens_q, a.total_q, a.batch, a.heads_kv,
-                                            reinterpret_cast<int2*>(a.tile_list), int(entries), stream);
+                                            reinterpret_cast<int2*>(a.tile_list), int(entries), stream, false,
+                                            padding);
     if (err != cudaSuccess) return report("varlen tile list launch", err);
   }
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});

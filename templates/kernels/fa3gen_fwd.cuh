@@ -82,9 +82,13 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
       schedule.paired = Causal && !Local && schedule.ctas < entries;  // a causal head's tiles in pairs
     }
+    PaddingArgs padding;  // O's rows outside every sequence, and their LSE (FA3GEN_VARLEN_ZERO_PADDING)
+    padding.rows[0] = PaddedRows{a.o, a.cu_seqlens_q, a.o_row_stride, a.o_head_stride, a.total_q, a.heads_q, HeadDim};
+    padding.lse = a.lse;
+    padding.batch = a.batch;
     cudaError_t err = launch_varlen_tiles<TileM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
-                                                         int(entries), stream, schedule.paired);
+                                                         int(entries), stream, schedule.paired, padding);
     if (err != cudaSuccess) return report("varlen tile list launch", err);
   } else {
     // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,

@@ -61,7 +61,81 @@ __device__ __forceinline__ SeqSlice seq_slice(VarlenArgs const& v, int b) {
   return s;
 }
 
+// Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[batch] on) of a packed
+// output, which no tile writes: switch FA3GEN_VARLEN_ZERO_PADDING (prepared without a GPU, off
+// by default) zeroes them, and sets the forward's LSE there to -inf (a row that sees no key),
+// so that a caller's torch.empty leftovers (NaN included) do not reach the next layer's
+// gradients through padded outputs, nor the inputs' gradients through dq, dk, dv. The list
+// kernel's extra CTAs do it, before the main kernel in stream order (a later write of a row
+// by a tile, possible only with cu_seqlens out of order, wins).
+struct PaddedRows {
+  void* ptr = nullptr;      // 16-bit (rows, heads, cols) with element strides; null: none
+  const int* cu = nullptr;  // the batch + 1 offsets that cut its rows
+  int64_t row_stride = 0, head_stride = 0;
+  int rows = 0, heads = 0, cols = 0;
+};
+struct PaddingArgs {
+  PaddedRows rows[3];
+  float* lse = nullptr;     // (heads, rows) of rows[0]'s tensor, fp32: -inf in its padding
+  int batch = 0;
+};
+
+// The sequences of a tensor of `rows` rows cover [lo, hi) (offsets clamped as clamped_range
+// clamps them); its padding rows are [0, lo) and [hi, rows), `count` in all, the i-th of them
+// padding_row(i).
+struct PaddingSpan {
+  int lo, hi, count;
+  __host__ __device__ int row(int i) const { return i < lo ? i : hi + (i - lo); }
+};
+__host__ __device__ inline PaddingSpan padding_span(int first, int last, int rows) {
+  const int lo = first < 0 ? 0 : first > rows ? rows : first;
+  int hi = last < 0 ? 0 : last > rows ? rows : last;
+  hi = hi < lo ? lo : hi;
+  return {lo, hi, lo + (rows - hi)};
+}
+
+// Element e of t's padding (its padding rows, then heads, then columns; consecutive e are
+// consecutive columns), as an offset in elements; and entry e of its (heads, rows) LSE's.
+__host__ __device__ inline int64_t padding_offset(PaddedRows const& t, PaddingSpan s, int64_t e) {
+  const int64_t per_row = int64_t(t.heads) * t.cols, within = e % per_row;
+  return s.row(int(e / per_row)) * t.row_stride + (within / t.cols) * t.head_stride + within % t.cols;
+}
+__host__ __device__ inline int64_t padding_lse_offset(PaddedRows const& t, PaddingSpan s, int64_t e) {
+  return (e / s.count) * t.rows + s.row(int(e % s.count));
+}
+
+// CTA `cta` of `ctas` zeroing the padding rows (16-bit zero: bf16 and fp16 alike).
+__device__ inline void zero_padding(PaddingArgs const& z, int cta, int ctas) {
+  const int64_t first = int64_t(cta) * blockDim.x + threadIdx.x, step = int64_t(ctas) * blockDim.x;
+  for (int i = 0; i < 3; ++i) {
+    PaddedRows const& t = z.rows[i];
+    if (t.ptr == nullptr) continue;
+    const PaddingSpan s = padding_span(t.cu[0], t.cu[z.batch], t.rows);
+    const int64_t n = int64_t(s.count) * t.heads * t.cols;
+    for (int64_t e = first; e < n; e += step) static_cast<uint16_t*>(t.ptr)[padding_offset(t, s, e)] = 0;
+    if (i == 0 && z.lse != nullptr) {
+      for (int64_t e = first; e < int64_t(s.count) * t.heads; e += step) z.lse[padding_lse_offset(t, s, e)] = -INFINITY;
+    }
+  }
+}
+
 constexpr int kVarlenListThreads = 1024;
+constexpr int kPaddingCtasMax = 128;
+
+// The list kernel's extra CTAs for `z` (0 without the switch): enough for every row to be
+// padding at 8 elements a thread, at most kPaddingCtasMax. With no padding each reads two
+// offsets and exits.
+inline int padding_ctas(PaddingArgs const& z) {
+#ifdef FA3GEN_VARLEN_ZERO_PADDING
+  int64_t most = 0;
+  for (PaddedRows const& t : z.rows) most += t.ptr != nullptr ? int64_t(t.rows) * t.heads * t.cols : 0;
+  const int64_t per_cta = int64_t(kVarlenListThreads) * 8;
+  return int(most < int64_t(kPaddingCtasMax) * per_cta ? (most + per_cta - 1) / per_cta : kPaddingCtasMax);
+#else
+  (void)z;
+  return 0;
+#endif
+}
 constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (the sort is O(batch^2 / threads))
 
 // One CTA. `rows`: the side the tiles cut (q for the forward, k for the backward); `cost`:
@@ -70,10 +144,17 @@ constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (th
 // (BlocksDescending: the causal forward's longest query tiles first), or, `paired`, as
 // n - 1, 0, n - 2, 1, ...: consecutive entries then cost about n + 1 key blocks together, as
 // the dense kernels' pairs (tile_scheduler.cuh).
+// CTAs past the first zero the padding rows of `padding` (padding_ctas).
 template <int Tile, bool BlocksDescending>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
-                    int2* tiles, int capacity, bool paired) {
+                    int2* tiles, int capacity, bool paired, const PaddingArgs padding) {
+#ifdef FA3GEN_VARLEN_ZERO_PADDING
+  if (blockIdx.x > 0) {
+    zero_padding(padding, int(blockIdx.x) - 1, int(gridDim.x) - 1);
+    return;
+  }
+#endif
   extern __shared__ int smem[];
   const bool sorted = batch <= kVarlenSortedBatch;
   int* blocks_of = smem;               // [batch]: tiles per head of sequence b
@@ -157,15 +238,15 @@ inline size_t varlen_tiles_smem(int batch) {
 template <int Tile, bool BlocksDescending>
 inline cudaError_t launch_varlen_tiles(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost,
                                        int batch, int heads, int2* tiles, int capacity, cudaStream_t stream,
-                                       bool paired = false) {
+                                       bool paired = false, PaddingArgs const& padding = {}) {
   const size_t smem = varlen_tiles_smem(batch);
   auto kernel = varlen_tiles_kernel<Tile, BlocksDescending>;
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<1, kVarlenListThreads, smem, stream>>>(cu_rows, total_rows, cu_cost, total_cost, batch, heads, tiles,
-                                                  capacity, paired);
+  kernel<<<1 + padding_ctas(padding), kVarlenListThreads, smem, stream>>>(
+      cu_rows, total_rows, cu_cost, total_cost, batch, heads, tiles, capacity, paired, padding);
   return cudaGetLastError();
 }
 

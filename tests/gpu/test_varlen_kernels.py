@@ -169,6 +169,35 @@ def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
     assert_grads_match(bwd_varlen_key, grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
+def test_padding_rows_are_zeroed(lib, bwd_varlen_key):
+    """FA3GEN_VARLEN_ZERO_PADDING (prepared without a GPU; skipped in a library built without
+    it): into NaN-poisoned outputs, the rows past the last sequence come out 0 (out, dq, dk, dv)
+    and their LSE -inf, and the sequences' rows are what they are without padding."""
+    if "FA3GEN_VARLEN_ZERO_PADDING" not in lib.build_info.get("defines", ()):
+        pytest.skip("the library was built without FA3GEN_VARLEN_ZERO_PADDING")
+    from fa3gen import ops, runtime
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=39)
+    q, k, v = _nan_rows(q, 19), _nan_rows(k, 45), _nan_rows(v, 45)
+    mask, scale, library = ops.masking(causal), d ** -0.5, runtime.get_library()
+    out, lse = varlen._empty_outputs(q)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    plan = varlen._fwd_plan(q, k, v, cu_q, cu_k, mq, mk, out, lse, mask, scale, None, library)
+    varlen._fwd_run(plan, q, k, v, cu_q, cu_k, out, lse)
+    dout = _nan_rows(torch.randn_like(out[:-19]), 19)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    bplan = varlen._bwd_plan(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, dq, dk, dv, mask, scale,
+                             None, False, library)
+    varlen._bwd_run(bplan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv)
+    torch.cuda.synchronize()
+    assert (out[-19:] == 0).all() and torch.isneginf(lse[:, -19:]).all()
+    assert (dq[-19:] == 0).all() and (dk[-45:] == 0).all() and (dv[-45:] == 0).all()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], res["why"]
+    assert_grads_match(bwd_varlen_key, (dq, dk, dv), q, k, v, dout, cu_q, cu_k, causal)
+
+
 def test_backward_seqused_k(lib, bwd_varlen_key):
     """seqused_k in training: the used keys' gradients are those of packing only them, the other
     keys' dk and dv are 0, and what those keys hold (NaN here) changes nothing."""
