@@ -21,6 +21,10 @@ __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
     "flash_attn_with_kvcache",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "quantize_fp8",
     "trace",
     "Fa3genError",
@@ -34,9 +38,13 @@ __all__ = [
 
 _LAZY_ATTRS = {"flash_attn_func": "fa3gen.ops", "flash_attn_varlen_func": "fa3gen.varlen",
                "flash_attn_with_kvcache": "fa3gen.kvcache",
+               "flash_attn_qkvpacked_func": "fa3gen.packed",
+               "flash_attn_kvpacked_func": "fa3gen.packed",
+               "flash_attn_varlen_qkvpacked_func": "fa3gen.packed",
+               "flash_attn_varlen_kvpacked_func": "fa3gen.packed",
                "quantize_fp8": "fa3gen.fp8", "trace": "fa3gen.tracing"}
 _LAZY_MODULES = {"ops", "runtime", "reference", "bench", "timing", "checks", "tracing", "varlen",
-                 "fp8", "kvcache"}
+                 "fp8", "kvcache", "packed"}
 
 
 def __getattr__(name):

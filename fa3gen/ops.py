@@ -738,22 +738,34 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
     return plan, dout
 
 
-def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse):
-    """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked)."""
+def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, grads=None):
+    """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked), new, or
+    written into `grads` (views of packed gradients, fa3gen.packed)."""
+    key = (fwd, deterministic, _signature(dout))
+    if grads is not None:  # their strides are the params'
+        key += tuple(_signature(g) for g in grads)
     plan, dout = _backward_plan_once(
-        _bwd_plans, (fwd, deterministic, _signature(dout)), dout,
-        lambda ready: _bwd_plan(ready, q, k, v, out, lse, *_empty_grads(q, k, v), fwd.mask,
-                                fwd.scale, resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,
-                                                               fwd.dims.seqlen_k),
+        _bwd_plans, key, dout,
+        lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
+                                fwd.mask, fwd.scale,
+                                resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,
+                                                    fwd.dims.seqlen_k),
                                 deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)
     if dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
-        return _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
-                         deterministic)
-    dq, dk, dv = _empty_grads(q, k, v)
+        result = _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
+                           deterministic)
+        return result if grads is None else _copied_into(grads, result)
+    dq, dk, dv = grads or _empty_grads(q, k, v)
     _bwd_run(plan, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
+
+
+def _copied_into(grads: tuple, result: tuple) -> tuple:
+    for g, r in zip(grads, result):
+        g.copy_(r)
+    return grads
 
 
 class _EagerAttention(torch.autograd.Function):
@@ -953,9 +965,18 @@ def flash_attn_func(
     fa3gen.fp8.block_sizes), applied to the scores and the output; the output is bf16,
     or fp16 with out_dtype=torch.float16 (fa3gen.fp8).
     """
+    return _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
+                      bool(return_lse or return_attn_probs), variant, q_descale, k_descale,
+                      v_descale, out_dtype)
+
+
+def _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, return_lse,
+               variant, q_descale, k_descale, v_descale, out_dtype, packed=None):
+    """flash_attn_func's body. packed: (tensors, unpack) when q, k, v are unpack(tensors),
+    views of packed inputs (fa3gen.packed): an eager call that autograd records then writes
+    its gradients into one tensor per packed input."""
     _check_fa3_arguments(softmax_scale)
     mask = masking(causal, window_size, softcap)
-    return_lse = bool(return_lse or return_attn_probs)
     _check_tensors(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _fp8.check_descale_use(q, k, v, descales, out_dtype)
@@ -992,7 +1013,12 @@ def flash_attn_func(
         if _trace._active:
             _trace_call(plan.info.name, variant is None, plan.dims)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _EagerAttention.apply(q, k, v, plan, bool(deterministic))
+            if packed is None:
+                out, lse = _EagerAttention.apply(q, k, v, plan, bool(deterministic))
+            else:
+                from fa3gen.packed import DenseRun, PackedAttention
+                out, lse = PackedAttention.apply(DenseRun(plan, bool(deterministic), packed[1]),
+                                                 *packed[0])
         else:
             out, lse = _eager_forward(plan, q, k, v)
     return (out, lse) if return_lse else out

@@ -23,7 +23,8 @@ from fa3gen.errors import Fa3genError
 from fa3gen.files import replacing
 
 # The runtime modules a packaged library needs, in dependency order.
-RUNTIME_MODULES = ("contract", "errors", "files", "runtime", "tracing", "fp8", "ops", "varlen", "kvcache",
+RUNTIME_MODULES = ("contract", "errors", "files", "runtime", "tracing", "fp8", "ops", "varlen",
+                   "packed", "kvcache",
                    "reference")  # reference: fp8's Hadamard signs and rotary, kvcache's rotary
 REQUIRES = ("torch>=2.4", "pyyaml")
 

@@ -473,22 +473,26 @@ _bwd_op_plans: dict = {}  # the varlen bwd op's call signature -> (_Plan, which 
 
 
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu_q, cu_k,
-                    seqused_k=None):
+                    seqused_k=None, grads=None):
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
-    plan's covers q, k, v, cu_seqlens and max_seqlen)."""
+    plan's covers q, k, v, cu_seqlens and max_seqlen); grads as there."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
+    key = (fwd, deterministic, ops._signature(dout))
+    if grads is not None:
+        key += tuple(ops._signature(g) for g in grads)
     plan, dout = ops._backward_plan_once(
-        _bwd_plans, (fwd, deterministic, ops._signature(dout)), dout,
+        _bwd_plans, key, dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
-                                q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                                *(grads or ops._empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale, _backward_variant(q, fwd.mask), deterministic,
                                 fwd.lib),
         ready=_tma_ready)
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
     if dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
-        return _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
-                         plan.info.name, deterministic, seqused_k)
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+        result = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
+                           plan.info.name, deterministic, seqused_k)
+        return result if grads is None else ops._copied_into(grads, result)
+    dq, dk, dv = grads or ops._empty_grads(q, k, v)
     _bwd_run(plan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, seqused_k)
     return dq, dk, dv
 
@@ -544,12 +548,20 @@ def flash_attn_varlen_func(
     Differentiable in q, k, v. Returns out (total_q, heads_q, head_dim), plus lse
     (heads_q, total_q) float32 when return_lse (or return_attn_probs).
     """
+    return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      softmax_scale, causal, window_size, softcap, deterministic,
+                      bool(return_lse or return_attn_probs), seqused_q, seqused_k, variant)
+
+
+def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+               causal, window_size, softcap, deterministic, return_lse, seqused_q, seqused_k,
+               variant, packed=None):
+    """flash_attn_varlen_func's body; packed as in ops._attention."""
     if seqused_q is not None:
         raise InvalidInputError("seqused_q is not supported by fa3gen; pass cu_seqlens_q that "
                                 "bound the used rows instead")
     ops._check_fa3_arguments(softmax_scale)
     mask = ops.masking(causal, window_size, softcap)
-    return_lse = bool(return_lse or return_attn_probs)
     ops._check_tensors(q, k, v)
     if seqused_k is not None:
         _check_seqused_k(seqused_k, cu_seqlens_k)
@@ -580,8 +592,14 @@ def flash_attn_varlen_func(
                        softmax_scale, variant)
     _trace_call(plan.info.name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, plan,
-                                               bool(deterministic), seqused_k)
+        if packed is None:
+            out, lse = _EagerVarlenAttention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, plan,
+                                                   bool(deterministic), seqused_k)
+        else:
+            from fa3gen.packed import PackedAttention, VarlenRun
+            out, lse = PackedAttention.apply(
+                VarlenRun(plan, bool(deterministic), packed[1], cu_seqlens_q, cu_seqlens_k,
+                          seqused_k), *packed[0])
     else:
         out, lse = _empty_outputs(q)
         _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)

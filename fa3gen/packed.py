@@ -1,0 +1,170 @@
+"""flash-attn's packed entry points: q, k and v (or k and v) stacked in one tensor, as a fused
+QKV projection gives them. The kernels read the packed tensor in place (q, k, v are views of it,
+no copy), and the backward of an eager call writes the gradient of each packed tensor in one
+piece (dq, dk, dv are views of it), where autograd through the views would allocate three
+gradients and stack them.
+
+    flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, ...)
+    flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, ...)
+    flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, ...)
+    flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, *, ...)
+
+Positional order and keywords as flash_attn_func and flash_attn_varlen_func (FlashAttention-3's
+order: softmax_scale where flash-attn 2 has dropout_p; keyword-only after the varlen lengths).
+"""
+from __future__ import annotations
+
+import torch
+
+from fa3gen import ops, varlen
+from fa3gen.errors import InvalidInputError
+
+
+def _shape(t) -> str:
+    return f"{t.dtype} {tuple(t.shape)}"
+
+
+def _split_qkv(qkv, num_heads_q, batch_dims: int):
+    """unpack(tensors) -> (q, k, v) for a packed qkv: (.., 3, heads, d) (flash-attn's), or with
+    num_heads_q (FlashAttention-3's GQA layout) (.., heads_q + 2 * heads_kv, d)."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    lead = "(batch, seqlen" if batch_dims == 2 else "(total"
+    if num_heads_q is None:
+        if qkv.dim() != batch_dims + 3 or qkv.shape[batch_dims] != 3:
+            raise InvalidInputError(f"qkv must be {lead}, 3, heads, head_dim), got {_shape(qkv)}"
+                                    " (FlashAttention-3's (.., heads_q + 2 * heads_kv, head_dim) "
+                                    "takes num_heads_q)")
+        return lambda tensors: tensors[0].unbind(batch_dims)
+    if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int):
+        raise TypeError(f"num_heads_q must be an int, got {type(num_heads_q).__name__}")
+    heads = qkv.shape[batch_dims] if qkv.dim() == batch_dims + 2 else -1
+    hkv = (heads - num_heads_q) // 2
+    if heads < 0 or num_heads_q < 1 or hkv < 1 or num_heads_q + 2 * hkv != heads:
+        raise InvalidInputError(f"with num_heads_q={num_heads_q}, qkv must be {lead}, heads_q + "
+                                f"2 * heads_kv, head_dim) with heads_kv >= 1, got {_shape(qkv)}")
+    hq = num_heads_q
+
+    def unpack(tensors):
+        t = tensors[0]
+        return (t.narrow(batch_dims, 0, hq), t.narrow(batch_dims, hq, hkv),
+                t.narrow(batch_dims, hq + hkv, hkv))
+    return unpack
+
+
+def _split_kv(q, kv, batch_dims: int):
+    """unpack((q, kv)) -> (q, k, v) for kv (.., 2, heads_kv, d)."""
+    for name, t in (("q", q), ("kv", kv)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if kv.dim() != batch_dims + 3 or kv.shape[batch_dims] != 2:
+        lead = "(batch, seqlen_k" if batch_dims == 2 else "(total_k"
+        raise InvalidInputError(f"kv must be {lead}, 2, heads_kv, head_dim), got {_shape(kv)}")
+    return lambda tensors: (tensors[0], *tensors[1].unbind(batch_dims))
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                              softcap=0.0, deterministic=False, return_attn_probs=False,
+                              return_lse=False, num_heads_q=None, variant=None):
+    """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), q, k, v = qkv.unbind(2); or
+    with num_heads_q (FlashAttention-3), qkv (batch, seqlen, heads_q + 2 * heads_kv, head_dim)
+    holding q's heads, then k's, then v's. Differentiable in qkv; the rest as flash_attn_func."""
+    unpack = _split_qkv(qkv, num_heads_q, 2)
+    return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
+                          deterministic, bool(return_lse or return_attn_probs), variant, None,
+                          None, None, None, packed=((qkv,), unpack))
+
+
+def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_size=(-1, -1),
+                             softcap=0.0, deterministic=False, return_attn_probs=False,
+                             return_lse=False, variant=None):
+    """flash_attn_func on q (batch, seqlen_q, heads_q, head_dim) and kv (batch, seqlen_k, 2,
+    heads_kv, head_dim), k, v = kv.unbind(2). Differentiable in q and kv."""
+    unpack = _split_kv(q, kv, 2)
+    return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
+                          deterministic, bool(return_lse or return_attn_probs), variant, None,
+                          None, None, None, packed=((q, kv), unpack))
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_scale=None,
+                                     causal=False, window_size=(-1, -1), softcap=0.0,
+                                     deterministic=False, return_attn_probs=False,
+                                     return_lse=False, variant=None):
+    """flash_attn_varlen_func on qkv (total, 3, heads, head_dim) with one set of sequence
+    boundaries for queries and keys. Differentiable in qkv."""
+    unpack = _split_qkv(qkv, None, 1)
+    return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                             softmax_scale, causal, window_size, softcap, deterministic,
+                             bool(return_lse or return_attn_probs), None, None, variant,
+                             packed=((qkv,), unpack))
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, *, softmax_scale=None, causal=False,
+                                    window_size=(-1, -1), softcap=0.0, deterministic=False,
+                                    return_attn_probs=False, return_lse=False, seqused_k=None,
+                                    variant=None):
+    """flash_attn_varlen_func on q (total_q, heads_q, head_dim) and kv (total_k, 2, heads_kv,
+    head_dim). Differentiable in q and kv."""
+    unpack = _split_kv(q, kv, 1)
+    return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                             deterministic, bool(return_lse or return_attn_probs), None,
+                             seqused_k, variant, packed=((q, kv), unpack))
+
+
+class PackedAttention(torch.autograd.Function):
+    """An eager call that autograd records, on views of packed tensors: `run` (DenseRun or
+    VarlenRun) computes it; the backward allocates one gradient per packed tensor and has the
+    kernels write dq, dk, dv into views of them."""
+
+    @staticmethod
+    def forward(ctx, run, *packed):
+        q, k, v = run.unpack(packed)
+        out, lse = run.forward(q, k, v)
+        ctx.run = run
+        ctx.save_for_backward(*packed, out, lse)
+        ctx.mark_non_differentiable(lse)  # as the custom ops: gradients flow through out only
+        ctx.set_materialize_grads(False)  # lse's zero gradient as None (ops._EagerAttention)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        *packed, out, lse = ctx.saved_tensors
+        if dout is None:  # not reached through out: nothing flows back
+            return (None,) * (1 + len(packed))
+        run = ctx.run
+        grads = tuple(t.new_empty(t.shape) for t in packed)  # the views cover every element
+        run.backward(dout, *run.unpack(packed), out, lse, run.unpack(grads))
+        return (None, *ops.no_second_derivative(*packed, grads=grads))
+
+
+class DenseRun:
+    """flash_attn_func's eager forward and backward of one planned call."""
+
+    def __init__(self, plan, deterministic: bool, unpack):
+        self.plan, self.deterministic, self.unpack = plan, deterministic, unpack
+
+    def forward(self, q, k, v):
+        return ops._eager_forward(self.plan, q, k, v)
+
+    def backward(self, dout, q, k, v, out, lse, grads):
+        ops._eager_backward(self.plan, self.deterministic, dout, q, k, v, out, lse, grads)
+
+
+class VarlenRun(DenseRun):
+    """flash_attn_varlen_func's, with the call's sequence boundaries."""
+
+    def __init__(self, plan, deterministic: bool, unpack, cu_q, cu_k, seqused_k):
+        super().__init__(plan, deterministic, unpack)
+        self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
+
+    def forward(self, q, k, v):
+        out, lse = varlen._empty_outputs(q)
+        varlen._fwd_run(self.plan, q, k, v, self.cu_q, self.cu_k, out, lse, self.seqused_k)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, grads):
+        varlen._eager_backward(self.plan, self.deterministic, dout, q, k, v, out, lse, self.cu_q,
+                               self.cu_k, self.seqused_k, grads)

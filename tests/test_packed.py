@@ -1,0 +1,164 @@
+"""flash-attn's packed entry points on CPU (fake library, launches recorded): q, k, v are read
+as views of the packed tensor (no copy), and an eager backward writes dq, dk, dv into one
+gradient per packed tensor (its views), planned once per call signature. The kernels:
+tests/gpu/test_packed_kernels.py."""
+import pytest
+import torch
+
+import fa3gen
+from fa3gen import ops, packed
+from fa3gen.errors import InvalidInputError
+
+BF = torch.bfloat16
+B, S, H, D = 2, 40, 2, 128
+ROW = 2 * D  # bytes of one head's row
+
+
+def _launches(launched, direction):
+    return [p for name, p in launched if name.startswith(direction)]
+
+
+def test_qkvpacked_reads_the_views_and_writes_one_gradient(fake_launches):
+    qkv = torch.zeros(B, S, 3, H, D, dtype=BF, requires_grad=True)
+    out = packed.flash_attn_qkvpacked_func(qkv)
+    (f,) = _launches(fake_launches, "fwd")
+    base = qkv.data_ptr()
+    assert (f.q, f.k, f.v) == (base, base + H * ROW, base + 2 * H * ROW)
+    assert f.q_row_stride == f.k_row_stride == 3 * H * D and f.q_head_stride == D
+    out.float().sum().backward()
+    (b,) = _launches(fake_launches, "bwd")
+    g = qkv.grad
+    assert g.shape == qkv.shape and g.is_contiguous()
+    assert (b.dq, b.dk, b.dv) == (g.data_ptr(), g.data_ptr() + H * ROW, g.data_ptr() + 2 * H * ROW)
+    assert b.dq_row_stride == b.dk_row_stride == b.dv_row_stride == 3 * H * D
+
+
+def test_the_packed_call_is_the_unpacked_one(fake_launches):
+    """Same variant and params as flash_attn_func on the views (pointers, strides, scale,
+    masking), with and without grad; return_lse and FA3's return_attn_probs."""
+    qkv = torch.zeros(B, S, 3, H, D, dtype=BF)
+    out, lse = packed.flash_attn_qkvpacked_func(qkv, 0.5, window_size=(7, 3), softcap=20.0,
+                                                return_attn_probs=True)
+    fa3gen.flash_attn_func(*qkv.unbind(2), 0.5, window_size=(7, 3), softcap=20.0)
+    (n1, p1), (n2, p2) = fake_launches
+    assert n1 == n2 and out.shape == (B, S, H, D) and lse.shape == (B, H, S)
+    fields = [f for f, _ in p1._fields_ if f not in ("o", "lse")]
+    assert [getattr(p1, f) for f in fields] == [getattr(p2, f) for f in fields]
+
+
+def test_gqa_layout_with_num_heads_q(fake_launches):
+    """FlashAttention-3's (batch, seqlen, heads_q + 2 * heads_kv, d) with num_heads_q: q's heads,
+    then k's, then v's; the gradient in the same layout."""
+    hq, hkv = 4, 2
+    qkv = torch.zeros(B, S, hq + 2 * hkv, D, dtype=BF, requires_grad=True)
+    packed.flash_attn_qkvpacked_func(qkv, num_heads_q=hq).float().sum().backward()
+    (f,) = _launches(fake_launches, "fwd")
+    (b,) = _launches(fake_launches, "bwd")
+    base, g = qkv.data_ptr(), qkv.grad.data_ptr()
+    assert (f.heads_q, f.heads_kv) == (hq, hkv)
+    assert (f.q, f.k, f.v) == (base, base + hq * ROW, base + (hq + hkv) * ROW)
+    assert (b.dq, b.dk, b.dv) == (g, g + hq * ROW, g + (hq + hkv) * ROW)
+
+
+def test_kvpacked(fake_launches):
+    q = torch.zeros(B, 30, 4, D, dtype=BF, requires_grad=True)
+    kv = torch.zeros(B, S, 2, H, D, dtype=BF, requires_grad=True)
+    packed.flash_attn_kvpacked_func(q, kv).float().sum().backward()
+    (f,) = _launches(fake_launches, "fwd")
+    (b,) = _launches(fake_launches, "bwd")
+    assert (f.q, f.k, f.v) == (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + H * ROW)
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+    assert (b.dq, b.dk, b.dv) == (q.grad.data_ptr(), kv.grad.data_ptr(), kv.grad.data_ptr() + H * ROW)
+    assert b.dk_row_stride == 2 * H * D and b.dq_row_stride == 4 * D
+
+
+def test_a_repeated_call_plans_once(fake_launches, monkeypatch):
+    checks = []
+    for name in ("_fwd_plan", "_bwd_plan"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, real=real: checks.append(1) or real(*a))
+    for _ in range(3):
+        qkv = torch.zeros(B, S, 3, H, D, dtype=BF, requires_grad=True)
+        packed.flash_attn_qkvpacked_func(qkv).float().sum().backward()
+    assert len(checks) == 2 and len(fake_launches) == 6
+
+
+@pytest.mark.parametrize("kind", ["qkv", "kv"])
+def test_varlen(fake_launches, kind):
+    """The varlen forms (the fake library's varlen variants are causal): views and gradients
+    as the dense forms, the call's boundaries and lengths."""
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    if kind == "qkv":
+        qkv = torch.zeros(30, 3, H, D, dtype=BF, requires_grad=True)
+        out = packed.flash_attn_varlen_qkvpacked_func(qkv, cu, 20, causal=True)
+        inputs, base = (qkv,), qkv.data_ptr()
+        want = (base, base + H * ROW, base + 2 * H * ROW)
+    else:
+        q = torch.zeros(30, H, D, dtype=BF, requires_grad=True)
+        kv = torch.zeros(30, 2, H, D, dtype=BF, requires_grad=True)
+        out = packed.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 20, 20, causal=True)
+        inputs, want = (q, kv), (q.data_ptr(), kv.data_ptr(), kv.data_ptr() + H * ROW)
+    out.float().sum().backward()
+    (f,) = _launches(fake_launches, "fwd")
+    (b,) = _launches(fake_launches, "bwd")
+    assert (f.q, f.k, f.v) == want and f.cu_seqlens_q == cu.data_ptr() and f.seqlen_q == 20
+    grads = [t.grad for t in inputs]
+    assert all(g.shape == t.shape for g, t in zip(grads, inputs))
+    if kind == "qkv":
+        g = grads[0].data_ptr()
+        assert (b.dq, b.dk, b.dv) == (g, g + H * ROW, g + 2 * H * ROW)
+    else:
+        assert (b.dq, b.dk, b.dv) == (grads[0].data_ptr(), grads[1].data_ptr(),
+                                      grads[1].data_ptr() + H * ROW)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, H, D, dtype=BF)), "3, heads"),
+    (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 4, H, D, dtype=BF)), "3, heads"),
+    (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 7, D, dtype=BF), num_heads_q=4),
+     "heads_q \\+ 2 \\* heads_kv"),
+    (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 6, D, dtype=BF), num_heads_q=6),
+     "heads_kv >= 1"),
+    (lambda: packed.flash_attn_kvpacked_func(torch.zeros(B, S, H, D, dtype=BF),
+                                             torch.zeros(B, S, 3, H, D, dtype=BF)), "2, heads_kv"),
+    (lambda: packed.flash_attn_varlen_qkvpacked_func(torch.zeros(B, S, 3, H, D, dtype=BF),
+                                                     torch.tensor([0, 3], dtype=torch.int32), 3),
+     "\\(total, 3"),
+])
+def test_bad_packing_is_one_clear_error(fake_launches, call, match):
+    with pytest.raises(InvalidInputError, match=match):
+        call()
+    assert not fake_launches
+
+
+def test_non_tensors_and_bad_num_heads_q_are_type_errors():
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
+        packed.flash_attn_qkvpacked_func([1, 2])
+    with pytest.raises(TypeError, match="num_heads_q must be an int"):
+        packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 6, D, dtype=BF), num_heads_q=2.0)
+
+
+def test_flash_attn_2_positional_dropout_is_refused(fake_launches):
+    """flash-attn 2 passes dropout_p second: 0.0 there is a softmax_scale here, and refused."""
+    with pytest.raises(InvalidInputError, match="softmax_scale"):
+        packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 3, H, D, dtype=BF), 0.0, True)
+
+
+def test_torch_compile_traces_the_packed_call(fake_launches):
+    """Under torch.compile(fullgraph=True) the packed call is flash_attn_func's custom ops on
+    the views, gradients through them (the same params as eager)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda qkv: packed.flash_attn_qkvpacked_func(qkv), fullgraph=True,
+                      backend="aot_eager")
+    qkv = torch.zeros(B, S, 3, H, D, dtype=BF, requires_grad=True)
+    f(qkv).float().sum().backward()
+    assert qkv.grad.shape == qkv.shape
+    (fc,) = _launches(fake_launches, "fwd")
+    assert fc.q_row_stride == 3 * H * D and fc.k - fc.q == H * ROW
+    assert len(_launches(fake_launches, "bwd")) == 1
+
+
+def test_exported_from_the_package():
+    for name in ("flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+                 "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"):
+        assert getattr(fa3gen, name) is getattr(packed, name) and name in fa3gen.__all__
