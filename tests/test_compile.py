@@ -195,3 +195,90 @@ def test_varlen_padding_rows_are_exactly_those_outside_the_sequences(tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
     assert int(run.stdout.split()[0]) > 5000
+
+
+SCHEDULE_CHECK = r"""
+#include <cstdio>
+#include <map>
+#include <tuple>
+#include <vector>
+#include "tile_scheduler.cuh"
+using namespace fa3gen;
+struct HostGrid {
+  int c, n;
+  int cta() const { return c; }
+  int size() const { return n; }
+};
+// fwd_tile_schedule's grid walked as the forward kernel walks it (TileScheduler, walk_*):
+// every query tile once, none twice, for every grid policy; with clusters (FA3GEN_FWD_CLUSTER2,
+// non-causal) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
+// at every step, the same number of steps (a CTA that stops early leaves its peer waiting).
+template <bool Causal>
+int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int cluster, int fit, long long& n) {
+  const TileSchedule s = fwd_tile_schedule(m, heads, batch, Causal, long_tiles, mode, sms, cluster, fit);
+  if (s.ctas < 1 || s.ctas % cluster) { std::printf("grid %lld\n", (long long)s.ctas); return 1; }
+  const TileScheduler<Causal> sched{s};
+  std::map<std::tuple<int, int, int>, int> seen;
+  std::vector<std::vector<TileCoord>> walks(s.ctas);
+  for (int cta = 0; cta < int(s.ctas); ++cta) {
+    const HostGrid grid{cta, int(s.ctas)};
+    for (int t = walk_first(sched.paired(), grid); t < sched.count(); t = walk_next(t, sched.paired(), grid)) {
+      TileCoord tile;
+      if (!sched.decode(t, tile)) continue;
+      walks[cta].push_back(tile);
+      if (tile.block < m) ++seen[{tile.block, tile.head, tile.batch}];
+      else if (cluster == 1 || tile.block >= s.blocks || cta % cluster == 0) {
+        std::printf("cta %d: tile %d %d %d past the query blocks\n", cta, tile.block, tile.head, tile.batch);
+        return 1;
+      }
+    }
+  }
+  if (int(seen.size()) != m * heads * batch) { std::printf("%zu of %d tiles\n", seen.size(), m * heads * batch); return 1; }
+  for (auto const& [tile, count] : seen) if (count != 1) { std::printf("a tile %d times\n", count); return 1; }
+  for (int c = 0; c + 1 < int(s.ctas) && cluster == 2; c += 2) {
+    if (walks[c].size() != walks[c + 1].size()) { std::printf("cluster %d: %zu and %zu steps\n", c / 2, walks[c].size(), walks[c + 1].size()); return 1; }
+    for (size_t i = 0; i < walks[c].size(); ++i) {
+      const TileCoord a = walks[c][i], b = walks[c + 1][i];
+      if (a.head != b.head || a.batch != b.batch || b.block != a.block + 1) { std::printf("cluster %d step %zu apart\n", c / 2, i); return 1; }
+    }
+  }
+  ++n;
+  return 0;
+}
+int main() {
+  long long n = 0;
+  const int modes[] = {FA3GEN_GRID_AUTO, FA3GEN_GRID_TILES, FA3GEN_GRID_PERSISTENT};
+  for (int m = 1; m <= 11; ++m)
+    for (int heads : {1, 2, 3, 5})
+      for (int batch : {1, 2, 3})
+        for (bool long_tiles : {false, true})
+          for (int mode : modes)
+            for (int sms : {1, 2, 3, 7, 131, 132}) {
+              if (check<true>(m, heads, batch, long_tiles, mode, sms, 1, 0, n) ||
+                  check<false>(m, heads, batch, long_tiles, mode, sms, 1, 0, n)) return 1;
+              for (int fit : {0, 1, 3, 66})
+                if (check<false>(m, heads, batch, long_tiles, mode, sms, 2, fit, n)) {
+                  std::printf("m %d heads %d batch %d mode %d sms %d fit %d\n", m, heads, batch, mode, sms, fit);
+                  return 1;
+                }
+            }
+  std::printf("%lld checked\n", n);
+  return 0;
+}
+"""
+
+
+def test_the_forward_walk_covers_every_tile_once(tmp_path):
+    """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
+    grid policies, SM counts and (FA3GEN_FWD_CLUSTER2) clusters of two with residency caps."""
+    try:
+        nvcc = find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    src, exe = tmp_path / "schedule.cu", tmp_path / "schedule"
+    src.write_text(SCHEDULE_CHECK)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", f"-I{KERNELS_DIR}", str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout
+    assert int(run.stdout.split()[0]) > 10000

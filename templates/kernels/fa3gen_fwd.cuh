@@ -49,7 +49,9 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   }();
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
-  if (int64_t(m_blocks) * a.heads_q * a.batch > INT32_MAX / 2) {  // tile indices (pairs round up, plus 2 * grid) are ints
+  // Tile indices (pairs round up, plus 2 * grid) are ints; clusters walk m_blocks rounded up to them.
+  const int64_t walked_blocks = (m_blocks + Traits::kClusterM - 1) / Traits::kClusterM * Traits::kClusterM;
+  if (walked_blocks * a.heads_q * a.batch > INT32_MAX / 2) {
     fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
     return 1;
   }

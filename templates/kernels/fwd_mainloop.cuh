@@ -175,7 +175,8 @@ struct FwdMainloop {
   __device__ __forceinline__ void load_q(TileCoord const& tile, SeqSlice const& seq, int part) {
     constexpr int kRowsPerPart = kTileM / Traits::kQParts;
     // kClusterM > 1: a head's extra tile (past the last query block, tile_scheduler.cuh) loads
-    // the last block's rows instead of a box wholly out of bounds; it stores nothing anyway.
+    // the last block's rows; it stores nothing. (A box wholly out of bounds would do too: TMA
+    // zero-fills it and credits its bytes, as for a K/V half past the last key.)
     const int block = Traits::kClusterM > 1 ? min(tile.block, (p.seqlen_q - 1) / kTileM) : tile.block;
     auto [tg, ts] = row_tiles(p.tma_q, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, tile.head, tile.batch,
                               Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},

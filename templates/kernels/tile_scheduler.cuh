@@ -50,7 +50,8 @@ inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool c
   const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
   int64_t slots = num_sms > 0 ? num_sms : 132;
   if (cluster_fit > 0) slots = std::min<int64_t>(slots, int64_t(cluster_fit) * cluster);
-  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, slots / cluster * cluster);
+  // (at least one cluster: num_sms 1 with clusters of two would make an empty grid)
+  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, std::max<int64_t>(cluster, slots / cluster * cluster));
   return {blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
 
@@ -66,10 +67,18 @@ struct TileCoord {
 // A persistent CTA's walk over tile indices t: b, b + G, ... (G = the grid), or with pairs the
 // pairs b, b + G, ... (indices 2u and 2u + 1 of pair u). Shared by the dense and varlen
 // schedulers.
-__device__ __forceinline__ int walk_first(bool pairs) { return pairs ? 2 * int(blockIdx.x) : int(blockIdx.x); }
-__device__ __forceinline__ int walk_next(int t, bool pairs) {
-  if (!pairs) return t + int(gridDim.x);
-  return (t & 1) ? t - 1 + 2 * int(gridDim.x) : t + 1;
+// Grid: where the CTA index and the grid size come from (the host tests pass their own,
+// tests/test_compile.py).
+struct DeviceGrid {
+  __device__ __forceinline__ int cta() const { return int(blockIdx.x); }
+  __device__ __forceinline__ int size() const { return int(gridDim.x); }
+};
+template <class Grid = DeviceGrid>
+__host__ __device__ __forceinline__ int walk_first(bool pairs, Grid g = {}) { return pairs ? 2 * g.cta() : g.cta(); }
+template <class Grid = DeviceGrid>
+__host__ __device__ __forceinline__ int walk_next(int t, bool pairs, Grid g = {}) {
+  if (!pairs) return t + g.size();
+  return (t & 1) ? t - 1 + 2 * g.size() : t + 1;
 }
 // The query block of pair member `second` of pair j among n blocks: longest (n - 1 - j) first,
 // then shortest (j), so that a pair costs about n + 1 key blocks.
@@ -82,16 +91,16 @@ template <bool LongestFirst>
 struct TileScheduler {
   TileSchedule const& s;
 
-  __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
+  __host__ __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
 
   // Upper bound of the tile index t (pair indices cover 2 per pair).
-  __device__ __forceinline__ int count() const {
+  __host__ __device__ __forceinline__ int count() const {
     return (paired() ? 2 * s.pairs_per_head : s.blocks) * s.heads * s.batch;
   }
   __device__ __forceinline__ int first() const { return walk_first(paired()); }
   __device__ __forceinline__ int next(int t) const { return walk_next(t, paired()); }
   // False for the empty half of the middle pair (M odd): skip it.
-  __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
+  __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     int hb;
     if (paired()) {
       const int pair = t >> 1, j = pair % s.pairs_per_head;
