@@ -101,19 +101,27 @@ int main() {
 """
 
 
-def test_fast_div_matches_division(tmp_path):
-    """simt_common.cuh's FastDiv (the quantizer's item -> block, head, batch) against `/`."""
+def host_check(tmp_path, name: str, source: str, cutlass: bool = False) -> int:
+    """Compile `source` (a host program over the kernel headers) with the real nvcc, run it,
+    and return the count it prints on success (it prints what failed and exits 1 otherwise)."""
+    from generator.toolchain import find_cutlass_include
     try:
         nvcc = find_nvcc()
+        includes = [f"-I{KERNELS_DIR}"] + ([f"-I{find_cutlass_include()}"] if cutlass else [])
     except ToolchainError as e:
         pytest.skip(str(e))
-    src, exe = tmp_path / "fast_div.cu", tmp_path / "fast_div"
-    src.write_text(FAST_DIV_CHECK)
-    subprocess.run([str(nvcc), "-std=c++17", "-O2", f"-I{KERNELS_DIR}", str(src), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
+    src, exe = tmp_path / f"{name}.cu", tmp_path / name
+    src.write_text(source)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", "--expt-relaxed-constexpr", *includes, str(src),
+                    "-o", str(exe)], check=True, capture_output=True, text=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
-    assert int(run.stdout.split()[0]) > 100000
+    return int(run.stdout.split()[0])
+
+
+def test_fast_div_matches_division(tmp_path):
+    """simt_common.cuh's FastDiv (the quantizer's item -> block, head, batch) against `/`."""
+    assert host_check(tmp_path, "fast_div", FAST_DIV_CHECK) > 100000
 
 
 PADDING_CHECK = r"""
@@ -183,18 +191,7 @@ def test_varlen_padding_rows_are_exactly_those_outside_the_sequences(tmp_path):
     the rows before cu_seqlens[0] and from cu_seqlens[batch] on, clamped as the kernels clamp
     offsets, every element of them once in a strided view (and each LSE entry), never a row
     of a sequence nor the view's gaps."""
-    from generator.toolchain import find_cutlass_include
-    try:
-        nvcc, cutlass = find_nvcc(), find_cutlass_include()
-    except ToolchainError as e:
-        pytest.skip(str(e))
-    src, exe = tmp_path / "padding.cu", tmp_path / "padding"
-    src.write_text(PADDING_CHECK)
-    subprocess.run([str(nvcc), "-std=c++17", "-O2", "--expt-relaxed-constexpr", f"-I{KERNELS_DIR}",
-                    f"-I{cutlass}", str(src), "-o", str(exe)], check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout
-    assert int(run.stdout.split()[0]) > 5000
+    assert host_check(tmp_path, "padding", PADDING_CHECK, cutlass=True) > 5000
 
 
 SCHEDULE_CHECK = r"""
@@ -271,14 +268,4 @@ int main() {
 def test_the_forward_walk_covers_every_tile_once(tmp_path):
     """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
     grid policies, SM counts and (FA3GEN_FWD_CLUSTER2) clusters of two with residency caps."""
-    try:
-        nvcc = find_nvcc()
-    except ToolchainError as e:
-        pytest.skip(str(e))
-    src, exe = tmp_path / "schedule.cu", tmp_path / "schedule"
-    src.write_text(SCHEDULE_CHECK)
-    subprocess.run([str(nvcc), "-std=c++17", "-O2", f"-I{KERNELS_DIR}", str(src), "-o", str(exe)],
-                   check=True, capture_output=True, text=True)
-    run = subprocess.run([str(exe)], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout
-    assert int(run.stdout.split()[0]) > 10000
+    assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
