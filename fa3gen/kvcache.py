@@ -159,12 +159,14 @@ def _captured_call(q, k_cache, v_cache, args, return_lse):
     """A call under torch.compile (or on tensor subclasses): the checks while tracing, the
     append as PyTorch operations in the graph, the attention as the fa3gen::kvcache custom op,
     which plans and launches when the graph runs (as an eager call, no device sync on the
-    decode path). A chunked prefill whose q needs a gradient runs eagerly instead, outside
-    the graph (it gathers the keys, a sync, and the op has no backward)."""
+    decode path). Eagerly instead, outside the graph: a chunked prefill whose q needs a
+    gradient (it gathers the keys, a sync, and the op has no backward), and every call under
+    FA3GEN_DEBUG_CHECKS (its checks read the lengths and indices on the host, before the
+    append writes anything)."""
     (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
      softcap, num_splits, k_scale, v_scale) = args
     c = _check(q, k_cache, v_cache, *args)
-    if c.prefill and torch.is_grad_enabled() and q.requires_grad:
+    if ops.debug_checks_enabled() or (c.prefill and torch.is_grad_enabled() and q.requires_grad):
         return torch.compiler.disable(_eager_call)(q, k_cache, v_cache, args, return_lse)
     b, sq, hq, d = q.shape
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None

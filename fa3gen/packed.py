@@ -117,31 +117,37 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 class PackedAttention(torch.autograd.Function):
     """An eager call that autograd records, on views of packed tensors: `run` (DenseRun or
     VarlenRun) computes it; the backward allocates one gradient per packed tensor and has the
-    kernels write dq, dk, dv into views of them."""
+    kernels write dq, dk, dv into views of them. apply(run, *packed, *run.tensors): the
+    call's other tensors (cu_seqlens, seqused_k) are inputs too, saved as autograd saves them
+    (an in-place change before the backward is an error, as in the unpacked call)."""
 
     @staticmethod
-    def forward(ctx, run, *packed):
+    def forward(ctx, run, *inputs):
+        n = len(inputs) - len(run.tensors)
+        packed, others = inputs[:n], inputs[n:]
         q, k, v = run.unpack(packed)
-        out, lse = run.forward(q, k, v)
-        ctx.run = run
-        ctx.save_for_backward(*packed, out, lse)
+        out, lse = run.forward(q, k, v, *others)
+        ctx.run, ctx.packed = run, len(packed)
+        ctx.save_for_backward(*inputs, out, lse)
         ctx.mark_non_differentiable(lse)  # as the custom ops: gradients flow through out only
         ctx.set_materialize_grads(False)  # lse's zero gradient as None (ops._EagerAttention)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        *packed, out, lse = ctx.saved_tensors
+        *inputs, out, lse = ctx.saved_tensors
+        packed, others = inputs[:ctx.packed], inputs[ctx.packed:]
         if dout is None:  # not reached through out: nothing flows back
-            return (None,) * (1 + len(packed))
+            return (None,) * (1 + len(inputs))
         run = ctx.run
         grads = tuple(t.new_empty(t.shape) for t in packed)  # the views cover every element
-        run.backward(dout, *run.unpack(packed), out, lse, run.unpack(grads))
-        return (None, *ops.no_second_derivative(*packed, grads=grads))
+        run.backward(dout, *run.unpack(packed), out, lse, run.unpack(grads), *others)
+        return (None, *ops.no_second_derivative(*packed, grads=grads), *(None,) * len(others))
 
 
 class DenseRun:
     """flash_attn_func's eager forward and backward of one planned call."""
+    tensors = ()  # no other tensor inputs
 
     def __init__(self, plan, deterministic: bool, unpack):
         self.plan, self.deterministic, self.unpack = plan, deterministic, unpack
@@ -154,17 +160,18 @@ class DenseRun:
 
 
 class VarlenRun(DenseRun):
-    """flash_attn_varlen_func's, with the call's sequence boundaries."""
+    """flash_attn_varlen_func's, with the call's sequence boundaries (and seqused_k) as the
+    other tensor inputs."""
 
     def __init__(self, plan, deterministic: bool, unpack, cu_q, cu_k, seqused_k):
         super().__init__(plan, deterministic, unpack)
-        self.cu_q, self.cu_k, self.seqused_k = cu_q, cu_k, seqused_k
+        self.tensors = (cu_q, cu_k) if seqused_k is None else (cu_q, cu_k, seqused_k)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, cu_q, cu_k, seqused_k=None):
         out, lse = varlen._empty_outputs(q)
-        varlen._fwd_run(self.plan, q, k, v, self.cu_q, self.cu_k, out, lse, self.seqused_k)
+        varlen._fwd_run(self.plan, q, k, v, cu_q, cu_k, out, lse, seqused_k)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, grads):
-        varlen._eager_backward(self.plan, self.deterministic, dout, q, k, v, out, lse, self.cu_q,
-                               self.cu_k, self.seqused_k, grads)
+    def backward(self, dout, q, k, v, out, lse, grads, cu_q, cu_k, seqused_k=None):
+        varlen._eager_backward(self.plan, self.deterministic, dout, q, k, v, out, lse, cu_q, cu_k,
+                               seqused_k, grads)

@@ -597,9 +597,9 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                                                    bool(deterministic), seqused_k)
         else:
             from fa3gen.packed import PackedAttention, VarlenRun
-            out, lse = PackedAttention.apply(
-                VarlenRun(plan, bool(deterministic), packed[1], cu_seqlens_q, cu_seqlens_k,
-                          seqused_k), *packed[0])
+            run = VarlenRun(plan, bool(deterministic), packed[1], cu_seqlens_q, cu_seqlens_k,
+                            seqused_k)
+            out, lse = PackedAttention.apply(run, *packed[0], *run.tensors)
     else:
         out, lse = _empty_outputs(q)
         _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)

@@ -1298,6 +1298,22 @@ def test_torch_compile_chunked_prefill(fake_launches, layout):
         torch.compile(call, backend="eager", fullgraph=True)(q, kc)
 
 
+def test_torch_compile_with_debug_checks_checks_before_the_append(launched, monkeypatch):
+    """FA3GEN_DEBUG_CHECKS=1: a compiled call runs eagerly outside the graph, so its data checks
+    see the lengths before the append and refuse a bad one before writing anything."""
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    torch._dynamo.reset()
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    new = torch.ones(2, 2, 2, 128, dtype=BF)
+    call = lambda q, kc, k, s: kvcache.flash_attn_with_kvcache(q, kc, kc, k, k, cache_seqlens=s)
+    with pytest.raises(InvalidInputError, match=r"cache_seqlens in \[-2, 5\], outside \[0, 998\]"):
+        torch.compile(call, backend="aot_eager")(q, kc, new, torch.tensor([-2, 5], dtype=torch.int32))
+    assert not kc.any() and not launched
+    torch.compile(call, backend="aot_eager")(q, kc, new, torch.tensor([3, 5], dtype=torch.int32))
+    assert kc[0, 3:5].eq(1).all() and launched[0].seqlen_k == 1000
+
+
 def test_the_custom_op_passes_opcheck_on_cpu(launched):
     """fa3gen::kvcache's schema (it mutates nothing: the append runs before it) and its fake
     implementation (shapes, strides, dtypes of out and lse) against the op itself; the rest of

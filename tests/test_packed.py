@@ -112,6 +112,17 @@ def test_varlen(fake_launches, kind):
                                       grads[1].data_ptr() + H * ROW)
 
 
+def test_varlen_boundaries_changed_before_the_backward_are_an_error(fake_launches):
+    """cu_seqlens (and seqused_k) are saved as autograd saves tensors, as in the unpacked call:
+    a buffer reused for the next batch before backward() is refused, not silently used."""
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    qkv = torch.zeros(30, 3, H, D, dtype=BF, requires_grad=True)
+    out = packed.flash_attn_varlen_qkvpacked_func(qkv, cu, 20, causal=True)
+    cu[1] = 5
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, H, D, dtype=BF)), "3, heads"),
     (lambda: packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 4, H, D, dtype=BF)), "3, heads"),
