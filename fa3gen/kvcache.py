@@ -138,7 +138,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 def _eager_call(q, k_cache, v_cache, args, return_lse):
     """A call's plan (once per signature), append and launch."""
-    k, v, cache_seqlens, cache_batch_idx, block_table, *_, k_scale, v_scale = args
+    k, v, cache_seqlens, cache_batch_idx, block_table, _, _, _, _, _, k_scale, v_scale = args
     try:
         key = _call_key(q, k_cache, v_cache, args)
         plan = _plans.get(key)
