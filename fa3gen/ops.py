@@ -918,6 +918,22 @@ def _check_fa3_arguments(softmax_scale) -> None:
                         "is dropout_p, here (FlashAttention-3's order) it is the scale")
 
 
+def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin) -> None:
+    """FlashAttention-3's keywords that fa3gen takes only as hints (or at their defaults)."""
+    if qv is not None:
+        raise InvalidInputError("qv (FlashAttention-3's extra q-v scores of multi-head latent "
+                                "attention) is not supported by fa3gen")
+    for name, value, least in (("attention_chunk", attention_chunk, 0),
+                               ("num_splits", num_splits, 0), ("sm_margin", sm_margin, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise InvalidInputError(f"{name} must be an int >= {least}, got {value!r}")
+    if attention_chunk:
+        raise InvalidInputError(f"attention_chunk={attention_chunk} (chunked local attention) is "
+                                "not supported by fa3gen; window_size gives sliding windows")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise InvalidInputError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+
+
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -935,6 +951,11 @@ def flash_attn_func(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    qv: None = None,
+    attention_chunk: int = 0,
+    num_splits: int = 1,
+    pack_gqa: bool | None = None,
+    sm_margin: int = 0,
 ):
     """Attention softmax(q k^T * scale) v on Hopper with an fa3gen-generated kernel.
 
@@ -966,7 +987,14 @@ def flash_attn_func(
     (what fa3gen.quantize_fp8 returns; the blocks are the serving variant's tiles,
     fa3gen.fp8.block_sizes), applied to the scores and the output; the output is bf16,
     or fp16 with out_dtype=torch.float16 (fa3gen.fp8).
+    FlashAttention-3's other keywords: num_splits, pack_gqa and sm_margin are performance
+    hints, accepted and not used (fa3gen's forward neither splits keys nor packs GQA heads,
+    and its persistent grid takes every SM); qv and attention_chunk change the result and are
+    not supported (only their defaults are accepted).
     """
+    if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
+            sm_margin != 0:
+        check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
     return _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                       bool(return_lse or return_attn_probs), variant, q_descale, k_descale,
                       v_descale, out_dtype)

@@ -525,6 +525,14 @@ def flash_attn_varlen_func(
     seqused_q: None = None,
     seqused_k: torch.Tensor | None = None,
     variant: str | None = None,
+    q_descale: None = None,
+    k_descale: None = None,
+    v_descale: None = None,
+    qv: None = None,
+    attention_chunk: int = 0,
+    num_splits: int = 1,
+    pack_gqa: bool | None = None,
+    sm_margin: int = 0,
 ):
     """Attention over variable-length sequences packed along the rows, as flash-attn's
     flash_attn_varlen_func.
@@ -547,7 +555,16 @@ def flash_attn_varlen_func(
     supported.
     Differentiable in q, k, v. Returns out (total_q, heads_q, head_dim), plus lse
     (heads_q, total_q) float32 when return_lse (or return_attn_probs).
+    FlashAttention-3's other keywords as in flash_attn_func (num_splits, pack_gqa, sm_margin:
+    hints, not used; qv, attention_chunk: their defaults only); the descales only as None
+    (no fp8 varlen).
     """
+    if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
+            sm_margin != 0:
+        ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise InvalidInputError("descales are for fp8 inputs; fa3gen's varlen forward takes "
+                                "bf16 and fp16 (pass None)")
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, deterministic,
                       bool(return_lse or return_attn_probs), seqused_q, seqused_k, variant)

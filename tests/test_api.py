@@ -320,3 +320,31 @@ def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
         assert f(x, x, x).shape == x.shape
     assert [n for n, _ in launched] == [short.name] * 2 + ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"]
     assert launched[0][1].softmax_scale == 0.5 and launched[2][1].seqlen_q == 300
+
+
+def test_flash_attention_3s_other_keywords(fake_launches):
+    """FA3 code that passes its performance hints (num_splits, pack_gqa, sm_margin) runs, with
+    the same launch; qv and attention_chunk, which change the result, are refused unless at
+    their defaults; bad values are refused too. Both entry points."""
+    from fa3gen import varlen
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    ops.flash_attn_func(q, q, q)
+    ops.flash_attn_func(q, q, q, num_splits=0, pack_gqa=True, sm_margin=8, qv=None, attention_chunk=0)
+    (n1, p1), (n2, p2) = fake_launches
+    from fa3gen.contract import FWD_PARAMS
+    values = [name for name, ctype in FWD_PARAMS if "*" not in ctype]  # the pointers differ
+    assert n1 == n2 and [getattr(p1, f) for f in values] == [getattr(p2, f) for f in values]
+    for kw, match in ((dict(qv=q), "qv"), (dict(attention_chunk=128), "attention_chunk"),
+                      (dict(num_splits=-1), "num_splits"), (dict(sm_margin=1.5), "sm_margin"),
+                      (dict(pack_gqa="yes"), "pack_gqa")):
+        with pytest.raises(InvalidInputError, match=match):
+            ops.flash_attn_func(q, q, q, **kw)
+    x = torch.zeros(8, 2, 128, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, causal=True, num_splits=1, pack_gqa=False,
+                                  sm_margin=0, q_descale=None)
+    with pytest.raises(InvalidInputError, match="attention_chunk"):
+        varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, attention_chunk=64)
+    with pytest.raises(InvalidInputError, match="descales"):
+        varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, k_descale=torch.ones(1))
+    assert len(fake_launches) == 3
