@@ -418,7 +418,8 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
     key = None
     if out is None:
         try:
-            key = (ops._signature(q), ops._signature(k), ops._signature(v), mask, softmax_scale,
+            key = (ops._signature(q), ops._signature(k), ops._signature(v), mask,
+                   softmax_scale if softmax_scale is None else float(softmax_scale),  # a tensor's value
                    variant, out_dtype, ops._grid_env(),
                    *(_descale_signature(descales.get(n)) for n in DESCALE_NAMES))
             plan = _plans.get(key)

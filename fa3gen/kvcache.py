@@ -287,7 +287,9 @@ def _call_key(q, k_cache, v_cache, args) -> tuple:
     sig = ops._signature
     key = [sig(q), sig(k_cache), sig(v_cache)]
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
+        if i == 5 and a is not None and type(a) is not float:  # softmax_scale: its value
+            key.append(float(a))
+        elif isinstance(a, torch.Tensor):
             key.append(sig(a))
         elif i == 2 and type(a) is int:
             key.append(int)

@@ -741,7 +741,7 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, grads=None):
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked), new, or
     written into `grads` (views of packed gradients, fa3gen.packed)."""
-    key = (fwd, deterministic, _signature(dout))
+    key = (fwd, deterministic, *_layout_key(dout))  # its alignment decides a copy (_plan_once)
     if grads is not None:  # their strides are the params'
         key += tuple(_signature(g) for g in grads)
     plan, dout = _backward_plan_once(

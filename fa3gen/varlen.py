@@ -212,14 +212,18 @@ _paged_variants: dict = {}  # (library, dtype, head_dim, mask) -> paged_variant'
 def packed_offsets(batch: int, seqlen_q: int, capacity: int, device):
     """(cu_seqlens_q, cu_seqlens_k) of `batch` sequences of seqlen_q query rows each, sequence
     b's keys from row b * capacity (a cache's rows): made once per shape and kept, so later
-    calls launch no kernel for them (the kernels only read them)."""
+    calls launch no kernel for them (the kernels only read them). Not under CUDA graph
+    capture: a graph holds the addresses it read, and the cache may drop (free) its tensors
+    when full, so a capture makes its own, from the graph's pool."""
     key = (device, batch, seqlen_q, capacity)
-    found = _offsets.get(key)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    found = None if capturing else _offsets.get(key)
     if found is None:
         i32 = dict(dtype=torch.int32, device=device)
-        found = ops._remember(_offsets, key, (
-            torch.arange(0, batch * seqlen_q + 1, seqlen_q, **i32),
-            torch.arange(0, (batch + 1) * capacity, capacity, **i32)))
+        found = (torch.arange(0, batch * seqlen_q + 1, seqlen_q, **i32),
+                 torch.arange(0, (batch + 1) * capacity, capacity, **i32))
+        if not capturing:
+            ops._remember(_offsets, key, found)
     return found
 
 
@@ -265,9 +269,9 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
     capacity = cols * page_size  # >= 1: the caller routes tables of no column elsewhere
     rows = q.reshape(b * sq, hq, d)
     out, lse = outputs if outputs is not None else _empty_outputs(rows)
-    key = (lib, info.name, q.device, rows.shape, rows.stride(), out.stride(), k_cache.shape,
+    key = (lib, info.name, q.device, q.shape, q.stride(), out.stride(), k_cache.shape,
            k_cache.stride(), v_cache.stride(), cols, block_table.stride(0), mask, scale,
-           ops._grid_mode())
+           ops._grid_mode())  # q's own shape: (2, 40) and (4, 20) rows are 80 either way
     plan = _paged_plans.get(key)
     if plan is None:  # the checks and sizes of this signature, once
         q4, o4 = _views(rows, out)
@@ -477,7 +481,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen); grads as there."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
-    key = (fwd, deterministic, ops._signature(dout))
+    key = (fwd, deterministic, *ops._layout_key(dout))  # its alignment decides a copy
     if grads is not None:
         key += tuple(ops._signature(g) for g in grads)
     plan, dout = ops._backward_plan_once(

@@ -1,0 +1,62 @@
+"""The plan caches' keys (CPU, fake library): a call that differs from a cached one only in
+something its plan depends on gets its own plan, never the cached one's params. Each case
+reused a wrong plan once (a review of the caches, 2026-12-05)."""
+import pytest
+import torch
+
+from fa3gen import contract, kvcache, ops, varlen
+
+BF = torch.bfloat16
+
+
+def test_paged_prefill_tells_batch_from_seqlen(fake_launches, monkeypatch):
+    """(2, 40) and (4, 20) queries are 80 rows either way: the paged forward's plan is keyed
+    by q's own shape, so the second call launches batch 4 of 20 rows."""
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    kc = torch.zeros(10, 64, 2, 128, dtype=BF)
+    for b, sq in ((2, 40), (4, 20)):
+        q = torch.zeros(b, sq, 4, 128, dtype=BF)
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.full((b,), 70, dtype=torch.int32),
+                                        block_table=torch.zeros(b, 3, dtype=torch.int32), causal=True)
+        (name, p) = fake_launches[-1]
+        assert (p.batch, p.seqlen_q, p.total_q, p.total_k) == (b, sq, b * sq, b * 3 * 64)
+
+
+@pytest.mark.parametrize("kind", ["dense", "varlen"])
+def test_a_gradients_alignment_is_part_of_the_backward_plan(fake_launches, kind):
+    """dout of one layout, first 2 bytes off the 16-byte alignment (copied), then aligned (read
+    where it lies): the second launch reads it with its own strides, not the copy's."""
+    buf = torch.zeros(64, 2, 264, dtype=BF) if kind == "varlen" else torch.zeros(1, 64, 2, 264, dtype=BF)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    for off in (1, 0):
+        q = torch.zeros(buf.shape[:-1] + (128,), dtype=BF, requires_grad=True)
+        out = (varlen.flash_attn_varlen_func(q, q, q, cu, cu, 34, 34, causal=True) if kind == "varlen"
+               else ops.flash_attn_func(q, q, q))
+        dout = buf[..., off:off + 128]
+        out.backward(dout)
+        (_, p) = fake_launches[-1]
+        if off == 0:
+            assert p.dout == dout.data_ptr() and p.do_row_stride == 2 * 264 and p.do_head_stride == 264
+        else:
+            assert p.dout != dout.data_ptr() and p.do_row_stride == 2 * 128
+
+
+def test_kvcache_scale_given_as_a_tensor_is_keyed_by_value(fake_launches, monkeypatch):
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    calls = []
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(2, 256, 2, 128, dtype=BF)
+    for s in (0.5, 0.125):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, softmax_scale=torch.tensor(s))
+    assert [p.softmax_scale for p in calls] == [0.5, 0.125]
+
+
+@pytest.mark.parametrize("dtype", [BF, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_a_tensor_scale_changed_in_place_is_read_again(fake_launches, dtype):
+    q = torch.zeros(1, 128, 2, 128).to(dtype)
+    s = torch.tensor(0.5)
+    for value in (0.5, 0.125):
+        s.fill_(value)
+        ops.flash_attn_func(q, q, q, s, causal=dtype != BF)  # the fake library's keys
+    assert [p.softmax_scale for _, p in fake_launches] == [0.5, 0.125]
