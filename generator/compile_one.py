@@ -23,7 +23,7 @@ from typing import Optional
 
 from fa3gen.files import write_atomically
 
-from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, PtxasReport, parse_ptxas
+from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, Diagnostic, PtxasReport, parse_ptxas
 
 MARKER_SUFFIX = ".compiling"
 
@@ -83,13 +83,62 @@ def split_by_variant(report: PtxasReport, kernels: dict[str, str]) -> dict[str, 
     return out
 
 
+def _is_setmaxnreg(d) -> bool:
+    return d.code in SETMAXNREG_IGNORED
+
+
+def attribute_setmaxnreg(report: PtxasReport, cmd: list[str], work: Path) -> None:
+    """ptxas prints C7508 (setmaxnreg ignored) before the entries, naming none: in a unit of
+    several variants the warning would then count for all of them. Compile the unit to PTX
+    once more and run ptxas on each entry alone; each diagnostic so found names its entry (the
+    unnamed ones are dropped). Only a unit with such a warning pays for it (a failing build).
+    Leaves the report as it is when the commands cannot run."""
+    try:
+        nvcc = next(i for i, a in enumerate(cmd) if Path(a).name == "nvcc")
+    except StopIteration:
+        return
+    ptx = work / "unit.ptx"
+    ptx_cmd, skip = [], 0
+    for a in cmd[nvcc:]:
+        if skip:
+            skip -= 1
+        elif a in ("-MD",):
+            pass
+        elif a in ("-MF", "-o"):
+            skip = 1
+            if a == "-o":
+                ptx_cmd += ["-o", str(ptx)]
+        elif a == "-c":
+            ptx_cmd.append("-ptx")
+        else:
+            ptx_cmd.append(a)
+    if subprocess.run(ptx_cmd, capture_output=True).returncode != 0 or not ptx.is_file():
+        return
+    ptxas = Path(cmd[nvcc]).parent / "ptxas"
+    found = []
+    for e in report.entries:
+        run = subprocess.run([str(ptxas) if ptxas.is_file() else "ptxas", f"-arch={e.arch or 'sm_90a'}",
+                              "-v", "-e", e.name, str(ptx), "-o", os.devnull],
+                             capture_output=True, text=True, errors="replace")
+        if run.returncode != 0:
+            return
+        found += [Diagnostic(d.code, d.message, e.name)
+                  for d in parse_ptxas(run.stdout + run.stderr).diagnostics if _is_setmaxnreg(d)]
+    report.diagnostics = [d for d in report.diagnostics
+                          if not (_is_setmaxnreg(d) and d.function is None)] + found
+
+
 def summarize(name: str, log: str, seconds: float, returncode: int,
-              kernels: Optional[dict[str, str]] = None) -> dict:
+              kernels: Optional[dict[str, str]] = None,
+              report: Optional[PtxasReport] = None) -> dict:
     """The unit's resources: its heaviest kernel's at the top level (as for one variant), every
-    entry, and under "variants" each variant's own (split_by_variant)."""
-    report = parse_ptxas(log)
+    entry, and under "variants" each variant's own (split_by_variant). report: the log's,
+    parsed (and attributed) already."""
+    report = report or parse_ptxas(log)
     out = {"name": name, "returncode": returncode, "compile_seconds": round(seconds, 2),
            **_kernel_summary(report), "entries": report.to_dict()["entries"], "variants": {}}
+    if returncode == 0 and kernels and not report.entries:  # -v output lost: nothing checked
+        out["problems"] = [*out["problems"], "no kernel entry in the ptxas output (-Xptxas -v)"]
     if returncode == 0 and kernels:
         try:
             out["variants"] = {v: _kernel_summary(r) for v, r in split_by_variant(report, kernels).items()}
@@ -149,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_path.write_text(log)
 
-    res = summarize(args.name, log, seconds, rc, kernels)
+    report = parse_ptxas(log)
+    if rc == 0 and len(kernels) > 1 and any(_is_setmaxnreg(d) and d.function is None
+                                            for d in report.diagnostics):
+        import tempfile
+        with tempfile.TemporaryDirectory() as work:
+            attribute_setmaxnreg(report, cmd, Path(work))
+    res = summarize(args.name, log, seconds, rc, kernels, report)
     res["ok"] = rc == 0 and (allow or not res["problems"])
     _write_json(args.resources, res)
 

@@ -269,3 +269,46 @@ def test_the_forward_walk_covers_every_tile_once(tmp_path):
     """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
     grid policies, SM counts and (FA3GEN_FWD_CLUSTER2) clusters of two with residency caps."""
     assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
+
+
+SETMAXNREG_UNIT = r"""
+// Three kernels that ask for setmaxnreg; only bad<2> has no __launch_bounds__, so ptxas
+// cannot know its register count at entry and drops its setmaxnreg (C7508, printed before
+// the entries and naming none).
+template <int N> __global__ void bad(int* p) {
+  if (threadIdx.x < 128) { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); }
+  else { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n"); }
+  p[threadIdx.x] = N;
+}
+template <int N> __global__ void __launch_bounds__(384, 1) good(int* p) {
+  if (threadIdx.x < 128) { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); }
+  else { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n"); }
+  p[threadIdx.x] = N;
+}
+template __global__ void good<1>(int*);
+template __global__ void bad<2>(int*);
+template __global__ void good<3>(int*);
+"""
+
+
+def test_a_dropped_setmaxnreg_is_charged_to_its_own_variant(tmp_path, monkeypatch, capsys):
+    """compile_one on a unit of three variants, one of whose kernels loses its setmaxnreg:
+    ptxas names no kernel for it, so compile_one asks ptxas entry by entry, and only that
+    variant fails (it used to be all three)."""
+    from generator import compile_one
+    try:
+        nvcc = find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    monkeypatch.delenv("FA3GEN_ALLOW_SPILLS", raising=False)
+    src, obj, res = tmp_path / "u.cu", tmp_path / "u.o", tmp_path / "u.resources.json"
+    src.write_text(SETMAXNREG_UNIT)
+    rc = compile_one.main(["--name", "u", "--out", str(obj), "--resources", str(res),
+                           "--kernel", "v1=goodILi1", "--kernel", "v2=badILi2", "--kernel", "v3=goodILi3",
+                           "--", str(nvcc), "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a",
+                           "-Xptxas", "-v", "-MD", "-MF", f"{obj}.d", "-c", str(src), "-o", str(obj)])
+    out = json.loads(res.read_text())
+    assert rc == 1 and not obj.exists()
+    assert {v: r["setmaxnreg_ignored"] for v, r in out["variants"].items()} == {"v1": False, "v2": True, "v3": False}
+    assert all(p.startswith("v2: ") for p in out["problems"]) and out["problems"]
+    assert "unit u" in capsys.readouterr().err

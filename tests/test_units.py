@@ -163,3 +163,10 @@ def test_a_dry_run_names_each_units_variants(fake, monkeypatch):
     (line,) = [ln for ln in lines if f"would run: NVCC {unit.name}" in ln]
     assert "(2 variants: " in line and A in line and B_ in line
     assert f"NVCC {unit.name}" in res.planned and take_calls(calls) == []
+
+
+def test_a_unit_whose_log_has_no_entry_is_not_clean():
+    """ptxas -v output lost (a compiler launcher that swallows it, say): nothing was checked,
+    which is a problem for a unit of one variant as for a larger one."""
+    res = summarize("u", "", 1.0, 0, {"fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov0": "X"})
+    assert any("no kernel entry" in p for p in res["problems"])
