@@ -230,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if res["wgmma_serialized"]:
         note += " WGMMA SERIALIZED"
     count = f" ({len(kernels)} variants, the heaviest kernel's)" if len(kernels) > 1 else ""
-    print(f"{args.name}: {regs} regs, spill {res['spill_stores']}/{res['spill_loads']} B, "
+    # spills of every kernel of the unit (a spill accepted by --allow-spills may be another's)
+    stores, loads = (sum(e[f"spill_{kind}"] for e in res["entries"]) for kind in ("stores", "loads"))
+    print(f"{args.name}: {regs} regs, spill {stores}/{loads} B, "
           f"stack {res['stack_frame']} B{count}, {seconds:.1f} s{note}")
     return 0
 
