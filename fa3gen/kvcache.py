@@ -111,9 +111,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     Rotary (flash-attn's): rotary_cos, rotary_sin (seqlen_ro, rotary_dim / 2), with k and v
     given, rotate the new keys at positions cache_seqlens, cache_seqlens + 1, ... and q at the
-    same positions when causal or with a window, else all of q at position cache_seqlens; pairs
-    (0, 1), (2, 3), ... (rotary_interleaved, the default) or the two halves of the first
-    rotary_dim values. In fp32, rounded once to q's (k's) dtype, by PyTorch operations before
+    same positions when causal or with a window that hides a key (_window_masks), else all of q
+    at position cache_seqlens; pairs (0, 1), (2, 3), ... (rotary_interleaved, the default) or
+    the two halves of the first rotary_dim values. In fp32, rounded once to q's (k's) dtype, by PyTorch operations before
     the append (not fused into the kernels). Positions past seqlen_ro are an error when
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
@@ -123,12 +123,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
     if rotary_cos is not None or rotary_sin is not None:
-        try:
-            local = tuple(window_size) != (-1, -1)
-        except TypeError:  # the plan's checks say what is wrong with it
-            local = False
         q, k = _rotate(q, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
-                       bool(causal) or local)
+                       bool(causal) or _window_masks(window_size, q, k_cache, block_table))
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
     if ops._captured(q, k_cache, v_cache):
@@ -230,6 +226,18 @@ def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, cache_length, cache_batch_
                   softmax_scale, causal, window_left, window_right, softcap, num_splits, k_scale,
                   k_scale_value, v_scale, v_scale_value):
     return ops._empty_outputs(q)
+
+
+def _window_masks(window_size, q, k_cache, block_table) -> bool:
+    """Whether a window hides any key (FlashAttention-3's rule, which decides how q is rotated:
+    a left side of at least capacity - 1 keys, or a right side of at least seqlen_q - 1, hides
+    none and counts as -1)."""
+    try:
+        left, right = (int(x) for x in window_size)
+        capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        return 0 <= left < capacity - 1 or 0 <= right < q.shape[1] - 1
+    except (TypeError, ValueError, AttributeError, IndexError):  # the plan's checks say what is wrong
+        return False
 
 
 def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):

@@ -1328,6 +1328,24 @@ def test_the_custom_op_passes_opcheck_on_cpu(launched):
     assert launched and all(p.window_left == 20 and p.softcap == 5.0 for p in launched)
 
 
+@pytest.mark.parametrize("window,per_row", [((-1, -1), False), ((1000, 1000), False), ((47, -1), False),
+                                            ((46, -1), True), ((-1, 1), False), ((-1, 0), True)])
+def test_rotary_positions_of_q_follow_the_windows_reach(launched, monkeypatch, window, per_row):
+    """q's rows are rotated at their own positions when the call is causal or its window hides
+    a key, else all at cache_seqlens (FlashAttention-3's rule: a left side of >= capacity - 1
+    keys or a right side of >= seqlen_q - 1 hides none), here capacity 48, seqlen_q 2."""
+    seen = []
+    real = kvcache._rotate
+    monkeypatch.setattr(kvcache, "_rotate", lambda *a: seen.append(a[-1]) or real(*a))
+    q = torch.zeros(2, 2, 8, 128, dtype=BF)
+    kc = torch.zeros(2, 48, 2, 128, dtype=BF)
+    new = torch.zeros(2, 2, 2, 128, dtype=BF)
+    cos = torch.ones(48, 32)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=10, window_size=window,
+                                    rotary_cos=cos, rotary_sin=cos)
+    assert seen == [per_row]
+
+
 def test_a_numpy_integer_cache_seqlens_is_an_int(launched):
     """flash-attn takes cache_seqlens as an int or a tensor; a numpy integer is an int."""
     np = pytest.importorskip("numpy")
