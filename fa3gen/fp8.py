@@ -66,6 +66,12 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
     if tuple(t.shape) == per_kv:
         return t, (t.stride(0), t.stride(1), 0), group
     if tuple(t.shape) == per_block:
+        made_for = getattr(t, BLOCK_ROWS_ATTR, None)
+        if made_for is not None and made_for != block_rows:
+            raise InvalidInputError(
+                f"{name} holds blocks of {made_for} rows (from fa3gen.quantize_fp8 or "
+                f"fa3gen.fp8.quantize), but this call's variant reads blocks of {block_rows}: "
+                "quantize with the call's causal and variant (fa3gen.fp8.block_sizes)")
         return t, (t.stride(0), t.stride(1), t.stride(2) if blocks > 1 else 0), 1
     raise InvalidInputError(f"{name} must have {want}, got shape {tuple(t.shape)}")
 
@@ -84,6 +90,15 @@ E4M3_MAX = 448.0
 # descale = amax times this (one rounded multiply, as the fused kernel: PyTorch's CUDA division
 # by a Python number multiplies by its reciprocal, the CPU's divides; this is the same on both).
 INV_E4M3_MAX = 1.0 / E4M3_MAX
+# A block descale made here (quantize, quantize_fp8) carries its block rows in this attribute:
+# a call whose variant reads other blocks refuses it, even where the block counts agree.
+BLOCK_ROWS_ATTR = "_fa3gen_block_rows"
+
+
+def _tag_blocks(descale: torch.Tensor, block_rows: int | None) -> torch.Tensor:
+    if block_rows:
+        setattr(descale, BLOCK_ROWS_ATTR, int(block_rows))
+    return descale
 
 
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
@@ -107,7 +122,7 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     amax = padded.reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
     scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
     rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
-    return (xf / rows).to(FP8_DTYPE), scale.permute(0, 2, 1).contiguous()
+    return (xf / rows).to(FP8_DTYPE), _tag_blocks(scale.permute(0, 2, 1).contiguous(), block_rows)
 
 
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
@@ -356,7 +371,7 @@ def _quantize_launch(lib, template, x, signs, rotary):
         cos, sin = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (cos, sin))
         p.rotary_cos, p.rotary_sin = cos.data_ptr(), sin.data_ptr()
     ops.on_current_stream(x.device, lambda stream: lib.quantize_fp8(p, stream))
-    return out, descale
+    return out, _tag_blocks(descale, block_rows)
 
 
 def check_call(q, k, v, mask: ops.Masking, out_dtype) -> torch.dtype:
@@ -402,7 +417,7 @@ def check_descale_data(descales: dict) -> None:
     zeros). Reads them on the host: a device sync per call."""
     for name in DESCALE_NAMES:
         t = descales.get(name)
-        if t is not None:
+        if isinstance(t, torch.Tensor):  # anything else: _descale_view says what is wrong
             ops.check_entries(name, t, ~(torch.isfinite(t) & (t >= 0)),
                               "descales must be finite and not negative")
 
@@ -467,7 +482,10 @@ _plans: dict = {}
 
 
 def _descale_signature(t):
-    return None if t is None else (ops._signature(t) if isinstance(t, torch.Tensor) else (type(t),))
+    """A descale's part of the plan key: its layout, and the block rows it was made for."""
+    if not isinstance(t, torch.Tensor):
+        return None if t is None else (type(t),)
+    return ops._signature(t), getattr(t, BLOCK_ROWS_ATTR, None)
 
 
 def _descale_pointers(descales: dict) -> dict:

@@ -497,3 +497,22 @@ def test_block_descales_follow_each_operands_tile(fake_launches, monkeypatch):
     y = torch.zeros(1, 100, 2, 128, dtype=torch.float8_e4m3fn)
     ops.flash_attn_func(y, y, y, causal=True, k_descale=torch.ones(1, 2, 1))
     assert fake_launches[-1][1].k_descale_block_stride == 0
+
+
+def test_block_descales_made_for_other_tiles_are_refused(fake_launches, monkeypatch):
+    """A block descale from fa3gen's quantizers carries its block rows: one made for 192-row
+    blocks is refused by a call whose variant reads 128-row ones even where both give 2 blocks
+    (200 rows), and a copy (which drops the tag) or one made for 128 rows is taken."""
+    from fa3gen import fp8
+    x = torch.randn(1, 200, 2, 128)
+    q8, qd = fp8.quantize(x, 192)
+    _, kd = fp8.quantize(x, 128)
+    assert qd.shape == kd.shape == (1, 2, 2)
+    with pytest.raises(InvalidInputError, match="blocks of 192 rows.*reads blocks of 128"):
+        ops.flash_attn_func(q8, q8, q8, causal=True, q_descale=qd)
+    ops.flash_attn_func(q8, q8, q8, causal=True, q_descale=kd, k_descale=kd)
+    ops.flash_attn_func(q8, q8, q8, causal=True, q_descale=qd.clone())  # untagged: the caller's word
+    assert len(fake_launches) == 2
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")  # a non-tensor descale: the same clear error
+    with pytest.raises(InvalidInputError, match="q_descale must be a float32 tensor"):
+        ops.flash_attn_func(q8, q8, q8, causal=True, q_descale=2.0)
