@@ -24,8 +24,13 @@ class Problem(NamedTuple):
 
 
 # quick_check's problem: odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises
-# the causal alignment).
-QUICK_PROBLEM = Problem(batch=2, seqlen_q=200, seqlen_k=333, heads_q=4, heads_kv=2)
+# the causal alignment). 8 query heads on 4 kv heads: groups of 2, so that a kernel mapping
+# query head i to kv head i // heads_kv (not i // group) fails, as 4 on 2 would not show.
+QUICK_PROBLEM = Problem(batch=2, seqlen_q=200, seqlen_k=333, heads_q=8, heads_kv=4)
+
+# The checks' softmax scale, as a factor of the default 1 / sqrt(head_dim): not the default,
+# so that a kernel or plan that ignores the scale argument fails.
+CHECK_SCALE_FACTOR = 0.8
 
 # check_cell's problems, by causal: odd sizes; causal cells also get seqlen_q < seqlen_k.
 _SQUARE, _FEWER_Q = Problem(2, 333, 333, 4, 4), Problem(2, 200, 333, 4, 4)
@@ -98,7 +103,7 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
 
     tensors, sizes = _varlen_inputs(problem, variant, gen, 4 if backward else 3)
     q, k, v = tensors[:3]
-    causal, scale = bool(variant.causal), variant.head_dim**-0.5
+    causal, scale = bool(variant.causal), CHECK_SCALE_FACTOR * variant.head_dim**-0.5
     mask = ops.masking(causal, **probe_masking(variant))
     extra = dict(window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
     fwd = variant if not backward else lib.find("fwd", variant.dtype, variant.head_dim, causal,
@@ -149,7 +154,8 @@ def _check_paged(lib, variant, problem: Problem, gen) -> dict:
         padded[:, :sk] = t
         cache[table.long()] = padded.view(b, cols, page, hkv, -1)
         caches.append(cache)
-    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
+    causal, extra = bool(variant.causal), probe_masking(variant)
+    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
     seqused = torch.full((b,), sk, dtype=torch.int32, device="cuda")
     poisoned = (torch.full((b * sq, hq, q.shape[-1]), float("nan"), dtype=q.dtype, device="cuda"),
                 torch.full((hq, b * sq), float("nan"), device="cuda"))
@@ -172,7 +178,8 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
     if variant.dtype == "e4m3":
         return _check_fp8(lib, variant, problem, gen)
     q, k, v = _inputs(problem, variant, gen, 3)
-    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
+    causal, extra = bool(variant.causal), probe_masking(variant)
+    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
                      device="cuda", dtype=torch.float32)
@@ -211,7 +218,8 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
     if getattr(variant, "varlen", False):
         return _check_varlen(lib, variant, problem, gen, backward=True)
     q, k, v, dout = _inputs(problem, variant, gen, 4)
-    causal, scale, extra = bool(variant.causal), variant.head_dim**-0.5, probe_masking(variant)
+    causal, extra = bool(variant.causal), probe_masking(variant)
+    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
     fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal, local=variant.local,
                    softcap=variant.softcap)
     out, lse = ops._empty_outputs(q)
