@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import threading
 import time
 
 # Spin the GPU this many cycles before a timed batch so the CPU enqueues every launch while
@@ -278,10 +279,12 @@ class PowerSampler:
         self.samples: dict = {}
         self.proc = None
         self.thread = None
+        # The reader thread's (tag, sample) and tag() / reset() in turn: a sample read under
+        # one tag must not land in the samples of the next tag or the next measurement.
+        self.lock = threading.Lock()
 
     def __enter__(self):
         import subprocess
-        import threading
 
         if self.PROBE_REASONS and (field := reasons_field(self.command, self.device_index)):
             self.argv[1] = f"{self.QUERY},{field}"
@@ -305,17 +308,19 @@ class PowerSampler:
                 reasons = int(parts[2], 16) if len(parts) > 2 else None
             except ValueError:
                 reasons = None  # the reasons alone unreadable: power and clock still count
-            tag = self.current
-            if tag is not None:
-                self.samples.setdefault(tag, []).append((power, clock, reasons))
+            with self.lock:
+                if self.current is not None:
+                    self.samples.setdefault(self.current, []).append((power, clock, reasons))
 
     def tag(self, i) -> None:
-        self.current = i
+        with self.lock:
+            self.current = i
 
     def reset(self) -> None:
         """Forget the samples so far (a new measurement reuses the tags)."""
-        self.current = None
-        self.samples = {}
+        with self.lock:
+            self.current = None
+            self.samples = {}
 
     def __exit__(self, *exc):
         if self.proc is not None:
