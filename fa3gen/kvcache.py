@@ -168,13 +168,10 @@ def _captured_call(q, k_cache, v_cache, args, return_lse):
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     length = cache_seqlens if seqlens is None else None  # an int (or None: the capacity)
     if c.append and b:
-        with torch.no_grad():  # untracked, as eager calls write the cache
-            if c.kv_fp8:
-                k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
-            _append(c.geometry, k_cache, v_cache, k, v, length if seqlens is None else seqlens,
-                    cache_batch_idx, block_table)
+        _append(c.geometry, k_cache, v_cache, k, v, length if seqlens is None else seqlens,
+                cache_batch_idx, block_table, c.kv_fp8, k_scale, v_scale)
         if seqlens is None:
-            length = length + c.append
+            length = c.seqlen_k  # the int after the append
         else:
             seqlens = seqlens + c.append
     if 0 in (b, sq, hq):
@@ -522,12 +519,22 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
     return seqlens.long()[:, None].clamp(min=0)
 
 
-def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
-    """k, v into the cache at each sequence's positions seqlens + i, with PyTorch indexing (no
-    host sync). Rows past the capacity are not written: their positions clamp to the cache's
-    last row, and every write there carries the same value (the sequence's last new row that
-    fits, or the row's old value when none fits), so nothing outside the cache is touched and
-    the duplicate writes cannot race."""
+def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table,
+            kv_fp8: bool, k_scale, v_scale):
+    """k, v into the cache at each sequence's positions seqlens + i (an e4m3 cache: quantized
+    with its factors), with PyTorch indexing (no host sync), untracked as flash-attn's raw
+    writes: k, v that require grad must not pull the cache into their autograd graph (it
+    would grow every step, keeping activations alive). Rows past the capacity are not
+    written: their positions clamp to the cache's last row, and every write there carries the
+    same value (the sequence's last new row that fits, or the row's old value when none
+    fits), so nothing outside the cache is touched and the duplicate writes cannot race."""
+    with torch.no_grad():
+        if kv_fp8:
+            k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
+        _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+
+
+def _write_rows(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
     cache_rows, page_size, capacity = geometry
     if capacity == 0:  # no row fits (a table of no pages, no rows a sequence; _plan refuses
         return          # a cache of no pages or sequences)
@@ -581,13 +588,8 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
         _debug_check_scales(k_scale, v_scale)
     if plan.append:
-        # Untracked, as flash-attn's raw writes: k, v that require grad must not pull the
-        # cache into their autograd graph (it would grow every step, keeping activations alive).
-        with torch.no_grad():
-            if plan.kv_fp8:
-                k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
-            _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
-                    batch_idx, block_table)
+        _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
+                batch_idx, block_table, plan.kv_fp8, k_scale, v_scale)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if no_query:  # the append was the whole call

@@ -661,7 +661,7 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 # pointer checks and the launch.
 
 _fwd_plans: dict = {}  # forward call signature -> _Plan
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, (copies dout,))
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's layout key) -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the bwd op's call signature -> (_Plan, which of dout..out it copies)
 _MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory stays bounded
 
@@ -753,19 +753,10 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, gr
                                 deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)
-    if dout.data_ptr() % _TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
-        result = _backward(dout, q, k, v, out, lse, fwd.mask, fwd.scale, plan.info.name,
-                           deterministic)
-        return result if grads is None else _copied_into(grads, result)
+    # (a misaligned dout arrives copied: its alignment is in the key, and the plan copies it)
     dq, dk, dv = grads or _empty_grads(q, k, v)
     _bwd_run(plan, dout, q, k, v, out, lse, dq, dk, dv)
     return dq, dk, dv
-
-
-def _copied_into(grads: tuple, result: tuple) -> tuple:
-    for g, r in zip(grads, result):
-        g.copy_(r)
-    return grads
 
 
 class _EagerAttention(torch.autograd.Function):

@@ -472,7 +472,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
                 None)
 
 
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's signature) -> (_Plan, (copies dout,))
+_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's layout key) -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the varlen bwd op's call signature -> (_Plan, which inputs it copies)
 
 
@@ -492,10 +492,6 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
                                 fwd.lib),
         ready=_tma_ready)
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)
-    if dout.data_ptr() % ops._TMA_ALIGN_BYTES:  # a misaligned view (contiguous() keeps it): the checked path copies it
-        result = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *sizes, fwd.mask, fwd.scale,
-                           plan.info.name, deterministic, seqused_k)
-        return result if grads is None else ops._copied_into(grads, result)
     dq, dk, dv = grads or ops._empty_grads(q, k, v)
     _bwd_run(plan, dout, q, k, v, out, lse, cu_q, cu_k, dq, dk, dv, seqused_k)
     return dq, dk, dv

@@ -83,10 +83,6 @@ def split_by_variant(report: PtxasReport, kernels: dict[str, str]) -> dict[str, 
     return out
 
 
-def _is_setmaxnreg(d) -> bool:
-    return d.code in SETMAXNREG_IGNORED
-
-
 def attribute_setmaxnreg(report: PtxasReport, cmd: list[str], work: Path) -> None:
     """ptxas prints C7508 (setmaxnreg ignored) before the entries, naming none: in a unit of
     several variants the warning would then count for all of them. Compile the unit to PTX
@@ -123,9 +119,9 @@ def attribute_setmaxnreg(report: PtxasReport, cmd: list[str], work: Path) -> Non
         if run.returncode != 0:
             return
         found += [Diagnostic(d.code, d.message, e.name)
-                  for d in parse_ptxas(run.stdout + run.stderr).diagnostics if _is_setmaxnreg(d)]
+                  for d in parse_ptxas(run.stdout + run.stderr).diagnostics if d.setmaxnreg_ignored]
     report.diagnostics = [d for d in report.diagnostics
-                          if not (_is_setmaxnreg(d) and d.function is None)] + found
+                          if not (d.setmaxnreg_ignored and d.function is None)] + found
 
 
 def summarize(name: str, log: str, seconds: float, returncode: int,
@@ -199,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     log_path.write_text(log)
 
     report = parse_ptxas(log)
-    if rc == 0 and len(kernels) > 1 and any(_is_setmaxnreg(d) and d.function is None
+    if rc == 0 and len(kernels) > 1 and any(d.setmaxnreg_ignored and d.function is None
                                             for d in report.diagnostics):
         import tempfile
         with tempfile.TemporaryDirectory() as work:

@@ -44,6 +44,11 @@ class Diagnostic:
     message: str
     function: Optional[str] = None
 
+    @property
+    def setmaxnreg_ignored(self) -> bool:
+        return self.code in SETMAXNREG_IGNORED or ("setmaxnreg" in self.message
+                                                   and "ignored" in self.message)
+
 
 @dataclass
 class PtxasReport:
@@ -63,9 +68,7 @@ class PtxasReport:
         """Why this TU counts as a failed variant (empty list: fine)."""
         out = [f"{e.name}: {e.spill_stores} bytes spill stores, {e.spill_loads} bytes spill loads"
                for e in self.entries if e.spill_stores or e.spill_loads]
-        out += [f"{d.code} {d.message}" for d in self.diagnostics
-                if d.code in SETMAXNREG_IGNORED
-                or ("setmaxnreg" in d.message and "ignored" in d.message)]
+        out += [f"{d.code} {d.message}" for d in self.diagnostics if d.setmaxnreg_ignored]
         return out
 
     def to_dict(self) -> dict:
