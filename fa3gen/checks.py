@@ -27,6 +27,10 @@ class Problem(NamedTuple):
 # the causal alignment). 8 query heads on 4 kv heads: groups of 2, so that a kernel mapping
 # query head i to kv head i // heads_kv (not i // group) fails, as 4 on 2 would not show.
 QUICK_PROBLEM = Problem(batch=2, seqlen_q=200, seqlen_k=333, heads_q=8, heads_kv=4)
+# Its transpose, for dense causal and local variants: with seqlen_q > seqlen_k the first query
+# rows see no key (out 0, lse -inf, no gradient), which QUICK_PROBLEM never produces.
+QUICK_EMPTY_ROWS = QUICK_PROBLEM._replace(seqlen_q=QUICK_PROBLEM.seqlen_k,
+                                          seqlen_k=QUICK_PROBLEM.seqlen_q)
 
 # The checks' softmax scale, as a factor of the default 1 / sqrt(head_dim): not the default,
 # so that a kernel or plan that ignores the scale argument fails.
@@ -52,6 +56,30 @@ def probe_masking(variant) -> dict:
     """window_size and softcap keyword arguments for `variant` (defaults where it has neither)."""
     return dict(window_size=PROBE_WINDOW if variant.local else (-1, -1),
                 softcap=PROBE_SOFTCAP if variant.softcap else 0.0)
+
+
+class _Untouched:
+    """Copies of a check's inputs from before its launch. The references are computed from the
+    inputs after the launch, so a kernel that wrote into one could otherwise pass."""
+
+    def __init__(self, **inputs):
+        self.inputs = inputs
+        self.copies = {name: t.clone() for name, t in inputs.items()}
+
+    def verdict(self, res: dict) -> dict:
+        """res, failed where the launch changed an input's bits (NaN-safe)."""
+        import torch
+
+        def bits(t):
+            return t.contiguous().view(torch.uint8)
+
+        changed = [name for name, t in self.inputs.items()
+                   if not torch.equal(bits(t), bits(self.copies[name]))]
+        if changed:
+            res["ok"] = False
+            res["why"] = "; ".join(filter(None, (res["why"], "the launch wrote into its input(s) "
+                                                 + ", ".join(changed))))
+        return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,22 +137,24 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
     fwd = variant if not backward else lib.find("fwd", variant.dtype, variant.head_dim, causal,
                                                 local=variant.local, softcap=variant.softcap,
                                                 varlen=True)
+    untouched = _Untouched(q=q, k=k, v=v, cu_seqlens_q=sizes[0], cu_seqlens_k=sizes[1])
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
     plan = varlen._fwd_plan(q, k, v, *sizes, out, lse, mask, scale, fwd.name, lib)
     varlen._fwd_run(plan, q, k, v, *sizes[:2], out, lse)
     if not backward:
         torch.cuda.synchronize()
-        return reference.compare_varlen_to_reference(out, lse, q, k, v, *sizes[:2], causal,
-                                                     scale, **extra)
+        return untouched.verdict(reference.compare_varlen_to_reference(
+            out, lse, q, k, v, *sizes[:2], causal, scale, **extra))
     dout = tensors[3]
+    untouched = _Untouched(**untouched.inputs, dout=dout, out=out, lse=lse)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     bplan = varlen._bwd_plan(dout, q, k, v, out, lse, *sizes, *grads, mask, scale, variant.name,
                              False, lib)
     varlen._bwd_run(bplan, dout, q, k, v, out, lse, *sizes[:2], *grads)
     torch.cuda.synchronize()
-    return reference.compare_varlen_grads_to_reference(grads, q, k, v, dout, *sizes[:2], causal,
-                                                       scale, **extra)
+    return untouched.verdict(reference.compare_varlen_grads_to_reference(
+        grads, q, k, v, dout, *sizes[:2], causal, scale, **extra))
 
 
 # Pages of the paged check: a multiple of the 64-row chunk that is no power of two.
@@ -157,12 +187,15 @@ def _check_paged(lib, variant, problem: Problem, gen) -> dict:
     causal, extra = bool(variant.causal), probe_masking(variant)
     scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
     seqused = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    untouched = _Untouched(q=q, k_cache=caches[0], v_cache=caches[1], page_table=table,
+                           seqused_k=seqused)
     poisoned = (torch.full((b * sq, hq, q.shape[-1]), float("nan"), dtype=q.dtype, device="cuda"),
                 torch.full((hq, b * sq), float("nan"), device="cuda"))
     out, lse = varlen.paged_forward(q, *caches, table, seqused, ops.masking(causal, **extra),
                                     scale, variant, lib, poisoned)
     torch.cuda.synchronize()
-    return reference.compare_to_reference(out, lse, q, k, v, causal, scale, **extra)
+    return untouched.verdict(reference.compare_to_reference(out, lse, q, k, v, causal, scale,
+                                                            **extra))
 
 
 def check_forward(lib, variant, problem: Problem, gen) -> dict:
@@ -180,12 +213,14 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
     q, k, v = _inputs(problem, variant, gen, 3)
     causal, extra = bool(variant.causal), probe_masking(variant)
     scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
+    untouched = _Untouched(q=q, k=k, v=v)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
                      device="cuda", dtype=torch.float32)
     ops._fwd_into(q, k, v, out, lse, causal, scale, variant.name, lib=lib, **extra)
     torch.cuda.synchronize()
-    return reference.compare_to_reference(out, lse, q, k, v, causal, scale, **extra)
+    return untouched.verdict(reference.compare_to_reference(out, lse, q, k, v, causal, scale,
+                                                            **extra))
 
 
 def _check_fp8(lib, variant, problem: Problem, gen) -> dict:
@@ -198,14 +233,15 @@ def _check_fp8(lib, variant, problem: Problem, gen) -> dict:
     q, k, v = (t.to(torch.float8_e4m3fn) for t in _inputs(problem, variant, gen, 3, "bf16"))
     descales = {n: torch.rand(problem.batch, problem.heads_kv, device="cuda", generator=gen) + 0.5
                 for n in fp8.DESCALE_NAMES}
+    untouched = _Untouched(q=q, k=k, v=v, **descales)
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
                      device="cuda", dtype=torch.float32)
     fp8.fp8_forward(q, k, v, ops.masking(bool(variant.causal)), None, variant.name, descales,
                     torch.bfloat16, out, lse)
     torch.cuda.synchronize()
-    return reference.compare_fp8_to_reference(out, lse, q, k, v, descales, bool(variant.causal),
-                                              variant.tile_n)
+    return untouched.verdict(reference.compare_fp8_to_reference(
+        out, lse, q, k, v, descales, bool(variant.causal), variant.tile_n))
 
 
 def check_backward(lib, variant, problem: Problem, gen) -> dict:
@@ -224,10 +260,12 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
                    softcap=variant.softcap)
     out, lse = ops._empty_outputs(q)
     ops._fwd_into(q, k, v, out, lse, causal, scale, fwd.name, lib=lib, **extra)
+    untouched = _Untouched(q=q, k=k, v=v, dout=dout, out=out, lse=lse)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     ops._bwd_into(dout, q, k, v, out, lse, *grads, causal, scale, variant.name, lib=lib, **extra)
     torch.cuda.synchronize()
-    return reference.compare_grads_to_reference(grads, q, k, v, dout, causal, scale, **extra)
+    return untouched.verdict(reference.compare_grads_to_reference(grads, q, k, v, dout, causal,
+                                                                  scale, **extra))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,8 +273,8 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
 
 
 def quick_check(spec=None, verbose: bool = True) -> list[dict]:
-    """QUICK_PROBLEM once per forward and backward variant the library dispatches to (key
-    defaults and seqlen_k range defaults), against the fp32 references under the tolerance
+    """Each forward and backward variant the library dispatches to (key defaults and seqlen_k
+    range defaults) on its quick_problems, against the fp32 references under the tolerance
     rule. Raises Fa3genError listing the failures."""
     import torch
 
@@ -250,14 +288,16 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     checks = [(info, check_forward) for info in lib.dispatched("fwd")]
     checks += [(info, check_backward) for info in lib.dispatched("bwd")]
     for info, check in checks:
-        res = _checked(check, lib, info, gen)
-        results.append(res)
-        if verbose:
-            status = "ok  " if res["ok"] else "FAIL"
-            print(f"{status} {info.name}: {error_summary(res)} {'' if res['ok'] else res['why']}",
-                  flush=True)
-        if not res["ok"]:
-            failed.append(f"{info.name}: {res['why']}")
+        for problem in quick_problems(info):
+            res = _checked(check, lib, info, problem, gen)
+            results.append(res)
+            where = f"{info.name} (seqlen_q {problem.seqlen_q}, seqlen_k {problem.seqlen_k})"
+            if verbose:
+                status = "ok  " if res["ok"] else "FAIL"
+                print(f"{status} {where}: {error_summary(res)} {'' if res['ok'] else res['why']}",
+                      flush=True)
+            if not res["ok"]:
+                failed.append(f"{where}: {res['why']}")
     if not results:
         raise Fa3genError(f"{lib.path} has no default forward variant to check")
     if failed:
@@ -265,11 +305,21 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     return results
 
 
-def _checked(check, lib, info, gen) -> dict:
-    """check's result for variant `info` on QUICK_PROBLEM; a launch or library error is a
-    failed check with the reason, not an exception."""
+def quick_problems(info) -> tuple[Problem, ...]:
+    """quick_check's problems for a variant: QUICK_PROBLEM, and QUICK_EMPTY_ROWS too where a
+    dense causal or local mask hides every key from some query rows (varlen variants have
+    such sequences in VARLEN_LENGTHS)."""
+    masked = info.causal or getattr(info, "local", False)
+    if masked and not getattr(info, "varlen", False):
+        return QUICK_PROBLEM, QUICK_EMPTY_ROWS
+    return (QUICK_PROBLEM,)
+
+
+def _checked(check, lib, info, problem: Problem, gen) -> dict:
+    """check's result for variant `info` on `problem`; a launch or library error is a failed
+    check with the reason, not an exception."""
     try:
-        res = check(lib, info, QUICK_PROBLEM, gen)
+        res = check(lib, info, problem, gen)
     except (RuntimeError, Fa3genError) as e:
         res = {"ok": False, "why": f"{type(e).__name__}: {e}"}
     res["variant"] = info.name

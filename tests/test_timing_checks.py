@@ -133,11 +133,54 @@ def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
     monkeypatch.setattr(checks, "check_backward", launch_fails)
     with pytest.raises(Fa3genError) as e:
         checks.quick_check("x")
-    assert str(e.value) == ("quick_check failed:\n  bwd_a: RuntimeError: fa3gen launch failed: "
-                            "too many resources")
+    assert str(e.value) == ("quick_check failed:\n  bwd_a (seqlen_q 200, seqlen_k 333): "
+                            "RuntimeError: fa3gen launch failed: too many resources")
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("ok   fwd_a: max|out-ref| 1.00e-03")
-    assert out[1].startswith("FAIL bwd_a:") and "too many resources" in out[1]
+    assert out[0].startswith("ok   fwd_a (seqlen_q 200, seqlen_k 333): max|out-ref| 1.00e-03")
+    assert out[1].startswith("FAIL bwd_a (seqlen_q 200, seqlen_k 333):")
+    assert "too many resources" in out[1]
+
+
+def test_quick_check_gives_masked_dense_variants_rows_that_see_no_key():
+    """A dense causal or local variant is also checked with seqlen_q > seqlen_k, where the
+    first query rows see no key; varlen variants have empty key sequences of their own."""
+    import types
+
+    def info(causal=False, local=False, varlen=False):
+        return types.SimpleNamespace(causal=causal, local=local, varlen=varlen)
+
+    assert checks.quick_problems(info()) == (checks.QUICK_PROBLEM,)
+    assert checks.quick_problems(info(varlen=True, causal=True)) == (checks.QUICK_PROBLEM,)
+    for masked in (info(causal=True), info(local=True)):
+        problems = checks.quick_problems(masked)
+        assert problems == (checks.QUICK_PROBLEM, checks.QUICK_EMPTY_ROWS)
+        empty = problems[1]
+        assert empty.seqlen_q > empty.seqlen_k  # bottom-right causal: rows 0.. see no key
+        # and the probe window hides every key from some rows too
+        left, right = checks.PROBE_WINDOW
+        assert empty.seqlen_k - empty.seqlen_q + right < 0
+
+
+def test_a_launch_that_writes_into_an_input_fails_the_check():
+    """The references are computed from the inputs after the launch; an input the kernel wrote
+    into (even with NaN, or with the same values in other bits) fails the check."""
+    import torch
+
+    def inputs():
+        q = torch.randn(3, 4)
+        q[1, 1] = 0.0
+        return q, torch.full((2,), float("nan"))
+
+    ok = {"ok": True, "why": ""}
+    assert checks._Untouched(q=inputs()[0], lse=inputs()[1]).verdict(dict(ok)) == ok  # NaN == NaN
+    for name, index, value in (("q", (0, 0), float("nan")), ("q", (1, 1), -0.0),
+                               ("lse", 0, 1.0)):
+        q, lse = inputs()
+        untouched = checks._Untouched(q=q, lse=lse)
+        untouched.inputs[name][index] = value
+        res = untouched.verdict({"ok": False, "why": "max err 0.1 > tol"})
+        assert not res["ok"]
+        assert res["why"] == f"max err 0.1 > tol; the launch wrote into its input(s) {name}"
 
 
 def test_all_variants_times_every_variant_of_the_call_key(monkeypatch):
