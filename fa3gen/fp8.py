@@ -270,10 +270,23 @@ def _quantize_key(tensors, rotary, options: tuple):
         return None
 
 
-@functools.lru_cache(maxsize=64)
+_graph_signs: dict = {}  # (d, seed, device) -> signs a CUDA graph captured: kept for good
+
+
 def _signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
-    """reference.random_signs on `device`, made once: drawn on the CPU, its copy to the GPU
-    would wait for the stream's earlier work on every call."""
+    """reference.random_signs on `device`, made once (_cached_signs). Under CUDA graph capture
+    the tensor is also kept in _graph_signs for the process: the graph reads its address on
+    every replay, and the bounded cache may free it once 64 other keys came by."""
+    signs = _cached_signs(d, seed, device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        signs = _graph_signs.setdefault((d, seed, device), signs)
+    return signs
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Drawn on the CPU: without the cache, its copy to the GPU would wait for the stream's
+    earlier work on every call."""
     from fa3gen.reference import random_signs
 
     return random_signs(d, seed, device)

@@ -216,3 +216,23 @@ def test_the_quantize_op_passes_opcheck_on_cpu(fake_launches, monkeypatch):
                               (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, block, False, 0,
                                True, "", None, None, False),
                               test_utils=("test_schema", "test_faketensor"))
+
+
+def test_signs_a_cuda_graph_captured_outlive_the_bounded_cache(monkeypatch):
+    """A graph reads the signs' address on every replay: signs handed out under capture stay
+    alive after 64 other keys have evicted them from the cache."""
+    cuda = torch.device("cuda")  # no tensor goes there: random_signs is replaced below
+    monkeypatch.setattr(fp8, "_graph_signs", {})
+    fp8._cached_signs.cache_clear()
+    monkeypatch.setattr("fa3gen.reference.random_signs", lambda d, seed, device: object())
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    captured = fp8._signs(64, 1, cuda)
+    capturing[0] = False
+    for seed in range(2, 70):
+        fp8._signs(64, seed, cuda)
+    assert fp8._cached_signs.cache_info().currsize == 64  # seed 1 evicted from the cache ...
+    assert fp8._graph_signs == {(64, 1, cuda): captured}  # ... and still held
+    capturing[0] = True
+    assert fp8._signs(64, 1, cuda) is captured  # a second capture reads the same tensor
+    fp8._cached_signs.cache_clear()
