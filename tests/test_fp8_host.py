@@ -2,6 +2,8 @@
 `quantizer` fixture in conftest.py records each launch's params), which inputs go to it, and
 the values of the PyTorch path it falls back to. A mutation audit found each of these unchecked; tests/gpu/test_fp8.py checks
 the kernel's values."""
+import types
+
 import pytest
 import torch
 
