@@ -218,9 +218,11 @@ def test_append_contiguous(monkeypatch):
     kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, cache_batch_idx=idx)
     assert torch.equal(kc[2, 5:8], k[0]) and torch.equal(vc[2, 5:8], v[0])
     assert torch.equal(kc[0, 37:40], k[1]) and torch.equal(vc[0, 37:40], v[1])
-    changed = (kc != k0).any(dim=(2, 3))
-    assert changed.sum() <= 6 and not changed[1].any()
-    assert not (kc[2, :5] != k0[2, :5]).any() and not (kc[0, :37] != k0[0, :37]).any()
+    for cache, before in ((kc, k0), (vc, v0)):
+        changed = (cache != before).any(dim=(2, 3))
+        assert changed.sum() <= 6 and not changed[1].any()
+        assert not (cache[2, :5] != before[2, :5]).any()
+        assert not (cache[0, :37] != before[0, :37]).any()
     assert seen[0][1] == [8, 40] and seqlens.tolist() == [5, 37]
     # an int cache_seqlens: the same positions for every sequence, the length in seqlen_k
     kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=10)
