@@ -353,14 +353,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
     dtype = "fp16" if q.dtype == torch.float16 else "bf16"
-    built = _built_decode_pairs()
-    if (dtype, d) not in built and not prefill:
-        have = ", ".join(f"[{dt}, {hd}]" for dt, hd in sorted(built)) or "none"
-        raise VariantNotBuiltError(
-            f"decode over a KV cache, {dtype} head_dim {d}", [f"decode kernels: {have}"],
-            f"add dtype {dtype} and head_dim {d} to the spec's `decode:` axes (or [{dtype}, {d}] to "
-            f"its list of pairs) and build it "
-            f"again: fa3gen build --spec {_spec_name()}", lead="")
+    if not prefill:
+        _require_decode_kernels(dtype, d)
     paged = block_table is not None
     # The decode kernels clamp every page or sequence index into the cache: there must be one
     # (a contiguous cache of no rows per sequence is legal: no keys).
@@ -739,10 +733,26 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     return (out, lse) if return_lse else out
 
 
-@ops._assume_constant_result  # torch.compile reads it once, while tracing (as ops._variant_name)
 def _built_decode_pairs() -> frozenset:
     """The (dtype, head_dim) pairs of the loaded library's decode kernels."""
     return runtime.get_library().decode_kernels
+
+
+@ops._assume_constant_result  # torch.compile runs it once, while tracing (as ops._variant_name)
+def _require_decode_kernels(dtype: str, head_dim: int) -> bool:
+    """True where the library has decode kernels for the pair, else VariantNotBuiltError: raised
+    in here, since dynamo can trace neither the lookup (files, ctypes) nor the error's
+    construction. A bool, not the set: dynamo (torch 2.11, 2.13) cannot guard `in` on a set
+    that came from such a function (NotImplementedError in ConstantSource.make_guard)."""
+    built = _built_decode_pairs()
+    if (dtype, head_dim) not in built:
+        have = ", ".join(f"[{dt}, {hd}]" for dt, hd in sorted(built)) or "none"
+        raise VariantNotBuiltError(
+            f"decode over a KV cache, {dtype} head_dim {head_dim}", [f"decode kernels: {have}"],
+            f"add dtype {dtype} and head_dim {head_dim} to the spec's `decode:` axes (or "
+            f"[{dtype}, {head_dim}] to its list of pairs) and build it again: fa3gen build "
+            f"--spec {_spec_name()}", lead="")
+    return True
 
 
 def _spec_name() -> str:

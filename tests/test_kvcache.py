@@ -1269,6 +1269,26 @@ def test_torch_compile_refuses_bad_input_as_eager_does(launched):
     assert not launched
 
 
+def test_torch_compile_checks_the_built_decode_kernels_as_eager_does(launched, monkeypatch):
+    """The library's decode pairs are checked while tracing (the real lookup goes through files
+    and ctypes) by a function torch.compile runs as a constant, which raises the eager error
+    itself: `in` on a set returned by such a function failed inside dynamo (torch 2.11 and
+    2.13) on the GPU, where the CPU tests had replaced the marked function itself."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(3, 1000, 2, 128, dtype=BF)
+    call = lambda q, kc: kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5)
+    assert kvcache._require_decode_kernels._dynamo_marked_constant  # the path the GPU takes
+    torch._dynamo.reset()
+    torch.compile(call, backend="eager", fullgraph=True)(q, kc)
+    assert len(launched) == 1
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset({("fp16", 64)}))
+    torch._dynamo.reset()
+    # dynamo re-raises it as its InternalTorchDynamoError, the message kept
+    with pytest.raises(Exception, match=r"VariantNotBuiltError: (.|\n)*decode kernels: \[fp16, 64\]"):
+        torch.compile(call, backend="eager", fullgraph=True)(q, kc)
+    assert len(launched) == 1
+
+
 @pytest.mark.parametrize("layout", ["tensor", "int", "paged"])
 def test_torch_compile_chunked_prefill(fake_launches, layout):
     """More rows than the decode kernels take: the op runs the eager call's forward (the
