@@ -892,8 +892,10 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     except (TypeError, ValueError, RuntimeError):
         value = None
     if value is None or not 0.0 < value < math.inf:
+        shown = (f"a {softmax_scale.dtype} tensor of shape {tuple(softmax_scale.shape)}"
+                 if isinstance(softmax_scale, torch.Tensor) else repr(softmax_scale))
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
-                                f"sqrt(head_dim)), got {softmax_scale!r}{hint}")
+                                f"sqrt(head_dim)), got {shown}{hint}")
     if not _FP32_LO <= value <= _FP32_HI:
         _fp32_range_error("softmax_scale", softmax_scale)
 

@@ -11,7 +11,10 @@ gradients and stack them.
                                     max_seqlen_k, *, ...)
 
 Positional order and keywords as flash_attn_func and flash_attn_varlen_func (FlashAttention-3's
-order: softmax_scale where flash-attn 2 has dropout_p; keyword-only after the varlen lengths).
+order: softmax_scale where flash-attn 2 has dropout_p; keyword-only after the varlen lengths),
+FlashAttention-3's other keywords too (`**fa3_keywords`: q_descale, k_descale, v_descale,
+out_dtype for an fp8 qkv or q and kv; qv, attention_chunk, num_splits, pack_gqa, sm_margin),
+with the meaning and limits they have there.
 """
 from __future__ import annotations
 
@@ -19,6 +22,28 @@ import torch
 
 from fa3gen import ops, varlen
 from fa3gen.errors import InvalidInputError
+
+
+# FlashAttention-3's keywords the packed functions pass on, with their defaults: flash_attn_func
+# takes all of them, flash_attn_varlen_func all but out_dtype (and its descales only as None).
+_DENSE_KEYWORDS = dict(q_descale=None, k_descale=None, v_descale=None, out_dtype=None, qv=None,
+                       attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0)
+_VARLEN_KEYWORDS = {n: d for n, d in _DENSE_KEYWORDS.items() if n != "out_dtype"}
+
+
+def _fa3_keywords(function: str, given: dict, accepted: dict) -> dict:
+    """The call's FlashAttention-3 keywords, checked as the unpacked function checks them; an
+    unknown name is Python's TypeError for it."""
+    for name in given:
+        if name not in accepted:
+            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+    kw = {**accepted, **given}
+    if given:
+        ops.check_fa3_extras(kw["qv"], kw["attention_chunk"], kw["num_splits"], kw["pack_gqa"],
+                             kw["sm_margin"])
+        if "out_dtype" not in accepted:
+            varlen.check_no_descales(kw["q_descale"], kw["k_descale"], kw["v_descale"])
+    return kw
 
 
 def _shape(t) -> str:
@@ -33,9 +58,10 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
     lead = "(batch, seqlen" if batch_dims == 2 else "(total"
     if num_heads_q is None:
         if qkv.dim() != batch_dims + 3 or qkv.shape[batch_dims] != 3:
-            raise InvalidInputError(f"qkv must be {lead}, 3, heads, head_dim), got {_shape(qkv)}"
-                                    " (FlashAttention-3's (.., heads_q + 2 * heads_kv, head_dim) "
-                                    "takes num_heads_q)")
+            hint = (" (FlashAttention-3's (.., heads_q + 2 * heads_kv, head_dim) takes "
+                    "num_heads_q)" if batch_dims == 2 else "")  # the varlen form has none
+            raise InvalidInputError(f"qkv must be {lead}, 3, heads, head_dim), got "
+                                    f"{_shape(qkv)}{hint}")
         return lambda tensors: tensors[0].unbind(batch_dims)
     if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int):
         raise TypeError(f"num_heads_q must be an int, got {type(num_heads_q).__name__}")
@@ -66,33 +92,39 @@ def _split_kv(q, kv, batch_dims: int):
 
 def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, *, window_size=(-1, -1),
                               softcap=0.0, deterministic=False, return_attn_probs=False,
-                              return_lse=False, num_heads_q=None, variant=None):
+                              return_lse=False, num_heads_q=None, variant=None,
+                              **fa3_keywords):
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), q, k, v = qkv.unbind(2); or
     with num_heads_q (FlashAttention-3), qkv (batch, seqlen, heads_q + 2 * heads_kv, head_dim)
     holding q's heads, then k's, then v's. Differentiable in qkv; the rest as flash_attn_func."""
+    kw = _fa3_keywords("flash_attn_qkvpacked_func", fa3_keywords, _DENSE_KEYWORDS)
     unpack = _split_qkv(qkv, num_heads_q, 2)
     return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
-                          deterministic, bool(return_lse or return_attn_probs), variant, None,
-                          None, None, None, packed=((qkv,), unpack))
+                          deterministic, bool(return_lse or return_attn_probs), variant,
+                          kw["q_descale"], kw["k_descale"], kw["v_descale"], kw["out_dtype"],
+                          packed=((qkv,), unpack))
 
 
 def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_size=(-1, -1),
                              softcap=0.0, deterministic=False, return_attn_probs=False,
-                             return_lse=False, variant=None):
+                             return_lse=False, variant=None, **fa3_keywords):
     """flash_attn_func on q (batch, seqlen_q, heads_q, head_dim) and kv (batch, seqlen_k, 2,
     heads_kv, head_dim), k, v = kv.unbind(2). Differentiable in q and kv."""
+    kw = _fa3_keywords("flash_attn_kvpacked_func", fa3_keywords, _DENSE_KEYWORDS)
     unpack = _split_kv(q, kv, 2)
     return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
-                          deterministic, bool(return_lse or return_attn_probs), variant, None,
-                          None, None, None, packed=((q, kv), unpack))
+                          deterministic, bool(return_lse or return_attn_probs), variant,
+                          kw["q_descale"], kw["k_descale"], kw["v_descale"], kw["out_dtype"],
+                          packed=((q, kv), unpack))
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_scale=None,
                                      causal=False, window_size=(-1, -1), softcap=0.0,
                                      deterministic=False, return_attn_probs=False,
-                                     return_lse=False, variant=None):
+                                     return_lse=False, variant=None, **fa3_keywords):
     """flash_attn_varlen_func on qkv (total, 3, heads, head_dim) with one set of sequence
     boundaries for queries and keys. Differentiable in qkv."""
+    _fa3_keywords("flash_attn_varlen_qkvpacked_func", fa3_keywords, _VARLEN_KEYWORDS)
     unpack = _split_qkv(qkv, None, 1)
     return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                              softmax_scale, causal, window_size, softcap, deterministic,
@@ -104,9 +136,10 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     max_seqlen_k, *, softmax_scale=None, causal=False,
                                     window_size=(-1, -1), softcap=0.0, deterministic=False,
                                     return_attn_probs=False, return_lse=False, seqused_k=None,
-                                    variant=None):
+                                    variant=None, **fa3_keywords):
     """flash_attn_varlen_func on q (total_q, heads_q, head_dim) and kv (total_k, 2, heads_kv,
     head_dim). Differentiable in q and kv."""
+    _fa3_keywords("flash_attn_varlen_kvpacked_func", fa3_keywords, _VARLEN_KEYWORDS)
     unpack = _split_kv(q, kv, 1)
     return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                              max_seqlen_k, softmax_scale, causal, window_size, softcap,

@@ -562,12 +562,16 @@ def flash_attn_varlen_func(
     if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
             sm_margin != 0:
         ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
-    if q_descale is not None or k_descale is not None or v_descale is not None:
-        raise InvalidInputError("descales are for fp8 inputs; fa3gen's varlen forward takes "
-                                "bf16 and fp16 (pass None)")
+    check_no_descales(q_descale, k_descale, v_descale)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, deterministic,
                       bool(return_lse or return_attn_probs), seqused_q, seqused_k, variant)
+
+
+def check_no_descales(q_descale, k_descale, v_descale) -> None:
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise InvalidInputError("descales are for fp8 inputs; fa3gen's varlen forward takes "
+                                "bf16 and fp16 (pass None)")
 
 
 def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,

@@ -36,6 +36,11 @@ def test_a_scale_that_is_not_a_positive_finite_number_is_one_clear_error(scale):
         ops.flash_attn_func(q, q, q, scale)
 
 
+def test_a_tensor_passed_as_the_scale_is_named_by_its_shape_not_its_values():
+    with pytest.raises(InvalidInputError, match=r"got a torch.bfloat16 tensor of shape \(1, 8, 2, 128\): "):
+        ops.flash_attn_func(q, q, q, q)
+
+
 def test_scalar_scales_are_taken():
     for scale in (0.5, 2, torch.tensor(0.5), 2.0**60, 2.0**-60):
         ops.check_softmax_scale(scale)

@@ -142,6 +142,48 @@ def test_bad_packing_is_one_clear_error(fake_launches, call, match):
     assert not fake_launches
 
 
+def test_the_varlen_qkvpacked_layout_error_gives_no_num_heads_q_hint(fake_launches):
+    """Only the padded form takes num_heads_q: the varlen form's error must not suggest it."""
+    with pytest.raises(InvalidInputError) as e:
+        packed.flash_attn_varlen_qkvpacked_func(torch.zeros(30, 6, D, dtype=BF),
+                                                torch.tensor([0, 30], dtype=torch.int32), 30)
+    assert "num_heads_q" not in str(e.value)
+
+
+def test_flash_attention_3_keywords_as_the_unpacked_functions_take_them(fake_launches):
+    """FA3's other keywords pass as flash_attn_func / flash_attn_varlen_func take them (hints at
+    any value, qv and attention_chunk only at their defaults, no descales in varlen); other
+    names stay Python's TypeError."""
+    qkv = torch.zeros(B, S, 3, H, D, dtype=BF)
+    q, kv = torch.zeros(B, S, H, D, dtype=BF), torch.zeros(B, S, 2, H, D, dtype=BF)
+    cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+    hints = dict(num_splits=4, pack_gqa=True, sm_margin=8, attention_chunk=0, qv=None)
+    calls = {
+        "flash_attn_qkvpacked_func": lambda **kw: packed.flash_attn_qkvpacked_func(qkv, **kw),
+        "flash_attn_kvpacked_func": lambda **kw: packed.flash_attn_kvpacked_func(q, kv, **kw),
+        "flash_attn_varlen_qkvpacked_func": lambda **kw: packed.flash_attn_varlen_qkvpacked_func(
+            qkv.flatten(0, 1), cu, 30, causal=True, **kw),
+        "flash_attn_varlen_kvpacked_func": lambda **kw: packed.flash_attn_varlen_kvpacked_func(
+            q.flatten(0, 1), kv.flatten(0, 1), cu, cu, 30, 30, causal=True, **kw),
+    }
+    for name, call in calls.items():
+        call(**hints, q_descale=None)
+        with pytest.raises(InvalidInputError, match="attention_chunk=64"):
+            call(attention_chunk=64)
+        with pytest.raises(InvalidInputError, match="qv"):
+            call(qv=qkv)
+        with pytest.raises(InvalidInputError, match="sm_margin must be an int >= 0"):
+            call(sm_margin=-1)
+        with pytest.raises(TypeError, match=f"{name}\\(\\) got an unexpected keyword argument 'dropout_p'"):
+            call(dropout_p=0.0)
+        if "varlen" in name:
+            with pytest.raises(InvalidInputError, match="descales are for fp8 inputs"):
+                call(q_descale=torch.ones(2, H))
+            with pytest.raises(TypeError, match="'out_dtype'"):
+                call(out_dtype=torch.float16)
+    assert len(fake_launches) == 4  # one call each, the hints changing nothing
+
+
 def test_non_tensors_and_bad_num_heads_q_are_type_errors():
     with pytest.raises(TypeError, match="qkv must be a torch.Tensor"):
         packed.flash_attn_qkvpacked_func([1, 2])
@@ -173,3 +215,17 @@ def test_exported_from_the_package():
     for name in ("flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
                  "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"):
         assert getattr(fa3gen, name) is getattr(packed, name) and name in fa3gen.__all__
+
+
+def test_fp8_descales_reach_the_kernel_as_in_the_unpacked_call(fake_launches):
+    """An e4m3 qkv with FlashAttention-3's descales: the same launch as flash_attn_func on the
+    views with them (their pointers in the params)."""
+    qkv = torch.zeros(B, S, 3, H, D, dtype=BF).to(torch.float8_e4m3fn)
+    descales = {n: torch.full((B, H), 0.5) for n in ("q_descale", "k_descale", "v_descale")}
+    packed.flash_attn_qkvpacked_func(qkv, causal=True, **descales)
+    fa3gen.flash_attn_func(*qkv.unbind(2), causal=True, **descales)
+    (n1, p1), (n2, p2) = fake_launches
+    assert n1 == n2 and n1.startswith("fwd_e4m3")
+    fields = [f for f, _ in p1._fields_ if f not in ("o", "lse")]
+    assert [getattr(p1, f) for f in fields] == [getattr(p2, f) for f in fields]
+    assert {descales[n].data_ptr() for n in descales} <= {getattr(p1, f) for f in fields}
