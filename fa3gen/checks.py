@@ -70,8 +70,8 @@ class _Untouched:
         """res, failed where the launch changed an input's bits (NaN-safe)."""
         import torch
 
-        def bits(t):
-            return t.contiguous().view(torch.uint8)
+        def bits(t):  # flat first: a 0-d tensor cannot be viewed as bytes
+            return t.reshape(-1).contiguous().view(torch.uint8)
 
         changed = [name for name, t in self.inputs.items()
                    if not torch.equal(bits(t), bits(self.copies[name]))]
@@ -307,12 +307,12 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
 
 def quick_problems(info) -> tuple[Problem, ...]:
     """quick_check's problems for a variant: QUICK_PROBLEM, and QUICK_EMPTY_ROWS too where a
-    dense causal or local mask hides every key from some query rows (varlen variants have
-    such sequences in VARLEN_LENGTHS)."""
+    causal or local mask hides every key from some query rows. Not for varlen variants, which
+    run VARLEN_LENGTHS (it has such sequences), but for the paged ones (varlen in the key),
+    which run the dense problems (_check_paged)."""
     masked = info.causal or getattr(info, "local", False)
-    if masked and not getattr(info, "varlen", False):
-        return QUICK_PROBLEM, QUICK_EMPTY_ROWS
-    return (QUICK_PROBLEM,)
+    dense_problem = not getattr(info, "varlen", False) or getattr(info, "paged", False)
+    return (QUICK_PROBLEM, QUICK_EMPTY_ROWS) if masked and dense_problem else (QUICK_PROBLEM,)
 
 
 def _checked(check, lib, info, problem: Problem, gen) -> dict:

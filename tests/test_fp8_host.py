@@ -229,12 +229,14 @@ def test_signs_a_cuda_graph_captured_outlive_the_bounded_cache(monkeypatch):
     monkeypatch.setattr("fa3gen.reference.random_signs", lambda d, seed, device: object())
     capturing = [True]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    captured = fp8._signs(64, 1, cuda)
-    capturing[0] = False
-    for seed in range(2, 70):
-        fp8._signs(64, seed, cuda)
-    assert fp8._cached_signs.cache_info().currsize == 64  # seed 1 evicted from the cache ...
-    assert fp8._graph_signs == {(64, 1, cuda): captured}  # ... and still held
-    capturing[0] = True
-    assert fp8._signs(64, 1, cuda) is captured  # a second capture reads the same tensor
-    fp8._cached_signs.cache_clear()
+    try:
+        captured = fp8._signs(64, 1, cuda)
+        capturing[0] = False
+        for seed in range(2, 70):
+            fp8._signs(64, seed, cuda)
+        assert fp8._cached_signs.cache_info().currsize == 64  # seed 1 left the cache ...
+        assert fp8._graph_signs == {(64, 1, cuda): captured}  # ... and is still held
+        capturing[0] = True
+        assert fp8._signs(64, 1, cuda) is captured  # a second capture reads the same tensor
+    finally:  # no stub stays cached under a cuda key
+        fp8._cached_signs.cache_clear()

@@ -141,17 +141,37 @@ def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
     assert "too many resources" in out[1]
 
 
+def test_quick_check_runs_each_variant_on_its_problems_in_order(monkeypatch, capsys, cpu_generator):
+    import torch
+
+    from fa3gen import runtime
+
+    plain, causal = variant("fwd_plain"), variant("fwd_causal", causal=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "get_library", lambda spec: FakeLib(plain, causal))
+    seen = []
+    monkeypatch.setattr(checks, "check_forward", lambda lib, v, problem, gen: seen.append(
+        (v.name, problem)) or {"ok": True, "why": "", "out_err": 0.0, "out_tol": 1.0,
+                               "lse_err": 0.0})
+    results = checks.quick_check("x")
+    assert seen == [("fwd_plain", checks.QUICK_PROBLEM), ("fwd_causal", checks.QUICK_PROBLEM),
+                    ("fwd_causal", checks.QUICK_EMPTY_ROWS)]
+    assert len(results) == 3
+    assert "fwd_causal (seqlen_q 333, seqlen_k 200)" in capsys.readouterr().out
+
+
 def test_quick_check_gives_masked_dense_variants_rows_that_see_no_key():
     """A dense causal or local variant is also checked with seqlen_q > seqlen_k, where the
     first query rows see no key; varlen variants have empty key sequences of their own."""
     import types
 
-    def info(causal=False, local=False, varlen=False):
-        return types.SimpleNamespace(causal=causal, local=local, varlen=varlen)
+    def info(causal=False, local=False, varlen=False, paged=False):
+        return types.SimpleNamespace(causal=causal, local=local, varlen=varlen, paged=paged)
 
     assert checks.quick_problems(info()) == (checks.QUICK_PROBLEM,)
     assert checks.quick_problems(info(varlen=True, causal=True)) == (checks.QUICK_PROBLEM,)
-    for masked in (info(causal=True), info(local=True)):
+    # paged variants are varlen in the key but run the dense problems (_check_paged)
+    for masked in (info(causal=True), info(local=True), info(causal=True, varlen=True, paged=True)):
         problems = checks.quick_problems(masked)
         assert problems == (checks.QUICK_PROBLEM, checks.QUICK_EMPTY_ROWS)
         empty = problems[1]
