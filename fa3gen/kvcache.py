@@ -354,7 +354,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
     dtype = "fp16" if q.dtype == torch.float16 else "bf16"
     if not prefill:
-        _require_decode_kernels(dtype, d)
+        _require_decode_kernels(dtype, ops.static_head_dim(d))
     paged = block_table is not None
     # The decode kernels clamp every page or sequence index into the cache: there must be one
     # (a contiguous cache of no rows per sequence is legal: no keys).

@@ -26,7 +26,7 @@ import torch
 from fa3gen import runtime
 from fa3gen import fp8 as _fp8
 from fa3gen import tracing as _trace
-from fa3gen.contract import DTYPES, GRID_MODES, INT32_MAX
+from fa3gen.contract import DTYPES, GRID_MODES, INT32_MAX, SUPPORTED_HEAD_DIMS
 from fa3gen.errors import Fa3genError, InvalidInputError
 
 # "bf16" -> torch.bfloat16
@@ -59,8 +59,13 @@ class Masking:
         return self.window_left >= 0 or self.window_right >= 0
 
     def key(self) -> dict:
-        """The dispatch-key part: causal, local, softcap (Library.find's arguments)."""
-        return dict(causal=self.causal, local=self.local, softcap=self.softcap > 0)
+        """The dispatch-key part: causal, local, softcap (Library.find's arguments). Each flag
+        by a branch: torch.compile with dynamic=True makes masking()'s float() and int()
+        results symbolic, so a comparison stays symbolic too, and a constant function (the
+        variant lookup) cannot take it; a branch decides it while tracing (a guard)."""
+        local = True if self.local else False
+        softcap = True if self.softcap > 0 else False
+        return dict(causal=self.causal, local=local, softcap=softcap)
 
 
 # The kernels take softmax_scale and softcap as fp32 and derive scale * log2(e), scale / softcap
@@ -857,9 +862,27 @@ def check_entries(name: str, t: torch.Tensor, bad: torch.Tensor, requirement: st
         raise InvalidInputError(f"{name}{at} is {t[tuple(at)].item()}: {requirement}")
 
 
+def _variant_name(direction: str, dtype: str, head_dim, variant, causal: bool, local: bool,
+                  softcap: bool, varlen: bool = False, seqlen_k=None) -> str:
+    return _lookup_variant_name(direction, dtype, static_head_dim(head_dim), variant, causal,
+                                local, softcap, varlen, seqlen_k)
+
+
+def static_head_dim(head_dim):
+    """head_dim as a constant: under torch.compile with dynamic shapes (dynamic=True, or a
+    recompile after a head_dim changed) it is a SymInt, which a constant function cannot take
+    and int() does not make constant; comparing it with each head dim fa3gen builds does (a
+    guard per comparison: the head dim picks the kernels). Another value is returned as it is
+    (eagerly an int, whose lookup names what the library has)."""
+    for known in SUPPORTED_HEAD_DIMS:
+        if head_dim == known:
+            return known
+    return head_dim
+
+
 @_assume_constant_result
-def _variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
-                  local: bool, softcap: bool, varlen: bool = False, seqlen_k=None) -> str:
+def _lookup_variant_name(direction: str, dtype: str, head_dim: int, variant, causal: bool,
+                         local: bool, softcap: bool, varlen: bool, seqlen_k) -> str:
     # torch.compile runs this once while tracing and bakes the name into the graph (the
     # library lookup touches files and ctypes, which dynamo cannot trace).
     return runtime.get_library().find(direction, dtype, head_dim, causal, variant, local=local,

@@ -187,7 +187,7 @@ def test_captured_calls_take_the_custom_op(monkeypatch):
 
 
 def test_constant_mark_is_torchs():
-    """ops marks _variant_name for torch.compile the way torch.compiler.assume_constant_result
+    """ops marks _lookup_variant_name for torch.compile the way torch.compiler.assume_constant_result
     does, without importing torch._dynamo at import time: if torch changes the decorator, this
     fails instead of torch.compile silently tracing into the library lookup."""
     def mine():
@@ -199,7 +199,7 @@ def test_constant_mark_is_torchs():
     ops._assume_constant_result(mine)
     torch.compiler.assume_constant_result(torchs)
     assert vars(mine) == vars(torchs) == {"_dynamo_marked_constant": True}
-    assert vars(ops._variant_name).get("_dynamo_marked_constant") is True
+    assert vars(ops._lookup_variant_name).get("_dynamo_marked_constant") is True
 
 
 @pytest.fixture
@@ -325,6 +325,44 @@ def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
         assert f(x, x, x).shape == x.shape
     assert [n for n, _ in launched] == [short.name] * 2 + ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"]
     assert launched[0][1].softmax_scale == 0.5 and launched[2][1].seqlen_q == 300
+
+
+def test_torch_compile_with_dynamic_shapes(fake_launches):
+    """torch.compile(dynamic=True): sizes become SymInts and masking()'s numbers symbolic, which
+    the variant lookup (a function dynamo runs as a constant) cannot take; the head dim and
+    the key flags are decided while tracing instead. Forward, backward (window and softcap),
+    varlen, fp8 and the quantizer, each with the eager launch's variant; a second shape runs
+    the same graph."""
+    from fa3gen import fp8, varlen
+
+    bf = torch.bfloat16
+    torch._dynamo.reset()
+    dense = torch.compile(lambda q: ops.flash_attn_func(q, q, q), fullgraph=True,
+                          backend="aot_eager", dynamic=True)
+    for b, s in ((2, 40), (3, 50)):
+        q = torch.zeros(b, s, 2, 128, dtype=bf, requires_grad=True)
+        dense(q).float().sum().backward()
+        assert q.grad.shape == q.shape
+    fake_launches.clear()
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+    call = torch.compile(lambda q, cu, m: varlen.flash_attn_varlen_func(q, q, q, cu, cu, m, m,
+                                                                        causal=True),
+                         fullgraph=True, backend="aot_eager", dynamic=True)
+    q = torch.zeros(40, 2, 128, dtype=bf, requires_grad=True)
+    call(q, cu, 30).float().sum().backward()
+    assert [n for n, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
+                                            "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0"]
+    fake_launches.clear()
+    torch._dynamo.reset()
+    e4m3 = torch.zeros(2, 40, 2, 128, dtype=bf).to(torch.float8_e4m3fn)
+    torch.compile(lambda q: ops.flash_attn_func(q, q, q, causal=True), fullgraph=True,
+                  backend="aot_eager", dynamic=True)(e4m3)
+    assert [n for n, _ in fake_launches] == ["fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1"]
+    torch._dynamo.reset()
+    q8, *_ = torch.compile(lambda q: fp8.quantize_fp8(q, q, q, causal=True), fullgraph=True,
+                           backend="aot_eager", dynamic=True)(torch.zeros(2, 40, 2, 128, dtype=bf))
+    assert q8.dtype == torch.float8_e4m3fn
 
 
 def test_flash_attention_3s_other_keywords(fake_launches):

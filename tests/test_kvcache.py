@@ -1377,3 +1377,20 @@ def test_a_numpy_integer_cache_seqlens_is_an_int(launched):
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=70, cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32))
     (a, b) = launched
     assert a.seqlen_k == b.seqlen_k == 70 and not a.cache_seqlens
+
+
+def test_torch_compile_with_dynamic_shapes(launched):
+    """torch.compile(dynamic=True): the head dim and the window and softcap flags reach the
+    decode-kernel check and the plan as constants (ops.static_head_dim, Masking.key); two
+    batch sizes run one graph, each appending where eager would."""
+    torch._dynamo.reset()
+    call = torch.compile(
+        lambda q, kc, n, k: kvcache.flash_attn_with_kvcache(q, kc, kc, k, k, cache_seqlens=n, causal=True,
+                                                            window_size=(100, 0), softcap=20.0),
+        fullgraph=True, backend="aot_eager", dynamic=True)
+    for b in (2, 3):
+        kc = torch.zeros(b, 1000, 2, 128, dtype=BF)
+        call(torch.zeros(b, 1, 8, 128, dtype=BF), kc, torch.tensor([7, 5, 3][:b], dtype=torch.int32),
+             torch.ones(b, 1, 2, 128, dtype=BF))
+        assert kc[0, 7].eq(1).all() and kc[1, 5].eq(1).all() and kc.sum() == b * 2 * 128
+    assert len(launched) == 2 and launched[-1].window_left == 100 and launched[-1].softcap == 20.0
