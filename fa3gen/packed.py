@@ -34,15 +34,16 @@ _VARLEN_KEYWORDS = {n: d for n, d in _DENSE_KEYWORDS.items() if n != "out_dtype"
 def _fa3_keywords(function: str, given: dict, accepted: dict) -> dict:
     """The call's FlashAttention-3 keywords, checked as the unpacked function checks them; an
     unknown name is Python's TypeError for it."""
+    if not given:  # the usual call: the defaults (read, never changed)
+        return accepted
     for name in given:
         if name not in accepted:
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
     kw = {**accepted, **given}
-    if given:
-        ops.check_fa3_extras(kw["qv"], kw["attention_chunk"], kw["num_splits"], kw["pack_gqa"],
-                             kw["sm_margin"])
-        if "out_dtype" not in accepted:
-            varlen.check_no_descales(kw["q_descale"], kw["k_descale"], kw["v_descale"])
+    ops.check_fa3_extras(kw["qv"], kw["attention_chunk"], kw["num_splits"], kw["pack_gqa"],
+                         kw["sm_margin"])
+    if "out_dtype" not in accepted:
+        varlen.check_no_descales(kw["q_descale"], kw["k_descale"], kw["v_descale"])
     return kw
 
 
