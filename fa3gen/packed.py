@@ -18,6 +18,8 @@ with the meaning and limits they have there.
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from fa3gen import ops, varlen
@@ -45,6 +47,24 @@ def _fa3_keywords(function: str, given: dict, accepted: dict) -> dict:
     if "out_dtype" not in accepted:
         varlen.check_no_descales(kw["q_descale"], kw["k_descale"], kw["v_descale"])
     return kw
+
+
+def _raise_in_packed_terms(error: InvalidInputError, *notes: tuple):
+    """Raises the unpacked function's error, with what the names it uses are in the packed call
+    (the caller passed qkv or kv, not q, k, v): each (names, note) whose names it uses."""
+    message = str(error)
+    said = [note for names, note in notes
+            if any(re.search(rf"\b{name}\b", message) for name in names)]
+    if not said:
+        raise error
+    raise InvalidInputError(f"{message} (here {'; '.join(said)})") from error
+
+
+_QKV_VIEWS = (("q", "k", "v"), "q, k, v are views of qkv")
+_QKV_GQA_VIEWS = (("q", "k", "v"), "q, k, v are qkv's heads split at num_heads_q")
+_KV_VIEWS = (("k", "v"), "k, v are views of kv")
+_ONE_BOUNDARY = ((("cu_seqlens_q", "cu_seqlens_k"), "cu_seqlens_q and cu_seqlens_k are cu_seqlens"),
+                 (("max_seqlen_q", "max_seqlen_k"), "max_seqlen_q and max_seqlen_k are max_seqlen"))
 
 
 def _shape(t) -> str:
@@ -100,10 +120,13 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, *, window_s
     holding q's heads, then k's, then v's. Differentiable in qkv; the rest as flash_attn_func."""
     kw = _fa3_keywords("flash_attn_qkvpacked_func", fa3_keywords, _DENSE_KEYWORDS)
     unpack = _split_qkv(qkv, num_heads_q, 2)
-    return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
-                          deterministic, bool(return_lse or return_attn_probs), variant,
-                          kw["q_descale"], kw["k_descale"], kw["v_descale"], kw["out_dtype"],
-                          packed=((qkv,), unpack))
+    try:
+        return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
+                              deterministic, bool(return_lse or return_attn_probs), variant,
+                              kw["q_descale"], kw["k_descale"], kw["v_descale"],
+                              kw["out_dtype"], packed=((qkv,), unpack))
+    except InvalidInputError as e:
+        _raise_in_packed_terms(e, _QKV_VIEWS if num_heads_q is None else _QKV_GQA_VIEWS)
 
 
 def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_size=(-1, -1),
@@ -113,10 +136,13 @@ def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_
     heads_kv, head_dim), k, v = kv.unbind(2). Differentiable in q and kv."""
     kw = _fa3_keywords("flash_attn_kvpacked_func", fa3_keywords, _DENSE_KEYWORDS)
     unpack = _split_kv(q, kv, 2)
-    return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
-                          deterministic, bool(return_lse or return_attn_probs), variant,
-                          kw["q_descale"], kw["k_descale"], kw["v_descale"], kw["out_dtype"],
-                          packed=((q, kv), unpack))
+    try:
+        return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
+                              deterministic, bool(return_lse or return_attn_probs), variant,
+                              kw["q_descale"], kw["k_descale"], kw["v_descale"],
+                              kw["out_dtype"], packed=((q, kv), unpack))
+    except InvalidInputError as e:
+        _raise_in_packed_terms(e, _KV_VIEWS)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_scale=None,
@@ -127,10 +153,13 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_sca
     boundaries for queries and keys. Differentiable in qkv."""
     _fa3_keywords("flash_attn_varlen_qkvpacked_func", fa3_keywords, _VARLEN_KEYWORDS)
     unpack = _split_qkv(qkv, None, 1)
-    return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                             softmax_scale, causal, window_size, softcap, deterministic,
-                             bool(return_lse or return_attn_probs), None, None, variant,
-                             packed=((qkv,), unpack))
+    try:
+        return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen,
+                                 max_seqlen, softmax_scale, causal, window_size, softcap,
+                                 deterministic, bool(return_lse or return_attn_probs), None,
+                                 None, variant, packed=((qkv,), unpack))
+    except InvalidInputError as e:
+        _raise_in_packed_terms(e, _QKV_VIEWS, *_ONE_BOUNDARY)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -142,10 +171,13 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     head_dim). Differentiable in q and kv."""
     _fa3_keywords("flash_attn_varlen_kvpacked_func", fa3_keywords, _VARLEN_KEYWORDS)
     unpack = _split_kv(q, kv, 1)
-    return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                             max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                             deterministic, bool(return_lse or return_attn_probs), None,
-                             seqused_k, variant, packed=((q, kv), unpack))
+    try:
+        return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                 max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                 deterministic, bool(return_lse or return_attn_probs), None,
+                                 seqused_k, variant, packed=((q, kv), unpack))
+    except InvalidInputError as e:
+        _raise_in_packed_terms(e, _KV_VIEWS)
 
 
 class PackedAttention(torch.autograd.Function):

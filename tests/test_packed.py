@@ -229,3 +229,26 @@ def test_fp8_descales_reach_the_kernel_as_in_the_unpacked_call(fake_launches):
     fields = [f for f, _ in p1._fields_ if f not in ("o", "lse")]
     assert [getattr(p1, f) for f in fields] == [getattr(p2, f) for f in fields]
     assert {descales[n].data_ptr() for n in descales} <= {getattr(p1, f) for f in fields}
+
+
+def test_errors_about_the_views_say_what_they_are_in_the_packed_call(fake_launches):
+    """The unpacked function's checks name q, k, v (and cu_seqlens_q, max_seqlen_q); the caller
+    passed qkv or kv (and cu_seqlens, max_seqlen): the error says which is which, and only
+    where it names them."""
+    qkv = torch.zeros(B, S, 3, H, 2 * D, dtype=BF)[..., ::2]  # head_dim stride 2
+    with pytest.raises(InvalidInputError, match=r"q.stride\(-1\) is 2.*\(here q, k, v are views of qkv\)$"):
+        packed.flash_attn_qkvpacked_func(qkv)
+    kv = torch.zeros(B, S, 2, H, 2 * D, dtype=BF)[..., ::2]
+    with pytest.raises(InvalidInputError, match=r"k.stride\(-1\).*\(here k, v are views of kv\)$"):
+        packed.flash_attn_kvpacked_func(torch.zeros(B, S, H, D, dtype=BF), kv)
+    flat = torch.zeros(40, 3, H, D, dtype=BF)
+    with pytest.raises(InvalidInputError, match=r"cu_seqlens_q must be int32.*\(here cu_seqlens_q and "
+                                                r"cu_seqlens_k are cu_seqlens\)$"):
+        packed.flash_attn_varlen_qkvpacked_func(flat, torch.tensor([0, 40]), 40)
+    with pytest.raises(InvalidInputError, match=r"max_seqlen_q .*\(here max_seqlen_q and max_seqlen_k "
+                                                r"are max_seqlen\)$"):
+        packed.flash_attn_varlen_qkvpacked_func(flat, torch.tensor([0, 40], dtype=torch.int32), 0)
+    with pytest.raises(InvalidInputError, match=r"softcap must be a finite number >= 0 \(0: none\), "
+                                                r"got -1.0$"):  # names none of them: as it was
+        packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 3, H, D, dtype=BF), softcap=-1.0)
+    assert not fake_launches
