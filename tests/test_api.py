@@ -363,6 +363,12 @@ def test_torch_compile_with_dynamic_shapes(fake_launches):
     q8, *_ = torch.compile(lambda q: fp8.quantize_fp8(q, q, q, causal=True), fullgraph=True,
                            backend="aot_eager", dynamic=True)(torch.zeros(2, 40, 2, 128, dtype=bf))
     assert q8.dtype == torch.float8_e4m3fn
+    torch._dynamo.reset()
+    odd = torch.zeros(2, 40, 2, 72, dtype=bf)
+    # a head dim no kernel serves: the eager call's message (in dynamo's error)
+    with pytest.raises(Exception, match="head_dim 72 is not supported by the fa3gen kernels"):
+        torch.compile(lambda q: ops.flash_attn_func(q, q, q), backend="aot_eager",
+                      dynamic=True)(odd)
 
 
 def test_flash_attention_3s_other_keywords(fake_launches):
