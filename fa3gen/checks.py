@@ -63,8 +63,13 @@ class _Untouched:
     inputs after the launch, so a kernel that wrote into one could otherwise pass."""
 
     def __init__(self, **inputs):
-        self.inputs = inputs
-        self.copies = {name: t.clone() for name, t in inputs.items()}
+        self.inputs, self.copies = {}, {}
+        self.add(**inputs)
+
+    def add(self, **inputs) -> None:
+        """More inputs, for a later launch (those already held keep their first copies)."""
+        self.inputs.update(inputs)
+        self.copies.update((name, t.clone()) for name, t in inputs.items())
 
     def verdict(self, res: dict) -> dict:
         """res, failed where the launch changed an input's bits (NaN-safe)."""
@@ -147,7 +152,7 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
         return untouched.verdict(reference.compare_varlen_to_reference(
             out, lse, q, k, v, *sizes[:2], causal, scale, **extra))
     dout = tensors[3]
-    untouched = _Untouched(**untouched.inputs, dout=dout, out=out, lse=lse)
+    untouched.add(dout=dout, out=out, lse=lse)
     grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
     bplan = varlen._bwd_plan(dout, q, k, v, out, lse, *sizes, *grads, mask, scale, variant.name,
                              False, lib)

@@ -743,14 +743,18 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
     return plan, dout
 
 
+def _backward_key(fwd: _Plan, deterministic: bool, dout, grads) -> tuple:
+    """An eager backward's plan key (dense and varlen): dout's layout with its alignment, which
+    decides a copy (_plan_once), and the given gradients' strides, which are the params'."""
+    key = (fwd, deterministic, *_layout_key(dout))
+    return key if grads is None else key + tuple(_signature(g) for g in grads)
+
+
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, grads=None):
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked), new, or
     written into `grads` (views of packed gradients, fa3gen.packed)."""
-    key = (fwd, deterministic, *_layout_key(dout))  # its alignment decides a copy (_plan_once)
-    if grads is not None:  # their strides are the params'
-        key += tuple(_signature(g) for g in grads)
     plan, dout = _backward_plan_once(
-        _bwd_plans, key, dout,
+        _bwd_plans, _backward_key(fwd, deterministic, dout, grads), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale,
                                 resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,

@@ -18,6 +18,7 @@ with the meaning and limits they have there.
 """
 from __future__ import annotations
 
+import inspect
 import re
 
 import torch
@@ -26,11 +27,20 @@ from fa3gen import ops, varlen
 from fa3gen.errors import InvalidInputError
 
 
-# FlashAttention-3's keywords the packed functions pass on, with their defaults: flash_attn_func
-# takes all of them, flash_attn_varlen_func all but out_dtype (and its descales only as None).
-_DENSE_KEYWORDS = dict(q_descale=None, k_descale=None, v_descale=None, out_dtype=None, qv=None,
-                       attention_chunk=0, num_splits=1, pack_gqa=None, sm_margin=0)
-_VARLEN_KEYWORDS = {n: d for n, d in _DENSE_KEYWORDS.items() if n != "out_dtype"}
+# FlashAttention-3's keywords the packed functions pass on, with the unpacked functions' own
+# defaults: flash_attn_func takes all of them, flash_attn_varlen_func all but out_dtype (and
+# its descales only as None).
+_FA3_NAMES = ("q_descale", "k_descale", "v_descale", "out_dtype", "qv", "attention_chunk",
+              "num_splits", "pack_gqa", "sm_margin")
+
+
+def _defaults(function, names) -> dict:
+    params = inspect.signature(function).parameters
+    return {n: params[n].default for n in names if n in params}
+
+
+_DENSE_KEYWORDS = _defaults(ops.flash_attn_func, _FA3_NAMES)
+_VARLEN_KEYWORDS = _defaults(varlen.flash_attn_varlen_func, _FA3_NAMES)
 
 
 def _fa3_keywords(function: str, given: dict, accepted: dict) -> dict:
@@ -234,9 +244,7 @@ class VarlenRun(DenseRun):
         self.tensors = (cu_q, cu_k) if seqused_k is None else (cu_q, cu_k, seqused_k)
 
     def forward(self, q, k, v, cu_q, cu_k, seqused_k=None):
-        out, lse = varlen._empty_outputs(q)
-        varlen._fwd_run(self.plan, q, k, v, cu_q, cu_k, out, lse, seqused_k)
-        return out, lse
+        return varlen._eager_forward(self.plan, q, k, v, cu_q, cu_k, seqused_k)
 
     def backward(self, dout, q, k, v, out, lse, grads, cu_q, cu_k, seqused_k=None):
         varlen._eager_backward(self.plan, self.deterministic, dout, q, k, v, out, lse, cu_q, cu_k,

@@ -195,8 +195,13 @@ def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, ma
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                        scale, variant or None)  # once per call signature, as eager calls
     _trace_call(plan.info.name, not variant, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    return _eager_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
+
+
+def _eager_forward(plan: _Plan, q, k, v, cu_q, cu_k, seqused_k=None):
+    """(out, lse), new, of a planned call (ops._eager_forward's varlen twin)."""
     out, lse = _empty_outputs(q)
-    _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
+    _fwd_run(plan, q, k, v, cu_q, cu_k, out, lse, seqused_k)
     return out, lse
 
 
@@ -453,8 +458,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, plan: _Plan, deterministic: bool, seqused_k):
-        out, lse = _empty_outputs(q)
-        _fwd_run(plan, q, k, v, cu_q, cu_k, out, lse, seqused_k)
+        out, lse = _eager_forward(plan, q, k, v, cu_q, cu_k, seqused_k)
         ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
         ctx.plan, ctx.deterministic = plan, deterministic
         ctx.mark_non_differentiable(lse)
@@ -481,11 +485,8 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen); grads as there."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
-    key = (fwd, deterministic, *ops._layout_key(dout))  # its alignment decides a copy
-    if grads is not None:
-        key += tuple(ops._signature(g) for g in grads)
     plan, dout = ops._backward_plan_once(
-        _bwd_plans, key, dout,
+        _bwd_plans, ops._backward_key(fwd, deterministic, dout, grads), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
                                 *(grads or ops._empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale, _backward_variant(q, fwd.mask), deterministic,
@@ -622,8 +623,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                             seqused_k)
             out, lse = PackedAttention.apply(run, *packed[0], *run.tensors)
     else:
-        out, lse = _empty_outputs(q)
-        _fwd_run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k)
+        out, lse = _eager_forward(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k)
     return (out, lse) if return_lse else out
 
 
