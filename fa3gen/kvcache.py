@@ -17,7 +17,7 @@ import torch
 
 from fa3gen import contract, ops, runtime, tracing
 from fa3gen.contract import INT32_MAX
-from fa3gen.errors import InvalidInputError, VariantNotBuiltError
+from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
@@ -135,10 +135,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 def _eager_call(q, k_cache, v_cache, args, return_lse):
     """A call's plan (once per signature), append and launch."""
     k, v, cache_seqlens, cache_batch_idx, block_table, _, _, _, _, _, k_scale, v_scale = args
-    try:
-        key = _call_key(q, k_cache, v_cache, args)
+    try:  # the library too: another one (FA3GEN_LIB, use_spec) may lack these decode kernels
+        key = (_call_key(q, k_cache, v_cache, args), runtime.get_library())
         plan = _plans.get(key)
-    except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+    except (TypeError, Fa3genError):  # unhashable, no library: the checks say what is wrong
         key, plan = None, None
     if plan is None:
         plan = _plan(q, k_cache, v_cache, *args)

@@ -60,3 +60,25 @@ def test_a_tensor_scale_changed_in_place_is_read_again(fake_launches, dtype):
         s.fill_(value)
         ops.flash_attn_func(q, q, q, s, causal=dtype != BF)  # the fake library's keys
     assert [p.softmax_scale for _, p in fake_launches] == [0.5, 0.125]
+
+
+def test_kvcache_plan_is_per_library(fake_launches, tmp_path, monkeypatch):
+    """A decode call planned under a library with decode kernels, then the same call under one
+    without (FA3GEN_LIB changed): the second is checked again and refused, not launched."""
+    from fa3gen import runtime
+    from fa3gen.errors import VariantNotBuiltError
+    from tests.test_runtime_errors import build_fake_lib
+
+    with_decode = runtime.get_library()
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(
+        contract.DECODE_PAIRS if runtime.get_library() is with_decode else ()))
+    calls = []
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    q, kc = torch.zeros(2, 1, 8, 128, dtype=BF), torch.zeros(2, 256, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100)
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(other)))
+    with pytest.raises(VariantNotBuiltError, match="decode over a KV cache"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100)
+    assert len(calls) == 1
