@@ -107,14 +107,37 @@ struct FwdTraits {
   static_assert(!Paged || TileN % kPageChunk == 0, "paged: whole chunks per key block");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
+  // FA3GEN_FWD_CLUSTER2 (an experiment, off unless defined): CTA pairs as thread-block clusters
+  // of two, each pair on two query tiles of one (head, batch) (tile_scheduler.cuh), so that they
+  // read the same K and V blocks; each CTA loads half of every block and multicasts it to both
+  // (FA3 does this for 16-bit non-causal head dims >= 128; FA4's sm90 forward does not). Halves
+  // the L2-to-SM traffic of K and V, the forward's largest, and the producer's TMA issue.
+  // Dense non-causal warp-specialized 16-bit variants only: there every tile of a head visits
+  // the same key blocks, so the two CTAs stay in step. CuTe halves each load's box along the
+  // keys (a box is one swizzle row of columns by TileN keys: 176 -> 88, 112 -> 56, 80 -> 40
+  // rows, whole 8-row swizzle atoms; printed on the host with a stand-in for the driver's
+  // cuTensorMapEncodeTiled, 2026-12-04 (eleventh)).
+#ifdef FA3GEN_FWD_CLUSTER2
+  static constexpr int kClusterM =
+      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem) ? 2 : 1;
+  static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");
+#else
+  static constexpr int kClusterM = 1;
+#endif
+
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
   static constexpr int kConsumerWGs = TileM / 64;
   static constexpr int kConsumerThreads = kConsumerWGs * 128;
   static constexpr int kThreads = kConsumerThreads + (WarpSpecialized ? 128 : 0);
   // setmaxnreg split: the producer keeps few registers so consumers can hold S, P and O.
-  // fp8: the producers also transpose V; their loop state then needs more than 24 (spills).
-  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kFp8 ? 40 : 24;
-  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kFp8 ? 232 : 240;
+  // fp8: the producers also transpose V; clusters: each load is this CTA's multicast half.
+  // Their loop state then needs more than 24: in a cluster at 24 / 240 the producer's loop
+  // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232 d128 128x128 and d256 128x64
+  // build spill-free; d128 128x176 reloads 3 values once a tile (its steady loop clean), d256
+  // 128x80 spills inside its steady loop (static SASS, 2026-12-05 (fourteenth)).
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
+  static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
+  static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap
   // from __launch_bounds__, rounded down to 8, times the threads): asking for more makes the
   // consumers' increase wait forever. 24/240, 40/232 and 32/160 use exactly the whole pool.
@@ -229,23 +252,6 @@ struct FwdTraits {
       kFp8, decltype(take<0, 2>(SmemLayoutVRaw{})),
       cute::conditional_t<kPaged, SmemLayoutVtChunk, decltype(take<0, 2>(SmemLayoutVt{}))>>;
   using GmemTensorV = cute::conditional_t<kFp8, GmemTensorRows, GmemTensorVt>;
-  // FA3GEN_FWD_CLUSTER2 (an experiment, off unless defined): CTA pairs as thread-block clusters
-  // of two, each pair on two query tiles of one (head, batch) (tile_scheduler.cuh), so that they
-  // read the same K and V blocks; each CTA loads half of every block and multicasts it to both
-  // (FA3 does this for 16-bit non-causal head dims >= 128; FA4's sm90 forward does not). Halves
-  // the L2-to-SM traffic of K and V, the forward's largest, and the producer's TMA issue.
-  // Dense non-causal warp-specialized 16-bit variants only: there every tile of a head visits
-  // the same key blocks, so the two CTAs stay in step. CuTe halves each load's box along the
-  // keys (a box is one swizzle row of columns by TileN keys: 176 -> 88, 112 -> 56, 80 -> 40
-  // rows, whole 8-row swizzle atoms; printed on the host with a stand-in for the driver's
-  // cuTensorMapEncodeTiled, 2026-12-04 (eleventh)).
-#ifdef FA3GEN_FWD_CLUSTER2
-  static constexpr int kClusterM =
-      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem) ? 2 : 1;
-  static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");
-#else
-  static constexpr int kClusterM = 1;
-#endif
   using ClusterShape = Shape<Int<kClusterM>, _1, _1>;
   using TmaLoadKV = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
   using TmaK = decltype(make_tma_copy(TmaLoadKV{}, GmemTensorRows{}, SmemLayoutKBox{}, Int<kClusterM>{}));
