@@ -132,9 +132,9 @@ struct FwdTraits {
   // setmaxnreg split: the producer keeps few registers so consumers can hold S, P and O.
   // fp8: the producers also transpose V; clusters: each load is this CTA's multicast half.
   // Their loop state then needs more than 24: in a cluster at 24 / 240 the producer's loop
-  // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232 d128 128x128 and d256 128x64
-  // build spill-free; d128 128x176 reloads 3 values once a tile (its steady loop clean), d256
-  // 128x80 spills inside its steady loop (static SASS, 2026-12-05 (fourteenth)).
+  // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232, with the epilogue's offsets
+  // recomputed each tile where the tile is large (store_fwd_tile), all 22 dense non-causal
+  // forwards of specs/h100.yaml build spill-free with the switch (2026-12-05 (fourteenth)).
   static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
