@@ -135,10 +135,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 def _eager_call(q, k_cache, v_cache, args, return_lse):
     """A call's plan (once per signature), append and launch."""
     k, v, cache_seqlens, cache_batch_idx, block_table, _, _, _, _, _, k_scale, v_scale = args
-    try:  # the library too: another one (FA3GEN_LIB, use_spec) may lack these decode kernels
-        key = (_call_key(q, k_cache, v_cache, args), runtime.get_library())
+    try:  # keyed by the library too: another one (FA3GEN_LIB, use_spec) may lack the kernels
+        lib = runtime.get_library()
+    except Fa3genError:  # none: the checks or the launch say so; one found later plans again
+        lib = None
+    try:
+        key = (_call_key(q, k_cache, v_cache, args), lib)
         plan = _plans.get(key)
-    except (TypeError, Fa3genError):  # unhashable, no library: the checks say what is wrong
+    except TypeError:  # an unhashable argument: the checks below say what is wrong with it
         key, plan = None, None
     if plan is None:
         plan = _plan(q, k_cache, v_cache, *args)
