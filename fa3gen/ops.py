@@ -927,15 +927,17 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
         _fp32_range_error("softmax_scale", softmax_scale)
 
 
-def _check_fa3_arguments(softmax_scale) -> None:
+def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
     """A scale that comes from another order (fa3gen's old (q, k, v, causal, softmax_scale),
-    flash-attn 2's dropout_p): an error, never a different result."""
+    flash-attn 2's dropout_p): an error, never a different result. positional: the scale may
+    be passed right after the tensors (the dense and the dense packed functions)."""
     if isinstance(softmax_scale, bool):
         raise InvalidInputError(
             f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
             "(q, k, v, softmax_scale, causal); pass causal=... by keyword")
-    check_softmax_scale(softmax_scale, ": with flash-attn 2's order the 4th positional argument "
-                        "is dropout_p, here (FlashAttention-3's order) it is the scale")
+    check_softmax_scale(softmax_scale, ": with flash-attn 2's order the positional argument after "
+                        "the tensors is dropout_p, here (FlashAttention-3's order) it is the scale"
+                        if positional else "")
 
 
 def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin) -> None:

@@ -193,8 +193,16 @@ def test_non_tensors_and_bad_num_heads_q_are_type_errors():
 
 def test_flash_attn_2_positional_dropout_is_refused(fake_launches):
     """flash-attn 2 passes dropout_p second: 0.0 there is a softmax_scale here, and refused."""
-    with pytest.raises(InvalidInputError, match="softmax_scale"):
+    with pytest.raises(InvalidInputError, match="softmax_scale.*positional argument after the tensors is dropout_p"):
         packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 3, H, D, dtype=BF), 0.0, True)
+
+
+def test_a_bad_varlen_scale_does_not_blame_a_dropout_position(fake_launches):
+    """varlen's scale is keyword-only: its error names no positional dropout_p."""
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="softmax_scale") as e:
+        packed.flash_attn_varlen_qkvpacked_func(torch.zeros(10, 3, H, D, dtype=BF), cu, 10, softmax_scale=0.0)
+    assert "dropout" not in str(e.value)
 
 
 def test_torch_compile_traces_the_packed_call(fake_launches):
