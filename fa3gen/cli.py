@@ -14,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fa3gen.contract import generated_root
+from fa3gen.contract import MANIFEST_NAME, generated_root
 from generator.errors import BuildError, GeneratorError
 from generator.paths import resolve_spec_path
 
@@ -67,30 +67,58 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def _spec_name(spec: str) -> str:
-    """Name of the generated/ subdirectory for --spec (a path, or a bare spec name)."""
-    from fa3gen.runtime import spec_name_of_file  # the stem for a broken spec: it can be cleaned
+    """Name of the generated/ subdirectory for --spec (a path, or a bare spec name). A spec
+    file that exists but does not parse gives its stem (so a broken spec's build can be
+    cleaned); a .yaml path to no file is an error (a typo must not pick a build by its stem)."""
+    from fa3gen.runtime import spec_name_of_file
 
     path = resolve_spec_path(spec)
-    return spec_name_of_file(path) if path.is_file() else Path(spec).stem
+    if path.is_file():
+        return spec_name_of_file(path)
+    if path.suffix in (".yaml", ".yml"):
+        raise GeneratorError(f"--spec {spec!r}: no such spec file")
+    return Path(spec).stem
+
+
+# What a build folder holds: generator/build.py writes build.ninja and fingerprint.txt before
+# compiling, manifest.json after. clean removes only folders that hold both or the manifest.
+_BUILD_MARKERS = (("build.ninja", "fingerprint.txt"), (MANIFEST_NAME,))
+
+
+def _is_build(folder: Path) -> bool:
+    return folder.is_dir() and not folder.is_symlink() and \
+        any(all((folder / m).is_file() for m in names) for names in _BUILD_MARKERS)
 
 
 def cmd_clean(args: argparse.Namespace) -> int:
     root = generated_root()
-    if args.spec is None:  # no --spec: every build
-        target = root
-    else:  # one spec's build: a valid spec name, strictly inside the root (never the root)
-        from generator.spec import _NAME_RE
+    if args.spec is None:  # no --spec: every build under the root, nothing else
+        builds = sorted(d for d in root.iterdir() if _is_build(d)) if root.is_dir() else []
+        others = sorted(d.name for d in root.iterdir() if d not in builds) if root.is_dir() else []
+        for d in builds:
+            shutil.rmtree(d)
+            print(f"fa3gen: removed {d}")
+        if not builds:
+            print(f"fa3gen: no builds to clean in {root}")
+        if others:
+            print(f"fa3gen: left {len(others)} entr{'y' if len(others) == 1 else 'ies'} of {root} "
+                  f"that are not builds: {', '.join(others[:5])}{' ...' if len(others) > 5 else ''}")
+        return 0
+    from generator.spec import _NAME_RE  # one spec's build: a spec name, strictly inside the root
 
-        name = _spec_name(args.spec)
-        if not _NAME_RE.match(name):
-            raise GeneratorError(f"--spec {args.spec!r} names no spec build ({name!r} is not a "
-                                 "spec name); `fa3gen clean` without --spec removes every build")
-        target = root / name
-        if target.resolve().parent != root.resolve():
-            raise GeneratorError(f"refusing to remove {target}: not inside {root}")
+    name = _spec_name(args.spec)
+    if not _NAME_RE.match(name):
+        raise GeneratorError(f"--spec {args.spec!r} names no spec build ({name!r} is not a "
+                             "spec name); `fa3gen clean` without --spec removes every build")
+    target = root / name
+    if target.resolve().parent != root.resolve():
+        raise GeneratorError(f"refusing to remove {target}: not inside {root}")
     if not target.exists():
         print(f"fa3gen: nothing to clean at {target}")
         return 0
+    if not _is_build(target):
+        raise GeneratorError(f"refusing to remove {target}: not an fa3gen build (no {MANIFEST_NAME}, "
+                             "nor build.ninja with fingerprint.txt)")
     shutil.rmtree(target)
     print(f"fa3gen: removed {target}")
     return 0

@@ -1,6 +1,7 @@
 """The `fa3gen` command line (fa3gen/cli.py)."""
 import subprocess
 import sys
+from pathlib import Path
 
 import fnmatch
 
@@ -103,16 +104,42 @@ def test_missing_spec_file(capsys):
     assert rc == 2 and "not found" in err
 
 
+def _fake_build(folder: Path, finished: bool = True) -> None:
+    (folder / "src").mkdir(parents=True)
+    for name in (("manifest.json",) if finished else ("build.ninja", "fingerprint.txt")):
+        (folder / name).write_text("x")
+
+
 def test_clean(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
-    (tmp_path / "tiny" / "src").mkdir(parents=True)
-    (tmp_path / "h100").mkdir()
+    _fake_build(tmp_path / "tiny")
+    _fake_build(tmp_path / "h100", finished=False)  # a build that failed is a build too
     rc, out, _ = run(["clean", "--spec", "tiny"], capsys)
     assert rc == 0 and not (tmp_path / "tiny").exists() and (tmp_path / "h100").exists()
     rc, out, _ = run(["clean", "--spec", "tiny"], capsys)
     assert rc == 0 and "nothing to clean" in out
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "todo.txt").write_text("keep")
     rc, out, _ = run(["clean"], capsys)
-    assert rc == 0 and not tmp_path.exists()
+    assert rc == 0 and not (tmp_path / "h100").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "todo.txt"]
+    assert "left 2 entries" in out and "not builds" in out
+
+
+def test_clean_removes_nothing_but_builds(tmp_path, monkeypatch, capsys):
+    """FA3GEN_GENERATED pointed at a folder of other things (".", /tmp): `clean` once removed
+    it whole, and `clean --spec NAME` any folder of that name; a .yaml typo picked a build by
+    its stem."""
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    (tmp_path / "projects").mkdir()
+    (tmp_path / "projects" / "build.ninja").write_text("x")  # another tool's, no fingerprint
+    _fake_build(tmp_path / "h100")
+    rc, out, err = run(["clean", "--spec", "projects"], capsys)
+    assert rc == 2 and "not an fa3gen build" in err and (tmp_path / "projects").is_dir()
+    rc, out, err = run(["clean", "--spec", "spec/h100.yaml"], capsys)
+    assert rc == 2 and "no such spec file" in err and (tmp_path / "h100").is_dir()
+    rc, out, _ = run(["clean"], capsys)
+    assert rc == 0 and (tmp_path / "projects").is_dir() and not (tmp_path / "h100").exists()
 
 
 def test_extra_command_modules_listed_in_one_place():
