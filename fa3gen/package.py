@@ -14,6 +14,7 @@ import hashlib
 import json
 import keyword
 import re
+import sys
 import sysconfig
 import zipfile
 from pathlib import Path
@@ -90,6 +91,27 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
+def _taken_by(name: str) -> str | None:
+    """What already answers `import name` here, unless it is an earlier wheel of this tool
+    (which the new one replaces, as intended): a standard-library module, or an installed
+    module or package (torch, yaml: the runtime's own dependencies among them)."""
+    import importlib.util
+
+    if name in sys.stdlib_module_names:
+        return "a standard-library module"
+    try:
+        found = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if found is None or found.origin is None:  # nothing, or a bare folder (a namespace package)
+        return None
+    init = Path(found.origin)
+    if init.name == "__init__.py" and init.is_file() and \
+            "packaged with `fa3gen package`" in init.read_text(errors="replace")[:400]:
+        return None
+    return f"an installed module ({found.origin})"
+
+
 def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = None) -> Path:
     """Write the wheel of spec_name's built library into out_dir; returns its path."""
     library, manifest = contract.library_path(spec_name), contract.manifest_path(spec_name)
@@ -109,10 +131,17 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     # importable, and a distribution name pip takes (letters or digits at both ends)
     if not (package_name.isidentifier() and package_name.isascii()) or keyword.iskeyword(package_name) \
             or not re.fullmatch(r"[A-Za-z0-9](\w*[A-Za-z0-9])?", package_name):
-        raise Fa3genError(f"--name {package_name!r} is not a Python package name pip installs "
-                          "(ASCII letters, digits and _, a letter or digit at both ends)")
+        given = f"--name {package_name!r}" if name else \
+            f"the package name {package_name!r} made from spec name {spec_name!r}"
+        raise Fa3genError(f"{given} is not a Python package name pip installs (ASCII letters, "
+                          "digits and _, a letter or digit at both ends)" + ("" if name else
+                          "; pass --name"))
     if re.sub(r"[-_.]+", "-", package_name).lower() in TOOL_PACKAGES:  # pip's normalized name
         raise Fa3genError(f"--name {package_name} is the tool's own package: choose another name")
+    taken = _taken_by(package_name)
+    if taken:
+        raise Fa3genError(f"--name {package_name} is {taken}: installing the wheel would replace "
+                          "it; choose another name")
     # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
     version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")

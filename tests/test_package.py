@@ -102,7 +102,10 @@ def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
                                            ("a\u00e9b", "not a Python package name"),
                                            ("fa3gen", "the tool's own package"),
                                            ("Fa3gen", "the tool's own package"),
-                                           ("generator", "the tool's own package")])
+                                           ("generator", "the tool's own package"),
+                                           ("yaml", "an installed module"),
+                                           ("torch", "an installed module"),
+                                           ("json", "a standard-library module")])
 def test_package_names_that_would_not_import_or_would_replace_the_tool(built, capsys, name, message):
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 2
     assert message in capsys.readouterr().err and not (built / "dist").exists()
@@ -218,3 +221,17 @@ def test_a_manifest_without_its_library_says_build_it(built, capsys):
     contract.library_path("fake").unlink()
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
     assert "build it first: fa3gen build --spec fake" in capsys.readouterr().err
+
+
+def test_a_name_an_earlier_wheel_of_this_tool_holds_can_be_packaged_again(built, tmp_path, monkeypatch):
+    """An installed fa3gen wheel of that name is what the new one replaces: not refused."""
+    from fa3gen import package as P
+    site = tmp_path / "site" / "fa3gen_again"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text(P._init_source("fa3gen_again", "fake", "0"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    assert P._taken_by("fa3gen_again") is None
+    (site / "__init__.py").write_text("x = 1\n")  # someone else's package of that name
+    import importlib
+    importlib.invalidate_caches()
+    assert "an installed module" in P._taken_by("fa3gen_again")
