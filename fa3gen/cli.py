@@ -137,7 +137,10 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from generator.spec import SpecError, parse_spec
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
-    name = args.name or Path(args.output).stem
+    out = Path(args.output)
+    if out.exists() and out.resolve() == Path(args.from_trace).resolve():
+        raise GeneratorError(f"-o {args.output} is the trace itself: write the spec elsewhere")
+    name = args.name or out.stem
     text = spec_from_trace(args.from_trace, name)  # a bad trace: TraceError, printed by main
     # What it writes must build: a bad name, or traced variants no build holds (a trace of
     # another fa3gen, an edited one), fail here and not at the build.

@@ -462,7 +462,7 @@ def spec_name_of_file(path: Path) -> str:
 
     try:
         data = yaml.safe_load(path.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return path.stem  # the build fails on it too; the stem names the library to look for
     name = data.get("name") if isinstance(data, dict) else None
     return name if isinstance(name, str) else path.stem

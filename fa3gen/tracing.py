@@ -144,6 +144,8 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"{path}: not a trace (not UTF-8 text)") from e
     except yaml.YAMLError as e:
         raise TraceError(f"{path}: not a trace (invalid YAML: {e})") from e
+    except RecursionError as e:
+        raise TraceError(f"{path}: not a trace (nested too deeply to read)") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
         raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
     if not data["calls"]:
@@ -191,19 +193,25 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     calls, decode = _read(Path(path))
     variants = {}
     seqlen_k: dict = {}  # variant -> [min, max] seqlen_k of its dispatched calls
-    for c in calls:
+    for i, c in enumerate(calls):
+        if not isinstance(c, dict) or "variant" not in c:
+            raise TraceError(f"{path}: bad call entry {i}: expected a mapping with a variant "
+                             f"(and default, seqlen_k), got {c!r}")
         try:
             v = parse_name(c["variant"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (TypeError, ValueError) as e:
             raise TraceError(f"{path}: bad call entry {c!r}: {e}") from e
-        variants[v] = variants.get(v, False) or bool(c.get("default"))
+        if not isinstance(c.get("default", False), bool):
+            raise TraceError(f"{path}: bad call entry {c!r}: default must be true or false")
+        variants[v] = variants.get(v, False) or c.get("default", False)
         lengths = c.get("seqlen_k")
         if lengths is not None and not (isinstance(lengths, list) and len(lengths) == 2 and all(
                 isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)
                 and lengths[0] <= lengths[1]):
             raise TraceError(f"{path}: bad call entry {c!r}: seqlen_k must be [shortest, longest]")
-        if c.get("default") and lengths is not None:
-            seqlen_k[v] = lengths
+        if c.get("default") and lengths is not None:  # entries of one variant (merged traces): all
+            lo, hi = seqlen_k.get(v, lengths)
+            seqlen_k[v] = [min(lo, lengths[0]), max(hi, lengths[1])]
     groups, dispatch = [], []
     by_key: dict[tuple, list] = {}
     for v, is_default in sorted(variants.items()):

@@ -94,6 +94,37 @@ def test_spec_from_trace_keeps_the_choice_by_length(tmp_path):
     assert "dispatch" not in spec and spec["dispatch_required"] is False
 
 
+def test_entries_of_one_variant_merge_their_lengths(tmp_path):
+    """A merged trace (two runs' entries) with V1 at 10-20 and 100-200, V0 at 30-40: V1's
+    lengths are 10-200, which overlap V0's, so no length rule; before, V1's last entry alone
+    counted and the spec sent 0-99 to V0, V1's traced calls at 10-20 included."""
+    v1, v0 = ("fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1", "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov1")
+    path = tmp_path / "merged.yaml"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
+        {"variant": v1, "default": True, "seqlen_k": [10, 20]},
+        {"variant": v0, "default": True, "seqlen_k": [30, 40]},
+        {"variant": v1, "default": True, "seqlen_k": [100, 200]}]}))
+    spec = yaml.safe_load(tracing.spec_from_trace(path, "m"))
+    assert "dispatch" not in spec and spec["dispatch_required"] is False
+
+
+def test_spec_from_trace_will_not_overwrite_the_trace(tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [{"variant": BWD, "default": True}]}))
+    before = path.read_text()
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(path)]) == 2
+    assert "is the trace itself" in capsys.readouterr().err and path.read_text() == before
+
+
+def test_deeply_nested_yaml_is_one_error(tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("[" * 2000 + "]" * 2000)
+    assert cli.main(["spec", "--from-trace", str(deep), "-o", str(tmp_path / "x.yaml")]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
+    from fa3gen.runtime import spec_name_of_file
+    assert spec_name_of_file(deep) == "deep"
+
+
 def test_spec_from_a_bad_trace_says_what_is_wrong(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("calls: []\n")
@@ -197,6 +228,9 @@ def test_a_trace_of_decode_calls_alone_is_written_at_exit(tmp_path):
 @pytest.mark.parametrize("entry, message", [
     ({"variant": "not-a-variant", "default": True}, "bad call entry"),
     ({"variant": D128, "default": True, "seqlen_k": [10, 5]}, "seqlen_k must be"),
+    (5, "expected a mapping with a variant"),
+    ({"default": True}, "expected a mapping with a variant"),
+    ({"variant": D128, "default": "no"}, "default must be true or false"),
 ])
 def test_bad_call_entries_are_errors_not_skipped(tmp_path, entry, message):
     path = tmp_path / "t.yaml"
