@@ -122,10 +122,10 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
         info = json.loads(manifest.read_text())
     except (ValueError, OSError) as e:  # JSON errors and non-UTF-8 bytes are ValueErrors
         raise Fa3genError(f"{manifest}: unreadable ({e}); rebuild: fa3gen build --spec {spec_name}") from e
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or not isinstance(info.get("variants", []), list):
         raise Fa3genError(f"{manifest}: not a manifest; rebuild: fa3gen build --spec {spec_name}")
     if info.get("abi_version") != contract.ABI_VERSION:
-        raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')}, this fa3gen "
+        raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')!r}, this fa3gen "
                           f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
     package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
     # importable, and a distribution name pip takes (letters or digits at both ends)

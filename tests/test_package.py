@@ -111,7 +111,8 @@ def test_package_names_that_would_not_import_or_would_replace_the_tool(built, ca
     assert message in capsys.readouterr().err and not (built / "dist").exists()
 
 
-@pytest.mark.parametrize("manifest", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+@pytest.mark.parametrize("manifest", [b"{not json", b"[1, 2]", b"\xff\xfe",
+                                      b'{"abi_version": 14, "variants": 5}'])
 def test_package_with_a_damaged_manifest_says_rebuild(built, capsys, manifest):
     contract.manifest_path("fake").write_bytes(manifest)
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
