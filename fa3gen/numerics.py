@@ -250,7 +250,7 @@ def register(subparsers) -> argparse.ArgumentParser:
                               "(outliers, FP64 reference) for fp16/bf16/fp8 attention")
     p.add_argument("--shape", action="append", type=_shape, default=None, metavar="B,S,H,D",
                    help="problem shape (repeatable; default 1,8192,2,128 and 1,4096,4,64)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed of the inputs (default 0)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="auto: cuda when available (adds the kernel rows)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR / "numerics.json",
@@ -272,6 +272,17 @@ def _shape(text: str) -> tuple[int, int, int, int]:
     return b, s, h, d
 
 
+def _seed(text: str) -> int:
+    """A seed torch.Generator takes: an int in [0, 2^64)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}")
+    if not 0 <= seed < 2**64:
+        raise argparse.ArgumentTypeError(f"{text}: a seed is in [0, 2^64)")
+    return seed
+
+
 def run(args) -> int:
     import torch
 
@@ -281,7 +292,14 @@ def run(args) -> int:
     elif device == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError("--device cuda: no CUDA GPU here (--device cpu or auto runs the "
                                 "PyTorch rows only)")
-    report = study(args.shape or DEFAULT_SHAPES, args.seed, device)
+    try:
+        report = study(args.shape or DEFAULT_SHAPES, args.seed, device)
+    except RuntimeError as e:  # torch.OutOfMemoryError too: the fp64 reference is the largest
+        if "allocate" not in str(e):
+            raise
+        raise InvalidInputError(f"--shape too large for the {device} memory here (the fp64 "
+                                f"reference holds seqlen x seqlen scores a head): "
+                                f"{str(e).splitlines()[0][:200]}") from e
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     update_markdown(args.doc, render_markdown(report), BEGIN, END, title="# Numerics\n\n")

@@ -150,3 +150,19 @@ def test_report_markers_that_do_not_pair_are_an_error_not_a_guess(tmp_path):
     doc.write_text(f"# t\n\n{begin}\nold\n{end}\nafter\n")
     update_markdown(doc, f"{begin}\nnew\n{end}\n", begin, end)
     assert doc.read_text() == f"# t\n\n{begin}\nnew\n{end}\nafter\n"
+
+
+def test_numerics_arguments_out_of_range_are_one_error(tmp_path, capsys, monkeypatch):
+    """A seed torch cannot take, or a shape whose fp64 reference does not fit, was a traceback."""
+    from fa3gen import cli, numerics
+
+    out = ["--out", str(tmp_path / "n.json"), "--doc", str(tmp_path / "n.md"), "--device", "cpu"]
+    with pytest.raises(SystemExit):
+        cli.main(["numerics", "--seed", str(2**64), *out])
+    assert "a seed is in [0, 2^64)" in capsys.readouterr().err
+
+    def no_memory(*a):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 7 bytes")
+    monkeypatch.setattr(numerics, "study", no_memory)
+    assert cli.main(["numerics", "--shape", "1,64,1,64", *out]) == 2
+    assert "--shape too large" in capsys.readouterr().err
