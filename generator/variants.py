@@ -6,6 +6,7 @@ an error: it is pruned by a named constraint so `fa3gen list --explain` can say 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -323,10 +324,20 @@ class Enumeration:
 _MAX_NAMED = 10  # duplicate variants named per warning
 
 
+# More combinations than a spec means (h100.yaml: about 200): a typo's product (200 head dims x
+# 39 tiles x 50 stages) would enumerate for minutes and gigabytes before any error.
+MAX_COMBINATIONS = 100_000
+
+
 def enumerate_variants(spec: Spec) -> Enumeration:
     first_group: dict[Variant, str] = {}             # variant -> first group that produced it
     repeated: dict[tuple[str, str], list[Variant]] = {}   # (first group, later group) -> variants
     for group in spec.groups:
+        count = math.prod(len(group.values(a)) for a in AXES)
+        if count > MAX_COMBINATIONS:
+            raise spec.error(f"group {group.name!r} expands to {count:,} combinations of its axes' "
+                             f"values (at most {MAX_COMBINATIONS:,}): list fewer values per axis, "
+                             "or split it into groups")
         for combo in itertools.product(*(group.values(a) for a in AXES)):
             v = Variant.from_axes(dict(zip(AXES, combo)))
             earlier = first_group.setdefault(v, group.name)

@@ -163,3 +163,15 @@ def test_one_range_split_over_entries_resolves_together_and_ranges_sort(tmp_path
     assert [(lo, hi, v.name) for lo, hi, v in ranges] == [
         (0, 1024, "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp0_ov1"),
         (4096, 8192, "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp0_ov1")]
+
+
+def test_a_group_of_too_many_combinations_is_refused_before_enumerating():
+    """200 tiles x 200 stage counts x 2 x 2 is 160,000 combinations: refused at once (a typo's
+    product once ran for minutes)."""
+    tiles = ", ".join(f"[128, {n}]" for n in range(16, 3216, 16))
+    stages = ", ".join(str(n) for n in range(1, 201))
+    text = AXES.replace("tile: [128, 128]", f"tile: [{tiles}]").replace(
+        "stages: 2", f"stages: [{stages}]").replace("causal: false", "causal: [false, true]").replace(
+        "pingpong: false", "pingpong: [false, true]")
+    with pytest.raises(SpecError, match="expands to 160,000 combinations"):
+        V.enumerate_variants(parse_spec(text, "s.yaml"))
