@@ -52,14 +52,18 @@ def _window(text: str) -> tuple[int, int]:
     from fa3gen.errors import InvalidInputError
     from fa3gen.ops import masking  # imports torch: only when --window is given
 
+    parts = text.split(",")
     try:
-        left, right = (int(x) for x in text.split(","))
+        if len(parts) != 2:
+            raise ValueError(f"got {len(parts)} value(s) in {text!r}")
+        left, right = (int(x) for x in parts)
         local = masking(False, (left, right)).local
     except (ValueError, InvalidInputError) as e:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT, two integers >= -1: {e}")
     if not local:
         raise argparse.ArgumentTypeError(f"{text!r} is not a sliding window (-1,0 is causal, "
-                                         "-1,-1 no window)")
+                                         "-1,-1 no window; a side of 2^31 keys or more is "
+                                         "unbounded)")
     return left, right
 
 
