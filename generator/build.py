@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from fa3gen.contract import (ABI_VERSION, MANIFEST_NAME, Variant, key_str, library_name,
+from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str, library_name,
                              spec_out_dir)
 
 from fa3gen.files import write_atomically
@@ -155,6 +155,10 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
     jobs = jobs or default_jobs()
     out = p.out_dir
+    existing = next(d for d in (out, *out.parents) if d.exists())  # the dry run too: say it now
+    if not existing.is_dir():
+        raise BuildError(f"cannot build into {out}: {existing} is a file, not a folder (check "
+                         f"${GENERATED_ENV})")
     env = environment(tc.templates_dir)
 
     for key, v in p.defaults.items():

@@ -51,11 +51,14 @@ def _path(p) -> str:
 
 
 def _split_launcher(launcher: str) -> list[str]:
+    where = f"compiler launcher {launcher!r} (--launcher or $FA3GEN_COMPILER_LAUNCHER)"
     try:
-        return shlex.split(launcher)
+        args = shlex.split(launcher)
     except ValueError as e:  # an unclosed quote
-        raise GeneratorError(f"compiler launcher {launcher!r} (--launcher or "
-                             f"$FA3GEN_COMPILER_LAUNCHER): {e}") from e
+        raise GeneratorError(f"{where}: {e}") from e
+    if args and shutil.which(args[0]) is None:  # else every compile fails, dry runs say nothing
+        raise GeneratorError(f"{where}: {args[0]!r} is not a program on PATH")
+    return args
 
 
 def _cmd(args) -> str:

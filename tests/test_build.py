@@ -175,6 +175,9 @@ def test_compiler_launcher(fake, monkeypatch):
     res = B.build(spec, toolchain=tc, log=quiet)
     assert "launcher = env" in (res.plan.out_dir / "build.ninja").read_text()
     assert res.library.exists()
+    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "no-such-ccache -x")  # a dry run said nothing
+    with pytest.raises(GeneratorError, match="'no-such-ccache' is not a program on PATH"):
+        B.build(spec, toolchain=tc, dry_run=True, log=quiet)
 
 
 def test_filters(fake):
@@ -540,3 +543,14 @@ def test_the_library_says_which_defines_built_it(fake):
     assert '\\"defines\\"' not in plain and "defines" not in plain
     B.build(spec, toolchain=tc, log=quiet, defines=["FA3GEN_VARLEN_ZERO_PADDING"])
     assert '"defines": ["FA3GEN_VARLEN_ZERO_PADDING"]'.replace('"', '\\"') in dispatch.read_text()
+
+
+def test_a_generated_root_that_is_a_file_is_said_before_anything(fake, tmp_path, monkeypatch):
+    """FA3GEN_GENERATED naming a file: the dry run reported success, the build failed later."""
+    spec, tc, _ = fake
+    not_a_folder = tmp_path / "gen_file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("FA3GEN_GENERATED", str(not_a_folder))
+    for dry in (True, False):
+        with pytest.raises(BuildError, match="is a file, not a folder"):
+            B.build(spec, toolchain=tc, dry_run=dry, log=quiet)
