@@ -181,6 +181,9 @@ def load_spec(path: str | Path) -> Spec:
     except FileNotFoundError:
         known = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.yaml")))
         raise SpecError(f"spec file not found: {path} (specs in {SPECS_DIR}: {known or 'none'})")
+    except IsADirectoryError:
+        raise SpecError(f"spec {str(path)!r} is a folder, not a spec file (an empty --spec is "
+                        "one): give a spec name from specs/ or a .yaml path")
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}")
     except UnicodeDecodeError as e:

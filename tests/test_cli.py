@@ -293,3 +293,10 @@ def test_numerics_on_cuda_without_a_gpu_says_so(tmp_path, capsys):
     rc, _, err = run(["numerics", "--device", "cuda", "--out", str(tmp_path / "n.json"),
                       "--doc", str(tmp_path / "N.md")], capsys)
     assert rc == 2 and "no CUDA GPU here" in err
+
+
+def test_an_empty_or_folder_spec_is_named_as_such(tmp_path, capsys):
+    """--spec '' (an unset $SPEC) read as the folder '.': 'cannot read spec .: Is a directory'."""
+    for spec in ("", str(tmp_path)):
+        rc, _, err = run(["list", "--spec", spec], capsys)
+        assert rc == 2 and "is a folder, not a spec file" in err, spec
