@@ -18,8 +18,8 @@ from fa3gen.files import write_atomically
 from . import __version__
 from .compile_one import MARKER_SUFFIX, spills_allowed
 from .errors import BuildError, FilterError
-from .ninja import (objects_without_deps, planned_edges, render_build_ninja, run_ninja,
-                    write_build_ninja)
+from .ninja import (check_launcher, objects_without_deps, planned_edges, render_build_ninja,
+                    run_ninja, write_build_ninja)
 from .paths import resolve_spec_path
 from .lock import build_lock
 from .render import RenderPlan, environment, plain_units, plan_sources
@@ -153,6 +153,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     tc = toolchain or detect(debug=debug, lineinfo=lineinfo, defines=defines)
     fp = tc.fingerprint()
     launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
+    if launcher:
+        check_launcher(launcher)
     jobs = jobs or default_jobs()
     out = p.out_dir
     existing = next(d for d in (out, *out.parents) if d.exists())  # the dry run too: say it now

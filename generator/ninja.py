@@ -51,14 +51,19 @@ def _path(p) -> str:
 
 
 def _split_launcher(launcher: str) -> list[str]:
-    where = f"compiler launcher {launcher!r} (--launcher or $FA3GEN_COMPILER_LAUNCHER)"
     try:
-        args = shlex.split(launcher)
+        return shlex.split(launcher)
     except ValueError as e:  # an unclosed quote
-        raise GeneratorError(f"{where}: {e}") from e
-    if args and shutil.which(args[0]) is None:  # else every compile fails, dry runs say nothing
-        raise GeneratorError(f"{where}: {args[0]!r} is not a program on PATH")
-    return args
+        raise GeneratorError(f"compiler launcher {launcher!r} (--launcher or "
+                             f"$FA3GEN_COMPILER_LAUNCHER): {e}") from e
+
+
+def check_launcher(launcher: str) -> None:
+    """The launcher's program is on PATH (else every compile fails, and a dry run says nothing)."""
+    args = _split_launcher(launcher)
+    if args and shutil.which(args[0]) is None:
+        raise GeneratorError(f"compiler launcher {launcher!r} (--launcher or "
+                             f"$FA3GEN_COMPILER_LAUNCHER): {args[0]!r} is not a program on PATH")
 
 
 def _cmd(args) -> str:
