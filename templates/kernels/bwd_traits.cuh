@@ -248,8 +248,8 @@ struct BwdTraits {
 #endif
   // A stage's Q and LSE land on the pipeline's barrier and its dO and D on one of their own
   // (barrier_do), so that S is issued once Q is in, before dO (FA4's separate Q and dO
-  // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). Dense d64/d128 only
-  // (P in registers: mma()'s register path; varlen zeroes both before the GEMMs).
+  // barriers: the first GEMM waits for about 33 KB at d64 instead of 65). Dense with P in
+  // registers only (d64, d96, d128: mma()'s register path; varlen zeroes both before the GEMMs).
   static constexpr bool kSplitQdo = !kPInSmem && !kVarlen;
   static_assert(2 * staged_tile_bytes<TileN, HeadDim, Element>() <=
                     2 * sizeof(Element) * (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK>),
