@@ -140,7 +140,12 @@ def cmd_spec(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.exists() and out.resolve() == Path(args.from_trace).resolve():
         raise GeneratorError(f"-o {args.output} is the trace itself: write the spec elsewhere")
+    from generator.spec import _NAME_RE
+
     name = args.name or out.stem
+    if not args.name and not _NAME_RE.match(name):
+        raise GeneratorError(f"-o {args.output}: the spec's name comes from the file name, and "
+                             f"{name!r} is no spec name; pass --name")
     text = spec_from_trace(args.from_trace, name)  # a bad trace: TraceError, printed by main
     # What it writes must build: a bad name, or traced variants no build holds (a trace of
     # another fa3gen, an edited one), fail here and not at the build.

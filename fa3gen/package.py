@@ -167,6 +167,8 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
 
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise Fa3genError(f"--out {out_dir} is a file, not a folder for the wheel")
     wheel = out_dir / f"{package_name}-{version}-py3-none-{platform}.whl"
     with replacing(wheel) as tmp, zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
         for n, d in files.items():

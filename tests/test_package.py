@@ -236,3 +236,10 @@ def test_a_name_an_earlier_wheel_of_this_tool_holds_can_be_packaged_again(built,
     import importlib
     importlib.invalidate_caches()
     assert "an installed module" in P._taken_by("fa3gen_again")
+
+
+def test_an_out_path_that_is_a_file_is_one_error(built, capsys):
+    out = built / "a_file"
+    out.write_text("x")
+    assert cli.main(["package", "--spec", "fake", "--out", str(out)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

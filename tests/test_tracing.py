@@ -253,3 +253,11 @@ def test_a_training_step_records_its_backward_too(tmp_path, fake_launches):
     assert [calls["fwd"]["variant"], calls["bwd"]["variant"]] == launched
     assert calls["bwd"]["count"] == 1 and calls["bwd"]["default"] is True
     assert (calls["bwd"]["seqlen_q"], calls["bwd"]["seqlen_k"], calls["bwd"]["heads_kv"]) == ([40, 40], [56, 56], [2, 2])
+
+
+def test_an_output_file_name_that_is_no_spec_name_asks_for_name(tmp_path, capsys):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [{"variant": BWD, "default": True}]}))
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(tmp_path / ".yaml")]) == 2
+    assert "pass --name" in capsys.readouterr().err
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(tmp_path / ".yaml"), "--name", "ok"]) == 0
