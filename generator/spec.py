@@ -174,6 +174,15 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def _exactly_in(value, allowed) -> bool:
+    """value in allowed with its type too: 128.0 or True is not the head dim 128 or 1 (the
+    axes refuse them; so does `decode:`)."""
+    if isinstance(value, tuple):
+        return any(len(value) == len(a) and all(_exactly_in(x, (y,)) for x, y in zip(value, a))
+                   for a in allowed)
+    return any(type(value) is type(a) and value == a for a in allowed)
+
+
 def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     try:
@@ -330,7 +339,7 @@ class _Validator:
             raise self.fail("decode", f"expected {want}", raw)
         pairs = []
         for i, item in enumerate(raw):
-            if not (isinstance(item, list) and len(item) == 2 and tuple(item) in DECODE_PAIRS):
+            if not (isinstance(item, list) and len(item) == 2 and _exactly_in(tuple(item), DECODE_PAIRS)):
                 raise self.fail(f"decode[{i}]", f"expected {want}", item)
             pairs.append(tuple(item))
         return tuple(p for p in DECODE_PAIRS if p in pairs)  # one order, no repeats
@@ -349,7 +358,7 @@ class _Validator:
             if not values:
                 raise self.fail(f"decode.{axis}", "expected a value or a non-empty list", values)
             for value in values:
-                if isinstance(value, bool) or value not in allowed:
+                if not _exactly_in(value, allowed):
                     raise self.fail(f"decode.{axis}", f"expected one of {', '.join(map(str, allowed))}",
                                     value)
             chosen.append(values)

@@ -53,6 +53,9 @@ def seqlen_entry(rng: str) -> str:
     (AXES + "dispatch: false\n", "dispatch: expected a list, got false"),
     (AXES.replace("tile: [128, 128]", "tile: [true, 128]"), "axes.tile: expected a tile [M, N]"),
     (AXES.replace("tile: [128, 128]", "tile: []"), "axes.tile: expected a tile [M, N]"),
+    # a float head dim is refused in `decode:` as in the axes
+    (AXES + "decode: {head_dim: 128.0}\n", "decode.head_dim: expected one of"),
+    (AXES + "decode: [[bf16, 128.0]]\n", "decode[0]: expected"),
 ])
 def test_malformed_specs_say_what_is_wrong(text, message):
     assert message in error(text)
