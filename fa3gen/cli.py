@@ -93,8 +93,9 @@ def _is_build(folder: Path) -> bool:
 def cmd_clean(args: argparse.Namespace) -> int:
     root = generated_root()
     if args.spec is None:  # no --spec: every build under the root, nothing else
-        builds = sorted(d for d in root.iterdir() if _is_build(d)) if root.is_dir() else []
-        others = sorted(d.name for d in root.iterdir() if d not in builds) if root.is_dir() else []
+        entries = sorted(root.iterdir()) if root.is_dir() else []
+        builds = [d for d in entries if _is_build(d)]
+        others = [d.name for d in entries if d not in builds]
         for d in builds:
             shutil.rmtree(d)
             print(f"fa3gen: removed {d}")
@@ -134,14 +135,12 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 def cmd_spec(args: argparse.Namespace) -> int:
     from fa3gen.tracing import NO_DEFAULT_NOTE, spec_from_trace
-    from generator.spec import SpecError, parse_spec
+    from generator.spec import _NAME_RE, SpecError, parse_spec
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
     out = Path(args.output)
     if out.exists() and out.resolve() == Path(args.from_trace).resolve():
         raise GeneratorError(f"-o {args.output} is the trace itself: write the spec elsewhere")
-    from generator.spec import _NAME_RE
-
     name = args.name or out.stem
     if not args.name and not _NAME_RE.match(name):
         raise GeneratorError(f"-o {args.output}: the spec's name comes from the file name, and "
