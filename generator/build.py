@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str, library_name,
-                             spec_out_dir)
+from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str,
+                             library_name, spec_out_dir)
 
 from fa3gen.files import write_atomically
 
