@@ -131,3 +131,27 @@ def quantizer(fake_launches, monkeypatch):
     monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
     monkeypatch.setattr(fp8, "_quantize_plans", {})
     return launched
+
+
+@pytest.fixture
+def under_hash_seeds():
+    """run(code) -> the stdout of `python -c code` (repository root, its packages importable)
+    under two PYTHONHASHSEEDs, as a pair: what must be the same in every process (unit names,
+    fingerprints, rendered sources) compares equal only if it does not depend on hash()."""
+    import os
+    import subprocess
+    import sys
+
+    from generator.paths import REPO_ROOT
+
+    def run(code: str) -> tuple[str, str]:
+        outs = []
+        for seed in ("1", "2"):
+            env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO_ROOT)}
+            proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env,
+                                  capture_output=True, text=True)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            outs.append(proc.stdout)
+        assert outs[0], "the code printed nothing"
+        return outs[0], outs[1]
+    return run
