@@ -276,10 +276,14 @@ def test_second_derivatives_are_an_error_not_zeros(eager):
 
 def test_an_empty_query_side_gives_empty_gradients(eager):
     """seqlen_q 0: autograd's dout is expanded and empty; contiguous() kept its zero strides."""
+    launched, _ = eager
     q = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
-    ops.flash_attn_func(q, k, k).float().sum().backward()
+    k = torch.full((1, 8, 2, 128), 3.0, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.full((1, 8, 2, 128), 3.0, dtype=torch.bfloat16, requires_grad=True)
+    ops.flash_attn_func(q, k, v).float().sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert (k.grad == 0).all() and (v.grad == 0).all()  # no query: no key contributes
+    assert launched == []  # nothing to compute, in either direction
 
 
 def test_no_grad_calls_skip_autograd(eager, monkeypatch):

@@ -169,12 +169,19 @@ def test_spilling_variant_fails_unless_allowed(fake, monkeypatch, capfd):
     assert not (out / "obj" / f"{B_}.o").exists()
 
 
-def test_compiler_launcher(fake, monkeypatch):
+def test_compiler_launcher(fake, monkeypatch, tmp_path):
+    """The launcher runs every compile (a script that records its calls, then runs them)."""
     spec, tc, calls = fake
-    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "env")
+    log = tmp_path / "launched.txt"
+    launcher = tmp_path / "record"
+    launcher.write_text(f"#!/bin/sh\necho \"$1\" >> {log}\nexec \"$@\"\n")
+    launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", str(launcher))
     res = B.build(spec, toolchain=tc, log=quiet)
-    assert "launcher = env" in (res.plan.out_dir / "build.ninja").read_text()
+    assert f"launcher = {launcher}" in (res.plan.out_dir / "build.ninja").read_text()
     assert res.library.exists()
+    compiled = [c for c in take_calls(calls) if c.endswith(".cu")]
+    assert compiled and log.read_text().split().count(str(tc.nvcc)) == len(compiled)
     monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "no-such-ccache -x")  # a dry run said nothing
     with pytest.raises(GeneratorError, match="'no-such-ccache' is not a program on PATH"):
         B.build(spec, toolchain=tc, dry_run=True, log=quiet)
@@ -208,10 +215,6 @@ def test_filter_matching_only_pruned_says_why(tmp_path, monkeypatch):
                     + "dispatch_required: false\n")
     with pytest.raises(FilterError, match="matches only pruned variants: .*pruned by knob_realized"):
         B.plan(spec, only=["*pp1*"])
-
-
-def test_default_jobs_positive():
-    assert B.default_jobs() >= 1
 
 
 def snapshot(root: Path) -> dict:

@@ -24,8 +24,6 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
         find_nvcc()
     except ToolchainError as e:
         pytest.skip(str(e))
-    if not (KERNELS_DIR / "fa3gen_fwd.cuh").is_file():
-        pytest.skip("templates/kernels/fa3gen_fwd.cuh not written yet")
     from generator.build import build
 
     monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
@@ -44,6 +42,8 @@ def test_tiny_spec_compiles(tmp_path, monkeypatch):
     assert res.library == lib and lib.is_file()
 
     nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("the library built; its exported-symbol checks need nm (binutils) on PATH")
     if nm:
         syms = subprocess.run([nm, "-D", "--defined-only", str(lib)], capture_output=True,
                               text=True, check=True).stdout

@@ -822,6 +822,8 @@ def test_debug_checks_catch_a_page_only_the_append_needs(launched, monkeypatch):
      r"cache_seqlens \+ 3 = 11"),  # causal: q's 3 rows take positions 8, 9, 10
     (dict(cache_seqlens=-1), "10 positions; the call needs"),
     (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), r"shape \(2,\)"),
+    (dict(rotary_cos=torch.ones(10, 16, device="meta"), rotary_sin=torch.ones(10, 16, device="meta")),
+     "and dtype on cpu; got"),  # tables on another device than q
 ])
 def test_more_rotary_errors(launched, kwargs, match):
     q = torch.zeros(2, 3, 4, 64, dtype=BF)

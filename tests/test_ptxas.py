@@ -33,9 +33,23 @@ def test_clean_report_has_no_problems():
     assert parse_ptxas(text).problems() == []
 
 
-def test_kernel_falls_back_to_heaviest_entry():
-    text = SAMPLE.replace("fa3gen", "other")
-    assert parse_ptxas(text).kernel().registers == 168
+def _entries_log(*entries: tuple[str, int]) -> str:
+    """A ptxas -v log of entry functions (name, registers), in that order."""
+    return "".join(
+        f"ptxas info    : Compiling entry function '{name}' for 'sm_90a'\n"
+        f"ptxas info    : Function properties for {name}\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        f"ptxas info    : Used {regs} registers, used 1 barriers, 0 bytes smem, 400 bytes cmem[0]\n"
+        for name, regs in entries)
+
+
+def test_kernel_is_the_heaviest_entry_that_names_fa3gen_else_the_heaviest():
+    """The sample's kernel is first, heaviest and the only one naming fa3gen at once, which
+    tells none of kernel()'s rules apart: here a lighter fa3gen entry comes first and a
+    heavier helper does not name fa3gen."""
+    log = _entries_log(("_Z12fa3gen_smallv", 40), ("_Z11big_helperv", 200), ("_Z10fa3gen_fwdv", 168))
+    assert parse_ptxas(log).kernel().name == "_Z10fa3gen_fwdv"
+    assert parse_ptxas(log.replace("fa3gen", "other")).kernel().name == "_Z11big_helperv"
 
 
 def run_compile_one(tmp_path, monkeypatch, log_text, allow=False):
