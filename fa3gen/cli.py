@@ -163,6 +163,16 @@ def cmd_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def _non_empty(option: str):
+    """An argparse type: the text, refused when empty (an unset $VAR would otherwise fall back
+    to the default silently)."""
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"{option} is empty")
+        return text
+    return parse
+
+
 def _add_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", action="append", default=[], metavar="GLOB",
                    help="keep only variants whose name matches (repeatable)")
@@ -244,7 +254,7 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                         "and imports without nvcc or CUTLASS")
     pk.add_argument("--spec", required=True, help="spec YAML path or name (built already)")
     pk.add_argument("--out", type=Path, default=Path("dist"), help="directory for the wheel (default dist/)")
-    pk.add_argument("--name", default=None,
+    pk.add_argument("--name", default=None, type=_non_empty("--name"),
                     help="import package and distribution name (default fa3gen_<spec name>)")
     pk.set_defaults(func=cmd_package)
 
@@ -252,7 +262,8 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                         "recorded (fa3gen.trace / FA3GEN_TRACE)")
     sp.add_argument("--from-trace", required=True, metavar="TRACE", help="trace YAML file")
     sp.add_argument("-o", "--output", required=True, help="spec YAML to write")
-    sp.add_argument("--name", default=None, help="the spec's name (default: the output file's stem)")
+    sp.add_argument("--name", default=None, type=_non_empty("--name"),
+                    help="the spec's name (default: the output file's stem)")
     sp.set_defaults(func=cmd_spec)
 
     if extra:

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import fnmatch
 
+import pytest
+
 from fa3gen import cli
 from generator import variants as V
 from generator.build import plan
@@ -300,3 +302,11 @@ def test_an_empty_or_folder_spec_is_named_as_such(tmp_path, capsys):
     for spec in ("", str(tmp_path)):
         rc, _, err = run(["list", "--spec", spec], capsys)
         assert rc == 2 and "is a folder, not a spec file" in err, spec
+
+
+def test_an_empty_name_is_refused_not_defaulted(tmp_path, capsys):
+    for argv in (["package", "--spec", "tiny", "--name", ""],
+                 ["spec", "--from-trace", str(tmp_path / "t.yaml"), "-o", str(tmp_path / "s.yaml"), "--name", ""]):
+        with pytest.raises(SystemExit) as e:  # argparse's usage error
+            cli.main(argv)
+        assert e.value.code == 2 and "--name is empty" in capsys.readouterr().err, argv
