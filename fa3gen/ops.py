@@ -124,6 +124,15 @@ def _check_tensors(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:  # checked inline: this runs on every call
+            refuse_nested(name, t)
+
+
+def refuse_nested(name: str, t: torch.Tensor) -> None:
+    """A nested tensor's shape and strides raise inside torch: say what to pass instead."""
+    if t.is_nested:
+        raise InvalidInputError(f"{name} is a nested tensor; pass packed rows with cu_seqlens "
+                                "(the varlen functions) instead")
 
 
 def check_device(q, k, v) -> None:
@@ -184,9 +193,10 @@ def check_inputs(q, k, v) -> Dims:
 
 
 def check_layout(**tensors: torch.Tensor) -> None:
-    """TMA requirements for each named (b, s, h, d) tensor: head_dim stride 1, the other strides
-    multiples of 16 bytes, data pointer 16-byte aligned. Dims of size 1 are exempt (their
-    stride is never used; _strides() replaces it)."""
+    """TMA requirements for each named (b, s, h, d) tensor, or varlen's (rows, h, d): head_dim
+    stride 1, the other strides multiples of 16 bytes, data pointer 16-byte aligned. Dims of
+    size 1 are exempt (their stride is never used; _strides() replaces it). Errors name the
+    caller's own dims."""
     for name, t in tensors.items():
         hint = f"make it contiguous first ({name} = {name}.contiguous())"
         if t.shape[-1] > 1 and t.stride(-1) != 1:
@@ -195,7 +205,7 @@ def check_layout(**tensors: torch.Tensor) -> None:
                 f"contiguous (stride 1), {hint}"
             )
         per = _TMA_ALIGN_BYTES // t.element_size()
-        for dim, what in ((0, "batch"), (1, "seqlen"), (2, "heads")):
+        for dim, what in enumerate(("batch", "seqlen", "heads") if t.dim() == 4 else ("rows", "heads")):
             if t.shape[dim] > 1 and t.stride(dim) % per:
                 raise InvalidInputError(
                     f"{name}.stride({dim}) ({what}) is {t.stride(dim)} elements, not a multiple "

@@ -86,6 +86,7 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
     num_heads_q (FlashAttention-3's GQA layout) (.., heads_q + 2 * heads_kv, d)."""
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
+    ops.refuse_nested("qkv", qkv)
     lead = "(batch, seqlen" if batch_dims == 2 else "(total"
     if num_heads_q is None:
         if qkv.dim() != batch_dims + 3 or qkv.shape[batch_dims] != 3:
@@ -115,6 +116,7 @@ def _split_kv(q, kv, batch_dims: int):
     for name, t in (("q", q), ("kv", kv)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        ops.refuse_nested(name, t)
     if kv.dim() != batch_dims + 3 or kv.shape[batch_dims] != 2:
         lead = "(batch, seqlen_k" if batch_dims == 2 else "(total_k"
         raise InvalidInputError(f"kv must be {lead}, 2, heads_kv, head_dim), got {_shape(kv)}")

@@ -113,7 +113,7 @@ def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _views(*tensors):
-    """(1, total, heads, d) views: ops.check_layout and ops._strides take 4-D tensors."""
+    """(1, total, heads, d) views: ops._make_params and ops._strides take 4-D tensors."""
     return [t.unsqueeze(0) for t in tensors]
 
 
@@ -142,7 +142,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, varlen=True,
                     seqlen_k=max_seqlen_k, **mask.key())
     q4, k4, v4, o4 = _views(q, k, v, out)
-    ops.check_layout(q=q4, k=k4, v=v4)
+    ops.check_layout(q=q, k=k, v=v)
     scale = ops._softmax_scale(softmax_scale, dims.head_dim)
     params = None
     if q.shape[0] and dims.heads_q:
@@ -332,8 +332,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if not lse.is_contiguous():
         raise InvalidInputError("lse must be contiguous (the C ABI takes no lse strides)")
     info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, varlen=True, **mask.key())
+    ops.check_layout(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     views = _views(q, k, v, out, dout, dq, dk, dv)
-    ops.check_layout(**dict(zip(("q", "k", "v", "out", "dout", "dq", "dk", "dv"), views)))
     params = None
     if q.shape[0] and k.shape[0] and dims.heads_q:
         placeholders = {name: lse for name in ops._WORKSPACE}
@@ -602,8 +602,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         # tracing, and cannot reach the library lookup, whose arguments are constants.)
         name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
                                  *ops._key_flags(mask), True)
-        q4, k4, v4 = _views(q, k, v)
-        ops.check_layout(q=q4, k=k4, v=v4)
+        ops.check_layout(q=q, k=k, v=v)
         out, lse = torch.ops.fa3gen.varlen_fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
             ops._softmax_scale(softmax_scale, dims.head_dim), "" if variant is None else name,

@@ -260,3 +260,13 @@ def test_errors_about_the_views_say_what_they_are_in_the_packed_call(fake_launch
                                                 r"got -1.0$"):  # names none of them: as it was
         packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 3, H, D, dtype=BF), softcap=-1.0)
     assert not fake_launches
+
+
+def test_nested_tensors_are_one_error(fake_launches):
+    nested = torch.nested.nested_tensor([torch.zeros(3, 3, H, D, dtype=BF), torch.zeros(7, 3, H, D, dtype=BF)])
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    for call, name in ((lambda: packed.flash_attn_varlen_qkvpacked_func(nested, cu, 7), "qkv"),
+                       (lambda: packed.flash_attn_qkvpacked_func(nested), "qkv"),
+                       (lambda: packed.flash_attn_kvpacked_func(nested, nested), "q")):
+        with pytest.raises(InvalidInputError, match=f"{name} is a nested tensor"):
+            call()

@@ -379,14 +379,18 @@ def test_variant_is_honoured_and_checked(fake_launches):
 
 def test_layout_checks_name_the_tensor(fake_launches):
     """head_dim not contiguous in k, or v's row stride not 16-byte aligned: an InvalidInputError
-    that names the tensor."""
+    that names the tensor and the caller's own dim (v's rows are its dim 0: the check once named
+    dims of an internal 4-D view)."""
     q, k, v = qkv()
     k_t = torch.zeros(12, 128, 2, dtype=torch.bfloat16).transpose(1, 2)  # head_dim stride 2
     with pytest.raises(InvalidInputError, match=r"k.stride\(-1\)"):
         flash_attn_varlen_func(q, k_t, v, CU_Q, CU_K, 7, 5, causal=True)
     v_odd = torch.zeros(12, 2 * 128 + 4, dtype=torch.bfloat16)[:, :256].view(12, 2, 128)
-    with pytest.raises(InvalidInputError, match=r"v.stride\(1\)"):
+    with pytest.raises(InvalidInputError, match=r"v.stride\(0\) \(rows\) is 260 elements"):
         flash_attn_varlen_func(q, k, v_odd, CU_Q, CU_K, 7, 5, causal=True)
+    v_heads = torch.zeros(12, 2, 128 + 4, dtype=torch.bfloat16)[..., :128]  # heads 132 apart
+    with pytest.raises(InvalidInputError, match=r"v.stride\(1\) \(heads\) is 132 elements"):
+        flash_attn_varlen_func(q, k, v_heads, CU_Q, CU_K, 7, 5, causal=True)
 
 
 def test_limits_are_inclusive(fake_launches):
@@ -467,3 +471,13 @@ def test_a_trace_records_both_directions(fake_launches, tmp_path, through):
     bwd = t.entries[("bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0", True)]
     assert bwd.count == 1 and bwd.ranges["batch"] == [3, 3]
     assert bwd.ranges["seqlen_q"] == [7, 7] and bwd.ranges["seqlen_k"] == [5, 5]
+
+
+def test_a_nested_tensor_is_one_error(fake_launches):
+    """A strided nested tensor's stride() raised inside torch while the plan key was built."""
+    q = torch.nested.nested_tensor([torch.zeros(3, 4, 128, dtype=torch.bfloat16),
+                                    torch.zeros(7, 4, 128, dtype=torch.bfloat16)])
+    with pytest.raises(InvalidInputError, match="q is a nested tensor"):
+        flash_attn_varlen_func(q, q, q, CU_Q, CU_K, 7, 5, causal=True)
+    with pytest.raises(InvalidInputError, match="q is a nested tensor"):
+        ops.flash_attn_func(q, q, q)
