@@ -262,6 +262,7 @@ def test_errors_about_the_views_say_what_they_are_in_the_packed_call(fake_launch
     assert not fake_launches
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # a prototype
 def test_nested_tensors_are_one_error(fake_launches):
     nested = torch.nested.nested_tensor([torch.zeros(3, 3, H, D, dtype=BF), torch.zeros(7, 3, H, D, dtype=BF)])
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
