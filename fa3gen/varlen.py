@@ -76,12 +76,16 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])
 
 
-def _check_max_seqlen(**sizes) -> None:
-    for name, m in sizes.items():
+def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> None:
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
         if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0 or m > INT32_MAX:
             raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
                                     f"got {m!r}")
+    if max_seqlen_q + max_seqlen_k > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
+        raise InvalidInputError(f"max_seqlen_q + max_seqlen_k must be at most 2**30 - 1, got "
+                                f"{max_seqlen_q} + {max_seqlen_k}; they bound the longest "
+                                "sequences, not the totals")
 
 
 def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -394,12 +394,15 @@ def test_layout_checks_name_the_tensor(fake_launches):
 
 
 def test_limits_are_inclusive(fake_launches):
-    """One sequence, 16384 sequences, 32767 query heads and max_seqlen 2^31 - 1 are legal;
-    one more of each is refused."""
+    """One sequence, 16384 sequences, 32767 query heads and max_seqlen_q + max_seqlen_k of
+    2^30 - 1 are legal; one more of each is refused (the sum: it passed the host and failed at
+    launch, 'seqlen_q + seqlen_k too large for one launch')."""
     q, k, v = qkv()
     one_q, one_k = (torch.tensor([0, n], dtype=torch.int32) for n in (10, 12))
     flash_attn_varlen_func(q, k, v, one_q, one_k, 10, 12, causal=True)
-    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**31 - 1, 2**31 - 1, causal=True)
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**29, 2**29 - 1, causal=True)
+    with pytest.raises(InvalidInputError, match=r"max_seqlen_q \+ max_seqlen_k must be at most 2\*\*30 - 1"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**29, 2**29, causal=True)
     with pytest.raises(InvalidInputError, match=r"max_seqlen_q must be an int in \[1, 2\*\*31\)"):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**31, 5, causal=True)
     n = contract.VARLEN_LIMITS["batch"]
