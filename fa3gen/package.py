@@ -103,10 +103,12 @@ def _taken_by(name: str) -> str | None:
         found = importlib.util.find_spec(name)
     except (ImportError, ValueError):
         return None
-    if found is None or found.origin is None:  # nothing, or a bare folder (a namespace package)
+    # Nothing, a bare folder (a namespace package), or a finder's answer with no file behind it
+    # (an editable install's finder may map names it does not hold): not a module to replace.
+    init = Path(found.origin) if found is not None and found.origin else None
+    if init is None or not init.is_file():
         return None
-    init = Path(found.origin)
-    if init.name == "__init__.py" and init.is_file() and \
+    if init.name == "__init__.py" and \
             "packaged with `fa3gen package`" in init.read_text(errors="replace")[:400]:
         return None
     return f"an installed module ({found.origin})"

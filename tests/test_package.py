@@ -39,7 +39,7 @@ def install(wheel, target, *code):
 
 
 def test_package_installs_and_loads_its_library(built, capsys):
-    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0, capsys.readouterr().err
     wheel = next((built / "dist").glob("fa3gen_fake-*.whl"))
     assert f"wrote {wheel}" in capsys.readouterr().out
     names = zipfile.ZipFile(wheel).namelist()
@@ -146,15 +146,16 @@ def test_package_refuses_a_library_of_another_abi(built, capsys):
     assert "built for C ABI -1" in capsys.readouterr().err
 
 
-def test_wheel_record_lists_every_file_with_its_hash_and_size(built):
+def test_wheel_record_lists_every_file_with_its_hash_and_size(built, capsys):
     """RECORD as pip checks it (PEP 376/427): every other file with sha256 in unpadded
     urlsafe base64 and its size, RECORD itself without either."""
     import base64
     import hashlib
 
-    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
-    [wheel] = (built / "dist").glob("*.whl")
-    with zipfile.ZipFile(wheel) as z:
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0, capsys.readouterr().err
+    wheels = sorted((built / "dist").iterdir())
+    assert len(wheels) == 1 and wheels[0].suffix == ".whl", wheels
+    with zipfile.ZipFile(wheels[0]) as z:
         names = z.namelist()
         [record_name] = [n for n in names if n.endswith(".dist-info/RECORD")]
         rows = {r.split(",")[0]: r.split(",")[1:] for r in z.read(record_name).decode().splitlines()}
@@ -178,13 +179,13 @@ def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
     assert package._commit() == label
 
 
-def test_wheel_metadata_tags_and_contents_agree_with_its_name(built):
+def test_wheel_metadata_tags_and_contents_agree_with_its_name(built, capsys):
     """The file name, METADATA, WHEEL and the dist-info folder say one name, version and
     platform tag; the dependencies are declared; every runtime module is in, none of them still
     calls the tool's custom ops."""
     from fa3gen import __version__, package
 
-    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0, capsys.readouterr().err
     [wheel] = (built / "dist").glob("*.whl")
     name, version, py, abi, platform = wheel.name[:-len(".whl")].split("-")
     assert (name, py, abi) == ("fa3gen_fake", "py3", "none")
@@ -207,14 +208,14 @@ def test_wheel_metadata_tags_and_contents_agree_with_its_name(built):
     assert not [n for n, text in sources.items() if "torch.ops.fa3gen." in text or '"fa3gen::' in text]
 
 
-def test_a_spec_name_that_is_no_identifier_gets_a_package_name(built):
+def test_a_spec_name_that_is_no_identifier_gets_a_package_name(built, capsys):
     """Spec my-spec packages as fa3gen_my_spec without --name."""
     import shutil
 
     contract.library_path("my-spec").parent.mkdir(parents=True)
     shutil.copy(contract.library_path("fake"), contract.library_path("my-spec"))
     shutil.copy(contract.manifest_path("fake"), contract.manifest_path("my-spec"))
-    assert cli.main(["package", "--spec", "my-spec", "--out", str(built / "dist")]) == 0
+    assert cli.main(["package", "--spec", "my-spec", "--out", str(built / "dist")]) == 0, capsys.readouterr().err
     assert [w.name.split("-")[0] for w in (built / "dist").glob("*.whl")] == ["fa3gen_my_spec"]
 
 
@@ -243,3 +244,15 @@ def test_an_out_path_that_is_a_file_is_one_error(built, capsys):
     out.write_text("x")
     assert cli.main(["package", "--spec", "fake", "--out", str(out)]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_finder_answer_without_a_file_does_not_take_a_name(monkeypatch):
+    """An editable install's finder may answer for a name with a path that holds nothing: the
+    name is free (find_spec's answer alone once refused it)."""
+    import importlib.machinery
+    import importlib.util
+
+    from fa3gen import package as P
+    ghost = importlib.machinery.ModuleSpec("fa3gen_ghost", None, origin="/nonexistent/fa3gen_ghost/__init__.py")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: ghost)
+    assert P._taken_by("fa3gen_ghost") is None
