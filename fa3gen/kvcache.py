@@ -149,7 +149,7 @@ def _eager_call(q, k_cache, v_cache, args, return_lse):
         if key is not None:
             ops._remember(_plans, key, plan)
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                  return_lse, k_scale, v_scale)
+                  return_lse, k_scale, v_scale, lib)
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
@@ -565,8 +565,9 @@ def _no_attention(q, return_lse):
 
 
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-         block_table, return_lse, k_scale=None, v_scale=None):
-    """One call of a planned signature: the pointers, the outputs, the launch."""
+         block_table, return_lse, k_scale=None, v_scale=None, lib=None):
+    """One call of a planned signature: the pointers, the outputs, the launch (on `lib`, the
+    library the plan was keyed by; None: look it up)."""
     b, sq, hq, d = plan.out_shape
     no_query = 0 in (b, sq, hq)  # nothing to attend; new keys are still appended
     if no_query and not (b and plan.append):
@@ -609,7 +610,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         accum = torch.empty(rows * (d + 1), dtype=torch.float32, device=q.device)  # O, then LSE
         p.o_accum = accum.data_ptr()
         p.lse_accum = p.o_accum + rows * d * 4
-    _launch_decode(q.device, p)
+    _launch_decode(q.device, p, lib)
     return (out, lse) if return_lse else out
 
 
@@ -766,9 +767,10 @@ def _spec_name() -> str:
         return "<spec>"
 
 
-def _launch_decode(device, params) -> None:
-    """The library's decode kernels on the current stream (the CPU tests replace this)."""
-    lib = runtime.get_library()
+def _launch_decode(device, params, lib=None) -> None:
+    """lib's decode kernels (None: the loaded library's) on the current stream (the CPU tests
+    replace this)."""
+    lib = lib or runtime.get_library()
     ops.on_current_stream(device, lambda stream: lib.decode(params, stream))
 
 

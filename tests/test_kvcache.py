@@ -24,7 +24,7 @@ def launched(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: calls.append(p))
     return calls
 
 
@@ -207,7 +207,7 @@ def test_append_contiguous(monkeypatch):
     seen = []
     monkeypatch.setattr(ops, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: seen.append((p, _lengths(p, 2))))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: seen.append((p, _lengths(p, 2))))
     g = torch.Generator().manual_seed(0)
     kc, vc = (torch.randn(3, 40, 2, 64, generator=g).to(BF) for _ in range(2))
     k0, v0 = kc.clone(), vc.clone()
@@ -243,7 +243,7 @@ def test_append_contiguous(monkeypatch):
 def test_append_paged_crosses_pages_and_never_writes_past_the_cache(monkeypatch):
     monkeypatch.setattr(ops, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: None)
     g = torch.Generator().manual_seed(1)
     kc, vc = (torch.randn(6, 16, 1, 64, generator=g).to(BF) for _ in range(2))
     k0 = kc.clone()
@@ -486,7 +486,7 @@ def test_rotary_rotates_new_keys_and_queries_at_their_positions(monkeypatch, int
     ran = []
     monkeypatch.setattr(ops, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: None)
     real_run = kvcache._run
     monkeypatch.setattr(kvcache, "_run", lambda plan, q, *a, **kw: ran.append(q) or real_run(plan, q, *a, **kw))
     g = torch.Generator().manual_seed(3)

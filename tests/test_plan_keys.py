@@ -44,7 +44,7 @@ def test_a_gradients_alignment_is_part_of_the_backward_plan(fake_launches, kind)
 def test_kvcache_scale_given_as_a_tensor_is_keyed_by_value(fake_launches, monkeypatch):
     monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
     calls = []
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: calls.append(p))
     q = torch.zeros(2, 1, 8, 128, dtype=BF)
     kc = torch.zeros(2, 256, 2, 128, dtype=BF)
     for s in (0.5, 0.125):
@@ -73,7 +73,7 @@ def test_kvcache_plan_is_per_library(fake_launches, tmp_path, monkeypatch):
     monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(
         contract.DECODE_PAIRS if runtime.get_library() is with_decode else ()))
     calls = []
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: calls.append(p))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: calls.append(p))
     q, kc = torch.zeros(2, 1, 8, 128, dtype=BF), torch.zeros(2, 256, 2, 128, dtype=BF)
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100)
     other = tmp_path / "other"

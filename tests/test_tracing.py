@@ -178,7 +178,7 @@ def test_decode_calls_put_their_kernels_in_the_spec(tmp_path, monkeypatch):
     from fa3gen import contract, kvcache, ops
     monkeypatch.setattr(ops, "check_device", lambda *a: None)
     monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
-    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p: None)
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: None)
     monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
     path = tmp_path / "serve.yaml"
     with fa3gen.trace(path):

@@ -59,7 +59,7 @@ class _RawDecode:
     @contextlib.contextmanager
     def launching(self):
         """flash_attn_with_kvcache calls inside launch this library's kernels."""
-        def launch(device, params):
+        def launch(device, params, lib=None):  # this library, whatever the plan holds
             def run(stream):
                 if self._fn(ctypes.byref(params), stream) != 0:
                     raise RuntimeError("baseline decode failed")
