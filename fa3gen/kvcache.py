@@ -122,6 +122,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     return_lse = bool(return_lse or return_softmax_lse)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
+    if isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool):
+        num_splits = int(num_splits)
     if rotary_cos is not None or rotary_sin is not None:
         q, k = _rotate(q, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
                        bool(causal) or _window_masks(window_size, q, k_cache, block_table))

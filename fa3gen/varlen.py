@@ -11,6 +11,8 @@ FA3GEN_DEBUG_CHECKS=1: cu_seqlens start at 0, never decrease and end at most at 
 max_seqlen is at least the longest sequence; seqused_k[b] lies within sequence b's keys.
 """
 
+import numbers
+
 import torch
 
 from fa3gen import ops, runtime
@@ -66,7 +68,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         raise InvalidInputError(
             f"cu_seqlens_q and cu_seqlens_k must have batch + 1 entries each, got "
             f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = _check_max_seqlen(max_seqlen_q, max_seqlen_k)
     batch, limits = cu_seqlens_q.shape[0] - 1, VARLEN_LIMITS
     if batch > limits["batch"] or hq > limits["heads"]:
         raise InvalidInputError(f"varlen: at most {limits['batch']} sequences and "
@@ -76,16 +78,21 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])
 
 
-def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> None:
+def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> tuple:
+    """(max_seqlen_q, max_seqlen_k) as Python ints (a numpy integer too, as flash-attn takes
+    it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic)."""
+    ints = []
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        # torch.SymInt: a max_seqlen that torch.compile made dynamic (it varies per step)
-        if isinstance(m, bool) or not isinstance(m, (int, torch.SymInt)) or m <= 0 or m > INT32_MAX:
+        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or \
+                m <= 0 or m > INT32_MAX:
             raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
                                     f"got {m!r}")
-    if max_seqlen_q + max_seqlen_k > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
+        ints.append(m if isinstance(m, (int, torch.SymInt)) else int(m))
+    if ints[0] + ints[1] > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
         raise InvalidInputError(f"max_seqlen_q + max_seqlen_k must be at most 2**30 - 1, got "
-                                f"{max_seqlen_q} + {max_seqlen_k}; they bound the longest "
+                                f"{ints[0]} + {ints[1]}; they bound the longest "
                                 "sequences, not the totals")
+    return tuple(ints)
 
 
 def check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -591,7 +598,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     ops._check_tensors(q, k, v)
     if seqused_k is not None:
         _check_seqused_k(seqused_k, cu_seqlens_k)
-    _check_max_seqlen(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = _check_max_seqlen(max_seqlen_q, max_seqlen_k)
     if debug_checks_enabled():
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -1381,6 +1381,16 @@ def test_a_numpy_integer_cache_seqlens_is_an_int(launched):
     assert a.seqlen_k == b.seqlen_k == 70 and not a.cache_seqlens
 
 
+def test_a_numpy_integer_num_splits_is_an_int(launched):
+    """num_splits as a numpy integer asks for what the same int asks for."""
+    np = pytest.importorskip("numpy")
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(2, 1000, 2, 128, dtype=BF)
+    for splits in (np.int64(4), 4):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=700, num_splits=splits)
+    assert [p.num_splits for p in launched] == [4, 4]
+
+
 def test_torch_compile_with_dynamic_shapes(launched):
     """torch.compile(dynamic=True): the head dim and the window and softcap flags reach the
     decode-kernel check and the plan as constants (ops.static_head_dim, Masking.key); two

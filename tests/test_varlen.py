@@ -344,6 +344,25 @@ def test_debug_checks_read_seqused_k(fake_launches, monkeypatch):
 
 
 @pytest.mark.parametrize("through", ["eager", "op"])
+def test_numpy_integer_max_seqlens_are_ints(fake_launches, monkeypatch, through):
+    """flash-attn takes max_seqlen as a numpy integer (cu_seqlens' max from numpy code);
+    fa3gen too, launching what the same Python ints launch, and a plan made for one serves the
+    other (they are the same key)."""
+    np = pytest.importorskip("numpy")
+    if through == "op":
+        monkeypatch.setattr(ops, "_captured", lambda *t: True)
+    q, k, v = qkv()
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, np.int64(7), np.int32(5), causal=True)
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
+    (_, p_np), (_, p_int) = fake_launches
+    assert (p_np.seqlen_q, p_np.seqlen_k) == (p_int.seqlen_q, p_int.seqlen_k) == (7, 5)
+    with pytest.raises(InvalidInputError, match="max_seqlen_k must be an int in"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, np.float32(5), causal=True)
+    with pytest.raises(InvalidInputError, match="max_seqlen_q must be an int in"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, np.bool_(True), 5, causal=True)
+
+
+@pytest.mark.parametrize("through", ["eager", "op"])
 def test_backward_params_mirror_the_forward(fake_launches, through):
     """The backward launch gets the forward's sizes, scale and mask: max_seqlen_q and _k,
     softmax_scale, window and softcap in their own places (through the eager autograd.Function
