@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fa3gen import ops, runtime
-from fa3gen.errors import InvalidInputError
+from fa3gen.errors import Fa3genError, InvalidInputError
 
 FP8_DTYPE = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16)
@@ -154,11 +154,11 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
             q, k, v, bool(block), bool(hadamard), seed, bool(causal), variant or "", cos, sin,
             bool(rotary_interleaved))
         return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    lib = _quantizer_library(q)
     key = _quantize_key((q, k, v), rotary,
-                        (block, hadamard, seed, causal, variant, rotary_interleaved))
+                        (block, hadamard, seed, causal, variant, rotary_interleaved, lib))
     plan = _quantize_plans.get(key) if key is not None else None
-    if plan is not None and plan.lib is _quantizer_library(q) and \
-            all(x.data_ptr() % 16 == 0 for x in (q, k, v)):  # the planned strides need no copy
+    if plan is not None and all(x.data_ptr() % 16 == 0 for x in (q, k, v)):  # no copy needed
         signs = _signs(q.shape[-1], seed, q.device) if hadamard else None
         (q8, qd), (k8, kd), (v8, vd) = (
             _quantize_launch(plan.lib, template, x, signs if qk else None,
@@ -168,7 +168,6 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     _check_rotary(rotary, q, k)
     block_q, block_k = block_sizes(q, k, causal, variant) if block else (None, None)
     signs = _signs(q.shape[-1], seed, q.device) if hadamard else None
-    lib = _quantizer_library(q)
     out, templates = [], []
     for given, rows, qk in ((q, block_q, True), (k, block_k, True), (v, block_k, False)):
         x, s, rot = given, signs if qk else None, rotary if qk else None
@@ -448,12 +447,12 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
         try:
             key = (ops._signature(q), ops._signature(k), ops._signature(v), mask,
                    softmax_scale if softmax_scale is None else float(softmax_scale),  # a tensor's value
-                   variant, out_dtype, ops._grid_env(),
+                   variant, out_dtype, ops._grid_env(), runtime.get_library(),
                    *(_descale_signature(descales.get(n)) for n in DESCALE_NAMES))
             plan = _plans.get(key)
-        except (TypeError, AttributeError):  # not tensors: the checks below say what is wrong
-            key, plan = None, None
-        if plan is not None and plan.lib is runtime.get_library():
+        except (TypeError, AttributeError, Fa3genError):  # not tensors, no library: the
+            key, plan = None, None  # checks below say what is wrong (bad tensors first)
+        if plan is not None:
             out_dtype = check_call(q, k, v, mask, out_dtype)  # grad mode is not in the signature
             out, lse = ops._empty_outputs(q, out_dtype)
             ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))

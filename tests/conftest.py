@@ -108,6 +108,14 @@ def paged_forward_calls(monkeypatch):
     return calls
 
 
+class FakeQuantizerLibrary:
+    """A library with only the fused quantizer (hashable, as a loaded library: plan keys hold
+    it)."""
+
+    def __init__(self, launch):
+        self.quantize_fp8 = launch
+
+
 @pytest.fixture
 def quantizer(fake_launches, monkeypatch):
     """Every tensor goes to a fake fused quantizer: returns the list of its launches, each the
@@ -126,7 +134,7 @@ def quantizer(fake_launches, monkeypatch):
                 fields[f"{table}_values"] = list((ctypes.c_float * 4).from_address(getattr(p, f"rotary_{table}")))
         launched.append(fields)
 
-    lib = types.SimpleNamespace(quantize_fp8=launch)
+    lib = FakeQuantizerLibrary(launch)
     monkeypatch.setattr(fp8, "_quantizer_library", lambda x: lib)
     monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
     monkeypatch.setattr(fp8, "_quantize_plans", {})

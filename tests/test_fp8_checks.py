@@ -348,7 +348,7 @@ def test_quantize_fp8_plans_once_per_signature(quantizer, monkeypatch):
     """A repeated quantize_fp8 signature launches from its plan: the same params as the first
     (unplanned) call but for the pointers, without re-checking or re-resolving the tiles; a
     misaligned tensor or another library takes the unplanned path again."""
-    import types
+    from tests.conftest import FakeQuantizerLibrary
 
     launched, lib = quantizer, fp8._quantizer_library(None)
     monkeypatch.setattr(fp8, "_kernel_serves", lambda x: True)
@@ -379,8 +379,8 @@ def test_quantize_fp8_plans_once_per_signature(quantizer, monkeypatch):
     launched.clear()
     fp8.quantize_fp8(misaligned, k, v, **kw)
     assert len(resolved) == 2 and launched[0]["x"] != misaligned.data_ptr()  # a contiguous copy
-    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: types.SimpleNamespace(
-        quantize_fp8=lib.quantize_fp8))
+    other = FakeQuantizerLibrary(lib.quantize_fp8)
+    monkeypatch.setattr(fp8, "_quantizer_library", lambda x: other)
     fp8.quantize_fp8(q, k, v, **kw)
     assert len(resolved) == 3  # another library: planned again
 

@@ -82,3 +82,29 @@ def test_kvcache_plan_is_per_library(fake_launches, tmp_path, monkeypatch):
     with pytest.raises(VariantNotBuiltError, match="decode over a KV cache"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kind", ["dense", "varlen", "e4m3"])
+def test_a_plan_launches_on_its_own_library(fake_launches, tmp_path, monkeypatch, kind):
+    """A call planned under one library, repeated (the plan reused), then repeated after
+    FA3GEN_LIB names another: that launch goes to the new library, planned again."""
+    from fa3gen import runtime
+    from tests.test_runtime_errors import build_fake_lib
+
+    libs = []
+    monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: libs.append(lib))
+    q = torch.zeros(1, 64, 2, 128, dtype=BF)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    call = {"dense": lambda: ops.flash_attn_func(q, q, q),
+            "varlen": lambda: varlen.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 34, 34,
+                                                            causal=True),
+            "e4m3": lambda: ops.flash_attn_func(*[q.to(torch.float8_e4m3fn)] * 3, causal=True),
+            }[kind]
+    first = runtime.get_library()
+    call()
+    call()
+    other = tmp_path / "other"
+    other.mkdir()
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(other)))
+    call()
+    assert libs[0] is libs[1] is first and libs[2] is runtime.get_library() is not first
