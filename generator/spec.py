@@ -277,13 +277,16 @@ class _Validator:
             raise self.fail(path, "empty list", raw)
         first: dict = {}  # value -> key path of its first occurrence (dict order = list order)
         for item, p in zip(items, paths):
-            v = self.scalar(axis, item, p)
-            if v in first:
-                self.warnings.append(f"{self.source}: {p}: {fmt_value(item)} repeats "
-                                     f"{first[v]}; the value is used once")
-            else:
-                first[v] = p
+            self.note_repeat(first, self.scalar(axis, item, p), p, item)
         return tuple(first)
+
+    def note_repeat(self, first: dict, value, path: str, item) -> None:
+        """Record value's first path in `first`, or warn that it repeats (it is used once)."""
+        if value in first:
+            self.warnings.append(f"{self.source}: {path}: {fmt_value(item)} repeats "
+                                 f"{first[value]}; the value is used once")
+        else:
+            first[value] = path
 
     def axes(self, data: Any, path: str, allowed: tuple[str, ...] = AXES, hint: str = "") -> dict:
         data = self.mapping({} if data is None else data, path, allowed, hint)
@@ -337,12 +340,12 @@ class _Validator:
                 f"{', '.join(map(str, DECODE_HEAD_DIMS))})")
         if not isinstance(raw, list) or not raw:
             raise self.fail("decode", f"expected {want}", raw)
-        pairs = []
+        first: dict = {}  # pair -> index of its first occurrence
         for i, item in enumerate(raw):
             if not (isinstance(item, list) and len(item) == 2 and _exactly_in(tuple(item), DECODE_PAIRS)):
                 raise self.fail(f"decode[{i}]", f"expected {want}", item)
-            pairs.append(tuple(item))
-        return tuple(p for p in DECODE_PAIRS if p in pairs)  # one order, no repeats
+            self.note_repeat(first, tuple(item), f"decode[{i}]", item)
+        return tuple(p for p in DECODE_PAIRS if p in first)  # one order
 
     def decode_axes(self, raw: dict) -> tuple[tuple[str, int], ...]:
         """`decode: {dtype: .., head_dim: ..}`: the only two axes of the decode kernels."""
@@ -357,10 +360,12 @@ class _Validator:
             values = values if isinstance(values, list) else [values]
             if not values:
                 raise self.fail(f"decode.{axis}", "expected a value or a non-empty list", values)
-            for value in values:
+            first: dict = {}
+            for i, value in enumerate(values):
                 if not _exactly_in(value, allowed):
                     raise self.fail(f"decode.{axis}", f"expected one of {', '.join(map(str, allowed))}",
                                     value)
+                self.note_repeat(first, value, f"decode.{axis}[{i}]", value)
             chosen.append(values)
         return tuple(p for p in DECODE_PAIRS if p[0] in chosen[0] and p[1] in chosen[1])
 

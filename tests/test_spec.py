@@ -255,7 +255,13 @@ def test_decode_key(tmp_path):
             "stages: 2, warp_specialized: true, pingpong: false, intra_wg_overlap: false}\n")
     some = tmp_path / "some.yaml"
     some.write_text("name: some\ndecode: [[fp16, 64], [bf16, 128], [fp16, 64]]\n" + axes)
-    assert load_spec(some).decode == (("bf16", 128), ("fp16", 64))  # one order, no repeats
+    loaded = load_spec(some)
+    assert loaded.decode == (("bf16", 128), ("fp16", 64))  # one order, no repeats
+    assert loaded.warnings == (f'{some}: decode[2]: ["fp16", 64] repeats decode[0]; the value '
+                               'is used once',)
+    some.write_text("name: some\ndecode: {dtype: bf16, head_dim: [64, 64]}\n" + axes)
+    assert load_spec(some).warnings == (f"{some}: decode.head_dim[1]: 64 repeats "
+                                        "decode.head_dim[0]; the value is used once",)
     for value, where in (("1", "decode"), ("[]", "decode"), ("[[bf16, 96]]", r"decode\[0\]"),
                          ("[bf16, 128]", r"decode\[0\]"), ("[[e4m3, 128]]", r"decode\[0\]")):
         bad = tmp_path / "bad.yaml"
