@@ -30,6 +30,7 @@ from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
                        resolve_seqlen_dispatch, smem_bytes)
 
 GIB_PER_JOB = 4  # an nvcc of a CuTe attention kernel can take several GB
+MAX_JOBS = 1024  # ninja refuses -j above 2**31 - 1, and a build has far fewer compiles
 
 
 def default_jobs() -> int:
@@ -138,8 +139,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     selected variants but keeps the spec's units' objects, so the full library comes back
     with one link. A dry run writes nothing. Builds of one output directory take turns
     (generator/lock.py)."""
-    if jobs is not None and jobs < 1:
-        raise BuildError(f"-j/--jobs must be at least 1 (got {jobs})")
+    if jobs is not None and not 1 <= jobs <= MAX_JOBS:
+        raise BuildError(f"-j/--jobs must be at least 1 and at most {MAX_JOBS} (got {jobs})")
     size = unit_size(units)
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
@@ -155,7 +156,11 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
     if launcher:
         check_launcher(launcher)
-    jobs = jobs or default_jobs()
+    fitting = default_jobs()
+    if jobs and jobs > fitting and not dry_run:
+        log(f"fa3gen: note: -j {jobs} is more than this machine's cores and free memory fit "
+            f"({fitting}, at {GIB_PER_JOB} GiB a compile); compiles may run out of memory")
+    jobs = jobs or fitting
     out = p.out_dir
     existing = next(d for d in (out, *out.parents) if d.exists())  # the dry run too: say it now
     if not existing.is_dir():

@@ -302,11 +302,23 @@ def test_concurrent_builds_compile_once(fake, monkeypatch):
     assert any("waiting for it to finish" in ln for ln in logs[1])
 
 
-def test_jobs_below_one_rejected(fake):
+def test_jobs_out_of_range_rejected(fake):
     spec, tc, _ = fake
-    for bad in (0, -3):
-        with pytest.raises(BuildError, match=rf"-j/--jobs must be at least 1 \(got {bad}\)"):
+    for bad in (0, -3, 1025, 2**31):
+        with pytest.raises(BuildError, match=rf"-j/--jobs must be at least 1 and at most 1024 \(got {bad}\)"):
             B.build(spec, toolchain=tc, jobs=bad, log=quiet)
+
+
+def test_jobs_beyond_what_memory_fits_are_noted(fake, monkeypatch):
+    """-j above default_jobs() (cores, free GiB / 4) builds, with a note that it may run out of
+    memory; within it, no note."""
+    spec, tc, _ = fake
+    monkeypatch.setattr(B, "default_jobs", lambda: 3)
+    for jobs, noted in ((4, True), (3, False)):
+        logs = []
+        B.build(spec, toolchain=tc, jobs=jobs, log=logs.append)
+        assert any("-j 4 is more than this machine's cores and free memory fit (3, at 4 GiB a "
+                   "compile)" in ln for ln in logs) == noted
 
 
 def test_all_pruned_names_the_file_and_every_variant(tmp_path, monkeypatch):
