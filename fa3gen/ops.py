@@ -19,7 +19,6 @@ import math
 import numbers
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -254,14 +253,25 @@ def _check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, dims: 
 # Launch.
 
 
-@lru_cache(maxsize=None)
+# A device's capability and SM count, asked once per device index. Plain dicts, not
+# lru_cache: check_device runs while torch.compile traces, and dynamo warns of (and traces
+# through) an lru_cache wrapper.
+_capabilities: dict = {}
+_sm_counts: dict = {}
+
+
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    cap = _capabilities.get(index)
+    if cap is None:
+        cap = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
-@lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    count = _sm_counts.get(index)
+    if count is None:
+        count = _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
 
 
 def _grid_env() -> str | None:

@@ -331,6 +331,25 @@ def test_torch_compile_traces_the_captured_path_on_cpu(eager, monkeypatch):
     assert launched[0][1].softmax_scale == 0.5 and launched[2][1].seqlen_q == 300
 
 
+def test_device_facts_trace_without_a_dynamo_warning(monkeypatch):
+    """check_device runs while torch.compile traces; what it asks of the device (capability,
+    and the SM count beside it) is cached without functools.lru_cache, which dynamo warns
+    about on every compiled model; eager calls ask the device once."""
+    import warnings
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: asked.append(i) or (9, 0))
+    monkeypatch.setattr(ops, "_capabilities", {})
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x * ops._capability(3)[0], fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert f(torch.ones(2)).tolist() == [9.0, 9.0]
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    before = len(asked)
+    assert ops._capability(3) == ops._capability(3) == (9, 0) and len(asked) <= before + 1
+
+
 def test_torch_compile_with_dynamic_shapes(fake_launches):
     """torch.compile(dynamic=True): sizes become SymInts and masking()'s numbers symbolic, which
     the variant lookup (a function dynamo runs as a constant) cannot take; the head dim and
