@@ -5,7 +5,9 @@ kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cach
 or e4m3 (with dequantization factors), new keys and values appended first when given, the key
 range split across CTAs (split-KV) and merged; more rows per kv head (chunked prefill) go to
 the forward kernels; forward only. Rotary embedding of q and the new keys (rotary_cos,
-rotary_sin) runs as PyTorch operations before the append. Not there yet: cache_leftpad.
+rotary_sin) runs as PyTorch operations before the append. FlashAttention-3's keywords:
+page_table, k_descale and v_descale name block_table, k_scale and v_scale; cache_leftpad and
+the other features fa3gen lacks are refused unless at their defaults.
 """
 from __future__ import annotations
 
@@ -79,7 +81,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, k_scale=None, v_scale=None, *, rotary_cos=None,
-                            rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False):
+                            rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False,
+                            page_table=None, k_descale=None, v_descale=None, qv=None,
+                            cache_leftpad=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                            max_seqlen_q=None, rotary_seqlens=None, q_descale=None,
+                            attention_chunk=0, scheduler_metadata=None, pack_gqa=None,
+                            sm_margin=0, alibi_slopes=None):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256: up to 16 query rows per kv
@@ -93,7 +100,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
     softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:
     0 chooses. Returns out (like q), and lse (batch, heads_q, seqlen_q) fp32 when return_lse (or
-    flash-attn's return_softmax_lse). k, v (batch, seqlen_new, heads_kv, d): new keys and values
+    flash-attn's return_softmax_lse). FlashAttention-3's keywords: page_table, k_descale,
+    v_descale are block_table, k_scale, v_scale; pack_gqa, sm_margin hints; the others
+    (cache_leftpad, ...) only at their defaults. k, v (batch, seqlen_new, heads_kv, d): new keys and values
     written into the cache (in place) at positions cache_seqlens .. cache_seqlens + seqlen_new -
     1 of each sequence before attending, which then covers
     cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
@@ -118,6 +127,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
+    if not (page_table is None and k_descale is None and v_descale is None and qv is None
+            and cache_leftpad is None and cu_seqlens_q is None and cu_seqlens_k_new is None
+            and max_seqlen_q is None and rotary_seqlens is None and q_descale is None
+            and scheduler_metadata is None and pack_gqa is None and alibi_slopes is None
+            and attention_chunk == 0 and sm_margin == 0):  # the usual call: FA3's defaults
+        block_table, k_scale, v_scale = _other_keywords(
+            block_table, k_scale, v_scale, num_splits, page_table=page_table,
+            k_descale=k_descale, v_descale=v_descale, qv=qv, cache_leftpad=cache_leftpad,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+            max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
+            attention_chunk=attention_chunk, scheduler_metadata=scheduler_metadata,
+            pack_gqa=pack_gqa, sm_margin=sm_margin, alibi_slopes=alibi_slopes)
     ops.check_softmax_scale(softmax_scale)
     return_lse = bool(return_lse or return_softmax_lse)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
@@ -132,6 +153,40 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if ops._captured(q, k_cache, v_cache):
         return _captured_call(q, k_cache, v_cache, args, return_lse)
     return _eager_call(q, k_cache, v_cache, args, return_lse)
+
+
+# FlashAttention-3's (and flash-attn 2's) keywords for what fa3gen does not do, each taken
+# only at its default: what the caller meant to be done is then refused, not ignored.
+_UNSUPPORTED_KEYWORDS = {
+    "cache_leftpad": "left-padded caches",
+    "cu_seqlens_q": "variable-length query rows",
+    "cu_seqlens_k_new": "variable-length new keys",
+    "max_seqlen_q": "variable-length query rows",
+    "rotary_seqlens": "rotary positions apart from cache_seqlens",
+    "q_descale": "an fp8 q (q is bf16 or fp16 here)",
+    "scheduler_metadata": "FlashAttention-3's precomputed schedule",
+    "alibi_slopes": "ALiBi",
+}
+
+
+def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table, k_descale,
+                    v_descale, qv, attention_chunk, pack_gqa, sm_margin, **unsupported) -> tuple:
+    """(block_table, k_scale, v_scale) of a call that passed FlashAttention-3's keywords:
+    page_table, k_descale and v_descale are FA3's names of those three (one name each per
+    call); pack_gqa and sm_margin are hints, as in flash_attn_func; the rest must be None."""
+    for fa3, value, ours, given in (("page_table", page_table, "block_table", block_table),
+                                    ("k_descale", k_descale, "k_scale", k_scale),
+                                    ("v_descale", v_descale, "v_scale", v_scale)):
+        if value is not None and given is not None:
+            raise InvalidInputError(f"{fa3} is FlashAttention-3's name for {ours}: pass one of "
+                                    "them")
+    for name, value in unsupported.items():
+        if value is not None:
+            raise InvalidInputError(f"{name} ({_UNSUPPORTED_KEYWORDS[name]}) is not supported by "
+                                    f"fa3gen's flash_attn_with_kvcache; pass None")
+    ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
+    return (page_table if block_table is None else block_table,
+            k_descale if k_scale is None else k_scale, v_descale if v_scale is None else v_scale)
 
 
 def _eager_call(q, k_cache, v_cache, args, return_lse):

@@ -1406,3 +1406,54 @@ def test_torch_compile_with_dynamic_shapes(launched):
              torch.ones(b, 1, 2, 128, dtype=BF))
         assert kc[0, 7].eq(1).all() and kc[1, 5].eq(1).all() and kc.sum() == b * 2 * 128
     assert len(launched) == 2 and launched[-1].window_left == 100 and launched[-1].softcap == 20.0
+
+
+def test_fa3_names_page_table_and_descales_are_ours(launched):
+    """FlashAttention-3's page_table, k_descale, v_descale launch what block_table, k_scale,
+    v_scale launch; both names of one argument in one call is an error."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(40, 64, 2, 128).to(FP8)
+    table = torch.arange(20, dtype=torch.int32).reshape(2, 10)
+    ks = torch.full((2,), 0.5)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=300, block_table=table, k_scale=ks,
+                                    v_scale=0.25)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=300, page_table=table, k_descale=ks,
+                                    v_descale=0.25, pack_gqa=True, sm_margin=4)
+    ours, fa3 = launched
+    assert _fields(ours) == _fields(fa3)
+    assert ours.block_table == fa3.block_table == table.data_ptr() and fa3.k_scale == ks.data_ptr()
+    for kw in (dict(block_table=table, page_table=table), dict(k_scale=ks, k_descale=ks),
+               dict(v_scale=0.5, v_descale=0.5)):
+        fa3_name = [n for n in kw if n in ("page_table", "k_descale", "v_descale")][0]
+        with pytest.raises(InvalidInputError, match=f"{fa3_name} is FlashAttention-3's name for"):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=300, **{"block_table": table, **kw})
+    assert len(launched) == 2
+
+
+@pytest.mark.parametrize("keyword, value, message", [
+    ("cache_leftpad", torch.zeros(2, dtype=torch.int32), r"cache_leftpad \(left-padded caches\) is not supported"),
+    ("cu_seqlens_q", torch.zeros(3, dtype=torch.int32), "cu_seqlens_q .* is not supported"),
+    ("cu_seqlens_k_new", torch.zeros(3, dtype=torch.int32), "cu_seqlens_k_new .* is not supported"),
+    ("max_seqlen_q", 1, "max_seqlen_q .* is not supported"),
+    ("rotary_seqlens", torch.zeros(2, dtype=torch.int32), "rotary_seqlens .* is not supported"),
+    ("q_descale", torch.ones(2, 2), r"q_descale \(an fp8 q"),
+    ("scheduler_metadata", torch.zeros(4, dtype=torch.int32), "scheduler_metadata .* is not supported"),
+    ("alibi_slopes", torch.zeros(8), r"alibi_slopes \(ALiBi\) is not supported"),
+    ("qv", torch.zeros(2, 1, 8, 128, dtype=BF), "qv .* is not supported"),
+    ("attention_chunk", 64, r"attention_chunk=64 \(chunked local attention\) is not supported"),
+    ("pack_gqa", "yes", "pack_gqa must be None, True or False"),
+    ("sm_margin", -1, "sm_margin must be an int >= 0"),
+])
+def test_fa3_keywords_fa3gen_lacks_are_refused_unless_at_their_defaults(launched, keyword, value, message):
+    """Every other keyword of FlashAttention-3's flash_attn_with_kvcache (and flash-attn 2's
+    alibi_slopes) is taken at its default; a value that asks for the feature is an
+    InvalidInputError naming it, before anything launches."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(2, 256, 2, 128, dtype=BF)
+    defaults = dict(qv=None, cache_leftpad=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                    max_seqlen_q=None, rotary_seqlens=None, q_descale=None, attention_chunk=0,
+                    scheduler_metadata=None, pack_gqa=None, sm_margin=0, alibi_slopes=None)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, **defaults)
+    with pytest.raises(InvalidInputError, match=message):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, **{keyword: value})
+    assert len(launched) == 1
