@@ -165,12 +165,12 @@ _UNSUPPORTED_KEYWORDS = {
     "rotary_seqlens": "rotary positions apart from cache_seqlens",
     "q_descale": "an fp8 q (q is bf16 or fp16 here)",
     "scheduler_metadata": "FlashAttention-3's precomputed schedule",
-    "alibi_slopes": "ALiBi",
 }
 
 
 def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table, k_descale,
-                    v_descale, qv, attention_chunk, pack_gqa, sm_margin, **unsupported) -> tuple:
+                    v_descale, qv, attention_chunk, pack_gqa, sm_margin, alibi_slopes,
+                    **unsupported) -> tuple:
     """(block_table, k_scale, v_scale) of a call that passed FlashAttention-3's keywords:
     page_table, k_descale and v_descale are FA3's names of those three (one name each per
     call); pack_gqa and sm_margin are hints, as in flash_attn_func; the rest must be None."""
@@ -184,7 +184,8 @@ def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table, k_
         if value is not None:
             raise InvalidInputError(f"{name} ({_UNSUPPORTED_KEYWORDS[name]}) is not supported by "
                                     f"fa3gen's flash_attn_with_kvcache; pass None")
-    ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
+    ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin,
+                         alibi_slopes=alibi_slopes)
     return (page_table if block_table is None else block_table,
             k_descale if k_scale is None else k_scale, v_descale if v_scale is None else v_scale)
 

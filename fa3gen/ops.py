@@ -960,8 +960,16 @@ def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
                         if positional else "")
 
 
-def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin) -> None:
-    """FlashAttention-3's keywords that fa3gen takes only as hints (or at their defaults)."""
+def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p=0.0,
+                     alibi_slopes=None) -> None:
+    """FlashAttention-3's keywords that fa3gen takes only as hints (or at their defaults), and
+    flash-attn 2's dropout_p and alibi_slopes, only as 0.0 and None."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        raise InvalidInputError(f"dropout_p={dropout_p!r}: attention dropout (flash-attn 2) is not "
+                                "supported by fa3gen; only 0.0 is accepted")
+    if alibi_slopes is not None:
+        raise InvalidInputError("alibi_slopes (ALiBi, flash-attn 2) is not supported by fa3gen; "
+                                "pass None")
     if qv is not None:
         raise InvalidInputError("qv (FlashAttention-3's extra q-v scores of multi-head latent "
                                 "attention) is not supported by fa3gen")
@@ -998,6 +1006,8 @@ def flash_attn_func(
     num_splits: int = 1,
     pack_gqa: bool | None = None,
     sm_margin: int = 0,
+    dropout_p: float = 0.0,
+    alibi_slopes: None = None,
 ):
     """Attention softmax(q k^T * scale) v on Hopper with an fa3gen-generated kernel.
 
@@ -1032,11 +1042,13 @@ def flash_attn_func(
     FlashAttention-3's other keywords: num_splits, pack_gqa and sm_margin are performance
     hints, accepted and not used (fa3gen's forward neither splits keys nor packs GQA heads,
     and its persistent grid takes every SM); qv and attention_chunk change the result and are
-    not supported (only their defaults are accepted).
+    not supported (only their defaults are accepted). flash-attn 2's dropout_p and
+    alibi_slopes are accepted by keyword as 0.0 and None (no dropout, no ALiBi).
     """
     if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0:
-        check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
+            sm_margin != 0 or dropout_p != 0.0 or alibi_slopes is not None:
+        check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
+                         alibi_slopes)
     return _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
                       bool(return_lse or return_attn_probs), variant, q_descale, k_descale,
                       v_descale, out_dtype)

@@ -31,7 +31,7 @@ from fa3gen.errors import InvalidInputError
 # defaults: flash_attn_func takes all of them, flash_attn_varlen_func all but out_dtype (and
 # its descales only as None).
 _FA3_NAMES = ("q_descale", "k_descale", "v_descale", "out_dtype", "qv", "attention_chunk",
-              "num_splits", "pack_gqa", "sm_margin")
+              "num_splits", "pack_gqa", "sm_margin", "dropout_p", "alibi_slopes")
 
 
 def _defaults(function, names) -> dict:
@@ -53,7 +53,7 @@ def _fa3_keywords(function: str, given: dict, accepted: dict) -> dict:
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
     kw = {**accepted, **given}
     ops.check_fa3_extras(kw["qv"], kw["attention_chunk"], kw["num_splits"], kw["pack_gqa"],
-                         kw["sm_margin"])
+                         kw["sm_margin"], kw["dropout_p"], kw["alibi_slopes"])
     if "out_dtype" not in accepted:
         varlen.check_no_descales(kw["q_descale"], kw["k_descale"], kw["v_descale"])
     return kw

@@ -545,6 +545,9 @@ def flash_attn_varlen_func(
     num_splits: int = 1,
     pack_gqa: bool | None = None,
     sm_margin: int = 0,
+    dropout_p: float = 0.0,
+    alibi_slopes: None = None,
+    block_table: None = None,
 ):
     """Attention over variable-length sequences packed along the rows, as flash-attn's
     flash_attn_varlen_func.
@@ -569,11 +572,17 @@ def flash_attn_varlen_func(
     (heads_q, total_q) float32 when return_lse (or return_attn_probs).
     FlashAttention-3's other keywords as in flash_attn_func (num_splits, pack_gqa, sm_margin:
     hints, not used; qv, attention_chunk: their defaults only); the descales only as None
-    (no fp8 varlen).
+    (no fp8 varlen). flash-attn 2's dropout_p and alibi_slopes as in flash_attn_func, and its
+    block_table (paged keys) only as None: flash_attn_with_kvcache reads paged caches.
     """
     if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0:
-        ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin)
+            sm_margin != 0 or dropout_p != 0.0 or alibi_slopes is not None:
+        ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
+                             alibi_slopes)
+    if block_table is not None:
+        raise InvalidInputError("block_table (flash-attn 2's paged keys for the varlen function) "
+                                "is not supported by fa3gen's flash_attn_varlen_func; "
+                                "flash_attn_with_kvcache takes paged caches")
     check_no_descales(q_descale, k_descale, v_descale)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, deterministic,

@@ -420,3 +420,31 @@ def test_flash_attention_3s_other_keywords(fake_launches):
     with pytest.raises(InvalidInputError, match="descales"):
         varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, k_descale=torch.ones(1))
     assert len(fake_launches) == 3
+
+
+def test_flash_attn_2s_dropout_and_alibi_keywords_at_their_defaults(fake_launches):
+    """flash-attn 2 code passing dropout_p=0.0 and alibi_slopes=None by keyword runs the same
+    launch; any dropout or ALiBi (and flash-attn 2's paged varlen block_table) is an
+    InvalidInputError, never ignored."""
+    from fa3gen import varlen
+    from fa3gen.contract import FWD_PARAMS
+    q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    x, cu = q[0], torch.tensor([0, 8], dtype=torch.int32)
+    ops.flash_attn_func(q, q, q)  # the fake library's dense key: non-causal
+    ops.flash_attn_func(q, q, q, dropout_p=0.0, alibi_slopes=None)
+    (n1, p1), (n2, p2) = fake_launches
+    values = [name for name, ctype in FWD_PARAMS if "*" not in ctype]
+    assert n1 == n2 and [getattr(p1, f) for f in values] == [getattr(p2, f) for f in values]
+    varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, causal=True, dropout_p=0, alibi_slopes=None,
+                                  block_table=None)
+    for call in (lambda **kw: ops.flash_attn_func(q, q, q, **kw),
+                 lambda **kw: varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, **kw)):
+        for kw, match in ((dict(dropout_p=0.1), r"dropout_p=0.1: attention dropout \(flash-attn 2\) "
+                                                r"is not supported by fa3gen; only 0.0 is accepted"),
+                          (dict(dropout_p=True), "dropout_p=True"), (dict(dropout_p="0"), "dropout_p='0'"),
+                          (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes \(ALiBi, flash-attn 2\)")):
+            with pytest.raises(InvalidInputError, match=match):
+                call(**kw)
+    with pytest.raises(InvalidInputError, match="block_table .* flash_attn_with_kvcache takes paged"):
+        varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    assert len(fake_launches) == 3

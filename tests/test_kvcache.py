@@ -1438,7 +1438,7 @@ def test_fa3_names_page_table_and_descales_are_ours(launched):
     ("rotary_seqlens", torch.zeros(2, dtype=torch.int32), "rotary_seqlens .* is not supported"),
     ("q_descale", torch.ones(2, 2), r"q_descale \(an fp8 q"),
     ("scheduler_metadata", torch.zeros(4, dtype=torch.int32), "scheduler_metadata .* is not supported"),
-    ("alibi_slopes", torch.zeros(8), r"alibi_slopes \(ALiBi\) is not supported"),
+    ("alibi_slopes", torch.zeros(8), r"alibi_slopes \(ALiBi, flash-attn 2\) is not supported"),
     ("qv", torch.zeros(2, 1, 8, 128, dtype=BF), "qv .* is not supported"),
     ("attention_chunk", 64, r"attention_chunk=64 \(chunked local attention\) is not supported"),
     ("pack_gqa", "yes", "pack_gqa must be None, True or False"),

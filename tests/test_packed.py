@@ -174,14 +174,19 @@ def test_flash_attention_3_keywords_as_the_unpacked_functions_take_them(fake_lau
             call(qv=qkv)
         with pytest.raises(InvalidInputError, match="sm_margin must be an int >= 0"):
             call(sm_margin=-1)
-        with pytest.raises(TypeError, match=f"{name}\\(\\) got an unexpected keyword argument 'dropout_p'"):
-            call(dropout_p=0.0)
+        with pytest.raises(TypeError, match=f"{name}\\(\\) got an unexpected keyword argument 'dropout'"):
+            call(dropout=0.0)
+        call(dropout_p=0.0, alibi_slopes=None)  # flash-attn 2's, at their defaults
+        with pytest.raises(InvalidInputError, match=r"dropout_p=0.1: attention dropout"):
+            call(dropout_p=0.1)
+        with pytest.raises(InvalidInputError, match=r"alibi_slopes \(ALiBi"):
+            call(alibi_slopes=torch.ones(H))
         if "varlen" in name:
             with pytest.raises(InvalidInputError, match="descales are for fp8 inputs"):
                 call(q_descale=torch.ones(2, H))
             with pytest.raises(TypeError, match="'out_dtype'"):
                 call(out_dtype=torch.float16)
-    assert len(fake_launches) == 4  # one call each, the hints changing nothing
+    assert len(fake_launches) == 8  # two calls each, the hints changing nothing
 
 
 def test_non_tensors_and_bad_num_heads_q_are_type_errors():
