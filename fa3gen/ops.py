@@ -1046,7 +1046,8 @@ def flash_attn_func(
     alibi_slopes are accepted by keyword as 0.0 and None (no dropout, no ALiBi).
     """
     if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0 or dropout_p != 0.0 or alibi_slopes is not None:
+            sm_margin != 0 or type(dropout_p) is not float or dropout_p != 0.0 or \
+            alibi_slopes is not None:
         check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
                          alibi_slopes)
     return _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,

@@ -576,7 +576,8 @@ def flash_attn_varlen_func(
     block_table (paged keys) only as None: flash_attn_with_kvcache reads paged caches.
     """
     if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0 or dropout_p != 0.0 or alibi_slopes is not None:
+            sm_margin != 0 or type(dropout_p) is not float or dropout_p != 0.0 or \
+            alibi_slopes is not None:
         ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
                              alibi_slopes)
     if block_table is not None:

@@ -442,6 +442,7 @@ def test_flash_attn_2s_dropout_and_alibi_keywords_at_their_defaults(fake_launche
         for kw, match in ((dict(dropout_p=0.1), r"dropout_p=0.1: attention dropout \(flash-attn 2\) "
                                                 r"is not supported by fa3gen; only 0.0 is accepted"),
                           (dict(dropout_p=True), "dropout_p=True"), (dict(dropout_p="0"), "dropout_p='0'"),
+                          (dict(dropout_p=torch.tensor([0.0, 0.1])), "attention dropout"),
                           (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes \(ALiBi, flash-attn 2\)")):
             with pytest.raises(InvalidInputError, match=match):
                 call(**kw)
