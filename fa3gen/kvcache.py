@@ -1,6 +1,7 @@
 """Decode attention over a KV cache: `flash_attn_with_kvcache`, flash-attn's name and semantics
-(flash-attn passes rotary_cos and rotary_sin before cache_seqlens; here they are keyword-only,
-after the positional q, k_cache, v_cache, k, v, cache_seqlens, ...). A few new query rows per
+(everything after q, k_cache, v_cache, k, v is keyword-only: flash-attn 2 passes rotary_cos
+sixth, FlashAttention-3 qv, so a positional sixth argument could only mean something else
+here). A few new query rows per
 kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cache of q's dtype
 or e4m3 (with dequantization factors), new keys and values appended first when given, the key
 range split across CTAs (split-KV) and merged; more rows per kv head (chunked prefill) go to
@@ -77,10 +78,10 @@ def _check_int32_vector(name, t, batch, device) -> None:
                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None,
                             cache_batch_idx=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                            return_lse=False, k_scale=None, v_scale=None, *, rotary_cos=None,
+                            return_lse=False, k_scale=None, v_scale=None, rotary_cos=None,
                             rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False,
                             page_table=None, k_descale=None, v_descale=None, qv=None,
                             cache_leftpad=None, cu_seqlens_q=None, cu_seqlens_k_new=None,

@@ -1457,3 +1457,18 @@ def test_fa3_keywords_fa3gen_lacks_are_refused_unless_at_their_defaults(launched
     with pytest.raises(InvalidInputError, match=message):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, **{keyword: value})
     assert len(launched) == 1
+
+
+def test_everything_after_v_is_keyword_only(launched):
+    """flash-attn 2's sixth positional is rotary_cos, FlashAttention-3's qv: a sixth positional
+    argument is a TypeError, never read as cache_seqlens (FA3's positional cache_seqlens would
+    have landed on softmax_scale)."""
+    import inspect
+    params = inspect.signature(kvcache.flash_attn_with_kvcache).parameters
+    positional = [n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert positional == ["q", "k_cache", "v_cache", "k", "v"]
+    q = torch.zeros(1, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(1, 256, 2, 128, dtype=BF)
+    with pytest.raises(TypeError, match="positional"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, None, None, None, None, None, 5)
+    assert launched == []
