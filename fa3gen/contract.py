@@ -389,6 +389,17 @@ DECODE_PARAMS = (
 )
 DECODE_SYMBOL = "fa3gen_decode_fwd"
 
+# fa3gen_append_params: new keys and values into a KV cache (fa3gen_kvcache_append, beside the
+# decode kernels).
+APPEND_PARAMS = (
+    ("k_new", "const void*"), ("v_new", "const void*"), ("k_cache", "void*"), ("v_cache", "void*"),
+    *((n, "const int32_t*") for n in ("cache_seqlens", "cache_batch_idx", "block_table")),
+    *_strides("k_new", "v_new", "k", "v"), ("block_table_batch_stride", "int64_t"),
+    *((n, "int32_t") for n in ("batch", "seqlen_new", "heads_kv", "head_dim", "element_bytes",
+                               "seqlen", "capacity", "page_size", "cache_rows")),
+)
+APPEND_SYMBOL = "fa3gen_kvcache_append"
+
 
 @dataclass(frozen=True)
 class Launcher:

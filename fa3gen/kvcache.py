@@ -13,6 +13,7 @@ the other features fa3gen lacks are refused unless at their defaults.
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -577,18 +578,92 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
 
 
 def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table,
-            kv_fp8: bool, k_scale, v_scale):
+            kv_fp8: bool, k_scale, v_scale, lib=None):
     """k, v into the cache at each sequence's positions seqlens + i (an e4m3 cache: quantized
-    with its factors), with PyTorch indexing (no host sync), untracked as flash-attn's raw
-    writes: k, v that require grad must not pull the cache into their autograd graph (it
-    would grow every step, keeping activations alive). Rows past the capacity are not
-    written: their positions clamp to the cache's last row, and every write there carries the
-    same value (the sequence's last new row that fits, or the row's old value when none
-    fits), so nothing outside the cache is touched and the duplicate writes cannot race."""
+    with its factors), untracked as flash-attn's raw writes: k, v that require grad must not
+    pull the cache into their autograd graph (it would grow every step, keeping activations
+    alive). By lib's append kernel (one launch) when given and the layouts suit it
+    (append_params), else with PyTorch indexing (_write_rows; what a compiled call traces).
+    No host sync either way."""
     with torch.no_grad():
         if kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
-        _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+        p = None if lib is None else append_params(geometry, k_cache, v_cache, k, v, seqlens,
+                                                     cache_batch_idx, block_table)
+        if p is not None:
+            ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
+        else:
+            _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+
+
+APPEND_KERNEL_ENV = "FA3GEN_APPEND_KERNEL"
+
+
+def _append_library(lib, k):
+    """The library whose append kernel an eager call uses: with FA3GEN_APPEND_KERNEL=1 (until
+    the kernel is measured on the GPU, the PyTorch path stays the default), k on a GPU and a
+    library that has it; else None."""
+    if os.environ.get(APPEND_KERNEL_ENV, "") in ("", "0") or not k.is_cuda:
+        return None
+    lib = lib or runtime.get_library()
+    return lib if lib.has_append_kernel else None
+
+
+def append_params(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
+                  block_table) -> runtime.AppendParams | None:
+    """The append kernel's params (fa3gen_append_params) for k, v (in the cache's dtype) into
+    the cache; None where a layout does not suit it: rows, pointers or strides not 16-byte
+    aligned, a head dim not contiguous, a block table whose columns are not, a cache of no
+    rows. All but the pointers is kept per layout (_append_templates)."""
+    tensors = (k, v, k_cache, v_cache)
+    if any(t.data_ptr() % 16 for t in tensors):
+        return None
+    sig = ops._signature
+    key = (geometry, sig(k), sig(v), sig(k_cache), sig(v_cache),
+           None if block_table is None else (block_table.shape, block_table.stride()))
+    template = _append_templates.get(key, False)
+    if template is False:
+        template = ops._remember(_append_templates, key,
+                                 _append_template(geometry, tensors, block_table))
+    if template is None:
+        return None
+    p = runtime.AppendParams.from_buffer_copy(template)
+    p.k_new, p.v_new, p.k_cache, p.v_cache = (t.data_ptr() for t in tensors)
+    if isinstance(seqlens, torch.Tensor):
+        p.cache_seqlens = seqlens.data_ptr()  # int32, contiguous (_run)
+    else:
+        p.seqlen = seqlens
+    if cache_batch_idx is not None:
+        p.cache_batch_idx = cache_batch_idx.data_ptr()
+    if block_table is not None:
+        p.block_table = block_table.data_ptr()
+    return p
+
+
+_append_templates: dict = {}  # layouts -> AppendParams bytes but the pointers (None: no kernel)
+
+
+def _append_template(geometry: tuple, tensors: tuple, block_table) -> bytes | None:
+    """append_params' fields but the pointers, from the tensors' layout (k, v, k_cache,
+    v_cache); None where it does not suit the kernel."""
+    cache_rows, page_size, capacity = geometry
+    k = tensors[0]
+    size = tensors[2].element_size()
+    if capacity == 0 or (k.shape[-1] * size) % 16 or \
+            (block_table is not None and block_table.shape[1] > 1 and block_table.stride(1) != 1):
+        return None
+    if any(t.element_size() != size or t.stride(-1) != 1 or any(s * size % 16 for s in t.stride()[:3])
+           for t in tensors):
+        return None
+    p = runtime.AppendParams()
+    if block_table is not None:
+        p.block_table_batch_stride = block_table.stride(0)
+    for name, t in zip(("k_new", "v_new", "k", "v"), tensors):
+        for dim, stride in zip(("batch", "row", "head"), t.stride()[:3]):
+            setattr(p, f"{name}_{dim}_stride", stride)
+    p.batch, p.seqlen_new, p.heads_kv, p.head_dim = k.shape
+    p.element_bytes, p.capacity, p.page_size, p.cache_rows = size, capacity, page_size, cache_rows
+    return bytes(p)
 
 
 def _write_rows(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
@@ -647,7 +722,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_check_scales(k_scale, v_scale)
     if plan.append:
         _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
-                batch_idx, block_table, plan.kv_fp8, k_scale, v_scale)
+                batch_idx, block_table, plan.kv_fp8, k_scale, v_scale, _append_library(lib, k))
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if no_query:  # the append was the whole call

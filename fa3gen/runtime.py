@@ -76,6 +76,10 @@ class DecodeParams(ctypes.Structure):
     _fields_ = _ctypes_fields(contract.DECODE_PARAMS)
 
 
+class AppendParams(ctypes.Structure):
+    _fields_ = _ctypes_fields(contract.APPEND_PARAMS)
+
+
 _LAUNCH_FN_TYPES = {
     launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
     for d, launcher in LAUNCHERS.items()
@@ -277,6 +281,10 @@ class Library:
         if self._decode is not None:
             self._decode.restype = ctypes.c_int
             self._decode.argtypes = [ctypes.POINTER(DecodeParams), ctypes.c_void_p]
+        self._append = getattr(dll, contract.APPEND_SYMBOL, None)  # beside it; older builds lack it
+        if self._append is not None:
+            self._append.restype = ctypes.c_int
+            self._append.argtypes = [ctypes.POINTER(AppendParams), ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
         self.decode_kernels = decode_pairs(self.build_info, self._decode is not None)
@@ -354,6 +362,16 @@ class Library:
         self._call_optional(self._decode, params, stream_handle, "decode kernel",
                             f"no decode kernels: add `decode: true` to spec {self.spec_name!r} "
                             f"and build it again")
+
+    @property
+    def has_append_kernel(self) -> bool:
+        return self._append is not None
+
+    def kvcache_append(self, params: AppendParams, stream_handle: int) -> None:
+        """Write new keys and values into a KV cache (fa3gen_kvcache_append) on a CUDA stream."""
+        self._call_optional(self._append, params, stream_handle, "KV-cache append",
+                            "no KV-cache append kernel (built before it, or without decode "
+                            "kernels)")
 
     def _call_optional(self, fn, params, stream_handle: int, what: str, missing: str) -> None:
         """Call an optional entry point (None when the library lacks it); raise on failure."""

@@ -121,10 +121,11 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
         library=library_name(spec_name))
 
 
-def _headers(kernels_dir, kernel: str) -> str:
+def _headers(kernels_dir, kernels: tuple) -> str:
     """What a CuTe-free kernel TU includes (its rule has no depfile, so edges name them)."""
     return " ".join(_path(Path(kernels_dir) / h)
-                    for h in (kernel, "launch_common.cuh", "simt_common.cuh", "rescale_threshold.cuh"))
+                    for h in (*kernels, "launch_common.cuh", "simt_common.cuh",
+                              "rescale_threshold.cuh", "fa3gen_abi.h"))
 
 
 def write_build_ninja(out_dir: Path, text: str) -> bool:

@@ -152,8 +152,8 @@ def has_quantizer(variants: Iterable[Variant]) -> bool:
 
 
 # The CuTe-free translation units a library may hold beside its variants: src/<name>.cu from
-# templates/<name>.cu.j2, its kernel header in templates/kernels.
-PLAIN_UNIT_HEADERS = {"quantize": "quantize_fp8.cuh", "decode": "decode.cuh"}
+# templates/<name>.cu.j2, its kernel headers in templates/kernels.
+PLAIN_UNIT_HEADERS = {"quantize": ("quantize_fp8.cuh",), "decode": ("decode.cuh", "kvcache_append.cuh")}
 
 
 def plain_units(variants: Iterable[Variant], decode: bool) -> tuple[str, ...]:

@@ -312,3 +312,81 @@ def test_a_dropped_setmaxnreg_is_charged_to_its_own_variant(tmp_path, monkeypatc
     assert {v: r["setmaxnreg_ignored"] for v, r in out["variants"].items()} == {"v1": False, "v2": True, "v3": False}
     assert all(p.startswith("v2: ") for p in out["problems"]) and out["problems"]
     assert "unit u" in capsys.readouterr().err
+
+
+APPEND_HOST = r"""
+#include "kvcache_append.cuh"
+extern "C" void fa3gen_set_error(const char*) {}
+// The append kernel's work on host memory: every chunk the grid would copy, in one loop.
+extern "C" int host_append(const fa3gen_append_params* p) {
+  if (int rc = fa3gen::check_append(*p)) return rc;
+  for (int64_t t = 0; t < 2 * fa3gen::append::tensor_chunks(*p); ++t) fa3gen::append::copy_chunk(*p, t);
+  return 0;
+}
+"""
+
+
+def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
+    """kvcache_append.cuh's copy (every chunk, run on the host through kvcache.append_params)
+    against the PyTorch operations it replaces (kvcache._write_rows), byte for byte on random
+    caches: contiguous and paged, int and tensor lengths (negative, past the capacity),
+    cache_batch_idx and block table entries out of range, 16-bit and e4m3, strided new rows."""
+    import ctypes
+    import random
+
+    import torch
+
+    from fa3gen import kvcache
+
+    try:
+        nvcc = find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    src, so = tmp_path / "append.cu", tmp_path / "libappend.so"
+    src.write_text(APPEND_HOST)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC",
+                    f"-I{KERNELS_DIR}", str(src), "-o", str(so)], check=True, capture_output=True, text=True)
+    host_append = ctypes.CDLL(str(so)).host_append
+    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+
+    def distinct_rows(rows: int, count: int) -> torch.Tensor:
+        """count distinct cache rows (pages) of rows, the first or last one sometimes given out
+        of range (clamped back onto it: sequences sharing a row would race on either path)."""
+        chosen = torch.randperm(rows, generator=g)[:count].to(torch.int32)
+        chosen[chosen == 0] = rng.choice([0, -1, -5])
+        chosen[chosen == rows - 1] = rng.choice([rows - 1, rows, rows + 7])
+        return chosen
+
+    checked = 0
+    for case in range(300):
+        dtype = rng.choice([torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+        b, n, h, d = rng.randint(1, 4), rng.randint(1, 5), rng.randint(1, 3), rng.choice([64, 128, 256])
+        paged = rng.random() < 0.5
+        if paged:
+            page, width = rng.choice([1, 3, 16]), rng.randint(1, 4)
+            rows = b * width + rng.randint(0, 3)
+            shape, capacity, idx = (rows, page, h, d), width * page, None
+            table = distinct_rows(rows, b * width).view(b, width)
+        else:
+            rows, capacity = b + rng.randint(0, 3), rng.randint(1, 12)
+            shape, page, table = (rows, capacity, h, d), capacity, None
+            idx = distinct_rows(rows, b) if rng.random() < 0.5 else None
+        lengths = (torch.randint(-2, capacity + 3, (b,), generator=g, dtype=torch.int32)
+                   if rng.random() < 0.6 else rng.randint(-2, capacity + 3))
+        caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+        wide = rng.random() < 0.3  # new rows as a view with a gap between heads
+        new_k, new_v = (torch.randn(b, n, h, 2 * d if wide else d, generator=g).to(dtype)[..., :d]
+                        for _ in range(2))
+        geometry = (shape[0], page, capacity)
+        want_k, want_v = (c.clone() for c in caches)
+        kvcache._write_rows(geometry, want_k, want_v, new_k, new_v, lengths, idx, table)
+        got_k, got_v = (c.clone() for c in caches)
+        p = kvcache.append_params(geometry, got_k, got_v, new_k, new_v, lengths, idx, table)
+        assert p is not None
+        assert host_append(ctypes.byref(p)) == 0
+        for got, want in ((got_k, want_k), (got_v, want_v)):
+            if not torch.equal(got.view(torch.uint8), want.view(torch.uint8)):
+                diff = (got.view(torch.uint8) != want.view(torch.uint8)).any(-1).nonzero().tolist()
+                assert False, (case, dtype, paged, lengths, idx, table, geometry, (b, n, h, d), diff[:8])
+        checked += 1
+    assert checked == 300

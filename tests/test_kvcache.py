@@ -1472,3 +1472,59 @@ def test_everything_after_v_is_keyword_only(launched):
     with pytest.raises(TypeError, match="positional"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, None, None, None, None, None, 5)
     assert launched == []
+
+
+class _AppendRecorder:
+    """A library with the append kernel that records its params (and writes nothing)."""
+    has_append_kernel = True
+
+    def __init__(self):
+        self.calls = []
+
+    def kvcache_append(self, params, stream):
+        self.calls.append(params)
+
+
+def test_append_kernel_only_when_asked_on_a_gpu_with_a_library_that_has_it(monkeypatch):
+    import types
+    lib, gpu = _AppendRecorder(), types.SimpleNamespace(is_cuda=True)
+    monkeypatch.delenv("FA3GEN_APPEND_KERNEL", raising=False)
+    assert kvcache._append_library(lib, gpu) is None  # the PyTorch path stays the default
+    for off in ("", "0"):
+        monkeypatch.setenv("FA3GEN_APPEND_KERNEL", off)
+        assert kvcache._append_library(lib, gpu) is None
+    monkeypatch.setenv("FA3GEN_APPEND_KERNEL", "1")
+    assert kvcache._append_library(lib, gpu) is lib
+    assert kvcache._append_library(lib, types.SimpleNamespace(is_cuda=False)) is None
+    lib.has_append_kernel = False  # a library built before the kernel
+    assert kvcache._append_library(lib, gpu) is None
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_an_eager_append_is_one_kernel_launch(launched, monkeypatch, paged):
+    """With the append kernel, an eager call's new rows go to it (params as append_params
+    makes them: the e4m3 cache's rows quantized first), not to PyTorch indexing; new rows it
+    cannot take (a head dim stride of 2) still go through PyTorch."""
+    lib = _AppendRecorder()
+    monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    cache = torch.zeros(8, 64, 2, 128).to(FP8)
+    extra = dict(block_table=torch.arange(8, dtype=torch.int32).view(2, 4)) if paged else {}
+    new = torch.ones(2, 1, 2, 128, dtype=BF)
+    lengths = torch.tensor([5, 70], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lengths, k_scale=0.5, **extra)
+    (p,) = lib.calls
+    assert not cache.view(torch.uint8).any()  # nothing written by PyTorch
+    assert (p.batch, p.seqlen_new, p.heads_kv, p.head_dim, p.element_bytes) == (2, 1, 2, 128, 1)
+    assert p.k_cache == p.v_cache == cache.data_ptr() and p.cache_seqlens == lengths.data_ptr()
+    assert (p.capacity, p.cache_rows) == ((256, 8) if paged else (64, 8))
+    assert bool(p.block_table) == paged and p.k_new != new.data_ptr()  # the quantized copy
+    assert launched[-1].cache_seqlens != lengths.data_ptr()  # attention covers the longer lengths
+    cache16 = torch.zeros(8, 64, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, cache16, cache16, new, new, cache_seqlens=lengths, **extra)
+    assert len(lib.calls) == 2 and lib.calls[1].k_new == new.data_ptr()  # as it is
+    assert lib.calls[1].element_bytes == 2 and not cache16.any()
+    strided = torch.ones(2, 1, 2, 256, dtype=BF)[..., ::2]
+    kvcache.flash_attn_with_kvcache(q, cache16, cache16, strided, strided, cache_seqlens=lengths, **extra)
+    assert len(lib.calls) == 2 and cache16.any()  # PyTorch wrote it

@@ -217,6 +217,34 @@ typedef struct fa3gen_decode_params {
   int32_t kv_fp8;
 } fa3gen_decode_params;
 
+// New keys and values written into a KV cache (fa3gen_kvcache_append: flash_attn_with_kvcache's
+// k, v in one kernel): row i of sequence b, kv head h of k_new/v_new (batch, seqlen_new,
+// heads_kv, head_dim) goes to cache position start_b + i, start_b = cache_seqlens[b] (or
+// seqlen when null; negative values read as 0), of the cache laid out as in
+// fa3gen_decode_params (contiguous rows cache_batch_idx[b] or b, or paged through block_table).
+// Positions at or past capacity are not written. The bytes are copied as they are:
+// element_bytes 2 (bf16/fp16) or 1 (e4m3, already quantized); strides in elements, rows and
+// strides 16-byte aligned.
+typedef struct fa3gen_append_params {
+  const void* k_new;
+  const void* v_new;
+  void* k_cache;
+  void* v_cache;
+  const int32_t* cache_seqlens;
+  const int32_t* cache_batch_idx;
+  const int32_t* block_table;
+  int64_t k_new_batch_stride, k_new_row_stride, k_new_head_stride;
+  int64_t v_new_batch_stride, v_new_row_stride, v_new_head_stride;
+  int64_t k_batch_stride, k_row_stride, k_head_stride;
+  int64_t v_batch_stride, v_row_stride, v_head_stride;
+  int64_t block_table_batch_stride;
+  int32_t batch, seqlen_new, heads_kv, head_dim, element_bytes;
+  int32_t seqlen;      // every sequence's start when cache_seqlens is null
+  int32_t capacity;    // positions a sequence holds (paged: block_table width x page_size)
+  int32_t page_size;   // paged only
+  int32_t cache_rows;  // pages (paged) or cache batch rows: indices are clamped into range
+} fa3gen_append_params;
+
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
 typedef int (*fa3gen_quantize_fn)(const fa3gen_quantize_params* params, void* cuda_stream);
 typedef int (*fa3gen_fwd_launch_fn)(const fa3gen_fwd_params* params, void* cuda_stream);
@@ -251,6 +279,8 @@ FA3GEN_API void fa3gen_set_error(const char* message);
 FA3GEN_API int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* cuda_stream);
 // Only in libraries of specs with `decode: true` (no CuTe: a few seconds to compile).
 FA3GEN_API int fa3gen_decode_fwd(const fa3gen_decode_params* params, void* cuda_stream);
+// Beside it (libraries built before it lack the symbol: look it up as an optional one).
+FA3GEN_API int fa3gen_kvcache_append(const fa3gen_append_params* params, void* cuda_stream);
 
 #ifdef __cplusplus
 }
