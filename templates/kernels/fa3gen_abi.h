@@ -1,7 +1,9 @@
 // fa3gen C ABI: the only interface between the generated library and Python (ctypes).
 // Plain C so that the library needs no torch headers and loads under any torch version.
-// Bump FA3GEN_ABI_VERSION whenever a struct below changes. fa3gen/contract.py mirrors this
-// header (tests/test_contract.py pins the two together); the runtime checks the version.
+// Bump FA3GEN_ABI_VERSION whenever a struct below changes. A new optional entry point (looked
+// up by name, absent from older libraries) with a struct of its own needs no bump.
+// fa3gen/contract.py mirrors this header (tests/test_contract.py pins the two together); the
+// runtime checks the version.
 #pragma once
 #include <stdint.h>
 
