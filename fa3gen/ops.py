@@ -78,13 +78,22 @@ def _fp32_range_error(name: str, value) -> None:
                             f"the range in which the kernels' fp32 arithmetic stays finite")
 
 
+def _is_numpy_bool(x) -> bool:
+    """A numpy bool (flash-attn takes one as causal), without importing numpy otherwise."""
+    if type(x).__module__ != "numpy":
+        return False
+    import numpy
+    return isinstance(x, numpy.bool_)
+
+
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
     [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 unbounded. A window
     wider than the sequence stays local (the key must not depend on the sequence length: a
     trace-trimmed build would otherwise miss the local variant at longer lengths)."""
-    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)):
+    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)) and \
+            not _is_numpy_bool(causal):
         raise InvalidInputError(f"causal must be True or False, got {causal!r}")
     try:
         left, right = window_size

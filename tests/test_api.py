@@ -60,6 +60,10 @@ def test_numpy_integer_windows_are_taken_as_flash_attn_takes_them():
     np = pytest.importorskip("numpy")
     assert ops.masking(False, (np.int64(3), np.int32(0)), 0.0) == ops.Masking(False, 3, 0)
     assert type(ops.masking(False, (np.int64(3), 0)).window_left) is int
+    assert ops.masking(np.bool_(True)) == ops.Masking(causal=True)
+    assert ops.masking(np.bool_(False), (np.int64(3), 0)) == ops.Masking(False, 3, 0)
+    with pytest.raises(InvalidInputError, match="causal must be True or False"):
+        ops.masking(np.float64(1.0))
 
 
 @pytest.mark.parametrize("kwargs, message", [
