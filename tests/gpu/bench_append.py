@@ -13,26 +13,12 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fa3gen import kvcache, runtime, timing  # noqa: E402
-
-
-def per_call_us(fn, calls: int = 300, rounds: int = 7) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
+from host_time import per_call_us  # noqa: E402
 
 
 def gpu_us(fn, calls: int = 100, rounds: int = 7) -> float:
@@ -73,7 +59,7 @@ def main() -> None:
             row = {"batch": batch, "paged": paged}
             for name, env in (("torch", "0"), ("kernel", "1")):
                 os.environ[kvcache.APPEND_KERNEL_ENV] = env
-                row[f"{name}_host_us"] = round(per_call_us(step), 1)
+                row[f"{name}_host_us"] = round(per_call_us(step, 300, 7), 1)
                 row[f"{name}_gpu_us"] = round(gpu_us(step), 2)
             print(row, flush=True)
             rows.append(row)
