@@ -592,6 +592,8 @@ def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, b
                                                      cache_batch_idx, block_table)
         if p is not None:
             ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
+            for cache in (k_cache, v_cache):  # as an in-place PyTorch write: autograd sees it
+                torch.autograd.graph.increment_version(cache)
         else:
             _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
 
@@ -614,9 +616,10 @@ def append_params(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_
     """The append kernel's params (fa3gen_append_params) for k, v (in the cache's dtype) into
     the cache; None where a layout does not suit it: rows, pointers or strides not 16-byte
     aligned, a head dim not contiguous, a block table whose columns are not, a cache of no
-    rows. All but the pointers is kept per layout (_append_templates)."""
+    rows, k_cache and v_cache one tensor (the PyTorch path writes v last there; the kernel
+    writes both at once). All but the pointers is kept per layout (_append_templates)."""
     tensors = (k, v, k_cache, v_cache)
-    if any(t.data_ptr() % 16 for t in tensors):
+    if any(t.data_ptr() % 16 for t in tensors) or k_cache.data_ptr() == v_cache.data_ptr():
         return None
     sig = ops._signature
     key = (geometry, sig(k), sig(v), sig(k_cache), sig(v_cache),

@@ -367,6 +367,8 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
             rows = b * width + rng.randint(0, 3)
             shape, capacity, idx = (rows, page, h, d), width * page, None
             table = distinct_rows(rows, b * width).view(b, width)
+            if rng.random() < 0.5:  # a column slice of a wider table: stride(0) > width
+                table = torch.cat([table, torch.zeros(b, 3, dtype=torch.int32)], 1)[:, :width]
         else:
             rows, capacity = b + rng.randint(0, 3), rng.randint(1, 12)
             shape, page, table = (rows, capacity, h, d), capacity, None
@@ -374,13 +376,18 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
         lengths = (torch.randint(-2, capacity + 3, (b,), generator=g, dtype=torch.int32)
                    if rng.random() < 0.6 else rng.randint(-2, capacity + 3))
         caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
-        wide = rng.random() < 0.3  # new rows as a view with a gap between heads
-        new_k, new_v = (torch.randn(b, n, h, 2 * d if wide else d, generator=g).to(dtype)[..., :d]
-                        for _ in range(2))
+        interleaved = rng.random() < 0.5  # v_cache: one half of an interleaved (.., .., 2, h, d) buffer
+        if interleaved:
+            caches[1] = torch.randn(*shape[:2], 2, h, d, generator=g).to(dtype)
+        new_k, new_v = (torch.randn(b, n, h, 2 * d if rng.random() < 0.3 else d, generator=g).to(dtype)[..., :d]
+                        for _ in range(2))  # k and v each sometimes with a gap between heads
         geometry = (shape[0], page, capacity)
-        want_k, want_v = (c.clone() for c in caches)
+        def copies():
+            k_, v_ = (c.clone() for c in caches)
+            return k_, (v_[:, :, 1] if interleaved else v_)
+        want_k, want_v = copies()
         kvcache._write_rows(geometry, want_k, want_v, new_k, new_v, lengths, idx, table)
-        got_k, got_v = (c.clone() for c in caches)
+        got_k, got_v = copies()
         p = kvcache.append_params(geometry, got_k, got_v, new_k, new_v, lengths, idx, table)
         assert p is not None
         assert host_append(ctypes.byref(p)) == 0
@@ -390,3 +397,4 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
                 assert False, (case, dtype, paged, lengths, idx, table, geometry, (b, n, h, d), diff[:8])
         checked += 1
     assert checked == 300
+

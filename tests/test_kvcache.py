@@ -1509,22 +1509,50 @@ def test_an_eager_append_is_one_kernel_launch(launched, monkeypatch, paged):
     monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
     monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
     q = torch.zeros(2, 1, 8, 128, dtype=BF)
-    cache = torch.zeros(8, 64, 2, 128).to(FP8)
+    cache, vcache = (torch.zeros(8, 64, 2, 128).to(FP8) for _ in range(2))
     extra = dict(block_table=torch.arange(8, dtype=torch.int32).view(2, 4)) if paged else {}
     new = torch.ones(2, 1, 2, 128, dtype=BF)
     lengths = torch.tensor([5, 70], dtype=torch.int32)
-    kvcache.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=lengths, k_scale=0.5, **extra)
+    versions = cache._version, vcache._version
+    kvcache.flash_attn_with_kvcache(q, cache, vcache, new, new, cache_seqlens=lengths, k_scale=0.5, **extra)
     (p,) = lib.calls
     assert not cache.view(torch.uint8).any()  # nothing written by PyTorch
+    assert (cache._version, vcache._version) > versions  # autograd sees the write all the same
     assert (p.batch, p.seqlen_new, p.heads_kv, p.head_dim, p.element_bytes) == (2, 1, 2, 128, 1)
-    assert p.k_cache == p.v_cache == cache.data_ptr() and p.cache_seqlens == lengths.data_ptr()
+    assert (p.k_cache, p.v_cache) == (cache.data_ptr(), vcache.data_ptr())
+    assert p.cache_seqlens == lengths.data_ptr()
     assert (p.capacity, p.cache_rows) == ((256, 8) if paged else (64, 8))
     assert bool(p.block_table) == paged and p.k_new != new.data_ptr()  # the quantized copy
     assert launched[-1].cache_seqlens != lengths.data_ptr()  # attention covers the longer lengths
-    cache16 = torch.zeros(8, 64, 2, 128, dtype=BF)
-    kvcache.flash_attn_with_kvcache(q, cache16, cache16, new, new, cache_seqlens=lengths, **extra)
+    cache16, vcache16 = (torch.zeros(8, 64, 2, 128, dtype=BF) for _ in range(2))
+    kvcache.flash_attn_with_kvcache(q, cache16, vcache16, new, new, cache_seqlens=lengths, **extra)
     assert len(lib.calls) == 2 and lib.calls[1].k_new == new.data_ptr()  # as it is
     assert lib.calls[1].element_bytes == 2 and not cache16.any()
     strided = torch.ones(2, 1, 2, 256, dtype=BF)[..., ::2]
-    kvcache.flash_attn_with_kvcache(q, cache16, cache16, strided, strided, cache_seqlens=lengths, **extra)
+    kvcache.flash_attn_with_kvcache(q, cache16, vcache16, strided, strided, cache_seqlens=lengths, **extra)
     assert len(lib.calls) == 2 and cache16.any()  # PyTorch wrote it
+    kvcache.flash_attn_with_kvcache(q, vcache16, vcache16, new, new, cache_seqlens=lengths, **extra)
+    assert len(lib.calls) == 2  # one tensor for both: PyTorch writes v last, the kernel would race
+
+
+def test_append_templates_tell_layouts_apart():
+    """Layouts of one shape but other strides (v, v_cache, block table) get their own params
+    (_append_templates' key); k_cache and v_cache one tensor get none (the PyTorch path)."""
+    b, n, h, d = 2, 1, 2, 64
+    L = torch.tensor([1, 2], dtype=torch.int32)
+    kn = torch.zeros(b, n, h, d, dtype=torch.bfloat16)
+    vn_wide = torch.zeros(b, n, h, 2 * d, dtype=torch.bfloat16)[..., :d]
+    kc, vc = (torch.zeros(4, 16, h, d, dtype=torch.bfloat16) for _ in range(2))
+    vc_inter = torch.zeros(4, 16, 2, h, d, dtype=torch.bfloat16)[:, :, 1]
+    table = torch.zeros(b, 3, dtype=torch.int32)[:, :1]
+    for plain, other, field, args in (
+            (kn, vn_wide, "v_new_head_stride", lambda x: (kc, vc, kn, x, None)),
+            (vc, vc_inter, "v_row_stride", lambda x: (kc, x, kn, kn, None)),
+            (torch.zeros(b, 1, dtype=torch.int32), table, "block_table_batch_stride", lambda x: (kc, vc, kn, kn, x))):
+        for t in (plain, other):
+            k_cache, v_cache, k, v, tab = args(t)
+            p = kvcache.append_params((4, 16, 16), k_cache, v_cache, k, v, L, None, tab)
+            strides = {"v_new_head_stride": v.stride(2), "v_row_stride": v_cache.stride(1),
+                       "block_table_batch_stride": tab.stride(0) if tab is not None else 0}
+            assert getattr(p, field) == strides[field]
+    assert kvcache.append_params((4, 16, 16), kc, kc, kn, kn, L, None, None) is None

@@ -49,12 +49,13 @@ def main() -> None:
             lengths = torch.full((batch,), keys - 8, dtype=torch.int32, device="cuda")
             extra = {}
             if paged:
-                cache = torch.randn(batch * keys // 64, 64, hkv, d, device="cuda", dtype=torch.bfloat16)
+                shape = (batch * keys // 64, 64, hkv, d)
                 extra["block_table"] = torch.arange(batch * keys // 64, dtype=torch.int32,
                                                     device="cuda").view(batch, -1)
             else:
-                cache = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
-            step = lambda: kvcache.flash_attn_with_kvcache(q, cache, cache, k, k, cache_seqlens=lengths,
+                shape = (batch, keys, hkv, d)
+            kc, vc = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            step = lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lengths,
                                                            causal=True, **extra)
             row = {"batch": batch, "paged": paged}
             for name, env in (("torch", "0"), ("kernel", "1")):

@@ -497,40 +497,53 @@ def test_decode_step_in_a_cuda_graph(lib, paged):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "e4m3"])
-@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged16", "paged1"])
+@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged16", "paged1", "long"])
 @pytest.mark.parametrize("lengths", ["tensor", "int"])
 def test_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, cache_dtype, layout, lengths):
     """FA3GEN_APPEND_KERNEL=1 (one launch of fa3gen_kvcache_append) against the PyTorch path, on
-    one poisoned cache each: the same cache bytes (new rows past the capacity dropped, lengths
-    0 and negative, indices out of range clamped) and the same attention output."""
+    one poisoned cache each: the same cache bytes and the same attention output. New rows past
+    the capacity dropped, lengths 0 and negative, a cache_batch_idx and a page out of range
+    (clamped onto rows no other sequence uses), k and v (new and cached) of different strides
+    (v a view of a wider tensor, v_cache interleaved with another), and "long": 512 new rows
+    a sequence (chunked prefill), more chunks than one pass of the kernel's grid covers."""
     if not lib.has_append_kernel:
         pytest.skip("the library has no append kernel (built before it)")
-    b, sq, hq, hkv, d, new, cap = 4, 1, 8, 2, 128, 3, 48
+    long = layout == "long"
+    b, sq, hq, hkv, d, new, cap = (32, 1, 8, 8, 128, 512, 1024) if long else (4, 1, 8, 2, 128, 3, 48)
     g = torch.Generator(device="cuda").manual_seed(11)
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k = torch.randn(b, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(b, new, hkv, 2 * d, device="cuda", dtype=torch.bfloat16, generator=g)[..., d:]
     extra = {}
     if layout.startswith("paged"):
         page = int(layout[5:])
         pages = b * cap // page
         shape = (pages + 2, page, hkv, d)
-        extra["block_table"] = torch.randperm(pages + 2, device="cuda", generator=g)[:pages].reshape(b, -1).to(torch.int32)
+        table = torch.randperm(pages + 2, device="cuda", generator=g)[:pages].reshape(b, -1).to(torch.int32)
+        table[table == pages + 1] = pages + 9  # clamped back onto the last page
+        extra["block_table"] = table
     else:
         shape = (b + 2, cap, hkv, d)
         if layout == "batch_idx":
-            extra["cache_batch_idx"] = torch.tensor([5, 0, 3, 1], dtype=torch.int32, device="cuda")
-    poison = torch.randn(shape, device="cuda", generator=g).to(cache_dtype)
-    seqlens = (torch.tensor([0, -3, 46, 20], dtype=torch.int32, device="cuda") if lengths == "tensor"
-               else 40)  # an int's new rows must fit (an error otherwise)
+            extra["cache_batch_idx"] = torch.tensor([9, 0, 3, 1], dtype=torch.int32, device="cuda")  # 9: row 5
+    poison = torch.randn(shape[:2] + (2,) + shape[2:], device="cuda", generator=g).to(cache_dtype)
+    if long:
+        seqlens = torch.randint(-4, cap - new + 40, (b,), dtype=torch.int32, device="cuda", generator=g)
+        seqlens = seqlens if lengths == "tensor" else cap - new
+    else:
+        seqlens = (torch.tensor([0, -3, 46, 20], dtype=torch.int32, device="cuda") if lengths == "tensor"
+                   else 40)  # an int's new rows must fit (an error otherwise)
     scales = {"k_scale": 0.5, "v_scale": 2.0} if cache_dtype != torch.bfloat16 else {}
     results = {}
     for kernel in ("0", "1"):
         monkeypatch.setenv("FA3GEN_APPEND_KERNEL", kernel)
-        kc, vc = poison.clone(), poison.clone()
+        kc, pair = poison[:, :, 0].contiguous(), poison.clone()
+        vc = pair[:, :, 1]  # interleaved with pair[:, :, 0], which must stay as it was
         out = kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True,
                                              **extra, **scales)
         torch.cuda.synchronize()
-        results[kernel] = (kc.view(torch.uint8), vc.view(torch.uint8), out)
+        results[kernel] = (kc.view(torch.uint8), pair.view(torch.uint8), out)
     (k0, v0, o0), (k1, v1, o1) = results["0"], results["1"]
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert torch.equal(o0, o1)
+    assert torch.equal(v1[:, :, 0], poison[:, :, 0].view(torch.uint8))
