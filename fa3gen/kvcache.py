@@ -670,6 +670,10 @@ def _append_template(geometry: tuple, tensors: tuple, block_table) -> bytes | No
 
 
 def _write_rows(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table):
+    """The append with PyTorch indexing. Rows past the capacity are not written: their
+    positions clamp to the cache's last row, and every write there carries the same value (the
+    sequence's last new row that fits, or the row's old value when none fits), so nothing
+    outside the cache is touched and the duplicate writes cannot race."""
     cache_rows, page_size, capacity = geometry
     if capacity == 0:  # no row fits (a table of no pages, no rows a sequence; _plan refuses
         return          # a cache of no pages or sequences)
