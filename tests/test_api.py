@@ -62,8 +62,9 @@ def test_numpy_integer_windows_are_taken_as_flash_attn_takes_them():
     assert type(ops.masking(False, (np.int64(3), 0)).window_left) is int
     assert ops.masking(np.bool_(True)) == ops.Masking(causal=True)
     assert ops.masking(np.bool_(False), (np.int64(3), 0)) == ops.Masking(False, 3, 0)
-    with pytest.raises(InvalidInputError, match="causal must be True or False"):
-        ops.masking(np.float64(1.0))
+    for bad in (np.float64(1.0), np.int64(2)):
+        with pytest.raises(InvalidInputError, match="causal must be True or False"):
+            ops.masking(bad)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -352,6 +353,18 @@ def test_device_facts_trace_without_a_dynamo_warning(monkeypatch):
     assert not [w for w in caught if "lru_cache" in str(w.message)]
     before = len(asked)
     assert ops._capability(3) == ops._capability(3) == (9, 0) and len(asked) <= before + 1
+    import collections
+    props = collections.namedtuple("Props", "multi_processor_count")  # dynamo wraps a namedtuple
+    counted = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: counted.append(i) or props(132))
+    monkeypatch.setattr(ops, "_sm_counts", {})
+    assert ops._num_sms(3) == ops._num_sms(3) == 132 and counted == [3]
+    torch._dynamo.reset()
+    g = torch.compile(lambda x: x * ops._num_sms(4), fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert g(torch.ones(2)).tolist() == [132.0, 132.0]
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
 
 
 def test_torch_compile_with_dynamic_shapes(fake_launches):
@@ -446,6 +459,7 @@ def test_flash_attn_2s_dropout_and_alibi_keywords_at_their_defaults(fake_launche
         for kw, match in ((dict(dropout_p=0.1), r"dropout_p=0.1: attention dropout \(flash-attn 2\) "
                                                 r"is not supported by fa3gen; only 0.0 is accepted"),
                           (dict(dropout_p=True), "dropout_p=True"), (dict(dropout_p="0"), "dropout_p='0'"),
+                          (dict(dropout_p=False), "dropout_p=False"),
                           (dict(dropout_p=torch.tensor([0.0, 0.1])), "attention dropout"),
                           (dict(alibi_slopes=torch.ones(2)), r"alibi_slopes \(ALiBi, flash-attn 2\)")):
             with pytest.raises(InvalidInputError, match=match):

@@ -310,15 +310,15 @@ def test_jobs_out_of_range_rejected(fake):
 
 
 def test_jobs_beyond_what_memory_fits_are_noted(fake, monkeypatch):
-    """-j above default_jobs() (cores, free GiB / 4) builds, with a note that it may run out of
-    memory; within it, no note."""
+    """-j above default_jobs() (cores, free GiB / 4) builds (up to 1024), with a note that it may
+    run out of memory; within it, or on a dry run, no note."""
     spec, tc, _ = fake
     monkeypatch.setattr(B, "default_jobs", lambda: 3)
-    for jobs, noted in ((4, True), (3, False)):
+    for jobs, noted, dry in ((4, True, False), (3, False, False), (4, False, True), (1024, True, False)):
         logs = []
-        B.build(spec, toolchain=tc, jobs=jobs, log=logs.append)
-        assert any("-j 4 is more than this machine's cores and free memory fit (3, at 4 GiB a "
-                   "compile)" in ln for ln in logs) == noted
+        B.build(spec, toolchain=tc, jobs=jobs, log=logs.append, dry_run=dry)
+        assert any(f"-j {jobs} is more than this machine's cores and free memory fit (3, at 4 GiB "
+                   "a compile)" in ln for ln in logs) == noted
 
 
 def test_all_pruned_names_the_file_and_every_variant(tmp_path, monkeypatch):

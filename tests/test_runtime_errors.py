@@ -44,6 +44,14 @@ def test_cpu_tensors_rejected_with_hint():
         fa3gen.flash_attn_func(q, k, v)
 
 
+def test_bad_fp8_tensors_are_reported_before_a_missing_library(clean_runtime):
+    """No library at all: an e4m3 call on CPU tensors says where the tensors are, as the 16-bit
+    call does (the fp8 plan key's library lookup must not raise first)."""
+    x = torch.zeros(1, 8, 2, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(Fa3genError, match="q is on device 'cpu'"):
+        fa3gen.flash_attn_func(x, x, x)
+
+
 def test_not_a_tensor():
     q, k, v = qkv()
     with pytest.raises(TypeError, match="k must be a torch.Tensor, got NoneType"):

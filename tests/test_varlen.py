@@ -360,6 +360,9 @@ def test_numpy_integer_max_seqlens_are_ints(fake_launches, monkeypatch, through)
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, np.float32(5), causal=True)
     with pytest.raises(InvalidInputError, match="max_seqlen_q must be an int in"):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, np.bool_(True), 5, causal=True)
+    big = np.int32(2**31 - 1)  # summed as numpy int32 this wraps to -2: the limit holds on ints
+    with pytest.raises(InvalidInputError, match=r"max_seqlen_q \+ max_seqlen_k must be at most"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, big, big, causal=True)
 
 
 @pytest.mark.parametrize("through", ["eager", "op"])
