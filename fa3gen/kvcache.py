@@ -84,11 +84,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                             causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
                             return_lse=False, k_scale=None, v_scale=None, rotary_cos=None,
                             rotary_sin=None, rotary_interleaved=True, return_softmax_lse=False,
-                            page_table=None, k_descale=None, v_descale=None, qv=None,
-                            cache_leftpad=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
-                            max_seqlen_q=None, rotary_seqlens=None, q_descale=None,
-                            attention_chunk=0, scheduler_metadata=None, pack_gqa=None,
-                            sm_margin=0, alibi_slopes=None):
+                            **fa3_keywords):
     """softmax(q k^T * scale) v of new query rows over a KV cache, flash-attn's semantics.
 
     q (batch, seqlen_q, heads_q, d) bf16/fp16, d in 64/128/256: up to 16 query rows per kv
@@ -102,8 +98,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
     softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:
     0 chooses. Returns out (like q), and lse (batch, heads_q, seqlen_q) fp32 when return_lse (or
-    flash-attn's return_softmax_lse). FlashAttention-3's keywords: page_table, k_descale,
-    v_descale are block_table, k_scale, v_scale; pack_gqa, sm_margin hints; the others
+    flash-attn's return_softmax_lse). FlashAttention-3's keywords (fa3_keywords): page_table,
+    k_descale, v_descale are block_table, k_scale, v_scale; pack_gqa, sm_margin hints; qv,
+    attention_chunk, alibi_slopes (flash-attn 2's) and those of _UNSUPPORTED_KEYWORDS
     (cache_leftpad, ...) only at their defaults. k, v (batch, seqlen_new, heads_kv, d): new keys and values
     written into the cache (in place) at positions cache_seqlens .. cache_seqlens + seqlen_new -
     1 of each sequence before attending, which then covers
@@ -129,18 +126,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
-    if not (page_table is None and k_descale is None and v_descale is None and qv is None
-            and cache_leftpad is None and cu_seqlens_q is None and cu_seqlens_k_new is None
-            and max_seqlen_q is None and rotary_seqlens is None and q_descale is None
-            and scheduler_metadata is None and pack_gqa is None and alibi_slopes is None
-            and attention_chunk == 0 and sm_margin == 0):  # the usual call: FA3's defaults
-        block_table, k_scale, v_scale = _other_keywords(
-            block_table, k_scale, v_scale, num_splits, page_table=page_table,
-            k_descale=k_descale, v_descale=v_descale, qv=qv, cache_leftpad=cache_leftpad,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
-            max_seqlen_q=max_seqlen_q, rotary_seqlens=rotary_seqlens, q_descale=q_descale,
-            attention_chunk=attention_chunk, scheduler_metadata=scheduler_metadata,
-            pack_gqa=pack_gqa, sm_margin=sm_margin, alibi_slopes=alibi_slopes)
+    if fa3_keywords:  # the usual call passes none
+        block_table, k_scale, v_scale = _other_keywords(block_table, k_scale, v_scale,
+                                                        num_splits, **fa3_keywords)
     ops.check_softmax_scale(softmax_scale)
     return_lse = bool(return_lse or return_softmax_lse)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
@@ -170,12 +158,16 @@ _UNSUPPORTED_KEYWORDS = {
 }
 
 
-def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table, k_descale,
-                    v_descale, qv, attention_chunk, pack_gqa, sm_margin, alibi_slopes,
-                    **unsupported) -> tuple:
-    """(block_table, k_scale, v_scale) of a call that passed FlashAttention-3's keywords:
-    page_table, k_descale and v_descale are FA3's names of those three (one name each per
-    call); pack_gqa and sm_margin are hints, as in flash_attn_func; the rest must be None."""
+def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table=None,
+                    k_descale=None, v_descale=None, qv=None, attention_chunk=0, pack_gqa=None,
+                    sm_margin=0, alibi_slopes=None, **unsupported) -> tuple:
+    """(block_table, k_scale, v_scale) of a call that passed FlashAttention-3's keywords (or
+    flash-attn 2's alibi_slopes): page_table, k_descale and v_descale are FA3's names of those
+    three (one name each per call); pack_gqa and sm_margin are hints, as in flash_attn_func;
+    the rest must be at their defaults. Any other name is Python's TypeError."""
+    for name in unsupported:
+        if name not in _UNSUPPORTED_KEYWORDS:
+            raise TypeError(f"flash_attn_with_kvcache() got an unexpected keyword argument {name!r}")
     for fa3, value, ours, given in (("page_table", page_table, "block_table", block_table),
                                     ("k_descale", k_descale, "k_scale", k_scale),
                                     ("v_descale", v_descale, "v_scale", v_scale)):

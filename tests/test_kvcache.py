@@ -1471,6 +1471,8 @@ def test_everything_after_v_is_keyword_only(launched):
     kc = torch.zeros(1, 256, 2, 128, dtype=BF)
     with pytest.raises(TypeError, match="positional"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, None, None, None, None, None, 5)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cache_seqlen'"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlen=5)  # a typo stays Python's error
     assert launched == []
 
 
