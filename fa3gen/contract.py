@@ -400,6 +400,18 @@ APPEND_PARAMS = (
 )
 APPEND_SYMBOL = "fa3gen_kvcache_append"
 
+# fa3gen_rotary_params: flash_attn_with_kvcache's rotary embedding applied by the append
+# (fa3gen_kvcache_append_rotary(append params, rotary params, stream)).
+ROTARY_PARAMS = (
+    ("q", "const void*"), ("q_out", "void*"), ("cos", "const void*"), ("sin", "const void*"),
+    *_strides("q"),
+    *((f"{t}_{dim}_stride", "int64_t") for t in ("cos", "sin") for dim in ("row", "col")),
+    *((n, "int32_t") for n in ("seqlen_q", "heads_q", "rotary_half", "rows", "interleaved",
+                               "q_per_row", "cos_type", "fp16")),
+)
+APPEND_ROTARY_SYMBOL = "fa3gen_kvcache_append_rotary"
+ROTARY_COS_TYPES = {"float32": 0, "bfloat16": 1, "float16": 2}  # fa3gen_rotary_params.cos_type
+
 
 @dataclass(frozen=True)
 class Launcher:

@@ -6,7 +6,8 @@ kv head (seqlen_q x heads_q / heads_kv <= 16) against a contiguous or paged cach
 or e4m3 (with dequantization factors), new keys and values appended first when given, the key
 range split across CTAs (split-KV) and merged; more rows per kv head (chunked prefill) go to
 the forward kernels; forward only. Rotary embedding of q and the new keys (rotary_cos,
-rotary_sin) runs as PyTorch operations before the append. FlashAttention-3's keywords:
+rotary_sin) runs as PyTorch operations before the append (or in the append kernel, below).
+FlashAttention-3's keywords:
 page_table, k_descale and v_descale name block_table, k_scale and v_scale; cache_leftpad and
 the other features fa3gen lacks are refused unless at their defaults.
 """
@@ -122,7 +123,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     same positions when causal or with a window that hides a key (_window_masks), else all of q
     at position cache_seqlens; pairs (0, 1), (2, 3), ... (rotary_interleaved, the default) or
     the two halves of the first rotary_dim values. In fp32, rounded once to q's (k's) dtype, by PyTorch operations before
-    the append (not fused into the kernels). Positions past seqlen_ro are an error when
+    the append (with FA3GEN_APPEND_KERNEL=1, by the append kernel, bit for bit the same). Positions past seqlen_ro are an error when
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
@@ -135,14 +136,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
     if isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool):
         num_splits = int(num_splits)
+    captured = ops._captured(q, k_cache, v_cache)
+    rotary = None
     if rotary_cos is not None or rotary_sin is not None:
-        q, k = _rotate(q, k, v, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved,
-                       bool(causal) or _window_masks(window_size, q, k_cache, block_table))
+        per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
+        _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)
+        if not captured and _fused_rotary(q, k, k_cache, rotary_cos):
+            rotary = Rotary(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), rotary_cos,
+                            rotary_sin, bool(rotary_interleaved), per_row)
+            q = rotary.q_out  # written by the append, before the attention reads it
+        else:
+            q, k = _rotate(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, per_row)
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
-    if ops._captured(q, k_cache, v_cache):
+    if captured:
         return _captured_call(q, k_cache, v_cache, args, return_lse)
-    return _eager_call(q, k_cache, v_cache, args, return_lse)
+    return _eager_call(q, k_cache, v_cache, args, return_lse, rotary)
 
 
 # FlashAttention-3's (and flash-attn 2's) keywords for what fa3gen does not do, each taken
@@ -184,8 +193,9 @@ def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table=Non
             k_descale if k_scale is None else k_scale, v_descale if v_scale is None else v_scale)
 
 
-def _eager_call(q, k_cache, v_cache, args, return_lse):
-    """A call's plan (once per signature), append and launch."""
+def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
+    """A call's plan (once per signature), append and launch (rotary: the append rotates the
+    new keys and writes q, a Rotary's q_out)."""
     k, v, cache_seqlens, cache_batch_idx, block_table, _, _, _, _, _, k_scale, v_scale = args
     try:  # keyed by the library too: another one (FA3GEN_LIB, use_spec) may lack the kernels
         lib = runtime.get_library()
@@ -201,7 +211,7 @@ def _eager_call(q, k_cache, v_cache, args, return_lse):
         if key is not None:
             ops._remember(_plans, key, plan)
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
-                  return_lse, k_scale, v_scale, lib)
+                  return_lse, k_scale, v_scale, lib, rotary)
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
@@ -293,10 +303,10 @@ def _window_masks(window_size, q, k_cache, block_table) -> bool:
         return False
 
 
-def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
-    """(q, k) with the rotary embedding at their positions (flash_attn_with_kvcache's rule)."""
-    from fa3gen.reference import rotary_at
-
+def _check_rotary(q, k, v, cache_seqlens, cos, sin, per_row: bool) -> None:
+    """The checks of a call with rotary_cos, rotary_sin: positions past the tables are an error
+    (with a tensor cache_seqlens only under FA3GEN_DEBUG_CHECKS; otherwise they clamp to the
+    last row)."""
     if k is None or v is None:
         raise InvalidInputError("rotary_cos and rotary_sin rotate the new keys: pass k and v "
                                 "(flash-attn applies them only with k and v)")
@@ -316,24 +326,61 @@ def _rotate(q, k, v, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
             f"{getattr(k, 'dtype', type(k).__name__)} {tuple(getattr(k, 'shape', ()))}")
     if cache_seqlens is None:
         raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
-    b, n, rows = q.shape[0], k.shape[1], cos.shape[0]
-    span = max(n, q.shape[1] if per_row else 1)  # positions past cache_seqlens the call uses
-    steps = torch.arange(max(n, q.shape[1]), device=q.device)
+    b, rows = q.shape[0], cos.shape[0]
+    span = max(k.shape[1], q.shape[1] if per_row else 1)  # positions past cache_seqlens used
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
                                     f"cache_seqlens + {span} = {cache_seqlens + span}")
-    else:
-        _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
-    start = _start_rows(cache_seqlens, b, q.device)
-    if not isinstance(cache_seqlens, int) and ops.debug_checks_enabled():
-        need = int((start.max() + span).item())
+        return
+    _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
+    if ops.debug_checks_enabled():
+        need = int((_start_rows(cache_seqlens, b, q.device).max() + span).item())
         if need > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
-    positions = (start + steps).clamp(0, rows - 1)
-    q_positions = positions[:, :q.shape[1]] if per_row else start.clamp(0, rows - 1).expand(b, q.shape[1])
+
+
+def _rotate(q, k, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
+    """(q, k) with the rotary embedding at their positions (flash_attn_with_kvcache's rule;
+    positions past the tables clamp to their last row), by PyTorch operations."""
+    from fa3gen.reference import rotary_at
+
+    b, n, seqlen_q, rows = q.shape[0], k.shape[1], q.shape[1], cos.shape[0]
+    start = _start_rows(cache_seqlens, b, q.device)
+    positions = (start + torch.arange(max(n, seqlen_q), device=q.device)).clamp(0, rows - 1)
+    q_positions = (positions[:, :seqlen_q] if per_row
+                   else start.clamp(0, rows - 1).expand(b, seqlen_q))
     return (rotary_at(q, cos, sin, q_positions, interleaved).to(q.dtype),
             rotary_at(k, cos, sin, positions[:, :n], interleaved).to(k.dtype))
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """A call's rotary embedding left to the append kernel: q rotated into q_out (contiguous,
+    the attention's q) and the new keys as they are written."""
+    q: torch.Tensor
+    q_out: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    per_row: bool
+
+
+def _fused_rotary(q, k, k_cache, cos) -> bool:
+    """Whether the append kernel rotates (FA3GEN_APPEND_KERNEL=1, on a GPU, a library with
+    fa3gen_kvcache_append_rotary): q, k and the cache of one 16-bit dtype, cos and sin fp32 /
+    bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to keep through the
+    rotation."""
+    if not (q.dtype == k.dtype == k_cache.dtype and q.numel() and k.numel()
+            and q.stride(-1) == 1 and str(cos.dtype).removeprefix("torch.") in contract.ROTARY_COS_TYPES):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False
+    try:
+        lib = _append_library(None, k)
+    except Fa3genError:
+        return False
+    return lib is not None and lib.has_append_rotary
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
@@ -570,24 +617,49 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
 
 
 def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table,
-            kv_fp8: bool, k_scale, v_scale, lib=None):
+            kv_fp8: bool, k_scale, v_scale, lib=None, rotary: Rotary | None = None):
     """k, v into the cache at each sequence's positions seqlens + i (an e4m3 cache: quantized
     with its factors), untracked as flash-attn's raw writes: k, v that require grad must not
     pull the cache into their autograd graph (it would grow every step, keeping activations
     alive). By lib's append kernel (one launch) when given and the layouts suit it
     (append_params), else with PyTorch indexing (_write_rows; what a compiled call traces).
-    No host sync either way."""
+    rotary (only with lib): the keys are rotated as they are written and q into rotary.q_out,
+    by the kernel or, where the layouts do not suit it, by PyTorch first. No host sync."""
     with torch.no_grad():
         if kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
         p = None if lib is None else append_params(geometry, k_cache, v_cache, k, v, seqlens,
                                                      cache_batch_idx, block_table)
+        if rotary is not None and p is None:
+            q, k = _rotate(rotary.q, k, seqlens, rotary.cos, rotary.sin, rotary.interleaved,
+                           rotary.per_row)
+            rotary.q_out.copy_(q)
+        elif rotary is not None:
+            r = rotary_params(rotary, p)
+            ops.on_current_stream(k.device, lambda stream: lib.kvcache_append_rotary(p, r, stream))
         if p is not None:
-            ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
+            if rotary is None:
+                ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
             for cache in (k_cache, v_cache):  # as an in-place PyTorch write: autograd sees it
                 torch.autograd.graph.increment_version(cache)
         else:
             _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+
+
+def rotary_params(rotary: Rotary, p: runtime.AppendParams) -> runtime.RotaryParams:
+    """The append kernel's rotary params (fa3gen_rotary_params) beside its append params p."""
+    r = runtime.RotaryParams()
+    q, cos, sin = rotary.q, rotary.cos, rotary.sin
+    r.q, r.q_out, r.cos, r.sin = q.data_ptr(), rotary.q_out.data_ptr(), cos.data_ptr(), sin.data_ptr()
+    r.q_batch_stride, r.q_row_stride, r.q_head_stride = q.stride()[:3]
+    r.cos_row_stride, r.cos_col_stride = cos.stride()
+    r.sin_row_stride, r.sin_col_stride = sin.stride()
+    r.seqlen_q, r.heads_q = q.shape[1], q.shape[2]
+    r.rotary_half, r.rows = cos.shape[1], cos.shape[0]
+    r.interleaved, r.q_per_row = rotary.interleaved, rotary.per_row
+    r.cos_type = contract.ROTARY_COS_TYPES[str(cos.dtype).removeprefix("torch.")]
+    r.fp16 = q.dtype == torch.float16
+    return r
 
 
 APPEND_KERNEL_ENV = "FA3GEN_APPEND_KERNEL"
@@ -698,7 +770,7 @@ def _no_attention(q, return_lse):
 
 
 def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx,
-         block_table, return_lse, k_scale=None, v_scale=None, lib=None):
+         block_table, return_lse, k_scale=None, v_scale=None, lib=None, rotary=None):
     """One call of a planned signature: the pointers, the outputs, the launch (on `lib`, the
     library the plan was keyed by; None: look it up)."""
     b, sq, hq, d = plan.out_shape
@@ -721,7 +793,8 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_check_scales(k_scale, v_scale)
     if plan.append:
         _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
-                batch_idx, block_table, plan.kv_fp8, k_scale, v_scale, _append_library(lib, k))
+                batch_idx, block_table, plan.kv_fp8, k_scale, v_scale,
+                _append_library(lib, k), rotary)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if no_query:  # the append was the whole call

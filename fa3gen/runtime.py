@@ -80,6 +80,10 @@ class AppendParams(ctypes.Structure):
     _fields_ = _ctypes_fields(contract.APPEND_PARAMS)
 
 
+class RotaryParams(ctypes.Structure):
+    _fields_ = _ctypes_fields(contract.ROTARY_PARAMS)
+
+
 _LAUNCH_FN_TYPES = {
     launcher.fn_type: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(PARAMS[d]), ctypes.c_void_p)
     for d, launcher in LAUNCHERS.items()
@@ -285,6 +289,11 @@ class Library:
         if self._append is not None:
             self._append.restype = ctypes.c_int
             self._append.argtypes = [ctypes.POINTER(AppendParams), ctypes.c_void_p]
+        self._append_rotary = getattr(dll, contract.APPEND_ROTARY_SYMBOL, None)  # the same
+        if self._append_rotary is not None:
+            self._append_rotary.restype = ctypes.c_int
+            self._append_rotary.argtypes = [ctypes.POINTER(AppendParams), ctypes.POINTER(RotaryParams),
+                                            ctypes.c_void_p]
 
         self.build_info = _parse_build_info(dll.fa3gen_build_info())
         self.decode_kernels = decode_pairs(self.build_info, self._decode is not None)
@@ -373,11 +382,25 @@ class Library:
                             "no KV-cache append kernel (built before it, or without decode "
                             "kernels)")
 
+    @property
+    def has_append_rotary(self) -> bool:
+        return self._append_rotary is not None
+
+    def kvcache_append_rotary(self, params: AppendParams, rotary: RotaryParams,
+                              stream_handle: int) -> None:
+        """The append with the rotary embedding of q and the new keys
+        (fa3gen_kvcache_append_rotary) on a CUDA stream."""
+        self._call_optional(self._append_rotary, (params, rotary), stream_handle,
+                            "KV-cache append with rotary", "no KV-cache append kernel with "
+                            "rotary (built before it, or without decode kernels)")
+
     def _call_optional(self, fn, params, stream_handle: int, what: str, missing: str) -> None:
-        """Call an optional entry point (None when the library lacks it); raise on failure."""
+        """Call an optional entry point (None when the library lacks it) with its params (a
+        struct, or a tuple of them); raise on failure."""
         if fn is None:
             raise Fa3genError(f"{self.path} has {missing}")
-        rc = fn(ctypes.byref(params), ctypes.c_void_p(stream_handle or None))
+        structs = params if isinstance(params, tuple) else (params,)
+        rc = fn(*(ctypes.byref(s) for s in structs), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
             raise Fa3genError(f"fa3gen {what} failed (code {rc}): {self.last_error()}")
 

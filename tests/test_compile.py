@@ -323,7 +323,38 @@ extern "C" int host_append(const fa3gen_append_params* p) {
   for (int64_t t = 0; t < 2 * fa3gen::append::tensor_chunks(*p); ++t) fa3gen::append::copy_chunk(*p, t);
   return 0;
 }
+// The same with the rotary embedding (fa3gen_kvcache_append_rotary's work).
+extern "C" int host_append_rotary(const fa3gen_append_params* p, const fa3gen_rotary_params* r) {
+  if (int rc = fa3gen::check_append(*p)) return rc;
+  if (int rc = fa3gen::check_rotary(*p, *r)) return rc;
+  const int64_t total = fa3gen::append::q_chunks(*p, *r) + 2 * fa3gen::append::tensor_chunks(*p);
+  for (int64_t t = 0; t < total; ++t) fa3gen::append::rotary_chunk(*p, *r, t);
+  return 0;
+}
+// Its conversions over arrays: 16-bit values to floats and floats to 16-bit (rounded).
+extern "C" void host_to_float(const uint16_t* in, float* out, int n, int fp16) {
+  for (int i = 0; i < n; ++i) out[i] = fa3gen::append::half_bits_to_float(in[i], fp16);
+}
+extern "C" void host_from_float(const float* in, uint16_t* out, int n, int fp16) {
+  for (int i = 0; i < n; ++i) out[i] = fa3gen::append::float_to_half_bits(in[i], fp16);
+}
 """
+
+
+def _host_append_library(tmp_path):
+    """APPEND_HOST compiled for the host (no fused multiply-adds: the kernel's device code
+    rounds each product and sum, as PyTorch does), or a skip without nvcc."""
+    import ctypes
+
+    try:
+        nvcc = find_nvcc()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    src, so = tmp_path / "append.cu", tmp_path / "libappend.so"
+    src.write_text(APPEND_HOST)
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC,-ffp-contract=off",
+                    f"-I{KERNELS_DIR}", str(src), "-o", str(so)], check=True, capture_output=True, text=True)
+    return ctypes.CDLL(str(so))
 
 
 def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
@@ -338,15 +369,7 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
 
     from fa3gen import kvcache
 
-    try:
-        nvcc = find_nvcc()
-    except ToolchainError as e:
-        pytest.skip(str(e))
-    src, so = tmp_path / "append.cu", tmp_path / "libappend.so"
-    src.write_text(APPEND_HOST)
-    subprocess.run([str(nvcc), "-std=c++17", "-O2", "-shared", "-Xcompiler", "-fPIC",
-                    f"-I{KERNELS_DIR}", str(src), "-o", str(so)], check=True, capture_output=True, text=True)
-    host_append = ctypes.CDLL(str(so)).host_append
+    host_append = _host_append_library(tmp_path).host_append
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
 
     def distinct_rows(rows: int, count: int) -> torch.Tensor:
@@ -397,4 +420,96 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
                 assert False, (case, dtype, paged, lengths, idx, table, geometry, (b, n, h, d), diff[:8])
         checked += 1
     assert checked == 300
+
+
+def test_the_rotary_append_writes_what_the_pytorch_path_writes(tmp_path):
+    """kvcache_append.cuh's rotary append (every work item, run on the host through
+    kvcache.append_params and rotary_params) against the PyTorch path (kvcache._rotate, then
+    _write_rows), byte for byte on random calls: bf16 / fp16 rows; cos and sin fp32 / bf16 /
+    fp16, strided; pairs interleaved or halves, rotary_dim from 2 to d (not a multiple of a
+    chunk too); q rotated per row or at the start; positions past the tables (clamped); new
+    rows past the capacity; q with strided heads."""
+    import ctypes
+    import random
+
+    import torch
+
+    from fa3gen import kvcache
+
+    host = _host_append_library(tmp_path).host_append_rotary
+    rng, g = random.Random(1), torch.Generator().manual_seed(1)
+    for case in range(200):
+        dtype = rng.choice([torch.bfloat16, torch.float16])
+        table_dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16])
+        b, n, sq, h, hq, d = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 2),
+                              rng.randint(1, 3), rng.choice([64, 128]))
+        half = rng.choice([1, 3, 8, 17, d // 4, d // 2])
+        rows = rng.randint(1, 24)
+        paged = rng.random() < 0.5
+        if paged:
+            page, width = rng.choice([1, 4]), rng.randint(1, 4)
+            pages = b * width
+            shape, capacity, idx = (pages, page, h, d), width * page, None
+            table = torch.randperm(pages, generator=g).to(torch.int32).view(b, width)
+        else:
+            capacity, page, table = rng.randint(1, 12), None, None
+            shape, idx = (b, capacity, h, d), None
+            page = capacity
+        lengths = (torch.randint(-2, capacity + 2, (b,), generator=g, dtype=torch.int32)
+                   if rng.random() < 0.6 else rng.randint(0, capacity))
+        angles = torch.randn(rows, 2 * half if rng.random() < 0.3 else half, generator=g)[:, :half]
+        cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
+        q = (torch.randn(b, sq, hq, 2 * d, generator=g) * 4).to(dtype)[..., :d]  # strided heads
+        new_k = (torch.randn(b, n, h, d, generator=g) * 4).to(dtype)
+        new_v = torch.randn(b, n, h, d, generator=g).to(dtype)
+        interleaved, per_row = rng.random() < 0.5, rng.random() < 0.5
+        caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]
+        geometry = (shape[0], page, capacity)
+
+        want_k, want_v = (c.clone() for c in caches)
+        q_want, k_rot = kvcache._rotate(q, new_k, lengths, cos, sin, interleaved, per_row)
+        kvcache._write_rows(geometry, want_k, want_v, k_rot, new_v, lengths, idx, table)
+
+        got_k, got_v = (c.clone() for c in caches)
+        q_got = torch.full(q.shape, float("nan"), dtype=dtype)
+        p = kvcache.append_params(geometry, got_k, got_v, new_k, new_v, lengths, idx, table)
+        r = kvcache.rotary_params(kvcache.Rotary(q, q_got, cos, sin, interleaved, per_row), p)
+        assert host(ctypes.byref(p), ctypes.byref(r)) == 0
+        for got, want in ((q_got, q_want), (got_k, want_k), (got_v, want_v)):
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                diff = (got.view(torch.int16) != want.view(torch.int16)).nonzero().tolist()
+                assert False, (case, dtype, table_dtype, half, interleaved, per_row, lengths, diff[:8])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_rotary_append_converts_as_pytorch_does(tmp_path, dtype):
+    """The rotary append's own 16-bit conversions against PyTorch's: every 16-bit value to
+    float, and back from floats at, between (ties to even) and next to every pair of
+    neighbouring 16-bit values, subnormals and overflow included (NaN: any NaN)."""
+    import ctypes
+
+    import torch
+
+    lib = _host_append_library(tmp_path)
+    fp16, tdtype = int(dtype == "float16"), getattr(torch, dtype)
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    values = bits.view(tdtype).float()
+    got = torch.empty(bits.numel(), dtype=torch.float32)
+    lib.host_to_float(ctypes.c_void_p(bits.data_ptr()), ctypes.c_void_p(got.data_ptr()), bits.numel(), fp16)
+    finite = ~values.isnan()
+    assert torch.equal(got[finite].view(torch.int32), values[finite].view(torch.int32))
+    assert got[~finite].isnan().all()
+
+    ordered = values[finite & ~values.isinf()].unique().double()  # ascending, +-0 as one
+    mids = (ordered[1:] + ordered[:-1]) / 2  # exact in fp32: the ties
+    mid32 = mids.float()
+    nudged = torch.cat([mid32, torch.nextafter(mid32, torch.tensor(float("inf"))),
+                        torch.nextafter(mid32, torch.tensor(float("-inf")))])
+    extremes = torch.tensor([65504.0, 65519.99, 65520.0, 1e5, 3.4e38, float("inf"), 2.0 ** -25,
+                             2.0 ** -24 * 0.49, 1e-30, 0.0, -0.0])
+    floats = torch.cat([ordered.float(), nudged, extremes, -extremes, torch.randn(100000) * 1e3])
+    got16 = torch.empty(floats.numel(), dtype=torch.int16)
+    lib.host_from_float(ctypes.c_void_p(floats.data_ptr()), ctypes.c_void_p(got16.data_ptr()),
+                        floats.numel(), fp16)
+    assert torch.equal(got16, floats.to(tdtype).view(torch.int16))
 

@@ -58,6 +58,7 @@ def test_abi_version_matches_header():
     ("fa3gen_quantize_params", contract.QUANTIZE_PARAMS),
     ("fa3gen_decode_params", contract.DECODE_PARAMS),
     ("fa3gen_append_params", contract.APPEND_PARAMS),
+    ("fa3gen_rotary_params", contract.ROTARY_PARAMS),
 ])
 def test_struct_fields_match_header(struct, fields):
     """Every field, in order, with its C type: adding one on a single side fails here."""

@@ -1477,14 +1477,17 @@ def test_everything_after_v_is_keyword_only(launched):
 
 
 class _AppendRecorder:
-    """A library with the append kernel that records its params (and writes nothing)."""
-    has_append_kernel = True
+    """A library with the append kernels that records their params (and writes nothing)."""
+    has_append_kernel = has_append_rotary = True
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.rotary_calls = [], []
 
     def kvcache_append(self, params, stream):
         self.calls.append(params)
+
+    def kvcache_append_rotary(self, params, rotary, stream):
+        self.rotary_calls.append((params, rotary))
 
 
 def test_append_kernel_only_when_asked_on_a_gpu_with_a_library_that_has_it(monkeypatch):
@@ -1558,3 +1561,91 @@ def test_append_templates_tell_layouts_apart():
                        "block_table_batch_stride": tab.stride(0) if tab is not None else 0}
             assert getattr(p, field) == strides[field]
     assert kvcache.append_params((4, 16, 16), kc, kc, kn, kn, L, None, None) is None
+
+
+def _rotary_call(lib, monkeypatch, **kw):
+    """A decode call with rotary through lib (as the append kernel's library): (q, k, caches,
+    tables, lengths, kwargs)."""
+    monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 8, 256, generator=g).to(BF)[..., :128]
+    k, v = (torch.randn(2, 2, 2, 128, generator=g).to(BF) for _ in range(2))
+    kc, vc = (torch.zeros(2, 64, 2, 128, dtype=BF) for _ in range(2))
+    theta = torch.rand(64, 32, generator=g)
+    cos, sin = theta.cos(), theta.sin()
+    lengths = torch.tensor([5, 60], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, rotary_cos=cos,
+                                    rotary_sin=sin, **kw)
+    return q, k, v, kc, vc, cos, sin, lengths
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary_with_the_append_kernel_is_one_launch(launched, monkeypatch, causal):
+    """With the rotary append kernel, the rotation of q and the new keys goes to it: q's and the
+    keys' own pointers (unrotated), the tables and flags as the call gave them, and the
+    attention reads the kernel's q_out; PyTorch writes nothing."""
+    lib = _AppendRecorder()
+    q, k, v, kc, vc, cos, sin, lengths = _rotary_call(lib, monkeypatch, causal=causal,
+                                                      rotary_interleaved=False)
+    assert lib.calls == [] and len(lib.rotary_calls) == 1
+    p, r = lib.rotary_calls[0]
+    assert (p.k_new, p.v_new, p.cache_seqlens) == (k.data_ptr(), v.data_ptr(), lengths.data_ptr())
+    assert (r.q, r.cos, r.sin) == (q.data_ptr(), cos.data_ptr(), sin.data_ptr())
+    assert (r.q_batch_stride, r.q_row_stride, r.q_head_stride) == q.stride()[:3]
+    assert (r.cos_row_stride, r.cos_col_stride, r.sin_row_stride, r.sin_col_stride) == (32, 1, 32, 1)
+    assert (r.seqlen_q, r.heads_q, r.rotary_half, r.rows) == (1, 8, 32, 64)
+    assert (r.interleaved, r.q_per_row, r.cos_type, r.fp16) == (0, int(causal), 0, 0)
+    assert launched[-1].q == r.q_out != q.data_ptr()
+    assert not kc.any() and not vc.any()
+
+
+def test_rotary_with_the_append_kernel_falls_back_where_layouts_do_not_suit_it(launched, monkeypatch):
+    """New keys the kernel cannot take (a head dim stride of 2): PyTorch rotates q into the
+    buffer the attention reads and writes the rotated keys, as without the kernel."""
+    from fa3gen.reference import rotary_at
+
+    lib = _AppendRecorder()
+    monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    read = []
+    run = kvcache._run
+    monkeypatch.setattr(kvcache, "_run", lambda plan, q, *a: (read.append(q), run(plan, q, *a))[1])
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 1, 8, 128, generator=g).to(BF)
+    k = torch.randn(2, 1, 2, 256, generator=g).to(BF)[..., ::2]
+    kc, vc = (torch.zeros(2, 64, 2, 128, dtype=BF) for _ in range(2))
+    theta = torch.rand(64, 64, generator=g)
+    lengths = torch.tensor([5, 60], dtype=torch.int32)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lengths, rotary_cos=theta.cos(),
+                                    rotary_sin=theta.sin(), causal=True)
+    assert lib.calls == [] and lib.rotary_calls == []
+    pos = lengths.long()[:, None]
+    k_rot = rotary_at(k, theta.cos(), theta.sin(), pos, True).to(BF)
+    assert torch.equal(kc[0, 5], k_rot[0, 0]) and torch.equal(kc[1, 60], k_rot[1, 0])
+    (q_read,) = read
+    assert torch.equal(q_read, rotary_at(q, theta.cos(), theta.sin(), pos, True).to(BF))
+    assert launched[-1].q == q_read.data_ptr()
+
+
+def test_rotary_stays_with_pytorch_where_the_kernel_does_not_apply(launched, monkeypatch):
+    """No rotary kernel call for an e4m3 cache, fp64 tables, q that needs a gradient, or a
+    library without the kernel: PyTorch rotates as before."""
+    lib = _AppendRecorder()
+    for case in ("fp8", "fp64", "grad", "old library"):
+        q, cache_dtype, cos_dtype = torch.randn(1, 1, 8, 128).to(BF), BF, torch.float32
+        if case == "fp8":
+            cache_dtype = FP8
+        elif case == "fp64":
+            cos_dtype = torch.float64
+        elif case == "grad":
+            q.requires_grad_()
+        lib.has_append_rotary = case != "old library"
+        kc = torch.zeros(1, 64, 2, 128).to(cache_dtype)
+        k = torch.randn(1, 1, 2, 128).to(BF)
+        theta = torch.rand(64, 64, dtype=cos_dtype)
+        monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
+        assert not kvcache._fused_rotary(q, k, kc, theta)
+    lib.has_append_rotary = True
+    assert kvcache._fused_rotary(q.detach(), k, torch.zeros(1, 64, 2, 128, dtype=BF), theta.float())
+

@@ -247,6 +247,27 @@ typedef struct fa3gen_append_params {
   int32_t cache_rows;  // pages (paged) or cache batch rows: indices are clamped into range
 } fa3gen_append_params;
 
+// The rotary embedding of flash_attn_with_kvcache (rotary_cos, rotary_sin) applied as the append
+// copies (fa3gen_kvcache_append_rotary, beside fa3gen_append_params): new key row i of sequence
+// b is rotated at position start_b + i, query row i at start_b + i (q_per_row) or start_b, each
+// clamped into the table's rows, and q is written rotated to q_out (contiguous, q's shape).
+// Pairs (e, e + 1) for even e (interleaved) or (e, e + rotary_half) for e < rotary_half, as
+// fa3gen.reference.rotary_at computes them: fp32 products and sums each rounded, one rounding to
+// the 16-bit dtype. cos and sin: (rows, rotary_half), strides in elements; cos_type 0 fp32,
+// 1 bf16, 2 fp16. q, k_new and the caches are 16-bit (fp16 1: __half, else bf16).
+typedef struct fa3gen_rotary_params {
+  const void* q;
+  void* q_out;
+  const void* cos;
+  const void* sin;
+  int64_t q_batch_stride, q_row_stride, q_head_stride;
+  int64_t cos_row_stride, cos_col_stride, sin_row_stride, sin_col_stride;
+  int32_t seqlen_q, heads_q;
+  int32_t rotary_half;  // rotary_dim / 2: the pairs rotated; the rest is copied
+  int32_t rows;         // cos and sin rows (positions)
+  int32_t interleaved, q_per_row, cos_type, fp16;
+} fa3gen_rotary_params;
+
 // Returns 0 on success; otherwise nonzero and fa3gen_last_error() says why.
 typedef int (*fa3gen_quantize_fn)(const fa3gen_quantize_params* params, void* cuda_stream);
 typedef int (*fa3gen_fwd_launch_fn)(const fa3gen_fwd_params* params, void* cuda_stream);
@@ -283,6 +304,9 @@ FA3GEN_API int fa3gen_quantize_fp8(const fa3gen_quantize_params* params, void* c
 FA3GEN_API int fa3gen_decode_fwd(const fa3gen_decode_params* params, void* cuda_stream);
 // Beside it (libraries built before it lack the symbol: look it up as an optional one).
 FA3GEN_API int fa3gen_kvcache_append(const fa3gen_append_params* params, void* cuda_stream);
+// With the rotary embedding (look it up as an optional symbol too).
+FA3GEN_API int fa3gen_kvcache_append_rotary(const fa3gen_append_params* params,
+                                             const fa3gen_rotary_params* rotary, void* cuda_stream);
 
 #ifdef __cplusplus
 }

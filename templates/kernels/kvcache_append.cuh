@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include "fa3gen_abi.h"
 #include "launch_common.cuh"
 
@@ -16,13 +17,18 @@ namespace append {
 constexpr int kChunkBytes = 16;
 constexpr int kThreads = 256;
 
+// A sequence's first new position (cache_seqlens[b] or seqlen; negative values read as 0).
+__host__ __device__ inline int64_t start_position(const fa3gen_append_params& p, int b) {
+  const int64_t seqlen = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen;
+  return seqlen > 0 ? seqlen : 0;
+}
+
 // The element offset in k_cache (v: v_cache) of new row i of sequence b, kv head h, or -1 when
 // its position is at or past the capacity. Host and device: tests/test_compile.py checks it on
 // the CPU against the PyTorch path's positions.
 __host__ __device__ inline int64_t cache_offset(const fa3gen_append_params& p, int b, int i, int h,
                                                 bool v) {
-  const int64_t seqlen = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.seqlen;
-  const int64_t pos = (seqlen > 0 ? seqlen : 0) + i;
+  const int64_t pos = start_position(p, b) + i;
   if (pos >= p.capacity) return -1;
   const int64_t batch_stride = v ? p.v_batch_stride : p.k_batch_stride;
   const int64_t row_stride = v ? p.v_row_stride : p.k_row_stride;
@@ -47,33 +53,199 @@ __host__ __device__ inline int64_t tensor_chunks(const fa3gen_append_params& p) 
   return int64_t(p.batch) * p.seqlen_new * p.heads_kv * row_chunks(p);
 }
 
-// Chunk t of k_new (t < tensor_chunks) or of v_new (the rest) copied to its cache row, if the
-// row is within the capacity. Host and device (the CPU test runs every t on host memory).
-__host__ __device__ inline void copy_chunk(const fa3gen_append_params& p, int64_t t) {
+// Where chunk t of k_new (t < tensor_chunks) or of v_new (the rest) lies: the new row's element
+// offset (src), its cache row's (dst, -1 when past the capacity), the chunk in the row, and the
+// row's sequence and index there.
+struct ChunkPlace {
+  bool v;
+  int b, i, chunk;
+  int64_t src, dst;
+};
+
+__host__ __device__ inline ChunkPlace place_chunk(const fa3gen_append_params& p, int64_t t) {
+  ChunkPlace c;
   const int chunks = row_chunks(p);
   const int64_t per_tensor = tensor_chunks(p);
-  const bool v = t >= per_tensor;
-  int64_t r = v ? t - per_tensor : t;
-  const int chunk = int(r % chunks);
+  c.v = t >= per_tensor;
+  int64_t r = c.v ? t - per_tensor : t;
+  c.chunk = int(r % chunks);
   r /= chunks;
   const int h = int(r % p.heads_kv);
   r /= p.heads_kv;
-  const int i = int(r % p.seqlen_new);
-  const int b = int(r / p.seqlen_new);
-  const int64_t dst = cache_offset(p, b, i, h, v);
-  if (dst < 0) return;
-  const int64_t src = int64_t(b) * (v ? p.v_new_batch_stride : p.k_new_batch_stride) +
-                      int64_t(i) * (v ? p.v_new_row_stride : p.k_new_row_stride) +
-                      int64_t(h) * (v ? p.v_new_head_stride : p.k_new_head_stride);
-  const char* from = static_cast<const char*>(v ? p.v_new : p.k_new) + src * p.element_bytes;
-  char* to = static_cast<char*>(v ? p.v_cache : p.k_cache) + dst * p.element_bytes;
-  reinterpret_cast<uint4*>(to)[chunk] = reinterpret_cast<const uint4*>(from)[chunk];
+  c.i = int(r % p.seqlen_new);
+  c.b = int(r / p.seqlen_new);
+  c.dst = cache_offset(p, c.b, c.i, h, c.v);
+  c.src = int64_t(c.b) * (c.v ? p.v_new_batch_stride : p.k_new_batch_stride) +
+          int64_t(c.i) * (c.v ? p.v_new_row_stride : p.k_new_row_stride) +
+          int64_t(h) * (c.v ? p.v_new_head_stride : p.k_new_head_stride);
+  return c;
+}
+
+// Chunk t of k_new or v_new copied to its cache row, if the row is within the capacity. Host
+// and device (the CPU test runs every t on host memory).
+__host__ __device__ inline void copy_chunk(const fa3gen_append_params& p, int64_t t) {
+  const ChunkPlace c = place_chunk(p, t);
+  if (c.dst < 0) return;
+  const char* from = static_cast<const char*>(c.v ? p.v_new : p.k_new) + c.src * p.element_bytes;
+  char* to = static_cast<char*>(c.v ? p.v_cache : p.k_cache) + c.dst * p.element_bytes;
+  reinterpret_cast<uint4*>(to)[c.chunk] = reinterpret_cast<const uint4*>(from)[c.chunk];
+}
+
+// --- The rotary embedding (fa3gen_rotary_params) -------------------------------------------
+// fp32 arithmetic rounded at every step, as PyTorch's separate elementwise operations round it
+// (no fused multiply-add on the device; the host build of the CPU test has none either).
+__host__ __device__ inline float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+__host__ __device__ inline float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+__host__ __device__ inline float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+
+__host__ __device__ inline float bits_to_float(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+__host__ __device__ inline uint32_t float_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+
+// A 16-bit value's float (bf16: the upper half of an fp32; fp16 by its fields).
+__host__ __device__ inline float half_bits_to_float(uint16_t h, bool fp16) {
+  if (!fp16) return bits_to_float(uint32_t(h) << 16);
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  int exp = (h >> 10) & 0x1f;
+  uint32_t man = h & 0x3ff;
+  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {
+    if (man == 0) return bits_to_float(sign);
+    exp = 1;  // subnormal: normalize
+    while (!(man & 0x400)) { man <<= 1; --exp; }
+    man &= 0x3ff;
+  }
+  return bits_to_float(sign | uint32_t(exp + 112) << 23 | man << 13);
+}
+
+// f rounded to nearest even into bf16 or fp16 bits (PyTorch's .to(dtype); NaN: a quiet NaN).
+__host__ __device__ inline uint16_t float_to_half_bits(float f, bool fp16) {
+  const uint32_t u = float_bits(f);
+  if (!fp16) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+  }
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00);          // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);         // rounds to infinity (>= 65520)
+  if (a >= 0x38800000u) {                                        // normal fp16 (>= 2^-14)
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1);
+    return uint16_t(sign | ((r - 0x38000000u) >> 13));
+  }
+  if (a < 0x33000000u) return sign;                              // below half the least subnormal
+  const int e = int(a >> 23);                                    // subnormal fp16: 2^-24 units
+  const uint32_t man = (a & 0x7fffffu) | 0x800000u;
+  const int shift = 126 - e;                                     // 14..24 (value = man * 2^(e-150))
+  const uint32_t q = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return uint16_t(sign | (q + (rem > half || (rem == half && (q & 1)))));
+}
+
+__host__ __device__ inline float table_at(const void* table, int64_t row_stride, int64_t col_stride,
+                                          int64_t row, int col, int type) {
+  const int64_t at = row * row_stride + int64_t(col) * col_stride;
+  if (type == 0) return static_cast<const float*>(table)[at];
+  return half_bits_to_float(static_cast<const uint16_t*>(table)[at], type == 2);
+}
+
+// Chunk `chunk` (8 values) of a 16-bit row rotated at `position` (clamped to the table's rows).
+__host__ __device__ inline uint4 rotate_chunk(const fa3gen_rotary_params& r, const uint16_t* row,
+                                              int chunk, int64_t position) {
+  const bool fp16 = r.fp16 != 0;
+  const int64_t at = position < 0 ? 0 : (position >= r.rows ? r.rows - 1 : position);
+  const int half = r.rotary_half;
+  uint16_t out[8];
+  for (int j = 0; j < 8; ++j) {
+    const int e = chunk * 8 + j;
+    if (e >= 2 * half) {
+      out[j] = row[e];
+      continue;
+    }
+    // x1 is the pair's first value, x2 its second; e is one of them.
+    const bool first = r.interleaved ? (e % 2 == 0) : e < half;
+    const int pair = r.interleaved ? e / 2 : (first ? e : e - half);
+    const int partner = r.interleaved ? (e ^ 1) : (first ? e + half : e - half);
+    const float x1 = half_bits_to_float(row[first ? e : partner], fp16);
+    const float x2 = half_bits_to_float(row[first ? partner : e], fp16);
+    const float c = table_at(r.cos, r.cos_row_stride, r.cos_col_stride, at, pair, r.cos_type);
+    const float s = table_at(r.sin, r.sin_row_stride, r.sin_col_stride, at, pair, r.cos_type);
+    const float o = first ? sub_rn(mul_rn(x1, c), mul_rn(x2, s)) : add_rn(mul_rn(x1, s), mul_rn(x2, c));
+    out[j] = float_to_half_bits(o, fp16);
+  }
+  uint4 packed;
+  memcpy(&packed, out, 16);
+  return packed;
+}
+
+__host__ __device__ inline int64_t q_chunks(const fa3gen_append_params& p, const fa3gen_rotary_params& r) {
+  return int64_t(p.batch) * r.seqlen_q * r.heads_q * row_chunks(p);
+}
+
+// Work item t of the rotary append: the q chunks first (rotated into q_out), then k_new's
+// (rotated into the cache), then v_new's (copied). Host and device, as copy_chunk.
+__host__ __device__ inline void rotary_chunk(const fa3gen_append_params& p, const fa3gen_rotary_params& r,
+                                             int64_t t) {
+  const int chunks = row_chunks(p);
+  const int64_t in_q = q_chunks(p, r);
+  if (t >= in_q) {
+    t -= in_q;
+    const ChunkPlace c = place_chunk(p, t);
+    if (c.v) return copy_chunk(p, t);
+    if (c.dst < 0) return;
+    const uint16_t* from = static_cast<const uint16_t*>(p.k_new) + c.src;
+    uint16_t* to = static_cast<uint16_t*>(p.k_cache) + c.dst;
+    reinterpret_cast<uint4*>(to)[c.chunk] = rotate_chunk(r, from, c.chunk, start_position(p, c.b) + c.i);
+    return;
+  }
+  const int chunk = int(t % chunks);
+  int64_t row = t / chunks;  // (b, i, h) of q, in order: q_out's contiguous row
+  const int h = int(row % r.heads_q);
+  const int i = int(row / r.heads_q % r.seqlen_q);
+  const int b = int(row / r.heads_q / r.seqlen_q);
+  const uint16_t* from = static_cast<const uint16_t*>(r.q) + int64_t(b) * r.q_batch_stride +
+                         int64_t(i) * r.q_row_stride + int64_t(h) * r.q_head_stride;
+  uint16_t* to = static_cast<uint16_t*>(r.q_out) + row * p.head_dim;
+  reinterpret_cast<uint4*>(to)[chunk] =
+      rotate_chunk(r, from, chunk, start_position(p, b) + (r.q_per_row ? i : 0));
 }
 
 __global__ void __launch_bounds__(kThreads) append_kernel(const fa3gen_append_params p) {
   const int64_t total = 2 * tensor_chunks(p);
   for (int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x; t < total; t += int64_t(gridDim.x) * kThreads) {
     copy_chunk(p, t);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) append_rotary_kernel(const fa3gen_append_params p,
+                                                                 const fa3gen_rotary_params r) {
+  const int64_t total = q_chunks(p, r) + 2 * tensor_chunks(p);
+  for (int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x; t < total; t += int64_t(gridDim.x) * kThreads) {
+    rotary_chunk(p, r, t);
   }
 }
 
@@ -100,12 +272,37 @@ inline int check_append(const fa3gen_append_params& p) {
   return 0;
 }
 
-// One launch on `stream`: a grid-stride loop over every 16-byte chunk of k_new and v_new.
-inline int launch_append(const fa3gen_append_params& p, cudaStream_t stream) {
+// The rotary params beside append ones: 16-bit rows, a table of positions and pairs.
+inline int check_rotary(const fa3gen_append_params& p, const fa3gen_rotary_params& r) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % append::kChunkBytes == 0; };
+  const bool ok = p.element_bytes == 2 && r.seqlen_q >= 0 && r.heads_q >= 0 && r.rows >= 1 &&
+                  r.rotary_half >= 1 && 2 * r.rotary_half <= p.head_dim && r.cos_type >= 0 &&
+                  r.cos_type <= 2 && r.q != nullptr && r.cos != nullptr && r.sin != nullptr &&
+                  aligned(r.q_out);
+  if (!ok) {
+    fa3gen_set_error("kvcache append with rotary: invalid params (16-bit rows, seqlen_q and heads_q "
+                     ">= 0, rows >= 1, 1 <= rotary_half <= head_dim / 2, cos_type 0-2, q_out "
+                     "16-byte aligned)");
+    return 1;
+  }
+  return 0;
+}
+
+// One launch on `stream`: a grid-stride loop over every 16-byte chunk of k_new and v_new (and of
+// q, with the rotary embedding: rotary non-null).
+inline int launch_append(const fa3gen_append_params& p, cudaStream_t stream,
+                         const fa3gen_rotary_params* rotary = nullptr) {
   if (int rc = check_append(p)) return rc;
-  const int64_t chunks = 2 * append::tensor_chunks(p);
+  if (rotary != nullptr) {
+    if (int rc = check_rotary(p, *rotary)) return rc;
+  }
+  const int64_t chunks = 2 * append::tensor_chunks(p) + (rotary ? append::q_chunks(p, *rotary) : 0);
   const int blocks = int(std::min<int64_t>((chunks + append::kThreads - 1) / append::kThreads, 4096));
-  append::append_kernel<<<blocks, append::kThreads, 0, stream>>>(p);
+  if (rotary != nullptr) {
+    append::append_rotary_kernel<<<blocks, append::kThreads, 0, stream>>>(p, *rotary);
+  } else {
+    append::append_kernel<<<blocks, append::kThreads, 0, stream>>>(p);
+  }
   const cudaError_t err = cudaGetLastError();
   return err == cudaSuccess ? 0 : report("kvcache append launch", err);
 }

@@ -2,7 +2,7 @@
 kernel (FA3GEN_APPEND_KERNEL=1) against the PyTorch operations, per call: host time (eager
 calls back to back, perf_counter, median of rounds) and GPU time (CUDA graph replay), for a
 few batch sizes over a contiguous and a paged bf16 cache (8 kv heads, 32 query heads, d128,
-4k keys a sequence).
+4k keys a sequence), without and with the rotary embedding (rotary_dim d, fp32 tables).
 
     python3 tests/gpu/bench_append.py [--json out.json]
 
@@ -55,18 +55,21 @@ def main() -> None:
             else:
                 shape = (batch, keys, hkv, d)
             kc, vc = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            step = lambda: kvcache.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lengths,
-                                                           causal=True, **extra)
-            row = {"batch": batch, "paged": paged}
-            for name, env in (("torch", "0"), ("kernel", "1")):
-                os.environ[kvcache.APPEND_KERNEL_ENV] = env
-                row[f"{name}_host_us"] = round(per_call_us(step, 300, 7), 1)
-                row[f"{name}_gpu_us"] = round(gpu_us(step), 2)
-            print(row, flush=True)
-            rows.append(row)
+            cos, sin = (f(torch.rand(keys, d // 2, device="cuda")) for f in (torch.cos, torch.sin))
+            for rotary in (False, True):
+                kw = {"rotary_cos": cos, "rotary_sin": sin} if rotary else {}
+                step = lambda: kvcache.flash_attn_with_kvcache(
+                    q, kc, vc, k, k, cache_seqlens=lengths, causal=True, **extra, **kw)
+                row = {"batch": batch, "paged": paged, "rotary": rotary}
+                for name, env in (("torch", "0"), ("kernel", "1")):
+                    os.environ[kvcache.APPEND_KERNEL_ENV] = env
+                    row[f"{name}_host_us"] = round(per_call_us(step, 300, 7), 1)
+                    row[f"{name}_gpu_us"] = round(gpu_us(step), 2)
+                print(row, flush=True)
+                rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"what": "decode step with append, bf16 d128, 32/8 heads, 4k keys", "gpu":
+            json.dump({"what": "decode step with append (and rotary), bf16 d128, 32/8 heads, 4k keys", "gpu":
                        torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
 
 

@@ -547,3 +547,50 @@ def test_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, cache_dtype,
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert torch.equal(o0, o1)
     assert torch.equal(v1[:, :, 0], poison[:, :, 0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("table", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rotary_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, dtype, causal, layout,
+                                                         interleaved, table):
+    """FA3GEN_APPEND_KERNEL=1 with rotary_cos/rotary_sin (fa3gen_kvcache_append_rotary: q and the
+    new keys rotated by the append kernel) against the PyTorch path: the same cache bytes and
+    the same output, bit for bit. rotary_dim 40 (not a multiple of a 16-byte chunk), q with
+    strided heads, positions past the tables (clamped), new rows past the capacity; the kernel
+    path must have run."""
+    if not lib.has_append_rotary:
+        pytest.skip("the library has no rotary append kernel (built before it)")
+    b, sq, hq, hkv, d, new, cap = 4, 2, 8, 2, 128, 3, 48
+    g = torch.Generator(device="cuda").manual_seed(12)
+    q = (torch.randn(b, sq, hq, 2 * d, device="cuda", generator=g) * 3).to(dtype)[..., :d]
+    k, v = ((torch.randn(b, new, hkv, d, device="cuda", generator=g) * 3).to(dtype) for _ in range(2))
+    seqlens = torch.tensor([0, -3, 46, 20], dtype=torch.int32, device="cuda")
+    theta = torch.rand(40, 20, device="cuda", generator=g) * 6.3  # 40 positions: 46 + i clamps
+    cos, sin = theta.cos().to(table), theta.sin().to(table)
+    extra = {}
+    if layout == "paged16":
+        extra["block_table"] = torch.randperm(b * cap // 16, device="cuda", generator=g).to(
+            torch.int32).view(b, -1)
+        shape = (b * cap // 16, 16, hkv, d)
+    else:
+        shape = (b, cap, hkv, d)
+    poison = torch.randn((2,) + shape, device="cuda", generator=g).to(dtype)
+    calls = []
+    real = lib.kvcache_append_rotary
+    monkeypatch.setattr(lib, "kvcache_append_rotary", lambda *a: (calls.append(1), real(*a)))
+    results = {}
+    for kernel in ("0", "1"):
+        monkeypatch.setenv("FA3GEN_APPEND_KERNEL", kernel)
+        kc, vc = poison[0].clone(), poison[1].clone()
+        out, lse = kvcache.flash_attn_with_kvcache(
+            q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal, return_lse=True,
+            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, **extra)
+        torch.cuda.synchronize()
+        results[kernel] = (kc, vc, out, lse)
+    assert len(calls) == 1
+    for want, got in zip(results["0"], results["1"]):
+        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+
