@@ -354,6 +354,11 @@ def _rotate(q, k, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
             rotary_at(k, cos, sin, positions[:, :n], interleaved).to(k.dtype))
 
 
+def _table_type(cos) -> int | None:
+    """fa3gen_rotary_params.cos_type of a rotary table's dtype (None: the kernel takes none)."""
+    return contract.ROTARY_COS_TYPES.get(str(cos.dtype).removeprefix("torch."))
+
+
 @dataclass(frozen=True)
 class Rotary:
     """A call's rotary embedding left to the append kernel: q rotated into q_out (contiguous,
@@ -372,7 +377,7 @@ def _fused_rotary(q, k, k_cache, cos) -> bool:
     bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to keep through the
     rotation."""
     if not (q.dtype == k.dtype == k_cache.dtype and q.numel() and k.numel()
-            and q.stride(-1) == 1 and str(cos.dtype).removeprefix("torch.") in contract.ROTARY_COS_TYPES):
+            and q.stride(-1) == 1 and _table_type(cos) is not None):
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return False
@@ -657,7 +662,7 @@ def rotary_params(rotary: Rotary, p: runtime.AppendParams) -> runtime.RotaryPara
     r.seqlen_q, r.heads_q = q.shape[1], q.shape[2]
     r.rotary_half, r.rows = cos.shape[1], cos.shape[0]
     r.interleaved, r.q_per_row = rotary.interleaved, rotary.per_row
-    r.cos_type = contract.ROTARY_COS_TYPES[str(cos.dtype).removeprefix("torch.")]
+    r.cos_type = _table_type(cos)
     r.fp16 = q.dtype == torch.float16
     return r
 
