@@ -141,7 +141,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if rotary_cos is not None or rotary_sin is not None:
         per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
         _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)
-        if not captured and _fused_rotary(q, k, k_cache, rotary_cos):
+        if not captured and _fused_rotary(q, k, k_cache, rotary_cos, rotary_sin):
             rotary = Rotary(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), rotary_cos,
                             rotary_sin, bool(rotary_interleaved), per_row)
             q = rotary.q_out  # written by the append, before the attention reads it
@@ -371,7 +371,7 @@ class Rotary:
     per_row: bool
 
 
-def _fused_rotary(q, k, k_cache, cos) -> bool:
+def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
     """Whether the append kernel rotates (FA3GEN_APPEND_KERNEL=1, on a GPU, a library with
     fa3gen_kvcache_append_rotary): q, k and the cache of one 16-bit dtype, cos and sin fp32 /
     bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to keep through the
@@ -379,7 +379,7 @@ def _fused_rotary(q, k, k_cache, cos) -> bool:
     if not (q.dtype == k.dtype == k_cache.dtype and q.numel() and k.numel()
             and q.stride(-1) == 1 and _table_type(cos) is not None):
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
         return False
     try:
         lib = _append_library(None, k)

@@ -425,10 +425,11 @@ def test_the_append_kernel_writes_what_the_pytorch_path_writes(tmp_path):
 def test_the_rotary_append_writes_what_the_pytorch_path_writes(tmp_path):
     """kvcache_append.cuh's rotary append (every work item, run on the host through
     kvcache.append_params and rotary_params) against the PyTorch path (kvcache._rotate, then
-    _write_rows), byte for byte on random calls: bf16 / fp16 rows; cos and sin fp32 / bf16 /
-    fp16, strided; pairs interleaved or halves, rotary_dim from 2 to d (not a multiple of a
-    chunk too); q rotated per row or at the start; positions past the tables (clamped); new
-    rows past the capacity; q with strided heads."""
+    _write_rows), byte for byte on random calls: bf16 / fp16 rows, some subnormal; cos and sin
+    fp32 / bf16 / fp16, strided; pairs interleaved or halves, rotary_dim from 2 to d (not a
+    multiple of a chunk too); q rotated per row or at the start; positions past the tables
+    (clamped); new rows past the capacity; q with strided heads; cache_batch_idx. (The device's
+    rounding, no FMA and no flush to zero, is the GPU test's to check.)"""
     import ctypes
     import random
 
@@ -452,15 +453,21 @@ def test_the_rotary_append_writes_what_the_pytorch_path_writes(tmp_path):
             shape, capacity, idx = (pages, page, h, d), width * page, None
             table = torch.randperm(pages, generator=g).to(torch.int32).view(b, width)
         else:
-            capacity, page, table = rng.randint(1, 12), None, None
-            shape, idx = (b, capacity, h, d), None
-            page = capacity
+            capacity, table = rng.randint(1, 12), None
+            shape, page = (b + rng.randint(0, 2), capacity, h, d), capacity
+            idx = torch.randperm(shape[0], generator=g)[:b].to(torch.int32) if rng.random() < 0.5 else None
         lengths = (torch.randint(-2, capacity + 2, (b,), generator=g, dtype=torch.int32)
                    if rng.random() < 0.6 else rng.randint(0, capacity))
-        angles = torch.randn(rows, 2 * half if rng.random() < 0.3 else half, generator=g)[:, :half]
+        angles = torch.randn(rows, 2 * half, generator=g)
+        angles = angles[:, ::2] if rng.random() < 0.3 else angles[:, :half]  # column stride 2 or 1
         cos, sin = angles.cos().to(table_dtype), angles.sin().to(table_dtype)
-        q = (torch.randn(b, sq, hq, 2 * d, generator=g) * 4).to(dtype)[..., :d]  # strided heads
-        new_k = (torch.randn(b, n, h, d, generator=g) * 4).to(dtype)
+        tiny = 1e-39 if dtype == torch.bfloat16 else 1e-6  # subnormal inputs and products
+
+        def values(*shape):
+            x = torch.randn(*shape, generator=g) * 4
+            return torch.where(torch.rand(*shape, generator=g) < 0.2, x * tiny, x).to(dtype)
+        q = values(b, sq, hq, 2 * d)[..., :d]  # strided heads
+        new_k = values(b, n, h, d)
         new_v = torch.randn(b, n, h, d, generator=g).to(dtype)
         interleaved, per_row = rng.random() < 0.5, rng.random() < 0.5
         caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(2)]

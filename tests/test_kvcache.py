@@ -1629,10 +1629,10 @@ def test_rotary_with_the_append_kernel_falls_back_where_layouts_do_not_suit_it(l
 
 
 def test_rotary_stays_with_pytorch_where_the_kernel_does_not_apply(launched, monkeypatch):
-    """No rotary kernel call for an e4m3 cache, fp64 tables, q that needs a gradient, or a
-    library without the kernel: PyTorch rotates as before."""
+    """No rotary kernel call for an e4m3 cache, fp64 tables, q or a table that needs a
+    gradient, or a library without the kernel: PyTorch rotates as before."""
     lib = _AppendRecorder()
-    for case in ("fp8", "fp64", "grad", "old library"):
+    for case in ("fp8", "fp64", "grad", "table grad", "old library"):
         q, cache_dtype, cos_dtype = torch.randn(1, 1, 8, 128).to(BF), BF, torch.float32
         if case == "fp8":
             cache_dtype = FP8
@@ -1643,9 +1643,12 @@ def test_rotary_stays_with_pytorch_where_the_kernel_does_not_apply(launched, mon
         lib.has_append_rotary = case != "old library"
         kc = torch.zeros(1, 64, 2, 128).to(cache_dtype)
         k = torch.randn(1, 1, 2, 128).to(BF)
-        theta = torch.rand(64, 64, dtype=cos_dtype)
+        theta = torch.rand(64, 64, dtype=cos_dtype, requires_grad=case == "table grad")
         monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
-        assert not kvcache._fused_rotary(q, k, kc, theta)
+        assert not kvcache._fused_rotary(q, k, kc, theta, theta)
     lib.has_append_rotary = True
-    assert kvcache._fused_rotary(q.detach(), k, torch.zeros(1, 64, 2, 128, dtype=BF), theta.float())
+    theta = theta.detach()
+    assert kvcache._fused_rotary(q.detach(), k, torch.zeros(1, 64, 2, 128, dtype=BF), theta, theta)
+    with torch.no_grad():  # no gradient to keep
+        assert kvcache._fused_rotary(q, k, kc.to(BF), theta.requires_grad_(), theta)
 

@@ -92,29 +92,25 @@ __host__ __device__ inline void copy_chunk(const fa3gen_append_params& p, int64_
 }
 
 // --- The rotary embedding (fa3gen_rotary_params) -------------------------------------------
-// fp32 arithmetic rounded at every step, as PyTorch's separate elementwise operations round it
-// (no fused multiply-add on the device; the host build of the CPU test has none either).
-__host__ __device__ inline float mul_rn(float a, float b) {
+// fp32 arithmetic rounded at every step, as PyTorch's separate elementwise operations round it:
+// no fused multiply-add, and subnormals kept (inline PTX without .ftz: the library is built
+// with --use_fast_math, under which __fmul_rn and friends flush them). The host build of the
+// CPU test has neither.
 #ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
+#define FA3GEN_RN_OP(name, op, expr)                                                  \
+  __host__ __device__ inline float name(float a, float b) {                          \
+    float r;                                                                         \
+    asm(op " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                             \
+    return r;                                                                        \
+  }
 #else
-  return a * b;
+#define FA3GEN_RN_OP(name, op, expr) \
+  __host__ __device__ inline float name(float a, float b) { return expr; }
 #endif
-}
-__host__ __device__ inline float add_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-__host__ __device__ inline float sub_rn(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
+FA3GEN_RN_OP(mul_rn, "mul.rn.f32", a * b)
+FA3GEN_RN_OP(add_rn, "add.rn.f32", a + b)
+FA3GEN_RN_OP(sub_rn, "sub.rn.f32", a - b)
+#undef FA3GEN_RN_OP
 
 __host__ __device__ inline float bits_to_float(uint32_t u) {
   float f;

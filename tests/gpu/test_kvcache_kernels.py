@@ -549,27 +549,42 @@ def test_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, cache_dtype,
     assert torch.equal(v1[:, :, 0], poison[:, :, 0].view(torch.uint8))
 
 
-@pytest.mark.parametrize("table", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("table", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("interleaved", [True, False], ids=["pairs", "halves"])
 @pytest.mark.parametrize("layout", ["contiguous", "paged16"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nocausal"])
+@pytest.mark.parametrize("call", ["causal", "nocausal", "window", "prefill", "int"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_rotary_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, dtype, causal, layout,
+def test_rotary_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, dtype, call, layout,
                                                          interleaved, table):
     """FA3GEN_APPEND_KERNEL=1 with rotary_cos/rotary_sin (fa3gen_kvcache_append_rotary: q and the
     new keys rotated by the append kernel) against the PyTorch path: the same cache bytes and
-    the same output, bit for bit. rotary_dim 40 (not a multiple of a 16-byte chunk), q with
-    strided heads, positions past the tables (clamped), new rows past the capacity; the kernel
-    path must have run."""
+    the same output, bit for bit. One in five q and k values subnormal-sized (the kernel must
+    neither fuse a multiply-add nor flush to zero), rotary_dim 40 (not a multiple of a 16-byte
+    chunk), q with strided heads, positions past the tables (clamped), new rows past the
+    capacity; causal, not, a window (q rotated per row), chunked prefill (32 rows a kv head:
+    the forward kernels read q_out) and an int cache_seqlens; the kernel path must have run."""
     if not lib.has_append_rotary:
         pytest.skip("the library has no rotary append kernel (built before it)")
     b, sq, hq, hkv, d, new, cap = 4, 2, 8, 2, 128, 3, 48
+    if call == "prefill":
+        sq, new = 8, 8
     g = torch.Generator(device="cuda").manual_seed(12)
-    q = (torch.randn(b, sq, hq, 2 * d, device="cuda", generator=g) * 3).to(dtype)[..., :d]
-    k, v = ((torch.randn(b, new, hkv, d, device="cuda", generator=g) * 3).to(dtype) for _ in range(2))
-    seqlens = torch.tensor([0, -3, 46, 20], dtype=torch.int32, device="cuda")
+    tiny = 1e-39 if dtype == torch.bfloat16 else 1e-6
+
+    def values(*shape):
+        x = torch.randn(*shape, device="cuda", generator=g) * 3
+        return torch.where(torch.rand(*shape, device="cuda", generator=g) < 0.2, x * tiny, x).to(dtype)
+    q = values(b, sq, hq, 2 * d)[..., :d]
+    k, v = values(b, new, hkv, d), values(b, new, hkv, d)
+    seqlens = (torch.tensor([0, -3, 46, 20], dtype=torch.int32, device="cuda") if call != "prefill"
+               else torch.tensor([0, 5, 40, 20], dtype=torch.int32, device="cuda"))
+    if call == "int":
+        seqlens = 30
     theta = torch.rand(40, 20, device="cuda", generator=g) * 6.3  # 40 positions: 46 + i clamps
     cos, sin = theta.cos().to(table), theta.sin().to(table)
+    mask = {"causal": call in ("causal", "prefill", "int")}
+    if call == "window":
+        mask["window_size"] = (5, 0)
     extra = {}
     if layout == "paged16":
         extra["block_table"] = torch.randperm(b * cap // 16, device="cuda", generator=g).to(
@@ -586,11 +601,11 @@ def test_rotary_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, dtype
         monkeypatch.setenv("FA3GEN_APPEND_KERNEL", kernel)
         kc, vc = poison[0].clone(), poison[1].clone()
         out, lse = kvcache.flash_attn_with_kvcache(
-            q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal, return_lse=True,
-            rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved, **extra)
+            q, kc, vc, k, v, cache_seqlens=seqlens, return_lse=True, rotary_cos=cos,
+            rotary_sin=sin, rotary_interleaved=interleaved, **mask, **extra)
         torch.cuda.synchronize()
         results[kernel] = (kc, vc, out, lse)
     assert len(calls) == 1
-    for want, got in zip(results["0"], results["1"]):
-        assert torch.equal(want.view(torch.uint8), got.view(torch.uint8))
+    for want, got in zip(results["0"], results["1"]):  # (the prefill's LSE is a transposed view)
+        assert torch.equal(want.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8))
 
