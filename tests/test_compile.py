@@ -520,3 +520,68 @@ def test_the_rotary_append_converts_as_pytorch_does(tmp_path, dtype):
                         floats.numel(), fp16)
     assert torch.equal(got16, floats.to(tdtype).view(torch.int16))
 
+
+
+@pytest.mark.parametrize("call", ["causal", "nocausal", "window", "int", "paged", "batch_idx"])
+def test_a_call_through_the_rotary_append_is_the_pytorch_path(tmp_path, monkeypatch, call):
+    """flash_attn_with_kvcache with rotary, whole calls on the CPU (launches stubbed): through a
+    library whose append is the kernel's host-run work (kvcache_append.cuh) against the PyTorch
+    path, the same caches and the same q handed to the attention, byte for byte (GQA, two query
+    rows, halves of rotary_dim 40, some subnormal values)."""
+    import ctypes
+
+    import torch
+
+    from fa3gen import contract, kvcache, ops
+
+    host = _host_append_library(tmp_path).host_append_rotary
+
+    class HostLibrary:  # the append kernel's work, run on the host
+        has_append_kernel = has_append_rotary = True
+        calls = 0
+
+        def kvcache_append_rotary(self, p, r, stream):
+            HostLibrary.calls += 1
+            ctypes.memset(r.q_out, 0xFF, q.numel() * 2)  # poisoned: the kernel must write it all
+            assert host(ctypes.byref(p), ctypes.byref(r)) == 0
+
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    monkeypatch.setattr(ops, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call_: call_(0))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib: None)
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    read = []
+    run = kvcache._run
+    monkeypatch.setattr(kvcache, "_run",  # the q the attention reads, after the append wrote it
+                        lambda plan, q, *a: (run(plan, q, *a), read.append(q.clone()))[0])
+    g = torch.Generator().manual_seed(5)
+    BF = torch.bfloat16
+
+    def values(*shape):
+        x = torch.randn(*shape, generator=g) * 3
+        return torch.where(torch.rand(*shape, generator=g) < 0.2, x * 1e-39, x).to(BF)
+    b, sq, hq, hkv, d, new = 3, 2, 8, 2, 128, 2
+    q, k, v = values(b, sq, hq, d), values(b, new, hkv, d), values(b, new, hkv, d)
+    theta = torch.rand(40, 20, generator=g) * 6.3
+    kw = {"rotary_cos": theta.cos(), "rotary_sin": theta.sin(), "rotary_interleaved": False,
+          "cache_seqlens": torch.tensor([0, 37, 20], dtype=torch.int32), "causal": call != "nocausal"}
+    shape = (b, 48, hkv, d)
+    if call == "window":
+        kw["window_size"] = (5, 0)
+    elif call == "int":
+        kw["cache_seqlens"] = 30
+    elif call == "paged":
+        kw["block_table"] = torch.randperm(9, generator=g).to(torch.int32).view(b, 3)
+        shape = (9, 16, hkv, d)
+    elif call == "batch_idx":
+        kw["cache_batch_idx"] = torch.tensor([2, 0, 1], dtype=torch.int32)
+    caches = torch.randn((2,) + shape, generator=g).to(BF)
+    results = []
+    for lib in (None, HostLibrary()):
+        monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k_, lib=lib: lib)
+        kc, vc = caches[0].clone(), caches[1].clone()
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+        results.append((kc, vc, read.pop()))
+    assert HostLibrary.calls == 1
+    for want, got in zip(*results):
+        assert torch.equal(want.view(torch.int16), got.view(torch.int16))
