@@ -635,20 +635,20 @@ def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, b
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
         p = None if lib is None else append_params(geometry, k_cache, v_cache, k, v, seqlens,
                                                      cache_batch_idx, block_table)
-        if rotary is not None and p is None:
-            q, k = _rotate(rotary.q, k, seqlens, rotary.cos, rotary.sin, rotary.interleaved,
-                           rotary.per_row)
-            rotary.q_out.copy_(q)
-        elif rotary is not None:
+        if p is None:
+            if rotary is not None:
+                q, k = _rotate(rotary.q, k, seqlens, rotary.cos, rotary.sin, rotary.interleaved,
+                               rotary.per_row)
+                rotary.q_out.copy_(q)
+            _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+            return
+        if rotary is None:
+            ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
+        else:
             r = rotary_params(rotary, p)
             ops.on_current_stream(k.device, lambda stream: lib.kvcache_append_rotary(p, r, stream))
-        if p is not None:
-            if rotary is None:
-                ops.on_current_stream(k.device, lambda stream: lib.kvcache_append(p, stream))
-            for cache in (k_cache, v_cache):  # as an in-place PyTorch write: autograd sees it
-                torch.autograd.graph.increment_version(cache)
-        else:
-            _write_rows(geometry, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
+        for cache in (k_cache, v_cache):  # as an in-place PyTorch write: autograd sees it
+            torch.autograd.graph.increment_version(cache)
 
 
 def rotary_params(rotary: Rotary, p: runtime.AppendParams) -> runtime.RotaryParams:

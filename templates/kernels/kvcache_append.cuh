@@ -4,6 +4,8 @@
 // and v in one grid; an e4m3 cache gets rows already quantized. Positions at or past the
 // capacity are not written, as the PyTorch path, so nothing outside the cache is touched.
 #pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <algorithm>
 #include <cstdint>
@@ -81,14 +83,17 @@ __host__ __device__ inline ChunkPlace place_chunk(const fa3gen_append_params& p,
   return c;
 }
 
-// Chunk t of k_new or v_new copied to its cache row, if the row is within the capacity. Host
-// and device (the CPU test runs every t on host memory).
-__host__ __device__ inline void copy_chunk(const fa3gen_append_params& p, int64_t t) {
-  const ChunkPlace c = place_chunk(p, t);
+// A placed chunk copied to its cache row, if the row is within the capacity.
+__host__ __device__ inline void copy_placed(const fa3gen_append_params& p, const ChunkPlace& c) {
   if (c.dst < 0) return;
   const char* from = static_cast<const char*>(c.v ? p.v_new : p.k_new) + c.src * p.element_bytes;
   char* to = static_cast<char*>(c.v ? p.v_cache : p.k_cache) + c.dst * p.element_bytes;
   reinterpret_cast<uint4*>(to)[c.chunk] = reinterpret_cast<const uint4*>(from)[c.chunk];
+}
+
+// Chunk t of k_new or v_new copied. Host and device (the CPU test runs every t on host memory).
+__host__ __device__ inline void copy_chunk(const fa3gen_append_params& p, int64_t t) {
+  copy_placed(p, place_chunk(p, t));
 }
 
 // --- The rotary embedding (fa3gen_rotary_params) -------------------------------------------
@@ -112,54 +117,21 @@ FA3GEN_RN_OP(add_rn, "add.rn.f32", a + b)
 FA3GEN_RN_OP(sub_rn, "sub.rn.f32", a - b)
 #undef FA3GEN_RN_OP
 
-__host__ __device__ inline float bits_to_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-__host__ __device__ inline uint32_t float_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-}
-
-// A 16-bit value's float (bf16: the upper half of an fp32; fp16 by its fields).
+// A 16-bit value's float, and a float rounded to nearest even into 16-bit bits (PyTorch's
+// .to(dtype)): CUDA's conversions, host and device; on the device plain cvt, so subnormals are
+// kept under --use_fast_math too.
 __host__ __device__ inline float half_bits_to_float(uint16_t h, bool fp16) {
-  if (!fp16) return bits_to_float(uint32_t(h) << 16);
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  int exp = (h >> 10) & 0x1f;
-  uint32_t man = h & 0x3ff;
-  if (exp == 0x1f) return bits_to_float(sign | 0x7f800000u | (man << 13));
-  if (exp == 0) {
-    if (man == 0) return bits_to_float(sign);
-    exp = 1;  // subnormal: normalize
-    while (!(man & 0x400)) { man <<= 1; --exp; }
-    man &= 0x3ff;
+  if (fp16) {
+    __half_raw raw;
+    raw.x = h;
+    return __half2float(__half(raw));
   }
-  return bits_to_float(sign | uint32_t(exp + 112) << 23 | man << 13);
+  __nv_bfloat16_raw raw;
+  raw.x = h;
+  return __bfloat162float(__nv_bfloat16(raw));
 }
-
-// f rounded to nearest even into bf16 or fp16 bits (PyTorch's .to(dtype); NaN: a quiet NaN).
 __host__ __device__ inline uint16_t float_to_half_bits(float f, bool fp16) {
-  const uint32_t u = float_bits(f);
-  if (!fp16) {
-    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
-    return uint16_t((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-  }
-  const uint16_t sign = uint16_t((u >> 16) & 0x8000);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00);          // NaN
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00);         // rounds to infinity (>= 65520)
-  if (a >= 0x38800000u) {                                        // normal fp16 (>= 2^-14)
-    const uint32_t r = a + 0xfffu + ((a >> 13) & 1);
-    return uint16_t(sign | ((r - 0x38000000u) >> 13));
-  }
-  if (a < 0x33000000u) return sign;                              // below half the least subnormal
-  const int e = int(a >> 23);                                    // subnormal fp16: 2^-24 units
-  const uint32_t man = (a & 0x7fffffu) | 0x800000u;
-  const int shift = 126 - e;                                     // 14..24 (value = man * 2^(e-150))
-  const uint32_t q = man >> shift, rem = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-  return uint16_t(sign | (q + (rem > half || (rem == half && (q & 1)))));
+  return fp16 ? __half_raw(__float2half_rn(f)).x : __nv_bfloat16_raw(__float2bfloat16_rn(f)).x;
 }
 
 __host__ __device__ inline float table_at(const void* table, int64_t row_stride, int64_t col_stride,
@@ -209,17 +181,15 @@ __host__ __device__ inline void rotary_chunk(const fa3gen_append_params& p, cons
   const int chunks = row_chunks(p);
   const int64_t in_q = q_chunks(p, r);
   if (t >= in_q) {
-    t -= in_q;
-    const ChunkPlace c = place_chunk(p, t);
-    if (c.v) return copy_chunk(p, t);
-    if (c.dst < 0) return;
+    const ChunkPlace c = place_chunk(p, t - in_q);
+    if (c.v || c.dst < 0) return copy_placed(p, c);
     const uint16_t* from = static_cast<const uint16_t*>(p.k_new) + c.src;
     uint16_t* to = static_cast<uint16_t*>(p.k_cache) + c.dst;
     reinterpret_cast<uint4*>(to)[c.chunk] = rotate_chunk(r, from, c.chunk, start_position(p, c.b) + c.i);
     return;
   }
   const int chunk = int(t % chunks);
-  int64_t row = t / chunks;  // (b, i, h) of q, in order: q_out's contiguous row
+  const int64_t row = t / chunks;  // (b, i, h) of q, in order: q_out's contiguous row
   const int h = int(row % r.heads_q);
   const int i = int(row / r.heads_q % r.seqlen_q);
   const int b = int(row / r.heads_q / r.seqlen_q);
