@@ -743,7 +743,7 @@ def bench_fwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
         candidates = _time_candidates(
             lib, make_key("fwd", dt_name, d, causal), attention_flops(b, h, s, s, d, causal),
             lambda name: flash_attn_func(q, k, v, causal=causal, variant=name), args)
-    del q, k, v
+    q = k = v = None  # frees the inputs: the timed lambdas share these cells
     torch.cuda.empty_cache()
     row = make_row("fwd", dt_name, shape, causal, variant, ms, power, clock, reasons)
     if candidates:
@@ -784,7 +784,7 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
             lib, make_key("bwd", dt_name, d, causal), flops,
             lambda name: torch.ops.fa3gen.bwd(dout, qd, kd, vd, out, lse, causal, scale, name, False),
             args)
-    del q, k, v, dout
+    q = k = v = dout = None  # frees the inputs: the timed lambdas share these cells
     torch.cuda.empty_cache()
     row = make_row("bwd", dt_name, shape, causal, variant, ms, power, clock, reasons)
     if candidates:

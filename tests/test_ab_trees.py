@@ -2,7 +2,6 @@
 commit), `run`'s two builds go to their own generated roots from their own trees."""
 import importlib.util
 import subprocess
-from pathlib import Path
 
 import pytest
 

@@ -82,7 +82,7 @@ def test_ab_libraries_times_a_paged_variant_through_its_pages(fake_launches):
     """ab_libraries' paged points (the A/B of a paged variant ran into the varlen path, which
     refuses it): each library's call launches the paged variant with the block table, pages of
     PAGED_CHUNK_ROWS rows and every sequence's length, and the FLOPs are the dense shape's."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from fa3gen import bench, runtime
     from fa3gen.contract import PAGED_CHUNK_ROWS
 

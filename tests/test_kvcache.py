@@ -1074,7 +1074,6 @@ def test_paged_prefill_falls_back_to_the_gather(fake_launches, monkeypatch, case
     """What the paged forward does not take goes to the gathered copy as before: pages that
     are not a multiple of 64 rows (PAGED_CHUNK_ROWS), a q that requires grad (the paged forward has no backward),
     and keys the library has no paged variant for (a window here; fp16)."""
-    from fa3gen import varlen
     calls = _stub_forwards(monkeypatch)
     page = 48 if case == "page_48" else 64
     q = torch.zeros(2, 40, 4, 128, dtype=torch.float16 if case == "fp16" else BF,

@@ -1,7 +1,6 @@
 """The FP8 emulation and the numerics study on CPU: the Hadamard transform, incoherent
 processing, e4m3 quantization scales, and `fa3gen numerics` writing its report."""
 import json
-import math
 
 import pytest
 import torch
@@ -88,7 +87,7 @@ def test_cudnn_fp8_row_falls_back_to_e4m3_output_and_scales_it_back(monkeypatch)
     """cudnn_fp8_row asks cuDNN for bf16 output first; where that graph does not build it takes
     e4m3 output scaled by 448 / max|V| and divides the scale back out. cuDNN itself is faked
     here (it runs on the GPU only): the fake's e4m3 output is V's first row times o_scale."""
-    from fa3gen import bench, numerics
+    from fa3gen import bench
 
     q, k, v = numerics.paper_inputs((1, 16, 2, 64), 0)
     calls = []
@@ -123,8 +122,6 @@ def test_a_note_with_a_bar_stays_in_its_cell():
     """The cuDNN row's note says 'max|V|': unescaped, its bars split the row into extra cells."""
     import re
 
-    from fa3gen import numerics
-
     report = {"device": "cpu", "seed": 0, "block_rows": 128, "p_scale": 256.0, "results": [
         {"shape": [1, 8, 1, 64], "rmse": {"fp8_per_tensor": 0.1},
          "notes": {"fp8_per_tensor": "scaled by 448 / max|V|"}, "not_measured": {}}]}
@@ -154,8 +151,6 @@ def test_report_markers_that_do_not_pair_are_an_error_not_a_guess(tmp_path):
 
 def test_numerics_arguments_out_of_range_are_one_error(tmp_path, capsys, monkeypatch):
     """A seed torch cannot take, or a shape whose fp64 reference does not fit, was a traceback."""
-    from fa3gen import cli, numerics
-
     out = ["--out", str(tmp_path / "n.json"), "--doc", str(tmp_path / "n.md"), "--device", "cpu"]
     with pytest.raises(SystemExit):
         cli.main(["numerics", "--seed", str(2**64), *out])

@@ -231,7 +231,7 @@ def test_specs_with_e4m3_variants_get_the_quantizer(tmp_path):
     text = render_build_ninja("t", [V1, f8], fake_toolchain())
     assert "build obj/quantize.o: nvcc_plain src/quantize.cu | fingerprint.txt" in text
     assert "quantize_fp8.cuh" in text  # the kernel header rebuilds it (no depfile on this rule)
-    assert f"obj/dispatch.o obj/quantize.o | fingerprint.txt" in text
+    assert "obj/dispatch.o obj/quantize.o | fingerprint.txt" in text
 def test_decode_kernels_only_where_the_spec_asks(tmp_path):
     """`decode:` renders src/decode.cu (fa3gen_decode_fwd) with one instantiation per listed
     (dtype, head_dim) pair, and links it; other specs get none."""
