@@ -187,7 +187,7 @@ int main() {
 
 
 def test_varlen_padding_rows_are_exactly_those_outside_the_sequences(tmp_path):
-    """varlen.cuh's padding_span and element offsets (what FA3GEN_VARLEN_ZERO_PADDING zeroes):
+    """varlen.cuh's padding_span and element offsets (what the list kernel zeroes):
     the rows before cu_seqlens[0] and from cu_seqlens[batch] on, clamped as the kernels clamp
     offsets, every element of them once in a strided view (and each LSE entry), never a row
     of a sequence nor the view's gaps."""

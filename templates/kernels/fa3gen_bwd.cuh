@@ -73,7 +73,7 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
     // sequence's key blocks in order (deterministic mode waits on lower ones).
     const int64_t entries = FA3GEN_VARLEN_TILES(a.total_k, a.batch, TileN) * a.heads_kv;
     schedule = one_cta_per_tile(int(entries), 1, 1);
-    PaddingArgs padding;  // dQ, dK, dV rows outside every sequence (FA3GEN_VARLEN_ZERO_PADDING)
+    PaddingArgs padding;  // dQ, dK, dV rows outside every sequence (varlen.cuh)
     padding.rows[0] = PaddedRows{a.dq, a.cu_seqlens_q, a.dq_row_stride, a.dq_head_stride, a.total_q, a.heads_q, HeadDim};
     padding.rows[1] = PaddedRows{a.dk, a.cu_seqlens_k, a.dk_row_stride, a.dk_head_stride, a.total_k, a.heads_kv, HeadDim};
     padding.rows[2] = PaddedRows{a.dv, a.cu_seqlens_k, a.dv_row_stride, a.dv_head_stride, a.total_k, a.heads_kv, HeadDim};

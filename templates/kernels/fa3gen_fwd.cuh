@@ -84,7 +84,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
       schedule.ctas = std::min<int64_t>(entries, a.num_sms > 0 ? a.num_sms : 132);
       schedule.paired = Causal && !Local && schedule.ctas < entries;  // a causal head's tiles in pairs
     }
-    PaddingArgs padding;  // O's rows outside every sequence, and their LSE (FA3GEN_VARLEN_ZERO_PADDING)
+    PaddingArgs padding;  // O's rows outside every sequence, and their LSE (varlen.cuh)
     padding.rows[0] = PaddedRows{a.o, a.cu_seqlens_q, a.o_row_stride, a.o_head_stride, a.total_q, a.heads_q, HeadDim};
     padding.lse = a.lse;
     padding.batch = a.batch;

@@ -62,12 +62,13 @@ __device__ __forceinline__ SeqSlice seq_slice(VarlenArgs const& v, int b) {
 }
 
 // Rows outside every sequence (before cu_seqlens[0], from cu_seqlens[batch] on) of a packed
-// output, which no tile writes: switch FA3GEN_VARLEN_ZERO_PADDING (prepared without a GPU, off
-// by default) zeroes them, and sets the forward's LSE there to -inf (a row that sees no key),
-// so that a caller's torch.empty leftovers (NaN included) do not reach the next layer's
-// gradients through padded outputs, nor the inputs' gradients through dq, dk, dv. The list
-// kernel's extra CTAs do it, before the main kernel in stream order (a later write of a row
-// by a tile, possible only with cu_seqlens out of order, wins).
+// output, which no tile writes, are zeroed, and the forward's LSE there set to -inf (a row
+// that sees no key), so that torch.empty's leftovers (NaN included) do not reach the next
+// layer's gradients through padded outputs, nor the inputs' gradients through dq, dk, dv
+// (flash-attn leaves them unwritten). The list kernel's extra CTAs do it, before the main
+// kernel in stream order (a later write of a row by a tile, possible only with cu_seqlens out
+// of order, wins). Within noise of leaving them (A/B at mean lengths 512 and 2048, H200,
+// 2026-12-05 (fourteenth)).
 struct PaddedRows {
   void* ptr = nullptr;      // 16-bit (rows, heads, cols) with element strides; null: none
   const int* cu = nullptr;  // the batch + 1 offsets that cut its rows
@@ -122,19 +123,13 @@ __device__ inline void zero_padding(PaddingArgs const& z, int cta, int ctas) {
 constexpr int kVarlenListThreads = 1024;
 constexpr int kPaddingCtasMax = 128;
 
-// The list kernel's extra CTAs for `z` (0 without the switch): enough for every row to be
-// padding at 8 elements a thread, at most kPaddingCtasMax. With no padding each reads two
-// offsets and exits.
+// The list kernel's extra CTAs for `z`: enough for every row to be padding at 8 elements a
+// thread, at most kPaddingCtasMax. With no padding each reads two offsets and exits.
 inline int padding_ctas(PaddingArgs const& z) {
-#ifdef FA3GEN_VARLEN_ZERO_PADDING
   int64_t most = 0;
   for (PaddedRows const& t : z.rows) most += t.ptr != nullptr ? int64_t(t.rows) * t.heads * t.cols : 0;
   const int64_t per_cta = int64_t(kVarlenListThreads) * 8;
   return int(most < int64_t(kPaddingCtasMax) * per_cta ? (most + per_cta - 1) / per_cta : kPaddingCtasMax);
-#else
-  (void)z;
-  return 0;
-#endif
 }
 constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (the sort is O(batch^2 / threads))
 
@@ -149,12 +144,10 @@ template <int Tile, bool BlocksDescending>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
                     int2* tiles, int capacity, bool paired, const PaddingArgs padding) {
-#ifdef FA3GEN_VARLEN_ZERO_PADDING
   if (blockIdx.x > 0) {
     zero_padding(padding, int(blockIdx.x) - 1, int(gridDim.x) - 1);
     return;
   }
-#endif
   extern __shared__ int smem[];
   const bool sorted = batch <= kVarlenSortedBatch;
   int* blocks_of = smem;               // [batch]: tiles per head of sequence b
