@@ -123,7 +123,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     same positions when causal or with a window that hides a key (_window_masks), else all of q
     at position cache_seqlens; pairs (0, 1), (2, 3), ... (rotary_interleaved, the default) or
     the two halves of the first rotary_dim values. In fp32, rounded once to q's (k's) dtype, by PyTorch operations before
-    the append (with FA3GEN_APPEND_KERNEL=1, by the append kernel, bit for bit the same). Positions past seqlen_ro are an error when
+    the append when the append kernel does not do it (FA3GEN_APPEND_KERNEL=0, a compiled call, an e4m3 cache, ...; bit for bit the same). Positions past seqlen_ro are an error when
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
     ops._check_tensors(q, k_cache, v_cache)
@@ -372,7 +372,7 @@ class Rotary:
 
 
 def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
-    """Whether the append kernel rotates (FA3GEN_APPEND_KERNEL=1, on a GPU, a library with
+    """Whether the append kernel rotates (not FA3GEN_APPEND_KERNEL=0, on a GPU, a library with
     fa3gen_kvcache_append_rotary): q, k and the cache of one 16-bit dtype, cos and sin fp32 /
     bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to keep through the
     rotation."""
@@ -671,10 +671,9 @@ APPEND_KERNEL_ENV = "FA3GEN_APPEND_KERNEL"
 
 
 def _append_library(lib, k):
-    """The library whose append kernel an eager call uses: with FA3GEN_APPEND_KERNEL=1 (until
-    the kernel is measured on the GPU, the PyTorch path stays the default), k on a GPU and a
-    library that has it; else None."""
-    if os.environ.get(APPEND_KERNEL_ENV, "") in ("", "0") or not k.is_cuda:
+    """The library whose append kernel an eager call uses: k on a GPU and a library that has
+    it, unless FA3GEN_APPEND_KERNEL=0 (the PyTorch path); else None."""
+    if os.environ.get(APPEND_KERNEL_ENV, "") == "0" or not k.is_cuda:
         return None
     lib = lib or runtime.get_library()
     return lib if lib.has_append_kernel else None

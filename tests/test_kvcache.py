@@ -1489,16 +1489,17 @@ class _AppendRecorder:
         self.rotary_calls.append((params, rotary))
 
 
-def test_append_kernel_only_when_asked_on_a_gpu_with_a_library_that_has_it(monkeypatch):
+def test_append_kernel_on_a_gpu_with_a_library_that_has_it_unless_turned_off(monkeypatch):
     import types
     lib, gpu = _AppendRecorder(), types.SimpleNamespace(is_cuda=True)
     monkeypatch.delenv("FA3GEN_APPEND_KERNEL", raising=False)
-    assert kvcache._append_library(lib, gpu) is None  # the PyTorch path stays the default
-    for off in ("", "0"):
-        monkeypatch.setenv("FA3GEN_APPEND_KERNEL", off)
-        assert kvcache._append_library(lib, gpu) is None
-    monkeypatch.setenv("FA3GEN_APPEND_KERNEL", "1")
-    assert kvcache._append_library(lib, gpu) is lib
+    assert kvcache._append_library(lib, gpu) is lib  # the default
+    for on in ("", "1"):
+        monkeypatch.setenv("FA3GEN_APPEND_KERNEL", on)
+        assert kvcache._append_library(lib, gpu) is lib
+    monkeypatch.setenv("FA3GEN_APPEND_KERNEL", "0")
+    assert kvcache._append_library(lib, gpu) is None
+    monkeypatch.delenv("FA3GEN_APPEND_KERNEL")
     assert kvcache._append_library(lib, types.SimpleNamespace(is_cuda=False)) is None
     lib.has_append_kernel = False  # a library built before the kernel
     assert kvcache._append_library(lib, gpu) is None
