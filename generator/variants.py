@@ -90,6 +90,15 @@ def smem_bytes(v: Variant) -> int:
         + SMEM_RESERVED
 
 
+def fwd_clustered(v: Variant) -> bool:
+    """Whether the forward runs as CTA pairs sharing K and V by multicast (FwdTraits::kClusterM,
+    whose condition this mirrors): dense non-causal 16-bit warp-specialized forwards of head dim
+    >= 128 without window, softcap or P in shared memory. Their producers keep 40 registers."""
+    return (v.direction == "fwd" and v.dtype != "e4m3" and not v.causal and not v.local
+            and not v.softcap and not v.varlen and not v.paged and v.warp_specialized
+            and not v.p_in_smem and v.head_dim >= 128)
+
+
 def consumer_registers(v: Variant) -> tuple[int, int]:
     """(needed, cap) fp32 registers per consumer thread.
 
@@ -118,6 +127,8 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
         # P's e4m3 copy is live beside S only when S(i) runs with P(i-1) V(i-1) (the
         # intra-warpgroup overlap); otherwise it takes S's registers as they die.
         need, cap = need + (v.tile_n // 8 if v.intra_wg_overlap else 0), min(cap, 232)
+    elif fwd_clustered(v):  # the multicasting producers keep 40 too
+        cap = min(cap, 232)
     return need, cap
 
 

@@ -207,8 +207,8 @@ struct HostGrid {
   int size() const { return n; }
 };
 // fwd_tile_schedule's grid walked as the forward kernel walks it (TileScheduler, walk_*):
-// every query tile once, none twice, for every grid policy; with clusters (FA3GEN_FWD_CLUSTER2,
-// non-causal) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
+// every query tile once, none twice, for every grid policy; with clusters (FwdTraits::kClusterM,
+// dense non-causal d >= 128) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
 // at every step, the same number of steps (a CTA that stops early leaves its peer waiting).
 template <bool Causal>
 int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int cluster, int fit, long long& n) {
@@ -267,7 +267,7 @@ int main() {
 
 def test_the_forward_walk_covers_every_tile_once(tmp_path):
     """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
-    grid policies, SM counts and (FA3GEN_FWD_CLUSTER2) clusters of two with residency caps."""
+    grid policies, SM counts and (FwdTraits::kClusterM) clusters of two with residency caps."""
     assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
 
 

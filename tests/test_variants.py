@@ -458,19 +458,36 @@ def _header_constant(header: str, pattern: str) -> str:
 
 def test_forward_register_and_smem_model_mirrors_the_kernel_headers():
     """generator/variants.py prunes with copies of FwdTraits' setmaxnreg caps, its raw V slots
-    and the shared-memory limit: a change on one side only fails here, not on a GPU. (The
-    model is the default build's: FA3GEN_FWD_CLUSTER2's clustered variants also run their
-    consumers at the fp8 cap, which the model does not know.)"""
+    and the shared-memory limit, and which forwards run clustered (whose multicasting producers
+    keep the fp8 forward's 40 registers, so their consumers 232): a change on one side only
+    fails here, not on a GPU."""
     assert _header_constant("fwd_traits.cuh", r"kProducerNeeds40 = (kFp8 \|\| kClusterM > 1);")
     wgs3, fp8, wgs2 = _header_constant(
         "fwd_traits.cuh", r"kConsumerRegs = kConsumerWGs == 3 \? (\d+) : kProducerNeeds40 \? (\d+) : (\d+);")
     assert int(_header_constant("fwd_traits.cuh", r"kVRawSlots = (\d+);")) == V.FP8_V_RAW_SLOTS
     assert int(_header_constant("smem_atoms.cuh", r"kSmemPerBlockLimit = (\d+);")) == V.SMEM_LIMIT
-    cases = {("bf16", 128, 128): int(wgs2), ("bf16", 64, 192): int(wgs3),
+    cases = {("bf16", 64, 128): int(wgs2), ("bf16", 128, 128): int(fp8), ("bf16", 64, 192): int(wgs3),
              ("e4m3", 128, 128): int(fp8), ("e4m3", 64, 192): int(wgs3)}
     for (dtype, d, tile_m), cap in cases.items():
         v = parse_name(f"fwd_{dtype}_d{d}_nocausal_m{tile_m}n128_s2_ws1_pp0_ov1")
         assert V.consumer_registers(v)[1] == cap, (dtype, d, tile_m)
+    condition = _header_constant("fwd_traits.cuh", r"kClusterM =\s*\(([^)]*)\)\s*\?\s*2 : 1;")
+    assert re.sub(r"\s+", " ", condition) == (
+        "!kFp8 && !Causal && !Local && !Softcap && !Varlen && !Paged && WarpSpecialized && "
+        "!PInSmem && HeadDim >= 128")
+    clustered = {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1": True,
+                 "fwd_fp16_d256_nocausal_m128n80_s2_ws1_pp0_ov1": True,
+                 "fwd_bf16_d96_nocausal_m128n128_s2_ws1_pp0_ov1": False,
+                 "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1": False,
+                 "fwd_bf16_d128_nocausal_softcap_m128n128_s2_ws1_pp1_ov1": False,
+                 "fwd_bf16_d128_nocausal_varlen_m128n176_s2_ws1_pp1_ov1": False,
+                 "fwd_bf16_d128_nocausal_m128n176_s2_ws0_pp0_ov0": False,
+                 "fwd_e4m3_d128_nocausal_m128n256_s2_ws1_pp0_ov0": False,
+                 "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0": False}
+    for name, want in clustered.items():
+        v = parse_name(name)
+        assert V.fwd_clustered(v) is want, name
+        assert V.consumer_registers(v)[1] == (232 if want or v.dtype == "e4m3" else 240), name
 
 
 def test_fp8_p_copy_counts_only_with_the_intra_warpgroup_overlap():

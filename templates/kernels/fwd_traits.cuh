@@ -107,23 +107,26 @@ struct FwdTraits {
   static_assert(!Paged || TileN % kPageChunk == 0, "paged: whole chunks per key block");
   using Mask = AttentionMask<Causal, Local, TileM, TileN>;
 
-  // FA3GEN_FWD_CLUSTER2 (an experiment, off unless defined): CTA pairs as thread-block clusters
-  // of two, each pair on two query tiles of one (head, batch) (tile_scheduler.cuh), so that they
-  // read the same K and V blocks; each CTA loads half of every block and multicasts it to both
-  // (FA3 does this for 16-bit non-causal head dims >= 128; FA4's sm90 forward does not). Halves
-  // the L2-to-SM traffic of K and V, the forward's largest, and the producer's TMA issue.
-  // Dense non-causal warp-specialized 16-bit variants only: there every tile of a head visits
-  // the same key blocks, so the two CTAs stay in step. CuTe halves each load's box along the
-  // keys (a box is one swizzle row of columns by TileN keys: 176 -> 88, 112 -> 56, 80 -> 40
-  // rows, whole 8-row swizzle atoms; printed on the host with a stand-in for the driver's
-  // cuTensorMapEncodeTiled, 2026-12-04 (eleventh)).
-#ifdef FA3GEN_FWD_CLUSTER2
-  static constexpr int kClusterM =
-      (!kFp8 && !Causal && !Local && !Varlen && !Paged && WarpSpecialized && !PInSmem) ? 2 : 1;
-  static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");
-#else
+  // CTA pairs as thread-block clusters of two, each pair on two query tiles of one (head,
+  // batch) (tile_scheduler.cuh), so that they read the same K and V blocks; each CTA loads half
+  // of every block and multicasts it to both (FA3 does this for 16-bit non-causal head dims >=
+  // 128; FA4's sm90 forward does not). Halves the L2-to-SM traffic of K and V, the forward's
+  // largest, and the producer's TMA issue. Dense non-causal warp-specialized 16-bit variants
+  // only: there every tile of a head visits the same key blocks, so the two CTAs stay in step.
+  // CuTe halves each load's box along the keys (a box is one swizzle row of columns by TileN
+  // keys: 176 -> 88, 112 -> 56, 80 -> 40 rows, whole 8-row swizzle atoms). Head dims >= 128,
+  // where it gained (16k, alone for seconds: d128 1.02-1.03x, d256 1.01-1.02x; about a tie at
+  // 1k), not d64 and d96 (0.96x at 1k); softcap not measured, so not clustered (A/B on an H100
+  // SXM, 2026-12-05 (seventeenth), and the H200, (fourteenth)). generator/variants.py
+  // fwd_clustered mirrors this condition. FA3GEN_FWD_NO_CLUSTER2: none (an A/B's A side).
+#ifdef FA3GEN_FWD_NO_CLUSTER2
   static constexpr int kClusterM = 1;
+#else
+  static constexpr int kClusterM =
+      (!kFp8 && !Causal && !Local && !Softcap && !Varlen && !Paged && WarpSpecialized && !PInSmem && HeadDim >= 128)
+          ? 2 : 1;
 #endif
+  static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");
 
   // One consumer warpgroup per 64 query rows; a producer warpgroup when warp specialized.
   static constexpr int kConsumerWGs = TileM / 64;

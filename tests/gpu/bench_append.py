@@ -1,5 +1,5 @@
 """A decode step that appends (flash_attn_with_kvcache with k, v): the append by the library's
-kernel (FA3GEN_APPEND_KERNEL=1) against the PyTorch operations, per call: host time (eager
+kernel (the default, FA3GEN_APPEND_KERNEL=1) against the PyTorch operations (=0), per call: host time (eager
 calls back to back, perf_counter, median of rounds) and GPU time (CUDA graph replay), for a
 few batch sizes over a contiguous and a paged bf16 cache (8 kv heads, 32 query heads, d128,
 4k keys a sequence), without and with the rotary embedding (rotary_dim d, fp32 tables).

@@ -500,7 +500,7 @@ def test_decode_step_in_a_cuda_graph(lib, paged):
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged16", "paged1", "long"])
 @pytest.mark.parametrize("lengths", ["tensor", "int"])
 def test_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, cache_dtype, layout, lengths):
-    """FA3GEN_APPEND_KERNEL=1 (one launch of fa3gen_kvcache_append) against the PyTorch path, on
+    """The append kernel (one launch of fa3gen_kvcache_append) against the PyTorch path (=0), on
     one poisoned cache each: the same cache bytes and the same attention output. New rows past
     the capacity dropped, lengths 0 and negative, a cache_batch_idx and a page out of range
     (clamped onto rows no other sequence uses), k and v (new and cached) of different strides
@@ -556,7 +556,7 @@ def test_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, cache_dtype,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_rotary_append_kernel_writes_what_pytorch_writes(lib, monkeypatch, dtype, call, layout,
                                                          interleaved, table):
-    """FA3GEN_APPEND_KERNEL=1 with rotary_cos/rotary_sin (fa3gen_kvcache_append_rotary: q and the
+    """The append kernel with rotary_cos/rotary_sin (fa3gen_kvcache_append_rotary: q and the
     new keys rotated by the append kernel) against the PyTorch path: the same cache bytes and
     the same output, bit for bit. One in five q and k values subnormal-sized (the kernel must
     neither fuse a multiply-add nor flush to zero), rotary_dim 40 (not a multiple of a 16-byte

@@ -1,9 +1,9 @@
 // The TMA boxes CuTe builds for the forward's K and V descriptors (the host side of launch_fwd),
 // printed by a stand-in for the driver's cuTensorMapEncodeTiled: runs on a machine without a
-// GPU or driver. With -DFA3GEN_FWD_CLUSTER2 the multicast descriptors, each CTA's half. Not a
+// GPU or driver: the multicast descriptors of the clustered ones (kClusterM), each CTA's half. Not a
 // test; asserts stay on (no -DNDEBUG), so a box CuTe cannot split aborts here:
 //   nvcc -std=c++17 -gencode arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//     -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED [-DFA3GEN_FWD_CLUSTER2] -Itemplates/kernels \
+//     -DCUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED [-DFA3GEN_FWD_NO_CLUSTER2] -Itemplates/kernels \
 //     -I$CUTLASS_DIR -o /tmp/tma_boxes tests/gpu/tma_boxes.cu && /tmp/tma_boxes
 // docs/BENCHMARKS.md, 2026-12-04 (eleventh).
 #define CUTLASS_ENABLE_DIRECT_CUDA_DRIVER_CALL
