@@ -643,6 +643,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")
+    p.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="a preprocessor definition for every compile of the matrix (repeatable), "
+                        "as fa3gen build's: e.g. FA3GEN_FWD_NO_CLUSTER2, the cells without K/V "
+                        "multicast; the report's build_info lists it")
     p.add_argument("--min-ms", type=positive_ms, default=100.0,
                    help=f"sustained timing: each of the {TIMED_BATCHES} batches per cell is at "
                         "least this many ms of back-to-back launches (default 100)")
@@ -674,9 +678,13 @@ def run(args, build_fn=None) -> int:
         raise Fa3genError(f"fa3gen ablate needs a CUDA GPU (Hopper sm_90); to only build the "
                           f"matrix run: fa3gen build --spec {args.spec}")
     shapes = args.shape or [dict(ABLATION_SHAPE)]
+    if args.define and args.no_build:
+        raise Fa3genError("fa3gen ablate: --define changes what the build compiles; with "
+                          "--no-build the library is used as built (drop one of them)")
     p = plan(args.spec, args.only, args.exclude)  # checks the spec and the globs before building
     if not args.no_build:
-        (build_fn or build)(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs)
+        (build_fn or build)(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs,
+                            defines=args.define)
     lib = runtime.use_spec(args.spec)
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true fp32
     dims = {v.head_dim for v in p.variants}

@@ -413,9 +413,11 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     built = []
     args = cli.build_parser().parse_args([
         "ablate", "--only", "*fp16*nocausal*m128n128_s[12]*", "--exclude", "*ws0_pp0_ov0",
-        "-j", "2", "--out-dir", str(tmp_path / "out"), "--doc", str(tmp_path / "A.md")])
+        "-j", "2", "--define", "FA3GEN_FWD_NO_CLUSTER2",
+        "--out-dir", str(tmp_path / "out"), "--doc", str(tmp_path / "A.md")])
     assert A.run(args, build_fn=lambda *a, **k: built.append((a, k))) == 1  # one wrong cell
-    assert built == [((args.spec,), {"only": args.only, "exclude": args.exclude, "jobs": 2})]
+    assert built == [((args.spec,), {"only": args.only, "exclude": args.exclude, "jobs": 2,
+                                     "defines": ["FA3GEN_FWD_NO_CLUSTER2"]})]
     rep = json.loads((tmp_path / "out/ablation.json").read_text())
     assert len(rep["rows"]) == 10 and {r["status"] for r in rep["rows"]} == {"ok", "wrong"}
     assert next(r for r in rep["rows"] if r["variant"] == name())["registers"] == 168
@@ -425,3 +427,15 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     assert A.BEGIN in text and "each at least 100 ms of back-to-back launches (sustained" in text
     assert timers == [(100.0, "PowerSampler")] and rep["header"]["min_ms"] == 100.0  # sustained unless --burst
     assert "wrong" in capsys.readouterr().out
+
+
+def test_a_define_needs_the_build(monkeypatch):
+    """--define changes the compiled cells, so with --no-build (the library as it was built) it
+    is one clear error, not a report that claims a define its library never had."""
+    torch = pytest.importorskip("torch")
+    from fa3gen.errors import Fa3genError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = cli.build_parser().parse_args(["ablate", "--no-build", "--define", "FA3GEN_FWD_NO_CLUSTER2"])
+    with pytest.raises(Fa3genError, match="--define .*--no-build"):
+        A.run(args, build_fn=lambda *a, **k: pytest.fail("built"))
