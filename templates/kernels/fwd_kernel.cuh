@@ -9,9 +9,9 @@
 
 namespace fa3gen {
 
-template <class Scheduler, class Params>
+template <class Scheduler, bool Varlen, class Params>
 __device__ __forceinline__ Scheduler make_scheduler(Params const& p) {
-  if constexpr (std::is_same_v<Scheduler, VarlenTileScheduler>) return {p.schedule, p.varlen.tiles};
+  if constexpr (Varlen) return {p.schedule, p.varlen.tiles};
   else return {p.schedule};
 }
 
@@ -22,8 +22,9 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  using Scheduler = cute::conditional_t<Traits::kVarlen, VarlenTileScheduler, TileScheduler<Traits::kCausal>>;
-  const Scheduler sched = make_scheduler<Scheduler>(p);
+  using Scheduler =
+      cute::conditional_t<Traits::kVarlen, VarlenTileSchedulerOf<Traits::kClusterM>, TileScheduler<Traits::kCausal>>;
+  const Scheduler sched = make_scheduler<Scheduler, Traits::kVarlen>(p);
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);

@@ -119,11 +119,21 @@ struct FwdTraits {
   // 1k), not d64 and d96 (0.96x at 1k); softcap not measured, so not clustered (A/B on an H100
   // SXM, 2026-12-05 (seventeenth), and the H200, (fourteenth)). generator/variants.py
   // fwd_clustered mirrors this condition. FA3GEN_FWD_NO_CLUSTER2: none (an A/B's A side).
+  // FA3GEN_VARLEN_CLUSTER2 (an experiment, off unless defined, not yet run on a GPU): the
+  // non-causal varlen d128 forwards too, each pair on two neighbouring query tiles of one
+  // sequence and head (varlen.cuh); a sequence's odd tile computes beside its pair and stores
+  // nothing. d256 128x80 spilled 20 bytes with it (CPU compile, 2026-12-05 (seventeenth)).
+#ifdef FA3GEN_VARLEN_CLUSTER2
+  static constexpr bool kVarlenClustered = true;
+#else
+  static constexpr bool kVarlenClustered = false;
+#endif
 #ifdef FA3GEN_FWD_NO_CLUSTER2
   static constexpr int kClusterM = 1;
 #else
   static constexpr int kClusterM =
-      (!kFp8 && !Causal && !Local && !Softcap && !Varlen && !Paged && WarpSpecialized && !PInSmem && HeadDim >= 128)
+      (!kFp8 && !Causal && !Local && !Softcap && (!Varlen || (kVarlenClustered && HeadDim == 128)) && !Paged &&
+       WarpSpecialized && !PInSmem && HeadDim >= 128)
           ? 2 : 1;
 #endif
   static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");

@@ -43,21 +43,41 @@ struct TileSchedule {
 // load and compute with their cluster (on the last block's Q rows) and store nothing.
 // cluster_fit (> 0): the clusters the device holds at once; a persistent grid stays within
 // them, since a cluster placed after the others would start its share when they had finished.
+// A persistent grid over `tiles` (a multiple of the cluster): one CTA per multiprocessor, whole
+// clusters, within the clusters that fit; at least one cluster (num_sms 1 with clusters of two
+// would make an empty grid).
+inline int64_t persistent_ctas(int64_t tiles, int num_sms, int cluster, int cluster_fit) {
+  int64_t slots = num_sms > 0 ? num_sms : 132;
+  if (cluster_fit > 0) slots = std::min<int64_t>(slots, int64_t(cluster_fit) * cluster);
+  return std::min<int64_t>(tiles, std::max<int64_t>(cluster, slots / cluster * cluster));
+}
+
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0) {
   const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
   const int64_t tiles = int64_t(blocks) * heads * batch;
   const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
-  int64_t slots = num_sms > 0 ? num_sms : 132;
-  if (cluster_fit > 0) slots = std::min<int64_t>(slots, int64_t(cluster_fit) * cluster);
-  // (at least one cluster: num_sms 1 with clusters of two would make an empty grid)
-  const int64_t ctas = one_per_tile ? tiles : std::min<int64_t>(tiles, std::max<int64_t>(cluster, slots / cluster * cluster));
+  const int64_t ctas = one_per_tile ? tiles : persistent_ctas(tiles, num_sms, cluster, cluster_fit);
   return {blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
+
 
 // One CTA per tile, tiles in order (the backward: one CTA per key block, or per varlen list entry).
 inline TileSchedule one_cta_per_tile(int blocks, int heads, int batch) {
   return {blocks, heads, batch, (blocks + 1) / 2, false, int64_t(blocks) * heads * batch};
+}
+
+// The varlen forward's: `entries` list entries (varlen.cuh; each of `cluster` neighbouring
+// query tiles), one CTA per tile or `persistent`; causal heads' tiles in pairs when persistent
+// leaves CTAs several.
+inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persistent, int num_sms, int cluster = 1,
+                                        int cluster_fit = 0) {
+  TileSchedule s = one_cta_per_tile(int(entries * cluster), 1, 1);
+  if (persistent) {
+    s.ctas = persistent_ctas(entries * cluster, num_sms, cluster, cluster_fit);
+    s.paired = causal && s.ctas < entries * cluster;
+  }
+  return s;
 }
 
 struct TileCoord {

@@ -260,19 +260,26 @@ __device__ __forceinline__ int seq_of_padded_tile(const int* cu_q, int total_q, 
 
 // The main kernel's side: CTA b runs entries b, b + G, ... (G = the grid: one CTA per entry, or
 // persistent), or with s.paired the pairs b, b + G, ... (entries 2u and 2u + 1 of pair u).
-struct VarlenTileScheduler {
+// Cluster > 1 (the forward's FwdTraits::kClusterM): the list was made with tiles of Cluster
+// query blocks, and index t is block t % Cluster of entry t / Cluster (s.blocks counts them).
+// The grid being whole clusters, the CTAs of one take an entry's blocks side by side at every
+// step of the walk; a block past its sequence's last (its count rounded up) computes with its
+// cluster and stores nothing, as in the dense walk (tile_scheduler.cuh).
+template <int Cluster>
+struct VarlenTileSchedulerOf {
   TileSchedule const& s;
   const int2* tiles;
   __device__ __forceinline__ int first() const { return walk_first(s.paired); }
-  __device__ __forceinline__ int count() const { return s.blocks; }  // entries
+  __device__ __forceinline__ int count() const { return s.blocks; }  // entries times Cluster
   __device__ __forceinline__ int next(int t) const { return walk_next(t, s.paired); }
-  __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
-    const int2 e = tiles[t];
+  __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
+    const int2 e = tiles[t / Cluster];
     tile.batch = e.x;
     tile.head = e.y >> 16;
-    tile.block = e.y & 0xffff;
+    tile.block = (e.y & 0xffff) * Cluster + t % Cluster;
     return e.x >= 0;
   }
 };
+using VarlenTileScheduler = VarlenTileSchedulerOf<1>;
 
 }  // namespace fa3gen
