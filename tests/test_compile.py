@@ -194,18 +194,22 @@ def test_varlen_padding_rows_are_exactly_those_outside_the_sequences(tmp_path):
     assert host_check(tmp_path, "padding", PADDING_CHECK, cutlass=True) > 5000
 
 
-SCHEDULE_CHECK = r"""
+# The start of the host walks below: a grid of n CTAs seen from CTA c (walk_first / walk_next).
+WALK_PRELUDE = r"""
 #include <cstdio>
 #include <map>
 #include <tuple>
 #include <vector>
-#include "tile_scheduler.cuh"
+#include "varlen.cuh"  // and tile_scheduler.cuh
 using namespace fa3gen;
 struct HostGrid {
   int c, n;
   int cta() const { return c; }
   int size() const { return n; }
 };
+"""
+
+SCHEDULE_CHECK = WALK_PRELUDE + r"""
 // fwd_tile_schedule's grid walked as the forward kernel walks it (TileScheduler, walk_*):
 // every query tile once, none twice, for every grid policy; with clusters (FwdTraits::kClusterM,
 // dense non-causal d >= 128) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
@@ -271,18 +275,7 @@ def test_the_forward_walk_covers_every_tile_once(tmp_path):
     assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
 
 
-VARLEN_WALK_CHECK = r"""
-#include <cstdio>
-#include <map>
-#include <tuple>
-#include <vector>
-#include "varlen.cuh"
-using namespace fa3gen;
-struct HostGrid {
-  int c, n;
-  int cta() const { return c; }
-  int size() const { return n; }
-};
+VARLEN_WALK_CHECK = WALK_PRELUDE + r"""
 // The varlen forward's grid (varlen_fwd_schedule) walked as the kernel walks it
 // (VarlenTileSchedulerOf<Cluster>, walk_*), over a list laid out as varlen_tiles_kernel lays
 // it out in batch order (each sequence's ceil(len / (Cluster * tile)) entries per head, head
