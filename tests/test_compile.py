@@ -286,7 +286,8 @@ int check(std::vector<int> const& lens, int heads, int cluster, bool persistent,
   const int tile = 128, batch = int(lens.size());
   int total = 0;
   for (int len : lens) total += len;
-  const int64_t entries = FA3GEN_VARLEN_TILES(total, batch, tile * cluster) * heads;
+  const int64_t entries = varlen_list_entries(total, batch, heads, tile, cluster);
+  if (entries > FA3GEN_VARLEN_TILES(total, batch, tile) * heads) { std::printf("list over the workspace\n"); return 1; }
   std::vector<int2> list;
   for (int b = 0; b < batch; ++b)
     for (int h = 0; h < heads; ++h)
@@ -329,8 +330,12 @@ int check(std::vector<int> const& lens, int heads, int cluster, bool persistent,
 }
 int main() {
   long long n = 0;
-  const std::vector<std::vector<int>> batches = {{1}, {128}, {129}, {256}, {257, 0, 1000}, {0, 0, 5},
-                                                 {300, 40, 900, 129, 128, 1}, {4096, 1, 2, 3, 384}};
+  std::vector<std::vector<int>> batches = {{1}, {128}, {129}, {256}, {257, 0, 1000}, {0, 0, 5},
+                                           {300, 40, 900, 129, 128, 1}, {4096, 1, 2, 3, 384}};
+  batches.push_back(std::vector<int>(200, 0));  // many empty sequences: total below batch
+  batches.back().push_back(1);
+  batches.push_back(std::vector<int>(299, 0));
+  batches.back().push_back(100);
   for (auto const& lens : batches)
     for (int heads : {1, 2, 3})
       for (int cluster : {1, 2})

@@ -81,9 +81,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // as long on average: every tile costs about the window, so they are alike (window 1024:
     // 1.02-1.09x at mean lengths 2k-8k, 0.85-0.96x at 512; window 4096 0.84-1.00x). Paged calls
     // were not measured and keep one CTA per tile. FA3GEN_GRID_PERSISTENT / _TILES force either.
-    // kCluster > 1: the list's entries are groups of kCluster neighbouring query tiles (tiles of
-    // kCluster * TileM rows, so the workspace's bound holds), walked kCluster CTAs side by side.
-    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM * kCluster) * a.heads_q;
+    const int64_t entries = varlen_list_entries(a.total_q, a.batch, a.heads_q, TileM, kCluster);
     const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);
     const bool alike_windows =
         masking.window_keys < 2048 && int64_t(a.total_k) >= 2 * masking.window_keys * a.batch;

@@ -222,6 +222,15 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
   }
 }
 
+// The list's capacity (its entries) for `cluster` neighbouring query tiles an entry: the
+// bound of tiles of cluster * tile rows, or the single tiles' bound (the workspace's,
+// FA3GEN_VARLEN_TILES) where that is lower, as it is when many sequences are empty (total <
+// batch): each entry holds a tile, so both bound the entries.
+inline int64_t varlen_list_entries(int total, int batch, int heads, int tile, int cluster) {
+  const int64_t groups = FA3GEN_VARLEN_TILES(total, batch, tile * cluster), tiles = FA3GEN_VARLEN_TILES(total, batch, tile);
+  return (groups < tiles ? groups : tiles) * heads;
+}
+
 // Shared memory of varlen_tiles_kernel for `batch` sequences.
 inline size_t varlen_tiles_smem(int batch) {
   return sizeof(int) * (size_t(batch) * (batch <= kVarlenSortedBatch ? 4 : 3) + 1);
