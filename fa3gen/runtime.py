@@ -363,14 +363,14 @@ class Library:
 
     def quantize_fp8(self, params: QuantizeParams, stream_handle: int) -> None:
         """Run the library's fp8 quantizer (fa3gen_quantize_fp8) on a CUDA stream."""
-        self._call_optional(self._quantize, params, stream_handle, "fp8 quantizer",
-                            "no fp8 quantizer (its spec has no e4m3 variant)")
+        self._call_optional(self._quantize, stream_handle, "fp8 quantizer",
+                            "no fp8 quantizer (its spec has no e4m3 variant)", params)
 
     def decode(self, params: DecodeParams, stream_handle: int) -> None:
         """Run the library's decode attention (fa3gen_decode_fwd) on a CUDA stream."""
-        self._call_optional(self._decode, params, stream_handle, "decode kernel",
+        self._call_optional(self._decode, stream_handle, "decode kernel",
                             f"no decode kernels: add `decode: true` to spec {self.spec_name!r} "
-                            f"and build it again")
+                            f"and build it again", params)
 
     @property
     def has_append_kernel(self) -> bool:
@@ -378,9 +378,9 @@ class Library:
 
     def kvcache_append(self, params: AppendParams, stream_handle: int) -> None:
         """Write new keys and values into a KV cache (fa3gen_kvcache_append) on a CUDA stream."""
-        self._call_optional(self._append, params, stream_handle, "KV-cache append",
+        self._call_optional(self._append, stream_handle, "KV-cache append",
                             "no KV-cache append kernel (built before it, or without decode "
-                            "kernels)")
+                            "kernels)", params)
 
     @property
     def has_append_rotary(self) -> bool:
@@ -390,17 +390,16 @@ class Library:
                               stream_handle: int) -> None:
         """The append with the rotary embedding of q and the new keys
         (fa3gen_kvcache_append_rotary) on a CUDA stream."""
-        self._call_optional(self._append_rotary, (params, rotary), stream_handle,
-                            "KV-cache append with rotary", "no KV-cache append kernel with "
-                            "rotary (built before it, or without decode kernels)")
+        self._call_optional(self._append_rotary, stream_handle, "KV-cache append with rotary",
+                            "no KV-cache append kernel with rotary (built before it, or without "
+                            "decode kernels)", params, rotary)
 
-    def _call_optional(self, fn, params, stream_handle: int, what: str, missing: str) -> None:
-        """Call an optional entry point (None when the library lacks it) with its params (a
-        struct, or a tuple of them); raise on failure."""
+    def _call_optional(self, fn, stream_handle: int, what: str, missing: str, *params) -> None:
+        """Call an optional entry point (None when the library lacks it) with its param
+        structs; raise on failure."""
         if fn is None:
             raise Fa3genError(f"{self.path} has {missing}")
-        structs = params if isinstance(params, tuple) else (params,)
-        rc = fn(*(ctypes.byref(s) for s in structs), ctypes.c_void_p(stream_handle or None))
+        rc = fn(*(ctypes.byref(s) for s in params), ctypes.c_void_p(stream_handle or None))
         if rc != 0:
             raise Fa3genError(f"fa3gen {what} failed (code {rc}): {self.last_error()}")
 

@@ -408,15 +408,14 @@ extern "C" void fa3gen_set_error(const char*) {}
 // The append kernel's work on host memory: every chunk the grid would copy, in one loop.
 extern "C" int host_append(const fa3gen_append_params* p) {
   if (int rc = fa3gen::check_append(*p)) return rc;
-  for (int64_t t = 0; t < 2 * fa3gen::append::tensor_chunks(*p); ++t) fa3gen::append::copy_chunk(*p, t);
+  for (int64_t t = 0; t < fa3gen::append::work_items(*p, nullptr); ++t) fa3gen::append::copy_chunk(*p, t);
   return 0;
 }
 // The same with the rotary embedding (fa3gen_kvcache_append_rotary's work).
 extern "C" int host_append_rotary(const fa3gen_append_params* p, const fa3gen_rotary_params* r) {
   if (int rc = fa3gen::check_append(*p)) return rc;
   if (int rc = fa3gen::check_rotary(*p, *r)) return rc;
-  const int64_t total = fa3gen::append::q_chunks(*p, *r) + 2 * fa3gen::append::tensor_chunks(*p);
-  for (int64_t t = 0; t < total; ++t) fa3gen::append::rotary_chunk(*p, *r, t);
+  for (int64_t t = 0; t < fa3gen::append::work_items(*p, r); ++t) fa3gen::append::rotary_chunk(*p, *r, t);
   return 0;
 }
 // Its conversions over arrays: 16-bit values to floats and floats to 16-bit (rounded).

@@ -200,8 +200,14 @@ __host__ __device__ inline void rotary_chunk(const fa3gen_append_params& p, cons
       rotate_chunk(r, from, chunk, start_position(p, b) + (r.q_per_row ? i : 0));
 }
 
+// The launch's work items: the chunks of k_new and v_new, and with the rotary embedding q's
+// first (rotary_chunk).
+__host__ __device__ inline int64_t work_items(const fa3gen_append_params& p, const fa3gen_rotary_params* r) {
+  return 2 * tensor_chunks(p) + (r != nullptr ? q_chunks(p, *r) : 0);
+}
+
 __global__ void __launch_bounds__(kThreads) append_kernel(const fa3gen_append_params p) {
-  const int64_t total = 2 * tensor_chunks(p);
+  const int64_t total = work_items(p, nullptr);
   for (int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x; t < total; t += int64_t(gridDim.x) * kThreads) {
     copy_chunk(p, t);
   }
@@ -209,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const fa3gen_append_pa
 
 __global__ void __launch_bounds__(kThreads) append_rotary_kernel(const fa3gen_append_params p,
                                                                  const fa3gen_rotary_params r) {
-  const int64_t total = q_chunks(p, r) + 2 * tensor_chunks(p);
+  const int64_t total = work_items(p, &r);
   for (int64_t t = blockIdx.x * int64_t(kThreads) + threadIdx.x; t < total; t += int64_t(gridDim.x) * kThreads) {
     rotary_chunk(p, r, t);
   }
@@ -262,7 +268,7 @@ inline int launch_append(const fa3gen_append_params& p, cudaStream_t stream,
   if (rotary != nullptr) {
     if (int rc = check_rotary(p, *rotary)) return rc;
   }
-  const int64_t chunks = 2 * append::tensor_chunks(p) + (rotary ? append::q_chunks(p, *rotary) : 0);
+  const int64_t chunks = append::work_items(p, rotary);
   const int blocks = int(std::min<int64_t>((chunks + append::kThreads - 1) / append::kThreads, 4096));
   if (rotary != nullptr) {
     append::append_rotary_kernel<<<blocks, append::kThreads, 0, stream>>>(p, *rotary);
