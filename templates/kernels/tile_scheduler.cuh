@@ -36,7 +36,10 @@ struct TileSchedule {
 // +10-15% over one CTA per tile at 1k-4k keys, +1-8% at 8k, 2-3% behind at 16k, where per-tile
 // costs are small and the hardware's dynamic dispatch balances better than equal static
 // shares. A local window of 4096 keys at seqlen 16k: one CTA per tile +6% (d128) and +4%
-// (d256); a window of 1024: 1-4% behind.
+// (d256), d64 a tie; a window of 1024: 1-4% behind; of 2048 (H100, 2026-12-05): d64 2-4%
+// behind at 8k and 16k keys but 11% ahead at 4k (the first tiles, inside the first window,
+// cost less), d128 and d256 within noise. So windows below 2048 keys walk persistently, and
+// d64 ones below 4096 over sequences more than three windows long.
 // cluster > 1 (FwdTraits::kClusterM): a head's query tiles counted up to a multiple of the
 // cluster, so that CTAs c * cluster + r (one cluster) take tiles of one head side by side in
 // every step of the walk (the grid is a multiple of the cluster too); the tiles past m_blocks
