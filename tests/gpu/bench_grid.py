@@ -25,7 +25,7 @@ from bench_varlen import CAUSALS, pairs, with_grid  # noqa: E402
 from fa3gen import runtime, timing  # noqa: E402
 from fa3gen.bench import HIDDEN, TOTAL_TOKENS  # noqa: E402
 from fa3gen.contract import make_key  # noqa: E402
-from fa3gen.ops import flash_attn_func  # noqa: E402
+from fa3gen.ops import flash_attn_func, masking  # noqa: E402
 
 MODES = ("auto", "persistent", "tiles")
 
@@ -52,7 +52,7 @@ def main() -> int:
         window = (-1, -1) if args.window < 0 else (args.window, 0 if causal else args.window)
         names = [None]
         if args.variants:
-            key = make_key("fwd", "bf16", d, causal, local=window != (-1, -1))
+            key = make_key("fwd", "bf16", d, **masking(causal, window).key())  # as the call dispatches
             names += [x.name for x in lib.variants if x.key == key]
         calls = {}
         for name, mode in itertools.product(names, MODES):
