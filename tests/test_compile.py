@@ -269,6 +269,41 @@ int main() {
 """
 
 
+LONG_TILES_CHECK = WALK_PRELUDE + r"""
+// fwd_long_tiles at the points measured (docs/BENCHMARKS.md; window_keys = left + right + 1).
+int main() {
+  struct Case { bool causal, local; int d, seqlen_k; long long window_keys; bool one_cta_per_tile; };
+  const Case cases[] = {
+      {true, false, 128, 8192, 0, false},    {true, false, 128, 8193, 0, true},
+      {false, false, 64, 16384, 0, false},   {false, true, 128, 1025, 1025, false},
+      {false, true, 64, 16384, 1025, false}, {false, true, 128, 16384, 2049, true},
+      {false, true, 256, 16384, 2049, true}, {false, true, 64, 16384, 2049, false},
+      {false, true, 64, 8192, 2049, false},  {false, true, 64, 4096, 2049, true},
+      {false, true, 64, 16384, 3073, false}, {false, true, 64, 8192, 3073, true},
+      {false, true, 64, 16384, 4097, true},  {false, true, 128, 16384, 4097, true},
+  };
+  int n = 0;
+  for (const Case& c : cases) {
+    if (fwd_long_tiles(c.causal, c.local, c.d, c.seqlen_k, c.window_keys) != c.one_cta_per_tile) {
+      std::printf("causal %d local %d d %d seqlen_k %d window %lld\n", c.causal, c.local, c.d, c.seqlen_k,
+                  c.window_keys);
+      return 1;
+    }
+    ++n;
+  }
+  std::printf("%d checked\n", n);
+  return 0;
+}
+"""
+
+
+def test_the_forward_grid_policy_picks_one_cta_per_tile_where_measured(tmp_path):
+    """The AUTO grid's long-tile rule (tile_scheduler.cuh fwd_long_tiles) at the measured points:
+    d64 windows of 2048-4095 keys walk persistently only over sequences more than three
+    windows long (H100, 2026-12-05 (eighteenth): +2-4% at 8k and 16k keys, -11% at 4k)."""
+    assert host_check(tmp_path, "long_tiles", LONG_TILES_CHECK) == 14
+
+
 def test_the_forward_walk_covers_every_tile_once(tmp_path):
     """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
     grid policies, SM counts and (FwdTraits::kClusterM) clusters of two with residency caps."""

@@ -98,12 +98,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                                                          int(entries), stream, schedule.paired, padding);
     if (err != cudaSuccess) return report("varlen tile list launch", err);
   } else {
-    // Tiles long enough for one CTA each (tile_scheduler.cuh): causal over more than 8192 keys,
-    // or a window that shows a query at least 2048 keys, except at head dim 64 (key blocks of
-    // half the cost) a window of fewer than 4096 keys over a sequence more than three windows
-    // long, where most tiles see the whole window and so cost alike.
-    const bool d64_alike = HeadDim <= 64 && masking.window_keys < 4096 && a.seqlen_k > 3 * masking.window_keys;
-    const bool long_tiles = Causal ? a.seqlen_k > 8192 : Local ? masking.window_keys >= 2048 && !d64_alike : false;
+    const bool long_tiles = fwd_long_tiles(Causal, Local, HeadDim, a.seqlen_k, masking.window_keys);
     schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms,
                                  Traits::kClusterM, cluster_fit);
   }

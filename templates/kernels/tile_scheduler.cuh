@@ -55,6 +55,18 @@ inline int64_t persistent_ctas(int64_t tiles, int num_sms, int cluster, int clus
   return std::min<int64_t>(tiles, std::max<int64_t>(cluster, slots / cluster * cluster));
 }
 
+// Whether a dense forward's query tiles are long and unequal enough for one CTA each under
+// AUTO (`long_tiles` above): causal over more than 8192 keys, or a window that shows a query
+// at least 2048 keys (window_keys, launch_common.cuh), except at head dim 64 (key blocks of
+// half the cost) a window of fewer than 4096 keys over a sequence more than three windows
+// long, where most tiles see the whole window and so cost alike.
+inline bool fwd_long_tiles(bool causal, bool local, int head_dim, int seqlen_k, int64_t window_keys) {
+  if (causal) return seqlen_k > 8192;
+  if (!local) return false;
+  const bool d64_alike = head_dim <= 64 && window_keys < 4096 && seqlen_k > 3 * window_keys;
+  return window_keys >= 2048 && !d64_alike;
+}
+
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0) {
   const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
