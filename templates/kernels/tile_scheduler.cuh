@@ -31,8 +31,8 @@ struct TileSchedule {
 };
 
 // The forward's grid policy. FA3GEN_GRID_AUTO is persistent (one CTA per multiprocessor, or
-// fewer tiles), causal tiles paired, except for long tiles (`long_tiles`, decided by the
-// launcher): there one CTA per tile. Measured on the H200 (2026-11-30, d128 causal): pairs
+// fewer tiles), causal tiles paired, except for long tiles (`long_tiles`: fwd_long_tiles, which the
+// launcher asks): there one CTA per tile. Measured on the H200 (2026-11-30, d128 causal): pairs
 // +10-15% over one CTA per tile at 1k-4k keys, +1-8% at 8k, 2-3% behind at 16k, where per-tile
 // costs are small and the hardware's dynamic dispatch balances better than equal static
 // shares. A local window of 4096 keys at seqlen 16k: one CTA per tile +6% (d128) and +4%
