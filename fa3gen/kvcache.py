@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -139,14 +139,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     captured = ops._captured(q, k_cache, v_cache)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
-        per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
-        _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)
-        if not captured and _fused_rotary(q, k, k_cache, rotary_cos, rotary_sin):
-            rotary = Rotary(q, torch.empty(q.shape, dtype=q.dtype, device=q.device), rotary_cos,
-                            rotary_sin, bool(rotary_interleaved), per_row)
-            q = rotary.q_out  # written by the append, before the attention reads it
-        else:
-            q, k = _rotate(q, k, cache_seqlens, rotary_cos, rotary_sin, rotary_interleaved, per_row)
+        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved))
+        if captured:  # the rotation as PyTorch operations in the graph
+            per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
+            _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)
+            q, k = _rotate(q, k, cache_seqlens, *rotary, per_row)
     args = (k, v, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal, window_size,
             softcap, num_splits, k_scale, v_scale)
     if captured:
@@ -194,8 +191,10 @@ def _other_keywords(block_table, k_scale, v_scale, num_splits, *, page_table=Non
 
 
 def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
-    """A call's plan (once per signature), append and launch (rotary: the append rotates the
-    new keys and writes q, a Rotary's q_out)."""
+    """A call's plan (once per signature), append and launch. rotary: (cos, sin, interleaved)
+    of a call with the rotary embedding, whose checks and path the plan holds too: the append
+    kernel rotates the new keys and writes the attention's q (a Rotary's q_out), or PyTorch
+    rotates both first."""
     k, v, cache_seqlens, cache_batch_idx, block_table, _, _, _, _, _, k_scale, v_scale = args
     try:  # keyed by the library too: another one (FA3GEN_LIB, use_spec) may lack the kernels
         lib = runtime.get_library()
@@ -203,13 +202,36 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
         lib = None
     try:
         key = (_call_key(q, k_cache, v_cache, args), lib)
+        if rotary is not None:  # the tables' layouts, and what decides the rotation's path
+            cos, sin, interleaved = rotary
+            append_lib = _rotary_kernel_library(lib, k)
+            key += (ops._signature(cos), ops._signature(sin), interleaved,
+                    torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)),
+                    append_lib is not None and append_lib.has_append_rotary)
         plan = _plans.get(key)
-    except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+    except (TypeError, AttributeError):  # unhashable, or not a tensor: the checks below say so
         key, plan = None, None
+    planned = None  # a rotary plan's attention q and new keys, made while planning
     if plan is None:
-        plan = _plan(q, k_cache, v_cache, *args)
+        if rotary is not None:
+            plan, planned = _plan_rotary(q, k_cache, v_cache, args, rotary)
+        else:
+            plan = _plan(q, k_cache, v_cache, *args)
         if key is not None:
             ops._remember(_plans, key, plan)
+    elif rotary is not None:
+        _check_rotary_positions(q, k, cache_seqlens, rotary[0], plan.rotary.per_row)
+    if rotary is not None:
+        cos, sin, interleaved = rotary
+        if plan.rotary.template is not None:
+            q_out = planned[0] if planned else torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            rotary = Rotary(q, q_out, cos, sin, interleaved, plan.rotary.per_row,
+                            plan.rotary.template)
+            q = q_out  # written by the append, before the attention reads it
+        else:
+            q, k = planned or _rotate(q, k, cache_seqlens, cos, sin, interleaved,
+                                      plan.rotary.per_row)
+            rotary = None
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   return_lse, k_scale, v_scale, lib, rotary)
     if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
@@ -326,16 +348,22 @@ def _check_rotary(q, k, v, cache_seqlens, cos, sin, per_row: bool) -> None:
             f"{getattr(k, 'dtype', type(k).__name__)} {tuple(getattr(k, 'shape', ()))}")
     if cache_seqlens is None:
         raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
-    b, rows = q.shape[0], cos.shape[0]
+    if not isinstance(cache_seqlens, int):
+        _check_int32_vector("cache_seqlens", cache_seqlens, q.shape[0], q.device)
+    _check_rotary_positions(q, k, cache_seqlens, cos, per_row)
+
+
+def _check_rotary_positions(q, k, cache_seqlens, cos, per_row: bool) -> None:
+    """_check_rotary's checks of values, which a planned call runs again: an int cache_seqlens,
+    or under FA3GEN_DEBUG_CHECKS a tensor one, past the tables' positions."""
+    rows = cos.shape[0]
     span = max(k.shape[1], q.shape[1] if per_row else 1)  # positions past cache_seqlens used
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
                                     f"cache_seqlens + {span} = {cache_seqlens + span}")
-        return
-    _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
-    if ops.debug_checks_enabled():
-        need = int((_start_rows(cache_seqlens, b, q.device).max() + span).item())
+    elif ops.debug_checks_enabled():
+        need = int((_start_rows(cache_seqlens, q.shape[0], q.device).max() + span).item())
         if need > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; cache_seqlens needs {need}")
 
@@ -369,6 +397,15 @@ class Rotary:
     sin: torch.Tensor
     interleaved: bool
     per_row: bool
+    template: bytes | None = None  # rotary_params' fields but the pointers (the plan's)
+
+
+def _rotary_kernel_library(lib, k):
+    """_append_library's answer (None: no library, or FA3GEN_APPEND_KERNEL=0)."""
+    try:
+        return _append_library(lib, k)
+    except Fa3genError:
+        return None
 
 
 def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
@@ -381,11 +418,35 @@ def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
         return False
-    try:
-        lib = _append_library(None, k)
-    except Fa3genError:
-        return False
+    lib = _rotary_kernel_library(None, k)
     return lib is not None and lib.has_append_rotary
+
+
+@dataclass(frozen=True)
+class _RotaryPlan:
+    """A rotary call's planned path: q rotated at each row's own position (per_row: causal or a
+    window), and the append kernel's params but the pointers (None: PyTorch rotates)."""
+    per_row: bool
+    template: bytes | None
+
+
+def _plan_rotary(q, k_cache, v_cache, args, rotary) -> tuple[_DecodePlan, tuple]:
+    """_plan for a call with the rotary embedding: its checks, and the plan of the attention's
+    q (the kernel's contiguous q_out, or PyTorch's rotated q and k) with the rotation's path;
+    and this call's (attention q, new keys)."""
+    k, v, cache_seqlens, _, block_table, _, causal, window_size = args[:8]
+    cos, sin, interleaved = rotary
+    per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
+    _check_rotary(q, k, v, cache_seqlens, cos, sin, per_row)
+    if _fused_rotary(q, k, k_cache, cos, sin):
+        attention_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        plan = _plan(attention_q, k_cache, v_cache, *args)
+        template = bytes(_rotary_template(q, cos, sin, interleaved, per_row))
+    else:
+        attention_q, k = _rotate(q, k, cache_seqlens, cos, sin, interleaved, per_row)
+        plan = _plan(attention_q, k_cache, v_cache, k, *args[1:])
+        template = None
+    return replace(plan, rotary=_RotaryPlan(per_row, template)), (attention_q, k)
 
 
 # Eager calls repeat one signature (shapes, strides, dtypes, the other arguments) step after
@@ -420,6 +481,7 @@ class _DecodePlan:
     append: int              # seqlen_new of k, v (0: nothing to append)
     prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
     kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
+    rotary: "_RotaryPlan | None" = None  # a call with rotary_cos / rotary_sin: its path
 
 
 @dataclass(frozen=True)
@@ -652,16 +714,27 @@ def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, b
 
 
 def rotary_params(rotary: Rotary, p: runtime.AppendParams) -> runtime.RotaryParams:
-    """The append kernel's rotary params (fa3gen_rotary_params) beside its append params p."""
+    """The append kernel's rotary params (fa3gen_rotary_params) beside its append params p:
+    the planned template (or one made now) with this call's pointers."""
+    template = rotary.template
+    if template is None:
+        template = _rotary_template(rotary.q, rotary.cos, rotary.sin, rotary.interleaved,
+                                    rotary.per_row)
+    r = runtime.RotaryParams.from_buffer_copy(template)
+    r.q, r.q_out = rotary.q.data_ptr(), rotary.q_out.data_ptr()
+    r.cos, r.sin = rotary.cos.data_ptr(), rotary.sin.data_ptr()
+    return r
+
+
+def _rotary_template(q, cos, sin, interleaved: bool, per_row: bool) -> runtime.RotaryParams:
+    """rotary_params' fields that the layouts and flags fix (the pointers left null)."""
     r = runtime.RotaryParams()
-    q, cos, sin = rotary.q, rotary.cos, rotary.sin
-    r.q, r.q_out, r.cos, r.sin = q.data_ptr(), rotary.q_out.data_ptr(), cos.data_ptr(), sin.data_ptr()
     r.q_batch_stride, r.q_row_stride, r.q_head_stride = q.stride()[:3]
     r.cos_row_stride, r.cos_col_stride = cos.stride()
     r.sin_row_stride, r.sin_col_stride = sin.stride()
     r.seqlen_q, r.heads_q = q.shape[1], q.shape[2]
     r.rotary_half, r.rows = cos.shape[1], cos.shape[0]
-    r.interleaved, r.q_per_row = rotary.interleaved, rotary.per_row
+    r.interleaved, r.q_per_row = interleaved, per_row
     r.cos_type = _table_type(cos)
     r.fp16 = q.dtype == torch.float16
     return r

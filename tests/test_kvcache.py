@@ -1652,3 +1652,48 @@ def test_rotary_stays_with_pytorch_where_the_kernel_does_not_apply(launched, mon
     with torch.no_grad():  # no gradient to keep
         assert kvcache._fused_rotary(q, k, kc.to(BF), theta.requires_grad_(), theta)
 
+
+
+def test_a_repeated_rotary_signature_is_planned_once(launched, monkeypatch):
+    """The rotary checks, the kernel's decision and its params are planned with the call's
+    signature: decode steps plan once and only the pointers change; a planned call still
+    checks an int cache_seqlens against the tables, and FA3GEN_APPEND_KERNEL=0 or a q that
+    needs a gradient plans again, for PyTorch's rotation."""
+    import os
+
+    lib = _AppendRecorder()
+    monkeypatch.setattr(kvcache, "_append_library",
+                        lambda lib_, k: None if os.environ.get(kvcache.APPEND_KERNEL_ENV) == "0" else lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    checked = []
+    real = kvcache._check_rotary
+    monkeypatch.setattr(kvcache, "_check_rotary", lambda *a: checked.append(1) or real(*a))
+    kvcache._plans.clear()
+    g = torch.Generator().manual_seed(5)
+    kc, vc = (torch.zeros(2, 64, 2, 128, dtype=BF) for _ in range(2))
+    theta = torch.rand(32, 64, generator=g)
+    cos, sin = theta.cos(), theta.sin()
+    qs = [torch.randn(2, 1, 8, 128, generator=g).to(BF) for _ in range(3)]  # alive: three addresses
+    k = torch.randn(2, 1, 2, 128, generator=g).to(BF)
+    for step, q in enumerate(qs):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=10 + step, rotary_cos=cos,
+                                        rotary_sin=sin, causal=True)
+    assert len(checked) == 1 and len(lib.rotary_calls) == 3 and len(launched) == 3
+    fixed = [bytes(r)[32:] for _, r in lib.rotary_calls]  # all but q, q_out, cos and sin
+    assert fixed[0] == fixed[1] == fixed[2]
+    assert [r.q for _, r in lib.rotary_calls] == [q.data_ptr() for q in qs]
+    assert all(p.q == r.q_out for p, (_, r) in zip(launched, lib.rotary_calls))
+    assert bytes(kvcache.rotary_params(kvcache.Rotary(qs[0], qs[0], cos, sin, True, True),
+                                       lib.rotary_calls[0][0]))[32:] == fixed[0]  # unplanned: equal
+    with pytest.raises(InvalidInputError, match="rotary_cos has 32 positions; the call needs"):
+        kvcache.flash_attn_with_kvcache(qs[0], kc, vc, k, k, cache_seqlens=40, rotary_cos=cos,
+                                        rotary_sin=sin, causal=True)
+    assert len(checked) == 1  # the planned call's values checked all the same
+    monkeypatch.setenv(kvcache.APPEND_KERNEL_ENV, "0")
+    kvcache.flash_attn_with_kvcache(qs[0], kc, vc, k, k, cache_seqlens=12, rotary_cos=cos,
+                                    rotary_sin=sin, causal=True)
+    assert len(checked) == 2 and len(lib.rotary_calls) == 3
+    monkeypatch.delenv(kvcache.APPEND_KERNEL_ENV)
+    kvcache.flash_attn_with_kvcache(qs[0].clone().requires_grad_(), kc, vc, k, k, cache_seqlens=12,
+                                    rotary_cos=cos, rotary_sin=sin, causal=True)
+    assert len(checked) == 3 and len(lib.rotary_calls) == 3
