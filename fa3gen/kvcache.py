@@ -482,6 +482,10 @@ class _DecodePlan:
     prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
     kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
     rotary: "_RotaryPlan | None" = None  # a call with rotary_cos / rotary_sin: its path
+    # The append kernel's params but the pointers (_append_template; None: the layouts do not
+    # suit it), planned with the new keys' and the cache's layouts; False: looked up per call
+    # (an e4m3 cache, whose new rows are quantized first).
+    append_template: bytes | None | bool = False
 
 
 @dataclass(frozen=True)
@@ -600,8 +604,11 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.kv_scale_batch_stride, p.kv_scale_head_stride = c.scale_strides
     p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
                                         for s in (k_scale, v_scale))
+    template = _append_template(c.geometry, (k, v, k_cache, v_cache), block_table) \
+        if c.append and not c.kv_fp8 else False
     return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, c.geometry, c.append,
-                       (mask, p.softmax_scale) if c.prefill else None, c.kv_fp8)
+                       (mask, p.softmax_scale) if c.prefill else None, c.kv_fp8,
+                       append_template=template)
 
 
 FP32_MAX = torch.finfo(torch.float32).max  # a float factor travels as an fp32 param
@@ -684,19 +691,21 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
 
 
 def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table,
-            kv_fp8: bool, k_scale, v_scale, lib=None, rotary: Rotary | None = None):
+            kv_fp8: bool, k_scale, v_scale, lib=None, rotary: Rotary | None = None,
+            template=False):
     """k, v into the cache at each sequence's positions seqlens + i (an e4m3 cache: quantized
     with its factors), untracked as flash-attn's raw writes: k, v that require grad must not
     pull the cache into their autograd graph (it would grow every step, keeping activations
     alive). By lib's append kernel (one launch) when given and the layouts suit it
     (append_params), else with PyTorch indexing (_write_rows; what a compiled call traces).
     rotary (only with lib): the keys are rotated as they are written and q into rotary.q_out,
-    by the kernel or, where the layouts do not suit it, by PyTorch first. No host sync."""
+    by the kernel or, where the layouts do not suit it, by PyTorch first. template: the plan's
+    append_template (False: append_params looks it up). No host sync."""
     with torch.no_grad():
         if kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
         p = None if lib is None else append_params(geometry, k_cache, v_cache, k, v, seqlens,
-                                                     cache_batch_idx, block_table)
+                                                     cache_batch_idx, block_table, template)
         if p is None:
             if rotary is not None:
                 q, k = _rotate(rotary.q, k, seqlens, rotary.cos, rotary.sin, rotary.interleaved,
@@ -753,22 +762,24 @@ def _append_library(lib, k):
 
 
 def append_params(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
-                  block_table) -> runtime.AppendParams | None:
+                  block_table, template=False) -> runtime.AppendParams | None:
     """The append kernel's params (fa3gen_append_params) for k, v (in the cache's dtype) into
     the cache; None where a layout does not suit it: rows, pointers or strides not 16-byte
     aligned, a head dim not contiguous, a block table whose columns are not, a cache of no
     rows, k_cache and v_cache one tensor (the PyTorch path writes v last there; the kernel
-    writes both at once). All but the pointers is kept per layout (_append_templates)."""
+    writes both at once). All but the pointers is kept per layout: template, the decode plan's
+    (_DecodePlan.append_template), or else _append_templates'."""
     tensors = (k, v, k_cache, v_cache)
     if any(t.data_ptr() % 16 for t in tensors) or k_cache.data_ptr() == v_cache.data_ptr():
         return None
-    sig = ops._signature
-    key = (geometry, sig(k), sig(v), sig(k_cache), sig(v_cache),
-           None if block_table is None else (block_table.shape, block_table.stride()))
-    template = _append_templates.get(key, False)
     if template is False:
-        template = ops._remember(_append_templates, key,
-                                 _append_template(geometry, tensors, block_table))
+        sig = ops._signature
+        key = (geometry, sig(k), sig(v), sig(k_cache), sig(v_cache),
+               None if block_table is None else (block_table.shape, block_table.stride()))
+        template = _append_templates.get(key, False)
+        if template is False:
+            template = ops._remember(_append_templates, key,
+                                     _append_template(geometry, tensors, block_table))
     if template is None:
         return None
     p = runtime.AppendParams.from_buffer_copy(template)
@@ -871,7 +882,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     if plan.append:
         _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table, plan.kv_fp8, k_scale, v_scale,
-                _append_library(lib, k), rotary)
+                _append_library(lib, k), rotary, plan.append_template)
         if seqlens is not None:
             seqlens = seqlens + plan.append  # what attention covers; the caller's stays as it was
     if no_query:  # the append was the whole call

@@ -1697,3 +1697,34 @@ def test_a_repeated_rotary_signature_is_planned_once(launched, monkeypatch):
     kvcache.flash_attn_with_kvcache(qs[0].clone().requires_grad_(), kc, vc, k, k, cache_seqlens=12,
                                     rotary_cos=cos, rotary_sin=sin, causal=True)
     assert len(checked) == 3 and len(lib.rotary_calls) == 3
+
+
+def test_the_append_kernels_params_are_planned_with_the_call(launched, monkeypatch):
+    """A decode call that appends takes the append kernel's params but the pointers from its
+    plan (made once per signature, equal to what append_params finds by itself); an e4m3
+    cache, whose new rows are quantized first, looks them up per call."""
+    lib = _AppendRecorder()
+    monkeypatch.setattr(kvcache, "_append_library", lambda lib_, k: lib)
+    monkeypatch.setattr(ops, "on_current_stream", lambda device, call: call(0))
+    made = []
+    real = kvcache._append_template
+    monkeypatch.setattr(kvcache, "_append_template", lambda *a: made.append(1) or real(*a))
+    kvcache._plans.clear()
+    kvcache._append_templates.clear()
+    kc, vc = (torch.zeros(2, 64, 2, 128, dtype=BF) for _ in range(2))
+    news = [torch.randn(2, 1, 2, 128).to(BF) for _ in range(3)]  # alive: three addresses
+    q = torch.randn(2, 1, 8, 128).to(BF)
+    for step, k in enumerate(news):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=5 + step)
+    assert len(made) == 1 and not kvcache._append_templates and len(lib.calls) == 3
+    assert [p.k_new for p in lib.calls] == [k.data_ptr() for k in news]
+    assert [p.seqlen for p in lib.calls] == [5, 6, 7]
+    looked_up = kvcache.append_params(kvcache._plans[next(iter(kvcache._plans))].geometry, kc, vc,
+                                      news[0], news[0], 5, None, None)
+    assert bytes(looked_up) == bytes(lib.calls[0])
+    kvcache._append_templates.clear()
+    # an e4m3 cache: the quantized rows' params looked up per layout, as before
+    kc8, vc8 = (torch.zeros(2, 64, 2, 128, dtype=FP8) for _ in range(2))
+    for step in range(2):
+        kvcache.flash_attn_with_kvcache(q, kc8, vc8, news[0], news[0], cache_seqlens=5 + step)
+    assert len(kvcache._append_templates) == 1 and len(lib.calls) == 5
