@@ -204,10 +204,8 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
         key = (_call_key(q, k_cache, v_cache, args), lib)
         if rotary is not None:  # the tables' layouts, and what decides the rotation's path
             cos, sin, interleaved = rotary
-            append_lib = _rotary_kernel_library(lib, k)
             key += (ops._signature(cos), ops._signature(sin), interleaved,
-                    torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)),
-                    append_lib is not None and append_lib.has_append_rotary)
+                    _rotation_keeps_grad(q, k, cos, sin), _rotary_kernel_on(lib, k))
         plan = _plans.get(key)
     except (TypeError, AttributeError):  # unhashable, or not a tensor: the checks below say so
         key, plan = None, None
@@ -400,12 +398,19 @@ class Rotary:
     template: bytes | None = None  # rotary_params' fields but the pointers (the plan's)
 
 
-def _rotary_kernel_library(lib, k):
-    """_append_library's answer (None: no library, or FA3GEN_APPEND_KERNEL=0)."""
+def _rotary_kernel_on(lib, k) -> bool:
+    """Whether an eager call with new keys k has the append kernel with the rotary (k on a GPU,
+    not FA3GEN_APPEND_KERNEL=0, lib, or the library found, has fa3gen_kvcache_append_rotary)."""
     try:
-        return _append_library(lib, k)
-    except Fa3genError:
-        return None
+        lib = _append_library(lib, k)
+    except Fa3genError:  # no library
+        return False
+    return lib is not None and lib.has_append_rotary
+
+
+def _rotation_keeps_grad(q, k, cos, sin) -> bool:
+    """Whether the rotation must keep a gradient (autograd on, an input that requires it)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
 
 
 def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
@@ -416,10 +421,7 @@ def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
     if not (q.dtype == k.dtype == k_cache.dtype and q.numel() and k.numel()
             and q.stride(-1) == 1 and _table_type(cos) is not None):
         return False
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin)):
-        return False
-    lib = _rotary_kernel_library(None, k)
-    return lib is not None and lib.has_append_rotary
+    return not _rotation_keeps_grad(q, k, cos, sin) and _rotary_kernel_on(None, k)
 
 
 @dataclass(frozen=True)
@@ -481,7 +483,7 @@ class _DecodePlan:
     append: int              # seqlen_new of k, v (0: nothing to append)
     prefill: tuple | None    # (mask, softmax scale): more rows than the decode kernels take
     kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
-    rotary: "_RotaryPlan | None" = None  # a call with rotary_cos / rotary_sin: its path
+    rotary: _RotaryPlan | None = None  # a call with rotary_cos / rotary_sin: its path
     # The append kernel's params but the pointers (_append_template; None: the layouts do not
     # suit it), planned with the new keys' and the cache's layouts; False: looked up per call
     # (an e4m3 cache, whose new rows are quantized first).

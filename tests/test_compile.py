@@ -269,7 +269,10 @@ int main() {
 """
 
 
-LONG_TILES_CHECK = WALK_PRELUDE + r"""
+LONG_TILES_CHECK = r"""
+#include <cstdio>
+#include "tile_scheduler.cuh"
+using namespace fa3gen;
 // fwd_long_tiles at the points measured (docs/BENCHMARKS.md; window_keys = left + right + 1).
 int main() {
   struct Case { bool causal, local; int d, seqlen_k; long long window_keys; bool one_cta_per_tile; };

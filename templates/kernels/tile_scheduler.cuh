@@ -76,7 +76,6 @@ inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool c
   return {blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
 }
 
-
 // One CTA per tile, tiles in order (the backward: one CTA per key block, or per varlen list entry).
 inline TileSchedule one_cta_per_tile(int blocks, int heads, int batch) {
   return {blocks, heads, batch, (blocks + 1) / 2, false, int64_t(blocks) * heads * batch};
