@@ -471,13 +471,10 @@ def test_forward_register_and_smem_model_mirrors_the_kernel_headers():
     for (dtype, d, tile_m), cap in cases.items():
         v = parse_name(f"fwd_{dtype}_d{d}_nocausal_m{tile_m}n128_s2_ws1_pp0_ov1")
         assert V.consumer_registers(v)[1] == cap, (dtype, d, tile_m)
-    # (kVarlenClustered is the FA3GEN_VARLEN_CLUSTER2 experiment's, false in default builds,
-    # which the model is of.)
     condition = _header_constant("fwd_traits.cuh", r"kClusterM =\s*\(([\s\S]*?)\)\s*\?\s*2 : 1;")
     assert re.sub(r"\s+", " ", condition) == (
-        "!kFp8 && !Causal && !Local && !Softcap && (!Varlen || (kVarlenClustered && HeadDim == 128)) && "
-        "!Paged && WarpSpecialized && !PInSmem && HeadDim >= 128")
-    assert _header_constant("fwd_traits.cuh", r"#else\s+static constexpr bool kVarlenClustered = (\w+);") == "false"
+        "!kFp8 && !Causal && !Local && !Softcap && !Varlen && !Paged && WarpSpecialized && !PInSmem && "
+        "HeadDim >= 128")
     clustered = {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1": True,
                  "fwd_fp16_d256_nocausal_m128n80_s2_ws1_pp0_ov1": True,
                  "fwd_bf16_d96_nocausal_m128n128_s2_ws1_pp0_ov1": False,

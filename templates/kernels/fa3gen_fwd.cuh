@@ -81,19 +81,19 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // as long on average: every tile costs about the window, so they are alike (window 1024:
     // 1.02-1.09x at mean lengths 2k-8k, 0.85-0.96x at 512; window 4096 0.84-1.00x). Paged calls
     // were not measured and keep one CTA per tile. FA3GEN_GRID_PERSISTENT / _TILES force either.
-    const int64_t entries = varlen_list_entries(a.total_q, a.batch, a.heads_q, TileM, Traits::kClusterM);
+    const int64_t entries = FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q;
     const bool short_seqs = int64_t(a.total_k) <= 512 * int64_t(a.batch);
     const bool alike_windows =
         masking.window_keys < 2048 && int64_t(a.total_k) >= 2 * masking.window_keys * a.batch;
     const bool walk = !Paged && (Local ? alike_windows : !Causal || short_seqs);
     schedule = varlen_fwd_schedule(entries, Causal && !Local,
                                    a.grid_mode == FA3GEN_GRID_PERSISTENT || (a.grid_mode == FA3GEN_GRID_AUTO && walk),
-                                   a.num_sms, Traits::kClusterM, cluster_fit);
+                                   a.num_sms);
     PaddingArgs padding;  // O's rows outside every sequence, and their LSE (varlen.cuh)
     padding.rows[0] = PaddedRows{a.o, a.cu_seqlens_q, a.o_row_stride, a.o_head_stride, a.total_q, a.heads_q, HeadDim};
     padding.lse = a.lse;
     padding.batch = a.batch;
-    cudaError_t err = launch_varlen_tiles<TileM * Traits::kClusterM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
+    cudaError_t err = launch_varlen_tiles<TileM, Causal>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
                                                          int(entries), stream, schedule.paired, padding);
     if (err != cudaSuccess) return report("varlen tile list launch", err);

@@ -174,12 +174,10 @@ struct FwdMainloop {
   // ---------------- TMA loads (issued by one thread) ----------------
   __device__ __forceinline__ void load_q(TileCoord const& tile, SeqSlice const& seq, int part) {
     constexpr int kRowsPerPart = kTileM / Traits::kQParts;
-    // kClusterM > 1: a head's extra tile (past the last query block, tile_scheduler.cuh; of its
-    // sequence, varlen.cuh) loads the last block's rows; it stores nothing. (A box wholly out of
-    // bounds would do too: TMA zero-fills it and credits its bytes, as for a K/V half past the
-    // last key; not so in a packed tensor, whose next rows are the next sequence's.)
-    const int rows_q = Traits::kVarlen ? seq.seqlen_q : p.seqlen_q;
-    const int block = Traits::kClusterM > 1 ? min(tile.block, (rows_q - 1) / kTileM) : tile.block;
+    // kClusterM > 1: a head's extra tile (past the last query block, tile_scheduler.cuh) loads
+    // the last block's rows; it stores nothing. (A box wholly out of bounds would do too: TMA
+    // zero-fills it and credits its bytes, as for a K/V half past the last key.)
+    const int block = Traits::kClusterM > 1 ? min(tile.block, (p.seqlen_q - 1) / kTileM) : tile.block;
     auto [tg, ts] = row_tiles(p.tma_q, p.seqlen_q, p.varlen.total_q, seq.offset_q, p.heads_q, tile.head, tile.batch,
                               Shape<Int<kRowsPerPart>, Int<kHeadDim>>{},
                               make_coord(block * Traits::kQParts + part, _0{}),
@@ -246,9 +244,9 @@ struct FwdMainloop {
       auto tiles = [&]() {
         constexpr auto kTile = Shape<Int<kHeadDim>, Int<kTileN>>{};
         if constexpr (Traits::kVarlen) {
-          return tma_tiles_at<Traits::kClusterM>(p.tma_v, make_shape(Int<kHeadDim>{}, p.varlen.total_k, p.heads_kv, 1),
-                                                 head_kv, make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _),
-                                                 smem.v.data(), typename Traits::SmemLayoutVt{}, cluster_rank());
+          return tma_tiles_at(p.tma_v, make_shape(Int<kHeadDim>{}, p.varlen.total_k, p.heads_kv, 1), head_kv,
+                              make_coord(_0{}, seq.offset_k), kTile, make_coord(_0{}, _), smem.v.data(),
+                              typename Traits::SmemLayoutVt{});
         } else {
           return tma_tiles<Traits::kClusterM>(p.tma_v, make_shape(Int<kHeadDim>{}, p.seqlen_k, p.heads_kv, p.batch),
                                               head_kv, b, kTile, make_coord(_0{}, _), smem.v.data(),

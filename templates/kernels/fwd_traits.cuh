@@ -118,23 +118,14 @@ struct FwdTraits {
   // where it gained (16k, alone for seconds: d128 1.02-1.03x, d256 1.01-1.02x; about a tie at
   // 1k), not d64 and d96 (0.96x at 1k); softcap not measured, so not clustered (A/B on an H100
   // SXM, 2026-12-05 (seventeenth), and the H200, (fourteenth)). generator/variants.py
-  // fwd_clustered mirrors this condition. FA3GEN_FWD_NO_CLUSTER2: none (an A/B's A side).
-  // FA3GEN_VARLEN_CLUSTER2 (an experiment, off unless defined; not kept: H100, 0.95-0.97x up
-  // to mean length 2k, 1.01-1.03x from 4k, docs/BENCHMARKS.md 2026-12-05 (eighteenth)): the
-  // non-causal varlen d128 forwards too, each pair on two neighbouring query tiles of one
-  // sequence and head (varlen.cuh); a sequence's odd tile computes beside its pair and stores
-  // nothing. d256 128x80 spilled 20 bytes with it (CPU compile, 2026-12-05 (seventeenth)).
-#ifdef FA3GEN_VARLEN_CLUSTER2
-  static constexpr bool kVarlenClustered = true;
-#else
-  static constexpr bool kVarlenClustered = false;
-#endif
+  // fwd_clustered mirrors this condition. FA3GEN_FWD_NO_CLUSTER2: none (an A/B's A side). The
+  // varlen d128 forwards as pairs on one sequence's neighbouring tiles were measured and
+  // removed (docs/BENCHMARKS.md, 2026-12-05 (eighteenth)).
 #ifdef FA3GEN_FWD_NO_CLUSTER2
   static constexpr int kClusterM = 1;
 #else
   static constexpr int kClusterM =
-      (!kFp8 && !Causal && !Local && !Softcap && (!Varlen || (kVarlenClustered && HeadDim == 128)) && !Paged &&
-       WarpSpecialized && !PInSmem && HeadDim >= 128)
+      (!kFp8 && !Causal && !Local && !Softcap && !Varlen && !Paged && WarpSpecialized && !PInSmem && HeadDim >= 128)
           ? 2 : 1;
 #endif
   static_assert(kClusterM == 1 || TileN % 16 == 0, "each CTA's half of a key block: whole 8-row swizzle atoms");

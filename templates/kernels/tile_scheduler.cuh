@@ -81,15 +81,13 @@ inline TileSchedule one_cta_per_tile(int blocks, int heads, int batch) {
   return {blocks, heads, batch, (blocks + 1) / 2, false, int64_t(blocks) * heads * batch};
 }
 
-// The varlen forward's: `entries` list entries (varlen.cuh; each of `cluster` neighbouring
-// query tiles), one CTA per tile or `persistent`; causal heads' tiles in pairs when persistent
-// leaves CTAs several.
-inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persistent, int num_sms, int cluster = 1,
-                                        int cluster_fit = 0) {
-  TileSchedule s = one_cta_per_tile(int(entries * cluster), 1, 1);
+// The varlen forward's: `entries` list entries (varlen.cuh), one CTA per tile or `persistent`;
+// causal heads' tiles in pairs when persistent leaves CTAs several.
+inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persistent, int num_sms) {
+  TileSchedule s = one_cta_per_tile(int(entries), 1, 1);
   if (persistent) {
-    s.ctas = persistent_ctas(entries * cluster, num_sms, cluster, cluster_fit);
-    s.paired = causal && s.ctas < entries * cluster;
+    s.ctas = persistent_ctas(entries, num_sms, 1, 0);
+    s.paired = causal && s.ctas < entries;
   }
   return s;
 }

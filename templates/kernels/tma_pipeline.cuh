@@ -51,33 +51,28 @@ __device__ __forceinline__ auto tma_tiles(Tma const& tma, GShape const& shape, i
 // The same for a packed (varlen) tensor: its one batch, the slice's coordinates shifted by
 // `offset` (the sequence's first row, in the seqlen mode's position), so tiles count from the
 // sequence's start. Rows past the sequence read the next one's (the mask hides them).
-template <int Multicast = 1, class Tma, class GShape, class TileShape, class Coord, class Element, class SmemLayout,
-          class Offset>
+template <class Tma, class GShape, class TileShape, class Coord, class Element, class SmemLayout, class Offset>
 __device__ __forceinline__ auto tma_tiles_at(Tma const& tma, GShape const& shape, int head, Offset const& offset,
-                                             TileShape tile, Coord coord, Element* smem, SmemLayout layout,
-                                             int rank = 0) {
+                                             TileShape tile, Coord coord, Element* smem, SmemLayout layout) {
   Tensor m = tma.get_tma_tensor(shape);
   Tensor g = local_tile(domain_offset(offset, m(_, _, head, 0)), tile, coord);
   Tensor s = make_tensor(make_smem_ptr(smem), layout);
-  if constexpr (Multicast == 1) {
-    return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-  } else {
-    return tma_partition(tma, rank, Layout<Int<Multicast>>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-  }
+  return tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
 }
 
 // Row tiles (rows, head_dim) of a (seqlen, head_dim, heads, batch) tensor as both mainloops
 // load Q, K (and the backward dO, V): one (head, b) slice of a dense tensor (seqlen rows,
 // `batch` batches), or the sequence starting at row `offset` of a packed one (`total` rows).
-// Multicast, rank: as tma_tiles.
+// Multicast, rank: as tma_tiles (dense tensors only).
 template <bool Varlen, int HeadDim, int Multicast = 1, class Tma, class TileShape, class Coord, class Element,
           class SmemLayout>
 __device__ __forceinline__ auto row_tiles(Tma const& tma, int seqlen, int batch, int total, int offset, int heads,
                                           int head, int b, TileShape tile, Coord coord, Element* smem,
                                           SmemLayout layout, int rank = 0) {
+  static_assert(!Varlen || Multicast == 1, "multicast loads of dense tensors only");
   if constexpr (Varlen) {
-    return tma_tiles_at<Multicast>(tma, make_shape(total, Int<HeadDim>{}, heads, 1), head, make_coord(offset, _0{}),
-                                   tile, coord, smem, layout, rank);
+    return tma_tiles_at(tma, make_shape(total, Int<HeadDim>{}, heads, 1), head, make_coord(offset, _0{}), tile,
+                        coord, smem, layout);
   } else {
     return tma_tiles<Multicast>(tma, make_shape(seqlen, Int<HeadDim>{}, heads, batch), head, b, tile, coord, smem,
                                 layout, rank);

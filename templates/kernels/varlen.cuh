@@ -222,15 +222,6 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
   }
 }
 
-// The list's capacity (its entries) for `cluster` neighbouring query tiles an entry: the
-// bound of tiles of cluster * tile rows, or the single tiles' bound (the workspace's,
-// FA3GEN_VARLEN_TILES) where that is lower, as it is when many sequences are empty (total <
-// batch): each entry holds a tile, so both bound the entries.
-inline int64_t varlen_list_entries(int total, int batch, int heads, int tile, int cluster) {
-  const int64_t groups = FA3GEN_VARLEN_TILES(total, batch, tile * cluster), tiles = FA3GEN_VARLEN_TILES(total, batch, tile);
-  return (groups < tiles ? groups : tiles) * heads;
-}
-
 // Shared memory of varlen_tiles_kernel for `batch` sequences.
 inline size_t varlen_tiles_smem(int batch) {
   return sizeof(int) * (size_t(batch) * (batch <= kVarlenSortedBatch ? 4 : 3) + 1);
@@ -269,26 +260,19 @@ __device__ __forceinline__ int seq_of_padded_tile(const int* cu_q, int total_q, 
 
 // The main kernel's side: CTA b runs entries b, b + G, ... (G = the grid: one CTA per entry, or
 // persistent), or with s.paired the pairs b, b + G, ... (entries 2u and 2u + 1 of pair u).
-// Cluster > 1 (the forward's FwdTraits::kClusterM): the list was made with tiles of Cluster
-// query blocks, and index t is block t % Cluster of entry t / Cluster (s.blocks counts them).
-// The grid being whole clusters, the CTAs of one take an entry's blocks side by side at every
-// step of the walk; a block past its sequence's last (its count rounded up) computes with its
-// cluster and stores nothing, as in the dense walk (tile_scheduler.cuh).
-template <int Cluster>
-struct VarlenTileSchedulerOf {
+struct VarlenTileScheduler {
   TileSchedule const& s;
   const int2* tiles;
   __device__ __forceinline__ int first() const { return walk_first(s.paired); }
-  __device__ __forceinline__ int count() const { return s.blocks; }  // entries times Cluster
+  __device__ __forceinline__ int count() const { return s.blocks; }  // entries
   __device__ __forceinline__ int next(int t) const { return walk_next(t, s.paired); }
   __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
-    const int2 e = tiles[t / Cluster];
+    const int2 e = tiles[t];
     tile.batch = e.x;
     tile.head = e.y >> 16;
-    tile.block = (e.y & 0xffff) * Cluster + t % Cluster;
+    tile.block = e.y & 0xffff;
     return e.x >= 0;
   }
 };
-using VarlenTileScheduler = VarlenTileSchedulerOf<1>;
 
 }  // namespace fa3gen
