@@ -208,7 +208,7 @@ def select_variant(
             f"to a group of {spec_file} and run: {build}"
         )
     raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead,
-                               no_default=bool(same_key))
+                               no_default=bool(same_key), left_out_by=filters)
 
 
 def _filters_that_dropped(key: tuple, build_info: dict[str, Any] | None) -> str:

@@ -263,6 +263,43 @@ def test_variant_left_out_by_a_filtered_build_says_rebuild():
     assert "add head_dim" not in msg
 
 
+def test_a_miss_records_the_filter_that_left_it_out_through_wrapping_errors():
+    """GPU tests of a filtered build skip on such misses (tests/gpu/conftest.py), also where
+    torch.compile re-raises the miss as its own error."""
+    from fa3gen.errors import left_out_by_filter
+
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100", build_info=FILTERED_INFO)
+    flags = "--only 'fwd_bf16_*' --exclude '*_causal_*'"
+    assert e.value.left_out_by == flags and left_out_by_filter(e.value) == flags
+
+    class Wrapper(Exception):  # as torch._dynamo's BackendCompilerFailed keeps the error
+        def __init__(self, inner):
+            super().__init__(str(inner))
+            self.inner_exception = inner
+
+    def reraised(how):
+        try:
+            try:
+                raise e.value
+            except VariantNotBuiltError as inner:
+                if how == "from":
+                    raise RuntimeError("wrapped") from inner
+                if how == "from None":  # __cause__ None, the context kept
+                    raise RuntimeError("wrapped") from None
+                raise Wrapper(inner) from None
+        except Exception as outer:
+            return outer
+
+    for how in ("from", "from None", "inner"):
+        assert left_out_by_filter(reraised(how)) == flags, how
+    # a full build's miss, an unfiltered key and other errors are not skipped
+    with pytest.raises(VariantNotBuiltError) as full:
+        select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100")
+    assert full.value.left_out_by == "" and left_out_by_filter(full.value) == ""
+    assert left_out_by_filter(RuntimeError("x")) == "" and left_out_by_filter(None) == ""
+
+
 @pytest.mark.parametrize("info", [
     None, {}, {"spec": "h100", "fingerprint": "x"},                       # older libraries
     {**FILTERED_INFO, "filters": {"only": [], "exclude": []}},          # not filtered
