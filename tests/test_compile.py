@@ -215,10 +215,26 @@ SCHEDULE_CHECK = WALK_PRELUDE + r"""
 // dense non-causal d >= 128) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
 // at every step, the same number of steps (a CTA that stops early leaves its peer waiting).
 template <bool Causal>
-int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int cluster, int fit, long long& n) {
-  const TileSchedule s = fwd_tile_schedule(m, heads, batch, Causal, long_tiles, mode, sms, cluster, fit);
+int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int cluster, int fit, long long& n,
+          long long kv_head_bytes = 0) {
+  const TileSchedule s = fwd_tile_schedule(m, heads, batch, Causal, long_tiles, mode, sms, cluster, fit, kv_head_bytes);
   if (s.ctas < 1 || s.ctas % cluster) { std::printf("grid %lld\n", (long long)s.ctas); return 1; }
   const TileScheduler<Causal> sched{s};
+  // Causal, one CTA per tile: sections of head_section (head, batch) pairs, as many as L2 holds
+  // (a power of two, at most the pairs), each listing its tiles longest first across its heads.
+  const int want = Causal && s.ctas == int64_t(m) * heads * batch && cluster == 1
+                   ? l2_head_section(kv_head_bytes, int64_t(heads) * batch) : 1;
+  if (s.head_section != want || (want & (want - 1)) || want > heads * batch ||
+      (want > 1 && want * kv_head_bytes > (50LL << 20))) {
+    std::printf("head_section %d (want %d)\n", s.head_section, want); return 1;
+  }
+  for (int t = 0; Causal && s.ctas == sched.count() && t + 1 < sched.count(); ++t) {
+    TileCoord a, b;
+    sched.decode(t, a);
+    sched.decode(t + 1, b);
+    const int sa = (a.batch * heads + a.head) / s.head_section, sb = (b.batch * heads + b.head) / s.head_section;
+    if (sb < sa || (sa == sb && b.block > a.block)) { std::printf("tile %d: not longest first in its section\n", t + 1); return 1; }
+  }
   std::map<std::tuple<int, int, int>, int> seen;
   std::vector<std::vector<TileCoord>> walks(s.ctas);
   for (int cta = 0; cta < int(s.ctas); ++cta) {
@@ -255,8 +271,12 @@ int main() {
         for (bool long_tiles : {false, true})
           for (int mode : modes)
             for (int sms : {1, 2, 3, 7, 131, 132}) {
-              if (check<true>(m, heads, batch, long_tiles, mode, sms, 1, 0, n) ||
-                  check<false>(m, heads, batch, long_tiles, mode, sms, 1, 0, n)) return 1;
+              for (long long kv : {0LL, 1LL, 12LL << 20, 25LL << 20, 50LL << 20, 51LL << 20})
+                if (check<true>(m, heads, batch, long_tiles, mode, sms, 1, 0, n, kv)) {
+                  std::printf("m %d heads %d batch %d mode %d sms %d kv %lld\n", m, heads, batch, mode, sms, kv);
+                  return 1;
+                }
+              if (check<false>(m, heads, batch, long_tiles, mode, sms, 1, 0, n)) return 1;
               for (int fit : {0, 1, 3, 66})
                 if (check<false>(m, heads, batch, long_tiles, mode, sms, 2, fit, n)) {
                   std::printf("m %d heads %d batch %d mode %d sms %d fit %d\n", m, heads, batch, mode, sms, fit);
@@ -309,7 +329,8 @@ def test_the_forward_grid_policy_picks_one_cta_per_tile_where_measured(tmp_path)
 
 def test_the_forward_walk_covers_every_tile_once(tmp_path):
     """tile_scheduler.cuh's forward schedule walked on the host as the kernel walks it, over
-    grid policies, SM counts and (FwdTraits::kClusterM) clusters of two with residency caps."""
+    grid policies, SM counts, (FwdTraits::kClusterM) clusters of two with residency caps and,
+    for causal tiles one CTA each, L2 sections of heads listed longest first across them."""
     assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
 
 

@@ -1,0 +1,49 @@
+"""A list-scheduling model of the causal forward's one-CTA-per-tile grid (2026-12-05, nineteenth):
+132 SMs take the grid's CTAs in order, each as soon as it is free; a tile costs its key blocks
+plus one block's worth of start and end. It compares the grid listed head by head (each head's
+tiles longest first; fa3gen before) with L2 sections of heads listed longest first across
+them (tile_scheduler.cuh l2_head_section; FA4's sm90 order). Pure Python, no GPU:
+
+    python3 docs/results/causal_order_model.py
+"""
+import heapq
+import math
+
+SMS, L2_BYTES = 132, 50 << 20
+
+
+def tile_blocks(seqlen, tile_m, tile_n):
+    """Key blocks of each query tile of one head (causal, seqlen_q = seqlen_k)."""
+    return [math.ceil(min((m + 1) * tile_m, seqlen) / tile_n) for m in range(math.ceil(seqlen / tile_m))]
+
+
+def makespan(costs, overhead=1.0):
+    free = [0.0] * SMS
+    for c in costs:
+        heapq.heappush(free, heapq.heappop(free) + c + overhead)
+    return max(free)
+
+
+def orders(seqlen, d, tile_m, tile_n, head_groups):
+    lengths = tile_blocks(seqlen, tile_m, tile_n)
+    n = len(lengths)
+    by_head = [lengths[n - 1 - m] for _ in range(head_groups) for m in range(n)]
+    section = 1
+    while 2 * section * seqlen * 2 * d * 2 <= L2_BYTES and 2 * section <= head_groups:
+        section *= 2
+    by_section = []
+    for first in range(0, head_groups, section):
+        width = min(section, head_groups - first)
+        by_section += [lengths[n - 1 - m] for m in range(n) for _ in range(width)]
+    return by_head, by_section, section
+
+
+if __name__ == "__main__":
+    for d, tile_m, tile_n in ((64, 192, 128), (128, 128, 128), (256, 128, 80)):
+        for seqlen in (4096, 8192, 16384):
+            head_groups = (2048 // d) * (16384 // seqlen)
+            by_head, by_section, section = orders(seqlen, d, tile_m, tile_n, head_groups)
+            ideal = (sum(by_head) + len(by_head)) / SMS
+            a, b = makespan(by_head), makespan(by_section)
+            print(f"d{d} {tile_m}x{tile_n} seqlen {seqlen}: sections of {section}; makespan / ideal: "
+                  f"by head {a / ideal:.3f}, by section {b / ideal:.3f} (x{a / b:.3f})")
