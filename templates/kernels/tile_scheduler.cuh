@@ -6,9 +6,9 @@
 //
 // Tiles are ordered block-fastest, then head, then batch, so CTAs running together share one
 // head's K and V in L2. Three ways to walk them:
-//  - one CTA per tile (grid = tiles): tile blockIdx.x. Causal forward: a head lists its
-//    last, longest query tiles first, so the hardware's in-order block dispatch ends on
-//    short ones;
+//  - one CTA per tile (grid = tiles): tile blockIdx.x. Causal forward: longest tiles first,
+//    across a section of heads whose K and V fit in L2 (l2_head_section), so the hardware's
+//    in-order block dispatch ends on short ones;
 //  - persistent, equal tiles: CTA b takes tiles b, b + G, b + 2G, ...;
 //  - persistent, paired (causal forward): query tile m of a head visits about m + 1 key
 //    blocks, so a CTA takes the tiles in pairs (M-1-j, j) whose lengths sum to about M + 1:
