@@ -395,6 +395,53 @@ int main() {
 """
 
 
+LIST_ENTRY_CHECK = WALK_PRELUDE + r"""
+// varlen_tiles_kernel's entries of one sequence (list_entry_tile): every (head, block) once,
+// for every order; section 1 is the head-major order; with sections (FA3GEN_VARLEN_L2_SECTIONS)
+// the heads go in sections of `section`, each listed longest first across its heads.
+int main() {
+  int n_checked = 0;
+  for (int n = 1; n <= 9; ++n)
+    for (int heads = 1; heads <= 7; ++heads)
+      for (int section = 1; section <= heads; section *= 2)
+        for (int order = 0; order < 3; ++order) {  // ascending, descending, paired
+          const bool descending = order > 0, paired = order == 2;
+          std::vector<int> seen(heads * n, 0);
+          int last_first = -1, last_block = n;
+          for (int within = 0; within < heads * n; ++within) {
+            int head, block;
+            list_entry_tile(within, n, heads, section, descending, paired, head, block);
+            if (head < 0 || head >= heads || block < 0 || block >= n || seen[head * n + block]++) {
+              std::printf("n %d heads %d section %d order %d: entry %d -> head %d block %d\n", n, heads, section,
+                          order, within, head, block);
+              return 1;
+            }
+            if (section == 1 && (head != within / n)) { std::printf("section 1 not head-major\n"); return 1; }
+            if (section > 1 && descending && !paired) {
+              const int first = head / section * section;
+              if (first < last_first || (first == last_first && block > last_block)) {
+                std::printf("n %d heads %d section %d: entry %d not longest first\n", n, heads, section, within);
+                return 1;
+              }
+              last_first = first;
+              last_block = block;
+            }
+          }
+          ++n_checked;
+        }
+  std::printf("%d checked\n", n_checked);
+  return 0;
+}
+"""
+
+
+def test_the_varlen_list_entries_cover_each_sequence_once(tmp_path):
+    """varlen.cuh's list_entry_tile: a sequence's heads x blocks each once, head-major without
+    sections, longest first across each L2 section of heads with them (the causal forward's
+    list under FA3GEN_VARLEN_L2_SECTIONS)."""
+    assert host_check(tmp_path, "list_entry", LIST_ENTRY_CHECK) > 300
+
+
 def test_the_varlen_forward_walk_covers_every_tile_once(tmp_path):
     """varlen.cuh's scheduler over the tile list, walked on the host as the forward kernel walks
     it, persistent or not: each real query tile once."""

@@ -4,10 +4,13 @@ plus one block's worth of start and end. It compares the grid listed head by hea
 tiles longest first; fa3gen before) with L2 sections of heads listed longest first across
 them (tile_scheduler.cuh l2_head_section; FA4's sm90 order). Pure Python, no GPU:
 
-    python3 docs/results/causal_order_model.py
+    python3 docs/results/causal_order_model.py [--varlen]
 """
 import heapq
 import math
+import random
+import statistics
+import sys
 
 SMS, L2_BYTES = 132, 50 << 20
 
@@ -38,7 +41,45 @@ def orders(seqlen, d, tile_m, tile_n, head_groups):
     return by_head, by_section, section
 
 
-if __name__ == "__main__":
+def section_of(keys, d, heads):
+    section = 1
+    while 2 * section * keys * 2 * d * 2 <= L2_BYTES and 2 * section <= heads:
+        section *= 2
+    return section
+
+
+def varlen_orders(seed, mean, d, tile_m, tile_n):
+    """A packed causal batch of 16k tokens, lengths uniform in [1, 2 mean] (issue 16's draw),
+    listed as varlen_tiles_kernel lists it: the sequences by work, each head by head, or (the
+    FA3GEN_VARLEN_L2_SECTIONS switch) in L2 sections of its heads."""
+    rnd, lens, total = random.Random(seed), [], 0
+    while total < 16384:
+        lens.append(min(rnd.randint(1, 2 * mean), 16384 - total))
+        total += lens[-1]
+    heads, by_head, by_section = 2048 // d, [], []
+    for length in sorted(lens, key=lambda n: -n):
+        lengths = tile_blocks(length, tile_m, tile_n)
+        n, section = len(lengths), section_of(length, d, heads)
+        by_head += [lengths[n - 1 - m] for _ in range(heads) for m in range(n)]
+        for first in range(0, heads, section):
+            width = min(section, heads - first)
+            by_section += [lengths[n - 1 - m] for m in range(n) for _ in range(width)]
+    return by_head, by_section
+
+
+if __name__ == "__main__" and "--varlen" in sys.argv:
+    # the varlen defaults' tiles: d64 causal 192x128, d128 128x128, d256 128x64
+    for d, tile_m, tile_n in ((64, 192, 128), (128, 128, 128), (256, 128, 64)):
+        for mean in (2048, 8192):
+            ratios = []
+            for seed in range(20):
+                by_head, by_section = varlen_orders(seed, mean, d, tile_m, tile_n)
+                ideal = (sum(by_head) + len(by_head)) / SMS
+                ratios.append((makespan(by_head) / ideal, makespan(by_section) / ideal))
+            a, b = (statistics.mean(r[i] for r in ratios) for i in (0, 1))
+            print(f"varlen d{d} {tile_m}x{tile_n} mean {mean} (20 batches): makespan / ideal: "
+                  f"by head {a:.3f}, by section {b:.3f} (x{a / b:.3f})")
+elif __name__ == "__main__":
     for d, tile_m, tile_n in ((64, 192, 128), (128, 128, 128), (256, 128, 80)):
         for seqlen in (4096, 8192, 16384):
             head_groups = (2048 // d) * (16384 // seqlen)

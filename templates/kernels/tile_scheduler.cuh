@@ -76,7 +76,7 @@ inline bool fwd_long_tiles(bool causal, bool local, int head_dim, int seqlen_k, 
 // and V in L2 (a power of two, 50 MB: every sm90 part but H20's 60), and a section lists its
 // tiles longest first across its heads: block M-1 of each head, then M-2, ... kv_head_bytes:
 // one kv head's K and V; 0 or more than L2: one head a section (the order before).
-inline int l2_head_section(int64_t kv_head_bytes, int64_t head_groups) {
+__host__ __device__ inline int l2_head_section(int64_t kv_head_bytes, int64_t head_groups) {
   constexpr int64_t kL2Bytes = int64_t(50) << 20;
   int section = 1;
   while (kv_head_bytes > 0 && 2 * section * kv_head_bytes <= kL2Bytes && 2 * section <= head_groups) section *= 2;

@@ -133,6 +133,25 @@ inline int padding_ctas(PaddingArgs const& z) {
 }
 constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (the sort is O(batch^2 / threads))
 
+// Entry `within` of one sequence's heads x n tiles: head-major, each head's blocks in order,
+// last to first (descending), or, `paired`, as n - 1, 0, n - 2, 1, .... With section > 1
+// (heads in sections of that many, as tile_scheduler.cuh's l2_head_section), a section lists
+// its heads' blocks longest first across them: block n - 1 of each head, then n - 2, ...
+__host__ __device__ inline void list_entry_tile(int within, int n, int heads, int section, bool descending,
+                                                bool paired, int& head, int& block) {
+  int j;
+  if (section > 1) {
+    const int per_section = section * n, first = within / per_section * section, r = within % per_section;
+    const int width = heads - first < section ? heads - first : section;
+    head = first + r % width;
+    j = r / width;
+  } else {
+    head = within / n;
+    j = within % n;
+  }
+  block = !descending ? j : paired ? paired_block(j / 2, j & 1, n) : n - 1 - j;
+}
+
 // One CTA. `rows`: the side the tiles cut (q for the forward, k for the backward); `cost`:
 // the other side, whose length each tile of the sequence walks. Writes `capacity` entries:
 // the tiles (heads x blocks per sequence), then {-1, 0}. A head's blocks run last to first
@@ -140,7 +159,10 @@ constexpr int kVarlenSortedBatch = 1024;  // larger batches keep their order (th
 // n - 1, 0, n - 2, 1, ...: consecutive entries then cost about n + 1 key blocks together, as
 // the dense kernels' pairs (tile_scheduler.cuh).
 // CTAs past the first zero the padding rows of `padding` (padding_ctas).
-template <int Tile, bool BlocksDescending>
+// KvBytesPerKey > 0 (FA3GEN_VARLEN_L2_SECTIONS, the causal forward, not paired): a sequence's
+// heads in L2 sections of its K and V (list_entry_tile), so that the last head's longest tiles
+// do not start at the sequence's end (docs/BENCHMARKS.md, 2026-12-05 (nineteenth)).
+template <int Tile, bool BlocksDescending, int KvBytesPerKey = 0>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
                     int2* tiles, int capacity, bool paired, const PaddingArgs padding) {
@@ -215,9 +237,15 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
       if (start_at[mid] * heads <= e) lo = mid; else hi = mid - 1;
     }
     const int b = seq_at[lo], n = blocks_of[b];
-    const int within = e - start_at[lo] * heads;  // head-major, then block
-    const int head = within / n, j = within % n;
-    const int block = !BlocksDescending ? j : paired ? paired_block(j / 2, j & 1, n) : n - 1 - j;
+    const int within = e - start_at[lo] * heads;
+    int section = 1;
+    if constexpr (KvBytesPerKey > 0) {
+      int offset, keys;
+      clamped_range(cu_cost, b, total_cost, offset, keys);
+      if (!paired) section = l2_head_section(int64_t(keys) * KvBytesPerKey, heads);
+    }
+    int head, block;
+    list_entry_tile(within, n, heads, section, BlocksDescending, paired, head, block);
     tiles[e] = make_int2(b, (head << 16) | block);
   }
 }
@@ -228,12 +256,12 @@ inline size_t varlen_tiles_smem(int batch) {
 }
 
 // Launches the list kernel; returns the CUDA error (the list is `capacity` int2 entries).
-template <int Tile, bool BlocksDescending>
+template <int Tile, bool BlocksDescending, int KvBytesPerKey = 0>
 inline cudaError_t launch_varlen_tiles(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost,
                                        int batch, int heads, int2* tiles, int capacity, cudaStream_t stream,
                                        bool paired = false, PaddingArgs const& padding = {}) {
   const size_t smem = varlen_tiles_smem(batch);
-  auto kernel = varlen_tiles_kernel<Tile, BlocksDescending>;
+  auto kernel = varlen_tiles_kernel<Tile, BlocksDescending, KvBytesPerKey>;
   if (smem > 48 * 1024) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
     if (err != cudaSuccess) return err;
