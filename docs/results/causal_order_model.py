@@ -4,7 +4,7 @@ plus one block's worth of start and end. It compares the grid listed head by hea
 tiles longest first; fa3gen before) with L2 sections of heads listed longest first across
 them (tile_scheduler.cuh l2_head_section; FA4's sm90 order). Pure Python, no GPU:
 
-    python3 docs/results/causal_order_model.py [--varlen]
+    python3 docs/results/causal_order_model.py [--varlen | --bwd]
 """
 import heapq
 import math
@@ -67,7 +67,30 @@ def varlen_orders(seed, mean, d, tile_m, tile_n):
     return by_head, by_section
 
 
-if __name__ == "__main__" and "--varlen" in sys.argv:
+def bwd_orders(seqlen, d, tile_m, tile_n, head_groups):
+    """The causal dense backward: one CTA per key block, which walks the query blocks from the
+    diagonal on (key block 0 the longest); its grid head by head, or (FA3GEN_BWD_L2_SECTIONS)
+    key block 0 of a section's heads first, then key block 1, ..."""
+    n_blocks, m_blocks = math.ceil(seqlen / tile_n), math.ceil(seqlen / tile_m)
+    lengths = [m_blocks - (n * tile_n) // tile_m for n in range(n_blocks)]
+    section = section_of(seqlen, d, head_groups)
+    while head_groups % section:
+        section //= 2
+    by_head = [lengths[n] for _ in range(head_groups) for n in range(n_blocks)]
+    by_section = [lengths[n] for _ in range(head_groups // section) for n in range(n_blocks) for _ in range(section)]
+    return by_head, by_section, section
+
+
+if __name__ == "__main__" and "--bwd" in sys.argv:
+    # the backward defaults' tiles (query rows x keys): d64 128x128, d128 64x128, d256 64x64
+    for d, tile_m, tile_n in ((64, 128, 128), (128, 64, 128), (256, 64, 64)):
+        for seqlen in (1024, 4096, 16384):
+            by_head, by_section, section = bwd_orders(seqlen, d, tile_m, tile_n, (2048 // d) * (16384 // seqlen))
+            ideal = (sum(by_head) + len(by_head)) / SMS
+            a, b = makespan(by_head), makespan(by_section)
+            print(f"bwd d{d} {tile_m}x{tile_n} seqlen {seqlen}: sections of {section}; makespan / ideal: "
+                  f"by head {a / ideal:.3f}, by section {b / ideal:.3f} (x{a / b:.3f})")
+elif __name__ == "__main__" and "--varlen" in sys.argv:
     # the varlen defaults' tiles: d64 causal 192x128, d128 128x128, d256 128x64
     for d, tile_m, tile_n in ((64, 192, 128), (128, 128, 128), (256, 128, 64)):
         for mean in (2048, 8192):

@@ -110,8 +110,19 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // lower key blocks of its head, which the hardware has already started (no deadlock).
   // Dense: (key block, kv head, batch), read by bwd_kernel.cuh; heads and batch are at most
   // 65535 (checked above). Varlen: the tile list's entries.
-  const dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
-                           : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
+  dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
+                     : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
+#ifdef FA3GEN_BWD_L2_SECTIONS  // causal: (section, key blocks, head groups / section), bwd_kernel.cuh
+  if constexpr (Causal && !Varlen) {
+    const int groups = a.heads_kv * a.batch;
+    const int section = bwd_l2_section(int64_t(a.seqlen_k) * HeadDim * 2 * int64_t(sizeof(E)), groups);
+    if (groups / section > 65535) {
+      fa3gen_set_error("backward grid (FA3GEN_BWD_L2_SECTIONS): kv heads x batch / section must be at most 65535");
+      return 1;
+    }
+    grid = dim3(unsigned(section), unsigned(schedule.blocks), unsigned(groups / section));
+  }
+#endif
 #ifdef FA3GEN_BWD_PDL
   err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
 #else

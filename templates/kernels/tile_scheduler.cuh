@@ -31,6 +31,10 @@ struct TileSchedule {
   int head_section = 1;  // causal, one CTA per tile: (head, batch) pairs whose tiles are listed together
 };
 
+struct TileCoord {
+  int block, head, batch;
+};
+
 // The forward's grid policy. FA3GEN_GRID_AUTO is persistent (one CTA per multiprocessor, or
 // fewer tiles), causal tiles paired, except for long tiles (`long_tiles`: fwd_long_tiles, which the
 // launcher asks): there one CTA per tile. Measured on the H200 (2026-11-30, d128 causal): pairs
@@ -83,6 +87,21 @@ __host__ __device__ inline int l2_head_section(int64_t kv_head_bytes, int64_t he
   return section;
 }
 
+// The causal dense backward under FA3GEN_BWD_L2_SECTIONS (a measurement switch): its grid
+// (x, y, z) = (section, key blocks, head groups / section), so the hardware starts key block 0
+// of a section's heads, then key block 1, ...: the longest tiles first across the section, and
+// still a head's lower key blocks before its higher ones (deterministic mode's dQ waits). The
+// section is a power of two that divides head_groups (no partial section).
+__host__ __device__ inline int bwd_l2_section(int64_t kv_head_bytes, int head_groups) {
+  int section = l2_head_section(kv_head_bytes, head_groups);
+  while (head_groups % section) section /= 2;
+  return section;
+}
+__host__ __device__ inline TileCoord bwd_section_tile(int x, int y, int z, int section, int heads) {
+  const int hb = z * section + x;
+  return {y, hb % heads, hb / heads};
+}
+
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0,
                                       int64_t kv_head_bytes = 0) {
@@ -111,10 +130,6 @@ inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persi
   }
   return s;
 }
-
-struct TileCoord {
-  int block, head, batch;
-};
 
 // A persistent CTA's walk over tile indices t: b, b + G, ... (G = the grid), or with pairs the
 // pairs b, b + G, ... (indices 2u and 2u + 1 of pair u). Shared by the dense and varlen
