@@ -72,15 +72,17 @@ class VariantNotBuiltError(Fa3genError):
 
 
 def left_out_by_filter(exc: BaseException | None) -> str:
-    """The build filter behind a VariantNotBuiltError that exc is or was raised from (torch.compile
-    re-raises it as its own error, keeping it as the context or inner exception), else "": a
-    partial build's GPU tests skip such misses, a full build's fail."""
+    """The build filter behind a VariantNotBuiltError that exc is or was raised from, else "": a
+    partial build's GPU tests skip such misses, a full build's fail. It follows what a re-raise
+    keeps (torch.compile re-raises the miss `from None` or as an inner exception), not the
+    implicit context of an error raised while handling one (a failed assert in an except)."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         if isinstance(exc, VariantNotBuiltError) and exc.left_out_by:
             return exc.left_out_by
-        exc = exc.__cause__ or exc.__context__ or getattr(exc, "inner_exception", None)
+        exc = (exc.__cause__ or (exc.__context__ if exc.__suppress_context__ else None)
+               or getattr(exc, "inner_exception", None))
     return ""
 
 

@@ -243,6 +243,10 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
       walks[cta].push_back(tile);
+      if (tile.head < 0 || tile.head >= heads || tile.batch < 0 || tile.batch >= batch) {
+        std::printf("cta %d: head %d batch %d\n", cta, tile.head, tile.batch);
+        return 1;
+      }
       if (tile.block < m) ++seen[{tile.block, tile.head, tile.batch}];
       else if (cluster == 1 || tile.block >= s.blocks || cta % cluster == 0) {
         std::printf("cta %d: tile %d %d %d past the query blocks\n", cta, tile.block, tile.head, tile.batch);
@@ -264,6 +268,12 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
 }
 int main() {
   long long n = 0;
+  // Section sizes: pairs of (K and V bytes of a head, head groups) -> section.
+  const long long sizes[][3] = {{12LL << 20, 15, 4}, {25LL << 20, 3, 2}, {51LL << 20, 8, 1}, {1, 15, 8},
+                                {0, 32, 1}, {4LL << 20, 32, 8}, {4LL << 20, 5, 4}};
+  for (auto const& c : sizes)
+    if (l2_head_section(c[0], c[1]) != c[2]) { std::printf("l2_head_section(%lld, %lld)\n", c[0], c[1]); return 1; }
+  if (bwd_l2_section(12LL << 20, 6) != 2 || bwd_l2_section(4LL << 20, 12) != 4) { std::printf("bwd_l2_section\n"); return 1; }
   const int modes[] = {FA3GEN_GRID_AUTO, FA3GEN_GRID_TILES, FA3GEN_GRID_PERSISTENT};
   for (int m = 1; m <= 11; ++m)
     for (int heads : {1, 2, 3, 5})

@@ -293,6 +293,14 @@ def test_a_miss_records_the_filter_that_left_it_out_through_wrapping_errors():
 
     for how in ("from", "from None", "inner"):
         assert left_out_by_filter(reraised(how)) == flags, how
+    # an error raised while handling the miss (a failed assert in an except) is not the miss
+    try:
+        try:
+            raise e.value
+        except VariantNotBuiltError:
+            raise AssertionError("the test's own failure")
+    except AssertionError as failure:
+        assert left_out_by_filter(failure) == ""
     # a full build's miss, an unfiltered key and other errors are not skipped
     with pytest.raises(VariantNotBuiltError) as full:
         select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100")

@@ -73,7 +73,10 @@ def bwd_orders(seqlen, d, tile_m, tile_n, head_groups):
     key block 0 of a section's heads first, then key block 1, ..."""
     n_blocks, m_blocks = math.ceil(seqlen / tile_n), math.ceil(seqlen / tile_m)
     lengths = [m_blocks - (n * tile_n) // tile_m for n in range(n_blocks)]
-    section = section_of(seqlen, d, head_groups)
+    # what a head's CTAs share in L2: Q, dO (16-bit), the fp32 dQ accumulator, LSE and D
+    group_bytes, section = seqlen * (d * (2 * 2 + 4) + 8), 1
+    while 2 * section * group_bytes <= L2_BYTES and 2 * section <= head_groups:
+        section *= 2
     while head_groups % section:
         section //= 2
     by_head = [lengths[n] for _ in range(head_groups) for n in range(n_blocks)]

@@ -91,9 +91,10 @@ __host__ __device__ inline int l2_head_section(int64_t kv_head_bytes, int64_t he
 // (x, y, z) = (section, key blocks, head groups / section), so the hardware starts key block 0
 // of a section's heads, then key block 1, ...: the longest tiles first across the section, and
 // still a head's lower key blocks before its higher ones (deterministic mode's dQ waits). The
-// section is a power of two that divides head_groups (no partial section).
-__host__ __device__ inline int bwd_l2_section(int64_t kv_head_bytes, int head_groups) {
-  int section = l2_head_section(kv_head_bytes, head_groups);
+// section is a power of two that divides head_groups (no partial section); group_bytes: what
+// one group's CTAs share in L2 (fa3gen_bwd.cuh: its query side).
+__host__ __device__ inline int bwd_l2_section(int64_t group_bytes, int head_groups) {
+  int section = l2_head_section(group_bytes, head_groups);
   while (head_groups % section) section /= 2;
   return section;
 }

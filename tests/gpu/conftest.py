@@ -97,5 +97,5 @@ def pytest_runtest_makereport(item, call):
         flags = left_out_by_filter(call.excinfo.value)
         if flags:
             report.outcome = "skipped"
-            report.longrepr = (str(item.path), item.location[1] or 0,
+            report.longrepr = (str(item.path), (item.location[1] or 0) + 1,
                                f"Skipped: the library's build filter {flags} left out a variant this test needs")
