@@ -1653,7 +1653,6 @@ def test_rotary_stays_with_pytorch_where_the_kernel_does_not_apply(launched, mon
         assert kvcache._fused_rotary(q, k, kc.to(BF), theta.requires_grad_(), theta)
 
 
-
 def test_a_repeated_rotary_signature_is_planned_once(launched, monkeypatch):
     """The rotary checks, the kernel's decision and its params are planned with the call's
     signature: decode steps plan once and only the pointers change; a planned call still

@@ -27,25 +27,27 @@ def makespan(costs, overhead=1.0):
     return max(free)
 
 
-def orders(seqlen, d, tile_m, tile_n, head_groups):
-    lengths = tile_blocks(seqlen, tile_m, tile_n)
-    n = len(lengths)
-    by_head = [lengths[n - 1 - m] for _ in range(head_groups) for m in range(n)]
+def l2_section(group_bytes, groups):
+    """tile_scheduler.cuh l2_head_section: the most groups, a power of two, whose shared bytes
+    fit in L2."""
     section = 1
-    while 2 * section * seqlen * 2 * d * 2 <= L2_BYTES and 2 * section <= head_groups:
-        section *= 2
-    by_section = []
-    for first in range(0, head_groups, section):
-        width = min(section, head_groups - first)
-        by_section += [lengths[n - 1 - m] for m in range(n) for _ in range(width)]
-    return by_head, by_section, section
-
-
-def section_of(keys, d, heads):
-    section = 1
-    while 2 * section * keys * 2 * d * 2 <= L2_BYTES and 2 * section <= heads:
+    while 2 * section * group_bytes <= L2_BYTES and 2 * section <= groups:
         section *= 2
     return section
+
+
+def listed(longest_first, groups, section):
+    """Each group's tiles (longest_first) head by head, and in sections of `section` groups
+    listed rank-major (tile_scheduler.cuh section_order)."""
+    by_head = [c for _ in range(groups) for c in longest_first]
+    by_section = [c for first in range(0, groups, section) for c in longest_first
+                  for _ in range(min(section, groups - first))]
+    return by_head, by_section
+
+
+def orders(seqlen, d, tile_m, tile_n, head_groups):
+    section = l2_section(seqlen * 2 * d * 2, head_groups)  # a head's K and V
+    return (*listed(tile_blocks(seqlen, tile_m, tile_n)[::-1], head_groups, section), section)
 
 
 def varlen_orders(seed, mean, d, tile_m, tile_n):
@@ -58,12 +60,9 @@ def varlen_orders(seed, mean, d, tile_m, tile_n):
         total += lens[-1]
     heads, by_head, by_section = 2048 // d, [], []
     for length in sorted(lens, key=lambda n: -n):
-        lengths = tile_blocks(length, tile_m, tile_n)
-        n, section = len(lengths), section_of(length, d, heads)
-        by_head += [lengths[n - 1 - m] for _ in range(heads) for m in range(n)]
-        for first in range(0, heads, section):
-            width = min(section, heads - first)
-            by_section += [lengths[n - 1 - m] for m in range(n) for _ in range(width)]
+        a, b = listed(tile_blocks(length, tile_m, tile_n)[::-1], heads, l2_section(length * 2 * d * 2, heads))
+        by_head += a
+        by_section += b
     return by_head, by_section
 
 
@@ -74,14 +73,10 @@ def bwd_orders(seqlen, d, tile_m, tile_n, head_groups):
     n_blocks, m_blocks = math.ceil(seqlen / tile_n), math.ceil(seqlen / tile_m)
     lengths = [m_blocks - (n * tile_n) // tile_m for n in range(n_blocks)]
     # what a head's CTAs share in L2: Q, dO (16-bit), the fp32 dQ accumulator, LSE and D
-    group_bytes, section = seqlen * (d * (2 * 2 + 4) + 8), 1
-    while 2 * section * group_bytes <= L2_BYTES and 2 * section <= head_groups:
-        section *= 2
+    section = l2_section(seqlen * (d * (2 * 2 + 4) + 8), head_groups)
     while head_groups % section:
         section //= 2
-    by_head = [lengths[n] for _ in range(head_groups) for n in range(n_blocks)]
-    by_section = [lengths[n] for _ in range(head_groups // section) for n in range(n_blocks) for _ in range(section)]
-    return by_head, by_section, section
+    return (*listed(lengths, head_groups, section), section)
 
 
 if __name__ == "__main__" and "--bwd" in sys.argv:

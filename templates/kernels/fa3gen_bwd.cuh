@@ -125,9 +125,9 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
                      : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
 #ifdef FA3GEN_BWD_L2_SECTIONS  // causal: (section, key blocks, head groups / section), bwd_kernel.cuh
-  if (p.schedule.head_section > 1) {
-    grid = dim3(unsigned(p.schedule.head_section), unsigned(schedule.blocks),
-                unsigned(a.heads_kv * a.batch / p.schedule.head_section));
+  if (schedule.head_section > 1) {
+    grid = dim3(unsigned(schedule.head_section), unsigned(schedule.blocks),
+                unsigned(schedule.heads * schedule.batch / schedule.head_section));
   }
 #endif
 #ifdef FA3GEN_BWD_PDL

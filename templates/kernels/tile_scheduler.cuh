@@ -87,6 +87,19 @@ __host__ __device__ inline int l2_head_section(int64_t kv_head_bytes, int64_t he
   return section;
 }
 
+// Tile t of `groups` groups of `blocks` tiles each, listed in sections of `section` groups (the
+// last one narrower), each section rank-major: rank 0 of each of its groups, then rank 1, ....
+// The dense causal grid's order (TileScheduler) and the varlen list's (list_entry_tile).
+__host__ __device__ __forceinline__ void section_order(int t, int blocks, int groups, int section, int& group,
+                                                       int& rank) {
+  const int per_section = section * blocks;
+  const int index = t / per_section, r = t - index * per_section;
+  const int first = index * section;
+  const int width = groups - first < section ? groups - first : section;
+  group = first + r % width;
+  rank = r / width;
+}
+
 // The causal dense backward under FA3GEN_BWD_L2_SECTIONS (a measurement switch): its grid
 // (x, y, z) = (section, key blocks, head groups / section), so the hardware starts key block 0
 // of a section's heads, then key block 1, ...: the longest tiles first across the section, and
@@ -177,13 +190,8 @@ struct TileScheduler {
       if ((t & 1) && j == s.blocks - 1 - j) return false;
     } else {
       int m;
-      if (LongestFirst && s.head_section > 1) {  // sections of head_section pairs, the last one shorter
-        const int per_section = s.head_section * s.blocks;
-        const int section = t / per_section, r = t - section * per_section;
-        const int first = section * s.head_section;
-        const int width = s.heads * s.batch - first < s.head_section ? s.heads * s.batch - first : s.head_section;
-        hb = first + r % width;
-        m = r / width;
+      if (LongestFirst && s.head_section > 1) {
+        section_order(t, s.blocks, s.heads * s.batch, s.head_section, hb, m);
       } else {
         m = t % s.blocks;
         hb = t / s.blocks;

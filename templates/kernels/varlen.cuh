@@ -141,10 +141,7 @@ __host__ __device__ inline void list_entry_tile(int within, int n, int heads, in
                                                 bool paired, int& head, int& block) {
   int j;
   if (section > 1) {
-    const int per_section = section * n, first = within / per_section * section, r = within % per_section;
-    const int width = heads - first < section ? heads - first : section;
-    head = first + r % width;
-    j = r / width;
+    section_order(within, n, heads, section, head, j);
   } else {
     head = within / n;
     j = within % n;
