@@ -52,8 +52,8 @@ def orders(seqlen, d, tile_m, tile_n, head_groups):
 
 def varlen_orders(seed, mean, d, tile_m, tile_n):
     """A packed causal batch of 16k tokens, lengths uniform in [1, 2 mean] (issue 16's draw),
-    listed as varlen_tiles_kernel lists it: the sequences by work, each head by head, or (the
-    FA3GEN_VARLEN_L2_SECTIONS switch) in L2 sections of its heads."""
+    listed as varlen_tiles_kernel lists it: the sequences by work, each head by head (before
+    2026-12-05 (twentieth)), or in L2 sections of its heads (since)."""
     rnd, lens, total = random.Random(seed), [], 0
     while total < 16384:
         lens.append(min(rnd.randint(1, 2 * mean), 16384 - total))
@@ -68,8 +68,9 @@ def varlen_orders(seed, mean, d, tile_m, tile_n):
 
 def bwd_orders(seqlen, d, tile_m, tile_n, head_groups):
     """The causal dense backward: one CTA per key block, which walks the query blocks from the
-    diagonal on (key block 0 the longest); its grid head by head, or (FA3GEN_BWD_L2_SECTIONS)
-    key block 0 of a section's heads first, then key block 1, ..."""
+    diagonal on (key block 0 the longest); its grid head by head, or key block 0 of a
+    section's heads first, then key block 1, ... (FA3GEN_BWD_L2_SECTIONS, measured on an H100
+    2026-12-05 (twentieth): no gain, removed; docs/results/bwd_l2_sections.patch)."""
     n_blocks, m_blocks = math.ceil(seqlen / tile_n), math.ceil(seqlen / tile_m)
     lengths = [m_blocks - (n * tile_n) // tile_m for n in range(n_blocks)]
     # what a head's CTAs share in L2: Q, dO (16-bit), the fp32 dQ accumulator, LSE and D

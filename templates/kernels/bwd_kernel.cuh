@@ -27,11 +27,6 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
   } else {
     // A (key block, kv head, batch) grid read from blockIdx, as FA4 does, rather than a 1D
     // index decoded by two integer divisions (about 60 instructions before the barrier set-up).
-#ifdef FA3GEN_BWD_L2_SECTIONS  // measurement switch: causal grids in L2 sections (fa3gen_bwd.cuh)
-    if (Traits::kCausal && p.schedule.head_section > 1) {
-      tile = bwd_section_tile(int(blockIdx.x), int(blockIdx.y), int(blockIdx.z), int(gridDim.x), p.heads_kv);
-    } else
-#endif
     tile = {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   }
   const typename Traits::Mask mask{Traits::kVarlen ? seq.seqlen_q : p.seqlen_q,

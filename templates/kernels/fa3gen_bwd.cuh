@@ -83,18 +83,6 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
                                             padding);
     if (err != cudaSuccess) return report("varlen tile list launch", err);
   }
-#ifdef FA3GEN_BWD_L2_SECTIONS
-  // Causal, dense: the kv heads x batch in L2 sections (tile_scheduler.cuh bwd_l2_section).
-  // What a head group's CTAs share in L2 is its query side: Q and dO, the fp32 dQ accumulator
-  // and the row statistics of its heads_per_kv query heads. The default grid where the
-  // sectioned one would not fit (key blocks or groups / section past 65535) or section 1.
-  if constexpr (Causal && !Varlen) {
-    const int groups = a.heads_kv * a.batch;
-    const int64_t group_bytes = int64_t(a.heads_q / a.heads_kv) * a.seqlen_q * (HeadDim * (2 * int64_t(sizeof(E)) + 4) + 8);
-    const int section = bwd_l2_section(group_bytes, groups);
-    if (section > 1 && schedule.blocks <= 65535 && groups / section <= 65535) schedule.head_section = section;
-  }
-#endif
   auto smem_q = take<0, 2>(typename Traits::SmemLayoutQ{});
   BwdParams<Traits> p{
       make_tma_copy(SM90_TMA_LOAD{}, q, smem_q),
@@ -122,14 +110,8 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // lower key blocks of its head, which the hardware has already started (no deadlock).
   // Dense: (key block, kv head, batch), read by bwd_kernel.cuh; heads and batch are at most
   // 65535 (checked above). Varlen: the tile list's entries.
-  dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
-                     : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
-#ifdef FA3GEN_BWD_L2_SECTIONS  // causal: (section, key blocks, head groups / section), bwd_kernel.cuh
-  if (schedule.head_section > 1) {
-    grid = dim3(unsigned(schedule.head_section), unsigned(schedule.blocks),
-                unsigned(schedule.heads * schedule.batch / schedule.head_section));
-  }
-#endif
+  const dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
+                           : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
 #ifdef FA3GEN_BWD_PDL
   err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
 #else

@@ -100,22 +100,6 @@ __host__ __device__ __forceinline__ void section_order(int t, int blocks, int gr
   rank = r / width;
 }
 
-// The causal dense backward under FA3GEN_BWD_L2_SECTIONS (a measurement switch): its grid
-// (x, y, z) = (section, key blocks, head groups / section), so the hardware starts key block 0
-// of a section's heads, then key block 1, ...: the longest tiles first across the section, and
-// still a head's lower key blocks before its higher ones (deterministic mode's dQ waits). The
-// section is a power of two that divides head_groups (no partial section); group_bytes: what
-// one group's CTAs share in L2 (fa3gen_bwd.cuh: its query side).
-__host__ __device__ inline int bwd_l2_section(int64_t group_bytes, int head_groups) {
-  int section = l2_head_section(group_bytes, head_groups);
-  while (head_groups % section) section /= 2;
-  return section;
-}
-__host__ __device__ inline TileCoord bwd_section_tile(int x, int y, int z, int section, int heads) {
-  const int hb = z * section + x;
-  return {y, hb % heads, hb / heads};
-}
-
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0,
                                       int64_t kv_head_bytes = 0) {
