@@ -273,7 +273,6 @@ int main() {
                                 {0, 32, 1}, {4LL << 20, 32, 8}, {4LL << 20, 5, 4}};
   for (auto const& c : sizes)
     if (l2_head_section(c[0], c[1]) != c[2]) { std::printf("l2_head_section(%lld, %lld)\n", c[0], c[1]); return 1; }
-  if (bwd_l2_section(12LL << 20, 6) != 2 || bwd_l2_section(4LL << 20, 12) != 4) { std::printf("bwd_l2_section\n"); return 1; }
   const int modes[] = {FA3GEN_GRID_AUTO, FA3GEN_GRID_TILES, FA3GEN_GRID_PERSISTENT};
   for (int m = 1; m <= 11; ++m)
     for (int heads : {1, 2, 3, 5})
@@ -297,59 +296,6 @@ int main() {
   return 0;
 }
 """
-
-
-BWD_SECTION_CHECK = r"""
-#include <cstdio>
-#include <map>
-#include <tuple>
-#include "tile_scheduler.cuh"
-using namespace fa3gen;
-// The causal dense backward's grid under FA3GEN_BWD_L2_SECTIONS, in the hardware's start order
-// (x fastest, then y, then z): every (key block, kv head, batch) once, each head's key blocks
-// in order (deterministic mode waits on lower ones), sections a power of two that divides the
-// head groups and whose K and V fit in L2, and a section's key block 0 (the longest causal
-// tiles) before its key block 1.
-int main() {
-  int n = 0;
-  for (int heads : {1, 2, 3, 4, 8, 12})
-    for (int batch : {1, 2, 3, 5})
-      for (int blocks = 1; blocks <= 5; ++blocks)
-        for (long long kv : {0LL, 1LL, 12LL << 20, 25LL << 20, 50LL << 20, 51LL << 20}) {
-          const int groups = heads * batch, section = bwd_l2_section(kv, groups);
-          if (section < 1 || (section & (section - 1)) || groups % section || (section > 1 && section * kv > (50LL << 20))) {
-            std::printf("heads %d batch %d kv %lld: section %d\n", heads, batch, kv, section);
-            return 1;
-          }
-          std::map<std::tuple<int, int, int>, int> seen;
-          std::map<std::pair<int, int>, int> last_block;
-          for (int z = 0; z < groups / section; ++z)
-            for (int y = 0; y < blocks; ++y)
-              for (int x = 0; x < section; ++x) {
-                const TileCoord t = bwd_section_tile(x, y, z, section, heads);
-                if (t.block != y || t.head < 0 || t.head >= heads || t.batch < 0 || t.batch >= batch ||
-                    seen[{t.block, t.head, t.batch}]++) {
-                  std::printf("heads %d batch %d section %d: (%d %d %d) -> %d %d %d\n", heads, batch, section, x, y, z,
-                              t.block, t.head, t.batch);
-                  return 1;
-                }
-                auto it = last_block.find({t.head, t.batch});
-                if (it != last_block.end() && it->second != t.block - 1) { std::printf("key blocks out of order\n"); return 1; }
-                last_block[{t.head, t.batch}] = t.block;
-              }
-          if (int(seen.size()) != blocks * groups) { std::printf("%zu of %d tiles\n", seen.size(), blocks * groups); return 1; }
-          ++n;
-        }
-  std::printf("%d checked\n", n);
-  return 0;
-}
-"""
-
-
-def test_the_sectioned_backward_grid_covers_every_tile_in_key_order(tmp_path):
-    """FA3GEN_BWD_L2_SECTIONS's grid (tile_scheduler.cuh bwd_l2_section, bwd_section_tile) in
-    the order the hardware starts CTAs: each tile once, a head's key blocks in order."""
-    assert host_check(tmp_path, "bwd_sections", BWD_SECTION_CHECK) == 6 * 4 * 5 * 6
 
 
 LONG_TILES_CHECK = r"""
@@ -460,7 +406,7 @@ int main() {
 
 LIST_ENTRY_CHECK = WALK_PRELUDE + r"""
 // varlen_tiles_kernel's entries of one sequence (list_entry_tile): every (head, block) once,
-// for every order; section 1 is the head-major order; with sections (FA3GEN_VARLEN_L2_SECTIONS)
+// for every order; section 1 is the head-major order; with sections (the causal forward's list)
 // the heads go in sections of `section`, each listed longest first across its heads.
 int main() {
   int n_checked = 0;
@@ -501,7 +447,7 @@ int main() {
 def test_the_varlen_list_entries_cover_each_sequence_once(tmp_path):
     """varlen.cuh's list_entry_tile: a sequence's heads x blocks each once, head-major without
     sections, longest first across each L2 section of heads with them (the causal forward's
-    list under FA3GEN_VARLEN_L2_SECTIONS)."""
+    list)."""
     assert host_check(tmp_path, "list_entry", LIST_ENTRY_CHECK) > 300
 
 

@@ -93,11 +93,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     padding.rows[0] = PaddedRows{a.o, a.cu_seqlens_q, a.o_row_stride, a.o_head_stride, a.total_q, a.heads_q, HeadDim};
     padding.lse = a.lse;
     padding.batch = a.batch;
-#ifdef FA3GEN_VARLEN_L2_SECTIONS  // measurement switch: causal lists in L2 sections of heads (varlen.cuh)
+    // Causal: a sequence's heads listed in L2 sections of their K and V (varlen.cuh).
     constexpr int kListKvBytes = Causal && !Local ? HeadDim * 2 * int(sizeof(Element)) : 0;
-#else
-    constexpr int kListKvBytes = 0;
-#endif
     cudaError_t err = launch_varlen_tiles<TileM, Causal, kListKvBytes>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
                                                          int(entries), stream, schedule.paired, padding);

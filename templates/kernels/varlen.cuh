@@ -156,9 +156,9 @@ __host__ __device__ inline void list_entry_tile(int within, int n, int heads, in
 // n - 1, 0, n - 2, 1, ...: consecutive entries then cost about n + 1 key blocks together, as
 // the dense kernels' pairs (tile_scheduler.cuh).
 // CTAs past the first zero the padding rows of `padding` (padding_ctas).
-// KvBytesPerKey > 0 (FA3GEN_VARLEN_L2_SECTIONS, the causal forward, not paired): a sequence's
-// heads in L2 sections of its K and V (list_entry_tile), so that the last head's longest tiles
-// do not start at the sequence's end (docs/BENCHMARKS.md, 2026-12-05 (nineteenth)).
+// KvBytesPerKey > 0 (the causal forward, not paired): a sequence's heads in L2 sections of its
+// K and V (list_entry_tile), so that the last head's longest tiles do not start at the
+// sequence's end (d256 +2-4% at mean 2k-8k, docs/BENCHMARKS.md 2026-12-05 (twentieth)).
 template <int Tile, bool BlocksDescending, int KvBytesPerKey = 0>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
