@@ -410,6 +410,18 @@ LIST_ENTRY_CHECK = WALK_PRELUDE + r"""
 // the heads go in sections of `section`, each listed longest first across its heads.
 int main() {
   int n_checked = 0;
+  // list_head_section: (keys, K and V bytes a key, heads, paired) -> section. bf16 d128 (512 B
+  // a key): 16k keys are 8 MB a head, 4 heads in 50 MB; d64 (256 B) 8k keys, 2 MB: 16 of 16
+  // heads; a head over L2, a list in pairs, no bytes or no keys: 1.
+  const int sections[][5] = {{16384, 512, 16, 0, 4}, {8192, 256, 16, 0, 16}, {8192, 256, 64, 0, 16},
+                             {102401, 512, 8, 0, 1}, {16384, 512, 16, 1, 1},  {16384, 0, 16, 0, 1},
+                             {1, 1024, 5, 0, 4},     {0, 512, 3, 0, 1}};
+  for (auto const& c : sections)
+    if (list_head_section(c[0], c[1], c[2], c[3] != 0) != c[4]) {
+      std::printf("list_head_section(%d, %d, %d, %d) = %d\n", c[0], c[1], c[2], c[3],
+                  list_head_section(c[0], c[1], c[2], c[3] != 0));
+      return 1;
+    }
   for (int n = 1; n <= 9; ++n)
     for (int heads = 1; heads <= 7; ++heads)
       for (int section = 1; section <= heads; section *= 2)
@@ -447,7 +459,7 @@ int main() {
 def test_the_varlen_list_entries_cover_each_sequence_once(tmp_path):
     """varlen.cuh's list_entry_tile: a sequence's heads x blocks each once, head-major without
     sections, longest first across each L2 section of heads with them (the causal forward's
-    list)."""
+    list); list_head_section's choice of section at known sizes."""
     assert host_check(tmp_path, "list_entry", LIST_ENTRY_CHECK) > 300
 
 

@@ -149,6 +149,13 @@ __host__ __device__ inline void list_entry_tile(int within, int n, int heads, in
   block = !descending ? j : paired ? paired_block(j / 2, j & 1, n) : n - 1 - j;
 }
 
+// The section list_entry_tile gets for a sequence of `keys` keys: its heads in L2 sections of
+// their K and V (kv_bytes_per_key: a key's K and V bytes in one head; 0: no sections), except
+// where the list is walked in pairs (their order is the pairing's).
+__host__ __device__ inline int list_head_section(int keys, int kv_bytes_per_key, int heads, bool paired) {
+  return kv_bytes_per_key > 0 && !paired ? l2_head_section(int64_t(keys) * kv_bytes_per_key, heads) : 1;
+}
+
 // One CTA. `rows`: the side the tiles cut (q for the forward, k for the backward); `cost`:
 // the other side, whose length each tile of the sequence walks. Writes `capacity` entries:
 // the tiles (heads x blocks per sequence), then {-1, 0}. A head's blocks run last to first
@@ -239,7 +246,7 @@ varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int 
     if constexpr (KvBytesPerKey > 0) {
       int offset, keys;
       clamped_range(cu_cost, b, total_cost, offset, keys);
-      if (!paired) section = l2_head_section(int64_t(keys) * KvBytesPerKey, heads);
+      section = list_head_section(keys, KvBytesPerKey, heads, paired);
     }
     int head, block;
     list_entry_tile(within, n, heads, section, BlocksDescending, paired, head, block);
