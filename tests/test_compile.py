@@ -412,10 +412,11 @@ int main() {
   int n_checked = 0;
   // list_head_section: (keys, K and V bytes a key, heads, paired) -> section. bf16 d128 (512 B
   // a key): 16k keys are 8 MB a head, 4 heads in 50 MB; d64 (256 B) 8k keys, 2 MB: 16 of 16
-  // heads; a head over L2, a list in pairs, no bytes or no keys: 1.
+  // heads; a head over L2, a list in pairs, no bytes or no keys: 1 (8388609 keys x 512 B wraps to
+  // 512 in 32 bits: the product must be 64-bit).
   const int sections[][5] = {{16384, 512, 16, 0, 4}, {8192, 256, 16, 0, 16}, {8192, 256, 64, 0, 16},
                              {102401, 512, 8, 0, 1}, {16384, 512, 16, 1, 1},  {16384, 0, 16, 0, 1},
-                             {1, 1024, 5, 0, 4},     {0, 512, 3, 0, 1}};
+                             {1, 1024, 5, 0, 4},     {0, 512, 3, 0, 1},      {8388609, 512, 8, 0, 1}};
   for (auto const& c : sections)
     if (list_head_section(c[0], c[1], c[2], c[3] != 0) != c[4]) {
       std::printf("list_head_section(%d, %d, %d, %d) = %d\n", c[0], c[1], c[2], c[3],
