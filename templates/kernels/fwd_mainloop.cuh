@@ -692,8 +692,13 @@ struct FwdMainloop {
         warpgroup_wait<0>();
         release(pipe_v, smem.pipeline_v, st_v);
         refill_v(i - 1);
-        rescale_o_if_needed();
-        to_p();
+        if constexpr (Traits::kPBeforeRescale) {
+          to_p();  // independent of O: its conversions then join the exponentials (fwd_traits.cuh)
+          rescale_o_if_needed();
+        } else {
+          rescale_o_if_needed();
+          to_p();
+        }
         st_v = st;
         ++st;
       };

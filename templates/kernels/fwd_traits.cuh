@@ -185,6 +185,15 @@ struct FwdTraits {
   static constexpr bool kPinPvWait =
       !kFp8 && (Local || (HeadDim == 256 && TileN == 64 && !kSoftmaxVote));
 
+  // P converted to 16-bit before O's rescale branch rather than after it, so that ptxas
+  // interleaves its F2FP with the exponentials, as FA4's loop has them (after the branch they
+  // run as one block of 32 at the step's end, waiting on the last exponentials). d128 128x128
+  // only: 1.01x median over two H100 runs (0.986-1.038, 12 of 16 points above 1); d64
+  // 0.965-0.999 (the conversions take issue slots from its MUFU-bound chain), 128x176 and d256
+  // mixed (docs/BENCHMARKS.md, 2026-12-05 (twentieth)). Not measured with a window or softcap.
+  static constexpr bool kPBeforeRescale =
+      !kFp8 && !PInSmem && HeadDim == 128 && TileN == 128 && !Local && !Softcap;
+
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
