@@ -181,7 +181,8 @@ struct FwdTraits {
   // d128 and d256 window 4096 +2% at 16k; docs/BENCHMARKS.md 2026-12-04 (eighth)) and d256's
   // 128x64 ones (causal short rows and varlen 1.01-1.05x; 2026-12-04 (ninth)). Not elsewhere:
   // d64 causal softcap 0.90x, d96 1.00, d64 causal 0.99, d256 128x80 1.00; the
-  // vote variants keep ptxas's own placement (d128 causal: WAIT1 E32 WAIT0 E34).
+  // vote variants keep ptxas's own placement (d128 non-causal: WAIT1 E32 WAIT0 E34; d128
+  // causal 128x128 with kPBeforeRescale: WAIT1 E40 WAIT0 E26).
   static constexpr bool kPinPvWait =
       !kFp8 && (Local || (HeadDim == 256 && TileN == 64 && !kSoftmaxVote));
 
@@ -190,7 +191,9 @@ struct FwdTraits {
   // run as one block of 32 at the step's end, waiting on the last exponentials). d128 128x128
   // only: 1.01x median over two H100 runs (0.986-1.038, 12 of 16 points above 1); d64
   // 0.965-0.999 (the conversions take issue slots from its MUFU-bound chain), 128x176 and d256
-  // mixed (docs/BENCHMARKS.md, 2026-12-05 (twentieth)). Not measured with a window or softcap.
+  // mixed (docs/BENCHMARKS.md, 2026-12-05 (twentieth)). Timed: the bf16 dense 128x128
+  // pingpong defaults. Not timed: fp16, varlen, paged and the ablation spec's other d128
+  // 128x128 schedules (it applies only to the overlapped step); excluded: windows, softcap.
   static constexpr bool kPBeforeRescale =
       !kFp8 && !PInSmem && HeadDim == 128 && TileN == 128 && !Local && !Softcap;
 
