@@ -417,6 +417,16 @@ int main() {
   const int sections[][5] = {{16384, 512, 16, 0, 4}, {8192, 256, 16, 0, 16}, {8192, 256, 64, 0, 16},
                              {102401, 512, 8, 0, 1}, {16384, 512, 16, 1, 1},  {16384, 0, 16, 0, 1},
                              {1, 1024, 5, 0, 4},     {0, 512, 3, 0, 1},      {8388609, 512, 8, 0, 1}};
+  // fwd_list_kv_bytes: the causal forward's K and V bytes a key (2-byte and 1-byte elements);
+  // none with a window or without causal.
+  if (fwd_list_kv_bytes<unsigned short, 128, true, false>() != 512 ||
+      fwd_list_kv_bytes<unsigned short, 64, true, false>() != 256 ||
+      fwd_list_kv_bytes<unsigned char, 256, true, false>() != 512 ||
+      fwd_list_kv_bytes<unsigned short, 128, false, false>() != 0 ||
+      fwd_list_kv_bytes<unsigned short, 128, true, true>() != 0) {
+    std::printf("fwd_list_kv_bytes\n");
+    return 1;
+  }
   for (auto const& c : sections)
     if (list_head_section(c[0], c[1], c[2], c[3] != 0) != c[4]) {
       std::printf("list_head_section(%d, %d, %d, %d) = %d\n", c[0], c[1], c[2], c[3],
@@ -460,7 +470,8 @@ int main() {
 def test_the_varlen_list_entries_cover_each_sequence_once(tmp_path):
     """varlen.cuh's list_entry_tile: a sequence's heads x blocks each once, head-major without
     sections, longest first across each L2 section of heads with them (the causal forward's
-    list); list_head_section's choice of section at known sizes."""
+    list); list_head_section's choice of section at known sizes, and fwd_list_kv_bytes (the
+    forward launcher's bytes a key: causal only)."""
     assert host_check(tmp_path, "list_entry", LIST_ENTRY_CHECK) > 300
 
 

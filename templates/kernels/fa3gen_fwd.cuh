@@ -94,7 +94,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     padding.lse = a.lse;
     padding.batch = a.batch;
     // Causal: a sequence's heads listed in L2 sections of their K and V (varlen.cuh).
-    constexpr int kListKvBytes = Causal && !Local ? HeadDim * 2 * int(sizeof(Element)) : 0;
+    constexpr int kListKvBytes = fwd_list_kv_bytes<Element, HeadDim, Causal, Local>();
     cudaError_t err = launch_varlen_tiles<TileM, Causal, kListKvBytes>(a.cu_seqlens_q, a.total_q, a.cu_seqlens_k, a.total_k,
                                                          a.batch, a.heads_q, reinterpret_cast<int2*>(a.tile_list),
                                                          int(entries), stream, schedule.paired, padding);

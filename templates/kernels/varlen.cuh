@@ -149,6 +149,14 @@ __host__ __device__ inline void list_entry_tile(int within, int n, int heads, in
   block = !descending ? j : paired ? paired_block(j / 2, j & 1, n) : n - 1 - j;
 }
 
+// The forward list kernel's KvBytesPerKey: a key's K and V bytes in one head for the causal
+// forward, whose list then takes each sequence's heads in L2 sections (1.01-1.04x at d256,
+// docs/BENCHMARKS.md 2026-12-05 (twentieth)); 0 (head-major) with a window or without causal.
+template <class Element, int HeadDim, bool Causal, bool Local>
+constexpr int fwd_list_kv_bytes() {
+  return Causal && !Local ? HeadDim * 2 * int(sizeof(Element)) : 0;
+}
+
 // The section list_entry_tile gets for a sequence of `keys` keys: its heads in L2 sections of
 // their K and V (kv_bytes_per_key: a key's K and V bytes in one head; 0: no sections), except
 // where the list is walked in pairs (their order is the pairing's).
