@@ -87,6 +87,11 @@ __host__ __device__ inline int l2_head_section(int64_t kv_head_bytes, int64_t he
   return section;
 }
 
+// A key's K and V bytes in one head: what a head's keys hold in L2 (kv_head_bytes above is
+// seqlen_k of them; the varlen list's KvBytesPerKey, varlen.cuh fwd_list_kv_bytes).
+template <class Element, int HeadDim>
+constexpr int kv_bytes_per_key() { return HeadDim * 2 * int(sizeof(Element)); }
+
 // Tile t of `groups` groups of `blocks` tiles each, listed in sections of `section` groups (the
 // last one narrower), each section rank-major: rank 0 of each of its groups, then rank 1, ....
 // The dense causal grid's order (TileScheduler) and the varlen list's (list_entry_tile).

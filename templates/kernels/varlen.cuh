@@ -154,7 +154,7 @@ __host__ __device__ inline void list_entry_tile(int within, int n, int heads, in
 // docs/BENCHMARKS.md 2026-12-05 (twentieth)); 0 (head-major) with a window or without causal.
 template <class Element, int HeadDim, bool Causal, bool Local>
 constexpr int fwd_list_kv_bytes() {
-  return Causal && !Local ? HeadDim * 2 * int(sizeof(Element)) : 0;
+  return Causal && !Local ? kv_bytes_per_key<Element, HeadDim>() : 0;
 }
 
 // The section list_entry_tile gets for a sequence of `keys` keys: its heads in L2 sections of
