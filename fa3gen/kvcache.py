@@ -212,7 +212,7 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
     planned = None  # a rotary plan's attention q and new keys, made while planning
     if plan is None:
         if rotary is not None:
-            plan, planned = _plan_rotary(q, k_cache, v_cache, args, rotary)
+            plan, planned = _plan_rotary(q, k_cache, v_cache, args, rotary, lib)
         else:
             plan = _plan(q, k_cache, v_cache, *args)
         if key is not None:
@@ -413,15 +413,15 @@ def _rotation_keeps_grad(q, k, cos, sin) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
 
 
-def _fused_rotary(q, k, k_cache, cos, sin) -> bool:
-    """Whether the append kernel rotates (not FA3GEN_APPEND_KERNEL=0, on a GPU, a library with
-    fa3gen_kvcache_append_rotary): q, k and the cache of one 16-bit dtype, cos and sin fp32 /
-    bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to keep through the
-    rotation."""
+def _fused_rotary(q, k, k_cache, cos, sin, lib=None) -> bool:
+    """Whether the append kernel rotates (not FA3GEN_APPEND_KERNEL=0, on a GPU, lib (None: the
+    library found) with fa3gen_kvcache_append_rotary): q, k and the cache of one 16-bit dtype,
+    cos and sin fp32 / bf16 / fp16, q's head dim contiguous, rows to write, and no gradient to
+    keep through the rotation."""
     if not (q.dtype == k.dtype == k_cache.dtype and q.numel() and k.numel()
             and q.stride(-1) == 1 and _table_type(cos) is not None):
         return False
-    return not _rotation_keeps_grad(q, k, cos, sin) and _rotary_kernel_on(None, k)
+    return not _rotation_keeps_grad(q, k, cos, sin) and _rotary_kernel_on(lib, k)
 
 
 @dataclass(frozen=True)
@@ -432,15 +432,15 @@ class _RotaryPlan:
     template: bytes | None
 
 
-def _plan_rotary(q, k_cache, v_cache, args, rotary) -> tuple[_DecodePlan, tuple]:
+def _plan_rotary(q, k_cache, v_cache, args, rotary, lib=None) -> tuple[_DecodePlan, tuple]:
     """_plan for a call with the rotary embedding: its checks, and the plan of the attention's
-    q (the kernel's contiguous q_out, or PyTorch's rotated q and k) with the rotation's path;
-    and this call's (attention q, new keys)."""
+    q (the kernel's contiguous q_out, or PyTorch's rotated q and k) with the rotation's path
+    (lib: the library the plan is keyed by); and this call's (attention q, new keys)."""
     k, v, cache_seqlens, _, block_table, _, causal, window_size = args[:8]
     cos, sin, interleaved = rotary
     per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
     _check_rotary(q, k, v, cache_seqlens, cos, sin, per_row)
-    if _fused_rotary(q, k, k_cache, cos, sin):
+    if _fused_rotary(q, k, k_cache, cos, sin, lib):
         attention_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         plan = _plan(attention_q, k_cache, v_cache, *args)
         template = bytes(_rotary_template(q, cos, sin, interleaved, per_row))
@@ -474,6 +474,17 @@ def _call_key(q, k_cache, v_cache, args) -> tuple:
     return tuple(key)
 
 
+class _LookUp:
+    """The append template's third state beside bytes (planned) and None (no kernel): not
+    planned, so append_params looks the layouts up (_append_templates)."""
+
+    def __repr__(self) -> str:
+        return "LOOK_UP"
+
+
+LOOK_UP = _LookUp()
+
+
 @dataclass(frozen=True)
 class _DecodePlan:
     params: bytes            # DecodeParams with every field but the pointers
@@ -485,9 +496,9 @@ class _DecodePlan:
     kv_fp8: bool = False     # an e4m3 cache (its factors: k_scale, v_scale)
     rotary: _RotaryPlan | None = None  # a call with rotary_cos / rotary_sin: its path
     # The append kernel's params but the pointers (_append_template; None: the layouts do not
-    # suit it), planned with the new keys' and the cache's layouts; False: looked up per call
+    # suit it), planned with the new keys' and the cache's layouts; LOOK_UP: looked up per call
     # (an e4m3 cache, whose new rows are quantized first).
-    append_template: bytes | None | bool = False
+    append_template: bytes | None | _LookUp = LOOK_UP
 
 
 @dataclass(frozen=True)
@@ -607,7 +618,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
                                         for s in (k_scale, v_scale))
     template = _append_template(c.geometry, (k, v, k_cache, v_cache), block_table) \
-        if c.append and not c.kv_fp8 else False
+        if c.append and not c.kv_fp8 else LOOK_UP
     return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, c.geometry, c.append,
                        (mask, p.softmax_scale) if c.prefill else None, c.kv_fp8,
                        append_template=template)
@@ -694,7 +705,7 @@ def _start_rows(seqlens, batch: int, device) -> torch.Tensor:
 
 def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table,
             kv_fp8: bool, k_scale, v_scale, lib=None, rotary: Rotary | None = None,
-            template=False):
+            template=LOOK_UP):
     """k, v into the cache at each sequence's positions seqlens + i (an e4m3 cache: quantized
     with its factors), untracked as flash-attn's raw writes: k, v that require grad must not
     pull the cache into their autograd graph (it would grow every step, keeping activations
@@ -702,7 +713,7 @@ def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, b
     (append_params), else with PyTorch indexing (_write_rows; what a compiled call traces).
     rotary (only with lib): the keys are rotated as they are written and q into rotary.q_out,
     by the kernel or, where the layouts do not suit it, by PyTorch first. template: the plan's
-    append_template (False: append_params looks it up). No host sync."""
+    append_template (LOOK_UP: append_params looks it up). No host sync."""
     with torch.no_grad():
         if kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)
@@ -764,22 +775,22 @@ def _append_library(lib, k):
 
 
 def append_params(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx,
-                  block_table, template=False) -> runtime.AppendParams | None:
+                  block_table, template=LOOK_UP) -> runtime.AppendParams | None:
     """The append kernel's params (fa3gen_append_params) for k, v (in the cache's dtype) into
     the cache; None where a layout does not suit it: rows, pointers or strides not 16-byte
     aligned, a head dim not contiguous, a block table whose columns are not, a cache of no
     rows, k_cache and v_cache one tensor (the PyTorch path writes v last there; the kernel
     writes both at once). All but the pointers is kept per layout: template, the decode plan's
-    (_DecodePlan.append_template), or else _append_templates'."""
+    (_DecodePlan.append_template; None: no kernel), or with LOOK_UP _append_templates'."""
     tensors = (k, v, k_cache, v_cache)
     if any(t.data_ptr() % 16 for t in tensors) or k_cache.data_ptr() == v_cache.data_ptr():
         return None
-    if template is False:
+    if template is LOOK_UP:
         sig = ops._signature
         key = (geometry, sig(k), sig(v), sig(k_cache), sig(v_cache),
                None if block_table is None else (block_table.shape, block_table.stride()))
-        template = _append_templates.get(key, False)
-        if template is False:
+        template = _append_templates.get(key, LOOK_UP)
+        if template is LOOK_UP:
             template = ops._remember(_append_templates, key,
                                      _append_template(geometry, tensors, block_table))
     if template is None:
