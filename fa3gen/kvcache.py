@@ -481,6 +481,12 @@ class _LookUp:
     def __repr__(self) -> str:
         return "LOOK_UP"
 
+    def __copy__(self):  # one instance, so that `is LOOK_UP` holds in a copied plan too
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
 
 LOOK_UP = _LookUp()
 

@@ -1563,6 +1563,22 @@ def test_append_templates_tell_layouts_apart():
     assert kvcache.append_params((4, 16, 16), kc, kc, kn, kn, L, None, None) is None
 
 
+def test_an_unplanned_template_is_looked_up_and_none_means_no_kernel():
+    """append_params' template: LOOK_UP (the default, and an e4m3 plan's) reads the layouts'
+    params; None (a plan whose layouts do not suit the kernel) gives no params even where the
+    layouts would suit it; LOOK_UP stays itself in a copied plan."""
+    import copy
+
+    kn = torch.zeros(2, 1, 2, 64, dtype=torch.bfloat16)
+    kc, vc = (torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    L = torch.tensor([1, 2], dtype=torch.int32)
+    looked_up = kvcache.append_params((4, 16, 16), kc, vc, kn, kn, L, None, None)
+    assert looked_up is not None and looked_up.k_cache == kc.data_ptr()
+    assert kvcache.append_params((4, 16, 16), kc, vc, kn, kn, L, None, None, kvcache.LOOK_UP) is not None
+    assert kvcache.append_params((4, 16, 16), kc, vc, kn, kn, L, None, None, None) is None
+    assert copy.deepcopy(kvcache.LOOK_UP) is kvcache.LOOK_UP and repr(kvcache.LOOK_UP) == "LOOK_UP"
+
+
 def _rotary_call(lib, monkeypatch, **kw):
     """A decode call with rotary through lib (as the append kernel's library): (q, k, caches,
     tables, lengths, kwargs)."""
