@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, make_key
+from fa3gen.contract import DTYPES, IN_CHECKOUT, MANIFEST_NAME, REPO_ROOT, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, ORDERS, STEADY_FROM_S, PowerSampler, gemm_tflops, joules_per_pflop,
@@ -275,9 +275,12 @@ def repo_relative(path) -> str:
 
 
 def git_commit() -> str | None:
-    """FA3GEN_COMMIT when set (a copied tree's .git can be stale), else git's HEAD."""
+    """FA3GEN_COMMIT when set (a copied tree's .git can be stale), else git's HEAD in a checkout
+    (an installed package's folder may sit inside another project's repository: None there)."""
     if os.environ.get("FA3GEN_COMMIT"):
         return os.environ["FA3GEN_COMMIT"]
+    if not IN_CHECKOUT:
+        return None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10)
@@ -454,6 +457,20 @@ def _command() -> str:
     return shlex.join(["python3", *sys.argv])
 
 
+def library_commit(lib_path) -> str | None:
+    """The commit a library was built from: its build's manifest.json (source_commit), found
+    beside the library (a copied build) or one folder up (generated/<spec>/lib/); None without
+    one, or from a build that predates the field."""
+    lib_dir = Path(lib_path).parent
+    for folder in (lib_dir, lib_dir.parent):
+        try:
+            data = json.loads((folder / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            continue
+        return data.get("source_commit") if isinstance(data, dict) else None
+    return None
+
+
 def provenance(lib) -> dict:
     """Report header shared by bench, ablate, tune and the GPU scripts: where, when and how the
     numbers were taken."""
@@ -467,6 +484,7 @@ def provenance(lib) -> dict:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "library": repo_relative(lib.path),
+        "library_commit": library_commit(lib.path),  # the tree that built it; "commit": this one
         "build_info": lib.build_info,
         "command": _command(),
     }

@@ -333,6 +333,15 @@ def _resources(out: Path, name: str, variant: Optional[str] = None) -> Optional[
     return data
 
 
+def _source_commit() -> str | None:
+    """The commit of the tree this build compiled (bench.git_commit: FA3GEN_COMMIT, else git's
+    HEAD, "-dirty" with uncommitted changes; None outside a checkout), for reports that time
+    the library elsewhere (bench.library_commit)."""
+    from fa3gen.bench import git_commit  # torch-free at import
+
+    return git_commit()
+
+
 def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
                    only: list[str], exclude: list[str], linked: list[Unit]) -> Path:
     defaults = p.default_names
@@ -352,6 +361,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h
         "library": str(lib.relative_to(p.out_dir)),
         "toolchain": tc.describe(),
+        "source_commit": _source_commit(),
         "filters": {"only": only, "exclude": exclude},
         "variants": variants,
         "pruned": [{"name": x.variant.name, "constraint": x.constraint, "reason": x.reason}

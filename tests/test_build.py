@@ -501,6 +501,15 @@ def test_manifest_marks_only_the_defaults(fake):
     assert {v["name"]: v["is_default"] for v in m["variants"]} == {A: True, B_: False, B2: True}
 
 
+def test_manifest_records_the_commit_of_the_tree_it_built(fake, monkeypatch):
+    """Reports that time a library elsewhere name the tree it came from (bench.library_commit
+    reads this field); FA3GEN_COMMIT stands in for git here."""
+    spec, tc, calls = fake
+    monkeypatch.setenv("FA3GEN_COMMIT", "abc1234-dirty")
+    res = B.build(spec, toolchain=tc, log=quiet)
+    assert json.loads(res.manifest.read_text())["source_commit"] == "abc1234-dirty"
+
+
 def test_a_filtered_out_default_is_noted(fake):
     spec, tc, calls = fake
     spec.write_text(TWO_CAUSAL)

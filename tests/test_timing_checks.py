@@ -425,6 +425,28 @@ def test_provenance_names_the_command_that_ran(monkeypatch, tmp_path):
     assert (head["gpu"], head["commit"], head["build_info"]) == ("fake GPU", "abc1234", {"spec": "x"})
     monkeypatch.setattr(sys, "argv", ["tests/gpu/bench_features.py", "--kinds", "softcap"])
     assert bench.provenance(lib)["command"] == "python3 tests/gpu/bench_features.py --kinds softcap"
+    assert head["library_commit"] is None  # no manifest beside or above the library
+    (tmp_path / "manifest.json").write_text('{"source_commit": "def5678"}')
+    assert bench.provenance(lib)["library_commit"] == "def5678"
+
+
+def test_library_commit_reads_the_manifest_beside_or_above_the_library(tmp_path):
+    """A copied build keeps manifest.json beside the library; generated/<spec>/ has it one
+    folder up from lib/. The one beside wins when it reads (one that predates the field gives
+    None); a damaged one is passed over; none gives None."""
+    from fa3gen import bench
+
+    lib = tmp_path / "gen" / "lib" / "libfa3gen_x.so"
+    lib.parent.mkdir(parents=True)
+    assert bench.library_commit(lib) is None
+    (tmp_path / "gen" / "manifest.json").write_text('{"source_commit": "up1234"}')
+    assert bench.library_commit(lib) == "up1234"
+    (lib.parent / "manifest.json").write_text('{"source_commit": "beside5"}')
+    assert bench.library_commit(lib) == "beside5"
+    (lib.parent / "manifest.json").write_text('{"spec": "x"}')
+    assert bench.library_commit(lib) is None
+    (lib.parent / "manifest.json").write_text("{not json")
+    assert bench.library_commit(lib) == "up1234"
 
 
 def _fake_batches(monkeypatch):

@@ -213,7 +213,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             header = bench.provenance(libs[1])  # date, GPU, commit of this tree, B's build
-            header.update(build_info_a=libs[0].build_info, commit_a=args.commit_a)
+            header.update(build_info_a=libs[0].build_info, commit_a=args.commit_a,
+                          library_commit_a=bench.library_commit(libs[0].path))
             json.dump({"header": header, "lib_a": args.lib_a, "lib_b": args.lib_b,
                        "rows": rows}, f, indent=1)  # the GPU: header["gpu"]
     return 0
