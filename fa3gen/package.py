@@ -74,11 +74,13 @@ def __getattr__(name):
 '''
 
 
-def _commit() -> str:
-    """bench.git_commit() as a local-version label: g<10 hex>[.dirty], or "unknown"."""
+def _commit(built_from: str | None = None) -> str:
+    """The commit that built the library (its manifest's source_commit), else bench.git_commit()
+    (a build that predates the field), as a local-version label: g<10 hex>[.dirty], or
+    "unknown"."""
     from fa3gen.bench import git_commit
 
-    commit = git_commit()
+    commit = built_from if isinstance(built_from, str) and built_from else git_commit()
     if not commit:
         return "unknown"
     head, dirty = commit.removesuffix("-dirty"), commit.endswith("-dirty")
@@ -145,7 +147,7 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
         raise Fa3genError(f"--name {package_name} is {taken}: installing the wheel would replace "
                           "it; choose another name")
     # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
-    version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit()}"
+    version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit(info.get('source_commit'))}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     dist_info = f"{package_name}-{version}.dist-info"
 

@@ -177,6 +177,9 @@ def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
 
     monkeypatch.setattr(bench, "git_commit", lambda: commit)
     assert package._commit() == label
+    assert package._commit(None) == label  # a manifest from before source_commit
+    # The library's own commit (its manifest's source_commit) wins over the tree's.
+    assert package._commit("fedcba9876543210") == "gfedcba9876"
 
 
 def test_wheel_metadata_tags_and_contents_agree_with_its_name(built, capsys):
