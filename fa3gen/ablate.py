@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, positive_ms, provenance,
                           update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
+from fa3gen.contract import library_manifest_paths
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts, tflops,
                            time_ms)
@@ -693,7 +694,7 @@ def run(args, build_fn=None) -> int:
             print(f"fa3gen ablate: warning: no cell has head_dim {s['head_dim']} "
                   f"(shape {shape_str(s)} is skipped)", file=sys.stderr)
 
-    resources = resources_from_manifest(lib.path.parent.parent / "manifest.json")
+    resources = next((r for r in map(resources_from_manifest, library_manifest_paths(lib.path)) if r), {})
     sample = not (args.burst or args.no_power)
     with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),

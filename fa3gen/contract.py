@@ -247,6 +247,13 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 IN_CHECKOUT = (REPO_ROOT / "templates" / "kernels").is_dir() and (REPO_ROOT / "pyproject.toml").is_file()
 GENERATED_ENV = "FA3GEN_GENERATED"  # overrides the default root below
 MANIFEST_NAME = "manifest.json"
+
+
+def library_manifest_paths(lib_path) -> tuple[Path, Path]:
+    """Where a library's build manifest may be, in the order to try: beside it (a copied build)
+    and one folder up (generated/<spec>/lib/<library>)."""
+    lib_dir = Path(lib_path).parent
+    return lib_dir / MANIFEST_NAME, lib_dir.parent / MANIFEST_NAME
 _LIBRARY_RE = re.compile(r"libfa3gen_(.+)\.so")
 
 

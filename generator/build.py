@@ -333,17 +333,10 @@ def _resources(out: Path, name: str, variant: Optional[str] = None) -> Optional[
     return data
 
 
-def _source_commit() -> str | None:
-    """The commit of the tree this build compiled (bench.git_commit: FA3GEN_COMMIT, else git's
-    HEAD, "-dirty" with uncommitted changes; None outside a checkout), for reports that time
-    the library elsewhere (bench.library_commit)."""
-    from fa3gen.bench import git_commit  # torch-free at import
-
-    return git_commit()
-
-
 def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
                    only: list[str], exclude: list[str], linked: list[Unit]) -> Path:
+    from fa3gen.bench import git_commit  # torch-free, but not needed until a build succeeds
+
     defaults = p.default_names
     unit_of = {v.name: u.name for u in linked for v in u.variants}
     variants = []
@@ -361,7 +354,9 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h
         "library": str(lib.relative_to(p.out_dir)),
         "toolchain": tc.describe(),
-        "source_commit": _source_commit(),
+        # The tree this build compiled, for reports that time the library elsewhere
+        # (bench.library_commit): FA3GEN_COMMIT, else git's HEAD ("-dirty" with changes).
+        "source_commit": git_commit(),
         "filters": {"only": only, "exclude": exclude},
         "variants": variants,
         "pruned": [{"name": x.variant.name, "constraint": x.constraint, "reason": x.reason}
