@@ -408,7 +408,7 @@ def _left_by_use(entries, cands: list[Variant], key, spec: Spec) -> Variant:
 
 
 def resolve_dispatch(spec: Spec, kept: list[Variant]) -> dict[tuple, Variant]:
-    """Default variant per dispatch key (direction, dtype, head_dim, causal).
+    """Default variant per dispatch key (contract.KEY_AXES: direction, dtype, head_dim, causal, ...).
 
     All dispatch entries whose `when` matches a key apply together (their `use` rules
     intersect); exactly one variant of the key must survive them. A key that no entry
