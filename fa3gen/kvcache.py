@@ -31,6 +31,7 @@ HEAD_DIMS = contract.DECODE_HEAD_DIMS
 # latency-bound, and more CTAs keep more loads in flight (H200, batch 1, 8 kv heads, 1k keys:
 # 15 us at 2 splits, 7.2 us at 16; 2026-11-30).
 MIN_KEYS_PER_SPLIT = 64
+MAX_GRID_DIM = 65535  # a grid's y and z dimensions: the decode kernels' batch, kv heads and splits
 MAX_SPLITS = 128
 # CTAs of the split kernel resident per SM, from its shared memory (decode.cuh's Config: 66, 100
 # and 200 KB of the 227 KB an H100/H200 SM offers).
@@ -232,7 +233,9 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
             rotary = None
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   return_lse, k_scale, v_scale, lib, rotary)
-    if tracing._active:  # for `fa3gen spec --from-trace`: the decode kernels a model needs
+    # For `fa3gen spec --from-trace`: the decode kernels a model needs (a chunked prefill runs
+    # the forward kernels, which record their own variants).
+    if tracing._active and plan.prefill is None:
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
 
@@ -545,9 +548,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     if hkv < 1 or hq % hkv:
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
-    dtype = "fp16" if q.dtype == torch.float16 else "bf16"
-    if not prefill:
-        _require_decode_kernels(dtype, ops.static_head_dim(d))
+    if not prefill and max(b, hkv) > MAX_GRID_DIM:  # grid dimensions of the decode kernels
+        raise InvalidInputError(f"the decode kernels take a batch and heads_kv of at most "
+                                f"{MAX_GRID_DIM}; got batch {b}, heads_kv {hkv}")
     paged = block_table is not None
     # The decode kernels clamp every page or sequence index into the cache: there must be one
     # (a contiguous cache of no rows per sequence is legal: no keys).
@@ -590,6 +593,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {num_splits!r}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
+    if not prefill:  # last: bad arguments are reported before a missing kernel
+        _require_decode_kernels("fp16" if q.dtype == torch.float16 else "bf16",
+                                ops.static_head_dim(d))
     return _Checked(mask, kv_fp8, (pages_or_b, rows_per, capacity), hkv, append, seqlen_k,
                     prefill, scale_strides)
 
@@ -602,8 +608,11 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     mask, (pages_or_b, rows_per, _), seqlen_k = c.mask, c.geometry, c.seqlen_k
     b, sq, hq, d = q.shape
     hkv, paged = c.heads_kv, block_table is not None
+    # A side that reaches past every key is unbounded (-1): the kernel adds it to int32 positions.
+    left, right = (_decode_window_side(w, c.geometry[2] + sq)
+                   for w in (mask.window_left, mask.window_right))
     # A window: the splits share only the keys some query sees, the last window_left + seqlen_q.
-    window_keys = mask.window_left + sq + 15 if mask.window_left >= 0 else None
+    window_keys = left + sq + 15 if left >= 0 else None
     split_args = (num_splits, b, hkv, ops._num_sms(q.device.index), d, window_keys)
     splits = _split_count(seqlen_k, *split_args)
     out_strides = (sq * hq * d, hq * d, d)  # out is allocated contiguous
@@ -618,7 +627,7 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.cache_rows = pages_or_b
     p.num_splits, p.causal, p.fp16 = splits, int(mask.causal), int(q.dtype == torch.float16)
     p.softmax_scale = ops._softmax_scale(softmax_scale, d)
-    p.window_left, p.window_right, p.softcap = mask.window_left, mask.window_right, mask.softcap
+    p.window_left, p.window_right, p.softcap = left, right, mask.softcap
     p.kv_fp8 = int(c.kv_fp8)
     p.kv_scale_batch_stride, p.kv_scale_head_stride = c.scale_strides
     p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
@@ -630,7 +639,15 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
                        append_template=template)
 
 
-FP32_MAX = torch.finfo(torch.float32).max  # a float factor travels as an fp32 param
+def _decode_window_side(w: int, reach: int) -> int:
+    """A window side as the decode kernel takes it: -1 (unbounded) from `reach` (the cache's
+    capacity plus the query rows) on, where it shows every key anyway, so that position +- w
+    stays inside int32 (a side near 2^31 wrapped and masked every key)."""
+    return -1 if w >= reach else w
+
+
+# A float factor travels as an fp32 param: a smaller one would be 0 or subnormal there.
+FP32_TINY, FP32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
 
 
 def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
@@ -648,9 +665,10 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
                                         f"{heads_kv}) on {device}, got {s.dtype} "
                                         f"{tuple(s.shape)} on {s.device}")
             tensors.append(s)
-        elif isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s <= FP32_MAX:
-            raise InvalidInputError(f"{name} must be a positive float within fp32's range or an "
-                                    f"fp32 tensor, got {s!r}")
+        elif isinstance(s, bool) or not isinstance(s, (int, float)) or \
+                not FP32_TINY <= s <= FP32_MAX:
+            raise InvalidInputError(f"{name} must be a positive float within fp32's normal range "
+                                    f"or an fp32 tensor, got {s!r}")
     if not tensors:
         return 0, 0
     if len(tensors) == 2 and (tensors[0].shape != tensors[1].shape or
@@ -674,7 +692,7 @@ def _split_count(keys: int, num_splits: int, batch: int, heads_kv: int, num_sms:
     if window_keys is not None:
         keys = min(keys, window_keys)
     splits = num_splits or num_splits_heuristic(batch, heads_kv, keys, num_sms, head_dim)
-    return max(1, min(splits, 65535, -(-keys // MIN_KEYS_PER_SPLIT)))  # a split: a slice per warp
+    return max(1, min(splits, MAX_GRID_DIM, -(-keys // MIN_KEYS_PER_SPLIT)))  # a split: a slice per warp
 
 
 def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:

@@ -86,6 +86,12 @@ def _is_numpy_bool(x) -> bool:
     return isinstance(x, numpy.bool_)
 
 
+def _is_bool_like(x) -> bool:
+    """A Python, numpy or torch bool: never a number here, where float() would take it as 1.0."""
+    return isinstance(x, bool) or _is_numpy_bool(x) or \
+        (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+
+
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
@@ -197,6 +203,11 @@ def check_inputs(q, k, v) -> Dims:
             f"heads_q ({hq}) must be a multiple of heads_kv ({hkv}) "
             "(equal: MHA, multiple: GQA, heads_kv=1: MQA)"
         )
+    # The params are int32, and the masks add a query's position to the keys' (masking_args).
+    if max(b, hq) > INT32_MAX or sq + sk > INT32_MAX // 2:
+        raise InvalidInputError(f"batch and heads must be below 2^31 and seqlen_q + seqlen_k at "
+                                f"most 2^30 - 1; got batch {b}, heads {hq}, seqlen_q {sq}, "
+                                f"seqlen_k {sk}")
     return Dims(b, sq, sk, hq, hkv, d, _DTYPES[q.dtype])
 
 
@@ -303,14 +314,15 @@ def _grid_mode() -> int:
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
-    """(batch, row, head) strides; a size-1 dim gets a harmless legal stride (the packed one)."""
-    out = []
+    """(batch, row, head) strides; a size-1 dim gets a harmless legal stride (the packed one,
+    rounded up to 16 bytes as TMA needs)."""
+    out, per = [], _TMA_ALIGN_BYTES // t.element_size()
     for dim in range(3):
         if t.shape[dim] > 1:
             out.append(t.stride(dim))
         else:
             inner = max([t.shape[-1]] + [t.stride(j) * t.shape[j] for j in range(dim + 1, 3)])
-            out.append(-(-inner // 8) * 8)
+            out.append(-(-inner // per) * per)
     return tuple(out)
 
 
@@ -741,6 +753,7 @@ def _eager_fwd_plan(q, k, v, mask: Masking, softmax_scale, variant: str | None) 
     except Fa3genError:  # bad tensors are reported before a missing library
         check_device(q, k, v)
         check_inputs(q, k, v)
+        check_layout(q=q, k=k, v=v)
         raise
     key = (_signature(q), _signature(k), _signature(v), mask,
            softmax_scale if softmax_scale is None else float(softmax_scale), variant, lib,
@@ -944,7 +957,8 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     if softmax_scale is None:
         return
     try:  # what float() takes (numpy and 0-d tensor scalars too), but not text or a bool
-        value = None if isinstance(softmax_scale, (bool, str, bytes)) else float(softmax_scale)
+        value = None if isinstance(softmax_scale, (str, bytes)) or _is_bool_like(softmax_scale) \
+            else float(softmax_scale)
     except (TypeError, ValueError, RuntimeError):
         value = None
     if value is None or not 0.0 < value < math.inf:
@@ -960,7 +974,7 @@ def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
     """A scale that comes from another order (fa3gen's old (q, k, v, causal, softmax_scale),
     flash-attn 2's dropout_p): an error, never a different result. positional: the scale may
     be passed right after the tensors (the dense and the dense packed functions)."""
-    if isinstance(softmax_scale, bool):
+    if _is_bool_like(softmax_scale):
         raise InvalidInputError(
             f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
             "(q, k, v, softmax_scale, causal); pass causal=... by keyword")

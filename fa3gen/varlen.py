@@ -560,7 +560,7 @@ def flash_attn_varlen_func(
     causal, window_size, softcap: flash_attn_func's meaning per sequence (causal aligned to
     each sequence's bottom-right corner). Zero-length sequences are legal (zero rows; a query
     sequence whose key sequence is empty gives 0 and lse -inf). Rows outside every sequence
-    are not written. FA3GEN_DEBUG_CHECKS=1 checks cu_seqlens and max_seqlen on the host (a
+    come out zero (lse -inf). FA3GEN_DEBUG_CHECKS=1 checks cu_seqlens and max_seqlen on the host (a
     sync per call).
     Everything after max_seqlen_k is keyword-only: flash-attn 2 (dropout_p) and
     FlashAttention-3 (seqused_q, seqused_k) put different things in the 8th position, so a
@@ -653,6 +653,7 @@ def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant)
     except Fa3genError:  # bad tensors are reported before a missing library
         ops.check_device(q, k, v)
         check_varlen_inputs(q, k, v, cu_q, cu_k, max_q, max_k)
+        ops.check_layout(q=q, k=k, v=v)
         raise
     sig = ops._signature
     key = (sig(q), sig(k), sig(v), _cu_signature(cu_q), _cu_signature(cu_k), max_q, max_k, mask,

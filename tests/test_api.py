@@ -467,3 +467,16 @@ def test_flash_attn_2s_dropout_and_alibi_keywords_at_their_defaults(fake_launche
     with pytest.raises(InvalidInputError, match="block_table .* flash_attn_with_kvcache takes paged"):
         varlen.flash_attn_varlen_func(x, x, x, cu, cu, 8, 8, block_table=torch.zeros(1, 1, dtype=torch.int32))
     assert len(fake_launches) == 3
+
+
+@pytest.mark.parametrize("flag", [True, "numpy", torch.tensor(True)])
+def test_a_bool_of_any_kind_in_the_scales_place_is_the_order_error(flag):
+    """float() takes numpy's and torch's bools as 1.0: they are refused as Python's is, in the
+    dense, packed and KV-cache calls."""
+    from fa3gen import kvcache
+    if flag == "numpy":
+        flag = pytest.importorskip("numpy").True_
+    with pytest.raises(InvalidInputError, match=r"order \(q, k, v, softmax_scale, causal\)"):
+        ops.flash_attn_func(q, q, q, flag)
+    with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
+        kvcache.flash_attn_with_kvcache(q, q, q, softmax_scale=flag)

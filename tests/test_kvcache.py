@@ -1743,3 +1743,70 @@ def test_the_append_kernels_params_are_planned_with_the_call(launched, monkeypat
     for step in range(2):
         kvcache.flash_attn_with_kvcache(q, kc8, vc8, news[0], news[0], cache_seqlens=5 + step)
     assert len(kvcache._append_templates) == 1 and len(lib.calls) == 5
+
+
+@pytest.mark.parametrize("window,q_rows", [((-1, 2**31 - 1), 1), ((2**31 - 1, -1), 4),
+                                          ((2**31 - 2, 2**31 - 2), 2), ((1100, 1100), 1)])
+def test_a_window_side_past_every_key_reaches_the_kernel_unbounded(launched, window, q_rows):
+    """The decode kernel adds a window side to int32 positions: a side near 2^31 wrapped and
+    masked every key. A side reaching past the cache and the query rows is -1 (unbounded),
+    which it means; a side short of that is kept as given."""
+    kc = torch.zeros(1, 1000, 2, 128, dtype=BF)
+    q = torch.zeros(1, q_rows, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, window_size=window)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, window_size=(999, 999))
+    p, kept = launched
+    assert (p.window_left, p.window_right) == tuple(-1 if w >= 1000 + q_rows else w for w in window)
+    assert (kept.window_left, kept.window_right) == (999, 999)
+
+
+def test_a_decode_batch_past_the_grid_is_an_input_error(launched):
+    """The decode kernels' grid takes batch and kv heads in its y and z dimensions (at most
+    65535): past that one clear error, before any launch (prefill takes other kernels)."""
+    kc = torch.zeros(1, 1, 1, 128, dtype=BF).expand(70000, 1, 1, 128)
+    q = torch.zeros(1, 1, 1, 128, dtype=BF).expand(70000, 1, 1, 128)
+    with pytest.raises(InvalidInputError, match="at most 65535; got batch 70000"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc)
+    assert not launched
+
+
+def test_bad_arguments_are_reported_before_a_missing_decode_kernel(launched, monkeypatch):
+    """The library's decode pairs are looked up after every argument check, so a bad tensor is
+    named even where the library lacks the kernel (as flash_attn_func does)."""
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset())
+    q, kc = _q_cache()
+    table = torch.zeros(2, 1, dtype=torch.int64)
+    with pytest.raises(InvalidInputError, match="block_table must be int32"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.zeros(2, dtype=torch.int32),
+                                        block_table=table)
+    with pytest.raises(InvalidInputError, match="num_splits"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, num_splits=-1)
+    with pytest.raises(InvalidInputError, match=r"q.stride\(-1\)"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 8, 256, dtype=BF)[..., ::2], kc, kc)
+
+
+@pytest.mark.parametrize("scale", [1e-46, 1e-39])
+def test_fp8_cache_float_factors_below_fp32_normals_are_refused(launched, scale):
+    """A float factor travels as an fp32 param: a tiny one would become 0 or subnormal there."""
+    q = torch.zeros(1, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(1, 64, 2, 128, dtype=BF).to(FP8)
+    with pytest.raises(InvalidInputError, match="k_scale must be a positive float within fp32's normal"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=scale)
+    assert not launched
+    kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=1.2e-38)  # the smallest normal is legal
+    assert launched[0].k_scale_value > 0
+
+
+def test_a_trace_records_decode_kernels_only_for_decode_calls(launched, monkeypatch, tmp_path):
+    """A chunked prefill runs the forward kernels (which record their own variants): it adds
+    no decode pair to the trace, a decode call does."""
+    from fa3gen import tracing
+    monkeypatch.setattr(kvcache, "_prefill", lambda *a, **kw: (None, None))
+    kc = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
+    with tracing.trace(tmp_path / "t.yaml") as t:
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 64, 2, 64, dtype=torch.float16), kc, kc,
+                                        cache_seqlens=100)
+        assert t.decode == set()
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=torch.float16), kc, kc,
+                                        cache_seqlens=100)
+        assert t.decode == {("fp16", 64)}

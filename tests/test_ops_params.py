@@ -146,3 +146,28 @@ def test_eager_backward_fills_no_gradient_for_lse(fake_launches):
         ops_run = {e.name for e in prof.events()}
         assert not ops_run & {"aten::zeros", "aten::zeros_like", "aten::fill_", "aten::zero_"}, ops_run
         assert fake_launches[-1][0].startswith("bwd_") and all(g is not None for g in grads)
+
+
+def test_sizes_past_the_int32_params_are_refused_not_wrapped(fake_launches):
+    """The params take sizes as int32: a stride-0 view 2^32 + 16 keys long was launched with
+    seqlen_k 16. seqlen_q + seqlen_k past 2^30 - 1 is refused as masking_args refuses it."""
+    big = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 2**32 + 16, 1, 128)
+    q = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=r"seqlen_q \+ seqlen_k at most 2\^30 - 1; .*seqlen_k 4294967312"):
+        ops.flash_attn_func(q, big, big)
+    edge = torch.zeros(1, 1, 1, 128, dtype=torch.bfloat16).expand(1, 2**30 - 9, 1, 128)
+    ops.flash_attn_func(q, edge, edge)  # 8 + 2^30 - 9 = 2^30 - 1: taken
+    assert fake_launches[-1][1].seqlen_k == 2**30 - 9
+
+
+def test_a_size_one_dims_stride_is_replaced_by_a_16_byte_multiple_in_e4m3_too(fake_launches):
+    """_strides gives a size-1 dim a legal stride of its own: 16 bytes are 8 16-bit elements but
+    16 e4m3 ones (a 1000-element stride reached an e4m3 launch)."""
+    e4m3 = torch.float8_e4m3fn
+    q = torch.zeros(4096).to(e4m3).as_strided((1, 1, 1, 128), (4096, 1000, 1000, 1))
+    k = torch.zeros(1, 64, 1, 128).to(e4m3)
+    ops.flash_attn_func(q, k, k, causal=True)
+    p = fake_launches[-1][1]
+    assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (1008, 1008, 128)  # not 1000
+    assert ops._strides(torch.zeros(1, 1, 1, 72, dtype=torch.bfloat16)) == (72, 72, 72)
+    assert ops._strides(torch.zeros(1, 1, 1, 72).to(e4m3)) == (80, 80, 80)

@@ -827,3 +827,19 @@ def test_an_empty_grid_variable_is_unset(monkeypatch):
     monkeypatch.setenv("FA3GEN_GRID", "Persistent")
     with pytest.raises(fa3gen.InvalidInputError, match="expected auto, persistent or tiles"):
         ops._grid_mode()
+
+
+def test_a_bad_layout_is_reported_before_a_missing_library(clean_runtime, monkeypatch):
+    """Without a library, the dense and varlen calls still name a tensor TMA cannot read (its
+    strides or alignment), not the missing build."""
+    from fa3gen import ops, varlen
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)
+    k = torch.zeros(2, 8, 4, 128, dtype=torch.bfloat16)
+    with pytest.raises(InvalidInputError, match=r"q.stride\(-1\)"):
+        ops.flash_attn_func(torch.zeros(2, 8, 4, 256, dtype=torch.bfloat16)[..., ::2], k, k)
+    x = torch.zeros(16 * 4 * 128 + 4, dtype=torch.bfloat16)[4:].view(16, 4, 128)  # 8 bytes in
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match=r"q.data_ptr\(\) is not 16-byte aligned"):
+        varlen.flash_attn_varlen_func(x, x[:, :2], x[:, :2], cu, cu, 16, 16)
+    with pytest.raises(LibraryNotBuiltError):  # a good call still says what is missing
+        ops.flash_attn_func(k, k, k)

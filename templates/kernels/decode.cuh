@@ -682,7 +682,8 @@ inline int check_decode(const fa3gen_decode_params& p) {
       (p.block_table != nullptr && p.page_size < 1) || (p.num_splits > 1 && p.o_accum == nullptr) ||
       p.cache_rows < 1 || (p.block_table == nullptr && p.cache_batch_idx == nullptr && p.cache_rows < p.batch)) {
     fa3gen_set_error("decode: invalid sizes (rows = heads_q / heads_kv * seqlen_q must be 1..16, "
-                     "num_splits >= 1 with a workspace when > 1, page_size >= 1 when paged, "
+                     "num_splits >= 1 with a workspace when > 1, batch, heads_kv and num_splits at most 65535, "
+                     "page_size >= 1 when paged, "
                      "cache_rows >= 1 and >= batch without cache_batch_idx)");
     return 1;
   }
