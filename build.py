@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # usable without `pip install -e .`
 
-from fa3gen.cli import main as cli_main  # noqa: E402
+from fa3gen.cli import build_parser, main as cli_main  # noqa: E402
 from fa3gen.errors import Fa3genError  # noqa: E402
 from generator.errors import GeneratorError  # noqa: E402
 
@@ -35,11 +35,13 @@ def main(argv: list[str]) -> int:
     check = "--check" in argv
     argv = [a for a in argv if a != "--check"]
     rc = cli_main(["build", *argv])
-    if rc == 0 and check and "--dry-run" not in argv:
-        spec = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--spec"),
-                    next((a.split("=", 1)[1] for a in argv if a.startswith("--spec=")), None))
+    if rc == 0 and check:
+        # What the build took (abbreviations such as --sp too): its parser reads argv again.
+        args = build_parser().parse_args(["build", *argv])
+        if args.dry_run:
+            return rc
         try:
-            rc = quick_check(spec)
+            rc = quick_check(args.spec)
         except (Fa3genError, GeneratorError) as e:
             # A failing check or a missing library: the message says what to do, no traceback.
             print(f"build.py: error: {e}", file=sys.stderr)

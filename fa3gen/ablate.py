@@ -28,6 +28,7 @@ from typing import Callable, Iterable
 from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, positive_ms, provenance,
                           update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
+from fa3gen.cli import positive_int
 from fa3gen.contract import library_manifest_paths
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts, tflops,
@@ -640,7 +641,8 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="keep only cells whose variant name matches (repeatable)")
     p.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="drop cells whose variant name matches (repeatable)")
-    p.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiles of the build")
+    p.add_argument("-j", "--jobs", type=positive_int, default=None,
+                   help="parallel compiles of the build")
     p.add_argument("--no-build", action="store_true",
                    help="skip the build and load generated/<spec>/lib as it is (a machine "
                         "without CUTLASS: build elsewhere, bring generated/<spec>)")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fa3gen.contract import MANIFEST_NAME, generated_root
 from generator.errors import BuildError, GeneratorError
+from generator.lock import lock_unless_busy
 from generator.paths import resolve_spec_path
 
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
@@ -77,7 +78,7 @@ def _spec_name(spec: str) -> str:
         return spec_name_of_file(path)
     if path.suffix in (".yaml", ".yml"):
         raise GeneratorError(f"--spec {spec!r}: no such spec file")
-    return Path(spec).stem
+    return Path(spec).name  # a bare name as given: spec names may hold dots (h100.v2)
 
 
 # What a build folder holds: generator/build.py writes build.ninja and fingerprint.txt before
@@ -97,8 +98,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
         builds = [d for d in entries if _is_build(d)]
         others = [d.name for d in entries if d not in builds]
         for d in builds:
-            shutil.rmtree(d)
-            print(f"fa3gen: removed {d}")
+            _remove_build(d, skip_busy=True)
         if not builds:
             print(f"fa3gen: no builds to clean in {root}")
         if others:
@@ -120,9 +120,22 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if not _is_build(target):
         raise GeneratorError(f"refusing to remove {target}: not an fa3gen build (no {MANIFEST_NAME}, "
                              "nor build.ninja with fingerprint.txt)")
-    shutil.rmtree(target)
-    print(f"fa3gen: removed {target}")
+    _remove_build(target, skip_busy=False)
     return 0
+
+
+def _remove_build(folder: Path, skip_busy: bool) -> None:
+    """Remove a build folder under its build lock: a build running there is left alone (an
+    error, or with skip_busy a note), never deleted from under its compiles."""
+    with lock_unless_busy(folder) as holder:
+        if holder is not None:
+            busy = f"{folder} is being built (pid {holder})"
+            if not skip_busy:
+                raise GeneratorError(f"refusing to remove {busy}: wait for that build to end")
+            print(f"fa3gen: {busy}; left as it is")
+            return
+        shutil.rmtree(folder)
+    print(f"fa3gen: removed {folder}")
 
 
 def cmd_package(args: argparse.Namespace) -> int:
@@ -196,7 +209,7 @@ def _register_extra(sub) -> None:
             mod.register(sub)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -220,9 +233,9 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="render and compile a spec into a shared library")
     b.add_argument("--spec", required=True, help="spec YAML path or name in specs/ (e.g. h100)")
     _add_filters(b)
-    b.add_argument("-j", "--jobs", type=_positive_int, default=None,
+    b.add_argument("-j", "--jobs", type=positive_int, default=None,
                    help="parallel compiles (default: min(cores, free GiB / 4))")
-    b.add_argument("--unit-size", type=_positive_int, default=None, metavar="N",
+    b.add_argument("--unit-size", type=positive_int, default=None, metavar="N",
                    help="variants of one direction, dtype and head dim compiled together in a "
                         "translation unit, at most N (default: $FA3GEN_UNIT_SIZE, else 16; 1: "
                         "one a TU, more parallel but several times the total work)")
@@ -308,9 +321,22 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
-    except BrokenPipeError:  # `fa3gen list | head`: the reader left; not an error
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    except ImportError as e:  # bench, ablate, tune, numerics import torch when they run
+        if e.name != "torch":
+            raise
+        _error(f"`fa3gen {args.command}` needs torch, which cannot be imported here ({e}); "
+               "install it (a CUDA build to run the kernels)")
+        return 2
+    except BrokenPipeError:  # the reader of stdout left (`| head`)
+        try:  # later prints and the flush at exit go nowhere instead of failing again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        if args.func is cmd_list:  # it only prints: what the reader wanted, it has
+            return 0
+        _error("stdout was closed before the command finished (its reader left); it did not "
+               "complete")
+        return 1
     except OSError as e:  # an output path that is a folder, a missing parent, a full disk
         _error(f"{e.strerror or e}: {e.filename}" if e.filename else str(e))
         return 2

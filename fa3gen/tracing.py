@@ -142,6 +142,10 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from e
     except UnicodeDecodeError as e:
         raise TraceError(f"{path}: not a trace (not UTF-8 text)") from e
+    except yaml.MarkedYAMLError as e:  # one line, where: as a spec's (generator/spec.py)
+        mark = e.problem_mark or e.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise TraceError(f"{path}{where}: not a trace (invalid YAML: {e.problem or e.context})") from e
     except yaml.YAMLError as e:
         raise TraceError(f"{path}: not a trace (invalid YAML: {e})") from e
     except RecursionError as e:

@@ -32,6 +32,8 @@ from typing import Callable
 from fa3gen.bench import RESULTS_DIR, count, int_list, positive_ms, provenance
 from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str
 from fa3gen.errors import Fa3genError
+from fa3gen.files import write_atomically
+from generator.errors import GeneratorError
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
 TOKENS, HIDDEN = 16384, 2048
@@ -335,12 +337,14 @@ def run(args) -> int:
     from generator.paths import resolve_spec_path
 
     spec_path = Path(resolve_spec_path(args.spec))
-    multi, current = candidates(spec_path)
-    if args.keys:
-        multi = {k: v for k, v in multi.items() if re.search(args.keys, key_str(k))}
+    every, current = candidates(spec_path)
+    multi = {k: v for k, v in every.items() if not args.keys or re.search(args.keys, key_str(k))}
     if not multi:
-        print(f"fa3gen tune: {spec_path}: no key with several candidates"
-              + (f" matches {args.keys!r}" if args.keys else "") + "; nothing to tune")
+        if args.keys:  # a typo in the filter is an error, as build's --only that matches nothing
+            raise GeneratorError(f"{spec_path}: no key with several candidates matches "
+                                 f"--keys {args.keys!r}; the keys with several: "
+                                 + (", ".join(key_str(k) for k in every) or "none"))
+        print(f"fa3gen tune: {spec_path}: no key with several candidates; nothing to tune")
         return 0
     if not torch.cuda.is_available():
         raise Fa3genError("fa3gen tune needs a CUDA GPU (Hopper sm_90)")
@@ -405,7 +409,7 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
     if args.dry_run:
         print(f"wrote {out}; --dry-run: {spec_path} unchanged")
         return 0
-    spec_path.write_text(write_spec(spec_path, winners, notes, ranges))
+    write_atomically(spec_path, write_spec(spec_path, winners, notes, ranges))  # never half-written
     print(f"wrote {out} and the dispatch section of {spec_path}; rebuild to use it: "
           f"fa3gen build --spec {args.spec}")
     return 0

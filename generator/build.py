@@ -17,7 +17,7 @@ from fa3gen.files import write_atomically
 
 from . import __version__
 from .compile_one import MARKER_SUFFIX, spills_allowed
-from .errors import BuildError, FilterError
+from .errors import BuildError, FilterError, GeneratorError
 from .ninja import (check_launcher, objects_without_deps, planned_edges, render_build_ninja,
                     run_ninja, write_build_ninja)
 from .paths import resolve_spec_path
@@ -126,6 +126,16 @@ class BuildResult:
     planned: list[str] = field(default_factory=list)   # dry run: edges ninja would run
 
 
+def _other_spec_file(out: Path, spec_path) -> str | None:
+    """The spec file whose build out's manifest records, where it is not spec_path."""
+    try:
+        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("spec_path")
+    except (OSError, ValueError, AttributeError):  # no finished build, or not a manifest
+        return None
+    here = str(Path(spec_path).resolve())
+    return recorded if isinstance(recorded, str) and recorded != here else None
+
+
 def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           jobs: Optional[int] = None, dry_run: bool = False,
           compiler_launcher: Optional[str] = None, allow_spills: bool = False,
@@ -140,7 +150,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     with one link. A dry run writes nothing. Builds of one output directory take turns
     (generator/lock.py)."""
     if jobs is not None and not 1 <= jobs <= MAX_JOBS:
-        raise BuildError(f"-j/--jobs must be at least 1 and at most {MAX_JOBS} (got {jobs})")
+        raise GeneratorError(f"-j/--jobs must be at least 1 and at most {MAX_JOBS} (got {jobs})")
     size = unit_size(units)
     only, exclude = list(only), list(exclude)
     p = plan(spec_path, only, exclude)
@@ -164,7 +174,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
     out = p.out_dir
     existing = next(d for d in (out, *out.parents) if d.exists())  # the dry run too: say it now
     if not existing.is_dir():
-        raise BuildError(f"cannot build into {out}: {existing} is a file, not a folder (check "
+        raise GeneratorError(f"cannot build into {out}: {existing} is a file, not a folder (check "
                          f"${GENERATED_ENV})")
     env = environment(tc.templates_dir)
 
@@ -200,7 +210,12 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         return BuildResult(p, lib, planned=_dry_run(p, linked, sources, ninja_text, jobs, log,
                                                     _strict(allow_spills)))
 
-    with build_lock(out, f"spec {p.spec.name}", log):
+    with build_lock(out, f"spec {p.spec.name}", log) as lock_fd:
+        other = _other_spec_file(out, p.spec.path)
+        if other:  # one output folder a spec name: this build replaces that file's library
+            log(f"fa3gen: warning: {out} held the build of {other}, another spec file named "
+                f"{p.spec.name!r}; this build of {p.spec.path} replaces it (give one of them "
+                "another `name:` to keep both)")
         rendered = sources.apply()
         if rendered.removed:
             log(f"fa3gen: removed {len(rendered.removed)} file(s) of compile units no longer planned "
@@ -215,7 +230,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             for obj in objects_built_with_spills(out):
                 log(f"fa3gen: {obj} was built with spills allowed; compiling it again")
                 (out / obj).unlink(missing_ok=True)
-        proc = run_ninja(out, jobs, allow_spills=allow_spills)
+        proc = run_ninja(out, jobs, allow_spills=allow_spills, hold_fds=(lock_fd,))
         if proc.returncode != 0:
             raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
                              f"see the messages above and {out}/obj/*.log")

@@ -16,9 +16,11 @@ LOCK_NAME = ".build.lock"
 
 
 @contextmanager
-def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
+def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[int]:
     """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
-    process dies, so a killed build never leaves the directory locked)."""
+    last process holding its descriptor ends, so a killed build never leaves the directory
+    locked). Yields the descriptor: ninja is handed it (run_ninja's hold_fds), so that a build
+    whose fa3gen process was killed stays locked until its ninja and compiles end too."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -33,6 +35,26 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
             log(f"fa3gen: the other build of {what} finished; continuing")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        yield fd
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextmanager
+def lock_unless_busy(out_dir: Path) -> Iterator[str | None]:
+    """For removing out_dir: hold its build lock while the block runs (yields None), or, when a
+    build holds it, yield that build's pid (the block must then leave out_dir alone)."""
+    try:
+        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR)
+    except OSError:  # no lock file (never built, or before the lock existed), or not a file
+        yield None
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            return
+        yield None
+    finally:
+        os.close(fd)

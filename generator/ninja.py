@@ -149,17 +149,22 @@ def _ninja_env(allow_spills: bool) -> dict:
 
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
               capture: bool = False, progress_every: float = 10.0,
-              build_file: Path | None = None) -> subprocess.CompletedProcess:
+              build_file: Path | None = None, hold_fds: tuple = ()) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
-    (generator/progress.py) whenever ninja has been silent for `progress_every` seconds."""
+    (generator/progress.py) whenever ninja has been silent for `progress_every` seconds; a
+    reader that leaves (`| head`) or a closed stdout stops the echo, not the build. hold_fds:
+    descriptors ninja inherits (the build lock, held as long as ninja and its compiles run)."""
     cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
-    progress = Progress(Path(out_dir) / "obj", jobs)  # the total comes with ninja's first status
+    # The total comes with ninja's first status line.
+    progress = Progress(Path(out_dir) / "obj", jobs,
+                        others=_other_edges(build_file or Path(out_dir) / "build.ninja"))
     lines: queue.Queue = queue.Queue()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace")
+                            text=True, errors="replace", pass_fds=hold_fds)
+    echo = _Echo()
 
     def pump():
         for line in proc.stdout:
@@ -172,13 +177,12 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
             try:
                 line = lines.get(timeout=progress_every)
             except queue.Empty:
-                print(progress.report(), flush=True)
+                echo(progress.report() + "\n")
                 continue
             if line is None:
                 break
             progress.feed(line)
-            sys.stdout.write(line)
-            sys.stdout.flush()
+            echo(line)
     finally:
         # Interrupted (Ctrl-C, SIGTERM through the CLI, an error): ninja stops its compiles
         # before this returns, so the build lock is never released with them still running.
@@ -190,6 +194,37 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
                 proc.kill()
                 proc.wait()
     return subprocess.CompletedProcess(cmd, proc.wait())
+
+
+def _other_edges(build_file: Path) -> int:
+    """The edges of build.ninja that are not a unit's compile: the plain TUs and the link."""
+    try:
+        text = build_file.read_text()
+    except OSError:
+        return 0
+    return len(re.findall(r"^build [^:]+: (?!nvcc_variant\b)\w+", text, re.M))
+
+
+class _Echo:
+    """Writes a build's output to stdout until stdout is gone: closed (`>&-`: sys.stdout is
+    None) or its reader left (`| head`: a broken pipe, after which stdout goes to /dev/null so
+    that later prints and the exit flush do not fail). The build itself goes on either way."""
+
+    def __init__(self):
+        self.on = sys.stdout is not None
+
+    def __call__(self, text: str) -> None:
+        if not self.on:
+            return
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):  # ValueError: a stdout closed under us
+            self.on = False
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
 
 
 def objects_without_deps(out_dir: Path) -> list[str]:

@@ -17,6 +17,7 @@ from typing import Optional
 from .compile_one import MARKER_SUFFIX
 
 _STATUS_RE = re.compile(r"^\[(\d+)/(\d+)\b")
+_OTHER_EDGE_RE = re.compile(r"^\[[^\]]*\]\s*(NVCC obj/|LINK )")  # a plain TU's or the link's status
 _TU_SECONDS_RE = re.compile(r"^(\S+): .*, ([\d.]+) s\b")
 
 
@@ -33,12 +34,15 @@ class Progress:
     done: int = 0
     start: float = field(default_factory=time.monotonic)
     tu_seconds: list[float] = field(default_factory=list)
+    others: int = 0                   # edges that are not a unit's compile (plain TUs, the link)
+    others_done: int = 0
 
     def feed(self, line: str) -> None:
         """Take one line of ninja's output."""
         m = _STATUS_RE.match(line)
         if m:
             self.done, self.total = int(m.group(1)), int(m.group(2))
+            self.others_done += bool(_OTHER_EDGE_RE.match(line))
         m = _TU_SECONDS_RE.match(line)
         if m:
             self.tu_seconds.append(float(m.group(2)))
@@ -55,11 +59,13 @@ class Progress:
         return sorted(out, key=lambda x: -x[1])
 
     def remaining_seconds(self, running: list[tuple[str, float]]) -> Optional[float]:
-        """Queued TUs at the mean TU time, plus what the running ones have left, over the jobs."""
+        """Queued TUs at the mean TU time, plus what the running ones have left, over the jobs.
+        The edges left that are not units (at most `others`, short) are not counted as units."""
         if self.total is None or not self.tu_seconds:
             return None
         mean = statistics.mean(self.tu_seconds)
-        queued = max(0, self.total - self.done - len(running))
+        others_left = max(0, self.others - self.others_done)
+        queued = max(0, self.total - self.done - len(running) - others_left)
         left = queued * mean + sum(max(0.0, mean - age) for _, age in running)
         return left / max(1, self.jobs)
 

@@ -21,7 +21,7 @@ from typing import Iterable, Optional
 
 from fa3gen.contract import LAUNCHERS, Variant, template_args
 
-from .errors import BuildError
+from .errors import GeneratorError
 from .render import needs_extended_mma_shapes
 
 # specs/h100.yaml on the 2-core host: up to 16 (30 TUs) 647 s, up to 8 (42 TUs) 789 s; a TU of
@@ -47,9 +47,9 @@ def unit_size(size: Optional[int] = None) -> int:
         try:
             size = int(text) if text else DEFAULT_SIZE
         except ValueError:
-            raise BuildError(f"{SIZE_ENV}={text!r}: expected a positive integer") from None
+            raise GeneratorError(f"{SIZE_ENV}={text!r}: expected a positive integer") from None
     if size < 1:
-        raise BuildError(f"the unit size must be at least 1 (got {size})")
+        raise GeneratorError(f"the unit size must be at least 1 (got {size})")
     return size
 
 

@@ -305,7 +305,7 @@ def test_concurrent_builds_compile_once(fake, monkeypatch):
 def test_jobs_out_of_range_rejected(fake):
     spec, tc, _ = fake
     for bad in (0, -3, 1025, 2**31):
-        with pytest.raises(BuildError, match=rf"-j/--jobs must be at least 1 and at most 1024 \(got {bad}\)"):
+        with pytest.raises(GeneratorError, match=rf"-j/--jobs must be at least 1 and at most 1024 \(got {bad}\)"):
             B.build(spec, toolchain=tc, jobs=bad, log=quiet)
 
 
@@ -347,6 +347,30 @@ def test_progress_names_the_running_variants(tmp_path):
     assert "1/6 done" in report and f"compiling {A} (30s)" in report
     # 4 queued at 40 s, 10 s left on the running one, over 2 jobs: 85 s.
     assert "about 1m25s left" in report
+
+
+def test_progress_does_not_count_the_plain_units_and_the_link_as_compile_units(tmp_path):
+    """dispatch.o, quantize.o, decode.o and the link are short: the edges left that are not
+    units are not estimated at a unit's mean time (a build's last minute read 100 s too long)."""
+    from generator.ninja import _other_edges
+    from generator.progress import Progress
+
+    obj = tmp_path / "obj"
+    obj.mkdir()
+    (tmp_path / "build.ninja").write_text(
+        "build obj/u1.o | obj/u1.resources.json: nvcc_variant src/u1.cu | x\n"
+        "build obj/u2.o | obj/u2.resources.json: nvcc_variant src/u2.cu | x\n"
+        "build obj/dispatch.o: nvcc_plain src/dispatch.cu | fingerprint.txt\n"
+        "build obj/decode.o: nvcc_plain src/decode.cu | fingerprint.txt\n"
+        "build lib/libfa3gen_t.so: link obj/u1.o obj/u2.o obj/dispatch.o obj/decode.o\n")
+    others = _other_edges(tmp_path / "build.ninja")
+    assert others == 3
+    p = Progress(obj, jobs=1, total=5, others=others)
+    p.feed("[1/5 2.0s] NVCC obj/dispatch.o\n")
+    p.feed("[2/5 42.0s] NVCC u1\n")
+    p.feed("u1: 168 regs, spill 0/0 B, stack 0 B, 40.0 s\n")
+    # One unit (u2) queued at 40 s; decode.o and the link are not units.
+    assert p.remaining_seconds([]) == 40.0
 
 
 def test_long_build_reports_progress(fake, monkeypatch, capfd):
@@ -576,5 +600,64 @@ def test_a_generated_root_that_is_a_file_is_said_before_anything(fake, tmp_path,
     not_a_folder.write_text("x")
     monkeypatch.setenv("FA3GEN_GENERATED", str(not_a_folder))
     for dry in (True, False):
-        with pytest.raises(BuildError, match="is a file, not a folder"):
+        with pytest.raises(GeneratorError, match="is a file, not a folder"):
             B.build(spec, toolchain=tc, dry_run=dry, log=quiet)
+
+
+def _ninja_project(folder: Path, command: str, outputs: int = 3) -> None:
+    rules = f"rule run\n  command = {command}\n  description = RUN $out\n"
+    edges = "".join(f"build out{i}: run\n" for i in range(outputs))
+    (folder / "build.ninja").write_text(rules + edges)
+    (folder / "obj").mkdir()
+
+
+def test_a_reader_that_leaves_stops_the_echo_not_the_build(tmp_path, monkeypatch):
+    """`fa3gen build | head -2`: the pipe breaks on the first lines, the build goes on (it used
+    to stop, and the CLI took the broken pipe for success with nothing built); a closed stdout
+    (`>&-`, sys.stdout None) builds silently."""
+    import io
+
+    from generator.ninja import run_ninja
+
+    class LeftReader(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    for stdout in (LeftReader(), None):
+        folder = tmp_path / ("pipe" if stdout else "closed")
+        folder.mkdir()
+        _ninja_project(folder, f"{sys.executable} -c \"print('x' * 80)\" && touch $out")
+        monkeypatch.setattr(sys, "stdout", stdout)
+        proc = run_ninja(folder, jobs=1)
+        monkeypatch.undo()
+        assert proc.returncode == 0 and all((folder / f"out{i}").is_file() for i in range(3))
+
+
+def test_the_compiles_inherit_the_build_lock(tmp_path):
+    """The build lock's descriptor reaches ninja's commands, so a build whose fa3gen process
+    was killed stays locked until its compiles end (a second build once ran beside them)."""
+    from generator.lock import build_lock
+    from generator.ninja import run_ninja
+
+    with build_lock(tmp_path, "spec t", log=lambda m: None) as fd:
+        _ninja_project(tmp_path, f"{sys.executable} -c \"import os; os.fstat({fd})\" && touch $out", 1)
+        assert run_ninja(tmp_path, jobs=1, capture=False, hold_fds=(fd,)).returncode == 0
+        assert (tmp_path / "out0").is_file()
+        (tmp_path / "out0").unlink()
+        assert run_ninja(tmp_path, jobs=1).returncode != 0  # without it the descriptor is closed
+
+
+def test_another_spec_file_of_the_same_name_says_it_replaces_the_build(fake, tmp_path):
+    """One output folder a spec name: a second spec file with the same `name:` replaces the
+    first's library, and the build says so (it used to note only removed compile units)."""
+    spec, tc, _ = fake
+    B.build(spec, toolchain=tc, log=quiet)
+    other = tmp_path / "elsewhere" / "t.yaml"
+    other.parent.mkdir()
+    other.write_text(SPEC)
+    said = []
+    B.build(other, toolchain=tc, log=said.append)
+    assert any("warning:" in m and f"held the build of {spec.resolve()}" in m for m in said)
+    said.clear()
+    B.build(other, toolchain=tc, log=said.append)  # its own build again: nothing to say
+    assert not any("warning:" in m for m in said)

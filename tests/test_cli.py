@@ -195,6 +195,41 @@ def test_build_py_check_error_is_one_message_no_traceback(monkeypatch, capsys):
     # No --check, or a dry run: the check does not run.
     assert build_py.main(["--spec", "tiny"]) == 0
     assert build_py.main(["--spec", "tiny", "--check", "--dry-run"]) == 0
+    # The options as the build's parser took them: abbreviations included (--sp once reached
+    # the check as None, a traceback; --dry ran the check after a dry run).
+    checked = []
+    monkeypatch.setattr(build_py, "quick_check", lambda spec: checked.append(spec) or 0)
+    assert build_py.main(["--sp", "tiny", "--check"]) == 0
+    assert build_py.main(["--spec", "tiny", "--dry", "--check"]) == 0
+    assert checked == ["tiny"]
+
+
+def test_clean_and_package_take_a_dotted_spec_name_as_given(tmp_path, monkeypatch, capsys):
+    """Spec names may hold dots: `--spec h100.v2` names that build, not h100's (its stem)."""
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    _fake_build(tmp_path / "h100")
+    _fake_build(tmp_path / "h100.v2")
+    rc, out, _ = run(["clean", "--spec", "h100.v2"], capsys)
+    assert rc == 0 and f"removed {tmp_path / 'h100.v2'}" in out
+    assert (tmp_path / "h100").is_dir() and not (tmp_path / "h100.v2").exists()
+    assert cli._spec_name("h100.v2") == "h100.v2" and cli._spec_name("specs/tiny.yaml") == "tiny"
+
+
+def test_clean_leaves_a_build_that_is_running(tmp_path, monkeypatch, capsys):
+    """clean takes the build lock: a folder whose build holds it is left as it is (an error
+    for --spec, a note for every build), never deleted from under its compiles."""
+    from generator.lock import build_lock
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path))
+    _fake_build(tmp_path / "tiny")
+    _fake_build(tmp_path / "h100")
+    with build_lock(tmp_path / "tiny", "spec tiny", log=lambda m: None):
+        rc, out, err = run(["clean", "--spec", "tiny"], capsys)
+        assert rc == 2 and "is being built (pid " in err and (tmp_path / "tiny").is_dir()
+        rc, out, err = run(["clean"], capsys)
+        assert rc == 0 and "is being built" in out and "left as it is" in out
+        assert (tmp_path / "tiny").is_dir() and not (tmp_path / "h100").exists()
+    rc, out, _ = run(["clean", "--spec", "tiny"], capsys)
+    assert rc == 0 and not (tmp_path / "tiny").exists()
 
 
 def test_clean_never_takes_a_spec_that_names_no_build_for_the_root(tmp_path, monkeypatch, capsys):

@@ -58,3 +58,34 @@ def test_bench_counts_are_checked(command, option, value, minimum, capsys):
         cli.main([command, option, value])
     assert e.value.code == 2
     assert f"expected a whole number of at least {minimum}, got '{value}'" in capsys.readouterr().err
+
+
+def test_a_build_whose_output_reader_left_is_not_a_success(monkeypatch, capsys):
+    """A broken pipe is success only for `list` (its reader has what it wanted): a build that
+    could not finish says so and exits 1."""
+    def leaves(*a, **kw):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr("generator.build.build", leaves)
+    assert cli.main(["build", "--spec", "specs/tiny.yaml"]) == 1
+    assert "stdout was closed before the command finished" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, env", [(["-j", "5000", "--dry-run"], {}),
+                                       (["--dry-run"], {"FA3GEN_UNIT_SIZE": "0"}),
+                                       (["--dry-run"], {"FA3GEN_UNIT_SIZE": "abc"})])
+def test_bad_build_options_exit_2_not_as_a_failed_build(argv, env, monkeypatch, capsys):
+    """Exit 1 means the build failed; a bad option or setting is a usage error, 2."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["build", "--spec", "specs/tiny.yaml", *argv]) == 2
+    assert capsys.readouterr().err.startswith("fa3gen: error: ")
+
+
+@pytest.mark.parametrize("command", [["bench"], ["ablate"], ["tune", "--spec", "h100"], ["numerics"]])
+def test_a_command_that_needs_torch_says_so_when_it_cannot_import_it(command, monkeypatch, capsys):
+    """torch is imported when a GPU command runs: without it one line and exit 2, no traceback."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
+    assert cli.main(command) == 2
+    command = command[0]
+    err = capsys.readouterr().err
+    assert err.startswith(f"fa3gen: error: `fa3gen {command}` needs torch") and "Traceback" not in err

@@ -135,6 +135,11 @@ def test_spec_from_a_bad_trace_says_what_is_wrong(tmp_path, capsys):
         pass
     assert cli.main(["spec", "--from-trace", str(empty), "-o", str(tmp_path / "x.yaml")]) == 2
     assert "recorded no call" in capsys.readouterr().err
+    broken = tmp_path / "broken.yaml"  # invalid YAML: one line that says where, as a spec's
+    broken.write_text("format: 1\ncalls:\n- {variant: x\n")
+    assert cli.main(["spec", "--from-trace", str(broken), "-o", str(tmp_path / "x.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fa3gen: error: {broken}:4:1: not a trace (invalid YAML: ") and err.count("\n") == 1
 
 
 def test_whole_program_trace_from_the_environment(tmp_path):

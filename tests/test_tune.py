@@ -126,6 +126,10 @@ def test_tune_without_candidates_or_gpu(spec_file, tmp_path, capsys, monkeypatch
     tiny.write_text(SPEC.replace("[[128, 128], [128, 176]]", "[128, 128]").split("exclude:")[0])
     assert cli.main(["tune", "--spec", str(tiny)]) == 0
     assert "no key with several candidates; nothing to tune" in capsys.readouterr().out
+    # A --keys filter that matches no key is a usage error (a typo must not read as done).
+    assert cli.main(["tune", "--spec", str(spec_file), "--keys", "zzz"]) == 2
+    err = capsys.readouterr().err
+    assert "no key with several candidates matches --keys 'zzz'" in err and key_str(NC_KEY) in err
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

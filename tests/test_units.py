@@ -7,7 +7,7 @@ import pytest
 from fa3gen.contract import parse_name
 from generator import build as B
 from generator.compile_one import split_by_variant, summarize
-from generator.errors import BuildError
+from generator.errors import BuildError, GeneratorError
 from generator.ptxas import parse_ptxas
 from generator.units import partition, traits_mangled, unit_size
 from tests.test_build import A, B_, fake, quiet, take_calls  # noqa: F401 (fake: fixture)
@@ -121,7 +121,7 @@ def test_unit_size_from_the_argument_then_the_environment(monkeypatch):
     assert unit_size() == 2
     for bad in ("0", "x"):
         monkeypatch.setenv("FA3GEN_UNIT_SIZE", bad)
-        with pytest.raises(BuildError, match="FA3GEN_UNIT_SIZE|at least 1"):
+        with pytest.raises(GeneratorError, match="FA3GEN_UNIT_SIZE|at least 1"):
             unit_size()
 
 
