@@ -139,8 +139,14 @@ def _remove_build(folder: Path, skip_busy: bool) -> None:
 
 
 def cmd_package(args: argparse.Namespace) -> int:
+    from fa3gen.contract import manifest_path
     from fa3gen.package import package
-    wheel = package(_spec_name(args.spec), args.out, args.name)
+    name = _spec_name(args.spec)
+    with lock_unless_busy(manifest_path(name).parent) as holder:  # one build's library and manifest
+        if holder is not None:
+            raise GeneratorError(f"spec {name!r} is being built (pid {holder}); package it when "
+                                 "that build ends")
+        wheel = package(name, args.out, args.name, args.allow_switches)
     print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "
           f"pip install {wheel}")
     return 0
@@ -267,6 +273,9 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                         "and imports without nvcc or CUTLASS")
     pk.add_argument("--spec", required=True, help="spec YAML path or name (built already)")
     pk.add_argument("--out", type=Path, default=Path("dist"), help="directory for the wheel (default dist/)")
+    pk.add_argument("--allow-switches", action="store_true",
+                    help="package a library built with --define or --debug (refused otherwise; "
+                         "its version says .switches)")
     pk.add_argument("--name", default=None, type=_non_empty("--name"),
                     help="import package and distribution name (default fa3gen_<spec name>)")
     pk.set_defaults(func=cmd_package)

@@ -1086,16 +1086,16 @@ def _require_decode_kernels(dtype: str, head_dim: int) -> bool:
         raise VariantNotBuiltError(
             f"decode over a KV cache, {dtype} head_dim {head_dim}", [f"decode kernels: {have}"],
             f"add dtype {dtype} and head_dim {head_dim} to the spec's `decode:` axes (or "
-            f"[{dtype}, {head_dim}] to its list of pairs) and build it again: fa3gen build "
-            f"--spec {_spec_name()}", lead="")
+            f"[{dtype}, {head_dim}] to its list of pairs) and build it again: {_rebuild_command()}",
+            lead="")
     return True
 
 
-def _spec_name() -> str:
+def _rebuild_command() -> str:
     try:
-        return runtime.get_library().spec_name
+        return runtime.get_library().rebuild_hint[1]
     except Exception:  # noqa: BLE001 - only a hint
-        return "<spec>"
+        return "fa3gen build --spec <spec>"
 
 
 def _launch_decode(device, params, lib=None) -> None:

@@ -54,23 +54,33 @@ def _packaged_api() -> dict[str, str]:
 def _init_source(package: str, spec: str, version: str) -> str:
     api = _packaged_api()
     names = ", ".join(f"`{n}`" for n in api)
+    errors = ("AbiMismatchError", "Fa3genError", "InvalidInputError", "LibraryNotBuiltError",
+              "TraceError", "VariantNotBuiltError")
+    exported = [*api, *errors, "__version__"]
     return f'''"""fa3gen kernels of spec {spec!r}, packaged with `fa3gen package` (fa3gen {__version__},
 C ABI {contract.ABI_VERSION}). {names} run the bundled library's variants, as fa3gen's do."""
 import importlib
 
-from .errors import (AbiMismatchError, Fa3genError, InvalidInputError, LibraryNotBuiltError,
-                     TraceError, VariantNotBuiltError)
+from .errors import ({", ".join(errors)})
 
 __version__ = {version!r}
 SPEC = {spec!r}
+__all__ = {exported!r}
 _LAZY_ATTRS = {api!r}
+_LAZY_MODULES = {set(RUNTIME_MODULES)!r}
 
 
 def __getattr__(name):
     if name in _LAZY_ATTRS:  # imports torch on first use, like fa3gen
         value = globals()[name] = getattr(importlib.import_module("." + _LAZY_ATTRS[name], __name__), name)
         return value
+    if name in _LAZY_MODULES:  # {package}.runtime and the others, as fa3gen.runtime
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module {{__name__!r}} has no attribute {{name!r}}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_ATTRS) | _LAZY_MODULES)
 '''
 
 
@@ -116,9 +126,37 @@ def _taken_by(name: str) -> str | None:
     return f"an installed module ({found.origin})"
 
 
-def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = None) -> Path:
-    """Write the wheel of spec_name's built library into out_dir; returns its path."""
+# Flags of a build that change what its kernels compute or cost (build --define, --debug):
+# measurement switches, some of them wrong on purpose (FA3GEN_FP8_SKIP_TRANSPOSE).
+_SHIPPED_DEFINES = ("-DNDEBUG",)
+
+
+def _build_switches(info: dict) -> list[str]:
+    """The --define flags of a manifest's build (all but NDEBUG), and "no -DNDEBUG" for a debug
+    build (--debug: device asserts kept)."""
+    toolchain = info.get("toolchain")
+    flags = toolchain.get("flags") if isinstance(toolchain, dict) else None
+    if not isinstance(flags, list) or not flags:  # not recorded: nothing to say
+        return []
+    switches = [f for f in flags if isinstance(f, str) and f.startswith("-D") and f not in _SHIPPED_DEFINES]
+    return switches + ([] if "-DNDEBUG" in flags else ["no -DNDEBUG (a --debug build)"])
+
+
+def _content_label(files: dict[str, bytes]) -> str:
+    """A local-version label of what the wheel runs (library, manifest, runtime sources): a
+    rebuilt or re-filtered library is a new version, so pip replaces the installed one."""
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
+    return "h" + digest.hexdigest()[:8]
+
+
+def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = None,
+            allow_switches: bool = False) -> Path:
+    """Write the wheel of spec_name's built library into out_dir; returns its path.
+    allow_switches: package a build made with --define or --debug (labelled `.switches`)."""
     library, manifest = contract.library_path(spec_name), contract.manifest_path(spec_name)
+    out_dir = Path(out_dir)
     if not library.is_file() or not manifest.is_file():
         raise Fa3genError(f"no built library of spec {spec_name!r} at {library} (with its "
                           f"{contract.MANIFEST_NAME}); build it first: fa3gen build --spec {spec_name}")
@@ -131,6 +169,12 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     if info.get("abi_version") != contract.ABI_VERSION:
         raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')!r}, this fa3gen "
                           f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
+    switches = _build_switches(info)
+    if switches and not allow_switches:
+        raise Fa3genError(f"the library of spec {spec_name!r} was built with {', '.join(switches)}: "
+                          "a measurement or debug build, not one to ship (some switches give wrong "
+                          f"results on purpose); rebuild without them (fa3gen build --spec "
+                          f"{spec_name}), or pass --allow-switches to package it anyway")
     package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
     # importable, and a distribution name pip takes (letters or digits at both ends)
     if not (package_name.isidentifier() and package_name.isascii()) or keyword.iskeyword(package_name) \
@@ -146,19 +190,20 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     if taken:
         raise Fa3genError(f"--name {package_name} is {taken}: installing the wheel would replace "
                           "it; choose another name")
-    # Local version: which fa3gen commit and C ABI built it (pip installs it; PyPI would not).
-    version = f"{__version__}+abi{contract.ABI_VERSION}.{_commit(info.get('source_commit'))}"
-    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-    dist_info = f"{package_name}-{version}.dist-info"
-
-    files: dict[str, bytes] = {f"{package_name}/__init__.py":
-                               _init_source(package_name, spec_name, version).encode()}
+    files: dict[str, bytes] = {}
     here = Path(__file__).parent
     for module in RUNTIME_MODULES:
         files[f"{package_name}/{module}.py"] = _rename((here / f"{module}.py").read_text(),
                                                        package_name).encode()
     files[f"{package_name}/lib/{library.name}"] = library.read_bytes()
     files[f"{package_name}/lib/{contract.MANIFEST_NAME}"] = manifest.read_bytes()
+    # Local version (pip installs it; PyPI would not): the fa3gen commit and C ABI that built
+    # it, and what it holds.
+    version = (f"{__version__}+abi{contract.ABI_VERSION}.{_commit(info.get('source_commit'))}."
+               f"{_content_label(files)}" + (".switches" if switches else ""))
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    dist_info = f"{package_name}-{version}.dist-info"
+    files[f"{package_name}/__init__.py"] = _init_source(package_name, spec_name, version).encode()
     files[f"{dist_info}/METADATA"] = "\n".join(
         ["Metadata-Version: 2.1", f"Name: {package_name}", f"Version: {version}",
          f"Summary: fa3gen attention kernels of spec {spec_name} ({len(info.get('variants', []))} "
@@ -170,11 +215,12 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     record = [_record_line(n, d) for n, d in files.items()] + [f"{dist_info}/RECORD,,"]
     files[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
 
-    out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise Fa3genError(f"--out {out_dir} is a file, not a folder for the wheel")
     wheel = out_dir / f"{package_name}-{version}-py3-none-{platform}.whl"
     with replacing(wheel) as tmp, zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        for n, d in files.items():
-            z.writestr(n, d)
+        for n, d in files.items():  # a fixed time: the same build packages to the same bytes
+            entry = zipfile.ZipInfo(n, date_time=(1980, 1, 1, 0, 0, 0))
+            entry.external_attr = 0o644 << 16
+            z.writestr(entry, d, compress_type=zipfile.ZIP_DEFLATED)
     return wheel

@@ -15,6 +15,7 @@ Which library is loaded, first match wins:
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import threading
@@ -30,6 +31,7 @@ from fa3gen.errors import (
     Fa3genError,
     LibraryNotBuiltError,
     VariantNotBuiltError,
+    build_command,
 )
 
 DEFAULT_SPEC = "h100"
@@ -146,18 +148,19 @@ def select_variant(
     spec_name: str | None = None,
     library: str = "",
     build_info: dict[str, Any] | None = None,
+    rebuild: tuple[str, str] | None = None,
 ) -> VariantInfo:
     """The variant serving a call: the named one, else the spec's default for the key.
 
     Pure (no ctypes) so tests can run it on fabricated tables. Never falls back to another key or
     to a non-default variant: a miss raises VariantNotBuiltError with a build hint. build_info
     (the library's, see Library.build_info) lets the hint tell a key that the build's
-    --only/--exclude filter left out from one the spec lacks.
+    --only/--exclude filter left out from one the spec lacks; rebuild (Library.rebuild_hint):
+    the spec file the library was built from and the command that rebuilds it.
     """
     causal = bool(causal)
     key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen, paged)
-    spec_file = f"specs/{spec_name or '<spec>'}.yaml"
-    build = f"fa3gen build --spec {spec_file}"
+    spec_file, build = rebuild or (f"specs/{spec_name or '<spec>'}.yaml", build_command(spec_name))
 
     if variant is not None:
         found = next((v for v in variants if v.name == variant), None)
@@ -204,7 +207,8 @@ def select_variant(
         features = "".join(f", {axis}: true" for axis, on in (
             ("local", local), ("softcap", softcap), ("varlen", varlen), ("paged", paged)) if on)
         hint = (
-            f"add head_dim: {head_dim} (dtype {dtype}, causal: {str(causal).lower()}{features}) "
+            f"add head_dim: {head_dim} (direction {direction}, dtype {dtype}, causal: "
+            f"{str(causal).lower()}{features}) "
             f"to a group of {spec_file} and run: {build}"
         )
     raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead,
@@ -350,8 +354,27 @@ class Library:
         return select_variant(
             self.variants, direction, dtype, head_dim, causal, variant, local=local,
             softcap=softcap, varlen=varlen, paged=paged, spec_name=self.spec_name,
-            library=str(self.path), build_info=self.build_info,
+            library=str(self.path), build_info=self.build_info, rebuild=self.rebuild_hint,
         )
+
+    @functools.cached_property
+    def rebuild_hint(self) -> tuple[str, str]:
+        """(the spec file this library was built from, the command that rebuilds it): the spec
+        path its manifest records, else specs/<name>.yaml; a library bundled in a wheel is
+        packaged and installed again after the build."""
+        spec_file = f"specs/{self.spec_name or '<spec>'}.yaml"
+        for manifest in contract.library_manifest_paths(self.path):
+            try:
+                recorded = json.loads(manifest.read_text()).get("spec_path")
+            except (OSError, ValueError, AttributeError):  # none there, or not a manifest
+                continue
+            if isinstance(recorded, str) and recorded:
+                spec_file = recorded
+                break
+        build = f"fa3gen build --spec {spec_file}"
+        if BUNDLED_LIBRARY is not None and self.path.absolute() == BUNDLED_LIBRARY.absolute():
+            build += f", then fa3gen package --spec {spec_file} and install the new wheel"
+        return spec_file, build
 
     def last_error(self) -> str:
         msg = self._dll.fa3gen_last_error()
@@ -369,8 +392,8 @@ class Library:
     def decode(self, params: DecodeParams, stream_handle: int) -> None:
         """Run the library's decode attention (fa3gen_decode_fwd) on a CUDA stream."""
         self._call_optional(self._decode, stream_handle, "decode kernel",
-                            f"no decode kernels: add `decode: true` to spec {self.spec_name!r} "
-                            f"and build it again", params)
+                            f"no decode kernels: add `decode: true` to {self.rebuild_hint[0]} "
+                            f"and build it again: {self.rebuild_hint[1]}", params)
 
     @property
     def has_append_kernel(self) -> bool:

@@ -73,12 +73,58 @@ class Trace:
             data["decode"] = [list(pair) for pair in sorted(self.decode)]
         return data
 
-    def write(self) -> None:
+    def merge(self, data: dict) -> None:
+        """Add the calls of a trace's data (to_dict's form) to this one's."""
+        for c in data.get("calls") or []:
+            e = self.entries.setdefault((c["variant"], c["default"]), Entry(c["variant"], c["default"]))
+            e.count += c.get("count", 0)
+            for k in SIZES:
+                if k in c:
+                    lo, hi = e.ranges.get(k, c[k])
+                    e.ranges[k] = [min(lo, c[k][0]), max(hi, c[k][1])]
+        self.decode |= {tuple(pair) for pair in data.get("decode") or []}
+
+    def write(self, process: str | None = None) -> None:
+        """Write the trace; `process` (a whole-program trace's): it is recorded, and calls this
+        process wrote there before are kept (each copy of the runtime in a program, fa3gen and
+        a packaged fa3gen_<spec>, keeps its own trace and writes it at exit)."""
         import yaml  # kept out of import time: ops imports this module
 
+        data = self.to_dict()
+        if process is not None:
+            earlier = _written_by(self.path, process)
+            if earlier:
+                with self._lock:
+                    self.merge(earlier)
+                data = self.to_dict()
+            data["process"] = process
         write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
-                       "# turn it into a spec with: fa3gen spec --from-trace " + self.path.name + "\n"
-                       + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None))
+                         f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
+                         "-o specs/NAME.yaml\n"
+                         + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+def _process_id() -> str:
+    """This process, the same for every copy of this module in it and never again for another
+    process: its pid and start time (Linux; elsewhere the pid alone)."""
+    try:
+        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = "?"
+    return f"{os.getpid()}:{start}"
+
+
+def _written_by(path: Path, process: str) -> dict | None:
+    """The trace data at path if this process wrote it (another runtime copy's exit), else None."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    if isinstance(data, dict) and data.get("format") == FORMAT and data.get("process") == process:
+        return data
+    return None
 
 
 _active: list[Trace] = []  # ops checks this on every call: empty list = one truth test
@@ -125,7 +171,7 @@ def _write_if_recorded(t: Trace) -> None:
     """At exit: a process that made no call (e.g. `fa3gen spec` reading this very trace) leaves
     the file as it is."""
     if t.entries or t.decode:
-        t.write()
+        t.write(process=_process_id())
 
 
 _trace_whole_program()
@@ -216,6 +262,14 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if c.get("default") and lengths is not None:  # entries of one variant (merged traces): all
             lo, hi = seqlen_k.get(v, lengths)
             seqlen_k[v] = [min(lo, lengths[0]), max(hi, lengths[1])]
+    # Autograd runs fa3gen's backward only after fa3gen's forward of the same key.
+    forward_keys = {v.key[1:] for v in variants if v.direction == "fwd"}
+    orphans = sorted({key_str(v.key) for v in variants
+                      if v.direction == "bwd" and v.key[1:] not in forward_keys})
+    if orphans:
+        raise TraceError(f"{path}: the trace holds the backward of {', '.join(orphans)} without "
+                         "its forward, which a library needs to run it (autograd calls fa3gen's "
+                         "backward after fa3gen's forward): trace the forward calls too")
     groups, dispatch = [], []
     by_key: dict[tuple, list] = {}
     for v, is_default in sorted(variants.items()):

@@ -349,7 +349,7 @@ def test_a_decode_kernel_the_library_lacks(launched, monkeypatch):
     from fa3gen import runtime
     from fa3gen.errors import VariantNotBuiltError
     monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset({("bf16", 128)}))
-    monkeypatch.setattr(kvcache, "_spec_name", lambda: "mymodel")
+    monkeypatch.setattr(kvcache, "_rebuild_command", lambda: "fa3gen build --spec mymodel")
     kc = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
     with pytest.raises(VariantNotBuiltError, match=r"fp16 head_dim 64(.|\n)*decode kernels: \[bf16, 128\]"
                                                    r"(.|\n)*add dtype fp16 and head_dim 64 to the spec's `decode:` axes \(or \[fp16, 64\]"

@@ -259,3 +259,59 @@ def test_a_finder_answer_without_a_file_does_not_take_a_name(monkeypatch):
     ghost = importlib.machinery.ModuleSpec("fa3gen_ghost", None, origin="/nonexistent/fa3gen_ghost/__init__.py")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: ghost)
     assert P._taken_by("fa3gen_ghost") is None
+
+
+def test_the_version_names_the_contents_and_the_wheel_is_reproducible(built, capsys):
+    """A rebuilt library is a new version (pip kept the old one when both wheels said the same
+    commit), and packaging one build twice gives the same bytes (fixed zip times)."""
+    out = built / "dist"
+    assert cli.main(["package", "--spec", "fake", "--out", str(out)]) == 0, capsys.readouterr().err
+    [first] = out.glob("*.whl")
+    again = built / "again"
+    assert cli.main(["package", "--spec", "fake", "--out", str(again)]) == 0
+    [second] = again.glob("*.whl")
+    assert second.name == first.name and second.read_bytes() == first.read_bytes()
+    lib = contract.library_path("fake")
+    lib.write_bytes(lib.read_bytes() + b"\0")  # another build of the spec
+    assert cli.main(["package", "--spec", "fake", "--out", str(out)]) == 0
+    versions = sorted(w.name.split("-")[1] for w in out.glob("*.whl"))
+    assert len(versions) == 2 and versions[0].split(".h")[0] == versions[1].split(".h")[0]
+
+
+def test_a_build_with_switches_is_refused_unless_allowed(built, capsys):
+    """A library built with --define (measurement switches, some wrong on purpose) or --debug
+    is not packaged by default; --allow-switches packages it, labelled."""
+    manifest = contract.manifest_path("fake")
+    info = json.loads(manifest.read_text())
+    for flags, said in ((["-O3", "-DNDEBUG", "-DFA3GEN_FP8_SKIP_TRANSPOSE"], "-DFA3GEN_FP8_SKIP_TRANSPOSE"),
+                        (["-O3", "-lineinfo"], "no -DNDEBUG (a --debug build)")):
+        manifest.write_text(json.dumps({**info, "toolchain": {"flags": flags}}))
+        assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
+        err = capsys.readouterr().err
+        assert f"was built with {said}" in err and "--allow-switches" in err
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--allow-switches"]) == 0
+    [wheel] = (built / "dist").glob("*.whl")
+    assert wheel.name.split("-")[1].endswith(".switches")
+    manifest.write_text(json.dumps({**info, "toolchain": {"flags": ["-O3", "-DNDEBUG"]}}))
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "shipped")]) == 0
+
+
+def test_package_waits_for_no_build_it_refuses_one_that_runs(built, capsys):
+    from generator.lock import build_lock
+    with build_lock(contract.manifest_path("fake").parent, "spec fake", log=lambda m: None):
+        assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
+        assert "is being built (pid" in capsys.readouterr().err
+    assert not (built / "dist").exists()
+
+
+def test_the_packaged_package_exposes_its_modules_and_api_as_fa3gen_does(built, capsys):
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 0, capsys.readouterr().err
+    proc = install(next((built / "dist").glob("*.whl")), built / "site",
+                   "import fa3gen_fake as f",
+                   "print(f.runtime.get_library().path.name, f.ops.__name__)",
+                   "print(sorted(set(f.__all__) - set(dir(f))), 'runtime' in dir(f))",
+                   "from fa3gen_fake import *",
+                   "print(flash_attn_func.__module__, VariantNotBuiltError.__module__)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["libfa3gen_fake.so fa3gen_fake.ops", "[] True",
+                                        "fa3gen_fake.ops fa3gen_fake.errors"]

@@ -216,7 +216,7 @@ def test_variant_not_built_lists_variants_and_build_hint():
     for v in TABLE:
         assert v.name in msg
     assert "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1 (default)" in msg
-    assert ("add head_dim: 96 (dtype bf16, causal: true) to a group of specs/h100.yaml "
+    assert ("add head_dim: 96 (direction fwd, dtype bf16, causal: true) to a group of specs/h100.yaml "
             "and run: fa3gen build --spec specs/h100.yaml") in msg
     assert e.value.available and e.value.requested
 
@@ -239,7 +239,7 @@ def test_backward_of_every_forward_head_dim_is_buildable(head_dim):
         select_variant(TABLE, "bwd", "bf16", head_dim, True, spec_name="h100")
     msg = str(e.value)
     assert "Not supported" not in msg
-    assert f"To build it: add head_dim: {head_dim} (dtype bf16, causal: true)" in msg
+    assert f"To build it: add head_dim: {head_dim} (direction bwd, dtype bf16, causal: true)" in msg
 
 
 # build_info as generator/build.py writes it (JSON): the build's filters and the dispatch keys
@@ -317,7 +317,7 @@ def test_a_miss_records_the_filter_that_left_it_out_through_wrapping_errors():
 def test_key_missing_from_the_spec_keeps_the_add_hint(info):
     with pytest.raises(VariantNotBuiltError) as e:
         select_variant(TABLE, "fwd", "fp16", 64, False, spec_name="h100", build_info=info)
-    assert ("add head_dim: 64 (dtype fp16, causal: false) to a group of specs/h100.yaml "
+    assert ("add head_dim: 64 (direction fwd, dtype fp16, causal: false) to a group of specs/h100.yaml "
             "and run: fa3gen build --spec specs/h100.yaml") in str(e.value)
 
 
@@ -843,3 +843,21 @@ def test_a_bad_layout_is_reported_before_a_missing_library(clean_runtime, monkey
         varlen.flash_attn_varlen_func(x, x[:, :2], x[:, :2], cu, cu, 16, 16)
     with pytest.raises(LibraryNotBuiltError):  # a good call still says what is missing
         ops.flash_attn_func(k, k, k)
+
+
+def test_a_miss_names_the_spec_file_the_library_was_built_from(tmp_path, monkeypatch):
+    """The build hint names the spec its manifest records (a traced spec written elsewhere than
+    specs/ was hinted as specs/<name>.yaml, which does not exist), and for a library bundled in
+    a wheel it adds packaging and installing again."""
+    import json as _json
+    lib = runtime.Library(build_fake_lib(tmp_path))
+    assert lib.rebuild_hint == (f"specs/{lib.spec_name}.yaml", f"fa3gen build --spec specs/{lib.spec_name}.yaml")
+    spec = tmp_path / "out" / "mymodel.yaml"
+    (lib.path.parent / "manifest.json").write_text(_json.dumps({"spec_path": str(spec)}))
+    lib = runtime.Library(lib.path)
+    with pytest.raises(VariantNotBuiltError, match=rf"to a group of {spec} and run: fa3gen build --spec {spec}"):
+        lib.find("fwd", "fp16", 96, False)
+    monkeypatch.setattr(runtime, "BUNDLED_LIBRARY", lib.path)
+    lib = runtime.Library(lib.path)
+    assert lib.rebuild_hint[1] == (f"fa3gen build --spec {spec}, then fa3gen package --spec {spec} "
+                                   "and install the new wheel")

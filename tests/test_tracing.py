@@ -17,6 +17,7 @@ from generator.paths import REPO_ROOT
 D128 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"     # h100's default for its key
 D128_OTHER = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
 BWD = "bwd_fp16_d64_causal_m128n128_s2_ws1_pp0_ov0"
+BWD_FWD = "fwd_fp16_d64_causal_m192n128_s2_ws1_pp0_ov1_peel"  # the forward of BWD's key
 
 
 def test_trace_records_counts_and_size_ranges(tmp_path):
@@ -59,14 +60,15 @@ def test_spec_from_trace_round_trip(tmp_path):
     variant=) is built too, and a dispatch entry keeps the default."""
     path = tmp_path / "used.yaml"
     with fa3gen.trace(path):
-        for name, default in ((D128, True), (D128_OTHER, False), (BWD, True)):
+        for name, default in ((D128, True), (D128_OTHER, False), (BWD_FWD, True), (BWD, True)):
             tracing.record(name, default, batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1)
     out = tmp_path / "mymodel.yaml"
     assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
     p = plan(out)
     assert p.spec.name == "mymodel"
-    assert sorted(v.name for v in p.variants) == sorted([D128, D128_OTHER, BWD])
+    assert sorted(v.name for v in p.variants) == sorted([D128, D128_OTHER, BWD_FWD, BWD])
     assert {k: v.name for k, v in p.defaults.items()} == {parse_name(D128).key: D128,
+                                                          parse_name(BWD_FWD).key: BWD_FWD,
                                                           parse_name(BWD).key: BWD}
 
 
@@ -262,7 +264,44 @@ def test_a_training_step_records_its_backward_too(tmp_path, fake_launches):
 
 def test_an_output_file_name_that_is_no_spec_name_asks_for_name(tmp_path, capsys):
     path = tmp_path / "t.yaml"
-    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [{"variant": BWD, "default": True}]}))
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [{"variant": BWD_FWD, "default": True}]}))
     assert cli.main(["spec", "--from-trace", str(path), "-o", str(tmp_path / ".yaml")]) == 2
     assert "pass --name" in capsys.readouterr().err
     assert cli.main(["spec", "--from-trace", str(path), "-o", str(tmp_path / ".yaml"), "--name", "ok"]) == 0
+
+
+def test_copies_of_the_runtime_in_one_program_keep_each_others_calls(tmp_path):
+    """Under FA3GEN_TRACE, fa3gen and a packaged fa3gen_<spec> in one program each write their
+    trace at exit: the later keeps what the earlier wrote in this process (it replaced it), but
+    not what another process wrote there before."""
+    path = tmp_path / "prog.yaml"
+    first, second, stale = (tracing.Trace(path) for _ in range(3))
+    sizes = dict(batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)
+    stale.add(D128.replace("d128", "d64"), True, sizes)
+    stale.write(process="1:1")  # an earlier run
+    first.add(D128, True, sizes)
+    first.add(D128, True, {**sizes, "seqlen_k": 9})
+    first.write(process="2:2")
+    second.add(D128, True, {**sizes, "seqlen_k": 5})
+    second.decode.add(("bf16", 128))
+    second.write(process="2:2")
+    data = yaml.safe_load(path.read_text())
+    assert [(c["variant"], c["count"], c["seqlen_k"]) for c in data["calls"]] == [(D128, 3, [3, 9])]
+    assert data["decode"] == [["bf16", 128]] and data["process"] == "2:2"
+    assert "fa3gen spec --from-trace prog.yaml -o specs/NAME.yaml" in path.read_text()
+    assert tracing._process_id() == tracing._process_id() != "2:2"
+
+
+def test_a_backward_traced_without_its_forward_is_refused(tmp_path):
+    """A spec of the backward alone builds a library whose backward never runs (autograd calls
+    it after fa3gen's forward of the key): one error naming the key."""
+    path = tmp_path / "t.yaml"
+    bwd = "bwd_bf16_d128_causal_m64n128_s2_ws1_pp0_ov0"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
+        {"variant": bwd, "default": True, "count": 1}]}))
+    with pytest.raises(fa3gen.TraceError, match=r"backward of \(bwd, bf16, d128, causal\) without its forward"):
+        tracing.spec_from_trace(path, "x")
+    fwd = "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
+        {"variant": bwd, "default": True, "count": 1}, {"variant": fwd, "default": True, "count": 1}]}))
+    assert "name: x" in tracing.spec_from_trace(path, "x")
