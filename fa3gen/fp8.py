@@ -298,10 +298,11 @@ def _check_rotary(rotary, q, k) -> None:
         cos, sin = rotary
     except (TypeError, ValueError):
         raise InvalidInputError("rotary must be a pair (cos, sin) of tensors") from None
-    s, d = max(q.shape[1], k.shape[1]), q.shape[-1]
+    s, d = torch.sym_max(q.shape[1], k.shape[1]), q.shape[-1]  # sym_max: no guard on their order
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point() or \
-                t.device != q.device or t.shape != cos.shape or t.shape[0] < s or \
+                t.device != q.device or t.shape != cos.shape or t.shape[0] < q.shape[1] or \
+                t.shape[0] < k.shape[1] or \
                 not 1 <= t.shape[1] <= d // 2:
             raise InvalidInputError(
                 f"rotary {name} must be a floating-point tensor (>= seqlen = {s}, rotary_dim / 2 "

@@ -358,7 +358,8 @@ def _check_rotary_positions(q, k, cache_seqlens, cos, per_row: bool) -> None:
     """_check_rotary's checks of values, which a planned call runs again: an int cache_seqlens,
     or under FA3GEN_DEBUG_CHECKS a tensor one, past the tables' positions."""
     rows = cos.shape[0]
-    span = max(k.shape[1], q.shape[1] if per_row else 1)  # positions past cache_seqlens used
+    # Positions past cache_seqlens used (sym_max: no guard on the sizes' order under compile).
+    span = torch.sym_max(k.shape[1], q.shape[1] if per_row else 1)
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
@@ -376,7 +377,7 @@ def _rotate(q, k, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
 
     b, n, seqlen_q, rows = q.shape[0], k.shape[1], q.shape[1], cos.shape[0]
     start = _start_rows(cache_seqlens, b, q.device)
-    positions = (start + torch.arange(max(n, seqlen_q), device=q.device)).clamp(0, rows - 1)
+    positions = (start + torch.arange(torch.sym_max(n, seqlen_q), device=q.device)).clamp(0, rows - 1)
     q_positions = (positions[:, :seqlen_q] if per_row
                    else start.clamp(0, rows - 1).expand(b, seqlen_q))
     return (rotary_at(q, cos, sin, q_positions, interleaved).to(q.dtype),
@@ -548,7 +549,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     if hkv < 1 or hq % hkv:
         raise InvalidInputError(f"heads_q ({hq}) must be a multiple of heads_kv ({hkv})")
     prefill = sq * (hq // hkv) > MAX_ROWS  # chunked prefill: the forward kernels serve it
-    if not prefill and max(b, hkv) > MAX_GRID_DIM:  # grid dimensions of the decode kernels
+    if not prefill and (b > MAX_GRID_DIM or hkv > MAX_GRID_DIM):  # the decode kernels' grid
         raise InvalidInputError(f"the decode kernels take a batch and heads_kv of at most "
                                 f"{MAX_GRID_DIM}; got batch {b}, heads_kv {hkv}")
     paged = block_table is not None

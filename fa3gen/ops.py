@@ -92,6 +92,15 @@ def _is_bool_like(x) -> bool:
         (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
 
 
+def op_masking(causal, window_left, window_right, softcap) -> Masking:
+    """masking() of a custom op's arguments, for its autograd context. Window sides that
+    torch.compile made symbolic (a size that varies between calls) come from the public
+    function's masking() already: taken as they are (masking() refuses a SymInt)."""
+    if isinstance(window_left, torch.SymInt) or isinstance(window_right, torch.SymInt):
+        return Masking(bool(causal), window_left, window_right, float(softcap))
+    return masking(causal, (window_left, window_right), softcap)
+
+
 def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     """flash-attn's semantics: causal sets window_size[1] to 0; a window (-1, 0) is causal;
     (-1, -1) is no window; anything else is local (sliding window), query i seeing keys
@@ -204,7 +213,8 @@ def check_inputs(q, k, v) -> Dims:
             "(equal: MHA, multiple: GQA, heads_kv=1: MQA)"
         )
     # The params are int32, and the masks add a query's position to the keys' (masking_args).
-    if max(b, hq) > INT32_MAX or sq + sk > INT32_MAX // 2:
+    # Comparisons one size at a time: max() of symbolic sizes guards on their order (compile).
+    if b > INT32_MAX or hq > INT32_MAX or sq + sk > INT32_MAX // 2:
         raise InvalidInputError(f"batch and heads must be below 2^31 and seqlen_q + seqlen_k at "
                                 f"most 2^30 - 1; got batch {b}, heads {hq}, seqlen_q {sq}, "
                                 f"seqlen_k {sk}")
@@ -382,6 +392,14 @@ def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
     not q's)."""
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
+    # e4m3 kernels store a 16-bit O (out_dtype), 16-bit ones q's dtype: a custom op called
+    # directly with the other family would get an output of the wrong size or label.
+    if (dims.dtype == "e4m3") != (out_dtype is not None):
+        raise InvalidInputError(
+            "e4m3 q, k, v take the fp8 forward (flash_attn_func, or the op fa3gen::fwd_fp8)"
+            if out_dtype is None else
+            f"fa3gen::fwd_fp8 takes float8_e4m3fn q, k, v, got {q.dtype}; 16-bit inputs take "
+            "flash_attn_func (or the op fa3gen::fwd)")
     _check_outputs(out, lse, q, dims, out_dtype)
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
     check_layout(q=q, k=k, v=v)
@@ -675,7 +693,7 @@ def _fwd_setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.deterministic = softmax_scale, deterministic
-    ctx.mask = masking(causal, (window_left, window_right), softcap)
+    ctx.mask = op_masking(causal, window_left, window_right, softcap)
     # Gradients flow through out only: lse is a by-product (like FlashAttention's).
     ctx.mark_non_differentiable(lse)
 

@@ -73,7 +73,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     if batch > limits["batch"] or hq > limits["heads"]:
         raise InvalidInputError(f"varlen: at most {limits['batch']} sequences and "
                                 f"{limits['heads']} query heads per call, got {batch} and {hq}")
-    if max(total_q, total_k) >= 2**31:
+    if total_q >= 2**31 or total_k >= 2**31:  # not max(): it would guard on their order (compile)
         raise InvalidInputError("total_q and total_k must be below 2^31 rows")
     return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])
 
@@ -446,7 +446,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, seqused_k)
     ctx.sizes, ctx.scale, ctx.deterministic = (max_q, max_k), scale, deterministic
-    ctx.mask = ops.masking(causal, (wl, wr), softcap)
+    ctx.mask = ops.op_masking(causal, wl, wr, softcap)
     ctx.mark_non_differentiable(lse)
 
 

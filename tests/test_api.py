@@ -480,3 +480,47 @@ def test_a_bool_of_any_kind_in_the_scales_place_is_the_order_error(flag):
         ops.flash_attn_func(q, q, q, flag)
     with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
         kvcache.flash_attn_with_kvcache(q, q, q, softmax_scale=flag)
+
+
+# The fake library's table with the windowed backward and the windowed varlen pair added.
+WINDOW_ROWS = """
+  {"bwd_bf16_d128_nocausal_local_softcap_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 1, 1, 0,
+   64, 128, 2, 1, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
+  {"fwd_bf16_d128_nocausal_local_varlen_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 0, 1,
+   128, 128, 2, 1, 1, 1, 0, 0, 0, 1, launch, 0},
+  {"bwd_bf16_d128_nocausal_local_varlen_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 1, 0, 1,
+   64, 128, 2, 1, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
+"""
+
+
+def test_a_window_that_varies_between_compiled_calls_with_gradients(fake_launches, tmp_path,
+                                                                   monkeypatch):
+    """torch.compile makes a window side that changes between calls a SymInt; the autograd
+    context took the op's window through masking() again, which refuses a SymInt, so a training
+    step with a varying window failed to compile (without gradients it worked)."""
+    from fa3gen import varlen
+    from tests.test_runtime_errors import FAKE_LIB_C, build_fake_lib
+
+    source = FAKE_LIB_C.replace("\n};\n#define COUNT", WINDOW_ROWS + "};\n#define COUNT", 1)
+    assert source != FAKE_LIB_C
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path, source=source, name="windows")))
+    bf = torch.bfloat16
+    torch._dynamo.reset()
+    dense = torch.compile(lambda q, w: ops.flash_attn_func(q, q, q, window_size=(w, w), softcap=5.0),
+                          fullgraph=True, backend="aot_eager")
+    for w in (16, 24, 32):  # the second call recompiles with w dynamic
+        q = torch.zeros(2, 40, 2, 128, dtype=bf, requires_grad=True)
+        dense(q, w).float().sum().backward()
+    fwd = [p for n, p in fake_launches if n.startswith("fwd")]
+    bwd = [p for n, p in fake_launches if n.startswith("bwd")]
+    assert [p.window_left for p in fwd] == [p.window_left for p in bwd] == [16, 24, 32]
+    fake_launches.clear()
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+    call = torch.compile(lambda q, w: varlen.flash_attn_varlen_func(q, q, q, cu, cu, 30, 30,
+                                                                    window_size=(w, 0)),
+                         fullgraph=True, backend="aot_eager")
+    for w in (8, 12):
+        q = torch.zeros(40, 2, 128, dtype=bf, requires_grad=True)
+        call(q, w).float().sum().backward()
+    assert [p.window_left for _, p in fake_launches] == [8, 8, 12, 12]

@@ -171,3 +171,21 @@ def test_a_size_one_dims_stride_is_replaced_by_a_16_byte_multiple_in_e4m3_too(fa
     assert (p.q_batch_stride, p.q_row_stride, p.q_head_stride) == (1008, 1008, 128)  # not 1000
     assert ops._strides(torch.zeros(1, 1, 1, 72, dtype=torch.bfloat16)) == (72, 72, 72)
     assert ops._strides(torch.zeros(1, 1, 1, 72).to(e4m3)) == (80, 80, 80)
+
+
+def test_each_forward_op_refuses_the_other_dtype_family(fake_launches):
+    """The public function routes e4m3 to fa3gen::fwd_fp8 and 16-bit to fa3gen::fwd; called
+    directly, fa3gen::fwd took e4m3 (allocating an e4m3 O the kernel writes as bf16: twice the
+    bytes) and fa3gen::fwd_fp8 took bf16 (its O labelled fp16, holding bf16 bits)."""
+    e4m3 = torch.zeros(2, 8, 4, 128).to(torch.float8_e4m3fn)
+    k8 = torch.zeros(2, 9, 2, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(InvalidInputError, match="e4m3 q, k, v take the fp8 forward"):
+        torch.ops.fa3gen.fwd(e4m3, k8, k8, True, 0.1, "", False, -1, -1, 0.0)
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match="fa3gen::fwd_fp8 takes float8_e4m3fn q, k, v, got torch.bfloat16"):
+        from fa3gen import fp8
+        fp8.fp8_forward(q, k, v, ops.Masking(), None, None, {}, torch.float16)
+    assert not fake_launches
+    ops.flash_attn_func(e4m3, k8, k8, causal=True)  # the public function still routes both
+    ops.flash_attn_func(q, k, v)
+    assert [n.split("_")[1] for n, _ in fake_launches] == ["e4m3", "bf16"]
