@@ -379,7 +379,7 @@ def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     key = (ops._layout_key(*ins, lse), _cu_signature(cu_seqlens_q), _cu_signature(cu_seqlens_k),
            max_seqlen_q, max_seqlen_k, mask, float(scale), variant, bool(deterministic), lib,
            ops._grid_env())
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = ops._empty_grads(q, k, v)
     lse = lse.contiguous()
     plan, ready = ops._plan_once(_bwd_op_plans, key, ins, _tma_ready, lambda ready: _bwd_plan(
         *ready, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dq, dk, dv, mask,

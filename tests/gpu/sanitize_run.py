@@ -51,13 +51,15 @@ def main() -> int:
     ran = 0
     if args.varlen or args.fp8:
         gen = torch.Generator(device="cuda").manual_seed(0)
+        failed = 0
         for direction, check in (("fwd", checks.check_forward), ("bwd", checks.check_backward)):
             for info in forwards() if direction == "fwd" else lib.dispatched(direction):
                 if not skip(info):
                     res = check(lib, info, checks.QUICK_PROBLEM, gen)
                     ran += 1
+                    failed += not res["ok"]
                     print(f"{info.name}: {'ok' if res['ok'] else 'FAIL ' + res['why']}", flush=True)
-        return _ran_any(ran, lib, args)
+        return 1 if failed else _ran_any(ran, lib, args)  # a wrong result fails the run too
 
     for info in forwards():
         if skip(info):
@@ -65,12 +67,15 @@ def main() -> int:
         ran += 1
         dtype = TORCH_DTYPES[info.dtype]
         g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(batch, 150, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        k = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        v = torch.randn(batch, 200, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
-        out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name, **probe_masking(info))
-        torch.cuda.synchronize()
-        print(f"{info.name}: ok, |out|max={out.abs().max().item():.3f}", flush=True)
+        # More keys than queries, then more queries than keys (causal: rows that see no key).
+        for seqlen_q, seqlen_k in ((150, 200), (257, 113)):
+            q = torch.randn(batch, seqlen_q, 4, info.head_dim, device="cuda", dtype=dtype, generator=g)
+            k = torch.randn(batch, seqlen_k, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+            v = torch.randn(batch, seqlen_k, 2, info.head_dim, device="cuda", dtype=dtype, generator=g)
+            out = flash_attn_func(q, k, v, causal=info.causal, variant=info.name, **probe_masking(info))
+            torch.cuda.synchronize()
+            print(f"{info.name} {seqlen_q}x{seqlen_k}: ok, |out|max={out.abs().max().item():.3f}",
+                  flush=True)
     for info in lib.dispatched("bwd"):
         if skip(info):
             continue

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fa3gen import ops
+from fa3gen.checks import CHECK_SCALE_FACTOR
 from fa3gen.ops import flash_attn_func
 from fa3gen.reference import compare_grads_to_reference, compare_to_reference
 
@@ -102,11 +103,12 @@ def test_backward_windows(lib, bwd_feature_key, shape, window):
     q, k, v = make_qkv(b, sq, sk, hq, hkv, d, DTYPES[dtype], seed=23)
     for t in (q, k, v):
         t.requires_grad_(True)
-    out = flash_attn_func(q, k, v, **kw)
+    scale = CHECK_SCALE_FACTOR * d**-0.5  # not the default: a backward must use the one given
+    out = flash_attn_func(q, k, v, scale, **kw)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     res = compare_grads_to_reference(grads, q.detach(), k.detach(), v.detach(), dout,
-                                     kw["causal"], None, window_size=kw["window_size"],
+                                     kw["causal"], scale, window_size=kw["window_size"],
                                      softcap=kw["softcap"])
     assert res["ok"], f"{bwd_feature_key} {shape} {kw}: {res['why']}"
 
@@ -131,9 +133,10 @@ def test_backward_deterministic(lib, bwd_feature_key):
     kw = _call_args(bwd_feature_key, (300, 200), 3.0)
     q, k, v = make_qkv(2, 900, 1100, 4, 2, d, DTYPES[dtype], seed=24)
     dout = torch.randn_like(q)
-    grads = repeated_grads(lambda *qkv: flash_attn_func(*qkv, deterministic=True, **kw),
+    scale = CHECK_SCALE_FACTOR * d**-0.5
+    grads = repeated_grads(lambda *qkv: flash_attn_func(*qkv, scale, deterministic=True, **kw),
                            (q, k, v), dout, bwd_feature_key)
-    res = compare_grads_to_reference(grads, q, k, v, dout, kw["causal"], None,
+    res = compare_grads_to_reference(grads, q, k, v, dout, kw["causal"], scale,
                                      window_size=kw["window_size"], softcap=kw["softcap"])
     assert res["ok"], f"{bwd_feature_key}: {res['why']}"
 

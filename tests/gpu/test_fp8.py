@@ -38,10 +38,10 @@ def _inputs(b, sq, sk, hq, hkv, d, seed=0):
     return [t.to(torch.float8_e4m3fn) for t in (q, k, v)], descales
 
 
-def _run(q, k, v, descales, causal, variant, out_dtype=torch.bfloat16):
+def _run(q, k, v, descales, causal, variant, out_dtype=torch.bfloat16, poison=float("nan")):
     b, sq, hq, d = q.shape
-    out = torch.full((b, sq, hq, d), float("nan"), dtype=out_dtype, device="cuda")
-    lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+    out = torch.full((b, sq, hq, d), poison, dtype=out_dtype, device="cuda")
+    lse = torch.full((b, hq, sq), poison, device="cuda")
     fp8.fp8_forward(q, k, v, ops.masking(causal), None, variant, descales, out_dtype, out, lse)
     torch.cuda.synchronize()
     return out, lse
@@ -176,7 +176,8 @@ def test_fp8_k_block_descale_zero_and_nan(info):
     assert res["ok"], res["why"]
     kd = kd.clone()
     kd[:, :, 0] = float("nan")  # every row sees key block 0
-    out, lse = _run(q8, k8, v8, dict(descales, k_descale=kd), info.causal, info.name)
+    # A finite poison, not NaN: the NaN must be what the kernel writes.
+    out, lse = _run(q8, k8, v8, dict(descales, k_descale=kd), info.causal, info.name, poison=7.0)
     assert out.isnan().all() and lse.isnan().all()
 
 
