@@ -95,6 +95,26 @@ def poisoned_outputs(monkeypatch):
         monkeypatch.setattr(module, name, poisoning(getattr(module, name)))
 
 
+@pytest.fixture
+def poison_bwd_workspace(monkeypatch):
+    """poison(module): module's _bwd_workspace (ops' dense one, varlen's) hands the backward NaN
+    and nonzero semaphores instead of what torch.empty gives. The preprocess writes all of it
+    itself (ABI 3), so a row it misses shows: NaN gradients, or a deterministic writer that
+    waits on a semaphore that never matches."""
+    def poison(module):
+        real = module._bwd_workspace
+
+        def poisoned_ws(*args, **kwargs):
+            work = real(*args, **kwargs)
+            for name in ("dq_accum", "lse_log2", "dsum"):
+                work[name].fill_(float("nan"))
+            work["dq_semaphore"].fill_(3)
+            return work
+
+        monkeypatch.setattr(module, "_bwd_workspace", poisoned_ws)
+    return poison
+
+
 @pytest.fixture(scope="session")
 def lib():
     import torch

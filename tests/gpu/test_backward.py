@@ -34,20 +34,9 @@ SHAPES = [
 
 
 @pytest.fixture(autouse=True)
-def poisoned_workspace(monkeypatch):
-    """The backward's preprocess zeroes the dQ accumulator and the semaphores itself (ABI 3):
-    every test here hands it NaN and nonzero garbage instead, so a missed zeroing fails (NaN
-    gradients, or a deterministic writer waiting on a semaphore that never matches)."""
-    real = ops._bwd_workspace
-
-    def poisoned_ws(*args, **kwargs):
-        work = real(*args, **kwargs)
-        for name in ("dq_accum", "lse_log2", "dsum"):
-            work[name].fill_(float("nan"))
-        work["dq_semaphore"].fill_(3)
-        return work
-
-    monkeypatch.setattr(ops, "_bwd_workspace", poisoned_ws)
+def poisoned_workspace(poison_bwd_workspace):
+    """Every test here hands the backward a poisoned workspace (conftest.py)."""
+    poison_bwd_workspace(ops)
 
 
 def _sid(s):

@@ -52,20 +52,10 @@ def used_keys(cu_k, caps=(150, 40, 5, 7, 1000, 64)):
 
 
 @pytest.fixture(autouse=True)
-def poisoned_workspace(monkeypatch):
-    """The varlen backward's preprocess writes its workspace itself, every padded row (as the
-    dense one's, test_backward.py): every test here hands it NaN and nonzero semaphores
-    instead, so a row it misses shows in the gradients or the deterministic hand-over."""
-    real = varlen._bwd_workspace
-
-    def poisoned_ws(*args, **kwargs):
-        work = real(*args, **kwargs)
-        for name in ("dq_accum", "lse_log2", "dsum"):
-            work[name].fill_(float("nan"))
-        work["dq_semaphore"].fill_(3)
-        return work
-
-    monkeypatch.setattr(varlen, "_bwd_workspace", poisoned_ws)
+def poisoned_workspace(poison_bwd_workspace):
+    """Every test here hands the varlen backward a poisoned workspace (conftest.py); its
+    preprocess writes every padded row, as the dense one does."""
+    poison_bwd_workspace(varlen)
 
 
 def assert_grads_match(key, grads, q, k, v, dout, cu_q, cu_k, causal):
