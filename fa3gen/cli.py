@@ -338,7 +338,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except BrokenPipeError:  # the reader of stdout left (`| head`)
         try:  # later prints and the flush at exit go nowhere instead of failing again
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         except (OSError, ValueError):
             pass
         if args.func is cmd_list:  # it only prints: what the reader wanted, it has

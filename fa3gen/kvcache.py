@@ -582,6 +582,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         if cache_batch_idx is None and pages_or_b < b:
             raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
                                     "(pass cache_batch_idx to map them)")
+    if capacity + sq > INT32_MAX // 2:  # the kernels add a query's position to the keys'
+        raise InvalidInputError(f"a cache of {capacity} keys a sequence and {sq} queries: at most "
+                                "2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
     seqlen_k = capacity

@@ -67,7 +67,7 @@ __version__ = {version!r}
 SPEC = {spec!r}
 __all__ = {exported!r}
 _LAZY_ATTRS = {api!r}
-_LAZY_MODULES = {set(RUNTIME_MODULES)!r}
+_LAZY_MODULES = {tuple(sorted(RUNTIME_MODULES))!r}
 
 
 def __getattr__(name):
@@ -80,7 +80,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY_ATTRS) | _LAZY_MODULES)
+    return sorted(set(globals()) | set(_LAZY_ATTRS) | set(_LAZY_MODULES))
 '''
 
 
@@ -143,10 +143,11 @@ def _build_switches(info: dict) -> list[str]:
 
 
 def _content_label(files: dict[str, bytes]) -> str:
-    """A local-version label of what the wheel runs (library, manifest, runtime sources): a
-    rebuilt or re-filtered library is a new version, so pip replaces the installed one."""
+    """A local-version label of what the wheel runs (the library and the runtime's sources, not
+    the manifest, whose paths and compile times differ between identical builds): a rebuilt or
+    re-filtered library is a new version, so pip replaces the installed one."""
     digest = hashlib.sha256()
-    for name in sorted(files):
+    for name in sorted(n for n in files if not n.endswith(f"/{contract.MANIFEST_NAME}")):
         digest.update(name.encode() + b"\0" + hashlib.sha256(files[name]).digest())
     return "h" + digest.hexdigest()[:8]
 

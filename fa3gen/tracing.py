@@ -27,6 +27,7 @@ from fa3gen.errors import TraceError
 from fa3gen.files import write_atomically
 
 TRACE_ENV = "FA3GEN_TRACE"
+PROCESS_ENV = "FA3GEN_TRACE_PROCESS"  # _process_id's token where /proc is missing
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
 FORMAT = "fa3gen-trace-1"
 
@@ -106,12 +107,18 @@ class Trace:
 
 def _process_id() -> str:
     """This process, the same for every copy of this module in it and never again for another
-    process: its pid and start time (Linux; elsewhere the pid alone)."""
+    process: its pid and start time (Linux), else its pid and a random token kept in the
+    environment (which a child inherits with its parent's pid: it makes its own)."""
+    pid = os.getpid()
     try:
-        start = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+        return f"{pid}:{Path('/proc/self/stat').read_text().rsplit(')', 1)[1].split()[19]}"
     except (OSError, IndexError):
-        start = "?"
-    return f"{os.getpid()}:{start}"
+        pass
+    token = os.environ.get(PROCESS_ENV, "")
+    if not token.startswith(f"{pid}:"):
+        import secrets
+        token = os.environ[PROCESS_ENV] = f"{pid}:{secrets.token_hex(8)}"
+    return token
 
 
 def _written_by(path: Path, process: str) -> dict | None:

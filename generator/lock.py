@@ -19,11 +19,15 @@ LOCK_NAME = ".build.lock"
 def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[int]:
     """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
     last process holding its descriptor ends, so a killed build never leaves the directory
-    locked). Yields the descriptor: ninja is handed it (run_ninja's hold_fds), so that a build
-    whose fa3gen process was killed stays locked until its ninja and compiles end too."""
+    locked). Yields the descriptor (3 or above): the process that runs ninja is handed it
+    (run_ninja's hold_fds), so a build whose fa3gen process was killed stays locked until its
+    ninja ends too."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    if fd < 3:  # stdout or stderr was closed: keep clear of the descriptors a child's stdio takes
+        low, fd = fd, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        os.close(low)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -153,7 +153,8 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
     (generator/progress.py) whenever ninja has been silent for `progress_every` seconds; a
     reader that leaves (`| head`) or a closed stdout stops the echo, not the build. hold_fds:
-    descriptors ninja inherits (the build lock, held as long as ninja and its compiles run)."""
+    descriptors (the build lock) held by a process that runs ninja and lives as long as it does
+    (generator/hold_lock.py), not by ninja's commands."""
     cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -162,6 +163,10 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
     progress = Progress(Path(out_dir) / "obj", jobs,
                         others=_other_edges(build_file or Path(out_dir) / "build.ninja"))
     lines: queue.Queue = queue.Queue()
+    if hold_fds:  # the holder keeps them, ninja and its commands do not (generator/hold_lock.py)
+        root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+        cmd = [sys.executable, "-m", "generator.hold_lock", *cmd]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace", pass_fds=hold_fds)
     echo = _Echo()
@@ -222,7 +227,9 @@ class _Echo:
         except (BrokenPipeError, ValueError):  # ValueError: a stdout closed under us
             self.on = False
             try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
             except (OSError, ValueError):
                 pass
 

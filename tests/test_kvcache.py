@@ -1810,3 +1810,15 @@ def test_a_trace_records_decode_kernels_only_for_decode_calls(launched, monkeypa
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=torch.float16), kc, kc,
                                         cache_seqlens=100)
         assert t.decode == {("fp16", 64)}
+
+
+def test_a_cache_past_the_kernels_position_arithmetic_is_refused(launched):
+    """The decode kernels add a query's position to a window side: a block table of 2^30 keys
+    or more a sequence (with the queries) is refused, not wrapped."""
+    kc = torch.zeros(1, 65536, 1, 64, dtype=BF)
+    table = torch.zeros(1, 1, dtype=torch.int32).expand(1, 16384)  # 2^30 keys
+    with pytest.raises(InvalidInputError, match=r"1073741824 keys a sequence and 1 queries: at most 2\^30 - 1"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc,
+                                        cache_seqlens=torch.tensor([100], dtype=torch.int32),
+                                        block_table=table.contiguous())
+    assert not launched

@@ -271,6 +271,18 @@ def test_the_version_names_the_contents_and_the_wheel_is_reproducible(built, cap
     assert cli.main(["package", "--spec", "fake", "--out", str(again)]) == 0
     [second] = again.glob("*.whl")
     assert second.name == first.name and second.read_bytes() == first.read_bytes()
+    # The same library with another manifest (its paths and compile times) is the same version.
+    manifest = contract.manifest_path("fake")
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "spec_path": "/elsewhere.yaml"}))
+    assert cli.main(["package", "--spec", "fake", "--out", str(again)]) == 0
+    assert [w.name for w in again.glob("*.whl")] == [first.name]
+    # The package's source does not depend on the interpreter's hash seed.
+    from fa3gen import package
+    sources = {subprocess.run([sys.executable, "-c", "from fa3gen import package; "
+                               "print(package._init_source('p', 's', '1'))"],
+                              env={**os.environ, "PYTHONHASHSEED": seed}, capture_output=True,
+                              text=True, check=True).stdout for seed in ("1", "2", "3")}
+    assert len(sources) == 1 and sources == {package._init_source("p", "s", "1") + "\n"}
     lib = contract.library_path("fake")
     lib.write_bytes(lib.read_bytes() + b"\0")  # another build of the spec
     assert cli.main(["package", "--spec", "fake", "--out", str(out)]) == 0

@@ -173,26 +173,53 @@ def test_blockwise_softmax_is_the_softmax_without_rounding(threshold):
     assert not seen[0, 1, 4] and lse[0, 1, 4] == float("-inf") and (out[0, 1, 4] == 0).all()
 
 
-def _blockwise_bf16_grads(q, k, v, dout, causal, block=64):
-    """(dq, dk, dv) computed as the kernels compute them: bf16 inputs, fp32 sums by key blocks,
-    P and dS rounded to bf16, bf16 results (MHA)."""
-    qt, kt, vt, dot = (t.transpose(1, 2).float() for t in (q, k, v, dout))
-    scale = q.shape[-1] ** -0.5
+def _blockwise_grads(q, k, v, dout, causal, scale, window=(-1, -1), block=64):
+    """(dq, dk, dv) computed as the kernels compute them: 16-bit inputs, fp32 sums by key
+    blocks, P and dS rounded to the inputs' dtype, 16-bit results; GQA by summing a kv head's
+    query heads, windows by reference.window_mask."""
+    dt, group = q.dtype, q.shape[2] // k.shape[2]
+    qt, dot = (t.transpose(1, 2).float() for t in (q, dout))
+    kt, vt = (t.transpose(1, 2).float().repeat_interleave(group, 1) for t in (k, v))
     s = qt @ kt.transpose(-1, -2) * scale
-    if causal:
-        s = s.masked_fill(~reference.causal_mask(q.shape[1], k.shape[1]), float("-inf"))
+    if causal or window != (-1, -1):
+        mask = reference.window_mask(q.shape[1], k.shape[1], (window[0], 0) if causal else window)
+        s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1, keepdim=True)
-    out = (torch.exp(s - lse).to(torch.bfloat16).float() @ vt).to(torch.bfloat16).float()
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)
+    out = (torch.exp(s - lse).to(dt).float() @ vt).to(dt).float()
     delta = (out * dot).sum(-1, keepdim=True)
     dq, dk, dv = torch.zeros_like(qt), torch.zeros_like(kt), torch.zeros_like(vt)
     for j in range(0, k.shape[1], block):
         cols = slice(j, j + block)
         p = torch.exp(s[..., cols] - lse)
-        dv[:, :, cols] += p.to(torch.bfloat16).float().transpose(-1, -2) @ dot
-        ds = (p * (dot @ vt[:, :, cols].transpose(-1, -2) - delta)).to(torch.bfloat16).float()
+        dv[:, :, cols] += p.to(dt).float().transpose(-1, -2) @ dot
+        ds = (p * (dot @ vt[:, :, cols].transpose(-1, -2) - delta)).to(dt).float()
         dq += ds @ kt[:, :, cols] * scale
         dk[:, :, cols] += ds.transpose(-1, -2) @ qt * scale
-    return tuple(x.transpose(1, 2).to(torch.bfloat16) for x in (dq, dk, dv))
+    b, hkv, sk, d = k.shape[0], k.shape[2], k.shape[1], k.shape[3]
+    dk, dv = (x.view(b, hkv, group, sk, d).sum(2) for x in (dk, dv))
+    return tuple(x.transpose(1, 2).to(dt) for x in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("case", [  # (b, sq, sk, hq, hkv, d, dtype, causal, window)
+    (1, 1000, 1000, 4, 4, 128, torch.bfloat16, True, (-1, -1)),
+    (2, 300, 700, 8, 2, 64, torch.bfloat16, True, (-1, -1)),
+    (1, 257, 257, 4, 1, 256, torch.float16, False, (-1, -1)),
+    (2, 600, 600, 4, 2, 128, torch.bfloat16, False, (97, 23)),
+    (1, 513, 400, 2, 2, 128, torch.float16, True, (64, -1)),
+], ids=str)
+def test_the_gradient_rule_passes_kernel_like_arithmetic(case):
+    """The per-row rule does not refuse gradients computed in the kernels' arithmetic (GQA,
+    fp16, windows, a scale that is not the default)."""
+    b, sq, sk, hq, hkv, d, dt, causal, window = case
+    g = torch.Generator().manual_seed(6)
+    q, dout = (torch.randn(b, sq, hq, d, generator=g).to(dt) for _ in range(2))
+    k, v = (torch.randn(b, sk, hkv, d, generator=g).to(dt) for _ in range(2))
+    scale = 0.8 * d**-0.5
+    grads = _blockwise_grads(q, k, v, dout, causal, scale, window)
+    res = reference.compare_grads_to_reference(grads, q, k, v, dout, causal, scale,
+                                               window_size=window)
+    assert res["ok"], res["why"]
 
 
 def test_the_gradient_rule_holds_each_row_to_its_own_magnitude():
@@ -201,7 +228,7 @@ def test_the_gradient_rule_holds_each_row_to_its_own_magnitude():
     that, and passes a kernel-like blockwise bf16 computation."""
     g = torch.Generator().manual_seed(5)
     q, k, v, dout = (torch.randn(1, 1000, 4, 128, generator=g).to(torch.bfloat16) for _ in range(4))
-    kernel_like = _blockwise_bf16_grads(q, k, v, dout, True)
+    kernel_like = _blockwise_grads(q, k, v, dout, True, 128**-0.5)
     res = reference.compare_grads_to_reference(kernel_like, q, k, v, dout, True)
     assert res["ok"], res["why"]
     for i, name in ((1, "dk"), (2, "dv")):  # the last key's row unwritten

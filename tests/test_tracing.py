@@ -3,6 +3,7 @@ them (round trip: the generated spec resolves every traced key to the traced var
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,16 @@ def test_a_backward_traced_without_its_forward_is_refused(tmp_path):
     path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
         {"variant": bwd, "default": True, "count": 1}, {"variant": fwd, "default": True, "count": 1}]}))
     assert "name: x" in tracing.spec_from_trace(path, "x")
+
+
+def test_the_process_token_without_proc_is_shared_in_a_process_and_new_in_a_child(monkeypatch):
+    """Where /proc is missing, one random token per process in the environment: every runtime
+    copy in the process reads it, a child (which inherits it with its parent's pid) makes its own."""
+    real = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError())
+                        if str(self) == "/proc/self/stat" else real(self, *a, **k))
+    monkeypatch.delenv(tracing.PROCESS_ENV, raising=False)
+    first = tracing._process_id()
+    assert first.startswith(f"{os.getpid()}:") and tracing._process_id() == first
+    monkeypatch.setenv(tracing.PROCESS_ENV, "1:inherited")  # a parent's, pid 1
+    assert tracing._process_id() not in ("1:inherited", first)
