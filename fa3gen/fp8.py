@@ -298,12 +298,15 @@ def _check_rotary(rotary, q, k) -> None:
         cos, sin = rotary
     except (TypeError, ValueError):
         raise InvalidInputError("rotary must be a pair (cos, sin) of tensors") from None
-    s, d = torch.sym_max(q.shape[1], k.shape[1]), q.shape[-1]  # sym_max: no guard on their order
+    d = q.shape[-1]
     for name, t in (("cos", cos), ("sin", sin)):
+        # q's and k's lengths compared one at a time: max() of symbolic sizes would guard on
+        # their order under torch.compile (torch.sym_max is no op dynamo can put in a graph).
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point() or \
                 t.device != q.device or t.shape != cos.shape or t.shape[0] < q.shape[1] or \
                 t.shape[0] < k.shape[1] or \
                 not 1 <= t.shape[1] <= d // 2:
+            s = max(q.shape[1], k.shape[1])
             raise InvalidInputError(
                 f"rotary {name} must be a floating-point tensor (>= seqlen = {s}, rotary_dim / 2 "
                 f"in [1, {d // 2}]) on {q.device}, cos and sin alike; got "

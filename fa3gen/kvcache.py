@@ -358,8 +358,7 @@ def _check_rotary_positions(q, k, cache_seqlens, cos, per_row: bool) -> None:
     """_check_rotary's checks of values, which a planned call runs again: an int cache_seqlens,
     or under FA3GEN_DEBUG_CHECKS a tensor one, past the tables' positions."""
     rows = cos.shape[0]
-    # Positions past cache_seqlens used (sym_max: no guard on the sizes' order under compile).
-    span = torch.sym_max(k.shape[1], q.shape[1] if per_row else 1)
+    span = max(k.shape[1], q.shape[1] if per_row else 1)  # positions past cache_seqlens used
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
@@ -377,7 +376,7 @@ def _rotate(q, k, cache_seqlens, cos, sin, interleaved: bool, per_row: bool):
 
     b, n, seqlen_q, rows = q.shape[0], k.shape[1], q.shape[1], cos.shape[0]
     start = _start_rows(cache_seqlens, b, q.device)
-    positions = (start + torch.arange(torch.sym_max(n, seqlen_q), device=q.device)).clamp(0, rows - 1)
+    positions = (start + torch.arange(max(n, seqlen_q), device=q.device)).clamp(0, rows - 1)
     q_positions = (positions[:, :seqlen_q] if per_row
                    else start.clamp(0, rows - 1).expand(b, seqlen_q))
     return (rotary_at(q, cos, sin, q_positions, interleaved).to(q.dtype),
