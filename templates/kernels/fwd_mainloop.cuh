@@ -457,7 +457,7 @@ struct FwdMainloop {
     // cost the pingpong variants 1-2% and the others 0-7% (d192 and d96 most), though the
     // non-pingpong loops then run 6-17 instructions a step fewer (docs/BENCHMARKS.md,
     // 2026-12-04 (ninth)).
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors (kQInRegs: registers)
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // (MMA, MMA_M, MMA_K) smem descriptors
     Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, Stages)
     Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, Stages)
     Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kTileM>, Int<kTileN>>{});
@@ -514,9 +514,7 @@ struct FwdMainloop {
     };
     // After the last S GEMM of the tile, Q may be overwritten by the next tile's load.
     auto release_q_if_last = [&](int i) {
-      if (Traits::kWarpSpecialized && !Traits::kQInRegs && i == n_blocks - 1) {
-        TmaBarrier::arrive(&smem.barrier_q_free[q_part]);
-      }
+      if (Traits::kWarpSpecialized && i == n_blocks - 1) TmaBarrier::arrive(&smem.barrier_q_free[q_part]);
     };
     // The two GEMMs, written once for both schedules: wait for the slot's data, then (where
     // the schedule says so) for this warpgroup's turn, then issue.
@@ -640,16 +638,6 @@ struct FwdMainloop {
 
     clear(tOrO);
     if (n_blocks > 0) TmaBarrier::wait(&smem.barrier_q[q_part], q_iter & 1);
-    if constexpr (Traits::kQInRegs) {
-      // Q read once a tile into the S GEMM's A registers; its buffer is then free for the
-      // next tile's Q (each consumer thread arrives after its own reads).
-      if (n_blocks > 0) {
-        auto s2r_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma_qk);
-        auto thr_s2r_q = s2r_q.get_thread_slice(tid);
-        copy(s2r_q, thr_s2r_q.partition_S(sQ), thr_s2r_q.retile_D(tSrQ));
-        TmaBarrier::arrive(&smem.barrier_q_free[q_part]);
-      }
-    }
 
     if constexpr (!Traits::kOverlap) {
       for (int i = 0; i < n_blocks; ++i) {

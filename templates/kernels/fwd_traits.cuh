@@ -194,12 +194,8 @@ struct FwdTraits {
   // mixed (docs/BENCHMARKS.md, 2026-12-05 (twentieth)). Timed: the bf16 dense 128x128
   // pingpong defaults. Not timed: fp16, varlen, paged and the ablation spec's other d128
   // 128x128 schedules (it applies only to the overlapped step); excluded: windows, softcap.
-#ifdef FA3GEN_FWD_P_BEFORE_RESCALE_EXT  // measurement switch: windows and softcap too
-  static constexpr bool kPBeforeRescale = !kFp8 && !PInSmem && HeadDim == 128 && TileN == 128;
-#else
   static constexpr bool kPBeforeRescale =
       !kFp8 && !PInSmem && HeadDim == 128 && TileN == 128 && !Local && !Softcap;
-#endif
 
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
@@ -223,21 +219,9 @@ struct FwdTraits {
                                                 Shape<Int<TileN>, Int<HeadDim>, Int<kVRawSlots>>{}));
 
   using AtomLayout = Layout<Shape<Int<kConsumerWGs>, _1, _1>>;
-#ifdef FA3GEN_FWD_Q_IN_REGS  // measurement switch: S = Q K^T with Q in registers (RS)
-  static constexpr bool kQInRegs = !kFp8 && WarpSpecialized && TileM == 128 && TileN == 128 && HeadDim <= 128;
-#else
-  static constexpr bool kQInRegs = false;
-#endif
-  static constexpr auto make_mma_qk() {
-    if constexpr (kQInRegs) {
-      return make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<HeadDim>>>(),
-                            AtomLayout{});
-    } else {
-      return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<HeadDim>>>(),
-                            AtomLayout{});
-    }
-  }
-  using TiledMmaQK = decltype(make_mma_qk());
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<TileN>, Int<HeadDim>>>(),
+      AtomLayout{}));
   // P (TileM x TileN, keys contiguous: the K-major A operand) when it goes through shared memory.
   using SmemLayoutP = decltype(tile_to_shape(smem_atom<Element, TileN, true>(), Shape<Int<TileM>, Int<TileN>>{}));
   static constexpr auto make_mma_pv() {

@@ -85,11 +85,7 @@ struct OnlineSoftmax {
     constexpr bool kSplit = !std::is_same_v<cute::remove_cvref_t<Hook>, NoHook>;
     static_assert(decltype(size<0>(S))::value == Rows);
     const float mul = kScaled ? scale_log2 * block_scale : scale_log2;
-#ifdef FA3GEN_FWD_RESCALE_FLAG_U32  // measurement switch: the flag as a u32 (ptxas kept the bool
-    unsigned any = 0u;               // in a byte: 4 PRMT, 2 IMAD and an ISETP a step before the vote)
-#else
     bool any = false;
-#endif
     // Vote: a row's quad-reduced maximum only matters when it grows past the threshold, and it
     // can only do so where one of the four threads' own maxima does. So each thread tests its
     // own rows first and the warp votes once: when no row of the warp moves (the usual case
@@ -122,18 +118,12 @@ struct OnlineSoftmax {
         float m = quad_allreduce_max<4>(fmaxf(row_max[r], block_max));
         // NaN when the row has seen no visible key (-inf - -inf): it takes the update branch.
         const float grew = (m - row_max[r]) * scale_log2;
-        const bool moved = !(grew <= threshold);
-#ifdef FA3GEN_FWD_RESCALE_FLAG_U32
-        any |= unsigned(moved);
-#endif
-        if (moved) {
+        if (!(grew <= threshold)) {
           // A row that has seen no visible key yet keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
           const float m_new_scaled = (m == -INFINITY) ? 0.f : m * scale_log2;
           rescale[r] = exp2f(row_max[r] * scale_log2 - m_new_scaled);
           row_max[r] = m;
-#ifndef FA3GEN_FWD_RESCALE_FLAG_U32
           any = true;
-#endif
         } else {
           rescale[r] = 1.f;
         }
@@ -149,7 +139,7 @@ struct OnlineSoftmax {
         exp_row(S, r, mul, rescale[r], zero);
       }
     }
-    return any != 0;
+    return any;
   }
   // Row r's exponentials and its running sum, once row_max[r] is final for the block.
   template <class TS>
