@@ -16,18 +16,13 @@ LOCK_NAME = ".build.lock"
 
 
 @contextmanager
-def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[int]:
+def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
     """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
-    last process holding its descriptor ends, so a killed build never leaves the directory
-    locked). Yields the descriptor (3 or above): the process that runs ninja is handed it
-    (run_ninja's hold_fds), so a build whose fa3gen process was killed stays locked until its
-    ninja ends too."""
+    process dies, so a killed build never leaves the directory locked; a ninja that outlives a
+    `kill -9` of fa3gen then compiles unlocked, until it ends)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    if fd < 3:  # stdout or stderr was closed: keep clear of the descriptors a child's stdio takes
-        low, fd = fd, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
-        os.close(low)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -39,7 +34,7 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
             log(f"fa3gen: the other build of {what} finished; continuing")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield fd
+        yield
     finally:
         os.close(fd)  # releases the lock
 

@@ -149,12 +149,10 @@ def _ninja_env(allow_spills: bool) -> dict:
 
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
               capture: bool = False, progress_every: float = 10.0,
-              build_file: Path | None = None, hold_fds: tuple = ()) -> subprocess.CompletedProcess:
+              build_file: Path | None = None) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
     (generator/progress.py) whenever ninja has been silent for `progress_every` seconds; a
-    reader that leaves (`| head`) or a closed stdout stops the echo, not the build. hold_fds:
-    descriptors (the build lock) held by a process that runs ninja and lives as long as it does
-    (generator/hold_lock.py), not by ninja's commands."""
+    reader that leaves (`| head`) or a closed stdout stops the echo, not the build."""
     cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -163,12 +161,8 @@ def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: boo
     progress = Progress(Path(out_dir) / "obj", jobs,
                         others=_other_edges(build_file or Path(out_dir) / "build.ninja"))
     lines: queue.Queue = queue.Queue()
-    if hold_fds:  # the holder keeps them, ninja and its commands do not (generator/hold_lock.py)
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-        cmd = [sys.executable, "-m", "generator.hold_lock", *cmd]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", pass_fds=hold_fds)
+                            text=True, errors="replace")
     echo = _Echo()
 
     def pump():

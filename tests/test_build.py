@@ -633,46 +633,6 @@ def test_a_reader_that_leaves_stops_the_echo_not_the_build(tmp_path, monkeypatch
         assert proc.returncode == 0 and all((folder / f"out{i}").is_file() for i in range(3))
 
 
-def test_the_build_lock_outlives_a_killed_fa3gen_but_not_its_ninja(tmp_path):
-    """ninja runs under a holder of the build lock (generator/hold_lock.py): `kill -9` of fa3gen
-    leaves the folder locked while ninja runs (a second build once ran beside it), and ninja's
-    commands never hold the descriptor (an sccache server started by one kept the folder locked
-    for its idle timeout)."""
-    import signal
-    from generator.lock import lock_unless_busy
-
-    started, done = tmp_path / "started", tmp_path / "out0"
-    command = (f"{sys.executable} -c \"import os, sys, time; fd = int(sys.argv[1]); "
-               f"held = os.path.exists(f'/proc/self/fd/{{fd}}'); "  # before open() takes a descriptor
-               f"open({str(started)!r}, 'w').write(str(int(held))); "
-               f"time.sleep(3)\" $fd && touch $out")
-    (tmp_path / "build.ninja").write_text(f"rule run\n  command = {command}\n"
-                                         "build out0: run\n  fd = FD\n")
-    (tmp_path / "obj").mkdir()
-    fa3gen_like = (
-        "import sys; from pathlib import Path; from generator.lock import build_lock\n"
-        "from generator.ninja import run_ninja\n"
-        f"d = Path({str(tmp_path)!r})\n"
-        "with build_lock(d, 'spec t', log=lambda m: None) as fd:\n"
-        "    (d / 'build.ninja').write_text((d / 'build.ninja').read_text().replace('FD', str(fd)))\n"
-        "    run_ninja(d, jobs=1, hold_fds=(fd,))\n")
-    proc = subprocess.Popen([sys.executable, "-c", fa3gen_like], cwd=Path(B.__file__).parent.parent,
-                            stdout=subprocess.DEVNULL)
-    deadline = time.time() + 20
-    while not started.exists() and time.time() < deadline:
-        time.sleep(0.05)
-    assert started.exists(), "ninja's command never ran"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert started.read_text() == "0"  # the command did not get the lock's descriptor
-    with lock_unless_busy(tmp_path) as holder:
-        assert holder is not None and not done.exists()  # ninja still runs: still locked
-    while not done.exists() and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # the holder exits right after ninja
-    with lock_unless_busy(tmp_path) as holder:
-        assert done.exists() and holder is None
-
 
 def test_another_spec_file_of_the_same_name_says_it_replaces_the_build(fake, tmp_path):
     """One output folder a spec name: a second spec file with the same `name:` replaces the
