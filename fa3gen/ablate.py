@@ -19,7 +19,6 @@ import contextlib
 import csv
 import fnmatch
 import io
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, p
                           update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
-from fa3gen.contract import library_manifest_paths
+from fa3gen.contract import library_manifest, read_manifest
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts, tflops,
                            time_ms)
@@ -143,13 +142,14 @@ def add_ratio_to_best(rows: list[dict]) -> list[dict]:
 
 
 def resources_from_manifest(path: Path) -> dict[str, dict]:
-    """variant name -> {registers, spill_bytes, smem_bytes, compile_s} from a build manifest.
-    A missing or unreadable manifest gives {} (those columns stay empty); compile_s is empty
-    for a cell that shared its translation unit with others."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return {}
+    """resources_of the build manifest at path ({} where there is none or it does not read:
+    those columns stay empty)."""
+    return resources_of(read_manifest(path) or {})
+
+
+def resources_of(data: dict) -> dict[str, dict]:
+    """variant name -> {registers, spill_bytes, smem_bytes, compile_s} from a build manifest's
+    data; compile_s is empty for a cell that shared its translation unit with others."""
     out = {}
     for v in data.get("variants", []):
         res = v.get("resources") or {}
@@ -696,7 +696,7 @@ def run(args, build_fn=None) -> int:
             print(f"fa3gen ablate: warning: no cell has head_dim {s['head_dim']} "
                   f"(shape {shape_str(s)} is skipped)", file=sys.stderr)
 
-    resources = next((r for r in map(resources_from_manifest, library_manifest_paths(lib.path)) if r), {})
+    resources = resources_of(library_manifest(lib.path) or {})
     sample = not (args.burst or args.no_power)
     with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         rows = run_cells(p.variants, shapes, lambda c: check_cell(lib, c),

@@ -23,7 +23,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, library_manifest_paths, make_key
+from fa3gen.contract import DTYPES, IN_CHECKOUT, REPO_ROOT, library_manifest, make_key
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from fa3gen.timing import (GEMM_N, ORDERS, STEADY_FROM_S, PowerSampler, gemm_tflops, joules_per_pflop,
@@ -461,13 +461,7 @@ def library_commit(lib_path) -> str | None:
     """The commit a library was built from: its build's manifest.json (source_commit), found
     beside the library (a copied build) or one folder up (generated/<spec>/lib/); None without
     one, or from a build that predates the field."""
-    for path in library_manifest_paths(lib_path):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        return data.get("source_commit") if isinstance(data, dict) else None
-    return None
+    return (library_manifest(lib_path) or {}).get("source_commit")
 
 
 def provenance(lib) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import shutil
 import signal
 import sys
@@ -15,6 +14,7 @@ import threading
 from pathlib import Path
 
 from fa3gen.contract import MANIFEST_NAME, generated_root
+from fa3gen.files import stdout_to_devnull
 from generator.errors import BuildError, GeneratorError
 from generator.lock import lock_unless_busy
 from generator.paths import resolve_spec_path
@@ -337,12 +337,7 @@ def _run(args: argparse.Namespace) -> int:
                "install it (a CUDA build to run the kernels)")
         return 2
     except BrokenPipeError:  # the reader of stdout left (`| head`)
-        try:  # later prints and the flush at exit go nowhere instead of failing again
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        except (OSError, ValueError):
-            pass
+        stdout_to_devnull()
         if args.func is cmd_list:  # it only prints: what the reader wanted, it has
             return 0
         _error("stdout was closed before the command finished (its reader left); it did not "

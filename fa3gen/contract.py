@@ -14,6 +14,7 @@ version bump); the tests say which of those is missing.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field, make_dataclass
@@ -254,6 +255,21 @@ def library_manifest_paths(lib_path) -> tuple[Path, Path]:
     and one folder up (generated/<spec>/lib/<library>)."""
     lib_dir = Path(lib_path).parent
     return lib_dir / MANIFEST_NAME, lib_dir.parent / MANIFEST_NAME
+
+
+def read_manifest(path) -> dict | None:
+    """A build manifest's data; None where there is none, it does not read, or is no mapping."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def library_manifest(lib_path) -> dict | None:
+    """The build manifest of a library: the first of library_manifest_paths that reads."""
+    return next(filter(None, map(read_manifest, library_manifest_paths(lib_path))), None)
+
 _LIBRARY_RE = re.compile(r"libfa3gen_(.+)\.so")
 
 

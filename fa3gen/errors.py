@@ -86,9 +86,20 @@ def left_out_by_filter(exc: BaseException | None) -> str:
     return ""
 
 
+def spec_file_of(spec_name: str | None) -> str:
+    """Where a spec of that name lives in a checkout (the hint when nothing records its file)."""
+    return f"specs/{spec_name or '<spec>'}.yaml"
+
+
 def build_command(spec_name: str | None) -> str:
-    spec = spec_name or "<spec>"
-    return f"fa3gen build --spec specs/{spec}.yaml"
+    return f"fa3gen build --spec {spec_file_of(spec_name)}"
+
+
+def yaml_error_place(e) -> tuple[str, str]:
+    """(":line:column" or "", what) of a YAML error, for one-line messages (specs, traces)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+    return where, getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
 
 
 def format_variant_list(names: Sequence[str]) -> str:

@@ -4,6 +4,7 @@ old content or the new, never a cut-off file."""
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -27,6 +28,17 @@ def replacing(path: Path) -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def stdout_to_devnull() -> None:
+    """After stdout's reader left (a broken pipe): later prints and the flush at exit go to
+    /dev/null instead of failing again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no stdout, or one without a descriptor
+        pass
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:

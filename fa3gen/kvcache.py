@@ -22,7 +22,7 @@ import torch
 
 from fa3gen import contract, ops, runtime, tracing
 from fa3gen.contract import INT32_MAX
-from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
+from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError, build_command
 from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
 
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
@@ -1098,7 +1098,7 @@ def _rebuild_command() -> str:
     try:
         return runtime.get_library().rebuild_hint[1]
     except Exception:  # noqa: BLE001 - only a hint
-        return "fa3gen build --spec <spec>"
+        return build_command(None)
 
 
 def _launch_decode(device, params, lib=None) -> None:

@@ -54,8 +54,10 @@ def _packaged_api() -> dict[str, str]:
 def _init_source(package: str, spec: str, version: str) -> str:
     api = _packaged_api()
     names = ", ".join(f"`{n}`" for n in api)
-    errors = ("AbiMismatchError", "Fa3genError", "InvalidInputError", "LibraryNotBuiltError",
-              "TraceError", "VariantNotBuiltError")
+    import fa3gen
+    from fa3gen import errors as error_module
+
+    errors = tuple(sorted(n for n in fa3gen.__all__ if hasattr(error_module, n)))  # fa3gen's own
     exported = [*api, *errors, "__version__"]
     return f'''"""fa3gen kernels of spec {spec!r}, packaged with `fa3gen package` (fa3gen {__version__},
 C ABI {contract.ABI_VERSION}). {names} run the bundled library's variants, as fa3gen's do."""

@@ -32,6 +32,7 @@ from fa3gen.errors import (
     LibraryNotBuiltError,
     VariantNotBuiltError,
     build_command,
+    spec_file_of,
 )
 
 DEFAULT_SPEC = "h100"
@@ -160,7 +161,7 @@ def select_variant(
     """
     causal = bool(causal)
     key = make_key(direction, dtype, head_dim, causal, local, softcap, varlen, paged)
-    spec_file, build = rebuild or (f"specs/{spec_name or '<spec>'}.yaml", build_command(spec_name))
+    spec_file, build = rebuild or (spec_file_of(spec_name), build_command(spec_name))
 
     if variant is not None:
         found = next((v for v in variants if v.name == variant), None)
@@ -362,15 +363,8 @@ class Library:
         """(the spec file this library was built from, the command that rebuilds it): the spec
         path its manifest records, else specs/<name>.yaml; a library bundled in a wheel is
         packaged and installed again after the build."""
-        spec_file = f"specs/{self.spec_name or '<spec>'}.yaml"
-        for manifest in contract.library_manifest_paths(self.path):
-            try:
-                recorded = json.loads(manifest.read_text()).get("spec_path")
-            except (OSError, ValueError, AttributeError):  # none there, or not a manifest
-                continue
-            if isinstance(recorded, str) and recorded:
-                spec_file = recorded
-                break
+        recorded = (contract.library_manifest(self.path) or {}).get("spec_path")
+        spec_file = recorded if isinstance(recorded, str) and recorded else spec_file_of(self.spec_name)
         build = f"fa3gen build --spec {spec_file}"
         if BUNDLED_LIBRARY is not None and self.path.absolute() == BUNDLED_LIBRARY.absolute():
             build += f", then fa3gen package --spec {spec_file} and install the new wheel"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, key_str, parse_name
-from fa3gen.errors import TraceError
+from fa3gen.errors import TraceError, yaml_error_place
 from fa3gen.files import write_atomically
 
 TRACE_ENV = "FA3GEN_TRACE"
@@ -40,10 +40,14 @@ class Entry:
     ranges: dict = field(default_factory=dict)   # size -> [min, max]
 
     def add(self, sizes: dict) -> None:
-        self.count += 1
-        for k, v in sizes.items():
-            lo, hi = self.ranges.get(k, (v, v))
-            self.ranges[k] = [min(lo, v), max(hi, v)]
+        self.absorb(1, {k: (v, v) for k, v in sizes.items()})
+
+    def absorb(self, count: int, ranges: dict) -> None:
+        """count more calls, whose sizes span `ranges` (size -> (min, max))."""
+        self.count += count
+        for k, (lo_new, hi_new) in ranges.items():
+            lo, hi = self.ranges.get(k, (lo_new, hi_new))
+            self.ranges[k] = [min(lo, lo_new), max(hi, hi_new)]
 
 
 class Trace:
@@ -78,11 +82,7 @@ class Trace:
         """Add the calls of a trace's data (to_dict's form) to this one's."""
         for c in data.get("calls") or []:
             e = self.entries.setdefault((c["variant"], c["default"]), Entry(c["variant"], c["default"]))
-            e.count += c.get("count", 0)
-            for k in SIZES:
-                if k in c:
-                    lo, hi = e.ranges.get(k, c[k])
-                    e.ranges[k] = [min(lo, c[k][0]), max(hi, c[k][1])]
+            e.absorb(c.get("count", 0), {k: c[k] for k in SIZES if k in c})
         self.decode |= {tuple(pair) for pair in data.get("decode") or []}
 
     def write(self, process: str | None = None) -> None:
@@ -195,12 +195,9 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from e
     except UnicodeDecodeError as e:
         raise TraceError(f"{path}: not a trace (not UTF-8 text)") from e
-    except yaml.MarkedYAMLError as e:  # one line, where: as a spec's (generator/spec.py)
-        mark = e.problem_mark or e.context_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise TraceError(f"{path}{where}: not a trace (invalid YAML: {e.problem or e.context})") from e
-    except yaml.YAMLError as e:
-        raise TraceError(f"{path}: not a trace (invalid YAML: {e})") from e
+    except yaml.YAMLError as e:  # one line, where: as a spec's (generator/spec.py)
+        where, what = yaml_error_place(e)
+        raise TraceError(f"{path}{where}: not a trace (invalid YAML: {what})") from e
     except RecursionError as e:
         raise TraceError(f"{path}: not a trace (nested too deeply to read)") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):

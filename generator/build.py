@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str,
-                             library_name, spec_out_dir)
+                             library_name, read_manifest, spec_out_dir)
 
 from fa3gen.files import write_atomically
 
@@ -128,10 +128,7 @@ class BuildResult:
 
 def _other_spec_file(out: Path, spec_path) -> str | None:
     """The spec file whose build out's manifest records, where it is not spec_path."""
-    try:
-        recorded = json.loads((out / MANIFEST_NAME).read_text()).get("spec_path")
-    except (OSError, ValueError, AttributeError):  # no finished build, or not a manifest
-        return None
+    recorded = (read_manifest(out / MANIFEST_NAME) or {}).get("spec_path")  # none: no finished build
     here = str(Path(spec_path).resolve())
     return recorded if isinstance(recorded, str) and recorded != here else None
 

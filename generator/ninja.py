@@ -21,6 +21,7 @@ from pathlib import Path
 import jinja2
 
 from fa3gen.contract import Variant, library_name
+from fa3gen.files import stdout_to_devnull
 
 from .errors import GeneratorError, ToolchainError
 from .paths import KERNELS_DIR, REPO_ROOT
@@ -220,12 +221,7 @@ class _Echo:
             sys.stdout.flush()
         except (BrokenPipeError, ValueError):  # ValueError: a stdout closed under us
             self.on = False
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
-            except (OSError, ValueError):
-                pass
+            stdout_to_devnull()
 
 
 def objects_without_deps(out_dir: Path) -> list[str]:

@@ -18,6 +18,7 @@ import yaml
 
 from fa3gen.contract import (AXES, AXIS_BY_NAME, DECODE_DTYPES, DECODE_HEAD_DIMS, DECODE_PAIRS,
                              INT32_MAX, KEY_AXES, KNOB_AXES)
+from fa3gen.errors import yaml_error_place
 
 from .errors import SpecError
 from .paths import SPECS_DIR
@@ -203,12 +204,9 @@ def load_spec(path: str | Path) -> Spec:
 def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") -> Spec:
     try:
         data = yaml.load(text, Loader=_Loader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise SpecError(f"{source}{where}: invalid YAML: {e.problem or e.context}")
     except yaml.YAMLError as e:
-        raise SpecError(f"{source}: invalid YAML: {e}")
+        where, what = yaml_error_place(e)
+        raise SpecError(f"{source}{where}: invalid YAML: {what}")
     except RecursionError:
         raise SpecError(f"{source}: nested too deeply to read")
     try:
