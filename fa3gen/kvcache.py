@@ -633,8 +633,8 @@ def _plan(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table
     p.window_left, p.window_right, p.softcap = left, right, mask.softcap
     p.kv_fp8 = int(c.kv_fp8)
     p.kv_scale_batch_stride, p.kv_scale_head_stride = c.scale_strides
-    p.k_scale_value, p.v_scale_value = (float(s) if isinstance(s, (int, float)) else 1.0
-                                        for s in (k_scale, v_scale))
+    p.k_scale_value, p.v_scale_value = (1.0 if s is None or isinstance(s, torch.Tensor)
+                                        else float(s) for s in (k_scale, v_scale))
     template = _append_template(c.geometry, (k, v, k_cache, v_cache), block_table) \
         if c.append and not c.kv_fp8 else LOOK_UP
     return _DecodePlan(bytes(p), (b, sq, hq, d), split_args, c.geometry, c.append,
@@ -668,8 +668,7 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
                                         f"{heads_kv}) on {device}, got {s.dtype} "
                                         f"{tuple(s.shape)} on {s.device}")
             tensors.append(s)
-        elif isinstance(s, bool) or not isinstance(s, (int, float)) or \
-                not FP32_TINY <= s <= FP32_MAX:
+        elif ops.real_number(s) is None or not FP32_TINY <= ops.real_number(s) <= FP32_MAX:
             raise InvalidInputError(f"{name} must be a positive float within fp32's normal range "
                                     f"or an fp32 tensor, got {s!r}")
     if not tensors:

@@ -86,6 +86,16 @@ def _is_numpy_bool(x) -> bool:
     return isinstance(x, numpy.bool_)
 
 
+def real_number(x) -> float | None:
+    """x as a float when it is a real number (numpy's scalars too) and not a bool; else None."""
+    if _is_bool_like(x) or not isinstance(x, numbers.Real):
+        return None
+    try:
+        return float(x)
+    except OverflowError:  # an int past float's range: out of any range checked against
+        return math.inf if x > 0 else -math.inf
+
+
 def _is_bool_like(x) -> bool:
     """A Python, numpy or torch bool: never a number here, where float() would take it as 1.0."""
     return isinstance(x, bool) or _is_numpy_bool(x) or \
@@ -120,9 +130,10 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
             raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
                                     f"got {w!r}")
     left, right = int(left), int(right)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or \
-            not 0.0 <= float(softcap) < math.inf:
+    value = real_number(softcap)
+    if value is None or not 0.0 <= value < math.inf:
         raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+    softcap = value
     if softcap and not _FP32_LO <= softcap <= _FP32_HI:
         _fp32_range_error("softcap", softcap)
     # Wider than any sequence (the kernels take int32): unbounded on that side, not wrapped.

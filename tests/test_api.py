@@ -67,6 +67,17 @@ def test_numpy_integer_windows_are_taken_as_flash_attn_takes_them():
             ops.masking(bad)
 
 
+def test_numpy_softcap_is_taken_as_softmax_scale_is():
+    """np.float32 is no Python float: it was refused as softcap while taken as softmax_scale."""
+    np = pytest.importorskip("numpy")
+    for value in (np.float32(30.0), np.float64(30.0), np.int64(30)):
+        got = ops.masking(False, (-1, -1), value)
+        assert got == ops.Masking(softcap=30.0) and type(got.softcap) is float
+    for bad in (np.bool_(True), np.float32("nan"), "30"):
+        with pytest.raises(InvalidInputError, match="softcap must be a finite number >= 0"):
+            ops.masking(False, (-1, -1), bad)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"window_size": (-2, 0)}, r"window_size left must be an int >= -1 \(-1: unbounded\), got -2"),
     ({"window_size": (5, 1.5)}, "window_size right must be an int >= -1 .*got 1.5"),

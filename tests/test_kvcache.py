@@ -1797,6 +1797,16 @@ def test_fp8_cache_float_factors_below_fp32_normals_are_refused(launched, scale)
     assert launched[0].k_scale_value > 0
 
 
+def test_fp8_cache_numpy_float_factors_are_taken(launched):
+    np = pytest.importorskip("numpy")
+    q = torch.zeros(1, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(1, 64, 2, 128, dtype=BF).to(FP8)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=np.float32(0.5), v_scale=np.float64(0.25))
+    assert (launched[0].k_scale_value, launched[0].v_scale_value) == (0.5, 0.25)
+    with pytest.raises(InvalidInputError, match="v_scale must be a positive float"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, v_scale=np.bool_(True))
+
+
 def test_a_trace_records_decode_kernels_only_for_decode_calls(launched, monkeypatch, tmp_path):
     """A chunked prefill runs the forward kernels (which record their own variants): it adds
     no decode pair to the trace, a decode call does."""
