@@ -572,18 +572,16 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         if cache_batch_idx is not None:
             raise InvalidInputError("cache_batch_idx applies to a contiguous cache, not a paged "
                                     "one (the block table says where each sequence is)")
-        capacity = block_table.shape[1] * rows_per
-        if capacity > INT32_MAX:  # seqlen_k is an int32 param
-            raise InvalidInputError(f"a block table of {block_table.shape[1]} pages of {rows_per} "
-                                    f"rows: {capacity} keys a sequence, more than 2^31 - 1")
+        capacity = block_table.shape[1] * rows_per  # bounded with the queries' below
     else:
         capacity = rows_per
         if cache_batch_idx is None and pages_or_b < b:
             raise InvalidInputError(f"the cache holds {pages_or_b} sequences for a batch of {b} "
                                     "(pass cache_batch_idx to map them)")
-    if capacity + sq > INT32_MAX // 2:  # the kernels add a query's position to the keys'
-        raise InvalidInputError(f"a cache of {capacity} keys a sequence and {sq} queries: at most "
-                                "2^30 - 1 together")
+    if capacity + sq > INT32_MAX // 2:  # int32 params, and a query's position adds to the keys'
+        layout = f" ({block_table.shape[1]} pages of {rows_per} rows)" if block_table is not None else ""
+        raise InvalidInputError(f"a cache of {capacity} keys a sequence{layout} and {sq} queries: "
+                                "at most 2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
     seqlen_k = capacity

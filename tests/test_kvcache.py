@@ -659,15 +659,6 @@ def test_block_table_errors(launched, table, match):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, block_table=table)
 
 
-def test_a_block_table_past_int32_keys_is_refused(launched):
-    """seqlen_k is an int32 param: 32769 pages of 65536 rows wrapped to a negative length."""
-    kc = torch.zeros(1, 65536, 1, 64, dtype=BF)
-    with pytest.raises(InvalidInputError, match="more than 2"):
-        kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc,
-                                        cache_seqlens=torch.tensor([100], dtype=torch.int32),
-                                        block_table=torch.zeros(1, 32769, dtype=torch.int32))
-
-
 def test_the_plan_cache_does_not_skip_the_checks_of_a_new_signature(launched):
     q, kc = _q_cache()
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([5, 7], dtype=torch.int32))
@@ -1822,12 +1813,15 @@ def test_a_trace_records_decode_kernels_only_for_decode_calls(launched, monkeypa
         assert t.decode == {("fp16", 64)}
 
 
-def test_a_cache_past_the_kernels_position_arithmetic_is_refused(launched):
+@pytest.mark.parametrize("pages", [16384, 32769])
+def test_a_cache_past_the_kernels_position_arithmetic_is_refused(launched, pages):
     """The decode kernels add a query's position to a window side: a block table of 2^30 keys
-    or more a sequence (with the queries) is refused, not wrapped."""
+    or more a sequence (with the queries) is refused, not wrapped; 32769 pages of 65536 rows
+    are past int32 too (seqlen_k used to wrap to a negative length)."""
     kc = torch.zeros(1, 65536, 1, 64, dtype=BF)
-    table = torch.zeros(1, 1, dtype=torch.int32).expand(1, 16384)  # 2^30 keys
-    with pytest.raises(InvalidInputError, match=r"1073741824 keys a sequence and 1 queries: at most 2\^30 - 1"):
+    table = torch.zeros(1, 1, dtype=torch.int32).expand(1, pages)
+    with pytest.raises(InvalidInputError, match=rf"a cache of {pages * 65536} keys a sequence "
+                       rf"\({pages} pages of 65536 rows\) and 1 queries: at most 2\^30 - 1 together"):
         kvcache.flash_attn_with_kvcache(torch.zeros(1, 1, 2, 64, dtype=BF), kc, kc,
                                         cache_seqlens=torch.tensor([100], dtype=torch.int32),
                                         block_table=table.contiguous())
