@@ -688,14 +688,12 @@ def _bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, variant, determini
     return _empty_grads(q, k, v)
 
 
-def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool,
-                        seqlen_k: int | None = None) -> str:
+def resolve_bwd_variant(q: torch.Tensor, head_dim: int, mask: Masking | bool) -> str:
     """Name of the default backward variant for q's dtype (clear error when none was built).
-    mask: the call's Masking, or just causal; seqlen_k: the keys, for a seqlen range default
-    (None under graph capture: a compiled backward takes the key's default; no backward key
-    of specs/h100.yaml has ranges)."""
+    mask: the call's Masking, or just causal. No length: a compiled backward fixes its variant
+    when traced, so the spec allows no seqlen_k ranges on backward keys (eager runs the same)."""
     dtype = _DTYPES.get(q.dtype, str(q.dtype))
-    return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask), False, seqlen_k)
+    return _variant_name("bwd", dtype, head_dim, None, *_key_flags(mask), False)
 
 
 def _fwd_setup_context(ctx, inputs, output):
@@ -828,8 +826,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, gr
         _bwd_plans, _backward_key(fwd, deterministic, dout, grads), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale,
-                                resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask,
-                                                    fwd.dims.seqlen_k),
+                                resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask),
                                 deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)

@@ -387,7 +387,9 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         window = f", window {args.window[0]},{args.window[1]}" if axes["local"] else ""
         notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}{window}: geomean "
                       f"speed vs the winner: runner-up {runner_up}")
-        if args.ranges:  # varlen keys: packed sequences of equal length, so max_seqlen_k
+        # forward keys only (the spec allows no backward ranges); varlen keys: packed
+        # sequences of equal length, so max_seqlen_k
+        if args.ranges and axes["direction"] == "fwd":
             by_name = {v.name: v for v in variants}
             found = seqlen_ranges(list(args.seqlens), times, best)
             if found:

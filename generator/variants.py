@@ -443,7 +443,8 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
     """Per key, [(lo, hi, variant)]: the dispatch entries with a seqlen_k range. Within a range
     its entries replace the key's others (their `use` rules intersect and must leave exactly
     one variant); distinct ranges of one key must not overlap; the key needs its default (the
-    calls outside every range, and torch.compile with a dynamic seqlen, take it)."""
+    calls outside every range, and torch.compile with a dynamic seqlen, take it). Forward keys
+    only, not paged: the other calls choose their variant without a length."""
     by_key: dict[tuple, list[Variant]] = {}
     for v in kept:
         by_key.setdefault(v.key, []).append(v)
@@ -453,6 +454,14 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
         if not keys:
             raise spec.error(f"{e.describe()} matches no kept variant key")
         for key in keys:  # a varlen key's range is on the call's max_seqlen_k
+            axes = dict(zip(KEY_AXES, key))
+            if axes["direction"] != "fwd" or axes["paged"]:
+                raise spec.error(
+                    f"{e.describe()} matches {key_str(key)}: seqlen_k ranges choose among the "
+                    "variants of forward keys that are not paged (a compiled backward fixes its "
+                    "kernel before any length is known, and a paged call passes none), so these "
+                    "keys run their default; name `direction: fwd` (and `paged: false`) in "
+                    "its `when`")
             if key not in defaults:
                 raise spec.error(f"{e.describe()}: {key_str(key)} has no default for the calls "
                                  "outside the range; give it one")

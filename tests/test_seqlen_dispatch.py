@@ -151,3 +151,46 @@ def test_compiled_varlen_forward_picks_by_max_seqlen_k_when_it_runs(fake_launche
         f(q, torch.tensor([0, 3, m + 3], dtype=torch.int32), m)
     assert [name for name, _ in fake_launches] == [short.name, short.name, default.name,
                                                    short.name]
+
+
+BWD_RANGED = """\
+name: bwdranged
+axes: {dtype: bf16, head_dim: 64, causal: true, stages: 2, warp_specialized: true,
+       pingpong: false, intra_wg_overlap: false, varlen: [false, true]}
+groups:
+  - {name: fwd, axes: {direction: fwd, tile: [128, 128]}}
+  - {name: bwd, axes: {direction: bwd, tile: [[64, 64], [128, 128]]}}
+dispatch:
+  - when: {direction: bwd, varlen: [false, true]}
+    use: {tile: [128, 128]}
+  - when: {direction: bwd, varlen: [false, true]}
+    seqlen_k: [0, 1024]
+    use: {tile: [64, 64]}
+"""
+PAGED_RANGED = """\
+name: pagedranged
+axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: true, stages: 2,
+       warp_specialized: true, pingpong: true, intra_wg_overlap: true, varlen: true,
+       paged: [false, true], tile: [[128, 128], [128, 64]]}
+dispatch:
+  - when: {varlen: true, paged: [false, true]}
+    use: {tile: [128, 128]}
+  - when: {varlen: true, paged: [false, true]}
+    seqlen_k: [0, 1024]
+    use: {tile: [128, 64]}
+"""
+
+
+@pytest.mark.parametrize("text, key", [(BWD_RANGED, r"\(bwd, bf16, d64, causal\)"),
+                                       (PAGED_RANGED, r"\(fwd, bf16, d128, causal, varlen, paged\)")])
+def test_ranges_on_keys_that_choose_without_a_length_are_refused(tmp_path, text, key):
+    """The backward (a compiled one fixes its variant when traced; eager runs the same) and a
+    paged forward choose without a length: a range there was accepted and listed, never used."""
+    with pytest.raises(SpecError, match=key + ": seqlen_k ranges choose among the variants of "
+                       "forward keys that are not paged"):
+        plan(spec_file(tmp_path, text))
+    fwd_only = text.replace("paged: [false, true]}\n    seqlen_k", "paged: false}\n    seqlen_k")
+    if fwd_only != text:  # the unpaged varlen key alone takes the range
+        p = plan(spec_file(tmp_path, fwd_only))
+        assert [(lo, hi, v.tile_n) for r in p.seqlen_defaults.values() for lo, hi, v in r] == \
+            [(0, 1024, 64)]

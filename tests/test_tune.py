@@ -314,3 +314,30 @@ def test_tune_window_refuses_what_is_not_a_window(text, spec_file, capsys):
     with pytest.raises(SystemExit):
         cli.main(["tune", "--spec", str(spec_file), f"--window={text}"])  # = : "-1,0" is no option
     assert "--window" in capsys.readouterr().err
+
+
+def test_tune_ranges_skip_backward_keys(tmp_path, monkeypatch):
+    """A backward key chooses without a length (the spec refuses ranges there): --ranges writes
+    its winner only, and the spec it writes still resolves."""
+    import torch
+
+    from fa3gen import runtime
+    from generator.build import plan
+    from tests.test_seqlen_dispatch import BWD_RANGED
+
+    spec = tmp_path / "bwdtune.yaml"
+    spec.write_text(BWD_RANGED.split("dispatch:")[0].replace("varlen: [false, true]", "varlen: false")
+                    + "dispatch:\n  - {when: {direction: bwd}, use: {tile: [128, 128]}}\n")
+    names = sorted(v.name for v in plan(spec).variants if v.direction == "bwd")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "use_spec", lambda s: types.SimpleNamespace(
+        variants=[parse_name(n) for n in names], path=tmp_path / "lib.so"))
+    monkeypatch.setattr(tune, "provenance", lambda lib: {})
+    # each candidate the fastest at one length: a forward key would get a range
+    monkeypatch.setattr(tune, "measure", lambda *a, **kw: {names[0]: [1.0, 4.0, 40.0],
+                                                           names[1]: [1.2, 3.5, 30.0]})
+    assert cli.main(["tune", "--spec", str(spec), "--ranges", "--no-power", "--out",
+                     str(tmp_path / "t.json")]) == 0
+    assert "seqlen_k" not in spec.read_text()
+    assert plan(spec).defaults[parse_name(names[1]).key].name == names[1]
+    assert json.loads((tmp_path / "t.json").read_text())["keys"][0]["seqlen_ranges"] == []
