@@ -26,7 +26,7 @@ from .render import RenderPlan, environment, plain_units, plan_sources
 from .spec import Spec, load_spec
 from .toolchain import Toolchain, detect
 from .units import Unit, partition, unit_size
-from .variants import (Enumeration, enumerate_variants, resolve_dispatch,
+from .variants import (Enumeration, enumerate_variants, resolve_dispatch, unmatched_values,
                        resolve_seqlen_dispatch, smem_bytes)
 
 GIB_PER_JOB = 4  # an nvcc of a CuTe attention kernel can take several GB
@@ -112,6 +112,7 @@ def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Pl
         raise spec.error("the spec leaves no variant; each one is pruned:\n" + "\n".join(
             f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in en.pruned))
     # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
+    en.warnings += unmatched_values(spec, en)
     defaults = resolve_dispatch(spec, en.kept)
     seqlen_defaults = resolve_seqlen_dispatch(spec, en.kept, defaults)
     variants = select(en, only, exclude)

@@ -343,14 +343,19 @@ MAX_COMBINATIONS = 100_000
 def enumerate_variants(spec: Spec) -> Enumeration:
     first_group: dict[Variant, str] = {}             # variant -> first group that produced it
     repeated: dict[tuple[str, str], list[Variant]] = {}   # (first group, later group) -> variants
+    produced: dict[str, set[Variant]] = {}
+    total = 0
     for group in spec.groups:
         count = math.prod(len(group.values(a)) for a in AXES)
-        if count > MAX_COMBINATIONS:
-            raise spec.error(f"group {group.name!r} expands to {count:,} combinations of its axes' "
-                             f"values (at most {MAX_COMBINATIONS:,}): list fewer values per axis, "
-                             "or split it into groups")
+        total += count
+        if count > MAX_COMBINATIONS or total > MAX_COMBINATIONS:
+            what = f"group {group.name!r} expands" if count == total else \
+                f"with group {group.name!r} the groups expand"
+            raise spec.error(f"{what} to {total:,} combinations of their axes' values (at most "
+                             f"{MAX_COMBINATIONS:,}): list fewer values per axis")
         for combo in itertools.product(*(group.values(a) for a in AXES)):
             v = Variant.from_axes(dict(zip(AXES, combo)))
+            produced.setdefault(group.name, set()).add(v)
             earlier = first_group.setdefault(v, group.name)
             if earlier != group.name:
                 repeated.setdefault((earlier, group.name), []).append(v)
@@ -379,7 +384,36 @@ def enumerate_variants(spec: Spec) -> Enumeration:
     for rule in spec.exclude:
         if rule.where not in matched:
             raise spec.error(f"{rule.where} {rule.describe()} matches no variant of the spec")
+    # A group the constraints empty leaves its keys without variants, which only a call
+    # (VariantNotBuiltError) would otherwise reveal; one the spec's excludes empty is meant.
+    kept_set = set(kept)
+    by_constraint = {x.variant: x for x in pruned if not x.constraint.startswith("exclude[")}
+    for group in spec.groups:
+        vs = produced.get(group.name, set())
+        lost = sorted((by_constraint[v] for v in vs if v in by_constraint), key=lambda x: x.variant.name)
+        if lost and not vs & kept_set:
+            warnings.append(f"{spec.path}: group {group.name!r} keeps no variant: each is pruned "
+                            f"(e.g. {lost[0].variant.name}: {lost[0].constraint}: "
+                            f"{lost[0].reason}); `fa3gen list --explain` names them all")
     return Enumeration(kept, pruned, warnings)
+
+
+def unmatched_values(spec: Spec, en: Enumeration) -> list[str]:
+    """Warnings for values in an exclude, `when` or `use` list that no variant has (a typo such
+    as tile [182, 192] beside [128, 128]): the entry still matches through its other values,
+    so nothing else would say so. exclude is over every enumerated variant, dispatch over the
+    kept ones."""
+    every = [v.axes() for v in en.kept] + [x.variant.axes() for x in en.pruned]
+    kept = [v.axes() for v in en.kept]
+    out = []
+    for match, seen in ([(r, every) for r in spec.exclude] +
+                        [(m, kept) for e in spec.dispatch for m in (e.when, e.use)]):
+        for axis, values in match.items:
+            present = {a[axis] for a in seen}
+            out += [f"{spec.path}: {match.where}: {axis} {fmt_value(x)} matches no "
+                    f"{'variant' if seen is every else 'kept variant'} of the spec"
+                    for x in values if x not in present]
+    return out
 
 
 # --------------------------------------------------------------------------- dispatch

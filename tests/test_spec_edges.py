@@ -178,3 +178,46 @@ def test_a_group_of_too_many_combinations_is_refused_before_enumerating():
         "pingpong: false", "pingpong: [false, true]")
     with pytest.raises(SpecError, match="expands to 160,000 combinations"):
         V.enumerate_variants(parse_spec(text, "s.yaml"))
+
+
+def test_groups_together_are_capped_too():
+    """Groups each under the cap passed however many there were (five of 90,000: 20 s)."""
+    tiles = ", ".join(f"[128, {n}]" for n in range(16, 3216, 16))
+    stages = ", ".join(str(n) for n in range(1, 201))
+    text = AXES + "groups:\n" + "".join(
+        f"  - {{name: g{i}, axes: {{tile: [{tiles}], stages: [{stages}]}}}}\n" for i in range(3))
+    with pytest.raises(SpecError, match="with group 'g2' the groups expand to 120,000 combinations"):
+        V.enumerate_variants(parse_spec(text, "s.yaml"))
+
+
+MULTI = AXES.replace("tile: [128, 128]", "tile: [[128, 128], [128, 176], [128, 192]]")
+
+
+@pytest.mark.parametrize("extra, warning", [
+    ("exclude:\n  - {tile: [[128, 128], [182, 192]]}\n",
+     "s.yaml: exclude[0]: tile [182, 192] matches no variant of the spec"),
+    ("dispatch:\n  - when: {head_dim: [128, 1288]}\n    use: {tile: [128, 176]}\n",
+     "s.yaml: dispatch[0].when: head_dim 1288 matches no kept variant of the spec"),
+    ("dispatch:\n  - when: {head_dim: 128}\n    use: {tile: [[128, 176], [182, 176]], stages: 2}\n",
+     "s.yaml: dispatch[0].use: tile [182, 176] matches no kept variant of the spec"),
+])
+def test_a_list_value_that_matches_nothing_is_a_warning(extra, warning):
+    """The entry matches through its other values, so the typo would pass unnoticed."""
+    spec = parse_spec(MULTI + extra, "s.yaml")
+    assert V.unmatched_values(spec, V.enumerate_variants(spec)) == [warning]
+
+
+def test_every_value_matching_warns_nothing():
+    spec = parse_spec(MULTI + "exclude:\n  - {tile: [[128, 128], [128, 192]]}\n", "s.yaml")
+    assert V.unmatched_values(spec, V.enumerate_variants(spec)) == []
+
+
+def test_a_group_the_constraints_empty_is_a_warning():
+    """d256 at 128x176 with 4 stages needs more shared memory than an SM has: its key would
+    have no variant, found only by a call."""
+    text = AXES + ("groups:\n  - {name: d128}\n"
+                   "  - {name: d256, axes: {head_dim: 256, tile: [128, 176], stages: 4}}\n"
+                   "  - {name: gone, axes: {head_dim: 64}}\nexclude:\n  - {head_dim: 64}\n")
+    [warning] = V.enumerate_variants(parse_spec(text, "s.yaml")).warnings
+    assert warning.startswith("s.yaml: group 'd256' keeps no variant: each is pruned (e.g. "
+                              "fwd_bf16_d256_nocausal_m128n176_s4_ws1_pp0_ov1: smem_budget: ")
