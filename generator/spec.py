@@ -156,8 +156,14 @@ class _Loader(yaml.SafeLoader):
 
 def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False):
     seen = set()
+    merges = 0
     for key_node, _ in node.value:  # the mapping's own keys, before the merge adds its pairs
         if key_node.tag == "tag:yaml.org,2002:merge":
+            merges += 1
+            if merges > 1:  # PyYAML would let the last one win silently
+                raise yaml.constructor.ConstructorError(
+                    None, None, "duplicate key '<<' (merge several mappings with "
+                    "`<<: [*a, *b]`)", key_node.start_mark)
             continue
         key = loader.construct_object(key_node, deep=deep)
         try:

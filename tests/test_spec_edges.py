@@ -83,6 +83,14 @@ def test_a_key_beside_a_merge_key_overrides_it_but_a_repeated_key_is_refused():
     assert "duplicate key 'head_dim'" in error(
         AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64}}\n"
         "  - {name: b, axes: {<<: *g, head_dim: 128, head_dim: 256}}\n")
+    # two merge keys: the last won silently; a list of mappings is YAML's way to merge several
+    assert "duplicate key '<<' (merge several mappings with `<<: [*a, *b]`)" in error(
+        AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64}}\n  - {name: c, axes: &h {head_dim: 128}}\n"
+        "  - {name: b, axes: {<<: *g, <<: *h}}\n")
+    both = parse_spec(AXES + "groups:\n  - {name: a, axes: &g {head_dim: 64}}\n"
+                      "  - {name: c, axes: &h {causal: true}}\n  - {name: b, axes: {<<: [*g, *h]}}\n",
+                      "s.yaml")
+    assert (dict(both.groups[2].axes)["head_dim"], dict(both.groups[2].axes)["causal"]) == ((64,), (True,))
 
 
 def test_seqlen_max_itself_is_a_valid_bound():
