@@ -30,8 +30,8 @@ from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
 from fa3gen.contract import library_manifest, read_manifest
 from fa3gen.errors import Fa3genError
-from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts, tflops,
-                           time_ms)
+from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts,
+                           settle_for, tflops, time_ms)
 
 BEGIN, END = "<!-- ablation:begin -->", "<!-- ablation:end -->"
 DEFAULT_SPEC = "ablation"  # specs/ablation.yaml, bundled with the generator
@@ -323,7 +323,9 @@ def render_markdown(report: dict) -> str:
         f"- Shapes (batch,seqlen,heads,head_dim): {', '.join(shapes) or '—'}; median of "
         f"{TIMED_BATCHES} batches, " + (
             f"each at least {h['min_ms']:g} ms of back-to-back launches (sustained, as a "
-            "power-capped board runs in steady use)" if h.get("min_ms") else
+            "power-capped board runs in steady use)" +
+            (f", after {h['settle_ms']:g} ms of untimed ones" if h.get("settle_ms") else "")
+            if h.get("min_ms") else
             f"each the median of {h.get('iters')} CUDA-event-timed launches after at least "
             f"{h.get('warmup')} launches and {WARMUP_SECONDS} s of warm-up") +
         "; FLOPs = 4*b*h*s^2*d, halved when causal.",
@@ -582,7 +584,7 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
                sampler=None) -> Callable[[object, dict], list[float] | dict]:
     """time(cell, shape) -> per-batch ms of flash_attn_func(variant=cell) on seeded inputs:
     min_ms set (the default of the command), each batch is at least min_ms of back-to-back
-    launches between two events (sustained); else the median of `iters` event-timed launches
+    launches between two events after min_ms / 2 of untimed ones (sustained); else the median of `iters` event-timed launches
     after a warm-up (a burst). With a PowerSampler (sustained only) it returns {"ms", "sm_mhz",
     "power_w", "clock_reasons"}, each per batch: a slow batch shows whether the clock dropped
     with it, and the reasons say whether the power cap or something else held it back. Inputs
@@ -606,7 +608,11 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
         # the batch medians is reported; every batch is kept in the row (ms_batches).
         if min_ms:
             batch_ms(fn, 3)  # warm-up
-            launches = max(3, int(min_ms / batch_ms(fn, 5)))
+            per_launch = batch_ms(fn, 5)
+            launches = max(3, int(min_ms / per_launch))
+            # untimed lead-in, as sustained_ms gives each batch: the clock ramps up from idle
+            # over ~200 ms, inside which the first timed batch used to start
+            batch_ms(fn, max(1, int(settle_for(min_ms) / per_launch)))
             if sampler is not None:
                 sampler.reset()
             tag = sampler.tag if sampler is not None else (lambda b: None)
@@ -709,6 +715,7 @@ def run(args, build_fn=None) -> int:
     header = provenance(lib)
     header.update(spec=p.spec.name, warmup=args.warmup, iters=args.iters,
                   min_ms=None if args.burst else args.min_ms,
+                  settle_ms=None if args.burst else settle_for(args.min_ms),
                   shapes=[shape_str(s) for s in shapes],
                   check=CELL_CHECK_DESCRIPTION)
     report = make_report(header, rows, pruned)

@@ -56,11 +56,22 @@ def grid(seqlens, head_dims, total_tokens=TOTAL_TOKENS, hidden=HIDDEN) -> list[d
     return shapes
 
 
+def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """The (query, key) pairs a causal mask aligned bottom-right lets through (query i sees
+    keys j <= i + seqlen_k - seqlen_q): rows past the keys see none."""
+    first = max(seqlen_k - seqlen_q + 1, 1)  # keys the first row that sees any sees
+    return (seqlen_k * (seqlen_k + 1) - (first - 1) * first) // 2
+
+
 def attention_flops(batch, heads, seqlen_q, seqlen_k, head_dim, causal, direction="fwd") -> float:
-    """4*b*h*sq*sk*d (two GEMMs of 2 FLOPs per MAC), halved when causal, 2.5x for backward."""
-    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    """4*b*h*pairs*d (two GEMMs of 2 FLOPs per MAC), 2.5x for backward. Causal pairs follow
+    the peers' convention, sq*sk/2 on square shapes (the diagonal counted half); on others the
+    visible pairs less half a diagonal (FA3's sq*(sk - sq/2) for sq <= sk; rows that see no
+    key count nothing)."""
+    pairs = seqlen_q * seqlen_k
     if causal:
-        f /= 2
+        pairs = causal_pairs(seqlen_q, seqlen_k) - min(seqlen_q, seqlen_k) / 2
+    f = 4.0 * batch * heads * pairs * head_dim
     if direction == "bwd":
         f *= 2.5
     return f
@@ -116,7 +127,8 @@ def render_markdown(report: dict) -> str:
         "",
         f"- Date: {h.get('date')}; GPU: {h.get('gpu')}; commit: `{h.get('commit')}`",
         f"- torch {h.get('torch')}, CUDA {h.get('cuda')}, cuDNN {h.get('cudnn')}; "
-        f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(h.get('gemm_tflops'))} TFLOP/s",
+        f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(h.get('gemm_tflops'))} TFLOP/s "
+        f"({'timed as the rows' if h.get('gemm_timing') == 'rows' else 'a burst of launches'})",
         f"- fa3gen library: {h.get('library')}",
         f"- Reproduce: `{h.get('command') or 'fa3gen bench'}`",
         "- Grid: batch*seqlen = 16384, heads*head_dim = 2048; FLOPs = 4*b*h*s^2*d, halved when "
@@ -508,7 +520,8 @@ def run(args) -> int:
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
 
     header = provenance(lib)
-    header["gemm_tflops"] = gemm_tflops(args.warmup, args.iters)
+    header["gemm_tflops"] = gemm_tflops(lambda fn: measure_backends({"gemm": fn}, args)[0].get("gemm"))
+    header["gemm_timing"] = "rows"  # timed as the rows are (reports before it: a burst)
     header["timing"] = _timing_description(args)
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
@@ -561,7 +574,9 @@ def _time_candidates(lib, key: tuple, flops: float, call, args) -> dict:
     --all-variants."""
     fns = {info.name: (lambda name=info.name: call(name)) for info in lib.variants
            if info.key == key}
-    ms, _, _ = measure_backends(fns, args)
+    # the interleaved rounds even under --steady-s (as documented): a candidate alone for
+    # 2 x (S + idle) seconds a point would multiply the run, and the picks compare them together
+    ms, _, _ = measure_backends(fns, argparse.Namespace(**{**vars(args), "steady_s": None}))
     return {name: tflops(flops, ms.get(name)) for name in fns}
 
 

@@ -308,8 +308,11 @@ def test_sustained_batches_carry_their_clock_and_power(monkeypatch):
     every batch beside its time (a slow batch at a low clock is the board, not the kernel)."""
     pytest.importorskip("torch")
     monkeypatch.setattr(A, "random_inputs", lambda shape, dtype, n: [None] * n)
-    times = iter([1.0, 1.0, 5.0, 7.0, 5.0])  # two calibration batches, then three timed ones
-    monkeypatch.setattr(A, "batch_ms", lambda fn, launches: next(times))
+    # two calibration batches, the untimed lead-in (min_ms / 2 = 50 launches of 1 ms), then
+    # three timed ones
+    times = iter([1.0, 1.0, 50.0, 5.0, 7.0, 5.0])
+    launched = []
+    monkeypatch.setattr(A, "batch_ms", lambda fn, launches: launched.append(launches) or next(times))
 
     class Sampler:
         def __init__(self):
@@ -333,6 +336,7 @@ def test_sustained_batches_carry_their_clock_and_power(monkeypatch):
                    "power_w": [600.0, 601.0, 602.0],
                    "clock_reasons": [[], ["sw_thermal"], ["sw_power_cap"]]}
     assert sampler.tags == [0, None, 1, None, 2, None] and sampler.resets == 1
+    assert launched == [3, 5, 50, 100, 100, 100]
     ok = lambda c_: {"status": "ok", "max_err": 1e-3, "detail": None}  # noqa: E731
     row, = A.run_cells([cell(name(ws=1))], [SHAPE], ok, lambda c_, s: got, log=lambda m: None)
     assert row["ms"] == 5.0 and row["ms_batches"] == [5.0, 7.0, 5.0]

@@ -513,6 +513,21 @@ def test_grid_and_flops():
     assert bench.tflops(1e12, 1000.0) == 1.0 and bench.tflops(1e12, None) is None
 
 
+@pytest.mark.parametrize("sq, sk", [(0, 5), (5, 0), (1, 1), (1, 4096), (7, 7), (128, 512),
+                                    (512, 128), (300, 301), (301, 300)])
+def test_causal_flops_count_the_visible_pairs_when_lengths_differ(sq, sk):
+    """Halving sq*sk counted 3.97x the work at sq 512, sk 128 (rows that see no key) and 0.57x
+    at sq 128, sk 512; square shapes keep the peers' sq*sk/2."""
+    exact = sum(min(sk, max(0, i + sk - sq + 1)) for i in range(sq))
+    assert bench.causal_pairs(sq, sk) == exact
+    want = 4 * (exact - min(sq, sk) / 2) * 64
+    assert bench.attention_flops(1, 1, sq, sk, 64, causal=True) == want
+    if sq == sk:
+        assert want == 4 * sq * sk / 2 * 64
+    if sq <= sk:  # FlashAttention-3's benchmark: sq * (sk - sq / 2)
+        assert want == 4 * sq * (sk - sq / 2) * 64
+
+
 def fabricated_report():
     rows = []
     for causal in (False, True):
@@ -543,6 +558,10 @@ def test_markdown_tables_and_markers(tmp_path):
     assert "### fwd, bf16, causal=False" in block and "### fwd, bf16, causal=True" in block
     assert "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer |" in block
     assert "NVIDIA H200" in block and "abc123" in block and "`fa3gen bench`" in block
+    # the ceiling says how it was timed: a report from before gemm_timing was a burst
+    assert "GEMM 8192^3: 700 TFLOP/s (a burst of launches)" in block
+    rep["header"]["gemm_timing"] = "rows"
+    assert "GEMM 8192^3: 700 TFLOP/s (timed as the rows)" in bench.render_markdown(rep)
     assert "| 128 | 512 |" in block and "| — |" in block  # missing FA2 -> dash
     assert "1.20" in block  # ratio 0.6/0.5
 

@@ -217,11 +217,14 @@ def test_all_variants_times_every_variant_of_the_call_key(monkeypatch):
              "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1"]
     lib = types.SimpleNamespace(variants=[parse_name(n) for n in names])
     timed = []
-    monkeypatch.setattr(bench, "measure_backends",
-                        lambda fns, args: timed.append(sorted(fns)) or ({n: 2.0 for n in fns}, {}, {}))
-    got = bench._time_candidates(lib, make_key("fwd", "bf16", 128, False), 4e12, None, None)
+    monkeypatch.setattr(bench, "measure_backends", lambda fns, args: timed.append(
+        (sorted(fns), args.steady_s, args.rounds)) or ({n: 2.0 for n in fns}, {}, {}))
+    from fa3gen import cli
+    args = cli.build_parser().parse_args(["bench", "--steady-s", "3", "--all-variants", "--rounds", "4"])
+    got = bench._time_candidates(lib, make_key("fwd", "bf16", 128, False), 4e12, None, args)
     assert got == {names[0]: 2000.0, names[1]: 2000.0}
-    assert timed == [sorted(names[:2])]  # measured together (interleaved), not one by one
+    # measured together in interleaved rounds, not one by one (--steady-s is the backends')
+    assert timed == [(sorted(names[:2]), None, 4)] and args.steady_s == 3.0
 
 
 def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):

@@ -15,8 +15,8 @@ what the bench's order alone moves: a call timed after a slow or syncing, low-po
 with the power cap's headroom, hence a 200 ms settle of each call before its timed batch and a
 shuffled order; "dense_again", the dense call placed after a fast one, is another control;
 each call's mean board power and SM clock, from nvidia-smi, are printed and kept). TFLOP/s
-count the visible (query, key) pairs: seqlen_q * (seqlen_k - seqlen_q) + seqlen_q (seqlen_q +
-1) / 2.
+count the visible (query, key) pairs (bench.causal_pairs: seqlen_q * (seqlen_k - seqlen_q) +
+seqlen_q (seqlen_q + 1) / 2 while seqlen_q <= seqlen_k).
 Not a pytest module."""
 import argparse
 import json
@@ -106,7 +106,7 @@ def main() -> int:
                 ms = timing.sustained_ms(list(fns.values()), args.rounds, args.min_ms, tag=sampler.tag,
                                         settle_ms=args.settle_ms, order=args.order)
                 power = sampler.means(range(len(fns)))
-                pairs = sq * (sk - sq) + sq * (sq + 1) / 2
+                pairs = bench.causal_pairs(sq, sk)
                 tf = {name: 4.0 * HQ * D * pairs / (m * 1e-3) / 1e12 for name, m in zip(fns, ms)}
                 row = {"seqlen_q": sq, "seqlen_k": sk, "ms": dict(zip(fns, ms)), "tflops": tf,
                        "power_w_sm_mhz": {name: power[i] for i, name in enumerate(fns)}}
