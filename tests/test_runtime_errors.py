@@ -880,3 +880,9 @@ def test_a_miss_names_the_spec_file_the_library_was_built_from(tmp_path, monkeyp
     lib = runtime.Library(lib.path)
     assert lib.rebuild_hint[1] == (f"fa3gen build --spec {spec}, then fa3gen package --spec {spec} "
                                    "and install the new wheel")
+
+
+def test_bench_e4m3_backward_alone_is_an_error(capsys):
+    from fa3gen import cli
+    assert cli.main(["bench", "--dtype", "e4m3", "--direction", "bwd"]) == 2
+    assert "e4m3 has no backward: bench it with --direction fwd" in capsys.readouterr().err
