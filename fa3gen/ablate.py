@@ -324,7 +324,7 @@ def render_markdown(report: dict) -> str:
         f"{TIMED_BATCHES} batches, " + (
             f"each at least {h['min_ms']:g} ms of back-to-back launches (sustained, as a "
             "power-capped board runs in steady use)" +
-            (f", after {h['settle_ms']:g} ms of untimed ones" if h.get("settle_ms") else "")
+            (f"; the first after {h['settle_ms']:g} ms of untimed ones" if h.get("settle_ms") else "")
             if h.get("min_ms") else
             f"each the median of {h.get('iters')} CUDA-event-timed launches after at least "
             f"{h.get('warmup')} launches and {WARMUP_SECONDS} s of warm-up") +

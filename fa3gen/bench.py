@@ -508,6 +508,19 @@ def _timing_description(args) -> str:
             f"alternating with the order {'rotated' if args.order == 'rotate' else 'shuffled'}, median")
 
 
+def gemm_ceiling(args) -> float | None:
+    """The GEMM ceiling's TFLOP/s, timed as the rows are (measure_backends with args)."""
+    return gemm_tflops(lambda fn: measure_backends({"gemm": fn}, args)[0].get("gemm"))
+
+
+def bench_runs(direction: str, dtypes: list[str], causals: list[bool]) -> list[tuple]:
+    """(direction, dtype, causal) per table, in order; e4m3 is forward only (its backward
+    rows would be a table of dashes)."""
+    directions = ["fwd", "bwd"] if direction == "both" else [direction]
+    return [(dr, d, c) for dr in directions for d in dtypes for c in causals
+            if not (dr == "bwd" and d == "e4m3")]
+
+
 def run(args) -> int:
     if args.direction == "bwd" and set(args.dtype) == {"e4m3"}:
         raise Fa3genError("e4m3 has no backward: bench it with --direction fwd")
@@ -522,16 +535,13 @@ def run(args) -> int:
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
 
     header = provenance(lib)
-    header["gemm_tflops"] = gemm_tflops(lambda fn: measure_backends({"gemm": fn}, args)[0].get("gemm"))
+    header["gemm_tflops"] = gemm_ceiling(args)
     header["gemm_timing"] = "rows"  # timed as the rows are (reports before it: a burst)
     header["timing"] = _timing_description(args)
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
-    directions = ["fwd", "bwd"] if args.direction == "both" else [args.direction]
-    # e4m3 is forward only (its backward rows would be a table of dashes)
-    runs = [(dr, d, c) for dr in directions for d in args.dtype for c in causals
-            if not (dr == "bwd" and d == "e4m3")]
+    runs = bench_runs(args.direction, args.dtype, causals)
     sample = not (args.burst or args.no_power)
     with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         for direction, dt_name, causal in runs:

@@ -985,7 +985,7 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     try:  # what float() takes (numpy and 0-d tensor scalars too), but not text or a bool
         value = None if isinstance(softmax_scale, (str, bytes)) or _is_bool_like(softmax_scale) \
             else float(softmax_scale)
-    except (TypeError, ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: an int past float
         value = None
     if value is None or not 0.0 < value < math.inf:
         shown = (f"a {softmax_scale.dtype} tensor of shape {tuple(softmax_scale.shape)}"

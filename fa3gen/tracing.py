@@ -284,6 +284,11 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if len(served) == 1:
             continue
         defaults = [v for v, d in served if d]
+        axes = dict(zip(KEY_AXES, key))
+        if len(defaults) > 1 and (axes["direction"] != "fwd" or axes["paged"]):
+            # no seqlen_k ranges there (they choose without a length; a trace of an older
+            # library may hold a backward chosen by length): the longest lengths' variant
+            defaults = [max(defaults, key=lambda v: seqlen_k.get(v, [0, 0])[1])]
         entries = (_by_length(defaults, seqlen_k) if len(defaults) > 1 else
                    [(defaults[0], None)] if defaults else None)
         if not entries:  # only named variants (variant=) were traced, or lengths overlap

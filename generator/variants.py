@@ -349,10 +349,11 @@ def enumerate_variants(spec: Spec) -> Enumeration:
         count = math.prod(len(group.values(a)) for a in AXES)
         total += count
         if count > MAX_COMBINATIONS or total > MAX_COMBINATIONS:
-            what = f"group {group.name!r} expands" if count == total else \
-                f"with group {group.name!r} the groups expand"
-            raise spec.error(f"{what} to {total:,} combinations of their axes' values (at most "
-                             f"{MAX_COMBINATIONS:,}): list fewer values per axis")
+            what = (f"group {group.name!r} expands to {total:,} combinations of its axes' "
+                    if count == total else f"with group {group.name!r} the groups expand to "
+                    f"{total:,} combinations of their axes' ")
+            raise spec.error(f"{what}values (at most {MAX_COMBINATIONS:,}): list fewer values "
+                             "per axis")
         for combo in itertools.product(*(group.values(a) for a in AXES)):
             v = Variant.from_axes(dict(zip(AXES, combo)))
             produced.setdefault(group.name, set()).add(v)
@@ -494,8 +495,8 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
                     f"{e.describe()} matches {key_str(key)}: seqlen_k ranges choose among the "
                     "variants of forward keys that are not paged (a compiled backward fixes its "
                     "kernel before any length is known, and a paged call passes none), so these "
-                    "keys run their default; name `direction: fwd` (and `paged: false`) in "
-                    "its `when`")
+                    "keys run their default: drop the entry's seqlen_k, or keep its `when` to "
+                    "`direction: fwd` keys without `paged`")
             if key not in defaults:
                 raise spec.error(f"{e.describe()}: {key_str(key)} has no default for the calls "
                                  "outside the range; give it one")

@@ -92,6 +92,7 @@ def test_numpy_softcap_is_taken_as_softmax_scale_is():
     ({"softcap": 1e39}, r"softcap=1e\+39 is outside \[2\^-60, 2\^60\]"),
     ({"softcap": 1e-40}, r"softcap=1e-40 is outside \[2\^-60, 2\^60\]"),
     ({"softmax_scale": 1e40}, r"softmax_scale=1e\+40 is outside \[2\^-60, 2\^60\]"),
+    ({"softmax_scale": 10**400}, "softmax_scale must be a finite number > 0"),  # no OverflowError
     ({"softmax_scale": 2.0**-61}, r"softmax_scale=4.3\d*e-19 is outside"),
 ])
 def test_bad_window_or_softcap_is_an_error(kwargs, message):

@@ -886,3 +886,20 @@ def test_bench_e4m3_backward_alone_is_an_error(capsys):
     from fa3gen import cli
     assert cli.main(["bench", "--dtype", "e4m3", "--direction", "bwd"]) == 2
     assert "e4m3 has no backward: bench it with --direction fwd" in capsys.readouterr().err
+
+
+def test_bench_tables_leave_out_e4m3_backward():
+    assert bench.bench_runs("both", ["bf16", "e4m3"], [False]) == [
+        ("fwd", "bf16", False), ("fwd", "e4m3", False), ("bwd", "bf16", False)]
+    assert bench.bench_runs("bwd", ["e4m3"], [False, True]) == []
+
+
+def test_the_gemm_ceiling_is_timed_as_the_rows(monkeypatch):
+    """Through measure_backends with the bench's own arguments (sustained, steady or burst),
+    not a burst of its own."""
+    seen = []
+    monkeypatch.setattr(bench, "measure_backends",
+                        lambda fns, args: seen.append((sorted(fns), args)) or ({"gemm": 2.0}, {}, {}))
+    monkeypatch.setattr(bench, "gemm_tflops", lambda measure: measure(lambda: None))
+    args = object()
+    assert bench.gemm_ceiling(args) == 2.0 and seen == [(["gemm"], args)]

@@ -229,3 +229,11 @@ def test_a_group_the_constraints_empty_is_a_warning():
     [warning] = V.enumerate_variants(parse_spec(text, "s.yaml")).warnings
     assert warning.startswith("s.yaml: group 'd256' keeps no variant: each is pruned (e.g. "
                               "fwd_bf16_d256_nocausal_m128n176_s4_ws1_pp0_ov1: smem_budget: ")
+
+
+def test_fa3gen_list_prints_the_unmatched_value_warning(tmp_path, capsys):
+    from fa3gen import cli
+    path = tmp_path / "s.yaml"
+    path.write_text(MULTI + "exclude:\n  - {tile: [[128, 128], [182, 192]]}\ndispatch_required: false\n")
+    assert cli.main(["list", "--spec", str(path)]) == 0
+    assert "exclude[0]: tile [182, 192] matches no variant of the spec" in capsys.readouterr().err

@@ -319,3 +319,20 @@ def test_the_process_token_without_proc_is_shared_in_a_process_and_new_in_a_chil
     assert first.startswith(f"{os.getpid()}:") and tracing._process_id() == first
     monkeypatch.setenv(tracing.PROCESS_ENV, "1:inherited")  # a parent's, pid 1
     assert tracing._process_id() not in ("1:inherited", first)
+
+
+def test_a_backward_traced_by_length_gets_one_default(tmp_path):
+    """A backward key chooses without a length (the spec refuses its ranges): a trace where it
+    ran two variants at disjoint lengths (an older library chose by length) gives the longest
+    lengths' variant as the default, not a spec that fails to resolve."""
+    other = "bwd_fp16_d64_causal_m64n64_s2_ws1_pp0_ov0"
+    path = tmp_path / "used.yaml"
+    with fa3gen.trace(path):
+        tracing.record(BWD_FWD, True, batch=1, seqlen_q=512, seqlen_k=512, heads_q=8, heads_kv=8)
+        for name, seqlen in ((other, 512), (BWD, 4096)):
+            tracing.record(name, True, batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=8, heads_kv=8)
+    out = tmp_path / "m.yaml"
+    assert cli.main(["spec", "--from-trace", str(path), "-o", str(out)]) == 0
+    p = plan(out)
+    assert p.defaults[parse_name(BWD).key].name == BWD and p.seqlen_dispatch() == []
+    assert sorted(v.name for v in p.variants) == sorted([BWD_FWD, BWD, other])
