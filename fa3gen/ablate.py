@@ -585,10 +585,11 @@ def make_timer(warmup: int, iters: int, min_ms: float | None = None,
     """time(cell, shape) -> per-batch ms of flash_attn_func(variant=cell) on seeded inputs:
     min_ms set (the default of the command), each batch is at least min_ms of back-to-back
     launches between two events, the first after min_ms / 2 of untimed ones (sustained); else
-    the median of `iters` event-timed launches after a warm-up (a burst). With a PowerSampler (sustained only) it returns {"ms", "sm_mhz",
-    "power_w", "clock_reasons"}, each per batch: a slow batch shows whether the clock dropped
-    with it, and the reasons say whether the power cap or something else held it back. Inputs
-    are kept for one (shape, dtype) at a time: cells arrive grouped by dtype."""
+    the median of `iters` event-timed launches after a warm-up (a burst). With a PowerSampler
+    (sustained only) it returns {"ms", "sm_mhz", "power_w", "clock_reasons"}, each per batch: a
+    slow batch shows whether the clock dropped with it, and the reasons say whether the power
+    cap or something else held it back. Inputs are kept for one (shape, dtype) at a time: cells
+    arrive grouped by dtype."""
     import torch
 
     from fa3gen.ops import TORCH_DTYPES, flash_attn_func
