@@ -28,7 +28,7 @@ from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, p
                           update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
-from fa3gen.contract import library_manifest, read_manifest
+from fa3gen.contract import library_manifest
 from fa3gen.errors import Fa3genError
 from fa3gen.timing import (WARMUP_SECONDS, PowerSampler, batch_ms, random_inputs, reason_counts,
                            settle_for, tflops, time_ms)
@@ -139,12 +139,6 @@ def add_ratio_to_best(rows: list[dict]) -> list[dict]:
     for r in rows:
         r["ratio_to_best"] = r["tflops"] / best[group_key(r)] if _timed(r) else None
     return rows
-
-
-def resources_from_manifest(path: Path) -> dict[str, dict]:
-    """resources_of the build manifest at path ({} where there is none or it does not read:
-    those columns stay empty)."""
-    return resources_of(read_manifest(path) or {})
 
 
 def resources_of(data: dict) -> dict[str, dict]:

@@ -233,6 +233,14 @@ def key_str(key: tuple) -> str:
     return "(" + ", ".join(filter(None, parts)) + ")"
 
 
+def takes_seqlen_ranges(key: tuple) -> bool:
+    """Whether a spec's seqlen_k ranges may choose among a key's variants: forward keys that
+    are not paged (a compiled backward fixes its kernel when traced, before any length is
+    known, and a paged call passes none; those run their key's default)."""
+    axes = dict(zip(KEY_AXES, key))
+    return axes["direction"] == "fwd" and not axes["paged"]
+
+
 def make_key(direction: str, dtype: str, head_dim: int, causal: bool, local: bool = False,
              softcap: bool = False, varlen: bool = False, paged: bool = False) -> tuple:
     """The dispatch key of a call, in KEY_AXES order."""

@@ -666,7 +666,7 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
                                         f"{heads_kv}) on {device}, got {s.dtype} "
                                         f"{tuple(s.shape)} on {s.device}")
             tensors.append(s)
-        elif ops.real_number(s) is None or not FP32_TINY <= ops.real_number(s) <= FP32_MAX:
+        elif (value := ops.real_number(s)) is None or not FP32_TINY <= value <= FP32_MAX:
             raise InvalidInputError(f"{name} must be a positive float within fp32's normal range "
                                     f"or an fp32 tensor, got {s!r}")
     if not tensors:

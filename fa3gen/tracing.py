@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from fa3gen.contract import AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, key_str, parse_name
+from fa3gen.contract import (AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, key_str, parse_name,
+                             takes_seqlen_ranges)
 from fa3gen.errors import TraceError, yaml_error_place
 from fa3gen.files import write_atomically
 
@@ -284,10 +285,9 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if len(served) == 1:
             continue
         defaults = [v for v, d in served if d]
-        axes = dict(zip(KEY_AXES, key))
-        if len(defaults) > 1 and (axes["direction"] != "fwd" or axes["paged"]):
-            # no seqlen_k ranges there (they choose without a length; a trace of an older
-            # library may hold a backward chosen by length): the longest lengths' variant
+        if len(defaults) > 1 and not takes_seqlen_ranges(key):
+            # (a trace of an older library may hold a backward chosen by length): the longest
+            # lengths' variant
             defaults = [max(defaults, key=lambda v: seqlen_k.get(v, [0, 0])[1])]
         entries = (_by_length(defaults, seqlen_k) if len(defaults) > 1 else
                    [(defaults[0], None)] if defaults else None)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from fa3gen.bench import RESULTS_DIR, count, int_list, positive_ms, provenance
-from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str
+from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str, takes_seqlen_ranges
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
 from generator.errors import GeneratorError
@@ -387,9 +387,9 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         window = f", window {args.window[0]},{args.window[1]}" if axes["local"] else ""
         notes[key] = (f"fa3gen tune, seqlens {','.join(map(str, args.seqlens))}{window}: geomean "
                       f"speed vs the winner: runner-up {runner_up}")
-        # forward keys only (the spec allows no backward ranges); varlen keys: packed
-        # sequences of equal length, so max_seqlen_k
-        if args.ranges and axes["direction"] == "fwd":
+        # keys that take ranges only; varlen keys: packed sequences of equal length, so
+        # max_seqlen_k
+        if args.ranges and takes_seqlen_ranges(key):
             by_name = {v.name: v for v in variants}
             found = seqlen_ranges(list(args.seqlens), times, best)
             if found:

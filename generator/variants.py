@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional
 
 from fa3gen.contract import (AXES, AXIS_BY_NAME, BACKWARD_SPLIT_HEAD_DIM_ABOVE, DTYPES, KEY_AXES,
-                             KNOB_AXES, PAGED_CHUNK_ROWS, SUPPORTED_HEAD_DIMS, Variant, key_str)
+                             KNOB_AXES, PAGED_CHUNK_ROWS, SUPPORTED_HEAD_DIMS, Variant, key_str,
+                             takes_seqlen_ranges)
 
 from .spec import Spec, fmt_value
 
@@ -404,16 +405,18 @@ def unmatched_values(spec: Spec, en: Enumeration) -> list[str]:
     as tile [182, 192] beside [128, 128]): the entry still matches through its other values,
     so nothing else would say so. exclude is over every enumerated variant, dispatch over the
     kept ones."""
-    every = [v.axes() for v in en.kept] + [x.variant.axes() for x in en.pruned]
-    kept = [v.axes() for v in en.kept]
+    def values_by_axis(variants) -> dict:
+        axes = [v.axes() for v in variants]
+        return {a: {x[a] for x in axes} for a in AXES}
+
+    every = values_by_axis([*en.kept, *(x.variant for x in en.pruned)])
+    kept = values_by_axis(en.kept)
     out = []
-    for match, seen in ([(r, every) for r in spec.exclude] +
-                        [(m, kept) for e in spec.dispatch for m in (e.when, e.use)]):
-        for axis, values in match.items:
-            present = {a[axis] for a in seen}
-            out += [f"{spec.path}: {match.where}: {axis} {fmt_value(x)} matches no "
-                    f"{'variant' if seen is every else 'kept variant'} of the spec"
-                    for x in values if x not in present]
+    for match, seen, what in ([(r, every, "variant") for r in spec.exclude] +
+                              [(m, kept, "kept variant") for e in spec.dispatch
+                               for m in (e.when, e.use)]):
+        out += [f"{spec.path}: {match.where}: {axis} {fmt_value(x)} matches no {what} of the spec"
+                for axis, values in match.items for x in values if x not in seen[axis]]
     return out
 
 
@@ -489,8 +492,7 @@ def resolve_seqlen_dispatch(spec: Spec, kept: list[Variant],
         if not keys:
             raise spec.error(f"{e.describe()} matches no kept variant key")
         for key in keys:  # a varlen key's range is on the call's max_seqlen_k
-            axes = dict(zip(KEY_AXES, key))
-            if axes["direction"] != "fwd" or axes["paged"]:
+            if not takes_seqlen_ranges(key):
                 raise spec.error(
                     f"{e.describe()} matches {key_str(key)}: seqlen_k ranges choose among the "
                     "variants of forward keys that are not paged (a compiled backward fixes its "

@@ -119,14 +119,15 @@ def test_ratio_to_best_is_per_dtype_causal_shape():
 
 
 def test_resources_from_manifest(tmp_path):
-    assert A.resources_from_manifest(tmp_path / "missing.json") == {}
+    from fa3gen.contract import library_manifest
+    assert A.resources_of(library_manifest(tmp_path / "none" / "lib" / "lib.so") or {}) == {}
     m = {"variants": [
         {"name": "a", "smem_bytes_estimate": 1000,
          "resources": {"registers": 168, "spill_stores": 8, "spill_loads": 8,
                        "smem_static": 24, "compile_seconds": 51.5}},
         {"name": "b", "smem_bytes_estimate": 2000, "resources": None}]}
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    res = A.resources_from_manifest(tmp_path / "manifest.json")
+    res = A.resources_of(library_manifest(tmp_path / "lib" / "lib.so") or {})
     assert res["a"] == {"registers": 168, "spill_bytes": 8, "smem_bytes": 1024, "compile_s": 51.5}
     assert res["b"] == {"registers": None, "spill_bytes": None, "smem_bytes": 2000,
                         "compile_s": None}
