@@ -668,7 +668,7 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
             tensors.append(s)
         elif (value := ops.real_number(s)) is None or not FP32_TINY <= value <= FP32_MAX:
             raise InvalidInputError(f"{name} must be a positive float within fp32's normal range "
-                                    f"or an fp32 tensor, got {s!r}")
+                                    f"or an fp32 tensor, got {ops.shown(s)}")
     if not tensors:
         return 0, 0
     if len(tensors) == 2 and (tensors[0].shape != tensors[1].shape or

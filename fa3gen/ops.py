@@ -74,8 +74,8 @@ FP32_ARG_RANGE = _FP32_LO, _FP32_HI = (2.0**-60, 2.0**60)
 
 
 def _fp32_range_error(name: str, value) -> None:
-    raise InvalidInputError(f"{name}={value!r} is outside [2^-60, 2^60] (about 8.7e-19 to 1.2e18), "
-                            f"the range in which the kernels' fp32 arithmetic stays finite")
+    raise InvalidInputError(f"{name}={shown(value)} is outside [2^-60, 2^60] (about 8.7e-19 to "
+                            f"1.2e18), the range in which the kernels' fp32 arithmetic stays finite")
 
 
 def _is_numpy_bool(x) -> bool:
@@ -87,13 +87,28 @@ def _is_numpy_bool(x) -> bool:
 
 
 def real_number(x) -> float | None:
-    """x as a float when it is a real number (numpy's scalars too) and not a bool; else None."""
-    if _is_bool_like(x) or not isinstance(x, numbers.Real):
+    """x as a float when it is a real number (numpy's scalars and 0-d tensors too) and not a
+    bool; else None."""
+    if _is_bool_like(x):
+        return None
+    if isinstance(x, torch.Tensor):  # a 0-d real tensor, as float() takes it
+        return float(x) if x.dim() == 0 and not x.is_complex() else None
+    if not isinstance(x, numbers.Real):
         return None
     try:
         return float(x)
     except OverflowError:  # an int past float's range: out of any range checked against
         return math.inf if x > 0 else -math.inf
+
+
+def shown(x) -> str:
+    """x for an error message: a tensor by dtype and shape, an int too long to print by its
+    size (repr of an int past 4300 digits raises ValueError)."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 30:
+        return f"an int of about 10^{x.bit_length() * 0.30103:.0f}"
+    return repr(x)
 
 
 def _is_bool_like(x) -> bool:
@@ -132,7 +147,8 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     left, right = int(left), int(right)
     value = real_number(softcap)
     if value is None or not 0.0 <= value < math.inf:
-        raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+        raise InvalidInputError(f"softcap must be a finite number >= 0 (0: none), "
+                                f"got {shown(softcap)}")
     softcap = value
     if softcap and not _FP32_LO <= softcap <= _FP32_HI:
         _fp32_range_error("softcap", softcap)
@@ -982,16 +998,10 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
     """None (1 / sqrt(head_dim)) or a number in FP32_ARG_RANGE; anything else one clear error."""
     if softmax_scale is None:
         return
-    try:  # what float() takes (numpy and 0-d tensor scalars too), but not text or a bool
-        value = None if isinstance(softmax_scale, (str, bytes)) or _is_bool_like(softmax_scale) \
-            else float(softmax_scale)
-    except (TypeError, ValueError, RuntimeError, OverflowError):  # OverflowError: an int past float
-        value = None
+    value = real_number(softmax_scale)
     if value is None or not 0.0 < value < math.inf:
-        shown = (f"a {softmax_scale.dtype} tensor of shape {tuple(softmax_scale.shape)}"
-                 if isinstance(softmax_scale, torch.Tensor) else repr(softmax_scale))
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
-                                f"sqrt(head_dim)), got {shown}{hint}")
+                                f"sqrt(head_dim)), got {shown(softmax_scale)}{hint}")
     if not _FP32_LO <= value <= _FP32_HI:
         _fp32_range_error("softmax_scale", softmax_scale)
 

@@ -78,6 +78,18 @@ def test_numpy_softcap_is_taken_as_softmax_scale_is():
             ops.masking(False, (-1, -1), bad)
 
 
+def test_softcap_takes_a_0d_tensor_as_softmax_scale_does():
+    """A 0-d real tensor was taken as softmax_scale and refused as softcap."""
+    got = ops.masking(False, (-1, -1), torch.tensor(30.0, dtype=torch.float64))
+    assert got == ops.Masking(softcap=30.0) and type(got.softcap) is float
+    for bad in (torch.tensor(True), torch.tensor(1 + 1j), torch.tensor([30.0])):
+        with pytest.raises(InvalidInputError, match="softcap must be a finite number >= 0"):
+            ops.masking(False, (-1, -1), bad)
+    ops.check_softmax_scale(torch.tensor(0.5))
+    with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
+        ops.check_softmax_scale(torch.tensor([0.5]))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"window_size": (-2, 0)}, r"window_size left must be an int >= -1 \(-1: unbounded\), got -2"),
     ({"window_size": (5, 1.5)}, "window_size right must be an int >= -1 .*got 1.5"),
@@ -93,6 +105,10 @@ def test_numpy_softcap_is_taken_as_softmax_scale_is():
     ({"softcap": 1e-40}, r"softcap=1e-40 is outside \[2\^-60, 2\^60\]"),
     ({"softmax_scale": 1e40}, r"softmax_scale=1e\+40 is outside \[2\^-60, 2\^60\]"),
     ({"softmax_scale": 10**400}, "softmax_scale must be a finite number > 0"),  # no OverflowError
+    # past 4300 digits repr() of an int raises ValueError: the message gives its size instead
+    ({"softmax_scale": 10**5000}, r"softmax_scale must be .*got an int of about 10\^5000"),
+    ({"softcap": 10**5000}, r"softcap must be .*got an int of about 10\^5000"),
+    ({"softcap": torch.ones(2)}, r"softcap must be .*got a torch.float32 tensor of shape \(2,\)"),
     ({"softmax_scale": 2.0**-61}, r"softmax_scale=4.3\d*e-19 is outside"),
 ])
 def test_bad_window_or_softcap_is_an_error(kwargs, message):
