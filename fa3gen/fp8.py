@@ -236,7 +236,7 @@ def _check_quantize_inputs(q, k, v, hadamard: bool, seed) -> None:
     if hadamard and (d < 1 or d & (d - 1)):
         raise InvalidInputError(f"quantize_fp8: hadamard=True needs a power-of-two head dim, got {d}")
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInputError(f"quantize_fp8: seed must be an int, got {seed!r}")
+        raise InvalidInputError(f"quantize_fp8: seed must be an int, got {ops.shown(seed)}")
 
 
 def _describe(x) -> str:

@@ -103,12 +103,15 @@ def real_number(x) -> float | None:
 
 def shown(x) -> str:
     """x for an error message: a tensor by dtype and shape, an int too long to print by its
-    size (repr of an int past 4300 digits raises ValueError)."""
+    size (repr of an int past 4300 digits raises ValueError, in a tuple too)."""
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
-    if isinstance(x, int) and not isinstance(x, bool) and abs(x) >= 10 ** 30:
-        return f"an int of about 10^{x.bit_length() * 0.30103:.0f}"
-    return repr(x)
+    if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 100:
+        return f"an int of about {'-' if x < 0 else ''}10^{x.bit_length() * 0.30103:.0f}"
+    try:
+        return repr(x)
+    except ValueError:
+        return f"a {type(x).__name__} holding an int too long to print"
 
 
 def _is_bool_like(x) -> bool:
@@ -134,16 +137,16 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     trace-trimmed build would otherwise miss the local variant at longer lengths)."""
     if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)) and \
             not _is_numpy_bool(causal):
-        raise InvalidInputError(f"causal must be True or False, got {causal!r}")
+        raise InvalidInputError(f"causal must be True or False, got {shown(causal)}")
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise InvalidInputError(f"window_size must be a pair (left, right), got {window_size!r}")
+        raise InvalidInputError(f"window_size must be a pair (left, right), got {shown(window_size)}")
     for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
         if (type(w) is not int and (isinstance(w, bool) or not isinstance(w, numbers.Integral))) \
                 or w < -1:
             raise InvalidInputError(f"window_size {side} must be an int >= -1 (-1: unbounded), "
-                                    f"got {w!r}")
+                                    f"got {shown(w)}")
     left, right = int(left), int(right)
     value = real_number(softcap)
     if value is None or not 0.0 <= value < math.inf:
@@ -1024,7 +1027,7 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
     """FlashAttention-3's keywords that fa3gen takes only as hints (or at their defaults), and
     flash-attn 2's dropout_p and alibi_slopes, only as 0.0 and None."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
-        raise InvalidInputError(f"dropout_p={dropout_p!r}: attention dropout (flash-attn 2) is not "
+        raise InvalidInputError(f"dropout_p={shown(dropout_p)}: attention dropout (flash-attn 2) is not "
                                 "supported by fa3gen; only 0.0 is accepted")
     if alibi_slopes is not None:
         raise InvalidInputError("alibi_slopes (ALiBi, flash-attn 2) is not supported by fa3gen; "
@@ -1035,12 +1038,12 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
     for name, value, least in (("attention_chunk", attention_chunk, 0),
                                ("num_splits", num_splits, 0), ("sm_margin", sm_margin, 0)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-            raise InvalidInputError(f"{name} must be an int >= {least}, got {value!r}")
+            raise InvalidInputError(f"{name} must be an int >= {least}, got {shown(value)}")
     if attention_chunk:
-        raise InvalidInputError(f"attention_chunk={attention_chunk} (chunked local attention) is "
+        raise InvalidInputError(f"attention_chunk={shown(attention_chunk)} (chunked local attention) is "
                                 "not supported by fa3gen; window_size gives sliding windows")
     if pack_gqa is not None and not isinstance(pack_gqa, bool):
-        raise InvalidInputError(f"pack_gqa must be None, True or False, got {pack_gqa!r}")
+        raise InvalidInputError(f"pack_gqa must be None, True or False, got {shown(pack_gqa)}")
 
 
 def flash_attn_func(

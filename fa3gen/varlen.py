@@ -86,7 +86,7 @@ def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> tuple:
         if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or \
                 m <= 0 or m > INT32_MAX:
             raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
-                                    f"got {m!r}")
+                                    f"got {ops.shown(m)}")
         ints.append(m if isinstance(m, (int, torch.SymInt)) else int(m))
     if ints[0] + ints[1] > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
         raise InvalidInputError(f"max_seqlen_q + max_seqlen_k must be at most 2**30 - 1, got "

@@ -552,3 +552,16 @@ def test_a_window_that_varies_between_compiled_calls_with_gradients(fake_launche
         q = torch.zeros(40, 2, 128, dtype=bf, requires_grad=True)
         call(q, w).float().sum().backward()
     assert [p.window_left for _, p in fake_launches] == [8, 8, 12, 12]
+
+
+HUGE = 10 ** 5000  # str()/repr() of an int past 4300 digits raises ValueError
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"causal": HUGE}, {"window_size": (-HUGE, 0)}, {"window_size": (0, HUGE, 1)},
+    {"num_splits": -HUGE}, {"attention_chunk": HUGE}, {"sm_margin": -HUGE}, {"pack_gqa": HUGE},
+    {"dropout_p": HUGE}, {"softmax_scale": -HUGE},
+])
+def test_an_int_too_long_to_print_is_still_one_clear_error(kwargs):
+    with pytest.raises(InvalidInputError, match="an int of about -?10\\^5000|holding an int too long"):
+        ops.flash_attn_func(q, q, q, **kwargs)
