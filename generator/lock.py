@@ -16,10 +16,11 @@ LOCK_NAME = ".build.lock"
 
 
 @contextmanager
-def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
+def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[int]:
     """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
-    process dies, so a killed build never leaves the directory locked; a ninja that outlives a
-    `kill -9` of fa3gen then compiles unlocked, until it ends)."""
+    last process holding it dies, so a killed build never leaves the directory locked). Yields
+    the locked descriptor: a child given it (run_ninja's hold_fds) keeps the lock while it and
+    the compiles it started live, so a `kill -9` of fa3gen leaves no ninja compiling unlocked."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
@@ -34,7 +35,7 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
             log(f"fa3gen: the other build of {what} finished; continuing")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        yield fd
     finally:
         os.close(fd)  # releases the lock
 

@@ -150,20 +150,21 @@ def _ninja_env(allow_spills: bool) -> dict:
 
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
               capture: bool = False, progress_every: float = 10.0,
-              build_file: Path | None = None) -> subprocess.CompletedProcess:
+              build_file: Path | None = None, hold_fds: tuple = ()) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
     (generator/progress.py) whenever ninja has been silent for `progress_every` seconds; a
-    reader that leaves (`| head`) or a closed stdout stops the echo, not the build."""
+    reader that leaves (`| head`) or a closed stdout stops the echo, not the build. hold_fds:
+    descriptors ninja inherits (the build lock's, held while ninja and its compiles run)."""
     cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+                              text=True, pass_fds=hold_fds)
     # The total comes with ninja's first status line.
     progress = Progress(Path(out_dir) / "obj", jobs,
                         others=_other_edges(build_file or Path(out_dir) / "build.ninja"))
     lines: queue.Queue = queue.Queue()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace")
+                            text=True, errors="replace", pass_fds=hold_fds)
     echo = _Echo()
 
     def pump():

@@ -634,6 +634,43 @@ def test_a_reader_that_leaves_stops_the_echo_not_the_build(tmp_path, monkeypatch
 
 
 
+def test_a_killed_build_keeps_its_lock_while_its_compiles_run(tmp_path):
+    """`kill -9` of fa3gen: the ninja it started (and ninja's compiles) inherit the build lock,
+    so a second build or `fa3gen clean` waits for them instead of racing them (the lock used to
+    die with fa3gen while the compiles went on)."""
+    import signal
+
+    from generator.lock import lock_unless_busy
+
+    folder = tmp_path / "killed"
+    folder.mkdir()
+    started = tmp_path / "started"
+    _ninja_project(folder, f"touch {started} && sleep 3 && touch $out", outputs=1)
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+              "from generator.lock import build_lock; from generator.ninja import run_ninja\n"
+              "with build_lock(Path(sys.argv[2]), 'test', log=lambda m: None) as fd:\n"
+              "    run_ninja(Path(sys.argv[2]), jobs=1, hold_fds=(fd,))")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(REPO_ROOT), str(folder)],
+                            start_new_session=True, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not started.exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.kill()  # fa3gen only
+    proc.wait()
+    with lock_unless_busy(folder) as holder:
+        assert holder == str(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)  # ninja too; the compile (its own process group) goes on
+    with lock_unless_busy(folder) as holder:
+        assert holder == str(proc.pid)
+    deadline = time.monotonic() + 20
+    while True:  # the compile done, the lock is free
+        with lock_unless_busy(folder) as holder:
+            if holder is None:
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
 def test_another_spec_file_of_the_same_name_says_it_replaces_the_build(fake, tmp_path):
     """One output folder a spec name: a second spec file with the same `name:` replaces the
     first's library, and the build says so (it used to note only removed compile units)."""
