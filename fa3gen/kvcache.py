@@ -132,7 +132,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         block_table, k_scale, v_scale = _other_keywords(block_table, k_scale, v_scale,
                                                         num_splits, **fa3_keywords)
     ops.check_softmax_scale(softmax_scale)
-    return_lse = bool(return_lse or return_softmax_lse)
+    return_lse = ops.flag("return_lse", return_lse) | \
+        ops.flag("return_softmax_lse", return_softmax_lse)
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
     if isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool):
@@ -140,7 +141,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     captured = ops._captured(q, k_cache, v_cache)
     rotary = None
     if rotary_cos is not None or rotary_sin is not None:
-        rotary = (rotary_cos, rotary_sin, bool(rotary_interleaved))
+        rotary = (rotary_cos, rotary_sin, ops.flag("rotary_interleaved", rotary_interleaved))
         if captured:  # the rotation as PyTorch operations in the graph
             per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
             _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)

@@ -120,6 +120,21 @@ def _is_bool_like(x) -> bool:
         (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
 
 
+def flag(name: str, value) -> bool:
+    """value as a bool when it is one (a numpy bool, 0 or 1 too, as flash-attn takes them);
+    anything else one clear error (truthiness would take "no" or a tensor of flags as True)."""
+    if type(value) is bool:
+        return value
+    if _is_numpy_bool(value) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise InvalidInputError(f"{name} must be True or False, got {shown(value)}")
+
+
+def returns_lse(return_lse, return_attn_probs) -> bool:
+    """Whether a call returns (out, lse): return_lse, or FlashAttention-3's name for it."""
+    return flag("return_lse", return_lse) | flag("return_attn_probs", return_attn_probs)
+
+
 def op_masking(causal, window_left, window_right, softcap) -> Masking:
     """masking() of a custom op's arguments, for its autograd context. Window sides that
     torch.compile made symbolic (a size that varies between calls) come from the public
@@ -135,9 +150,7 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right], -1 unbounded. A window
     wider than the sequence stays local (the key must not depend on the sequence length: a
     trace-trimmed build would otherwise miss the local variant at longer lengths)."""
-    if not isinstance(causal, bool) and not (isinstance(causal, int) and causal in (0, 1)) and \
-            not _is_numpy_bool(causal):
-        raise InvalidInputError(f"causal must be True or False, got {shown(causal)}")
+    causal = flag("causal", causal)
     try:
         left, right = window_size
     except (TypeError, ValueError):
@@ -1026,6 +1039,11 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
                      alibi_slopes=None) -> None:
     """FlashAttention-3's keywords that fa3gen takes only as hints (or at their defaults), and
     flash-attn 2's dropout_p and alibi_slopes, only as 0.0 and None."""
+    if qv is None and type(attention_chunk) is int and attention_chunk == 0 and \
+            type(num_splits) is int and num_splits == 1 and pack_gqa is None and \
+            type(sm_margin) is int and sm_margin == 0 and type(dropout_p) is float and \
+            dropout_p == 0.0 and alibi_slopes is None:  # the usual call: its defaults
+        return
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         raise InvalidInputError(f"dropout_p={shown(dropout_p)}: attention dropout (flash-attn 2) is not "
                                 "supported by fa3gen; only 0.0 is accepted")
@@ -1107,13 +1125,9 @@ def flash_attn_func(
     not supported (only their defaults are accepted). flash-attn 2's dropout_p and
     alibi_slopes are accepted by keyword as 0.0 and None (no dropout, no ALiBi).
     """
-    if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0 or type(dropout_p) is not float or dropout_p != 0.0 or \
-            alibi_slopes is not None:
-        check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
-                         alibi_slopes)
+    check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p, alibi_slopes)
     return _attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic,
-                      bool(return_lse or return_attn_probs), variant, q_descale, k_descale,
+                      returns_lse(return_lse, return_attn_probs), variant, q_descale, k_descale,
                       v_descale, out_dtype)
 
 
@@ -1124,6 +1138,7 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
     its gradients into one tensor per packed input."""
     _check_fa3_arguments(softmax_scale)
     mask = masking(causal, window_size, softcap)
+    deterministic = flag("deterministic", deterministic)
     _check_tensors(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     _fp8.check_descale_use(q, k, v, descales, out_dtype)

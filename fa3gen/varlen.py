@@ -575,11 +575,8 @@ def flash_attn_varlen_func(
     (no fp8 varlen). flash-attn 2's dropout_p and alibi_slopes as in flash_attn_func, and its
     block_table (paged keys) only as None: flash_attn_with_kvcache reads paged caches.
     """
-    if qv is not None or attention_chunk != 0 or num_splits != 1 or pack_gqa is not None or \
-            sm_margin != 0 or type(dropout_p) is not float or dropout_p != 0.0 or \
-            alibi_slopes is not None:
-        ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
-                             alibi_slopes)
+    ops.check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p,
+                         alibi_slopes)
     if block_table is not None:
         raise InvalidInputError("block_table (flash-attn 2's paged keys for the varlen function) "
                                 "is not supported by fa3gen's flash_attn_varlen_func; "
@@ -587,7 +584,8 @@ def flash_attn_varlen_func(
     check_no_descales(q_descale, k_descale, v_descale)
     return _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       softmax_scale, causal, window_size, softcap, deterministic,
-                      bool(return_lse or return_attn_probs), seqused_q, seqused_k, variant)
+                      ops.returns_lse(return_lse, return_attn_probs), seqused_q, seqused_k,
+                      variant)
 
 
 def check_no_descales(q_descale, k_descale, v_descale) -> None:
@@ -605,6 +603,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
                                 "bound the used rows instead")
     ops._check_fa3_arguments(softmax_scale, positional=False)  # keyword-only here
     mask = ops.masking(causal, window_size, softcap)
+    deterministic = ops.flag("deterministic", deterministic)
     ops._check_tensors(q, k, v)
     if seqused_k is not None:
         _check_seqused_k(seqused_k, cu_seqlens_k)

@@ -5,9 +5,11 @@ import inspect
 import pytest
 import torch
 
+import fa3gen
 from fa3gen import Fa3genError, InvalidInputError, ops
 
 q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+CU = torch.tensor([0, 8], dtype=torch.int32)
 
 
 def test_positional_order_is_fa3s():
@@ -565,3 +567,41 @@ HUGE = 10 ** 5000  # str()/repr() of an int past 4300 digits raises ValueError
 def test_an_int_too_long_to_print_is_still_one_clear_error(kwargs):
     with pytest.raises(InvalidInputError, match="an int of about -?10\\^5000|holding an int too long"):
         ops.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("call", [
+    lambda **kw: ops.flash_attn_func(q, q, q, **kw),
+    lambda **kw: fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], CU, CU, 8, 8, **kw),
+    lambda **kw: fa3gen.flash_attn_qkvpacked_func(torch.zeros(1, 8, 3, 2, 128), **kw),
+    lambda **kw: fa3gen.flash_attn_varlen_kvpacked_func(q[0], torch.zeros(8, 2, 2, 128), CU, CU,
+                                                        8, 8, **kw),
+], ids=["func", "varlen", "qkvpacked", "varlen_kvpacked"])
+@pytest.mark.parametrize("name", ["deterministic", "return_lse", "return_attn_probs"])
+@pytest.mark.parametrize("value", ["no", torch.ones(2, dtype=torch.bool), 2, None])
+def test_a_flag_that_is_no_bool_is_an_error_not_truthiness(call, name, value):
+    """return_lse="no" returned (out, lse) and a tensor of flags raised torch's "ambiguous"
+    RuntimeError: flags take True/False (numpy bools, 0 and 1 too), as causal does."""
+    with pytest.raises(InvalidInputError, match=f"{name} must be True or False"):
+        call(**{name: value})
+
+
+@pytest.mark.parametrize("name", ["return_lse", "return_softmax_lse", "rotary_interleaved"])
+def test_kvcache_flags_are_checked_too(name):
+    cos = torch.zeros(8, 64)
+    extra = dict(rotary_cos=cos, rotary_sin=cos, k=q, v=q) if name == "rotary_interleaved" else {}
+    with pytest.raises(InvalidInputError, match=f"{name} must be True or False"):
+        fa3gen.flash_attn_with_kvcache(q, q, q, **extra, **{name: "no"})
+
+
+def test_quantize_fp8_flags_are_checked():
+    for name in ("block", "hadamard", "causal", "rotary_interleaved"):
+        with pytest.raises(InvalidInputError, match=f"{name} must be True or False"):
+            fa3gen.quantize_fp8(q, q, q, **{name: "no"})
+
+
+def test_flags_take_numpy_bools_and_0_1():
+    np = pytest.importorskip("numpy")
+    for value, want in ((np.bool_(True), True), (0, False), (1, True), (False, False)):
+        got = ops.flag("return_lse", value)
+        assert got is want
+    assert ops.returns_lse(False, np.bool_(True)) is True
