@@ -183,8 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     try:
+        # close_fds: the build lock's descriptor too (a launcher's daemon must not keep it)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace")
+                              text=True, errors="replace", close_fds=True)
         log, rc = proc.stdout, proc.returncode
     except OSError as e:
         log, rc = f"cannot run {cmd[0] if cmd else '(empty command)'}: {e}\n", 127

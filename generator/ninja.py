@@ -67,6 +67,12 @@ def check_launcher(launcher: str) -> None:
                              f"$FA3GEN_COMPILER_LAUNCHER): {args[0]!r} is not a program on PATH")
 
 
+def _closed_launcher(args: list) -> list:
+    """The launcher run with the build lock's descriptor closed (generator/closed_fds.py):
+    ninja holds it, and a daemon the launcher leaves (sccache's server) would keep it."""
+    return ["env", f"PYTHONPATH={REPO_ROOT}", _interpreter(), "-m", "generator.closed_fds", *args]
+
+
 def _cmd(args) -> str:
     """Shell-quote arguments and escape them for a ninja variable."""
     return " ".join(shlex.quote(str(a)) for a in args).replace("$", "$$")
@@ -113,7 +119,7 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
     return env.get_template("build.ninja.j2").render(
         spec_name=spec_name, variants=variants, linked=linked, compiled=compiled, kernels=kernels,
         repo_root=_cmd([REPO_ROOT]), python=_cmd([_interpreter()]), nvcc=_cmd([tc.nvcc]),
-        launcher=_cmd(_split_launcher(launcher)) if launcher else "",
+        launcher=_cmd(_closed_launcher(_split_launcher(launcher))) if launcher else "",
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),

@@ -178,7 +178,7 @@ def test_compiler_launcher(fake, monkeypatch, tmp_path):
     launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", str(launcher))
     res = B.build(spec, toolchain=tc, log=quiet)
-    assert f"launcher = {launcher}" in (res.plan.out_dir / "build.ninja").read_text()
+    assert f"-m generator.closed_fds {launcher}\n" in (res.plan.out_dir / "build.ninja").read_text()
     assert res.library.exists()
     compiled = [c for c in take_calls(calls) if c.endswith(".cu")]
     assert compiled and log.read_text().split().count(str(tc.nvcc)) == len(compiled)
@@ -670,6 +670,36 @@ def test_a_killed_build_keeps_its_lock_while_its_compiles_run(tmp_path):
                 break
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+def test_a_launchers_daemon_never_keeps_the_build_lock(fake, monkeypatch, tmp_path):
+    """ninja holds the build lock's descriptor (above); a compiler launcher that leaves a
+    daemon behind (sccache's server) must not inherit it, or every later build of the folder
+    would wait for the daemon."""
+    import signal
+
+    from generator.lock import lock_unless_busy
+
+    spec, tc, _ = fake
+    pids = tmp_path / "daemons.txt"
+    launcher = tmp_path / "daemonize"
+    # The daemon leaves stdio (or ninja would wait for its output's end) and keeps every other
+    # descriptor it inherited, as a server forked from a launcher does.
+    launcher.write_text(f"#!/bin/sh\nsleep 30 </dev/null >/dev/null 2>&1 &\necho $! >> {pids}\n"
+                        "exec \"$@\"\n")
+    launcher.chmod(launcher.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", str(launcher))
+    try:
+        res = B.build(spec, toolchain=tc, log=quiet)
+        assert res.library.exists() and pids.read_text().split()  # daemons still running
+        with lock_unless_busy(res.plan.out_dir) as holder:
+            assert holder is None
+    finally:
+        for pid in (pids.read_text().split() if pids.exists() else []):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
 
 def test_another_spec_file_of_the_same_name_says_it_replaces_the_build(fake, tmp_path):
     """One output folder a spec name: a second spec file with the same `name:` replaces the
