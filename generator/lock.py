@@ -24,6 +24,9 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    if fd < 3:  # stdio was closed: keep clear of the descriptors a child's stdio takes
+        low, fd = fd, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        os.close(low)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

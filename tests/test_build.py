@@ -671,6 +671,20 @@ def test_a_killed_build_keeps_its_lock_while_its_compiles_run(tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.05)
 
+def test_the_lock_keeps_clear_of_stdio_when_stdio_is_closed(tmp_path):
+    """`fa3gen build >&- 2>&-`: the lock file would take descriptor 1, which ninja's stdout
+    pipe replaces in the child (and fa3gen's own prints would write into the lock file)."""
+    result = tmp_path / "fd.txt"
+    script = ("import os, sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path; "
+              "from generator.lock import build_lock\n"
+              "os.close(1); os.close(2)\n"
+              "with build_lock(Path(sys.argv[2]), 'test', log=lambda m: None) as fd:\n"
+              "    Path(sys.argv[3]).write_text(str(fd))")
+    subprocess.run([sys.executable, "-c", script, str(REPO_ROOT), str(tmp_path / "out"),
+                    str(result)], check=True, stdin=subprocess.DEVNULL)
+    assert int(result.read_text()) >= 3
+
+
 def test_a_launchers_daemon_never_keeps_the_build_lock(fake, monkeypatch, tmp_path):
     """ninja holds the build lock's descriptor (above); a compiler launcher that leaves a
     daemon behind (sccache's server) must not inherit it, or every later build of the folder
