@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fa3gen import contract
+from fa3gen import contract, tracing
 from fa3gen.contract import (ABI_VERSION, KEY_AXES, LAUNCHERS, SUPPORTED_HEAD_DIMS, Variant,
                              make_key)
 from fa3gen.errors import (
@@ -312,6 +312,12 @@ class Library:
             self.variants.append(_variant_from_c(ptr.contents, row))
         self._by_name = {v.name: v for v in self.variants}
         self.seqlen_dispatch = _seqlen_dispatch(self.build_info, self._by_name)
+        ranges: dict = {}  # what a trace records of the calls these rows serve (fa3gen.tracing)
+        for rows in self.seqlen_dispatch.values():
+            for lo, hi, v in rows:
+                if not v.is_default:
+                    ranges.setdefault(v.name, []).append((lo, hi))
+        tracing.note_dispatch_ranges(ranges)
 
     def __repr__(self) -> str:
         return f"Library({str(self.path)!r}, {len(self.variants)} variants)"

@@ -39,6 +39,7 @@ class Entry:
     default: bool                 # resolved by the spec's dispatch (not named with variant=)
     count: int = 0
     ranges: dict = field(default_factory=dict)   # size -> [min, max]
+    dispatch_ranges: set = field(default_factory=set)  # of a merged trace's entry (to_dict)
 
     def add(self, sizes: dict) -> None:
         self.absorb(1, {k: (v, v) for k, v in sizes.items()})
@@ -74,6 +75,10 @@ class Trace:
             calls.append({**_spec_values(v, KEY_AXES), "variant": e.variant,
                           "default": e.default, "count": e.count,
                           **{k: e.ranges[k] for k in SIZES if k in e.ranges}})
+            rows = e.dispatch_ranges | set(_dispatch_ranges.get(e.variant) or ()) if e.default \
+                else ()
+            if rows:
+                calls[-1]["dispatch_seqlen_k"] = [list(r) for r in sorted(rows)]
         data = {"format": FORMAT, "calls": calls}
         if self.decode:
             data["decode"] = [list(pair) for pair in sorted(self.decode)]
@@ -84,6 +89,7 @@ class Trace:
         for c in data.get("calls") or []:
             e = self.entries.setdefault((c["variant"], c["default"]), Entry(c["variant"], c["default"]))
             e.absorb(c.get("count", 0), {k: c[k] for k in SIZES if k in c})
+            e.dispatch_ranges.update(tuple(r) for r in c.get("dispatch_seqlen_k") or ())
         self.decode |= {tuple(pair) for pair in data.get("decode") or []}
 
     def write(self, process: str | None = None) -> None:
@@ -136,6 +142,20 @@ def _written_by(path: Path, process: str) -> dict | None:
 
 
 _active: list[Trace] = []  # ops checks this on every call: empty list = one truth test
+
+
+# variant name -> its seqlen_k ranges in the loaded libraries' dispatch (range defaults that are
+# no key's default), None where two libraries disagree. A trace writes them beside the calls
+# the dispatch served with such a variant, so a trimmed spec keeps the library's bounds rather
+# than guessing them from the traced lengths.
+_dispatch_ranges: dict[str, tuple | None] = {}
+
+
+def note_dispatch_ranges(ranges: dict) -> None:
+    """Called by fa3gen.runtime for each library it loads: {variant name: [(lo, hi), ...]}."""
+    for name, rows in ranges.items():
+        rows = tuple(sorted(rows))
+        _dispatch_ranges[name] = rows if _dispatch_ranges.get(name, rows) == rows else None
 
 
 def record(variant: str, default: bool, **sizes: int) -> None:
@@ -235,6 +255,22 @@ def _by_length(defaults: list, seqlen_k: dict) -> list | None:
     return out
 
 
+def _library_ranges(defaults: list, library_ranges: dict) -> list | None:
+    """[(variant, [lo, hi] or None)] that keep the traced library's own seqlen_k bounds: the
+    variant it served without a range (its key default) stays the default, each other one gets
+    its library ranges. Where every traced variant had ranges, the one reaching furthest is the
+    default (its range let go: the traced calls longer than the others' ranges reached it).
+    None where the trace did not record the ranges (an older trace), or they overlap."""
+    unranged = [v for v in defaults if v not in library_ranges]
+    if len(unranged) > 1:
+        return None
+    default = unranged[0] if unranged else max(defaults, key=lambda v: max(library_ranges[v]))
+    rows = sorted((r, v) for v in defaults if v != default for r in library_ranges[v])
+    if any(a[1] >= b[0] for (a, _), (b, _) in zip(rows, rows[1:])):
+        return None
+    return [(default, None)] + [(v, list(r)) for r, v in rows]
+
+
 NO_DEFAULT_NOTE = "no dispatch default for"  # spec_from_trace's header lines; fa3gen spec prints them
 
 
@@ -248,6 +284,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     calls, decode = _read(Path(path))
     variants = {}
     seqlen_k: dict = {}  # variant -> [min, max] seqlen_k of its dispatched calls
+    library_ranges: dict = {}  # variant -> {(lo, hi)}: its rows in the traced library's dispatch
     for i, c in enumerate(calls):
         if not isinstance(c, dict) or "variant" not in c:
             raise TraceError(f"{path}: bad call entry {i}: expected a mapping with a variant "
@@ -267,6 +304,16 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if c.get("default") and lengths is not None:  # entries of one variant (merged traces): all
             lo, hi = seqlen_k.get(v, lengths)
             seqlen_k[v] = [min(lo, lengths[0]), max(hi, lengths[1])]
+        rows = c.get("dispatch_seqlen_k")
+        if rows is not None:
+            if not (isinstance(rows, list) and rows and all(
+                    isinstance(r, list) and len(r) == 2 and all(
+                        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in r)
+                    and r[0] <= r[1] for r in rows)):
+                raise TraceError(f"{path}: bad call entry {c!r}: dispatch_seqlen_k must be a "
+                                 "list of [lo, hi] ranges")
+            if c.get("default"):
+                library_ranges.setdefault(v, set()).update(tuple(r) for r in rows)
     # Autograd runs fa3gen's backward only after fa3gen's forward of the same key.
     forward_keys = {v.key[1:] for v in variants if v.direction == "fwd"}
     orphans = sorted({key_str(v.key) for v in variants
@@ -289,8 +336,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
             # (a trace of an older library may hold a backward chosen by length): the longest
             # lengths' variant
             defaults = [max(defaults, key=lambda v: seqlen_k.get(v, [0, 0])[1])]
-        entries = (_by_length(defaults, seqlen_k) if len(defaults) > 1 else
-                   [(defaults[0], None)] if defaults else None)
+        entries = ((_library_ranges(defaults, library_ranges) or _by_length(defaults, seqlen_k))
+                   if len(defaults) > 1 else [(defaults[0], None)] if defaults else None)
         if not entries:  # only named variants (variant=) were traced, or lengths overlap
             required = False
             undispatched.append(key_str(key))

@@ -210,3 +210,22 @@ def test_one_file_by_two_paths_loads_once(clean_runtime, monkeypatch):
     a.write_bytes(b"")
     (clean_runtime / "link.so").symlink_to(a)
     assert runtime.get_library(str(a)) is runtime.get_library(str(clean_runtime / "link.so"))
+
+
+def test_a_library_notes_its_range_defaults_for_traces(tmp_path, monkeypatch):
+    """Loading a library registers the seqlen_k ranges of its range defaults (not of a key's
+    default, which serves every other length) for fa3gen.tracing to record."""
+    from fa3gen import tracing
+
+    monkeypatch.setattr(tracing, "_dispatch_ranges", {})
+    default = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
+    rows = f'[[\\"fwd\\", \\"bf16\\", 128, false, 0, 1500, \\"{OTHER}\\"], ' \
+           f'[\\"fwd\\", \\"bf16\\", 128, false, 9000, 9999, \\"{default}\\"]]'
+    info = '"{\\"spec\\": \\"fake\\", \\"fingerprint\\": \\"x\\"}"'
+    assert info in FAKE_LIB_C
+    source = FAKE_LIB_C.replace(info, '"{\\"spec\\": \\"fake\\", \\"fingerprint\\": \\"x\\", '
+                                      f'\\"seqlen_dispatch\\": {rows}}}"')
+    lib = runtime.Library(build_fake_lib(tmp_path, source=source, name="ranges"))
+    assert [(lo, hi, v.name) for lo, hi, v in lib.seqlen_dispatch[KEY]] == \
+        [(0, 1500, OTHER), (9000, 9999, default)]
+    assert tracing._dispatch_ranges == {OTHER: ((0, 1500),)}

@@ -97,6 +97,83 @@ def test_spec_from_trace_keeps_the_choice_by_length(tmp_path):
     assert "dispatch" not in spec and spec["dispatch_required"] is False
 
 
+@pytest.fixture(autouse=True)
+def no_library_ranges(monkeypatch):
+    """The dispatch ranges that loaded libraries registered: none unless a test notes some."""
+    monkeypatch.setattr(tracing, "_dispatch_ranges", {})
+
+
+SHORT, LONG = ("fwd_bf16_d256_causal_m128n64_s2_ws1_pp0_ov1",
+               "fwd_bf16_d256_causal_m128n80_s2_ws1_pp0_ov1_peel")
+
+
+def _trace_lengths(path, calls):
+    with fa3gen.trace(path):
+        for name, seqlen in calls:
+            tracing.record(name, True, batch=1, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=8,
+                           heads_kv=8)
+
+
+def test_spec_from_trace_keeps_the_librarys_own_bounds(tmp_path):
+    """The library sent 0-2047 keys to SHORT: calls at 512-1024 and 4096-16384 used to give
+    SHORT 0-4095 (up to the first length LONG served), so an untraced 3000 ran SHORT in the
+    trimmed build and LONG in the full one. The trace now records the library's range."""
+    tracing.note_dispatch_ranges({SHORT: [(0, 2047)]})
+    path = tmp_path / "used.yaml"
+    _trace_lengths(path, ((SHORT, 512), (SHORT, 1024), (LONG, 4096), (LONG, 16384)))
+    calls = {c["variant"]: c for c in yaml.safe_load(path.read_text())["calls"]}
+    assert calls[SHORT]["dispatch_seqlen_k"] == [[0, 2047]]
+    assert "dispatch_seqlen_k" not in calls[LONG]
+    p = plan(_spec_of(path, tmp_path))
+    key = parse_name(LONG).key
+    assert p.defaults[key].name == LONG and p.seqlen_dispatch() == [[*key, 0, 2047, SHORT]]
+    # named calls (variant=) carry no range: the dispatch did not choose them
+    with fa3gen.trace(path):
+        tracing.record(SHORT, False, batch=1, seqlen_q=8, seqlen_k=8, heads_q=8, heads_kv=8)
+    assert "dispatch_seqlen_k" not in yaml.safe_load(path.read_text())["calls"][0]
+
+
+def test_library_bounds_where_every_traced_variant_had_a_range(tmp_path):
+    """Both traced variants were range defaults (the key's own default never ran): the one
+    reaching furthest serves the longer lengths, the other keeps its library range."""
+    tracing.note_dispatch_ranges({SHORT: [(0, 1500)], LONG: [(1501, 8191)]})
+    path = tmp_path / "used.yaml"
+    _trace_lengths(path, ((SHORT, 1024), (LONG, 2048)))
+    key = parse_name(LONG).key
+    p = plan(_spec_of(path, tmp_path))
+    assert p.defaults[key].name == LONG and p.seqlen_dispatch() == [[*key, 0, 1500, SHORT]]
+
+
+def test_library_ranges_survive_a_merge_and_disagreeing_libraries_record_none(tmp_path):
+    path = tmp_path / "used.yaml"
+    tracing.note_dispatch_ranges({SHORT: [(0, 2047)]})
+    t = tracing.Trace(path)
+    t.add(SHORT, True, {"seqlen_k": 512})
+    data = t.to_dict()
+    tracing._dispatch_ranges.clear()  # a later process, no library with the range loaded
+    merged = tracing.Trace(path)
+    merged.merge(data)
+    assert merged.to_dict()["calls"][0]["dispatch_seqlen_k"] == [[0, 2047]]
+    tracing.note_dispatch_ranges({SHORT: [(0, 1023)]})
+    tracing.note_dispatch_ranges({SHORT: [(0, 2047)]})  # two libraries, two bounds: neither
+    assert tracing._dispatch_ranges[SHORT] is None
+
+
+def test_a_bad_library_range_in_a_trace_is_one_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    for bad in ([[5, 1]], "0-10", [[0, True]], []):
+        path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
+            {"variant": SHORT, "default": True, "seqlen_k": [1, 2], "dispatch_seqlen_k": bad}]}))
+        with pytest.raises(fa3gen.errors.TraceError, match="dispatch_seqlen_k must be"):
+            tracing.spec_from_trace(path, "m")
+
+
+def _spec_of(trace, tmp_path):
+    out = tmp_path / "m.yaml"
+    assert cli.main(["spec", "--from-trace", str(trace), "-o", str(out)]) == 0
+    return out
+
+
 def test_entries_of_one_variant_merge_their_lengths(tmp_path):
     """A merged trace (two runs' entries) with V1 at 10-20 and 100-200, V0 at 30-40: V1's
     lengths are 10-200, which overlap V0's, so no length rule; before, V1's last entry alone
