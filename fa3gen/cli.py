@@ -129,7 +129,7 @@ def _remove_build(folder: Path, skip_busy: bool) -> None:
     error, or with skip_busy a note), never deleted from under its compiles."""
     with lock_unless_busy(folder) as holder:
         if holder is not None:
-            busy = f"{folder} is being built (pid {holder})"
+            busy = f"{folder} is being built ({holder})"
             if not skip_busy:
                 raise GeneratorError(f"refusing to remove {busy}: wait for that build to end")
             print(f"fa3gen: {busy}; left as it is")
@@ -144,7 +144,7 @@ def cmd_package(args: argparse.Namespace) -> int:
     name = _spec_name(args.spec)
     with lock_unless_busy(manifest_path(name).parent) as holder:  # one build's library and manifest
         if holder is not None:
-            raise GeneratorError(f"spec {name!r} is being built (pid {holder}); package it when "
+            raise GeneratorError(f"spec {name!r} is being built ({holder}); package it when "
                                  "that build ends")
         wheel = package(name, args.out, args.name, args.allow_switches)
     print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "

@@ -208,7 +208,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         return BuildResult(p, lib, planned=_dry_run(p, linked, sources, ninja_text, jobs, log,
                                                     _strict(allow_spills)))
 
-    with build_lock(out, f"spec {p.spec.name}", log) as lock_fd:
+    with build_lock(out, f"spec {p.spec.name}", log):
         other = _other_spec_file(out, p.spec.path)
         if other:  # one output folder a spec name: this build replaces that file's library
             log(f"fa3gen: warning: {out} held the build of {other}, another spec file named "
@@ -228,7 +228,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
             for obj in objects_built_with_spills(out):
                 log(f"fa3gen: {obj} was built with spills allowed; compiling it again")
                 (out / obj).unlink(missing_ok=True)
-        proc = run_ninja(out, jobs, allow_spills=allow_spills, hold_fds=(lock_fd,))
+        proc = run_ninja(out, jobs, allow_spills=allow_spills)
         if proc.returncode != 0:
             raise BuildError(f"build of spec {p.spec.name} failed (ninja exit {proc.returncode}); "
                              f"see the messages above and {out}/obj/*.log")

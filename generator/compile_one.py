@@ -23,6 +23,7 @@ from typing import Optional
 
 from fa3gen.files import write_atomically
 
+from .lock import compile_running
 from .ptxas import SETMAXNREG_IGNORED, WGMMA_SERIALIZED, Diagnostic, PtxasReport, parse_ptxas
 
 MARKER_SUFFIX = ".compiling"
@@ -183,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     try:
-        # close_fds: the build lock's descriptor too (a launcher's daemon must not keep it)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, errors="replace", close_fds=True)
+        with compile_running():  # past a killed fa3gen too: the next build waits for it
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace")
         log, rc = proc.stdout, proc.returncode
     except OSError as e:
         log, rc = f"cannot run {cmd[0] if cmd else '(empty command)'}: {e}\n", 127

@@ -3,6 +3,13 @@
 Two `fa3gen build` runs of one spec would otherwise both render and both run ninja over the same
 objects, compiling everything twice and racing on the library. The second waits for the first
 (and says so), then finds nothing left to do.
+
+Two locks: `.build.lock`, held by fa3gen for the whole build, and `.compiles.lock`, held shared
+by each compile (generator/compile_one.py) while it runs. A `kill -9` of fa3gen frees the first
+at once; its ninja dies at its next line to the dead reader, but the compiles already running
+go on, and the second lock makes the next build (and `fa3gen clean`, `fa3gen package`) wait for
+them. Both are opened close-on-exec: nvcc, a compiler launcher and a daemon it leaves behind
+(sccache's server) never hold them.
 """
 from __future__ import annotations
 
@@ -13,20 +20,19 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 LOCK_NAME = ".build.lock"
+COMPILES_LOCK_NAME = ".compiles.lock"
+COMPILES_LOCK_ENV = "FA3GEN_COMPILES_LOCK"  # its path, in ninja's environment (run_ninja)
+KILLED_BUILDS_COMPILES = "compiles that a killed build left running"
 
 
 @contextmanager
-def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[int]:
+def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> Iterator[None]:
     """Hold an exclusive lock on out_dir/.build.lock (flock: released by the kernel when the
-    last process holding it dies, so a killed build never leaves the directory locked). Yields
-    the locked descriptor: a child given it (run_ninja's hold_fds) keeps the lock while it and
-    the compiles it started live, so a `kill -9` of fa3gen leaves no ninja compiling unlocked."""
+    process dies, so a killed build never leaves the directory locked), after the compiles a
+    killed build left running have ended."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    if fd < 3:  # stdio was closed: keep clear of the descriptors a child's stdio takes
-        low, fd = fd, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
-        os.close(low)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -36,17 +42,63 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
                 "waiting for it to finish")
             fcntl.flock(fd, fcntl.LOCK_EX)
             log(f"fa3gen: the other build of {what} finished; continuing")
+        _wait_for_compiles(out_dir, what, log)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield fd
+        yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
+    fd = os.open(out_dir / COMPILES_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still "
+                "running; waiting for them")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def compile_running() -> Iterator[None]:
+    """Held (shared) by a compile while it runs, so that no build or clean starts in its output
+    folder under it, even after the fa3gen that started it was killed. The lock's path comes
+    from $FA3GEN_COMPILES_LOCK (a compile outside a build holds nothing)."""
+    path = os.environ.get(COMPILES_LOCK_ENV)
+    if not path:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _compiles_busy(out_dir: Path) -> bool:
+    try:
+        fd = os.open(Path(out_dir) / COMPILES_LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:  # never compiled (or before this lock existed)
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 @contextmanager
 def lock_unless_busy(out_dir: Path) -> Iterator[str | None]:
     """For removing out_dir: hold its build lock while the block runs (yields None), or, when a
-    build holds it, yield that build's pid (the block must then leave out_dir alone)."""
+    build holds it, yield who does ("pid N", or KILLED_BUILDS_COMPILES; the block must then
+    leave out_dir alone)."""
     try:
         fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR)
     except OSError:  # no lock file (never built, or before the lock existed), or not a file
@@ -56,7 +108,10 @@ def lock_unless_busy(out_dir: Path) -> Iterator[str | None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            yield f"pid {os.pread(fd, 64, 0).decode(errors='replace').strip() or '?'}"
+            return
+        if _compiles_busy(out_dir):
+            yield KILLED_BUILDS_COMPILES
             return
         yield None
     finally:

@@ -24,6 +24,7 @@ from fa3gen.contract import Variant, library_name
 from fa3gen.files import stdout_to_devnull
 
 from .errors import GeneratorError, ToolchainError
+from .lock import COMPILES_LOCK_ENV, COMPILES_LOCK_NAME
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
 from .render import PLAIN_UNIT_HEADERS, environment, plain_units, write_if_changed
@@ -65,12 +66,6 @@ def check_launcher(launcher: str) -> None:
     if args and shutil.which(args[0]) is None:
         raise GeneratorError(f"compiler launcher {launcher!r} (--launcher or "
                              f"$FA3GEN_COMPILER_LAUNCHER): {args[0]!r} is not a program on PATH")
-
-
-def _closed_launcher(args: list) -> list:
-    """The launcher run with the build lock's descriptor closed (generator/closed_fds.py):
-    ninja holds it, and a daemon the launcher leaves (sccache's server) would keep it."""
-    return ["env", f"PYTHONPATH={REPO_ROOT}", _interpreter(), "-m", "generator.closed_fds", *args]
 
 
 def _cmd(args) -> str:
@@ -119,7 +114,7 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
     return env.get_template("build.ninja.j2").render(
         spec_name=spec_name, variants=variants, linked=linked, compiled=compiled, kernels=kernels,
         repo_root=_cmd([REPO_ROOT]), python=_cmd([_interpreter()]), nvcc=_cmd([tc.nvcc]),
-        launcher=_cmd(_closed_launcher(_split_launcher(launcher))) if launcher else "",
+        launcher=_cmd(_split_launcher(launcher)) if launcher else "",
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
@@ -145,10 +140,13 @@ def _ninja_cmd(out_dir: Path, jobs: int, dry_run: bool, build_file: Path | None 
             + (["-f", str(build_file)] if build_file else []) + (["-n"] if dry_run else []))
 
 
-def _ninja_env(allow_spills: bool) -> dict:
+def _ninja_env(allow_spills: bool, out_dir: Path) -> dict:
     env = dict(os.environ)
     if allow_spills:
         env["FA3GEN_ALLOW_SPILLS"] = "1"
+    # compile_one holds it while it compiles (generator/lock.py); not in the command lines,
+    # whose change would rebuild everything
+    env[COMPILES_LOCK_ENV] = str(Path(out_dir).absolute() / COMPILES_LOCK_NAME)
     # finished/total and elapsed seconds: the progress line and planned_edges parse this format
     env["NINJA_STATUS"] = "[%f/%t %es] "
     return env
@@ -156,21 +154,20 @@ def _ninja_env(allow_spills: bool) -> dict:
 
 def run_ninja(out_dir: Path, jobs: int, dry_run: bool = False, allow_spills: bool = False,
               capture: bool = False, progress_every: float = 10.0,
-              build_file: Path | None = None, hold_fds: tuple = ()) -> subprocess.CompletedProcess:
+              build_file: Path | None = None) -> subprocess.CompletedProcess:
     """Run ninja in out_dir. Captured (`capture`), or streamed to stdout with a progress line
     (generator/progress.py) whenever ninja has been silent for `progress_every` seconds; a
-    reader that leaves (`| head`) or a closed stdout stops the echo, not the build. hold_fds:
-    descriptors ninja inherits (the build lock's, held while ninja and its compiles run)."""
-    cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills)
+    reader that leaves (`| head`) or a closed stdout stops the echo, not the build."""
+    cmd, env = _ninja_cmd(out_dir, jobs, dry_run, build_file), _ninja_env(allow_spills, out_dir)
     if capture:
         return subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, pass_fds=hold_fds)
+                              text=True)
     # The total comes with ninja's first status line.
     progress = Progress(Path(out_dir) / "obj", jobs,
                         others=_other_edges(build_file or Path(out_dir) / "build.ninja"))
     lines: queue.Queue = queue.Queue()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace", pass_fds=hold_fds)
+                            text=True, errors="replace")
     echo = _Echo()
 
     def pump():
