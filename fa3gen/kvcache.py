@@ -139,9 +139,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool):
         num_splits = int(num_splits)
     captured = ops._captured(q, k_cache, v_cache)
-    rotary = None
+    rotary, interleaved = None, ops.flag("rotary_interleaved", rotary_interleaved)
     if rotary_cos is not None or rotary_sin is not None:
-        rotary = (rotary_cos, rotary_sin, ops.flag("rotary_interleaved", rotary_interleaved))
+        rotary = (rotary_cos, rotary_sin, interleaved)
         if captured:  # the rotation as PyTorch operations in the graph
             per_row = bool(causal) or _window_masks(window_size, q, k_cache, block_table)
             _check_rotary(q, k, v, cache_seqlens, rotary_cos, rotary_sin, per_row)
@@ -363,7 +363,7 @@ def _check_rotary_positions(q, k, cache_seqlens, cos, per_row: bool) -> None:
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0 or cache_seqlens + span > rows:
             raise InvalidInputError(f"rotary_cos has {rows} positions; the call needs "
-                                    f"cache_seqlens + {span} = {cache_seqlens + span}")
+                                    f"cache_seqlens + {span} = {ops.shown(cache_seqlens + span)}")
     elif ops.debug_checks_enabled():
         need = int((_start_rows(cache_seqlens, q.shape[0], q.device).max() + span).item())
         if need > rows:
@@ -683,7 +683,7 @@ def _int_length(cache_seqlens: int, capacity: int, append: int) -> int:
     """The keys every sequence has after the append, for an int cache_seqlens."""
     if not 0 <= cache_seqlens <= capacity - append:
         raise InvalidInputError(
-            f"cache_seqlens {cache_seqlens} outside [0, {capacity - append}]"
+            f"cache_seqlens {ops.shown(cache_seqlens)} outside [0, {capacity - append}]"
             + (f" (the cache holds {capacity} rows, {append} are appended)" if append else ""))
     return cache_seqlens + append
 

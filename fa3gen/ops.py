@@ -87,18 +87,24 @@ def _is_numpy_bool(x) -> bool:
 
 
 def real_number(x) -> float | None:
-    """x as a float when it is a real number (numpy's scalars and 0-d tensors too) and not a
-    bool; else None."""
-    if _is_bool_like(x):
+    """x as a float when it is one real number: Python's, numpy's, a 0-d tensor or array, or
+    anything else float() takes (Decimal); not text, a bool, a complex number or a tensor or
+    array with dims. Else None."""
+    if type(x) is float:
+        return x
+    if _is_bool_like(x) or isinstance(x, (str, bytes)):
         return None
-    if isinstance(x, torch.Tensor):  # a 0-d real tensor, as float() takes it
-        return float(x) if x.dim() == 0 and not x.is_complex() else None
-    if not isinstance(x, numbers.Real):
-        return None
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 0 or x.is_complex():
+            return None
+    elif type(x).__module__ == "numpy" and getattr(x, "ndim", 0) != 0:  # (not hasattr on a
+        return None                                       # SymFloat: torch.compile refuses it)
     try:
         return float(x)
     except OverflowError:  # an int past float's range: out of any range checked against
         return math.inf if x > 0 else -math.inf
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value
+        return None
 
 
 def shown(x) -> str:
@@ -115,9 +121,11 @@ def shown(x) -> str:
 
 
 def _is_bool_like(x) -> bool:
-    """A Python, numpy or torch bool: never a number here, where float() would take it as 1.0."""
+    """A Python, numpy or torch bool (or array of them): never a number here, where float()
+    would take it as 1.0."""
     return isinstance(x, bool) or _is_numpy_bool(x) or \
-        (isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+        (isinstance(x, torch.Tensor) and x.dtype == torch.bool) or \
+        (type(x).__module__ == "numpy" and str(getattr(x, "dtype", "")) == "bool")
 
 
 def flag(name: str, value) -> bool:
@@ -1019,7 +1027,7 @@ def check_softmax_scale(softmax_scale, hint: str = "") -> None:
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
                                 f"sqrt(head_dim)), got {shown(softmax_scale)}{hint}")
     if not _FP32_LO <= value <= _FP32_HI:
-        _fp32_range_error("softmax_scale", softmax_scale)
+        _fp32_range_error("softmax_scale", value)
 
 
 def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
@@ -1060,7 +1068,8 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
     if attention_chunk:
         raise InvalidInputError(f"attention_chunk={shown(attention_chunk)} (chunked local attention) is "
                                 "not supported by fa3gen; window_size gives sliding windows")
-    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+    if pack_gqa is not None and not (type(pack_gqa) is bool or _is_numpy_bool(pack_gqa) or
+                                     (isinstance(pack_gqa, int) and pack_gqa in (0, 1))):
         raise InvalidInputError(f"pack_gqa must be None, True or False, got {shown(pack_gqa)}")
 
 

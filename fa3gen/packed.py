@@ -100,8 +100,9 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
     heads = qkv.shape[batch_dims] if qkv.dim() == batch_dims + 2 else -1
     hkv = (heads - num_heads_q) // 2
     if heads < 0 or num_heads_q < 1 or hkv < 1 or num_heads_q + 2 * hkv != heads:
-        raise InvalidInputError(f"with num_heads_q={num_heads_q}, qkv must be {lead}, heads_q + "
-                                f"2 * heads_kv, head_dim) with heads_kv >= 1, got {_shape(qkv)}")
+        raise InvalidInputError(f"with num_heads_q={ops.shown(num_heads_q)}, qkv must be "
+                                f"{lead}, heads_q + 2 * heads_kv, head_dim) with heads_kv >= 1, "
+                                f"got {_shape(qkv)}")
     hq = num_heads_q
 
     def unpack(tensors):

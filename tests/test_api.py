@@ -605,3 +605,43 @@ def test_flags_take_numpy_bools_and_0_1():
         got = ops.flag("return_lse", value)
         assert got is want
     assert ops.returns_lse(False, np.bool_(True)) is True
+
+
+def test_softmax_scale_takes_what_float_takes_but_text_bools_and_arrays():
+    """real_number replaced check_softmax_scale's float(): it must not narrow what was taken
+    (a 0-d numpy array, a Decimal) nor let a meta tensor's RuntimeError through."""
+    from decimal import Decimal
+    np = pytest.importorskip("numpy")
+    for ok in (np.array(0.5), Decimal("0.5"), np.float16(0.5), torch.tensor(0.5)):
+        ops.check_softmax_scale(ok)
+    for bad in (np.array(True), np.array([0.5]), torch.tensor(0.5, device="meta"), 1j,
+                torch.tensor(0.5 + 0j)):
+        with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
+            ops.check_softmax_scale(bad)
+    with pytest.raises(InvalidInputError, match=r"softmax_scale=1e\+40 is outside"):
+        ops.check_softmax_scale(torch.tensor(1e40, dtype=torch.float64))  # the value, not "a tensor"
+
+
+def test_pack_gqa_takes_the_flags_flags_take():
+    np = pytest.importorskip("numpy")
+    for ok in (None, True, np.bool_(False), 0, 1):
+        ops.check_fa3_extras(None, 0, 1, ok, 0)
+    with pytest.raises(InvalidInputError, match="pack_gqa must be None, True or False"):
+        ops.check_fa3_extras(None, 0, 1, 2, 0)
+
+
+def test_packed_num_heads_q_too_long_to_print():
+    with pytest.raises(InvalidInputError, match=r"num_heads_q=an int of about 10\^5000"):
+        fa3gen.flash_attn_qkvpacked_func(torch.zeros(1, 8, 3, 2, 128), num_heads_q=HUGE)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cache_seqlens=-HUGE), r"cache_seqlens an int of about -10\^5000 outside"),
+    (dict(k=q, v=q, rotary_cos=torch.zeros(8, 64), rotary_sin=torch.zeros(8, 64),
+          cache_seqlens=HUGE), r"cache_seqlens \+ 8 = an int of about 10\^5000"),
+    (dict(rotary_interleaved="no"), "rotary_interleaved must be True or False"),  # no tables
+])
+def test_kvcache_huge_ints_and_flags_past_the_device_check(kwargs, message, monkeypatch):
+    monkeypatch.setattr(ops, "check_device", lambda *a: None)  # the checks a GPU call reaches
+    with pytest.raises(InvalidInputError, match=message):
+        fa3gen.flash_attn_with_kvcache(q, q, q, **kwargs)
