@@ -15,6 +15,7 @@ Edge cases (decided here, documented in the docstring of flash_attn_func):
   seqlen_k == 0 -> every query sees no key: out = 0, lse = -inf (as for fully masked rows).
 """
 
+import decimal
 import math
 import numbers
 import os
@@ -87,24 +88,38 @@ def _is_numpy_bool(x) -> bool:
 
 
 def real_number(x) -> float | None:
-    """x as a float when it is one real number: Python's, numpy's, a 0-d tensor or array, or
-    anything else float() takes (Decimal); not text, a bool, a complex number or a tensor or
-    array with dims. Else None."""
+    """x as a float when it is one real number: a Python, numpy or Decimal one, a 0-d real
+    tensor or numpy array (or, under torch.compile, a symbolic one); not a bool, text, a
+    complex number or a tensor or array with dims. Else None. A nonzero value that float()
+    rounds to 0 comes back as the smallest positive double, so that range checks see it."""
     if type(x) is float:
         return x
-    if _is_bool_like(x) or isinstance(x, (str, bytes)):
+    if _is_bool_like(x):
         return None
     if isinstance(x, torch.Tensor):
         if x.dim() != 0 or x.is_complex():
             return None
-    elif type(x).__module__ == "numpy" and getattr(x, "ndim", 0) != 0:  # (not hasattr on a
-        return None                                       # SymFloat: torch.compile refuses it)
-    try:
-        return float(x)
-    except OverflowError:  # an int past float's range: out of any range checked against
-        return math.inf if x > 0 else -math.inf
-    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a meta tensor has no value
+    elif not isinstance(x, (numbers.Real, decimal.Decimal, torch.SymFloat, torch.SymInt)) and \
+            not _is_numpy_real_0d(x):
         return None
+    try:
+        value = float(x)
+        return math.ulp(0.0) if value == 0.0 and x != 0 else value
+    except OverflowError:  # an int past float's range: out of any range checked against
+        try:
+            return math.inf if x > 0 else -math.inf
+        except Exception:
+            return None
+    except Exception:  # a meta tensor has no value; a __float__ that raises
+        return None
+
+
+def _is_numpy_real_0d(x) -> bool:
+    """A plain 0-d numpy array of ints or floats (np.array(0.5)), without importing numpy."""
+    if type(x).__module__ != "numpy":
+        return False
+    import numpy
+    return type(x) is numpy.ndarray and x.ndim == 0 and x.dtype.kind in "iuf"
 
 
 def shown(x) -> str:
@@ -118,6 +133,8 @@ def shown(x) -> str:
         return repr(x)
     except ValueError:
         return f"a {type(x).__name__} holding an int too long to print"
+    except Exception:  # a __repr__ that raises
+        return f"a {type(x).__name__}"
 
 
 def _is_bool_like(x) -> bool:

@@ -312,7 +312,9 @@ class Library:
             self.variants.append(_variant_from_c(ptr.contents, row))
         self._by_name = {v.name: v for v in self.variants}
         self.seqlen_dispatch = _seqlen_dispatch(self.build_info, self._by_name)
-        ranges: dict = {}  # what a trace records of the calls these rows serve (fa3gen.tracing)
+        # what a trace records of the calls these rows serve (fa3gen.tracing); a key's default
+        # serves lengths outside every row: [] (no range)
+        ranges: dict = {v.name: [] for v in self.variants if v.is_default}
         for rows in self.seqlen_dispatch.values():
             for lo, hi, v in rows:
                 if not v.is_default:

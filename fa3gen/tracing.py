@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from fa3gen.contract import (AXES, AXIS_BY_NAME, KEY_AXES, KNOB_AXES, key_str, parse_name,
-                             takes_seqlen_ranges)
+from fa3gen.contract import (AXES, AXIS_BY_NAME, INT32_MAX, KEY_AXES, KNOB_AXES, key_str,
+                             parse_name, takes_seqlen_ranges)
 from fa3gen.errors import TraceError, yaml_error_place
 from fa3gen.files import write_atomically
 
@@ -152,7 +152,9 @@ _dispatch_ranges: dict[str, tuple | None] = {}
 
 
 def note_dispatch_ranges(ranges: dict) -> None:
-    """Called by fa3gen.runtime for each library it loads: {variant name: [(lo, hi), ...]}."""
+    """Called by fa3gen.runtime for each library it loads: {variant name: [(lo, hi), ...]},
+    with [] for a key's default (so that a variant one library ranges and another serves as a
+    default records no range)."""
     for name, rows in ranges.items():
         rows = tuple(sorted(rows))
         _dispatch_ranges[name] = rows if _dispatch_ranges.get(name, rows) == rows else None
@@ -271,6 +273,17 @@ def _library_ranges(defaults: list, library_ranges: dict) -> list | None:
     return [(default, None)] + [(v, list(r)) for r, v in rows]
 
 
+def _reproduces(entries: list | None, seqlen_k: dict) -> list | None:
+    """entries when they send each traced variant's shortest and longest traced lengths back to
+    it (ranges from one library do; a merge of traces from two need not), else None."""
+    if entries is None:
+        return None
+    def served(n):
+        return next((v for v, r in entries[1:] if r[0] <= n <= r[1]), entries[0][0])
+    ok = all(served(n) == v for v, _ in entries for n in seqlen_k.get(v, ()))
+    return entries if ok else None
+
+
 NO_DEFAULT_NOTE = "no dispatch default for"  # spec_from_trace's header lines; fa3gen spec prints them
 
 
@@ -308,8 +321,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         if rows is not None:
             if not (isinstance(rows, list) and rows and all(
                     isinstance(r, list) and len(r) == 2 and all(
-                        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in r)
-                    and r[0] <= r[1] for r in rows)):
+                        isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= INT32_MAX
+                        for n in r) and r[0] <= r[1] for r in rows)):
                 raise TraceError(f"{path}: bad call entry {c!r}: dispatch_seqlen_k must be a "
                                  "list of [lo, hi] ranges")
             if c.get("default"):
@@ -336,7 +349,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
             # (a trace of an older library may hold a backward chosen by length): the longest
             # lengths' variant
             defaults = [max(defaults, key=lambda v: seqlen_k.get(v, [0, 0])[1])]
-        entries = ((_library_ranges(defaults, library_ranges) or _by_length(defaults, seqlen_k))
+        entries = ((_reproduces(_library_ranges(defaults, library_ranges), seqlen_k)
+                    or _by_length(defaults, seqlen_k))
                    if len(defaults) > 1 else [(defaults[0], None)] if defaults else None)
         if not entries:  # only named variants (variant=) were traced, or lengths overlap
             required = False

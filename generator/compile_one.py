@@ -178,15 +178,25 @@ def main(argv: list[str] | None = None) -> int:
     log_path = args.log or args.out.with_suffix(".log")
     allow = spills_allowed()
 
+    # The whole compile (the checks' reruns of nvcc and the outputs too) under the compiles'
+    # lock: past a killed fa3gen, the next build waits for it (generator/lock.py).
+    with compile_running() as other_build:
+        if other_build:
+            print(f"fa3gen: {args.name} not compiled: the build that started it was killed, and "
+                  f"build {other_build} holds the folder now", file=sys.stderr)
+            return 1
+        return _compile(args, kernels, cmd, log_path, allow)
+
+
+def _compile(args, kernels: dict, cmd: list, log_path: Path, allow: bool) -> int:
     start = time.monotonic()
     # While it compiles, obj/<name>.compiling says so (the build's progress report lists them).
     marker = args.out.with_suffix(MARKER_SUFFIX)
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.touch()
     try:
-        with compile_running():  # past a killed fa3gen too: the next build waits for it
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, errors="replace")
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace")
         log, rc = proc.stdout, proc.returncode
     except OSError as e:
         log, rc = f"cannot run {cmd[0] if cmd else '(empty command)'}: {e}\n", 127

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 LOCK_NAME = ".build.lock"
 COMPILES_LOCK_NAME = ".compiles.lock"
 COMPILES_LOCK_ENV = "FA3GEN_COMPILES_LOCK"  # its path, in ninja's environment (run_ninja)
+BUILD_PID_ENV = "FA3GEN_BUILD_PID"  # the fa3gen that started ninja, in the same environment
 KILLED_BUILDS_COMPILES = "compiles that a killed build left running"
 
 
@@ -42,47 +43,66 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
                 "waiting for it to finish")
             fcntl.flock(fd, fcntl.LOCK_EX)
             log(f"fa3gen: the other build of {what} finished; continuing")
+        # The pid first: a compile of a killed build that takes its lock after the wait below
+        # finds another build's pid here and does not start (compile_running).
+        mine = f"{os.getpid()}\n".encode()
+        os.pwrite(fd, mine, 0)
+        os.ftruncate(fd, len(mine))
         _wait_for_compiles(out_dir, what, log)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock
 
 
 def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
-    fd = os.open(out_dir / COMPILES_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    path = out_dir / COMPILES_LOCK_NAME
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still "
-                "running; waiting for them")
+                f"running; waiting for them (`fuser -v {path}` lists them)")
             fcntl.flock(fd, fcntl.LOCK_EX)
     finally:
         os.close(fd)
 
 
 @contextmanager
-def compile_running() -> Iterator[None]:
+def compile_running() -> Iterator[str | None]:
     """Held (shared) by a compile while it runs, so that no build or clean starts in its output
-    folder under it, even after the fa3gen that started it was killed. The lock's path comes
-    from $FA3GEN_COMPILES_LOCK (a compile outside a build holds nothing)."""
+    folder under it, even after the fa3gen that started it was killed. Yields None, or the pid
+    of another build that holds the folder now (the one that started this compile was killed
+    while its ninja was starting compiles): the compile must then not run. The paths come from
+    $FA3GEN_COMPILES_LOCK and $FA3GEN_BUILD_PID; a compile outside a build, or in a folder it
+    cannot open the lock in, holds nothing."""
     path = os.environ.get(COMPILES_LOCK_ENV)
-    if not path:
-        yield
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644) if path else None
+    except OSError:
+        fd = None
+    if fd is None:
+        yield None
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
+        yield _other_build(Path(path).with_name(LOCK_NAME))
     finally:
         os.close(fd)
 
 
+def _other_build(build_lock_path: Path) -> str | None:
+    mine = os.environ.get(BUILD_PID_ENV)
+    try:
+        holder = build_lock_path.read_text().strip()
+    except OSError:
+        return None
+    return holder if mine and holder and holder != mine else None
+
+
 def _compiles_busy(out_dir: Path) -> bool:
     try:
-        fd = os.open(Path(out_dir) / COMPILES_LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(Path(out_dir) / COMPILES_LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # never compiled (or before this lock existed)
         return False
     try:

@@ -24,7 +24,7 @@ from fa3gen.contract import Variant, library_name
 from fa3gen.files import stdout_to_devnull
 
 from .errors import GeneratorError, ToolchainError
-from .lock import COMPILES_LOCK_ENV, COMPILES_LOCK_NAME
+from .lock import BUILD_PID_ENV, COMPILES_LOCK_ENV, COMPILES_LOCK_NAME
 from .paths import KERNELS_DIR, REPO_ROOT
 from .progress import Progress
 from .render import PLAIN_UNIT_HEADERS, environment, plain_units, write_if_changed
@@ -147,6 +147,7 @@ def _ninja_env(allow_spills: bool, out_dir: Path) -> dict:
     # compile_one holds it while it compiles (generator/lock.py); not in the command lines,
     # whose change would rebuild everything
     env[COMPILES_LOCK_ENV] = str(Path(out_dir).absolute() / COMPILES_LOCK_NAME)
+    env[BUILD_PID_ENV] = str(os.getpid())
     # finished/total and elapsed seconds: the progress line and planned_edges parse this format
     env["NINJA_STATUS"] = "[%f/%t %es] "
     return env

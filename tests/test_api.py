@@ -645,3 +645,29 @@ def test_kvcache_huge_ints_and_flags_past_the_device_check(kwargs, message, monk
     monkeypatch.setattr(ops, "check_device", lambda *a: None)  # the checks a GPU call reaches
     with pytest.raises(InvalidInputError, match=message):
         fa3gen.flash_attn_with_kvcache(q, q, q, **kwargs)
+
+
+def test_real_numbers_only_and_never_another_exception():
+    """Complex numpy scalars lost their imaginary part, text arrays, buffers, object and masked
+    arrays were read as numbers, a __float__ or __repr__ that raised escaped, and a positive
+    Fraction or Decimal too small for a double turned softcap off as 0.0."""
+    import fractions
+    from decimal import Decimal
+    np = pytest.importorskip("numpy")
+
+    class Raises:
+        def __float__(self):
+            raise ZeroDivisionError
+
+        def __repr__(self):
+            raise RuntimeError
+
+    for bad in (np.complex128(1 + 5j), np.array("1.5"), bytearray(b"1"), memoryview(b"1"),
+                np.array(True, dtype=object), np.ma.array(2.0), Raises(), Decimal("NaN")):
+        for check in (ops.check_softmax_scale, lambda x: ops.masking(False, (-1, -1), x)):
+            with pytest.raises(InvalidInputError, match="must be a finite number"):
+                check(bad)
+    for tiny in (fractions.Fraction(1, 10**400), Decimal("1e-400")):
+        with pytest.raises(InvalidInputError, match="is outside"):
+            ops.masking(False, (-1, -1), tiny)
+    assert ops.masking(False, (-1, -1), np.array(2, dtype=np.uint8)).softcap == 2.0

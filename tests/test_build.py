@@ -656,11 +656,13 @@ def test_a_killed_build_keeps_the_folder_locked_while_its_compiles_run(fake, tmp
     from generator.lock import KILLED_BUILDS_COMPILES, lock_unless_busy
 
     spec, tc, calls = fake
-    env = {**os.environ, "FAKE_NVCC_SLEEP": "3"}
+    from generator.lock import _compiles_busy
+
+    env = {**os.environ, "FAKE_NVCC_SLEEP": "5"}
     proc = _build_in_a_process(spec, tc, tmp_path, env)
     out = B.plan(spec).out_dir
     deadline = time.monotonic() + 60
-    while not list((out / "obj").glob("*.compiling")):  # a variant's compile has started
+    while not _compiles_busy(out):  # a variant's compile holds its lock
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.02)
     proc.kill()
@@ -674,6 +676,30 @@ def test_a_killed_build_keeps_the_folder_locked_while_its_compiles_run(fake, tmp
     assert time.monotonic() - started > 0.5 and res.library.exists()
     assert not list((out / "obj").glob("*.compiling"))
     os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
+
+
+def test_a_compile_a_newer_build_superseded_does_not_run(tmp_path, monkeypatch, capsys):
+    """fa3gen killed while its ninja was still starting compiles: a compile that takes the
+    compiles' lock only after the next build has taken the folder finds that build's pid in
+    .build.lock and does not run (the next build's wait had let it through)."""
+    from generator import compile_one
+    from generator.lock import BUILD_PID_ENV, COMPILES_LOCK_ENV
+
+    (tmp_path / "obj").mkdir()
+    (tmp_path / ".build.lock").write_text("222\n")
+    monkeypatch.setenv(COMPILES_LOCK_ENV, str(tmp_path / ".compiles.lock"))
+    out = tmp_path / "obj" / "u.o"
+    argv = ["--name", "u", "--out", str(out), "--resources", str(tmp_path / "obj" / "u.json"),
+            "--", "touch", str(out)]
+    monkeypatch.setenv(BUILD_PID_ENV, "111")  # started by a killed build
+    assert compile_one.main(argv) == 1 and not out.exists()
+    assert "build 222 holds the folder now" in capsys.readouterr().err
+    monkeypatch.setenv(BUILD_PID_ENV, "222")  # the live build's own
+    assert compile_one.main(argv) == 0 and out.exists()
+    # a lock it cannot open (the folder gone): compiles, holding nothing
+    monkeypatch.setenv(COMPILES_LOCK_ENV, str(tmp_path / "gone" / ".compiles.lock"))
+    out.unlink()
+    assert compile_one.main(argv) == 0 and out.exists()
 
 
 def _group_alive(pgid: int) -> bool:

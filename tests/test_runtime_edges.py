@@ -228,4 +228,6 @@ def test_a_library_notes_its_range_defaults_for_traces(tmp_path, monkeypatch):
     lib = runtime.Library(build_fake_lib(tmp_path, source=source, name="ranges"))
     assert [(lo, hi, v.name) for lo, hi, v in lib.seqlen_dispatch[KEY]] == \
         [(0, 1500, OTHER), (9000, 9999, default)]
-    assert tracing._dispatch_ranges == {OTHER: ((0, 1500),)}
+    assert tracing._dispatch_ranges[OTHER] == ((0, 1500),)
+    assert tracing._dispatch_ranges[default] == ()  # a key's default: no range, even with a row
+    assert {n for n, r in tracing._dispatch_ranges.items() if r} == {OTHER}

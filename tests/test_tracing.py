@@ -159,9 +159,34 @@ def test_library_ranges_survive_a_merge_and_disagreeing_libraries_record_none(tm
     assert tracing._dispatch_ranges[SHORT] is None
 
 
+def test_a_variant_ranged_in_one_library_and_default_in_another_records_no_range(tmp_path):
+    """Ranges are noted by variant name: LONG, the default in the library that served the
+    calls and ranged 0-100 in another one loaded beside it, gave a spec where LONG served only
+    0-100 (the traced 16384 call included). Now the clash records no range for LONG."""
+    tracing.note_dispatch_ranges({LONG: [], SHORT: [(512, 2047)]})   # the serving library
+    tracing.note_dispatch_ranges({LONG: [(0, 100)]})                 # another one
+    path = tmp_path / "used.yaml"
+    _trace_lengths(path, ((SHORT, 1024), (LONG, 16384)))
+    key = parse_name(LONG).key
+    p = plan(_spec_of(path, tmp_path))
+    assert p.defaults[key].name == LONG and p.seqlen_dispatch() == [[*key, 512, 2047, SHORT]]
+
+
+def test_library_ranges_that_do_not_reproduce_the_traced_choice_fall_back(tmp_path):
+    """A merged trace whose recorded range misses one of the variant's own traced lengths (two
+    libraries with other bounds): the old rule, from the traced lengths."""
+    path = tmp_path / "merged.yaml"
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
+        {"variant": SHORT, "default": True, "seqlen_k": [100, 3000],
+         "dispatch_seqlen_k": [[0, 2047]]},
+        {"variant": LONG, "default": True, "seqlen_k": [4096, 8192]}]}))
+    spec = yaml.safe_load(tracing.spec_from_trace(path, "m"))
+    assert [e.get("seqlen_k") for e in spec["dispatch"]] == [None, [0, 4095]]
+
+
 def test_a_bad_library_range_in_a_trace_is_one_error(tmp_path):
     path = tmp_path / "bad.yaml"
-    for bad in ([[5, 1]], "0-10", [[0, True]], []):
+    for bad in ([[5, 1]], "0-10", [[0, True]], [], [[0, 2**31]]):
         path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
             {"variant": SHORT, "default": True, "seqlen_k": [1, 2], "dispatch_seqlen_k": bad}]}))
         with pytest.raises(fa3gen.errors.TraceError, match="dispatch_seqlen_k must be"):
