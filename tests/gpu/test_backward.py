@@ -162,6 +162,39 @@ def test_autograd_gqa_and_scale(lib, bwd_default_key):
                 f"gqa {bwd_default_key}")
 
 
+@pytest.mark.parametrize("expanded", ["kv_batch", "kv_heads", "q_batch"])
+def test_expanded_inputs_with_zero_strides(lib, bwd_default_key, expanded):
+    """expand()ed inputs (stride 0 along batch or heads) pass the layout checks and reach the
+    kernels' TMA descriptors as they are: forward and gradients against the reference on the
+    same views. (A first probe cloned its inputs, which made them contiguous.)"""
+    from fa3gen.reference import compare_to_reference
+
+    dtype_name, d, causal = bwd_default_key
+    b, s, h = 2, 300, 4
+    g = torch.Generator(device="cuda").manual_seed(21)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=DTYPES[dtype_name], generator=g,
+                           requires_grad=True)
+
+    if expanded == "kv_batch":
+        q, k, v = randn(b, s, h, d), randn(1, s, h, d).expand(b, s, h, d), \
+            randn(1, s, h, d).expand(b, s, h, d)
+    elif expanded == "kv_heads":
+        q, k, v = randn(b, s, h, d), randn(b, s, 1, d).expand(b, s, h, d), \
+            randn(b, s, 1, d).expand(b, s, h, d)
+    else:
+        q, k, v = randn(1, s, h, d).expand(b, s, h, d), randn(b, s, h, d), randn(b, s, h, d)
+    assert 0 in q.stride() + k.stride() + v.stride()
+    out, lse = flash_attn_func(q, k, v, causal=causal, return_lse=True)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    res = compare_to_reference(out.detach(), lse.detach(), qd, kd, vd, causal)
+    assert res["ok"], f"{expanded} {bwd_default_key}: {res.get('why')}"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)  # of the expanded views: the kernel's
+    check_grads(grads, qd, kd, vd, dout, causal, d**-0.5, f"{expanded} {bwd_default_key}")
+
+
 def test_bwd_opcheck(lib, bwd_default_key):
     dtype_name, d, causal = bwd_default_key
     if d != max(v.head_dim for v in lib.defaults("bwd")):
