@@ -137,10 +137,7 @@ def test_library_bounds_where_every_traced_variant_had_a_range(tmp_path):
     """Both traced variants were range defaults (the key's own default never ran): the one
     reaching furthest serves the longer lengths, the other keeps its library range."""
     tracing.note_dispatch_ranges({SHORT: [(0, 1500)], LONG: [(1501, 8191)]})
-    path = tmp_path / "used.yaml"
-    _trace_lengths(path, ((SHORT, 1024), (LONG, 2048)))
-    key = parse_name(LONG).key
-    p = plan(_spec_of(path, tmp_path))
+    p, key = _traced_plan(tmp_path, ((SHORT, 1024), (LONG, 2048)))
     assert p.defaults[key].name == LONG and p.seqlen_dispatch() == [[*key, 0, 1500, SHORT]]
 
 
@@ -165,10 +162,7 @@ def test_a_variant_ranged_in_one_library_and_default_in_another_records_no_range
     0-100 (the traced 16384 call included). Now the clash records no range for LONG."""
     tracing.note_dispatch_ranges({LONG: [], SHORT: [(512, 2047)]})   # the serving library
     tracing.note_dispatch_ranges({LONG: [(0, 100)]})                 # another one
-    path = tmp_path / "used.yaml"
-    _trace_lengths(path, ((SHORT, 1024), (LONG, 16384)))
-    key = parse_name(LONG).key
-    p = plan(_spec_of(path, tmp_path))
+    p, key = _traced_plan(tmp_path, ((SHORT, 1024), (LONG, 16384)))
     assert p.defaults[key].name == LONG and p.seqlen_dispatch() == [[*key, 512, 2047, SHORT]]
 
 
@@ -191,6 +185,13 @@ def test_a_bad_library_range_in_a_trace_is_one_error(tmp_path):
             {"variant": SHORT, "default": True, "seqlen_k": [1, 2], "dispatch_seqlen_k": bad}]}))
         with pytest.raises(fa3gen.errors.TraceError, match="dispatch_seqlen_k must be"):
             tracing.spec_from_trace(path, "m")
+
+
+def _traced_plan(tmp_path, calls):
+    """The build plan of the spec made from a trace of `calls`, and LONG's key."""
+    path = tmp_path / "used.yaml"
+    _trace_lengths(path, calls)
+    return plan(_spec_of(path, tmp_path)), parse_name(LONG).key
 
 
 def _spec_of(trace, tmp_path):
