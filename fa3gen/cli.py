@@ -16,7 +16,7 @@ from pathlib import Path
 from fa3gen.contract import MANIFEST_NAME, generated_root
 from fa3gen.files import stdout_to_devnull
 from generator.errors import BuildError, GeneratorError
-from generator.lock import lock_unless_busy
+from generator.lock import KILLED_BUILDS_COMPILES, lock_unless_busy
 from generator.paths import resolve_spec_path
 
 # Modules that add subcommands through `register(subparsers)` (each sets `func`).
@@ -131,7 +131,8 @@ def _remove_build(folder: Path, skip_busy: bool) -> None:
         if holder is not None:
             busy = f"{folder} is being built ({holder})"
             if not skip_busy:
-                raise GeneratorError(f"refusing to remove {busy}: wait for that build to end")
+                them = "them" if holder == KILLED_BUILDS_COMPILES else "that build"
+                raise GeneratorError(f"refusing to remove {busy}: wait for {them} to end")
             print(f"fa3gen: {busy}; left as it is")
             return
         shutil.rmtree(folder)

@@ -593,7 +593,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     if cache_batch_idx is not None:
         _check_int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
-        raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got {ops.shown(num_splits)}")
+        raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got "
+                                f"{ops.shown(num_splits)}")
     ops.check_layout(q=q, k_cache=k_cache, v_cache=v_cache)
     if not prefill:  # last: bad arguments are reported before a missing kernel
         _require_decode_kernels("fp16" if q.dtype == torch.float16 else "bf16",

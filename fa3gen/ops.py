@@ -76,7 +76,8 @@ FP32_ARG_RANGE = _FP32_LO, _FP32_HI = (2.0**-60, 2.0**60)
 
 def _fp32_range_error(name: str, value) -> None:
     raise InvalidInputError(f"{name}={shown(value)} is outside [2^-60, 2^60] (about 8.7e-19 to "
-                            f"1.2e18), the range in which the kernels' fp32 arithmetic stays finite")
+                            "1.2e18), the range in which the kernels' fp32 arithmetic stays "
+                            "finite")
 
 
 def _is_numpy_bool(x) -> bool:
@@ -104,7 +105,7 @@ def real_number(x) -> float | None:
         return None
     try:
         value = float(x)
-        return math.ulp(0.0) if value == 0.0 and x != 0 else value
+        return math.copysign(math.ulp(0.0), x) if value == 0.0 and x != 0 else value
     except OverflowError:  # an int past float's range: out of any range checked against
         try:
             return math.inf if x > 0 else -math.inf
@@ -145,12 +146,18 @@ def _is_bool_like(x) -> bool:
         (type(x).__module__ == "numpy" and str(getattr(x, "dtype", "")) == "bool")
 
 
+def _is_flag(value) -> bool:
+    """True or False, a numpy bool, 0 or 1: what flash-attn takes as a flag."""
+    return type(value) is bool or _is_numpy_bool(value) or \
+        (isinstance(value, int) and value in (0, 1))
+
+
 def flag(name: str, value) -> bool:
-    """value as a bool when it is one (a numpy bool, 0 or 1 too, as flash-attn takes them);
-    anything else one clear error (truthiness would take "no" or a tensor of flags as True)."""
+    """value as a bool when it is a flag (_is_flag); anything else one clear error (truthiness
+    would take "no" or a tensor of flags as True)."""
     if type(value) is bool:
         return value
-    if _is_numpy_bool(value) or (isinstance(value, int) and value in (0, 1)):
+    if _is_flag(value):
         return bool(value)
     raise InvalidInputError(f"{name} must be True or False, got {shown(value)}")
 
@@ -179,7 +186,8 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     try:
         left, right = window_size
     except (TypeError, ValueError):
-        raise InvalidInputError(f"window_size must be a pair (left, right), got {shown(window_size)}")
+        raise InvalidInputError(f"window_size must be a pair (left, right), got "
+                                f"{shown(window_size)}")
     for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
         if (type(w) is not int and (isinstance(w, bool) or not isinstance(w, numbers.Integral))) \
                 or w < -1:
@@ -1053,8 +1061,8 @@ def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
     be passed right after the tensors (the dense and the dense packed functions)."""
     if _is_bool_like(softmax_scale):
         raise InvalidInputError(
-            f"softmax_scale={softmax_scale}: flash_attn_func follows FlashAttention-3's order "
-            "(q, k, v, softmax_scale, causal); pass causal=... by keyword")
+            f"softmax_scale={shown(softmax_scale)}: flash_attn_func follows FlashAttention-3's "
+            "order (q, k, v, softmax_scale, causal); pass causal=... by keyword")
     check_softmax_scale(softmax_scale, ": with flash-attn 2's order the positional argument after "
                         "the tensors is dropout_p, here (FlashAttention-3's order) it is the scale"
                         if positional else "")
@@ -1070,8 +1078,8 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
             dropout_p == 0.0 and alibi_slopes is None:  # the usual call: its defaults
         return
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
-        raise InvalidInputError(f"dropout_p={shown(dropout_p)}: attention dropout (flash-attn 2) is not "
-                                "supported by fa3gen; only 0.0 is accepted")
+        raise InvalidInputError(f"dropout_p={shown(dropout_p)}: attention dropout (flash-attn 2) "
+                                "is not supported by fa3gen; only 0.0 is accepted")
     if alibi_slopes is not None:
         raise InvalidInputError("alibi_slopes (ALiBi, flash-attn 2) is not supported by fa3gen; "
                                 "pass None")
@@ -1083,10 +1091,10 @@ def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropo
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
             raise InvalidInputError(f"{name} must be an int >= {least}, got {shown(value)}")
     if attention_chunk:
-        raise InvalidInputError(f"attention_chunk={shown(attention_chunk)} (chunked local attention) is "
-                                "not supported by fa3gen; window_size gives sliding windows")
-    if pack_gqa is not None and not (type(pack_gqa) is bool or _is_numpy_bool(pack_gqa) or
-                                     (isinstance(pack_gqa, int) and pack_gqa in (0, 1))):
+        raise InvalidInputError(f"attention_chunk={shown(attention_chunk)} (chunked local "
+                                "attention) is not supported by fa3gen; window_size gives sliding "
+                                "windows")
+    if pack_gqa is not None and not _is_flag(pack_gqa):
         raise InvalidInputError(f"pack_gqa must be None, True or False, got {shown(pack_gqa)}")
 
 

@@ -135,7 +135,8 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, *, window_s
     unpack = _split_qkv(qkv, num_heads_q, 2)
     try:
         return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
-                              deterministic, ops.returns_lse(return_lse, return_attn_probs), variant,
+                              deterministic, ops.returns_lse(return_lse, return_attn_probs),
+                              variant,
                               kw["q_descale"], kw["k_descale"], kw["v_descale"],
                               kw["out_dtype"], packed=((qkv,), unpack))
     except InvalidInputError as e:
@@ -151,7 +152,8 @@ def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_
     unpack = _split_kv(q, kv, 2)
     try:
         return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
-                              deterministic, ops.returns_lse(return_lse, return_attn_probs), variant,
+                              deterministic, ops.returns_lse(return_lse, return_attn_probs),
+                              variant,
                               kw["q_descale"], kw["k_descale"], kw["v_descale"],
                               kw["out_dtype"], packed=((q, kv), unpack))
     except InvalidInputError as e:
@@ -169,7 +171,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_sca
     try:
         return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen,
                                  max_seqlen, softmax_scale, causal, window_size, softcap,
-                                 deterministic, ops.returns_lse(return_lse, return_attn_probs), None,
+                                 deterministic, ops.returns_lse(return_lse, return_attn_probs),
+                                 None,
                                  None, variant, packed=((qkv,), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _QKV_VIEWS, *_ONE_BOUNDARY)
@@ -187,7 +190,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     try:
         return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                                 deterministic, ops.returns_lse(return_lse, return_attn_probs), None,
+                                 deterministic, ops.returns_lse(return_lse, return_attn_probs),
+                                 None,
                                  seqused_k, variant, packed=((q, kv), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _KV_VIEWS)

@@ -39,7 +39,7 @@ class Entry:
     default: bool                 # resolved by the spec's dispatch (not named with variant=)
     count: int = 0
     ranges: dict = field(default_factory=dict)   # size -> [min, max]
-    dispatch_ranges: set = field(default_factory=set)  # of a merged trace's entry (to_dict)
+    dispatch_ranges: set = field(default_factory=set)  # dispatch_seqlen_k of merged traces
 
     def add(self, sizes: dict) -> None:
         self.absorb(1, {k: (v, v) for k, v in sizes.items()})
@@ -75,7 +75,7 @@ class Trace:
             calls.append({**_spec_values(v, KEY_AXES), "variant": e.variant,
                           "default": e.default, "count": e.count,
                           **{k: e.ranges[k] for k in SIZES if k in e.ranges}})
-            rows = e.dispatch_ranges | set(_dispatch_ranges.get(e.variant) or ()) if e.default \
+            rows = (e.dispatch_ranges | set(_dispatch_ranges.get(e.variant) or ())) if e.default \
                 else ()
             if rows:
                 calls[-1]["dispatch_seqlen_k"] = [list(r) for r in sorted(rows)]
@@ -278,6 +278,7 @@ def _reproduces(entries: list | None, seqlen_k: dict) -> list | None:
     it (ranges from one library do; a merge of traces from two need not), else None."""
     if entries is None:
         return None
+
     def served(n):
         return next((v for v, r in entries[1:] if r[0] <= n <= r[1]), entries[0][0])
     ok = all(served(n) == v for v, _ in entries for n in seqlen_k.get(v, ()))

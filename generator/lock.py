@@ -7,9 +7,9 @@ objects, compiling everything twice and racing on the library. The second waits 
 Two locks: `.build.lock`, held by fa3gen for the whole build, and `.compiles.lock`, held shared
 by each compile (generator/compile_one.py) while it runs. A `kill -9` of fa3gen frees the first
 at once; its ninja dies at its next line to the dead reader, but the compiles already running
-go on, and the second lock makes the next build (and `fa3gen clean`, `fa3gen package`) wait for
-them. Both are opened close-on-exec: nvcc, a compiler launcher and a daemon it leaves behind
-(sccache's server) never hold them.
+go on, and the second lock makes the next build wait for them (`fa3gen clean` and `fa3gen
+package` refuse until they end). Both are opened close-on-exec: nvcc, a compiler launcher
+and a daemon it leaves behind (sccache's server) never hold them.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
     killed build left running have ended."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(out_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -43,15 +43,20 @@ def build_lock(out_dir: Path, what: str, log: Callable[[str], None] = print) -> 
                 "waiting for it to finish")
             fcntl.flock(fd, fcntl.LOCK_EX)
             log(f"fa3gen: the other build of {what} finished; continuing")
-        # The pid first: a compile of a killed build that takes its lock after the wait below
-        # finds another build's pid here and does not start (compile_running).
-        mine = f"{os.getpid()}\n".encode()
-        os.pwrite(fd, mine, 0)
-        os.ftruncate(fd, len(mine))
+        _claim(fd)
         _wait_for_compiles(out_dir, what, log)
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _claim(fd: int) -> None:
+    """This process's pid into the held .build.lock, before waiting for compiles: a compile of
+    a killed build that takes its lock after that finds another pid and does not start
+    (compile_running)."""
+    mine = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, mine, 0)
+    os.ftruncate(fd, len(mine))
 
 
 def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
@@ -73,9 +78,9 @@ def compile_running() -> Iterator[str | None]:
     """Held (shared) by a compile while it runs, so that no build or clean starts in its output
     folder under it, even after the fa3gen that started it was killed. Yields None, or the pid
     of another build that holds the folder now (the one that started this compile was killed
-    while its ninja was starting compiles): the compile must then not run. The paths come from
-    $FA3GEN_COMPILES_LOCK and $FA3GEN_BUILD_PID; a compile outside a build, or in a folder it
-    cannot open the lock in, holds nothing."""
+    while its ninja was starting compiles): the compile must then not run. The lock's path and
+    the building fa3gen's pid come from $FA3GEN_COMPILES_LOCK and $FA3GEN_BUILD_PID; a compile
+    outside a build, or in a folder it cannot open the lock in, holds nothing."""
     path = os.environ.get(COMPILES_LOCK_ENV)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644) if path else None
@@ -120,7 +125,7 @@ def lock_unless_busy(out_dir: Path) -> Iterator[str | None]:
     build holds it, yield who does ("pid N", or KILLED_BUILDS_COMPILES; the block must then
     leave out_dir alone)."""
     try:
-        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR)
+        fd = os.open(Path(out_dir) / LOCK_NAME, os.O_RDWR | os.O_CLOEXEC)
     except OSError:  # no lock file (never built, or before the lock existed), or not a file
         yield None
         return
@@ -130,6 +135,7 @@ def lock_unless_busy(out_dir: Path) -> Iterator[str | None]:
         except BlockingIOError:
             yield f"pid {os.pread(fd, 64, 0).decode(errors='replace').strip() or '?'}"
             return
+        _claim(fd)
         if _compiles_busy(out_dir):
             yield KILLED_BUILDS_COMPILES
             return

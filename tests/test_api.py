@@ -565,7 +565,8 @@ HUGE = 10 ** 5000  # str()/repr() of an int past 4300 digits raises ValueError
     {"dropout_p": HUGE}, {"softmax_scale": -HUGE},
 ])
 def test_an_int_too_long_to_print_is_still_one_clear_error(kwargs):
-    with pytest.raises(InvalidInputError, match="an int of about -?10\\^5000|holding an int too long"):
+    with pytest.raises(InvalidInputError,
+                       match="an int of about -?10\\^5000|holding an int too long"):
         ops.flash_attn_func(q, q, q, **kwargs)
 
 
@@ -607,7 +608,7 @@ def test_flags_take_numpy_bools_and_0_1():
     assert ops.returns_lse(False, np.bool_(True)) is True
 
 
-def test_softmax_scale_takes_what_float_takes_but_text_bools_and_arrays():
+def test_softmax_scale_takes_what_float_takes_but_bools_arrays_and_complex():
     """real_number replaced check_softmax_scale's float(): it must not narrow what was taken
     (a 0-d numpy array, a Decimal) nor let a meta tensor's RuntimeError through."""
     from decimal import Decimal
@@ -619,7 +620,7 @@ def test_softmax_scale_takes_what_float_takes_but_text_bools_and_arrays():
         with pytest.raises(InvalidInputError, match="softmax_scale must be a finite number > 0"):
             ops.check_softmax_scale(bad)
     with pytest.raises(InvalidInputError, match=r"softmax_scale=1e\+40 is outside"):
-        ops.check_softmax_scale(torch.tensor(1e40, dtype=torch.float64))  # the value, not "a tensor"
+        ops.check_softmax_scale(torch.tensor(1e40, dtype=torch.float64))  # the value, not a tensor
 
 
 def test_pack_gqa_takes_the_flags_flags_take():
@@ -670,4 +671,6 @@ def test_real_numbers_only_and_never_another_exception():
     for tiny in (fractions.Fraction(1, 10**400), Decimal("1e-400")):
         with pytest.raises(InvalidInputError, match="is outside"):
             ops.masking(False, (-1, -1), tiny)
+    with pytest.raises(InvalidInputError, match="must be a finite number > 0"):  # not +5e-324
+        ops.check_softmax_scale(fractions.Fraction(-1, 10**400))
     assert ops.masking(False, (-1, -1), np.array(2, dtype=np.uint8)).softcap == 2.0

@@ -634,7 +634,7 @@ def test_a_reader_that_leaves_stops_the_echo_not_the_build(tmp_path, monkeypatch
 
 
 
-def _build_in_a_process(spec, tc, tmp_path, env):
+def _build_in_a_process(spec, tc, env):
     """fa3gen's build of `spec` in its own process (session), stdout to a pipe as a terminal's."""
     script = ("import sys; sys.path.insert(0, sys.argv[1]); from pathlib import Path\n"
               "from generator import build as B; from generator.toolchain import Toolchain\n"
@@ -653,13 +653,11 @@ def test_a_killed_build_keeps_the_folder_locked_while_its_compiles_run(fake, tmp
     waits for it (the lock used to die with fa3gen, the compile going on unlocked)."""
     import signal
 
-    from generator.lock import KILLED_BUILDS_COMPILES, lock_unless_busy
+    from generator.lock import KILLED_BUILDS_COMPILES, _compiles_busy, lock_unless_busy
 
-    spec, tc, calls = fake
-    from generator.lock import _compiles_busy
-
+    spec, tc, _ = fake
     env = {**os.environ, "FAKE_NVCC_SLEEP": "5"}
-    proc = _build_in_a_process(spec, tc, tmp_path, env)
+    proc = _build_in_a_process(spec, tc, env)
     out = B.plan(spec).out_dir
     deadline = time.monotonic() + 60
     while not _compiles_busy(out):  # a variant's compile holds its lock
@@ -675,7 +673,8 @@ def test_a_killed_build_keeps_the_folder_locked_while_its_compiles_run(fake, tmp
     assert any("are still running; waiting for them" in m for m in said)
     assert time.monotonic() - started > 0.5 and res.library.exists()
     assert not list((out / "obj").glob("*.compiling"))
-    os.killpg(proc.pid, signal.SIGKILL) if _group_alive(proc.pid) else None
+    if _group_alive(proc.pid):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_compile_a_newer_build_superseded_does_not_run(tmp_path, monkeypatch, capsys):
@@ -700,6 +699,18 @@ def test_a_compile_a_newer_build_superseded_does_not_run(tmp_path, monkeypatch, 
     monkeypatch.setenv(COMPILES_LOCK_ENV, str(tmp_path / "gone" / ".compiles.lock"))
     out.unlink()
     assert compile_one.main(argv) == 0 and out.exists()
+
+
+def test_clean_claims_the_folder_before_it_checks_for_compiles(tmp_path):
+    """lock_unless_busy writes its pid into .build.lock before it looks for running compiles,
+    so a compile a killed build's ninja starts after that check does not run in a folder that
+    `fa3gen clean` is deleting."""
+    from generator.lock import lock_unless_busy
+
+    (tmp_path / ".build.lock").write_text("111\n")  # the killed build's
+    with lock_unless_busy(tmp_path) as holder:
+        assert holder is None
+        assert (tmp_path / ".build.lock").read_text() == f"{os.getpid()}\n"
 
 
 def _group_alive(pgid: int) -> bool:

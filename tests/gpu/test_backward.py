@@ -191,7 +191,7 @@ def test_expanded_inputs_with_zero_strides(lib, bwd_default_key, expanded):
     res = compare_to_reference(out.detach(), lse.detach(), qd, kd, vd, causal)
     assert res["ok"], f"{expanded} {bwd_default_key}: {res.get('why')}"
     dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)  # of the expanded views: the kernel's
+    grads = torch.autograd.grad(out, (q, k, v), dout)  # the expanded views': the kernel's
     check_grads(grads, qd, kd, vd, dout, causal, d**-0.5, f"{expanded} {bwd_default_key}")
 
 
