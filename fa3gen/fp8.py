@@ -146,9 +146,9 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     rotary_dim d or d / 2, else by PyTorch operations first."""
     from fa3gen.reference import apply_rotary, hadamard_transform
 
-    block, hadamard, causal = (ops.flag(n, x) for n, x in
-                               (("block", block), ("hadamard", hadamard), ("causal", causal)))
-    rotary_interleaved = ops.flag("rotary_interleaved", rotary_interleaved)
+    block, hadamard, causal, rotary_interleaved = (
+        ops.flag(n, x) for n, x in (("block", block), ("hadamard", hadamard), ("causal", causal),
+                                    ("rotary_interleaved", rotary_interleaved)))
     _check_quantize_inputs(q, k, v, hadamard, seed)
     if ops._captured(q, k, v):  # torch.compile: the checks here, the work in the custom op
         _check_rotary(rotary, q, k)

@@ -132,8 +132,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
         block_table, k_scale, v_scale = _other_keywords(block_table, k_scale, v_scale,
                                                         num_splits, **fa3_keywords)
     ops.check_softmax_scale(softmax_scale)
-    return_lse = ops.flag("return_lse", return_lse) | \
-        ops.flag("return_softmax_lse", return_softmax_lse)
+    return_lse = ops.returns_lse(return_lse, return_softmax_lse, "return_softmax_lse")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
     if isinstance(num_splits, numbers.Integral) and not isinstance(num_splits, bool):

@@ -141,8 +141,7 @@ def shown(x) -> str:
 def _is_bool_like(x) -> bool:
     """A Python, numpy or torch bool (or array of them): never a number here, where float()
     would take it as 1.0."""
-    return isinstance(x, bool) or _is_numpy_bool(x) or \
-        (isinstance(x, torch.Tensor) and x.dtype == torch.bool) or \
+    return isinstance(x, bool) or (isinstance(x, torch.Tensor) and x.dtype == torch.bool) or \
         (type(x).__module__ == "numpy" and str(getattr(x, "dtype", "")) == "bool")
 
 
@@ -162,9 +161,10 @@ def flag(name: str, value) -> bool:
     raise InvalidInputError(f"{name} must be True or False, got {shown(value)}")
 
 
-def returns_lse(return_lse, return_attn_probs) -> bool:
-    """Whether a call returns (out, lse): return_lse, or FlashAttention-3's name for it."""
-    return flag("return_lse", return_lse) | flag("return_attn_probs", return_attn_probs)
+def returns_lse(return_lse, alias, alias_name: str = "return_attn_probs") -> bool:
+    """Whether a call returns (out, lse): return_lse, or the flag another API names it
+    (FlashAttention-3's return_attn_probs, flash_attn_with_kvcache's return_softmax_lse)."""
+    return flag("return_lse", return_lse) | flag(alias_name, alias)
 
 
 def op_masking(causal, window_left, window_right, softcap) -> Masking:

@@ -136,8 +136,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, *, window_s
     try:
         return ops._attention(*unpack((qkv,)), softmax_scale, causal, window_size, softcap,
                               deterministic, ops.returns_lse(return_lse, return_attn_probs),
-                              variant,
-                              kw["q_descale"], kw["k_descale"], kw["v_descale"],
+                              variant, kw["q_descale"], kw["k_descale"], kw["v_descale"],
                               kw["out_dtype"], packed=((qkv,), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _QKV_VIEWS if num_heads_q is None else _QKV_GQA_VIEWS)
@@ -153,8 +152,7 @@ def flash_attn_kvpacked_func(q, kv, softmax_scale=None, causal=False, *, window_
     try:
         return ops._attention(*unpack((q, kv)), softmax_scale, causal, window_size, softcap,
                               deterministic, ops.returns_lse(return_lse, return_attn_probs),
-                              variant,
-                              kw["q_descale"], kw["k_descale"], kw["v_descale"],
+                              variant, kw["q_descale"], kw["k_descale"], kw["v_descale"],
                               kw["out_dtype"], packed=((q, kv), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _KV_VIEWS)
@@ -172,8 +170,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, *, softmax_sca
         return varlen._attention(*unpack((qkv,)), cu_seqlens, cu_seqlens, max_seqlen,
                                  max_seqlen, softmax_scale, causal, window_size, softcap,
                                  deterministic, ops.returns_lse(return_lse, return_attn_probs),
-                                 None,
-                                 None, variant, packed=((qkv,), unpack))
+                                 None, None, variant, packed=((qkv,), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _QKV_VIEWS, *_ONE_BOUNDARY)
 
@@ -191,8 +188,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         return varlen._attention(*unpack((q, kv)), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                  max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                  deterministic, ops.returns_lse(return_lse, return_attn_probs),
-                                 None,
-                                 seqused_k, variant, packed=((q, kv), unpack))
+                                 None, seqused_k, variant, packed=((q, kv), unpack))
     except InvalidInputError as e:
         _raise_in_packed_terms(e, _KV_VIEWS)
 

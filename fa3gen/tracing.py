@@ -257,12 +257,14 @@ def _by_length(defaults: list, seqlen_k: dict) -> list | None:
     return out
 
 
-def _library_ranges(defaults: list, library_ranges: dict) -> list | None:
+def _library_ranges(defaults: list, library_ranges: dict, seqlen_k: dict) -> list | None:
     """[(variant, [lo, hi] or None)] that keep the traced library's own seqlen_k bounds: the
     variant it served without a range (its key default) stays the default, each other one gets
     its library ranges. Where every traced variant had ranges, the one reaching furthest is the
     default (its range let go: the traced calls longer than the others' ranges reached it).
-    None where the trace did not record the ranges (an older trace), or they overlap."""
+    None where the trace did not record the ranges (an older trace), they overlap, or they do
+    not send each variant's shortest and longest traced lengths back to it (ranges from one
+    library do; a merge of traces from two need not)."""
     unranged = [v for v in defaults if v not in library_ranges]
     if len(unranged) > 1:
         return None
@@ -270,19 +272,12 @@ def _library_ranges(defaults: list, library_ranges: dict) -> list | None:
     rows = sorted((r, v) for v in defaults if v != default for r in library_ranges[v])
     if any(a[1] >= b[0] for (a, _), (b, _) in zip(rows, rows[1:])):
         return None
-    return [(default, None)] + [(v, list(r)) for r, v in rows]
-
-
-def _reproduces(entries: list | None, seqlen_k: dict) -> list | None:
-    """entries when they send each traced variant's shortest and longest traced lengths back to
-    it (ranges from one library do; a merge of traces from two need not), else None."""
-    if entries is None:
-        return None
 
     def served(n):
-        return next((v for v, r in entries[1:] if r[0] <= n <= r[1]), entries[0][0])
-    ok = all(served(n) == v for v, _ in entries for n in seqlen_k.get(v, ()))
-    return entries if ok else None
+        return next((v for r, v in rows if r[0] <= n <= r[1]), default)
+    if any(served(n) != v for v in defaults for n in seqlen_k.get(v, ())):
+        return None
+    return [(default, None)] + [(v, list(r)) for r, v in rows]
 
 
 NO_DEFAULT_NOTE = "no dispatch default for"  # spec_from_trace's header lines; fa3gen spec prints them
@@ -350,7 +345,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
             # (a trace of an older library may hold a backward chosen by length): the longest
             # lengths' variant
             defaults = [max(defaults, key=lambda v: seqlen_k.get(v, [0, 0])[1])]
-        entries = ((_reproduces(_library_ranges(defaults, library_ranges), seqlen_k)
+        entries = ((_library_ranges(defaults, library_ranges, seqlen_k)
                     or _by_length(defaults, seqlen_k))
                    if len(defaults) > 1 else [(defaults[0], None)] if defaults else None)
         if not entries:  # only named variants (variant=) were traced, or lengths overlap

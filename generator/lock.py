@@ -60,15 +60,14 @@ def _claim(fd: int) -> None:
 
 
 def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
+    if not _compiles_busy(out_dir):
+        return
     path = out_dir / COMPILES_LOCK_NAME
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still running; "
+        f"waiting for them (`fuser -v {path}` lists them)")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still "
-                f"running; waiting for them (`fuser -v {path}` lists them)")
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)
     finally:
         os.close(fd)
 
