@@ -164,6 +164,37 @@ def test_backward(lib, bwd_varlen_key, case):
     assert_grads_match(f"{bwd_varlen_key} {case}", grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
+@pytest.mark.parametrize("expanded", ["kv_heads", "q_heads"])
+def test_expanded_heads_with_zero_strides(lib, bwd_varlen_key, expanded):
+    """Packed rows expand()ed along heads (stride 0) reach the kernels as views: forward and
+    gradients of the views against the reference (the dense test's varlen counterpart)."""
+    dtype, d, causal = bwd_varlen_key
+    g = torch.Generator(device="cuda").manual_seed(37)
+    lq, lk = zip(*LENGTHS["mixed"])
+
+    def rows(n, h, expand_to=None):
+        t = torch.randn(n, h, d, device="cuda", dtype=DTYPES[dtype], generator=g,
+                        requires_grad=True)
+        return t if expand_to is None else t.expand(n, expand_to, d)
+
+    if expanded == "kv_heads":
+        q, k, v = rows(sum(lq), 4), rows(sum(lk), 1, 4), rows(sum(lk), 1, 4)
+    else:
+        q, k, v = rows(sum(lq), 1, 4), rows(sum(lk), 2), rows(sum(lk), 2)
+    assert 0 in q.stride() + k.stride() + v.stride()
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device="cuda")
+                  for x in (lq, lk))
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out.detach(), lse.detach(), q.detach(), k.detach(),
+                                      v.detach(), cu_q, cu_k, causal)
+    assert res["ok"], f"{bwd_varlen_key} {expanded}: {res['why']}"
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_grads_match(f"{bwd_varlen_key} {expanded}", grads, q, k, v, dout, cu_q, cu_k, causal)
+
+
 def test_backward_ignores_padding_rows(lib, bwd_varlen_key):
     """NaN rows of q, k, v and dout past the last sequence change no gradient of the sequences."""
     dtype, d, causal = bwd_varlen_key
