@@ -615,11 +615,7 @@ struct FwdMainloop {
     // Skipped when no row of the warp moved its maximum (warp-uniform: a predicated multiply
     // would still cost its issue slot).
     auto rescale_o_if_needed = [&]() {
-      if constexpr (Traits::kRescaleBranchless) {
-        scale_rows(O, rescale);
-      } else {
-        if (__any_sync(0xffffffffu, rescale_o)) scale_rows(O, rescale);
-      }
+      if (__any_sync(0xffffffffu, rescale_o)) scale_rows(O, rescale);
     };
     auto to_p = [&]() {
       if constexpr (Traits::kFp8) {

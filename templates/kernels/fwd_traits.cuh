@@ -197,16 +197,6 @@ struct FwdTraits {
   static constexpr bool kPBeforeRescale =
       !kFp8 && !PInSmem && HeadDim == 128 && TileN == 128 && !Local && !Softcap;
 
-  // O rescaled on every step without the warp vote and its branch (the factor is 1 where a
-  // row kept its maximum), as FA4's loop does: a straight-line step for ptxas to schedule, at
-  // the price of one FMUL per O register. FA3GEN_FWD_RESCALE_BRANCHLESS: a measurement switch
-  // (off by default; 16-bit forwards).
-#ifdef FA3GEN_FWD_RESCALE_BRANCHLESS
-  static constexpr bool kRescaleBranchless = !kFp8;
-#else
-  static constexpr bool kRescaleBranchless = false;
-#endif
-
   static_assert(TileM % 64 == 0 && kConsumerWGs >= 1 && kConsumerWGs <= 3);
   static_assert(TileN % 16 == 0 && TileN <= 256);
   static_assert(HeadDim % 32 == 0 && HeadDim <= 256);
