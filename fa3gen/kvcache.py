@@ -584,6 +584,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
                                 "at most 2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
+    if append:
+        _check_cache_writable(k_cache, v_cache)
     seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed
@@ -718,6 +720,19 @@ def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
     if cache_seqlens is None:
         raise InvalidInputError("appending k, v needs cache_seqlens (where they go)")
     return k.shape[1]
+
+
+def _check_cache_writable(k_cache, v_cache) -> None:
+    """The append writes k and v into the cache in place. A cache whose elements share memory
+    (a stride of 0 over a dimension of more than one: expand()) would have one sequence's or
+    head's new rows land on another's, the last writer winning; reading such a cache is fine."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+            raise InvalidInputError(
+                f"{name} {tuple(t.shape)} has strides {tuple(t.stride())}: a stride of 0 (e.g. "
+                "expand()) makes its rows share memory, and appending k, v writes the cache in "
+                "place; pass a cache with memory of its own (e.g. .contiguous()), or append "
+                "separately")
 
 
 def _start_rows(seqlens, batch: int, device) -> torch.Tensor:

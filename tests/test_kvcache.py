@@ -1826,3 +1826,23 @@ def test_a_cache_past_the_kernels_position_arithmetic_is_refused(launched, pages
                                         cache_seqlens=torch.tensor([100], dtype=torch.int32),
                                         block_table=table.contiguous())
     assert not launched
+
+
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_append_into_a_cache_whose_rows_share_memory(launched, dim):
+    """expand()ed caches (stride 0 over batch, rows or heads) are read as they are, but an
+    append into one would land several sequences' (rows', heads') new keys on the same memory:
+    refused before anything is written."""
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    shape = [2, 16, 2, 64]
+    one = [1 if i == dim else n for i, n in enumerate(shape)]
+    kc, vc = (torch.randn(*one).to(BF).expand(*shape) for _ in range(2))
+    before = kc.clone()
+    kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=8)  # reading: planned and launched
+    assert launched and 0 in (launched[0].k_batch_stride, launched[0].k_row_stride, launched[0].k_head_stride)
+    new = torch.ones(2, 1, 2, 64, dtype=BF)
+    for cache in ("k_cache", "v_cache"):
+        caches = (kc, vc.contiguous()) if cache == "k_cache" else (kc.contiguous(), vc)
+        with pytest.raises(InvalidInputError, match=f"{cache} .* stride of 0 .* appending k, v"):
+            kvcache.flash_attn_with_kvcache(q, *caches, new, new, cache_seqlens=8)
+    assert torch.equal(kc, before)

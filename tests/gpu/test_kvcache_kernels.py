@@ -62,6 +62,26 @@ def test_contiguous(lib, dtype, d, case, splits):
         _check(out, lse, ref, ref_lse)
 
 
+@pytest.mark.parametrize("dim", [0, 2], ids=["batch", "heads"])
+@pytest.mark.parametrize("seqlen_q", [1, 96], ids=["decode", "prefill"])
+def test_expanded_cache_read(lib, dim, seqlen_q):
+    """A cache expand()ed over batch or heads (stride 0) is read as it is, by the decode kernels
+    and by chunked prefill (an append into one is refused: tests/test_kvcache.py)."""
+    g = torch.Generator(device="cuda").manual_seed(41 + dim)
+    b, hq, hkv, d, cap = 3, 8, 4, 128, 300
+    q = torch.randn(b, seqlen_q, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    shape = [b, cap, hkv, d]
+    one = [1 if i == dim else n for i, n in enumerate(shape)]
+    kc, vc = (torch.randn(*one, device="cuda", dtype=torch.bfloat16, generator=g).expand(*shape)
+              for _ in range(2))
+    seqlens = torch.tensor([cap, 150, 97], dtype=torch.int32, device="cuda")
+    out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                               return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=True)
+    _check(out, lse, ref, ref_lse)
+
+
 @pytest.mark.parametrize("splits", [0, 1])
 def test_no_keys_at_all(lib, splits):
     """cache_seqlens 0 as an int (and an empty cache): every row sees no key, out 0 and LSE -inf
