@@ -109,8 +109,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
     them is an error when cache_seqlens is an int; with a tensor that check needs the data on
     the host: FA3GEN_DEBUG_CHECKS=1 makes it (with the range checks of block_table and
-    cache_batch_idx; a device sync), otherwise rows past the capacity are not written (the
-    cache's last row may then keep its old value) and nothing is read or written outside it.
+    cache_batch_idx, and that no two new rows land on one cache row; a device sync), otherwise
+    rows past the capacity are not written (the cache's last row may then keep its old value)
+    and nothing is read or written outside it. A cache with a stride of 0 (expand()) is not
+    appended to (its rows share memory).
 
     An e4m3 cache (k_cache, v_cache float8_e4m3fn; q bf16/fp16): the cached values are
     value * k_scale (v_scale), each None (1), a float, or an fp32 tensor of shape (heads_kv,) or
@@ -1133,6 +1135,7 @@ def _debug_check_scales(k_scale, v_scale) -> None:
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,
                   appended=0):
     """FA3GEN_DEBUG_CHECKS=1: what needs the data on the host."""
+    starts = cache_seqlens  # where the appended rows go
     if cache_seqlens is not None:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0 or hi > capacity - appended:
@@ -1152,3 +1155,28 @@ def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_
             if n and (int(pages.min()) < 0 or int(pages.max()) >= pages_or_b):
                 raise InvalidInputError(f"block_table row {i} points outside the cache's "
                                         f"{pages_or_b} pages")
+    if appended and starts is not None and (cache_batch_idx is not None or block_table is not None):
+        _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table, rows_per)
+
+
+def _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table, rows_per) -> None:
+    """FA3GEN_DEBUG_CHECKS=1 with k, v appended: no two new rows land on one cache row (a cache
+    row that cache_batch_idx maps twice, or a page that block_table lists twice, where both
+    append): those writes would race, the last one winning. Sharing what is only read is fine."""
+    steps = torch.arange(appended, device=starts.device)
+    pos = starts.long()[:, None] + steps                        # (batch, appended) positions
+    if block_table is not None:
+        slot = block_table.long().gather(1, pos // rows_per) * rows_per + pos % rows_per
+    else:
+        slot = cache_batch_idx.long()[:, None] * rows_per + pos
+    ordered, order = slot.flatten().sort(stable=True)  # equal slots: the earlier row first
+    same = (ordered[1:] == ordered[:-1]).nonzero()
+    if same.numel():
+        first = int(same[0, 0])
+        (i, a), (j, b) = (divmod(int(order[first + e]), appended) for e in (0, 1))
+        where = "page" if block_table is not None else "cache row"
+        raise InvalidInputError(
+            f"sequence {i}'s new row {a} and sequence {j}'s new row {b} would both be written to "
+            f"{where} {int(ordered[first]) // rows_per}, row {int(ordered[first]) % rows_per} "
+            f"({'block_table' if block_table is not None else 'cache_batch_idx'} maps them there); "
+            "the appends would overwrite each other")
