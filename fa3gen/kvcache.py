@@ -109,10 +109,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_seqlens + seqlen_new keys (cache_seqlens itself is not changed). A cache too small for
     them is an error when cache_seqlens is an int; with a tensor that check needs the data on
     the host: FA3GEN_DEBUG_CHECKS=1 makes it (with the range checks of block_table and
-    cache_batch_idx, and that no two new rows land on one cache row; a device sync), otherwise
-    rows past the capacity are not written (the cache's last row may then keep its old value)
-    and nothing is read or written outside it. A cache with a stride of 0 (expand()) is not
-    appended to (its rows share memory).
+    cache_batch_idx, and that no cache position, a row of a cache row or page, receives two
+    new rows; a device sync), otherwise rows past the capacity are not written (the cache's
+    last row may then keep its old value) and nothing is read or written outside it.
+    Appending into a cache with a stride of 0 over a dimension of more than one (expand())
+    raises InvalidInputError, as PyTorch's in-place writes do; reading one is fine.
 
     An e4m3 cache (k_cache, v_cache float8_e4m3fn; q bf16/fp16): the cached values are
     value * k_scale (v_scale), each None (1), a float, or an fp32 tensor of shape (heads_kv,) or
@@ -1160,9 +1161,10 @@ def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_
 
 
 def _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table, rows_per) -> None:
-    """FA3GEN_DEBUG_CHECKS=1 with k, v appended: no two new rows land on one cache row (a cache
-    row that cache_batch_idx maps twice, or a page that block_table lists twice, where both
-    append): those writes would race, the last one winning. Sharing what is only read is fine."""
+    """FA3GEN_DEBUG_CHECKS=1 with k, v appended: no cache position (a row of a cache row or
+    page) receives two new rows, as where cache_batch_idx maps two sequences to one cache row,
+    or block_table lists a page twice, at positions both write: those writes would race, the
+    last one winning. Sharing positions that are only read is fine."""
     steps = torch.arange(appended, device=starts.device)
     pos = starts.long()[:, None] + steps                        # (batch, appended) positions
     if block_table is not None:
@@ -1177,6 +1179,6 @@ def _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table
         where = "page" if block_table is not None else "cache row"
         raise InvalidInputError(
             f"sequence {i}'s new row {a} and sequence {j}'s new row {b} would both be written to "
-            f"{where} {int(ordered[first]) // rows_per}, row {int(ordered[first]) % rows_per} "
+            f"{where} {int(ordered[first]) // rows_per}, position {int(ordered[first]) % rows_per} "
             f"({'block_table' if block_table is not None else 'cache_batch_idx'} maps them there); "
             "the appends would overwrite each other")

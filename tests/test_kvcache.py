@@ -1849,9 +1849,10 @@ def test_append_into_a_cache_whose_rows_share_memory(launched, dim):
 
 
 def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
-    """FA3GEN_DEBUG_CHECKS=1: two sequences whose new rows would be written to the same cache
-    row (cache_batch_idx mapping both to one, or block_table listing one page twice where
-    they append) are refused before the append; sharing rows that are only read is not."""
+    """FA3GEN_DEBUG_CHECKS=1: new rows that would be written to one cache position (a cache row
+    that cache_batch_idx maps twice, or a page that block_table lists twice, where both append)
+    are refused before the append; one cache row or page appended to at other positions, or
+    only read, is not."""
     monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
     q = torch.zeros(2, 1, 2, 64, dtype=BF)
     kc, vc = torch.zeros(3, 32, 2, 64, dtype=BF), torch.zeros(3, 32, 2, 64, dtype=BF)
@@ -1859,7 +1860,7 @@ def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
     i32 = dict(dtype=torch.int32)
     same_row = torch.tensor([1, 1], **i32)
     with pytest.raises(InvalidInputError, match="sequence 0's new row 1 and sequence 1's new row 0 "
-                                                "would both be written to cache row 1, row 6"):
+                                                "would both be written to cache row 1, position 6"):
         kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=torch.tensor([5, 6], **i32),
                                         cache_batch_idx=same_row)
     assert not kc.any()  # nothing was written
@@ -1871,13 +1872,13 @@ def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
     pages_k, pages_v = torch.zeros(4, 16, 2, 64, dtype=BF), torch.zeros(4, 16, 2, 64, dtype=BF)
     shared_page = torch.tensor([[0, 2], [1, 2]], **i32)  # both sequences' second page is 2
     kvcache.flash_attn_with_kvcache(q, pages_k, pages_v, new, new, block_table=shared_page,
-                                    cache_seqlens=torch.tensor([3, 10], **i32))  # appends to pages 0, 1
-    with pytest.raises(InvalidInputError, match="would both be written to page 2, row 4"):
+                                    cache_seqlens=torch.tensor([20, 28], **i32))  # page 2: 4-5, 12-13
+    with pytest.raises(InvalidInputError, match="would both be written to page 2, position 4"):
         kvcache.flash_attn_with_kvcache(q, pages_k, pages_v, new, new, block_table=shared_page,
                                         cache_seqlens=torch.tensor([20, 19], **i32))
     rows_k, rows_v = torch.zeros(8, 1, 2, 64, dtype=BF), torch.zeros(8, 1, 2, 64, dtype=BF)
     twice = torch.tensor([[3, 3], [0, 1]], **i32)  # pages of one row: sequence 0 lists page 3 twice
     with pytest.raises(InvalidInputError, match="sequence 0's new row 0 and sequence 0's new row 1 "
-                                                "would both be written to page 3, row 0"):
+                                                "would both be written to page 3, position 0"):
         kvcache.flash_attn_with_kvcache(q, rows_k, rows_v, new, new, block_table=twice,
                                         cache_seqlens=torch.tensor([0, 0], **i32))

@@ -62,10 +62,10 @@ def test_contiguous(lib, dtype, d, case, splits):
         _check(out, lse, ref, ref_lse)
 
 
-@pytest.mark.parametrize("dim", [0, 2], ids=["batch", "heads"])
+@pytest.mark.parametrize("dim", [0, 1, 2], ids=["batch", "rows", "heads"])
 @pytest.mark.parametrize("seqlen_q", [1, 96], ids=["decode", "prefill"])
 def test_expanded_cache_read(lib, dim, seqlen_q):
-    """A cache expand()ed over batch or heads (stride 0) is read as it is, by the decode kernels
+    """A cache expand()ed over batch, rows or heads (stride 0) is read as it is, by the decode kernels
     and by chunked prefill (an append into one is refused: tests/test_kvcache.py)."""
     g = torch.Generator(device="cuda").manual_seed(41 + dim)
     b, hq, hkv, d, cap = 3, 8, 4, 128, 300
