@@ -1839,7 +1839,8 @@ def test_append_into_a_cache_whose_rows_share_memory(launched, dim):
     kc, vc = (torch.randn(*one).to(BF).expand(*shape) for _ in range(2))
     before = kc.clone()
     kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=8)  # reading: planned and launched
-    assert launched and 0 in (launched[0].k_batch_stride, launched[0].k_row_stride, launched[0].k_head_stride)
+    p = launched[0]
+    assert 0 in (p.k_batch_stride, p.k_row_stride, p.k_head_stride)
     new = torch.ones(2, 1, 2, 64, dtype=BF)
     for cache in ("k_cache", "v_cache"):
         caches = (kc, vc.contiguous()) if cache == "k_cache" else (kc.contiguous(), vc)
@@ -1861,8 +1862,8 @@ def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
     same_row = torch.tensor([1, 1], **i32)
     with pytest.raises(InvalidInputError, match="sequence 0's new row 1 and sequence 1's new row 0 "
                                                 "would both be written to cache row 1, position 6"):
-        kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=torch.tensor([5, 6], **i32),
-                                        cache_batch_idx=same_row)
+        kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_batch_idx=same_row,
+                                        cache_seqlens=torch.tensor([5, 6], **i32))
     assert not kc.any()  # nothing was written
     # one cache row, rows 5-6 and 7-8: no overlap; and reading one row twice is fine
     kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=torch.tensor([5, 7], **i32),
@@ -1872,7 +1873,7 @@ def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
     pages_k, pages_v = torch.zeros(4, 16, 2, 64, dtype=BF), torch.zeros(4, 16, 2, 64, dtype=BF)
     shared_page = torch.tensor([[0, 2], [1, 2]], **i32)  # both sequences' second page is 2
     kvcache.flash_attn_with_kvcache(q, pages_k, pages_v, new, new, block_table=shared_page,
-                                    cache_seqlens=torch.tensor([20, 28], **i32))  # page 2: 4-5, 12-13
+                                    cache_seqlens=torch.tensor([20, 28], **i32))  # page 2 twice
     with pytest.raises(InvalidInputError, match="would both be written to page 2, position 4"):
         kvcache.flash_attn_with_kvcache(q, pages_k, pages_v, new, new, block_table=shared_page,
                                         cache_seqlens=torch.tensor([20, 19], **i32))
