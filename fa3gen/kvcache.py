@@ -112,8 +112,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_batch_idx, and that no cache position, a row of a cache row or page, receives two
     new rows; a device sync), otherwise rows past the capacity are not written (the cache's
     last row may then keep its old value) and nothing is read or written outside it.
-    Appending into a cache with a stride of 0 over a dimension of more than one (expand())
-    raises InvalidInputError, as PyTorch's in-place writes do; reading one is fine.
+    Appending into a cache whose elements may share memory (a stride of 0 over a dimension of
+    more than one, as expand() makes, or rows laid over each other) raises InvalidInputError,
+    as does an append that a block_table or cache_batch_idx with a stride of 0 over the batch
+    and one length for every sequence would send to one place; reading such a cache is fine.
 
     An e4m3 cache (k_cache, v_cache float8_e4m3fn; q bf16/fp16): the cached values are
     value * k_scale (v_scale), each None (1), a float, or an fp32 tensor of shape (heads_kv,) or
@@ -596,6 +598,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         _check_int32_vector("cache_seqlens", cache_seqlens, b, q.device)
     if cache_batch_idx is not None:
         _check_int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
+    if append:
+        _check_shared_rows(b, cache_seqlens, cache_batch_idx, block_table)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got "
                                 f"{ops.shown(num_splits)}")
@@ -725,17 +729,50 @@ def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
     return k.shape[1]
 
 
+def _may_share_memory(t: torch.Tensor) -> bool:
+    """Whether two elements of t may sit at one address: unless each of its dimensions of more
+    than one element, taken by stride, steps past all that the smaller ones span. Slices of a
+    larger tensor pass; a stride of 0 (expand()) or rows that as_strided laid over each other
+    do not (nor the rare layout that interleaves without overlapping)."""
+    dims = [(stride, size) for stride, size in zip(t.stride(), t.shape) if size > 1]
+    span = 0
+    while dims:  # smallest stride first (no sort: dynamo traces this and sorts only ints)
+        inner = 0
+        for i in range(1, len(dims)):
+            if dims[i][0] < dims[inner][0]:
+                inner = i
+        stride, size = dims.pop(inner)
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def _check_cache_writable(k_cache, v_cache) -> None:
     """The append writes k and v into the cache in place. A cache whose elements share memory
-    (a stride of 0 over a dimension of more than one: expand()) would have one sequence's or
-    head's new rows land on another's, the last writer winning; reading such a cache is fine."""
+    would have one sequence's or head's new rows land on another's, the last writer winning;
+    reading such a cache is fine."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        if _may_share_memory(t):
             raise InvalidInputError(
-                f"{name} {tuple(t.shape)} has strides {tuple(t.stride())}: a stride of 0 (e.g. "
-                "expand()) makes its rows share memory, and appending k, v writes the cache in "
-                "place; pass a cache with memory of its own (e.g. .contiguous()), or append "
-                "separately")
+                f"{name} {tuple(t.shape)} has strides {tuple(t.stride())}, by which its elements "
+                "may share memory (a stride of 0, as expand() makes, or rows laid over each "
+                "other), and appending k, v writes the cache in place; pass a cache with memory "
+                "of its own (e.g. .contiguous()), or append separately")
+
+
+def _check_shared_rows(batch, cache_seqlens, cache_batch_idx, block_table) -> None:
+    """With k, v appended: a block_table or cache_batch_idx with a stride of 0 over the batch
+    (every sequence on one cache row or pages) and one length for every sequence (an int
+    cache_seqlens, or a tensor with a stride of 0) send every sequence's new rows to one place."""
+    one_length = isinstance(cache_seqlens, int) or (
+        isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.stride(0) == 0)
+    for name, t in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx)):
+        if batch > 1 and one_length and isinstance(t, torch.Tensor) and t.stride(0) == 0:
+            raise InvalidInputError(
+                f"{name} has a stride of 0 over the batch and every sequence appends at one "
+                f"length: all {batch} sequences' new rows would be written to the same cache "
+                "rows; give each sequence rows of its own")
 
 
 def _start_rows(seqlens, batch: int, device) -> torch.Tensor:

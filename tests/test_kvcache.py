@@ -1844,7 +1844,7 @@ def test_append_into_a_cache_whose_rows_share_memory(launched, dim):
     new = torch.ones(2, 1, 2, 64, dtype=BF)
     for cache in ("k_cache", "v_cache"):
         caches = (kc, vc.contiguous()) if cache == "k_cache" else (kc.contiguous(), vc)
-        with pytest.raises(InvalidInputError, match=f"{cache} .* stride of 0 .* appending k, v"):
+        with pytest.raises(InvalidInputError, match=f"{cache} .* may share memory .* appending k, v"):
             kvcache.flash_attn_with_kvcache(q, *caches, new, new, cache_seqlens=8)
     assert torch.equal(kc, before)
 
@@ -1883,3 +1883,37 @@ def test_debug_checks_catch_appends_to_one_cache_row(launched, monkeypatch):
                                                 "would both be written to page 3, position 0"):
         kvcache.flash_attn_with_kvcache(q, rows_k, rows_v, new, new, block_table=twice,
                                         cache_seqlens=torch.tensor([0, 0], **i32))
+
+
+def test_append_into_caches_laid_over_themselves_or_shared_rows(launched):
+    """Memory shared without a stride of 0 (as_strided rows over each other) is refused for an
+    append too, while slices of one buffer (k and v interleaved in a kv cache) are not; a
+    block_table or cache_batch_idx with a stride of 0 over the batch, at one length for every
+    sequence, would send every sequence's new rows to one place: refused without reading it."""
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    new = torch.ones(2, 1, 2, 64, dtype=BF)
+    buf = torch.zeros(4096, dtype=BF)
+    batch_over_rows = buf.as_strided((2, 16, 2, 64), (128, 128, 64, 1))  # b's row r is b+1's r-1
+    rows_over_heads = buf.as_strided((2, 16, 2, 64), (2048, 64, 64, 1))  # row r head 1 is r+1 head 0
+    fine = torch.zeros(2, 16, 2, 64, dtype=BF)
+    for cache in (batch_over_rows, rows_over_heads):
+        with pytest.raises(InvalidInputError, match="k_cache .* may share memory"):
+            kvcache.flash_attn_with_kvcache(q, cache, fine, new, new, cache_seqlens=3)
+        kvcache.flash_attn_with_kvcache(q, cache, fine, cache_seqlens=3)  # reading is fine
+    kv = torch.zeros(2, 16, 2, 2, 64, dtype=BF)  # (batch, rows, k or v, heads, d)
+    kvcache.flash_attn_with_kvcache(q, kv[:, :, 0], kv[:, :, 1], new, new, cache_seqlens=3)
+    assert (kv[:, 3, 0] == 1).all() and (kv[:, 3, 1] == 1).all() and kv[:, 4:].eq(0).all()
+    i32 = dict(dtype=torch.int32)
+    pages = torch.zeros(8, 16, 2, 64, dtype=BF)
+    one_table = torch.tensor([[0, 1]], **i32).expand(2, 2)
+    for lengths in (3, torch.tensor([3], **i32).expand(2)):
+        with pytest.raises(InvalidInputError, match="block_table has a stride of 0 .* all 2 sequences"):
+            kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, block_table=one_table,
+                                            cache_seqlens=lengths)
+    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=one_table, cache_seqlens=3)
+    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, block_table=one_table,
+                                    cache_seqlens=torch.tensor([3, 9], **i32))  # other rows
+    one_row = torch.tensor([1], **i32).expand(2)
+    with pytest.raises(InvalidInputError, match="cache_batch_idx has a stride of 0"):
+        kvcache.flash_attn_with_kvcache(q, fine, fine.clone(), new, new, cache_batch_idx=one_row,
+                                        cache_seqlens=3)
