@@ -1844,7 +1844,7 @@ def test_append_into_a_cache_whose_rows_share_memory(launched, dim):
     new = torch.ones(2, 1, 2, 64, dtype=BF)
     for cache in ("k_cache", "v_cache"):
         caches = (kc, vc.contiguous()) if cache == "k_cache" else (kc.contiguous(), vc)
-        with pytest.raises(InvalidInputError, match=f"{cache} .* may share memory .* appending k, v"):
+        with pytest.raises(InvalidInputError, match=f"{cache} .* may share memory .* appending"):
             kvcache.flash_attn_with_kvcache(q, *caches, new, new, cache_seqlens=8)
     assert torch.equal(kc, before)
 
@@ -1894,7 +1894,7 @@ def test_append_into_caches_laid_over_themselves_or_shared_rows(launched):
     new = torch.ones(2, 1, 2, 64, dtype=BF)
     buf = torch.zeros(4096, dtype=BF)
     batch_over_rows = buf.as_strided((2, 16, 2, 64), (128, 128, 64, 1))  # b's row r is b+1's r-1
-    rows_over_heads = buf.as_strided((2, 16, 2, 64), (2048, 64, 64, 1))  # row r head 1 is r+1 head 0
+    rows_over_heads = buf.as_strided((2, 16, 2, 64), (2048, 64, 64, 1))  # r head 1 = r+1 head 0
     fine = torch.zeros(2, 16, 2, 64, dtype=BF)
     for cache in (batch_over_rows, rows_over_heads):
         with pytest.raises(InvalidInputError, match="k_cache .* may share memory"):
@@ -1907,9 +1907,9 @@ def test_append_into_caches_laid_over_themselves_or_shared_rows(launched):
     pages = torch.zeros(8, 16, 2, 64, dtype=BF)
     one_table = torch.tensor([[0, 1]], **i32).expand(2, 2)
     for lengths in (3, torch.tensor([3], **i32).expand(2)):
-        with pytest.raises(InvalidInputError, match="block_table has a stride of 0 .* all 2 sequences"):
-            kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, block_table=one_table,
-                                            cache_seqlens=lengths)
+        with pytest.raises(InvalidInputError, match="block_table has a stride of 0 .* all 2"):
+            kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), new, new,
+                                            block_table=one_table, cache_seqlens=lengths)
     kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), block_table=one_table, cache_seqlens=3)
     kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), new, new, block_table=one_table,
                                     cache_seqlens=torch.tensor([3, 9], **i32))  # other rows
