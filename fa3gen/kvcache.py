@@ -589,8 +589,6 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
                                 "at most 2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
-    if append:
-        _check_cache_writable(k_cache, v_cache)
     seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed
@@ -599,7 +597,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
     if cache_batch_idx is not None:
         _check_int32_vector("cache_batch_idx", cache_batch_idx, b, q.device)
     if append:
-        _check_shared_rows(b, cache_seqlens, cache_batch_idx, block_table)
+        _check_append_places(b, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise InvalidInputError(f"num_splits must be an int >= 0 (0: automatic), got "
                                 f"{ops.shown(num_splits)}")
@@ -748,10 +746,14 @@ def _may_share_memory(t: torch.Tensor) -> bool:
     return False
 
 
-def _check_cache_writable(k_cache, v_cache) -> None:
-    """The append writes k and v into the cache in place. A cache whose elements share memory
-    would have one sequence's or head's new rows land on another's, the last writer winning;
-    reading such a cache is fine."""
+def _check_append_places(batch, k_cache, v_cache, cache_seqlens, cache_batch_idx,
+                         block_table) -> None:
+    """The append writes k and v into the cache in place, where no two new rows may land on
+    one place (the last writer would win; reading shared places is fine): refused are a cache
+    whose elements may share memory, and a block_table or cache_batch_idx with a stride of 0
+    over the batch (every sequence on one cache row or pages) with one length for every
+    sequence (an int cache_seqlens, or a tensor with a stride of 0). From the layouts only:
+    once a signature (FA3GEN_DEBUG_CHECKS reads the indices, _debug_check_disjoint_appends)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if _may_share_memory(t):
             raise InvalidInputError(
@@ -759,16 +761,12 @@ def _check_cache_writable(k_cache, v_cache) -> None:
                 "may share memory (a stride of 0, as expand() makes, or rows laid over each "
                 "other), and appending k, v writes the cache in place; pass a cache with memory "
                 "of its own (e.g. .contiguous()), or append separately")
-
-
-def _check_shared_rows(batch, cache_seqlens, cache_batch_idx, block_table) -> None:
-    """With k, v appended: a block_table or cache_batch_idx with a stride of 0 over the batch
-    (every sequence on one cache row or pages) and one length for every sequence (an int
-    cache_seqlens, or a tensor with a stride of 0) send every sequence's new rows to one place."""
     one_length = isinstance(cache_seqlens, int) or (
         isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.stride(0) == 0)
+    if batch < 2 or not one_length:
+        return
     for name, t in (("block_table", block_table), ("cache_batch_idx", cache_batch_idx)):
-        if batch > 1 and one_length and isinstance(t, torch.Tensor) and t.stride(0) == 0:
+        if isinstance(t, torch.Tensor) and t.stride(0) == 0:
             raise InvalidInputError(
                 f"{name} has a stride of 0 over the batch and every sequence appends at one "
                 f"length: all {batch} sequences' new rows would be written to the same cache "
@@ -1173,28 +1171,28 @@ def _debug_check_scales(k_scale, v_scale) -> None:
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,
                   appended=0):
     """FA3GEN_DEBUG_CHECKS=1: what needs the data on the host."""
-    starts = cache_seqlens  # where the appended rows go
     if cache_seqlens is not None:
         lo, hi = int(cache_seqlens.min()), int(cache_seqlens.max())
         if lo < 0 or hi > capacity - appended:
             raise InvalidInputError(
                 f"cache_seqlens in [{lo}, {hi}], outside [0, {capacity - appended}]"
                 + (f" (the cache holds {capacity} rows, {appended} are appended)" if appended else ""))
-        cache_seqlens = cache_seqlens + appended  # the pages the attention reads
     if cache_batch_idx is not None:
         lo, hi = int(cache_batch_idx.min()), int(cache_batch_idx.max())
         if lo < 0 or hi >= pages_or_b:
             raise InvalidInputError(f"cache_batch_idx in [{lo}, {hi}], outside the cache's "
                                     f"{pages_or_b} rows")
-    if block_table is not None and cache_seqlens is not None:
-        used = [(-(-int(n) // rows_per)) for n in cache_seqlens.tolist()]
+    if block_table is not None and cache_seqlens is not None:  # the pages the attention reads
+        used = [(-(-int(n) // rows_per)) for n in (cache_seqlens + appended).tolist()]
         for i, n in enumerate(used):
             pages = block_table[i, :n]
             if n and (int(pages.min()) < 0 or int(pages.max()) >= pages_or_b):
                 raise InvalidInputError(f"block_table row {i} points outside the cache's "
                                         f"{pages_or_b} pages")
-    if appended and starts is not None and (cache_batch_idx is not None or block_table is not None):
-        _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table, rows_per)
+    if appended and cache_seqlens is not None and (cache_batch_idx is not None or
+                                                   block_table is not None):
+        _debug_check_disjoint_appends(cache_seqlens, appended, cache_batch_idx, block_table,
+                                      rows_per)
 
 
 def _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table, rows_per) -> None:
@@ -1213,9 +1211,9 @@ def _debug_check_disjoint_appends(starts, appended, cache_batch_idx, block_table
     if same.numel():
         first = int(same[0, 0])
         (i, a), (j, b) = (divmod(int(order[first + e]), appended) for e in (0, 1))
-        where = "page" if block_table is not None else "cache row"
+        where, by = ("page", "block_table") if block_table is not None else \
+            ("cache row", "cache_batch_idx")
         raise InvalidInputError(
             f"sequence {i}'s new row {a} and sequence {j}'s new row {b} would both be written to "
             f"{where} {int(ordered[first]) // rows_per}, position {int(ordered[first]) % rows_per} "
-            f"({'block_table' if block_table is not None else 'cache_batch_idx'} maps them there); "
-            "the appends would overwrite each other")
+            f"({by} maps them there); the appends would overwrite each other")

@@ -169,23 +169,15 @@ def test_expanded_heads_with_zero_strides(lib, bwd_varlen_key, expanded):
     """Packed rows expand()ed along heads (stride 0) reach the kernels as views: forward and
     gradients of the views against the reference (the dense test's varlen counterpart)."""
     dtype, d, causal = bwd_varlen_key
-    g = torch.Generator(device="cuda").manual_seed(37)
-    lq, lk = zip(*LENGTHS["mixed"])
-
-    def rows(n, h, expand_to=None):
-        t = torch.randn(n, h, d, device="cuda", dtype=DTYPES[dtype], generator=g,
-                        requires_grad=True)
-        return t if expand_to is None else t.expand(n, expand_to, d)
-
+    heads = (4, 1) if expanded == "kv_heads" else (1, 2)
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], *heads, d, DTYPES[dtype], seed=37,
+                                         grad=True)
     if expanded == "kv_heads":
-        q, k, v = rows(sum(lq), 4), rows(sum(lk), 1, 4), rows(sum(lk), 1, 4)
+        k, v = k.expand(-1, 4, -1), v.expand(-1, 4, -1)
     else:
-        q, k, v = rows(sum(lq), 1, 4), rows(sum(lk), 2), rows(sum(lk), 2)
+        q = q.expand(-1, 4, -1)
     assert 0 in q.stride() + k.stride() + v.stride()
-    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(x)], dtype=torch.int32, device="cuda")
-                  for x in (lq, lk))
-    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
-                                      return_lse=True)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True)
     torch.cuda.synchronize()
     res = compare_varlen_to_reference(out.detach(), lse.detach(), q.detach(), k.detach(),
                                       v.detach(), cu_q, cu_k, causal)
