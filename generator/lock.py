@@ -60,16 +60,10 @@ def _claim(fd: int) -> None:
 
 
 def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
-    if not _compiles_busy(out_dir):
-        return
     path = out_dir / COMPILES_LOCK_NAME
-    log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still running; "
-        f"waiting for them (`fuser -v {path}` lists them)")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    finally:
-        os.close(fd)
+    _compiles_busy(out_dir, wait=lambda: log(
+        f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still running; "
+        f"waiting for them (`fuser -v {path}` lists them)"))
 
 
 @contextmanager
@@ -104,7 +98,9 @@ def _other_build(build_lock_path: Path) -> str | None:
     return holder if mine and holder and holder != mine else None
 
 
-def _compiles_busy(out_dir: Path) -> bool:
+def _compiles_busy(out_dir: Path, wait: Callable[[], None] | None = None) -> bool:
+    """Whether compiles hold out_dir's compiles' lock; with `wait`, when they do, wait() is
+    called and then the compiles are waited for (on the same descriptor)."""
     try:
         fd = os.open(Path(out_dir) / COMPILES_LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # never compiled (or before this lock existed)
@@ -113,6 +109,9 @@ def _compiles_busy(out_dir: Path) -> bool:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
     except BlockingIOError:
+        if wait is not None:
+            wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
         return True
     finally:
         os.close(fd)
