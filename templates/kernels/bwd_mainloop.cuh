@@ -323,6 +323,34 @@ struct BwdMainloop {
     }
   }
 
+  // dP(r, c) = dS = P (dP - D) for rows [First, Last) of the (query, key) views (kSplitDkv).
+  template <int First, int Last, class TScores, class DOf>
+  __device__ __forceinline__ static void grad_rows(TScores const& S, TScores& dP, DOf const& d_of) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = First; r < Last; ++r) {
+      const float d = d_of(r);
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
+    }
+  }
+
+  // Rows [First, Last) of a (query, key) view converted to 16 bits, two rows at a time: rows
+  // 2i and 2i + 1 are a column pair of the accumulator, one packed conversion (kSplitDkv).
+  template <int First, int Last, class TSrc, class TDst>
+  __device__ __forceinline__ static void convert_rows(TSrc const& src, TDst& dst) {
+    static_assert(First % 2 == 0 && Last % 2 == 0);
+    cutlass::NumericArrayConverter<Element, float, 2> convert;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = First; r < Last; r += 2) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int c = 0; c < size<1>(src); ++c) {
+        const cutlass::Array<Element, 2> v = convert(cutlass::Array<float, 2>{src(r, c), src(r + 1, c)});
+        dst(r, c) = v[0];
+        dst(r + 1, c) = v[1];
+      }
+    }
+  }
+
   // Ends ptxas's basic block here: a loop on the clock, which it can neither drop nor predicate
   // (taken at most once in 2^32 cycles, to sleep). A volatile read of a parameter instead was
   // hoisted above its guard as a generic load of the parameter's offset: an illegal address.
@@ -460,6 +488,52 @@ struct BwdMainloop {
         auto mask_s = [&] {
           if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
         };
+        if constexpr (Traits::kSplitDkv) {
+          // dV and dK in two halves along the queries: the first issued once the first half of
+          // the queries' P and dS are converted, then the second half's exponentials run
+          // beside it. Rows r of the (query, key) views are queries 8 (r / 2) + ..., so rows
+          // [0, kRows / 2) are the first half of the GEMMs' k-blocks.
+          const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
+          constexpr int kRows = decltype(size<0>(S_qk))::value;
+          Tensor rP = make_tensor<Element>(tSrS.layout());
+          Tensor rdS = make_tensor<Element>(tSrdP.layout());
+          auto qk_view = [](auto& t) {
+            auto rc = make_tensor(t.data(), acc_as_rowcol(t.layout()));
+            return make_tensor(rc.data(), make_layout(layout<1>(rc), layout<0>(rc)));
+          };
+          Tensor rP_qk = qk_view(rP);
+          Tensor rdS_qk = qk_view(rdS);
+          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+          constexpr int kK = decltype(size<2>(tdVrP))::value, kParts = Traits::kSplitDkvParts;
+          static_assert(kK % kParts == 0 && kRows % (2 * kParts) == 0 && kRows % 4 == 0);
+          constexpr int kEarly = kRows / 4;  // exponentials before the dP wait
+          warpgroup_wait<1>();  // S is done, dP may still run
+          mask_s();
+          exp_rows<0, kEarly>(S_qk, lse);
+          end_basic_block();
+          warpgroup_wait<0>();  // dP
+          cute::for_each(make_int_sequence<kParts>{}, [&](auto part) {
+            constexpr int first = kRows * decltype(part)::value / kParts, last = first + kRows / kParts;
+            constexpr int k0 = kK * decltype(part)::value / kParts, k1 = k0 + kK / kParts;
+            exp_rows<(first > kEarly ? first : kEarly), (last > kEarly ? last : kEarly)>(S_qk, lse);
+            grad_rows<first, last>(S_qk, dP_qk, dsum);
+            convert_rows<first, last>(S_qk, rP_qk);
+            convert_rows<first, last>(dP_qk, rdS_qk);
+            wgmma_issue_k<k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+            wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+          });
+          const int buf = iter & 1;
+          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
+          cutlass::arch::fence_view_async_shared();
+          barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
+          Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
+          issue_dq(buf, tdQrdQ);
+          warpgroup_wait<0>();
+          hand_dq(tdQrdQ, st, iter, tid);
+          ++st;
+          continue;
+        }
         // kDqPerWg (FA4's sm90 step): half of the exponentials before the dP wait, so that the
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,

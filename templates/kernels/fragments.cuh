@@ -29,6 +29,21 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
 }
 
+// As wgmma_issue, k-blocks [KFirst, KLast) only, accumulating into tCrC: a GEMM issued in
+// parts along K as its A operand (registers) becomes ready.
+template <int KFirst, int KLast, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_issue_k(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  warpgroup_fence_operand(const_cast<TA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = KFirst; k < KLast; ++k) cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(tCrC);
+  warpgroup_fence_operand(const_cast<TA&>(tCrA));
+}
+
 // The slice of a warpgroup-level TiledMma for its shared-memory operands (descriptors). A
 // descriptor depends only on the warpgroup, so slicing at the warpgroup's first thread, with
 // the index broadcast from lane 0, lets ptxas see the values as warp-uniform and keep them in
