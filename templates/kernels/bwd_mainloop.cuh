@@ -351,6 +351,37 @@ struct BwdMainloop {
     }
   }
 
+  // kSplitDkv: scores_to_grads (no softcap) in Parts parts along the queries, each part's P
+  // and dS converted into rP and rdS and handed to issue_part(k0, k1), which issues the RS
+  // GEMMs' k-blocks [k0, k1) that take them. Rows r of the (query, key) views are queries
+  // 8 (r / 2) + ..., so rows [first, last) are k-blocks [first / 4, last / 4) of 16 queries.
+  template <int EarlyQuarters, class TScores, class TFrag, class LseOf, class DOf, class MaskS, class IssuePart>
+  __device__ __forceinline__ void grads_in_parts(TScores& S, TScores& dP, TFrag& rP, TFrag& rdS, LseOf const& lse_of,
+                                                 DOf const& d_of, MaskS const& mask_s, IssuePart const& issue_part) const {
+    auto qk_view = [](auto& t) {
+      auto rc = make_tensor(t.data(), acc_as_rowcol(t.layout()));
+      return make_tensor(rc.data(), make_layout(layout<1>(rc), layout<0>(rc)));
+    };
+    Tensor rP_qk = qk_view(rP);
+    Tensor rdS_qk = qk_view(rdS);
+    constexpr int kRows = decltype(size<0>(S))::value, kParts = Traits::kSplitDkvParts;
+    constexpr int kEarly = kRows * EarlyQuarters / 4;  // exponentials before the dP wait
+    static_assert(kRows % (4 * kParts) == 0);
+    warpgroup_wait<1>();  // S is done, dP may still run
+    mask_s();
+    exp_rows<0, kEarly>(S, lse_of);
+    if constexpr (kEarly < kRows) end_basic_block();
+    warpgroup_wait<0>();  // dP
+    cute::for_each(make_int_sequence<kParts>{}, [&](auto part) {
+      constexpr int first = kRows * decltype(part)::value / kParts, last = first + kRows / kParts;
+      exp_rows<(first > kEarly ? first : kEarly), (last > kEarly ? last : kEarly)>(S, lse_of);
+      grad_rows<first, last>(S, dP, d_of);
+      convert_rows<first, last>(S, rP_qk);
+      convert_rows<first, last>(dP, rdS_qk);
+      issue_part(Int<first / 4>{}, Int<last / 4>{});
+    });
+  }
+
   // Ends ptxas's basic block here: a loop on the clock, which it can neither drop nor predicate
   // (taken at most once in 2^32 cycles, to sleep). A volatile read of a parameter instead was
   // hoisted above its guard as a generic load of the parameter's offset: an illegal address.
@@ -488,66 +519,38 @@ struct BwdMainloop {
         auto mask_s = [&] {
           if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
         };
-        if constexpr (Traits::kSplitDkv) {
-          // dV and dK in two halves along the queries: the first issued once the first half of
-          // the queries' P and dS are converted, then the second half's exponentials run
-          // beside it. Rows r of the (query, key) views are queries 8 (r / 2) + ..., so rows
-          // [0, kRows / 2) are the first half of the GEMMs' k-blocks.
-          const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
-          constexpr int kRows = decltype(size<0>(S_qk))::value;
-          Tensor rP = make_tensor<Element>(tSrS.layout());
-          Tensor rdS = make_tensor<Element>(tSrdP.layout());
-          auto qk_view = [](auto& t) {
-            auto rc = make_tensor(t.data(), acc_as_rowcol(t.layout()));
-            return make_tensor(rc.data(), make_layout(layout<1>(rc), layout<0>(rc)));
-          };
-          Tensor rP_qk = qk_view(rP);
-          Tensor rdS_qk = qk_view(rdS);
-          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-          constexpr int kK = decltype(size<2>(tdVrP))::value, kParts = Traits::kSplitDkvParts;
-          static_assert(kK % kParts == 0 && kRows % (2 * kParts) == 0 && kRows % 4 == 0);
-          constexpr int kEarly = kRows / 4;  // exponentials before the dP wait
-          warpgroup_wait<1>();  // S is done, dP may still run
-          mask_s();
-          exp_rows<0, kEarly>(S_qk, lse);
-          end_basic_block();
-          warpgroup_wait<0>();  // dP
-          cute::for_each(make_int_sequence<kParts>{}, [&](auto part) {
-            constexpr int first = kRows * decltype(part)::value / kParts, last = first + kRows / kParts;
-            constexpr int k0 = kK * decltype(part)::value / kParts, k1 = k0 + kK / kParts;
-            exp_rows<(first > kEarly ? first : kEarly), (last > kEarly ? last : kEarly)>(S_qk, lse);
-            grad_rows<first, last>(S_qk, dP_qk, dsum);
-            convert_rows<first, last>(S_qk, rP_qk);
-            convert_rows<first, last>(dP_qk, rdS_qk);
-            wgmma_issue_k<k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-            wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
-          });
-          const int buf = iter & 1;
-          copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
-          cutlass::arch::fence_view_async_shared();
-          barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
-          Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
-          issue_dq(buf, tdQrdQ);
-          warpgroup_wait<0>();
-          hand_dq(tdQrdQ, st, iter, tid);
-          ++st;
-          continue;
-        }
         // kDqPerWg (FA4's sm90 step): half of the exponentials before the dP wait, so that the
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
         constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
-        if constexpr (Traits::kRowsByShfl) {
-          const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
-          scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse, dsum, mask_s);
-        } else {
-          auto [lse_of, d_of] = smem_row_stats(st.index(), [&](int r) { return get<1>(coordS(0, r)); });
-          scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse_of, d_of, mask_s);
-        }
-        Tensor rP = convert_fragment<Element>(tSrS);
-        Tensor rdS = convert_fragment<Element>(tSrdP);
+        // P and dS in 16 bits (rP, rdS). kSplitDkv: dV (and dK, unless kDqPerWg issues it after
+        // dQ) issued in parts as each part's P and dS are converted.
+        auto [rP, rdS] = [&] {
+          auto with_stats = [&](auto const& lse_of, auto const& d_of) {
+            if constexpr (Traits::kSplitDkv) {
+              Tensor rP = make_tensor<Element>(tSrS.layout());
+              Tensor rdS = make_tensor<Element>(tSrdP.layout());
+              Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+              Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
+              grads_in_parts<kEarlyQuarters>(S_qk, dP_qk, rP, rdS, lse_of, d_of, mask_s, [&](auto k0, auto k1) {
+                wgmma_issue_k<k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+                if constexpr (!Traits::kDqPerWg) wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+              });
+              return cute::make_tuple(rP, rdS);
+            } else {
+              scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse_of, d_of, mask_s);
+              return cute::make_tuple(convert_fragment<Element>(tSrS), convert_fragment<Element>(tSrdP));
+            }
+          };
+          if constexpr (Traits::kRowsByShfl) {
+            const ShuffledRowStats<kTileM> lse(smem.lse_log2[st.index()]), dsum(smem.dsum[st.index()]);
+            return with_stats(lse, dsum);
+          } else {
+            auto [lse_of, d_of] = smem_row_stats(st.index(), [&](int r) { return get<1>(coordS(0, r)); });
+            return with_stats(lse_of, d_of);
+          }
+        }();
         const int buf = iter & 1;
         if constexpr (Traits::kSplitHeadDim) {
           // Each warpgroup holds half of the queries of P^T: the dV GEMMs need all of them.
@@ -555,7 +558,7 @@ struct BwdMainloop {
         } else if constexpr (Traits::kDqPerWg) {
           Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+          if constexpr (!Traits::kSplitDkv) wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
           copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
           barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);
@@ -601,8 +604,10 @@ struct BwdMainloop {
           // spills; the wait it shortens is for the tensor pipe, which dK keeps busy anyway.)
           Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-          wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+          if constexpr (!Traits::kSplitDkv) {
+            wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+            wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+          }
         }
         copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
         cutlass::arch::fence_view_async_shared();

@@ -195,7 +195,7 @@ struct BwdTraits {
   // pipe runs it while the second half's exponentials are taken (bwd_mainloop.cuh).
 #ifdef FA3GEN_BWD_SPLIT_DKV
   static constexpr int kSplitDkvParts = FA3GEN_BWD_SPLIT_DKV + 0 > 1 ? FA3GEN_BWD_SPLIT_DKV + 0 : 2;
-  static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kDqPerWg && !kPInSmem && !kDqTransposed;
+  static constexpr bool kSplitDkv = (kRowsByShfl || kDqPerWg) && !kSoftcap && !kPInSmem && !kDqTransposed;
 #else
   static constexpr int kSplitDkvParts = 1;
   static constexpr bool kSplitDkv = false;
