@@ -524,8 +524,8 @@ struct BwdMainloop {
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
         constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
-        // P and dS in 16 bits (rP, rdS). kSplitDkv: dV (and dK, unless kDqPerWg issues it after
-        // dQ) issued in parts as each part's P and dS are converted.
+        // P and dS in 16 bits (rP, rdS). kSplitDkv: dV and dK issued in parts as each part's P
+        // and dS are converted (the branch below then issues neither).
         auto [rP, rdS] = [&] {
           auto with_stats = [&](auto const& lse_of, auto const& d_of) {
             if constexpr (Traits::kSplitDkv) {
@@ -535,7 +535,7 @@ struct BwdMainloop {
               Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
               grads_in_parts<kEarlyQuarters>(S_qk, dP_qk, rP, rdS, lse_of, d_of, mask_s, [&](auto k0, auto k1) {
                 wgmma_issue_k<k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-                if constexpr (!Traits::kDqPerWg) wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+                wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
               });
               return cute::make_tuple(rP, rdS);
             } else {
@@ -558,7 +558,7 @@ struct BwdMainloop {
         } else if constexpr (Traits::kDqPerWg) {
           Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
           Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-          if constexpr (!Traits::kSplitDkv) wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+          wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
           copy(r2s_ds, thr_r2s_ds.retile_S(rdS), tdSsdS(_, _, _, buf));
           cutlass::arch::fence_view_async_shared();
           barrier_sync<BarrierId::kBwdDsReady>(Traits::kConsumerThreads);

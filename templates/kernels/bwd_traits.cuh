@@ -190,16 +190,15 @@ struct BwdTraits {
   // 64x128 (FA4's step order) 0.94-0.99x, so there the reads stay (docs/BENCHMARKS.md
   // "2026-12-04 (fourth)"). The column layout it assumes is checked by tests/gpu/bwd_row_layout.cu.
   static constexpr bool kRowsByShfl = !kSplitHeadDim && HeadDim == 64;
-  // FA3GEN_BWD_SPLIT_DKV (measurement switch): dV and dK issued in two halves along their K
-  // (the queries), the first half as soon as its P and dS are converted, so that the tensor
-  // pipe runs it while the second half's exponentials are taken (bwd_mainloop.cuh).
-#ifdef FA3GEN_BWD_SPLIT_DKV
-  static constexpr int kSplitDkvParts = FA3GEN_BWD_SPLIT_DKV + 0 > 1 ? FA3GEN_BWD_SPLIT_DKV + 0 : 2;
-  static constexpr bool kSplitDkv = (kRowsByShfl || kDqPerWg) && !kSoftcap && !kPInSmem && !kDqTransposed;
-#else
-  static constexpr int kSplitDkvParts = 1;
-  static constexpr bool kSplitDkv = false;
-#endif
+  // dV and dK issued in two parts along their K (the queries), the first as soon as its P
+  // and dS are converted, so that the tensor pipe runs it while the second part's
+  // exponentials are taken (bwd_mainloop.cuh grads_in_parts), where the step had the pipe idle
+  // from the dP wait to the dV issue. d64 128x128: 1.004-1.034x over two A/B runs (16
+  // points; four parts the same); at d128 64x128 (dV alone, before dQ in FA4's order) two
+  // parts tie and four lose 1-3%, so it stays off there (docs/BENCHMARKS.md, "2026-12-06
+  // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
+  static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
+  static constexpr int kSplitDkvParts = 2;
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
