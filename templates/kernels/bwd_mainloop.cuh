@@ -523,10 +523,7 @@ struct BwdMainloop {
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
-#ifndef FA3GEN_BWD_D64_EARLY_QUARTERS  // measurement switch: d64's exponentials before the dP wait
-#define FA3GEN_BWD_D64_EARLY_QUARTERS 1
-#endif
-        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? FA3GEN_BWD_D64_EARLY_QUARTERS : 4;
+        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
         // P and dS in 16 bits (rP, rdS). kSplitDkv: dV and dK issued in parts as each part's P
         // and dS are converted (the branch below then issues neither).
         auto [rP, rdS] = [&] {
