@@ -199,6 +199,16 @@ struct BwdTraits {
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
+  // FA3GEN_BWD_DQ_ROTATED (opt-in, prepared on the CPU 2026-12-06 (twenty-seventh), not yet
+  // timed): with kSplitDkv, a block's dQ GEMM is issued at the start of the next block's step,
+  // just before its S, and handed to the writer while S runs; a step then ends on its dK and dV
+  // (no GEMM in flight across the loop's back edge) and frees its stage there. Where the step
+  // ended on the dQ wait and the hand-over with the tensor pipe idle.
+#ifdef FA3GEN_BWD_DQ_ROTATED
+  static constexpr bool kDqRotated = kSplitDkv;  // P in registers: never kDqInStages
+#else
+  static constexpr bool kDqRotated = false;
+#endif
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -246,6 +256,7 @@ struct BwdTraits {
   // V, not the dQ buffer. Not with kDqInStages, where dQ is handed over in the Q and dO
   // buffers the staging overwrites. (Short rows +1-2.6%, docs/BENCHMARKS.md 2026-12-04 (sixth).)
   static constexpr bool kNoLastDqWait = !kDqInStages;
+  static_assert(!kDqRotated || !kDqInStages, "kDqRotated hands dQ over in its own buffer");
   // Both consumer warpgroups past their last GEMM before the epilogue stages over Q, dO, K
   // and V: with kNoLastDqWait a warpgroup leaves the loop without the other (with kDqPerWg, a
   // subset, on its own writer barrier) while the other's last dK GEMM may still read Q. With
