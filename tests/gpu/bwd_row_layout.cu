@@ -7,7 +7,7 @@
 //     -o /tmp/bwd_row_layout tests/gpu/bwd_row_layout.cu && /tmp/bwd_row_layout
 // Exit status 1 when a checked tile breaks it. d256 64x64 is printed as the
 // counter-example: split-head-dim tiles hand each warpgroup half of the queries, and the
-// trait leaves them alone.
+// trait leaves them alone. Also checked: the rows-to-k-blocks map of kSplitDkv (check_parts).
 #include <cstdio>
 #include "bwd_traits.cuh"
 #include "fragments.cuh"
@@ -32,8 +32,38 @@ int check(const char* name) {
   return bad;
 }
 
+// BwdTraits::kSplitDkv issues the RS GEMMs dV += P^T dO and dK += dS^T Q in parts along
+// their K (the queries): rows [4c, 4c + 4) of the thread's (query, key) view must be exactly
+// the fragment values of the A operand's k-block c (acc_as_operand_a), for every c.
+template <class Traits>
+int check_parts(const char* name) {
+  typename Traits::TiledMmaSdP mma;
+  auto acc = partition_fragment_C(mma, Shape<Int<Traits::kTileN>, Int<Traits::kTileM>>{}).layout();
+  auto rc = fa3gen::acc_as_rowcol(acc);
+  auto qk = make_layout(layout<1>(rc), layout<0>(rc));  // (query, key) view, as bwd_mainloop.cuh
+  auto a = fa3gen::acc_as_operand_a(acc);                // (MMA, MMA_M, MMA_K)
+  int bad = 0;
+  for (int k = 0; k < size<2>(a); ++k) {
+    for (int i = 0; i < size<0>(a); ++i) {
+      for (int m = 0; m < size<1>(a); ++m) {
+        const int idx = a(i, m, k);
+        int row = -1;
+        for (int r = 0; r < size<0>(qk); ++r)
+          for (int c = 0; c < size<1>(qk); ++c)
+            if (qk(r, c) == idx) row = r;
+        if (row / 4 != k && bad++ < 3) printf("%s k-block %d: value %d is row %d\n", name, k, idx, row);
+      }
+    }
+  }
+  printf("%s: %d k-blocks, %d rows a thread, %d values outside their rows\n", name, int(size<2>(a)),
+         int(size<0>(qk)), bad);
+  return bad;
+}
+
 int main() {
   int bad = 0;
+  bad += check_parts<fa3gen::BwdTraits<cutlass::bfloat16_t, 64, 128, 128, 2, true, false, false, false>>("parts d64 128x128");
+  bad += check_parts<fa3gen::BwdTraits<cutlass::bfloat16_t, 128, 64, 128, 2, true, false, false, false>>("parts d128 64x128");
   bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 128, 64, 128, 2, true, false, false, false>>("d128 64x128");
   bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 64, 128, 128, 2, true, false, false, false>>("d64 128x128");
   bad += check<fa3gen::BwdTraits<cutlass::bfloat16_t, 128, 80, 128, 2, false, false, false, false>>("d128 80x128");
