@@ -272,7 +272,7 @@ struct BwdMainloop {
 
   // Hand a query block's dQ fragment to the writer warp (once it has read the previous
   // block's), then release the stage's Q, dO, LSE and D (kDqInStages: the stage is free once
-  // the writer has also read dQ out of it).
+  // the writer has also read dQ out of it; not Release: kDqRotated freed it after dK).
   template <bool Release = true, class TDq>
   __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid) {
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);

@@ -194,7 +194,7 @@ struct BwdTraits {
   // and dS are converted, so that the tensor pipe runs it while the second part's
   // exponentials are taken (bwd_mainloop.cuh grads_in_parts), where the step had the pipe idle
   // from the dP wait to the dV issue. d64 128x128: 1.004-1.034x over two A/B runs (16
-  // points; four parts the same); at d128 64x128 (dV alone, before dQ in FA4's order) two
+  // points; four parts 0.994-1.034x); at d128 64x128 (dV alone, before dQ in FA4's order) two
   // parts tie and four lose 1-3%, so it stays off there (docs/BENCHMARKS.md, "2026-12-06
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
