@@ -534,7 +534,7 @@ struct BwdMainloop {
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
-        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
+        constexpr int kEarlyQuarters = Traits::kDqPerWg || Traits::kD128Parts ? 2 : Traits::kRowsByShfl ? 1 : 4;
         // P and dS in 16 bits (rP, rdS). kSplitDkv: dV and dK issued in parts as each part's P
         // and dS are converted (the branch below then issues neither).
         auto [rP, rdS] = [&] {
