@@ -323,7 +323,7 @@ struct BwdMainloop {
     }
   }
 
-  // dP(r, c) = dS = P (dP - D) for rows [First, Last) of the (query, key) views (kSplitDkv).
+  // dP(r, c) = dS = P (dP - D) for rows [First, Last) of the (query, key) views.
   template <int First, int Last, class TScores, class DOf>
   __device__ __forceinline__ static void grad_rows(TScores const& S, TScores& dP, DOf const& d_of) {
     CUTLASS_PRAGMA_UNROLL
@@ -434,12 +434,7 @@ struct BwdMainloop {
       if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
       exp_rows<kEarlyRows, kRows>(S, lse_of);
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < size<0>(S); ++r) {
-        const float d = d_of(r);
-        CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) dP(r, c) = S(r, c) * (dP(r, c) - d);
-      }
+      grad_rows<0, kRows>(S, dP, d_of);
     }
   }
 
@@ -545,8 +540,8 @@ struct BwdMainloop {
               Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
               Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
               grads_in_parts<kEarlyQuarters>(S_qk, dP_qk, rP, rdS, lse_of, d_of, mask_s, [&](auto k0, auto k1) {
-                wgmma_issue_k<k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-                wgmma_issue_k<k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+                wgmma_issue_k<false, k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+                wgmma_issue_k<false, k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
               });
               return cute::make_tuple(rP, rdS);
             } else {
@@ -613,9 +608,9 @@ struct BwdMainloop {
           // warpgroups meet. (Issuing dQ before dK, so that handing dQ to the writer overlaps
           // the dK GEMM, as FA3 and FA4 do: 0.965-1.005x at d128 64x128, where it no longer
           // spills; the wait it shortens is for the tensor pipe, which dK keeps busy anyway.)
-          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
           if constexpr (!Traits::kSplitDkv) {
+            Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
+            Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
             wgmma_issue<false>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
             wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           }

@@ -8,19 +8,22 @@
 namespace fa3gen {
 using namespace cute;
 
-// Issue one warpgroup GEMM (all k-blocks) asynchronously and commit it as one batch.
+// Issue k-blocks [KFirst, KLast) of one warpgroup GEMM asynchronously and commit them as one
+// batch (ZeroInit: the first k-block overwrites tCrC; otherwise they accumulate into it). A
+// GEMM may be issued in parts along K as its A operand (registers) becomes ready.
 // The caller decides when to wait (warpgroup_wait<N>), which is what makes overlap possible.
 // A is either smem descriptors (SS) or a register fragment of 16-bit values (RS); only
 // register operands need fencing against reordering around the asynchronous WGMMA.
-template <bool ZeroInit, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+template <bool ZeroInit, int KFirst, int KLast, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_issue_k(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  static_assert(!ZeroInit || KFirst == 0, "only a GEMM's first part may zero the accumulator");
   constexpr bool kARegs = !is_same_v<typename TA::iterator, GMMA::DescriptorIterator>;
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
   warpgroup_fence_operand(tCrC);
   warpgroup_arrive();
-  if constexpr (ZeroInit) { tiled_mma.accumulate_ = GMMA::ScaleOut::Zero; }
+  tiled_mma.accumulate_ = ZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < size<2>(tCrA); ++k) {
+  for (int k = KFirst; k < KLast; ++k) {
     cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -29,19 +32,10 @@ __device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA,
   if constexpr (kARegs) { warpgroup_fence_operand(const_cast<TA&>(tCrA)); }
 }
 
-// As wgmma_issue, k-blocks [KFirst, KLast) only, accumulating into tCrC: a GEMM issued in
-// parts along K as its A operand (registers) becomes ready.
-template <int KFirst, int KLast, class TiledMma, class TA, class TB, class TC>
-__device__ __forceinline__ void wgmma_issue_k(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
-  warpgroup_fence_operand(const_cast<TA&>(tCrA));
-  warpgroup_fence_operand(tCrC);
-  warpgroup_arrive();
-  tiled_mma.accumulate_ = GMMA::ScaleOut::One;
-  CUTLASS_PRAGMA_UNROLL
-  for (int k = KFirst; k < KLast; ++k) cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(tCrC);
-  warpgroup_fence_operand(const_cast<TA&>(tCrA));
+// The whole GEMM (every k-block) as one batch.
+template <bool ZeroInit, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void wgmma_issue(TiledMma& tiled_mma, TA const& tCrA, TB const& tCrB, TC& tCrC) {
+  wgmma_issue_k<ZeroInit, 0, decltype(size<2>(tCrA))::value>(tiled_mma, tCrA, tCrB, tCrC);
 }
 
 // The slice of a warpgroup-level TiledMma for its shared-memory operands (descriptors). A
