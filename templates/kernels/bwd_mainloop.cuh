@@ -272,8 +272,8 @@ struct BwdMainloop {
 
   // Hand a query block's dQ fragment to the writer warp (once it has read the previous
   // block's), then release the stage's Q, dO, LSE and D (kDqInStages: the stage is free once
-  // the writer has also read dQ out of it; not Release: kDqRotated freed it after dK).
-  template <bool Release = true, class TDq>
+  // the writer has also read dQ out of it).
+  template <class TDq>
   __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid) {
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
     if constexpr (Traits::kDqInStages) {
@@ -301,7 +301,7 @@ struct BwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();
     barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-    if constexpr (Release) pipe.consumer_release(st);
+    pipe.consumer_release(st);
   }
 
   // Row r's LSE and D read from the stage's shared-memory copies; query(r) is its query in the tile.
@@ -497,24 +497,13 @@ struct BwdMainloop {
     wait_kv(mask, n_block, tid);
     PipelineState st;
     int iter = 0;
-    // kDqRotated: the previous block's dQ, issued at the start of each step (on the first, a
-    // GEMM whose result is dropped: a GEMM issued on one path only makes ptxas serialize
-    // every GEMM of the kernel) and handed over behind the step's S.
-    Tensor tdQrdQ_prev = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
-    int prev_buf = 0;
-    PipelineState prev_st;
     for (int hq = 0; hq < p.heads_per_kv; ++hq) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++iter) {
-        if constexpr (Traits::kDqRotated) issue_dq(prev_buf, tdQrdQ_prev);
         pipe.consumer_wait(st);
         zero_q_rows_past(mask, m_block, st, tid);
         Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kTileN>, Int<kTileM>>{});
         wgmma_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st.index()), tSrS);
-        if constexpr (Traits::kDqRotated) {
-          warpgroup_wait<1>();  // the previous dQ; S runs on
-          if (iter > 0) hand_dq<false>(tdQrdQ_prev, prev_st, iter - 1, tid);
-        }
         if constexpr (Traits::kSplitQdo) TmaBarrier::wait(&smem.barrier_do[st.index()], st.phase());
         wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
@@ -529,7 +518,7 @@ struct BwdMainloop {
         // warps are not left waiting on dP with the softmax still to do. With the shuffled rows
         // ptxas put the wait above every exponential in the old order (d64): a quarter there,
         // about where it places it with the shared-memory reads (13 of 64).
-        constexpr int kEarlyQuarters = Traits::kDqPerWg || Traits::kD128Parts ? 2 : Traits::kRowsByShfl ? 1 : 4;
+        constexpr int kEarlyQuarters = Traits::kDqPerWg ? 2 : Traits::kRowsByShfl ? 1 : 4;
         // P and dS in 16 bits (rP, rdS). kSplitDkv: dV and dK issued in parts as each part's P
         // and dS are converted (the branch below then issues neither).
         auto [rP, rdS] = [&] {
@@ -622,14 +611,6 @@ struct BwdMainloop {
           wgmma_issue<false>(mma_dkv, tdVsPt(_, _, _, buf), tdVrdOt(_, _, _, st.index()), tdVrdV);
           wgmma_issue<false>(mma_dkv, tdKsdSt(_, _, _, buf), tdKrQt(_, _, _, st.index()), tdKrdK);
         }
-        if constexpr (Traits::kDqRotated) {
-          warpgroup_wait<0>();  // dV and dK: done with the stage's Q and dO
-          pipe.consumer_release(st);
-          prev_buf = buf;
-          prev_st = st;
-          ++st;
-          continue;
-        }
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
         issue_dq(buf, tdQrdQ);
         warpgroup_wait<0>();
@@ -637,11 +618,6 @@ struct BwdMainloop {
         hand_dq(tdQrdQ, st, iter, tid);
         ++st;
       }
-    }
-    if constexpr (Traits::kDqRotated) {  // the last block's dQ (dropped if there was none)
-      issue_dq(prev_buf, tdQrdQ_prev);
-      warpgroup_wait<0>();
-      if (iter > 0) hand_dq<false>(tdQrdQ_prev, prev_st, iter - 1, tid);
     }
     // kDqInStages: the writer signals "empty" after every block; take the last one so that no
     // arrival is left over. (Elsewhere, kNoLastDqWait, it skips that one and the epilogue syncs

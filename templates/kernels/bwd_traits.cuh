@@ -184,16 +184,7 @@ struct BwdTraits {
   // and ties again under a profile: the wait moves to the dQ hand-over (2026-12-04 seventh).
   // (80x128, dQ^T = K^T dS^T, FA4's own d128 non-causal tile, with each warpgroup's 64 head_dim
   // rows of dQ^T its half: 1.00-1.03x at 80x128, still below 64x128 in the old order; removed.)
-  // FA3GEN_BWD_D128_PARTS (opt-in, prepared on the CPU 2026-12-06 (twenty-seventh), not yet
-  // timed): d128 64x128 without softcap back in the old order (dV and dK before dQ), with dV
-  // and dK issued in parts as at d64 (kSplitDkv) and half of the exponentials before the dP
-  // wait; the parts tied in FA4's order, where only dV comes before dQ.
-#ifdef FA3GEN_BWD_D128_PARTS
-  static constexpr bool kD128Parts = HeadDim == 128 && !kPInSmem && !kDqTransposed && !kSoftcap;
-#else
-  static constexpr bool kD128Parts = false;
-#endif
-  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128 && !kD128Parts;
+  static constexpr bool kDqPerWg = !kPInSmem && !kDqTransposed && kConsumerWGs == 2 && HeadDim >= 128;
   // LSE and D read once a warp and spread by shuffles (bwd_mainloop.cuh ShuffledRowStats), as
   // FA4 does: d64 128x128 1.00-1.03x (fewer shared-memory reads beside the GEMMs); at d128
   // 64x128 (FA4's step order) 0.94-0.99x, so there the reads stay (docs/BENCHMARKS.md
@@ -206,18 +197,8 @@ struct BwdTraits {
   // points; four parts 0.994-1.034x); at d128 64x128 (dV alone, before dQ in FA4's order) two
   // parts tie and four lose 1-3%, so it stays off there (docs/BENCHMARKS.md, "2026-12-06
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
-  static constexpr bool kSplitDkv = (kRowsByShfl || kD128Parts) && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
+  static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
-  // FA3GEN_BWD_DQ_ROTATED (opt-in, prepared on the CPU 2026-12-06 (twenty-seventh), not yet
-  // timed): with kSplitDkv, a block's dQ GEMM is issued at the start of the next block's step,
-  // just before its S, and handed to the writer while S runs; a step then ends on its dK and dV
-  // (no GEMM in flight across the loop's back edge) and frees its stage there. Where the step
-  // ended on the dQ wait and the hand-over with the tensor pipe idle.
-#ifdef FA3GEN_BWD_DQ_ROTATED
-  static constexpr bool kDqRotated = kSplitDkv;  // P in registers: never kDqInStages
-#else
-  static constexpr bool kDqRotated = false;
-#endif
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -265,7 +246,6 @@ struct BwdTraits {
   // V, not the dQ buffer. Not with kDqInStages, where dQ is handed over in the Q and dO
   // buffers the staging overwrites. (Short rows +1-2.6%, docs/BENCHMARKS.md 2026-12-04 (sixth).)
   static constexpr bool kNoLastDqWait = !kDqInStages;
-  static_assert(!kDqRotated || !kDqInStages, "kDqRotated hands dQ over in its own buffer");
   // Both consumer warpgroups past their last GEMM before the epilogue stages over Q, dO, K
   // and V: with kNoLastDqWait a warpgroup leaves the loop without the other (with kDqPerWg, a
   // subset, on its own writer barrier) while the other's last dK GEMM may still read Q. With
