@@ -272,9 +272,8 @@ struct BwdMainloop {
 
   // Hand a query block's dQ fragment to the writer warp (once it has read the previous
   // block's), then release the stage's Q, dO, LSE and D (kDqInStages: the stage is free once
-  // the writer has also read dQ out of it; not Release: kDqBeforeLastPart releases it after
-  // its last GEMMs).
-  template <bool Release = true, class TDq>
+  // the writer has also read dQ out of it).
+  template <class TDq>
   __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid) {
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
     if constexpr (Traits::kDqInStages) {
@@ -302,7 +301,7 @@ struct BwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();
     barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-    if constexpr (Release) pipe.consumer_release(st);
+    pipe.consumer_release(st);
   }
 
   // Row r's LSE and D read from the stage's shared-memory copies; query(r) is its query in the tile.
@@ -530,11 +529,8 @@ struct BwdMainloop {
               Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
               Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
               grads_in_parts<kEarlyQuarters>(S_qk, dP_qk, rP, rdS, lse_of, d_of, mask_s, [&](auto k0, auto k1) {
-                // kDqBeforeLastPart: the last part waits for dQ (below)
-                if constexpr (!Traits::kDqBeforeLastPart || decltype(k1)::value < decltype(size<2>(tdVrP))::value) {
-                  wgmma_issue_k<false, k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-                  wgmma_issue_k<false, k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
-                }
+                wgmma_issue_k<false, k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+                wgmma_issue_k<false, k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
               });
               return cute::make_tuple(rP, rdS);
             } else {
@@ -617,19 +613,6 @@ struct BwdMainloop {
         }
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
         issue_dq(buf, tdQrdQ);
-        if constexpr (Traits::kDqBeforeLastPart) {
-          Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
-          Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-          constexpr int kK = decltype(size<2>(tdVrP))::value, kFirst = kK - kK / Traits::kSplitDkvParts;
-          wgmma_issue_k<false, kFirst, kK>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-          wgmma_issue_k<false, kFirst, kK>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
-          warpgroup_wait<2>();  // dQ; the last part runs on
-          hand_dq<false>(tdQrdQ, st, iter, tid);
-          warpgroup_wait<0>();  // the last part: done with the stage's Q and dO
-          pipe.consumer_release(st);
-          ++st;
-          continue;
-        }
         warpgroup_wait<0>();
 
         hand_dq(tdQrdQ, st, iter, tid);

@@ -199,14 +199,6 @@ struct BwdTraits {
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
-  // FA3GEN_BWD_DQ_BEFORE_LAST_PART (measurement switch, off): with kSplitDkv, the last part of
-  // dV and dK is issued after dQ, so that the dQ hand-over to the writer runs beside it (the
-  // step drained the tensor pipe before every hand-over, 2026-12-04 (seventh)'s profile).
-#ifdef FA3GEN_BWD_DQ_BEFORE_LAST_PART
-  static constexpr bool kDqBeforeLastPart = kSplitDkv;
-#else
-  static constexpr bool kDqBeforeLastPart = false;
-#endif
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
