@@ -112,8 +112,8 @@ def compile_variant(name: str, workdir: Path) -> Path:
                          capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"{name}: nvcc failed:\n{res.stderr[-3000:]}")
-    for line in res.stderr.splitlines():  # ptxas -v: registers and spills
-        if "spill" in line or "Used" in line:
+    for line in res.stderr.splitlines():  # ptxas -v: registers, spills, and (C75xx) GEMM serialization
+        if "spill" in line or "Used" in line or "(C75" in line:
             print(f"  {line.strip()}")
     return cubin
 
