@@ -196,7 +196,10 @@ struct BwdTraits {
   // from the dP wait to the dV issue. d64 128x128: 1.004-1.034x over two A/B runs (16
   // points; four parts 0.994-1.034x); at d128 64x128 (dV alone, before dQ in FA4's order) two
   // parts tie and four lose 1-3%, so it stays off there (docs/BENCHMARKS.md, "2026-12-06
-  // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads).
+  // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads). On top
+  // of it, dQ issued in the next step, the last part issued after dQ, and d128 in the old order
+  // with parts lost or tied; the next step's S before the end-of-step wait serializes every
+  // GEMM (ptxas C7514) ("2026-12-06 (twenty-eighth)").
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
   template <bool DqTile>
