@@ -60,10 +60,12 @@ def _claim(fd: int) -> None:
 
 
 def _wait_for_compiles(out_dir: Path, what: str, log: Callable[[str], None]) -> None:
-    path = out_dir / COMPILES_LOCK_NAME
-    _compiles_busy(out_dir, wait=lambda: log(
-        f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still running; "
-        f"waiting for them (`fuser -v {path}` lists them)"))
+    with _busy_compiles_lock(out_dir) as fd:
+        if fd is None:
+            return
+        log(f"fa3gen: {KILLED_BUILDS_COMPILES} in {out_dir} (of {what}) are still running; "
+            f"waiting for them (`fuser -v {out_dir / COMPILES_LOCK_NAME}` lists them)")
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 @contextmanager
@@ -98,23 +100,30 @@ def _other_build(build_lock_path: Path) -> str | None:
     return holder if mine and holder and holder != mine else None
 
 
-def _compiles_busy(out_dir: Path, wait: Callable[[], None] | None = None) -> bool:
-    """Whether compiles hold out_dir's compiles' lock; with `wait`, when they do, wait() is
-    called and then the compiles are waited for (on the same descriptor)."""
+@contextmanager
+def _busy_compiles_lock(out_dir: Path) -> Iterator[int | None]:
+    """out_dir's compiles' lock, open, while compiles hold it (else None): a wait for them then
+    takes the descriptor that found them busy."""
     try:
         fd = os.open(Path(out_dir) / COMPILES_LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:  # never compiled (or before this lock existed)
-        return False
+        yield None
+        return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        if wait is not None:
-            wait()
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            busy = False
+        except BlockingIOError:
+            busy = True
+        yield fd if busy else None
     finally:
         os.close(fd)
+
+
+def _compiles_busy(out_dir: Path) -> bool:
+    """Whether compiles hold out_dir's compiles' lock."""
+    with _busy_compiles_lock(out_dir) as fd:
+        return fd is not None
 
 
 @contextmanager

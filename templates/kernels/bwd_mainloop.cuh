@@ -351,35 +351,18 @@ struct BwdMainloop {
     }
   }
 
-  // kSplitDkv: scores_to_grads (no softcap) in Parts parts along the queries, each part's P
-  // and dS converted into rP and rdS and handed to issue_part(k0, k1), which issues the RS
-  // GEMMs' k-blocks [k0, k1) that take them. Rows r of the (query, key) views are queries
-  // 8 (r / 2) + ..., so rows [first, last) are k-blocks [first / 4, last / 4) of 16 queries.
-  template <int EarlyQuarters, class TScores, class TFrag, class LseOf, class DOf, class MaskS, class IssuePart>
-  __device__ __forceinline__ void grads_in_parts(TScores& S, TScores& dP, TFrag& rP, TFrag& rdS, LseOf const& lse_of,
-                                                 DOf const& d_of, MaskS const& mask_s, IssuePart const& issue_part) const {
-    auto qk_view = [](auto& t) {
-      auto rc = make_tensor(t.data(), acc_as_rowcol(t.layout()));
-      return make_tensor(rc.data(), make_layout(layout<1>(rc), layout<0>(rc)));
-    };
-    Tensor rP_qk = qk_view(rP);
-    Tensor rdS_qk = qk_view(rdS);
-    constexpr int kRows = decltype(size<0>(S))::value, kParts = Traits::kSplitDkvParts;
-    constexpr int kEarly = kRows * EarlyQuarters / 4;  // exponentials before the dP wait
-    static_assert(kRows % (4 * kParts) == 0);
-    warpgroup_wait<1>();  // S is done, dP may still run
-    mask_s();
-    exp_rows<0, kEarly>(S, lse_of);
-    if constexpr (kEarly < kRows) end_basic_block();
-    warpgroup_wait<0>();  // dP
-    cute::for_each(make_int_sequence<kParts>{}, [&](auto part) {
-      constexpr int first = kRows * decltype(part)::value / kParts, last = first + kRows / kParts;
-      exp_rows<(first > kEarly ? first : kEarly), (last > kEarly ? last : kEarly)>(S, lse_of);
-      grad_rows<first, last>(S, dP, d_of);
-      convert_rows<first, last>(S, rP_qk);
-      convert_rows<first, last>(dP, rdS_qk);
-      issue_part(Int<first / 4>{}, Int<last / 4>{});
-    });
+  // scores_to_grads' default on_part: nothing between the parts.
+  struct NoPartWork {
+    template <class First, class Last>
+    __device__ __forceinline__ void operator()(First, Last) const {}
+  };
+
+  // An accumulator fragment as its (query, key) view: the rows-by-columns view (keys on the
+  // rows, acc_as_rowcol) transposed, so that a row's LSE and D are read once.
+  template <class TAcc>
+  __device__ __forceinline__ static auto qk_view(TAcc& t) {
+    auto rc = make_tensor(t.data(), acc_as_rowcol(t.layout()));
+    return make_tensor(rc.data(), make_layout(layout<1>(rc), layout<0>(rc)));
   }
 
   // Ends ptxas's basic block here: a loop on the clock, which it can neither drop nor predicate
@@ -395,10 +378,15 @@ struct BwdMainloop {
   // place: S becomes P = exp2(S * scale_log2 - LSE) and dP becomes dS = P (dP - D). S and dP
   // are (query, key) views, so that a row's LSE and D are read once; lse_of(r) and d_of(r) are
   // row r's. mask_s() masks S in place (-inf outside the mask). Without softcap, the
-  // exponentials of the first EarlyQuarters / 4 of the rows come before the dP wait.
-  template <int EarlyQuarters, class TScores, class LseOf, class DOf, class MaskS>
+  // exponentials of the first EarlyQuarters / 4 of the rows come before the dP wait, and the
+  // rest run in Parts parts along the queries, on_part(Int<first>, Int<last>) called once
+  // rows [first, last) are P and dS (kSplitDkv converts them there and issues the RS GEMMs'
+  // k-blocks that take them: rows r are queries 8 (r / 2) + ..., so rows [first, last) are
+  // k-blocks [first / 4, last / 4) of 16 queries).
+  template <int EarlyQuarters, int Parts = 1, class TScores, class LseOf, class DOf, class MaskS,
+            class OnPart = NoPartWork>
   __device__ __forceinline__ void scores_to_grads(TScores& S, TScores& dP, LseOf const& lse_of, DOf const& d_of,
-                                                  MaskS const& mask_s) {
+                                                  MaskS const& mask_s, OnPart const& on_part = {}) {
     warpgroup_wait<1>();  // S is done, dP may still run
     if constexpr (Traits::kSoftcap) {
       // S becomes t = tanh(S * scale / cap); once dP is done, dP becomes (dP - D)(1 - t^2),
@@ -430,11 +418,16 @@ struct BwdMainloop {
       // few exponentials, or above all of them.
       constexpr int kRows = decltype(size<0>(S))::value;
       constexpr int kEarlyRows = kRows * EarlyQuarters / 4;
+      static_assert(Parts == 1 || kRows % (4 * Parts) == 0, "parts of whole k-blocks");
       exp_rows<0, kEarlyRows>(S, lse_of);
       if constexpr (kEarlyRows < kRows) end_basic_block();
       warpgroup_wait<0>();  // dP
-      exp_rows<kEarlyRows, kRows>(S, lse_of);
-      grad_rows<0, kRows>(S, dP, d_of);
+      cute::for_each(make_int_sequence<Parts>{}, [&](auto part) {
+        constexpr int first = kRows * decltype(part)::value / Parts, last = first + kRows / Parts;
+        exp_rows<(first > kEarlyRows ? first : kEarlyRows), (last > kEarlyRows ? last : kEarlyRows)>(S, lse_of);
+        grad_rows<first, last>(S, dP, d_of);
+        on_part(Int<first>{}, Int<last>{});
+      });
     }
   }
 
@@ -507,10 +500,9 @@ struct BwdMainloop {
         if constexpr (Traits::kSplitQdo) TmaBarrier::wait(&smem.barrier_do[st.index()], st.phase());
         wgmma_issue<true>(mma_sdp, tSrV, tSrdO(_, _, _, st.index()), tSrdP);
         Tensor S = make_tensor(tSrS.data(), acc_as_rowcol(tSrS.layout()));
-        Tensor dP = make_tensor(tSrdP.data(), acc_as_rowcol(tSrdP.layout()));
         // Keys on the rows here: the (query, key) views are transposes.
-        Tensor S_qk = make_tensor(S.data(), make_layout(layout<1>(S), layout<0>(S)));
-        Tensor dP_qk = make_tensor(dP.data(), make_layout(layout<1>(dP), layout<0>(dP)));
+        Tensor S_qk = qk_view(tSrS);
+        Tensor dP_qk = qk_view(tSrdP);
         auto mask_s = [&] {
           if (mask.needs_mask(m_block, n_block)) mask.apply_transposed(S, coordS, n_block * kTileN, m_block * kTileM);
         };
@@ -526,12 +518,18 @@ struct BwdMainloop {
             if constexpr (Traits::kSplitDkv) {
               Tensor rP = make_tensor<Element>(tSrS.layout());
               Tensor rdS = make_tensor<Element>(tSrdP.layout());
+              Tensor rP_qk = qk_view(rP);
+              Tensor rdS_qk = qk_view(rdS);
               Tensor tdVrP = make_tensor(rP.data(), acc_as_operand_a(rP.layout()));
               Tensor tdKrdS = make_tensor(rdS.data(), acc_as_operand_a(rdS.layout()));
-              grads_in_parts<kEarlyQuarters>(S_qk, dP_qk, rP, rdS, lse_of, d_of, mask_s, [&](auto k0, auto k1) {
-                wgmma_issue_k<false, k0, k1>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
-                wgmma_issue_k<false, k0, k1>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
-              });
+              scores_to_grads<kEarlyQuarters, Traits::kSplitDkvParts>(
+                  S_qk, dP_qk, lse_of, d_of, mask_s, [&](auto first, auto last) {
+                    constexpr int r0 = decltype(first)::value, r1 = decltype(last)::value;
+                    convert_rows<r0, r1>(S_qk, rP_qk);
+                    convert_rows<r0, r1>(dP_qk, rdS_qk);
+                    wgmma_issue_k<false, r0 / 4, r1 / 4>(mma_dkv, tdVrP, tdVrdOt(_, _, _, st.index()), tdVrdV);
+                    wgmma_issue_k<false, r0 / 4, r1 / 4>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
+                  });
               return cute::make_tuple(rP, rdS);
             } else {
               scores_to_grads<kEarlyQuarters>(S_qk, dP_qk, lse_of, d_of, mask_s);

@@ -192,8 +192,8 @@ struct BwdTraits {
   static constexpr bool kRowsByShfl = !kSplitHeadDim && HeadDim == 64;
   // dV and dK issued in two parts along their K (the queries), the first as soon as its P
   // and dS are converted, so that the tensor pipe runs it while the second part's
-  // exponentials are taken (bwd_mainloop.cuh grads_in_parts), where the step had the pipe idle
-  // from the dP wait to the dV issue. d64 128x128: 1.004-1.034x over two A/B runs (16
+  // exponentials are taken (bwd_mainloop.cuh, scores_to_grads in parts), where the step had
+  // the pipe idle from the dP wait to the dV issue. d64 128x128: 1.004-1.034x over two A/B runs (16
   // points; four parts 0.994-1.034x); at d128 64x128 (dV alone, before dQ in FA4's order) two
   // parts tie and four lose 1-3%, so it stays off there (docs/BENCHMARKS.md, "2026-12-06
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads). On top
