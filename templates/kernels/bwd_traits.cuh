@@ -189,6 +189,8 @@ struct BwdTraits {
   // FA4 does: d64 128x128 1.00-1.03x (fewer shared-memory reads beside the GEMMs); at d128
   // 64x128 (FA4's step order) 0.94-0.99x, so there the reads stay (docs/BENCHMARKS.md
   // "2026-12-04 (fourth)"). The column layout it assumes is checked by tests/gpu/bwd_row_layout.cu.
+  // Values stored by the preprocess in the readers' order (LDS.128, no shuffles: 8% fewer
+  // d64 instructions) tied at d64 and d128 ("2026-12-06 (twenty-ninth)").
   static constexpr bool kRowsByShfl = !kSplitHeadDim && HeadDim == 64;
   // dV and dK issued in two parts along their K (the queries), the first as soon as its P
   // and dS are converted, so that the tensor pipe runs it while the second part's
@@ -199,7 +201,8 @@ struct BwdTraits {
   // (twenty-seventh)"). Not with softcap, whose pass order differs (scores_to_grads). On top
   // of it, dQ issued in the next step, the last part issued after dQ, and d128 in the old order
   // with parts lost or tied; the next step's S before the end-of-step wait serializes every
-  // GEMM (ptxas C7514) ("2026-12-06 (twenty-eighth)").
+  // GEMM (ptxas C7514) ("2026-12-06 (twenty-eighth)"); two steps a loop iteration, the
+  // second's S issued by the first, lost 1.6% ("2026-12-06 (twenty-ninth)").
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
   template <bool DqTile>
