@@ -27,10 +27,11 @@ class TraceError(Fa3genError, ValueError):
 class LibraryNotBuiltError(Fa3genError):
     """The generated shared library is not where the runtime looks for it."""
 
-    def __init__(self, path, spec_name: str | None = None):
+    def __init__(self, path, spec_name: str | None = None, spec_file: str | None = None):
         self.path = str(path)
         self.spec_name = spec_name
-        build = build_command(spec_name)
+        # The spec file the caller named, when it did (it need not live in specs/).
+        build = f"fa3gen build --spec {spec_file}" if spec_file else build_command(spec_name)
         super().__init__(
             f"fa3gen library not found: {self.path}\n"
             f"Build it with: {build}\n"

@@ -245,12 +245,12 @@ def _listing(variants: Sequence[VariantInfo]) -> list[str]:
 class Library:
     """One loaded libfa3gen_<spec>.so and its variant table."""
 
-    def __init__(self, path: str | os.PathLike, spec_name: str | None = None):
+    def __init__(self, path: str | os.PathLike, spec_name: str | None = None, spec_file: str | None = None):
         self.path = Path(path)
         if self.path.is_dir():
             raise Fa3genError(f"{self.path} is a folder, not an fa3gen library (libfa3gen_<spec>.so)")
         if not self.path.is_file():
-            raise LibraryNotBuiltError(self.path, spec_name)
+            raise LibraryNotBuiltError(self.path, spec_name, spec_file)
         try:
             # RTLD_LOCAL: several spec libraries (h100, ablation) export the same symbol names.
             # An absolute path: a bare file name would make dlopen search the library paths, not
@@ -546,10 +546,12 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
         return lib
     path, spec_name = resolve_library(spec)
     key = path.resolve() if path.exists() else path
+    asked = os.fspath(spec) if spec is not None else _selected
+    spec_file = asked if asked is not None and asked.endswith((".yaml", ".yml")) else None  # for the hint
     with _lock:
         lib = _libraries.get(key)
         if lib is None:
-            lib = Library(path, spec_name)  # failures are not cached: a later build is picked up
+            lib = Library(path, spec_name, spec_file=spec_file)  # failures are not cached: a later build is picked up
             _libraries[key] = lib
         _requests[request] = lib
     return lib

@@ -160,6 +160,19 @@ def test_library_not_built_message(clean_runtime):
     assert "fa3gen build --spec specs/h100.yaml" in msg
 
 
+def test_library_not_built_names_the_spec_file_given(clean_runtime, tmp_path):
+    # A spec outside specs/: the hint builds that file, not specs/<its name>.yaml.
+    spec = tmp_path / "mine" / "trial.yaml"
+    spec.parent.mkdir()
+    spec.write_text("name: trial\naxes: {head_dim: 64}\n")
+    with pytest.raises(LibraryNotBuiltError) as e:
+        runtime.use_spec(str(spec))
+    msg = str(e.value)
+    assert str(clean_runtime / "trial" / "lib" / "libfa3gen_trial.so") in msg
+    assert f"fa3gen build --spec {spec}\n" in msg
+    assert "specs/trial.yaml" not in msg
+
+
 def test_library_paths(clean_runtime, monkeypatch):
     root = clean_runtime
     assert runtime.resolve_library("ablation") == (
@@ -799,7 +812,7 @@ def test_get_library_caches_per_request(clean_runtime, monkeypatch):
     made = []
 
     class FakeLibrary:
-        def __init__(self, path, spec_name):
+        def __init__(self, path, spec_name, spec_file=None):
             made.append(path)
             self.path = path
 
