@@ -175,7 +175,7 @@ def test_an_unreadable_spec_file_names_its_library_by_its_stem(clean_runtime, tm
 class FakeLibrary:
     """Stands in for Library: get_library's choice of path is what these tests look at."""
 
-    def __init__(self, path, spec_name):
+    def __init__(self, path, spec_name, spec_file=None):
         self.path = path
 
 
