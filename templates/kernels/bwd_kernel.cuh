@@ -41,7 +41,15 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
-  __syncthreads();
+  if constexpr (Traits::kDqPairs) {
+    // The partner arrives on our pair barriers: both CTAs' barriers initialized first. A CTA
+    // past the last key block (the grid rounded up to whole clusters) then leaves.
+    cutlass::arch::fence_barrier_init();
+    cute::cluster_sync();
+    if (tile.block * Traits::kTileN >= p.seqlen_k) return;
+  } else {
+    __syncthreads();
+  }
 
   if (warp_idx < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();

@@ -61,6 +61,10 @@ struct BwdMainloop {
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
     TmaBarrier::init(&smem.barrier_kv, 1);
+    if constexpr (Traits::kDqPairs) {
+      TmaBarrier::init(&smem.barrier_dq_pair[0], 1);  // the partner writer's leader, once a block
+      TmaBarrier::init(&smem.barrier_dq_pair[1], 1);
+    }
     if constexpr (Traits::kSplitQdo) {
       for (int s = 0; s < Traits::kStages; ++s) TmaBarrier::init(&smem.barrier_do[s], 1);
     }
@@ -150,6 +154,10 @@ struct BwdMainloop {
     // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
     const int head_stride = Traits::kVarlen ? p.q_tiles_padded : m_blocks;
     const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
+    // kDqPairs: whether this CTA shares its dQ additions with its cluster partner (both have
+    // keys; the same for both, as the partner's has_work is ours), and the pair barriers' phase.
+    const bool paired = Traits::kDqPairs && !p.deterministic && pair_partner_has_keys(tile);
+    uint32_t pair_phase = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         // kNoLastDqWait: no "empty" arrival after the last block, which no consumer waits for.
@@ -159,6 +167,15 @@ struct BwdMainloop {
           continue;
         }
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+        if constexpr (Traits::kDqPairs) {
+          if (paired) {
+            add_dq_pair_half(p.dq_accum + dq_tile * kTileElems, pair_phase, leader);
+            pair_phase ^= 1;
+            __syncwarp();
+            if (arrive_empty) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+            continue;
+          }
+        }
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
@@ -183,6 +200,38 @@ struct BwdMainloop {
       }
     }
     if (leader) bulk_wait_done();
+  }
+
+  // kDqPairs: CTA rank r of a cluster of two (key blocks 2 i and 2 i + 1) and its partner.
+  __device__ __forceinline__ bool pair_partner_has_keys(TileCoord const& tile) const {
+    return (tile.block ^ 1) * kTileN < p.seqlen_k;
+  }
+  // kDqPairs, the writer warp with this CTA's dQ in shared memory: tell the partner, wait for
+  // its dQ, add its half r (r: this CTA's rank) into ours through distributed shared memory,
+  // add our half r to global memory, and wait until the partner has read our other half (so
+  // that our consumers may overwrite the buffer).
+  __device__ __forceinline__ void add_dq_pair_half(float* dq_gmem, uint32_t phase, bool leader) {
+    constexpr int kHalfElems = kTileM * kHeadDim / 2;
+    constexpr int kHalfVecs = kHalfElems / 4;
+    const uint32_t rank = cute::block_rank_in_cluster(), partner = rank ^ 1;
+    if (leader) arrive_partner(&smem.barrier_dq_pair[0], partner);
+    wait_cluster(&smem.barrier_dq_pair[0], phase);
+    float4* mine = reinterpret_cast<float4*>(smem.dq.data() + rank * kHalfElems);
+    const uint32_t theirs = partner_smem(mine, partner);
+    const int lane = threadIdx.x % 32;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = lane; i < kHalfVecs; i += 32) {
+      const float4 a = mine[i], b = ld_partner_v4(theirs + 16 * i);
+      mine[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+    }
+    cutlass::arch::fence_view_async_shared();  // the sums, to the bulk reduction's (async) proxy
+    __syncwarp();
+    if (leader) {
+      bulk_reduce_add(dq_gmem + rank * kHalfElems, smem.dq.data() + rank * kHalfElems, Traits::kBytesdQ / 2);
+      bulk_wait_read();
+      arrive_partner(&smem.barrier_dq_pair[1], partner);  // done with its half (read above)
+    }
+    wait_cluster(&smem.barrier_dq_pair[1], phase);
   }
 
   // The leader's end of a query block's dQ addition: deterministic mode waits for it to be
