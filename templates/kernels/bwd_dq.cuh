@@ -13,17 +13,20 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
-// BwdTraits::kDqPairs: the cluster partner's copy of a shared-memory address, a 16-byte read
-// from it, and mbarrier arrivals and waits that order memory across the cluster (release and
-// acquire at cluster scope: the defaults are the CTA's).
+// BwdTraits::kDqPairs: the cluster partner's copy of a shared-memory address, a TMA copy into
+// its shared memory, and mbarrier arrivals and waits that order memory across the cluster
+// (release and acquire at cluster scope: the defaults are the CTA's).
 __device__ __forceinline__ uint32_t partner_smem(const void* smem, uint32_t rank) {
   return cute::set_block_rank(cute::cast_smem_ptr_to_uint(smem), rank);
 }
-__device__ __forceinline__ float4 ld_partner_v4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-  return v;
+// bytes from this CTA's shared memory to the same place as `dst` in the partner's, by the TMA
+// unit; completes on the partner's copy of `barrier` (which expects the bytes).
+__device__ __forceinline__ void push_to_partner(const void* src, const void* dst, uint32_t bytes,
+                                                uint64_t* barrier, uint32_t rank) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(partner_smem(dst, rank)), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes),
+                  "r"(partner_smem(barrier, rank))
+               : "memory");
 }
 // (The fence: the arrival also publishes what other threads of this CTA wrote before a named
 // barrier with the arriving thread, such as the consumers' dQ.)

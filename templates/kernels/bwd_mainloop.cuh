@@ -162,20 +162,33 @@ struct BwdMainloop {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         // kNoLastDqWait: no "empty" arrival after the last block, which no consumer waits for.
         const bool arrive_empty = !Traits::kNoLastDqWait || hq + 1 < p.heads_per_kv || m_block + 1 < m_end;
+        if constexpr (Traits::kDqPairs) {
+          if (paired) {  // both warpgroups' dQ in shared memory, then the pair's additions
+            if constexpr (Traits::kDqPerWg) {
+              barrier_sync<BarrierId::kBwdDqFull0>(kWgWriterThreads);
+              barrier_sync<BarrierId::kBwdDqFull1>(kWgWriterThreads);
+            } else {
+              barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+            }
+            add_dq_pair_half(p.dq_accum + dq_tile * kTileElems, pair_phase, leader);
+            pair_phase ^= 1;
+            __syncwarp();
+            if (arrive_empty) {
+              if constexpr (Traits::kDqPerWg) {
+                barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
+                barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
+              } else {
+                barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+              }
+            }
+            continue;
+          }
+        }
         if constexpr (Traits::kDqPerWg) {
           write_dq_halves(dq_tile, m_block, tile, mask, leader, arrive_empty);
           continue;
         }
         barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
-        if constexpr (Traits::kDqPairs) {
-          if (paired) {
-            add_dq_pair_half(p.dq_accum + dq_tile * kTileElems, pair_phase, leader);
-            pair_phase ^= 1;
-            __syncwarp();
-            if (arrive_empty) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
-            continue;
-          }
-        }
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
@@ -206,30 +219,35 @@ struct BwdMainloop {
   __device__ __forceinline__ bool pair_partner_has_keys(TileCoord const& tile) const {
     return (tile.block ^ 1) * kTileN < p.seqlen_k;
   }
-  // kDqPairs, the writer warp with this CTA's dQ in shared memory: tell the partner, wait for
-  // its dQ, add its half r (r: this CTA's rank) into ours through distributed shared memory,
-  // add our half r to global memory, and wait until the partner has read our other half (so
-  // that our consumers may overwrite the buffer).
+  // kDqPairs, the writer warp with this CTA's dQ in shared memory (r: this CTA's rank): push
+  // half 1 - r to the partner's staging buffer (its TMA unit's copy, which completes on the
+  // partner's barrier [0]), wait for the partner's half r in ours, add it into our half r, add
+  // that to global memory, tell the partner its staging is free, and wait until the partner has
+  // added what we pushed (our buffer is then free for our consumers). Phase: the step's parity.
   __device__ __forceinline__ void add_dq_pair_half(float* dq_gmem, uint32_t phase, bool leader) {
     constexpr int kHalfElems = kTileM * kHeadDim / 2;
-    constexpr int kHalfVecs = kHalfElems / 4;
+    constexpr uint32_t kHalfBytes = Traits::kBytesdQ / 2;
     const uint32_t rank = cute::block_rank_in_cluster(), partner = rank ^ 1;
-    if (leader) arrive_partner(&smem.barrier_dq_pair[0], partner);
-    wait_cluster(&smem.barrier_dq_pair[0], phase);
+    if (leader) {
+      TmaBarrier::arrive_and_expect_tx(&smem.barrier_dq_pair[0], kHalfBytes);
+      push_to_partner(smem.dq.data() + partner * kHalfElems, smem.dq_pair_staging, kHalfBytes,
+                      &smem.barrier_dq_pair[0], partner);
+    }
+    TmaBarrier::wait(&smem.barrier_dq_pair[0], phase);
     float4* mine = reinterpret_cast<float4*>(smem.dq.data() + rank * kHalfElems);
-    const uint32_t theirs = partner_smem(mine, partner);
+    const float4* theirs = reinterpret_cast<const float4*>(smem.dq_pair_staging);
     const int lane = threadIdx.x % 32;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = lane; i < kHalfVecs; i += 32) {
-      const float4 a = mine[i], b = ld_partner_v4(theirs + 16 * i);
+#pragma unroll 2  // the producer warpgroup's 24 registers
+    for (int i = lane; i < kHalfElems / 4; i += 32) {
+      const float4 a = mine[i], b = theirs[i];
       mine[i] = make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
     }
     cutlass::arch::fence_view_async_shared();  // the sums, to the bulk reduction's (async) proxy
     __syncwarp();
     if (leader) {
-      bulk_reduce_add(dq_gmem + rank * kHalfElems, smem.dq.data() + rank * kHalfElems, Traits::kBytesdQ / 2);
+      bulk_reduce_add(dq_gmem + rank * kHalfElems, smem.dq.data() + rank * kHalfElems, kHalfBytes);
       bulk_wait_read();
-      arrive_partner(&smem.barrier_dq_pair[1], partner);  // done with its half (read above)
+      arrive_partner(&smem.barrier_dq_pair[1], partner);  // its push landed and is added
     }
     wait_cluster(&smem.barrier_dq_pair[1], phase);
   }

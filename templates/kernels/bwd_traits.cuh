@@ -206,14 +206,15 @@ struct BwdTraits {
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
   // FA3GEN_BWD_DQ_PAIRS (measurement switch, off; prepared on the CPU, not yet run): CTAs in
-  // clusters of two along the key blocks (dense, non-causal: both walk the same query blocks).
-  // Each dQ writer adds the partner's half of the query block's dQ (read through distributed
-  // shared memory) into its own and adds that half to global memory, so a pair adds one tile's
-  // bytes a step instead of two. The backward without its dQ additions ran 1.083x and with half
+  // clusters of two along the key blocks (dense, non-causal: both walk the same query blocks;
+  // d64 128x128 and d128 64x128, whose dQ halves are the warpgroups' slices).
+  // Each dQ writer pushes the half of its query block's dQ that the partner adds (a TMA copy
+  // into the partner's shared memory), adds the partner's half into its own and adds that half
+  // to global memory, so a pair adds one tile's bytes a step instead of two. The backward without its dQ additions ran 1.083x and with half
   // of them 1.036x (docs/BENCHMARKS.md "2026-12-06 (twenty-ninth)"). Not in deterministic mode
   // (run time), which keeps each CTA's own addition in key-block order.
 #ifdef FA3GEN_BWD_DQ_PAIRS
-  static constexpr bool kDqPairs = !Causal && !Local && !Varlen && !kDqPerWg && !kPInSmem && !kDqTransposed;
+  static constexpr bool kDqPairs = !Causal && !Local && !Varlen && !kPInSmem && !kDqTransposed;
 #else
   static constexpr bool kDqPairs = false;
 #endif
@@ -232,8 +233,10 @@ struct BwdTraits {
     alignas(8) uint64_t barrier_kv;               // K and V landed
     // Last, in the tail padding: the other members keep their offsets where it is unused.
     alignas(8) uint64_t barrier_do[Stages];       // kSplitQdo: the stage's dO and D landed
-    // kDqPairs: the partner CTA's dQ is in its shared memory [0]; it has read our half [1].
+    // kDqPairs: the partner's half of the query block's dQ, pushed by its TMA unit; landed
+    // [0]; the partner has added what we pushed, so our dQ buffer is free again [1].
     alignas(8) uint64_t barrier_dq_pair[kDqPairs ? 2 : 1];
+    alignas(128) float dq_pair_staging[kDqPairs ? TileM * HeadDim / 2 : 4];
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
