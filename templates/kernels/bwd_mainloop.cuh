@@ -221,9 +221,10 @@ struct BwdMainloop {
   }
   // kDqPairs, the writer warp with this CTA's dQ in shared memory (r: this CTA's rank): push
   // half 1 - r to the partner's staging buffer (its TMA unit's copy, which completes on the
-  // partner's barrier [0]), wait for the partner's half r in ours, add it into our half r, add
-  // that to global memory, tell the partner its staging is free, and wait until the partner has
-  // added what we pushed (our buffer is then free for our consumers). Phase: the step's parity.
+  // partner's barrier [0]), wait for the partner's half r in ours, add it into our half r, tell
+  // the partner its staging is free, add our half r to global memory, and wait until the partner
+  // has added what we pushed (our buffer is then free for our consumers). Phase: the step's
+  // parity.
   __device__ __forceinline__ void add_dq_pair_half(float* dq_gmem, uint32_t phase, bool leader) {
     constexpr int kHalfElems = kTileM * kHeadDim / 2;
     constexpr uint32_t kHalfBytes = Traits::kBytesdQ / 2;
@@ -245,9 +246,9 @@ struct BwdMainloop {
     cutlass::arch::fence_view_async_shared();  // the sums, to the bulk reduction's (async) proxy
     __syncwarp();
     if (leader) {
+      arrive_partner(&smem.barrier_dq_pair[1], partner);  // its push landed and is added: free
       bulk_reduce_add(dq_gmem + rank * kHalfElems, smem.dq.data() + rank * kHalfElems, kHalfBytes);
       bulk_wait_read();
-      arrive_partner(&smem.barrier_dq_pair[1], partner);  // its push landed and is added
     }
     wait_cluster(&smem.barrier_dq_pair[1], phase);
   }
@@ -324,6 +325,13 @@ struct BwdMainloop {
       }
     }
   }
+  // A consumer thread is done with the stage. kDqPairs: on this CTA's own barrier, as the
+  // pipeline is built for one-CTA clusters and would arrive on the cluster's rank 0.
+  __device__ __forceinline__ void release_stage(PipelineState const& st) {
+    if constexpr (Traits::kDqPairs) smem.pipeline_q.empty_barrier_[st.index()].arrive();
+    else pipe.consumer_release(st);
+  }
+
   // The stage's Q and dO rows past the sequence zeroed (its last query block).
   __device__ __forceinline__ void zero_q_rows_past(typename Traits::Mask const& mask, int m_block,
                                                    PipelineState const& st, int tid) {
@@ -368,7 +376,7 @@ struct BwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();
     barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-    pipe.consumer_release(st);
+    release_stage(st);
   }
 
   // Row r's LSE and D read from the stage's shared-memory copies; query(r) is its query in the tile.
@@ -654,7 +662,7 @@ struct BwdMainloop {
             wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           }
           warpgroup_wait<0>();  // dK: done with the stage's Q
-          pipe.consumer_release(st);
+          release_stage(st);
           ++st;
           continue;
         } else {
