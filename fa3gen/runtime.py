@@ -245,7 +245,8 @@ def _listing(variants: Sequence[VariantInfo]) -> list[str]:
 class Library:
     """One loaded libfa3gen_<spec>.so and its variant table."""
 
-    def __init__(self, path: str | os.PathLike, spec_name: str | None = None, spec_file: str | None = None):
+    def __init__(self, path: str | os.PathLike, spec_name: str | None = None,
+                 spec_file: str | None = None):
         self.path = Path(path)
         if self.path.is_dir():
             raise Fa3genError(f"{self.path} is a folder, not an fa3gen library (libfa3gen_<spec>.so)")
@@ -551,7 +552,8 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     with _lock:
         lib = _libraries.get(key)
         if lib is None:
-            lib = Library(path, spec_name, spec_file=spec_file)  # failures are not cached: a later build is picked up
+            # failures are not cached: a later build is picked up
+            lib = Library(path, spec_name, spec_file=spec_file)
             _libraries[key] = lib
         _requests[request] = lib
     return lib

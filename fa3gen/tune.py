@@ -304,7 +304,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "tune", help="time each key's built candidates on the GPU and write the winners into "
                      "the spec's dispatch section")
-    p.add_argument("--spec", required=True, help="spec YAML path or name in specs/ (build it first: fa3gen build --spec SPEC)")
+    p.add_argument("--spec", required=True,
+                   help="spec YAML path or name in specs/ (build it first: fa3gen build --spec SPEC)")
     p.add_argument("--seqlens", type=int_list("1024,4096"), default=list(DEFAULT_SEQLENS),
                    metavar="N,N,...", help="sequence lengths of the timed shapes (default "
                    "1024,4096,16384; batch = 16384 // seqlen, heads = 2048 // head_dim)")

@@ -207,12 +207,13 @@ struct BwdTraits {
   static constexpr int kSplitDkvParts = 2;
   // FA3GEN_BWD_DQ_PAIRS (measurement switch, off; prepared on the CPU, not yet run): CTAs in
   // clusters of two along the key blocks (dense, non-causal: both walk the same query blocks;
-  // d64 128x128 and d128 64x128, whose dQ halves are the warpgroups' slices).
-  // Each dQ writer pushes the half of its query block's dQ that the partner adds (a TMA copy
-  // into the partner's shared memory), adds the partner's half into its own and adds that half
-  // to global memory, so a pair adds one tile's bytes a step instead of two. The backward without its dQ additions ran 1.083x and with half
-  // of them 1.036x (docs/BENCHMARKS.md "2026-12-06 (twenty-ninth)"). Not in deterministic mode
-  // (run time), which keeps each CTA's own addition in key-block order.
+  // d64 128x128, d96, and d128 64x128, whose dQ halves are the warpgroups' slices). Each dQ
+  // writer pushes the half of its query block's dQ that the partner adds (a TMA copy into the
+  // partner's shared memory), adds the partner's half into its own and adds that half to global
+  // memory, so a pair adds one tile's bytes a step instead of two. The backward without its dQ
+  // additions ran 1.083x and with half of them 1.036x (docs/BENCHMARKS.md "2026-12-06
+  // (twenty-ninth)"). Deterministic mode (run time) launches without clusters and keeps each
+  // CTA's own addition in key-block order.
 #ifdef FA3GEN_BWD_DQ_PAIRS
   static constexpr bool kDqPairs = !Causal && !Local && !Varlen && !kPInSmem && !kDqTransposed;
 #else
