@@ -455,7 +455,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
     p.add_argument("--all-variants", action="store_true",
                    help="also time every built variant of each shape's key (rows gain a "
-                        "'candidates' map): the measurement that picks dispatch defaults")
+                        "'candidates' map), interleaved in one run: it points at keys whose "
+                        "default may lose; `fa3gen tune` (rounds per candidate) decides")
     p.set_defaults(func=run)
     return p
 
