@@ -30,8 +30,7 @@ class LibraryNotBuiltError(Fa3genError):
     def __init__(self, path, spec_name: str | None = None, spec_file: str | None = None):
         self.path = str(path)
         self.spec_name = spec_name
-        # The spec file the caller named, when it did (it need not live in specs/).
-        build = f"fa3gen build --spec {spec_file}" if spec_file else build_command(spec_name)
+        build = build_command(spec_name, spec_file)
         super().__init__(
             f"fa3gen library not found: {self.path}\n"
             f"Build it with: {build}\n"
@@ -92,8 +91,9 @@ def spec_file_of(spec_name: str | None) -> str:
     return f"specs/{spec_name or '<spec>'}.yaml"
 
 
-def build_command(spec_name: str | None) -> str:
-    return f"fa3gen build --spec {spec_file_of(spec_name)}"
+def build_command(spec_name: str | None, spec_file: str | None = None) -> str:
+    """The build of a spec: the file the caller named when it did (it need not live in specs/)."""
+    return f"fa3gen build --spec {spec_file or spec_file_of(spec_name)}"
 
 
 def yaml_error_place(e) -> tuple[str, str]:

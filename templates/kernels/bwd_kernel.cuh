@@ -46,7 +46,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
     // past the last key block (the grid rounded up to whole clusters) then leaves.
     cutlass::arch::fence_barrier_init();
     cute::cluster_sync();
-    if (tile.block * Traits::kTileN >= p.seqlen_k) return;
+    if (!mainloop.block_has_keys(tile.block)) return;
   } else {
     __syncthreads();
   }

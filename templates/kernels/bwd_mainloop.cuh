@@ -156,31 +156,19 @@ struct BwdMainloop {
     const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
     // kDqPairs: whether this CTA shares its dQ additions with its cluster partner (both have
     // keys; the same for both, as the partner's has_work is ours), and the pair barriers' phase.
-    const bool paired = Traits::kDqPairs && !p.deterministic && pair_partner_has_keys(tile);
+    const bool paired = Traits::kDqPairs && !p.deterministic && block_has_keys(tile.block ^ 1);
     uint32_t pair_phase = 0;
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
         // kNoLastDqWait: no "empty" arrival after the last block, which no consumer waits for.
         const bool arrive_empty = !Traits::kNoLastDqWait || hq + 1 < p.heads_per_kv || m_block + 1 < m_end;
         if constexpr (Traits::kDqPairs) {
-          if (paired) {  // both warpgroups' dQ in shared memory, then the pair's additions
-            if constexpr (Traits::kDqPerWg) {
-              barrier_sync<BarrierId::kBwdDqFull0>(kWgWriterThreads);
-              barrier_sync<BarrierId::kBwdDqFull1>(kWgWriterThreads);
-            } else {
-              barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
-            }
+          if (paired) {
+            wait_dq_full();
             add_dq_pair_half(p.dq_accum + dq_tile * kTileElems, pair_phase, leader);
             pair_phase ^= 1;
             __syncwarp();
-            if (arrive_empty) {
-              if constexpr (Traits::kDqPerWg) {
-                barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
-                barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
-              } else {
-                barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
-              }
-            }
+            if (arrive_empty) release_dq_buffer();
             continue;
           }
         }
@@ -188,7 +176,7 @@ struct BwdMainloop {
           write_dq_halves(dq_tile, m_block, tile, mask, leader, arrive_empty);
           continue;
         }
-        barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+        wait_dq_full();
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
@@ -209,16 +197,33 @@ struct BwdMainloop {
         }
         ++st;
         __syncwarp();
-        if (arrive_empty) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+        if (arrive_empty) release_dq_buffer();
       }
     }
     if (leader) bulk_wait_done();
   }
 
-  // kDqPairs: CTA rank r of a cluster of two (key blocks 2 i and 2 i + 1) and its partner.
-  __device__ __forceinline__ bool pair_partner_has_keys(TileCoord const& tile) const {
-    return (tile.block ^ 1) * kTileN < p.seqlen_k;
+  // The writer: every consumer warpgroup's dQ of the query block is in shared memory
+  // (kDqPerWg: each on its own barrier), and, later, the consumers may write the next one.
+  __device__ __forceinline__ void wait_dq_full() {
+    if constexpr (Traits::kDqPerWg) {
+      barrier_sync<BarrierId::kBwdDqFull0>(kWgWriterThreads);
+      barrier_sync<BarrierId::kBwdDqFull1>(kWgWriterThreads);
+    } else {
+      barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
+    }
   }
+  __device__ __forceinline__ void release_dq_buffer() {
+    if constexpr (Traits::kDqPerWg) {
+      barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
+      barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
+    } else {
+      barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
+    }
+  }
+  // Dense: whether key block `block` holds keys (kDqPairs: a cluster of two is key blocks
+  // 2 i and 2 i + 1, and the grid is rounded up to whole clusters).
+  __device__ __forceinline__ bool block_has_keys(int block) const { return block * kTileN < p.seqlen_k; }
   // kDqPairs, the writer warp with this CTA's dQ in shared memory (r: this CTA's rank): push
   // half 1 - r to the partner's staging buffer (its TMA unit's copy, which completes on the
   // partner's barrier [0]), wait for the partner's half r in ours, add it into our half r, tell
@@ -282,10 +287,7 @@ struct BwdMainloop {
     if (leader) bulk_reduce_add(dq_gmem + kHalfElems, smem.dq.data() + kHalfElems, Traits::kBytesdQ / 2);
     if (leader) finish_dq_add(dq_tile);
     __syncwarp();
-    if (arrive_empty) {
-      barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
-      barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
-    }
+    if (arrive_empty) release_dq_buffer();
   }
 
   // ---------------- consumers: every query block of the key block ----------------
