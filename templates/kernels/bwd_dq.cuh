@@ -13,20 +13,17 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }
-// BwdTraits::kDqPairs: the cluster partner's copy of a shared-memory address, a TMA copy into
-// its shared memory, and mbarrier arrivals and waits that order memory across the cluster
+// BwdTraits::kDqPairs: the cluster partner's copy of a shared-memory address, stores into its
+// shared memory, and mbarrier arrivals and waits that order memory across the cluster
 // (release and acquire at cluster scope: the defaults are the CTA's).
 __device__ __forceinline__ uint32_t partner_smem(const void* smem, uint32_t rank) {
   return cute::set_block_rank(cute::cast_smem_ptr_to_uint(smem), rank);
 }
-// bytes from this CTA's shared memory to the same place as `dst` in the partner's, by the TMA
-// unit; completes on the partner's copy of `barrier` (which expects the bytes).
-__device__ __forceinline__ void push_to_partner(const void* src, const void* dst, uint32_t bytes,
-                                                uint64_t* barrier, uint32_t rank) {
-  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               :: "r"(partner_smem(dst, rank)), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes),
-                  "r"(partner_smem(barrier, rank))
-               : "memory");
+// Two floats into the partner's shared memory at `remote` (a partner_smem address), counted as
+// 8 bytes of a transaction on the partner's barrier `remote_barrier` (also a partner_smem one).
+__device__ __forceinline__ void store_to_partner(uint32_t remote, float2 v, uint32_t remote_barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
+               :: "r"(remote), "f"(v.x), "f"(v.y), "r"(remote_barrier) : "memory");
 }
 // (The fence: the arrival also publishes what other threads of this CTA wrote before a named
 // barrier with the arriving thread, such as the consumers' dQ.)
