@@ -2,7 +2,6 @@
 // writer) and the dQ conversion, and the writer's bulk operations.
 #pragma once
 #include <cstdint>
-#include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/util.hpp>
 
 namespace fa3gen {
@@ -12,34 +11,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
   asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                :: "l"(gmem), "r"(cute::cast_smem_ptr_to_uint(smem)), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-// BwdTraits::kDqPairs: the cluster partner's copy of a shared-memory address, stores into its
-// shared memory, and mbarrier arrivals and waits that order memory across the cluster
-// (release and acquire at cluster scope: the defaults are the CTA's).
-__device__ __forceinline__ uint32_t partner_smem(const void* smem, uint32_t rank) {
-  return cute::set_block_rank(cute::cast_smem_ptr_to_uint(smem), rank);
-}
-// Two floats into the partner's shared memory at `remote` (a partner_smem address), counted as
-// 8 bytes of a transaction on the partner's barrier `remote_barrier` (also a partner_smem one).
-__device__ __forceinline__ void store_to_partner(uint32_t remote, float2 v, uint32_t remote_barrier) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];"
-               :: "r"(remote), "f"(v.x), "f"(v.y), "r"(remote_barrier) : "memory");
-}
-// (The fence: the arrival also publishes what other threads of this CTA wrote before a named
-// barrier with the arriving thread, such as the consumers' dQ.)
-__device__ __forceinline__ void arrive_partner(uint64_t* barrier, uint32_t rank) {
-  asm volatile("fence.acq_rel.cluster;" ::: "memory");
-  asm volatile("{\n\t.reg .b32 remote;\n\t"
-               "mapa.shared::cluster.u32 remote, %0, %1;\n\t"
-               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n\t}"
-               :: "r"(cute::cast_smem_ptr_to_uint(barrier)), "r"(rank) : "memory");
-}
-__device__ __forceinline__ void wait_cluster(uint64_t* barrier, uint32_t phase) {
-  asm volatile("{\n\t.reg .pred done;\n\t"
-               "WAIT_CLUSTER:\n\t"
-               "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
-               "@!done bra WAIT_CLUSTER;\n\t}"
-               :: "r"(cute::cast_smem_ptr_to_uint(barrier)), "r"(phase) : "memory");
 }
 // Wait until this thread's bulk operations have read their shared memory / fully completed.
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }

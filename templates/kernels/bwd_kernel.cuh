@@ -41,15 +41,7 @@ bwd_kernel(__grid_constant__ const BwdParams<Traits> p) {
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
-  if constexpr (Traits::kDqPairs) {
-    // The partner arrives on our pair barriers: both CTAs' barriers initialized first. A CTA
-    // past the last key block (the grid rounded up to whole clusters) then leaves.
-    cutlass::arch::fence_barrier_init();
-    cute::cluster_sync();
-    if (!mainloop.block_has_keys(tile.block)) return;
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
   if (warp_idx < 4) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();

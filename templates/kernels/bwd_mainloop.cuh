@@ -61,10 +61,6 @@ struct BwdMainloop {
   __device__ __forceinline__ static void init(BwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_do, p.tma_k, p.tma_v);
     TmaBarrier::init(&smem.barrier_kv, 1);
-    if constexpr (Traits::kDqPairs) {
-      TmaBarrier::init(&smem.barrier_dq_pair[0], 1);  // our keeping consumer's arrival (and the bytes)
-      TmaBarrier::init(&smem.barrier_dq_pair[1], 1);  // the partner's dQ writer
-    }
     if constexpr (Traits::kSplitQdo) {
       for (int s = 0; s < Traits::kStages; ++s) TmaBarrier::init(&smem.barrier_do[s], 1);
     }
@@ -154,23 +150,15 @@ struct BwdMainloop {
     // to the next head's m_first: the heads' tiles are m_blocks apart (varlen: q_tiles_padded)
     const int head_stride = Traits::kVarlen ? p.q_tiles_padded : m_blocks;
     const int head_step = (Traits::kLocal || Traits::kVarlen) ? head_stride - (m_end - m_first) : m_first;
-    const bool paired = pairs_dq(tile);
     for (int hq = 0; hq < p.heads_per_kv; ++hq, dq_tile += head_step) {
       for (int m_block = m_first; m_block < m_end; ++m_block, ++dq_tile) {
-        const bool more = hq + 1 < p.heads_per_kv || m_block + 1 < m_end;  // blocks after this one
         // kNoLastDqWait: no "empty" arrival after the last block, which no consumer waits for.
-        const bool arrive_empty = !Traits::kNoLastDqWait || more;
-        if constexpr (Traits::kDqPairs) {
-          if (paired) {
-            write_dq_pair_half(p.dq_accum + dq_tile * kTileElems, leader, !more, arrive_empty);
-            continue;
-          }
-        }
+        const bool arrive_empty = !Traits::kNoLastDqWait || hq + 1 < p.heads_per_kv || m_block + 1 < m_end;
         if constexpr (Traits::kDqPerWg) {
           write_dq_halves(dq_tile, m_block, tile, mask, leader, arrive_empty);
           continue;
         }
-        wait_dq_full();
+        barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
         if (leader) {
           if (p.deterministic) {
             // The key blocks that see this query block add in order, from its first one.
@@ -191,57 +179,10 @@ struct BwdMainloop {
         }
         ++st;
         __syncwarp();
-        if (arrive_empty) release_dq_buffer();
+        if (arrive_empty) barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
       }
     }
     if (leader) bulk_wait_done();
-  }
-
-  // The writer: every consumer warpgroup's dQ of the query block is in shared memory
-  // (kDqPerWg: each on its own barrier), and, later, the consumers may write the next one.
-  __device__ __forceinline__ void wait_dq_full() {
-    if constexpr (Traits::kDqPerWg) {
-      barrier_sync<BarrierId::kBwdDqFull0>(kWgWriterThreads);
-      barrier_sync<BarrierId::kBwdDqFull1>(kWgWriterThreads);
-    } else {
-      barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
-    }
-  }
-  __device__ __forceinline__ void release_dq_buffer() {
-    if constexpr (Traits::kDqPerWg) {
-      barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
-      barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
-    } else {
-      barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
-    }
-  }
-  // Dense: whether key block `block` holds keys (kDqPairs: a cluster of two is key blocks
-  // 2 i and 2 i + 1, and the grid is rounded up to whole clusters).
-  __device__ __forceinline__ bool block_has_keys(int block) const { return block * kTileN < p.seqlen_k; }
-  // kDqPairs: whether this CTA shares its query blocks' dQ additions with its cluster partner
-  // (both have keys; the same for both, as the partner's has_work is ours).
-  __device__ __forceinline__ bool pairs_dq(TileCoord const& tile) const {
-    return Traits::kDqPairs && !p.deterministic && block_has_keys(tile.block ^ 1);
-  }
-  // kDqPairs, the writer: once our consumers' half r of the query block's dQ is in shared memory
-  // (r: this CTA's rank; the partner's values added), they have also read what the partner
-  // stored into our half 1 - r: tell it (not after the last block, which it does not wait for,
-  // and by when it may have left), and add half r to global memory.
-  __device__ __forceinline__ void write_dq_pair_half(float* dq_gmem, bool leader, bool last, bool arrive_empty) {
-    constexpr int kHalfElems = kTileM * kHeadDim / 2;
-    const int rank = int(cute::block_rank_in_cluster());
-    if constexpr (Traits::kDqPerWg) barrier_sync_at<BarrierId::kBwdDqFull0>(rank, kWgWriterThreads);
-    else barrier_sync<BarrierId::kBwdDqFull>(kWriterThreads);
-    if (leader) {
-      if (!last) arrive_partner(&smem.barrier_dq_pair[1], rank ^ 1);
-      bulk_reduce_add(dq_gmem + rank * kHalfElems, smem.dq.data() + rank * kHalfElems, Traits::kBytesdQ / 2);
-      bulk_wait_read();
-    }
-    __syncwarp();
-    if (arrive_empty) {
-      if constexpr (Traits::kDqPerWg) barrier_arrive_at<BarrierId::kBwdDqEmpty0>(rank, kWgWriterThreads);
-      else barrier_arrive<BarrierId::kBwdDqEmpty>(kWriterThreads);
-    }
   }
 
   // The leader's end of a query block's dQ addition: deterministic mode waits for it to be
@@ -273,7 +214,10 @@ struct BwdMainloop {
     if (leader) bulk_reduce_add(dq_gmem + kHalfElems, smem.dq.data() + kHalfElems, Traits::kBytesdQ / 2);
     if (leader) finish_dq_add(dq_tile);
     __syncwarp();
-    if (arrive_empty) release_dq_buffer();
+    if (arrive_empty) {
+      barrier_arrive<BarrierId::kBwdDqEmpty0>(kWgWriterThreads);
+      barrier_arrive<BarrierId::kBwdDqEmpty1>(kWgWriterThreads);
+    }
   }
 
   // ---------------- consumers: every query block of the key block ----------------
@@ -313,13 +257,6 @@ struct BwdMainloop {
       }
     }
   }
-  // A consumer thread is done with the stage. kDqPairs: on this CTA's own barrier, as the
-  // pipeline is built for one-CTA clusters and would arrive on the cluster's rank 0.
-  __device__ __forceinline__ void release_stage(PipelineState const& st) {
-    if constexpr (Traits::kDqPairs) smem.pipeline_q.empty_barrier_[st.index()].arrive();
-    else pipe.consumer_release(st);
-  }
-
   // The stage's Q and dO rows past the sequence zeroed (its last query block).
   __device__ __forceinline__ void zero_q_rows_past(typename Traits::Mask const& mask, int m_block,
                                                    PipelineState const& st, int tid) {
@@ -336,14 +273,10 @@ struct BwdMainloop {
   // Hand a query block's dQ fragment to the writer warp (once it has read the previous
   // block's), then release the stage's Q, dO, LSE and D (kDqInStages: the stage is free once
   // the writer has also read dQ out of it).
-  // kDqPairs, `paired`: shared with the cluster partner (share_dq_pair).
   template <class TDq>
-  __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid,
-                                          bool paired) {
+  __device__ __forceinline__ void hand_dq(TDq const& tdQrdQ, PipelineState const& st, int iter, int tid) {
     if (iter > 0) barrier_sync<BarrierId::kBwdDqEmpty>(kWriterThreads);
-    if (Traits::kDqPairs && paired) {
-      if constexpr (Traits::kDqPairs) share_dq_pair(tdQrdQ, iter, tid);
-    } else if constexpr (Traits::kDqInStages) {
+    if constexpr (Traits::kDqInStages) {
       // Into this block's Q and dO buffers, over this warpgroup's own columns (dq_slot):
       // only its own dK / dV GEMMs, now finished, read them since kBwdDsReady. (The other
       // warpgroup's S^T and dP^T GEMMs read every column: scores_to_grads waits for both
@@ -368,46 +301,7 @@ struct BwdMainloop {
     }
     cutlass::arch::fence_view_async_shared();
     barrier_arrive<BarrierId::kBwdDqFull>(kWriterThreads);
-    release_stage(st);
-  }
-
-  // kDqPairs, a consumer thread's dQ fragment of a query block shared with the cluster partner
-  // (r: this CTA's rank; halves in dq_slot order): its chunks of half 1 - r go into the
-  // partner's dQ buffer, over the partner's half r, which it does not keep (once the partner
-  // has read the last block's there), and those of half r, with the partner's values for them
-  // from our half 1 - r added, into our half r (which the caller has waited to be free).
-  // kDqPerWg: half w is warpgroup w's slice, so one warpgroup only sends and the other only keeps.
-  template <class TDq>
-  __device__ __forceinline__ void share_dq_pair(TDq const& tdQrdQ, int iter, int tid) {
-    constexpr int kChunks = decltype(size(tdQrdQ))::value / 2;
-    constexpr int kHalfSlots = kTileM * kHeadDim / 4;  // float2 a half
-    const int rank = int(cute::block_rank_in_cluster());
-    auto half_of = [&](int j) { return Traits::kDqPerWg ? tid / 128 : j / (kChunks / 2); };
-    float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
-    if (!Traits::kDqPerWg || tid / 128 != rank) {
-      if (iter > 0) wait_cluster(&smem.barrier_dq_pair[1], (iter - 1) & 1);
-      const uint32_t remote = partner_smem(sdQ, rank ^ 1);
-      const uint32_t remote_barrier = partner_smem(&smem.barrier_dq_pair[0], rank ^ 1);
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kChunks; ++j) {
-        if (half_of(j) == rank) continue;
-        const int slot = dq_slot<Traits>(tid, j) + (2 * rank - 1) * kHalfSlots;
-        store_to_partner(remote + uint32_t(slot) * sizeof(float2), make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1)),
-                         remote_barrier);
-      }
-    }
-    if (Traits::kDqPerWg && tid / 128 != rank) return;
-    if (tid == (Traits::kDqPerWg ? rank * 128 : 0)) {
-      TmaBarrier::arrive_and_expect_tx(&smem.barrier_dq_pair[0], Traits::kBytesdQ / 2);
-    }
-    wait_cluster(&smem.barrier_dq_pair[0], iter & 1);
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kChunks; ++j) {
-      if (half_of(j) != rank) continue;
-      const int slot = dq_slot<Traits>(tid, j);
-      const float2 theirs = sdQ[slot + (1 - 2 * rank) * kHalfSlots];
-      sdQ[slot] = make_float2(tdQrdQ(2 * j) + theirs.x, tdQrdQ(2 * j + 1) + theirs.y);
-    }
+    pipe.consumer_release(st);
   }
 
   // Row r's LSE and D read from the stage's shared-memory copies; query(r) is its query in the tile.
@@ -593,7 +487,6 @@ struct BwdMainloop {
     Tensor cS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTileM>>{}));
     Tensor coordS = make_tensor(cS.data(), acc_as_rowcol(cS.layout()));  // (key, query) in the tile
 
-    const bool paired = pairs_dq(tile);
     wait_kv(mask, n_block, tid);
     PipelineState st;
     int iter = 0;
@@ -681,28 +574,20 @@ struct BwdMainloop {
             warpgroup_wait<0>();  // dQ
           }
           const int wg = __shfl_sync(0xffffffff, tid / 128, 0);
-          // kDqPairs: the warpgroup whose half the partner keeps hands nothing to our writer.
-          const bool to_writer = !(Traits::kDqPairs && paired) || wg == int(cute::block_rank_in_cluster());
-          if (iter > 0 && to_writer) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, kWgWriterThreads);
-          if (Traits::kDqPairs && paired) {
-            if constexpr (Traits::kDqPairs) share_dq_pair(tdQrdQ, iter, tid);
-          } else {
-            float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
-            CUTLASS_PRAGMA_UNROLL
-            for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
-              sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
-            }
+          if (iter > 0) barrier_sync_at<BarrierId::kBwdDqEmpty0>(wg, kWgWriterThreads);
+          float2* sdQ = reinterpret_cast<float2*>(smem.dq.data());
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdQrdQ) / 2; ++j) {
+            sdQ[dq_slot<Traits>(tid, j)] = make_float2(tdQrdQ(2 * j), tdQrdQ(2 * j + 1));
           }
-          if (to_writer) {
-            cutlass::arch::fence_view_async_shared();
-            barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, kWgWriterThreads);
-          }
+          cutlass::arch::fence_view_async_shared();
+          barrier_arrive_at<BarrierId::kBwdDqFull0>(wg, kWgWriterThreads);
           if (late_dk) {
             for (const long long start = clock64(); clock64() - start < 100000;) {}
             wgmma_issue<false>(mma_dkv, tdKrdS, tdKrQt(_, _, _, st.index()), tdKrdK);
           }
           warpgroup_wait<0>();  // dK: done with the stage's Q
-          release_stage(st);
+          pipe.consumer_release(st);
           ++st;
           continue;
         } else {
@@ -728,7 +613,7 @@ struct BwdMainloop {
         issue_dq(buf, tdQrdQ);
         warpgroup_wait<0>();
 
-        hand_dq(tdQrdQ, st, iter, tid, paired);
+        hand_dq(tdQrdQ, st, iter, tid);
         ++st;
       }
     }
@@ -805,7 +690,7 @@ struct BwdMainloop {
         Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTileShape{});
         wgmma_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrKt, tdQrdQ);
         warpgroup_wait<0>();
-        hand_dq(tdQrdQ, st, iter, tid, false);
+        hand_dq(tdQrdQ, st, iter, tid);
         ++st;
       }
     }

@@ -205,21 +205,6 @@ struct BwdTraits {
   // second's S issued by the first, lost 1.6% ("2026-12-06 (twenty-ninth)").
   static constexpr bool kSplitDkv = kRowsByShfl && !kSoftcap && !kPInSmem && !kDqTransposed && !kDqPerWg;
   static constexpr int kSplitDkvParts = 2;
-  // FA3GEN_BWD_DQ_PAIRS (measurement switch, off): CTAs in clusters of two along the key
-  // blocks (dense, non-causal: both walk the same query blocks; d64 128x128, d96, and d128
-  // 64x128). Rank r adds half r of each query block's dQ to global memory (dq_slot order; with
-  // kDqPerWg, warpgroup r's slice): its consumers store their half 1 - r into the partner's
-  // shared memory (the partner's half r of its dQ buffer, which it does not keep) and add the
-  // partner's values into their half r, so a pair adds one tile's bytes a step instead of two.
-  // The backward without its dQ additions ran 1.083x and with half of them 1.036x; the first
-  // version, whose dQ writer warp added the partner's half, 0.64x (docs/BENCHMARKS.md
-  // "2026-12-06 (twenty-ninth)", "(thirtieth)"). Deterministic mode (run time) launches without
-  // clusters and keeps each CTA's own addition in key-block order.
-#ifdef FA3GEN_BWD_DQ_PAIRS
-  static constexpr bool kDqPairs = !Causal && !Local && !Varlen && !kPInSmem && !kDqTransposed;
-#else
-  static constexpr bool kDqPairs = false;
-#endif
   template <bool DqTile>
   struct SharedStorageT {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -235,9 +220,6 @@ struct BwdTraits {
     alignas(8) uint64_t barrier_kv;               // K and V landed
     // Last, in the tail padding: the other members keep their offsets where it is unused.
     alignas(8) uint64_t barrier_do[Stages];       // kSplitQdo: the stage's dO and D landed
-    // kDqPairs: the partner's stores into our dQ buffer landed [0]; the partner has read what
-    // we stored into its buffer last block [1].
-    alignas(8) uint64_t barrier_dq_pair[kDqPairs ? 2 : 1];
   };
   // When the dQ tile does not fit beside the stages (d256: 290 KB with two; d192 64x96: 264
   // KB), kSplitHeadDim and kTransposedDkv hand dQ over in the Q and dO buffers of its own
@@ -246,7 +228,6 @@ struct BwdTraits {
   // tile fits (d192 64x64) it is kept: the stage is then freed a bulk read earlier, and the
   // next block's load starts sooner.
   static constexpr bool kDqInStages = kPInSmem && sizeof(SharedStorageT<true>) > kSmemPerBlockLimit;
-  static_assert(!kDqPairs || !kDqInStages);  // the pairs share the dQ buffer's halves
   using SharedStorage = SharedStorageT<!kDqInStages>;
   static constexpr bool own_columns_contiguous() {
     for (int w = 0; w < kConsumerWGs; ++w) {

@@ -110,23 +110,14 @@ int launch_bwd(const fa3gen_bwd_params& a, cudaStream_t stream) {
   // lower key blocks of its head, which the hardware has already started (no deadlock).
   // Dense: (key block, kv head, batch), read by bwd_kernel.cuh; heads and batch are at most
   // 65535 (checked above). Varlen: the tile list's entries.
-  // kDqPairs: clusters of two along the key blocks, the grid rounded up to whole clusters (a
-  // CTA past the last key block leaves at once). Not in deterministic mode, whose CTAs wait for
-  // lower key blocks' and keep the plain launch's order.
-  const bool pairs = Traits::kDqPairs && !a.deterministic;
-  const unsigned blocks_x = pairs ? unsigned(schedule.blocks + 1) / 2 * 2 : unsigned(schedule.blocks);
   const dim3 grid = Varlen ? dim3(unsigned(schedule.ctas))
-                           : dim3(blocks_x, unsigned(schedule.heads), unsigned(schedule.batch));
-  if (pairs) {
-    err = launch_clustered(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, 2, p);
-  } else {
+                           : dim3(unsigned(schedule.blocks), unsigned(schedule.heads), unsigned(schedule.batch));
 #ifdef FA3GEN_BWD_PDL
-    err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
+  err = launch_programmatic(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, p);
 #else
-    kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
-    err = cudaGetLastError();
+  kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
+  err = cudaGetLastError();
 #endif
-  }
   if (err != cudaSuccess) return report("backward kernel launch", err);
 
   // 3. dQ = scale * dq_accum in the caller's dtype and layout.
