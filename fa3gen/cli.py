@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-from fa3gen.contract import MANIFEST_NAME, generated_root
+from fa3gen.contract import MANIFEST_NAME, SPEC_SUFFIXES, generated_root
 from fa3gen.files import stdout_to_devnull
 from generator.errors import BuildError, GeneratorError
 from generator.lock import KILLED_BUILDS_COMPILES, lock_unless_busy
@@ -76,7 +76,7 @@ def _spec_name(spec: str) -> str:
     path = resolve_spec_path(spec)
     if path.is_file():
         return spec_name_of_file(path)
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix in SPEC_SUFFIXES:
         raise GeneratorError(f"--spec {spec!r}: no such spec file")
     return Path(spec).name  # a bare name as given: spec names may hold dots (h100.v2)
 

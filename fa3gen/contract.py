@@ -254,6 +254,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # A checkout (or an editable install of one) has templates/ beside the packages; an installed
 # wheel has them inside generator/ and builds into the user's cache instead of site-packages.
 IN_CHECKOUT = (REPO_ROOT / "templates" / "kernels").is_dir() and (REPO_ROOT / "pyproject.toml").is_file()
+SPEC_SUFFIXES = (".yaml", ".yml")  # a spec file, as against a spec name or a library
 GENERATED_ENV = "FA3GEN_GENERATED"  # overrides the default root below
 MANIFEST_NAME = "manifest.json"
 

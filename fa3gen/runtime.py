@@ -503,8 +503,6 @@ _BUNDLED = sorted((Path(__file__).parent / "lib").glob("libfa3gen_*.so"))
 BUNDLED_LIBRARY: Path | None = _BUNDLED[0] if len(_BUNDLED) == 1 else None
 
 
-SPEC_SUFFIXES = (".yaml", ".yml")
-
 
 def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | None]:
     """(library path, spec name or None) for a spec name, a spec .yaml path or a .so path."""
@@ -520,7 +518,7 @@ def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | 
     s = os.fspath(spec)
     if s.endswith(".so"):
         return Path(s), contract.spec_name_of_library(s)
-    if s.endswith(SPEC_SUFFIXES):
+    if s.endswith(contract.SPEC_SUFFIXES):
         s = spec_name_of_file(Path(s))
     return contract.library_path(s), s
 
@@ -551,7 +549,7 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     asked = os.fspath(spec) if spec is not None else _selected  # what resolve_library starts from
     path, spec_name = resolve_library(asked)
     key = path.resolve() if path.exists() else path
-    spec_file = asked if asked is not None and asked.endswith(SPEC_SUFFIXES) else None  # for the hint
+    spec_file = asked if asked is not None and asked.endswith(contract.SPEC_SUFFIXES) else None  # for the hint
     with _lock:
         lib = _libraries.get(key)
         if lib is None:

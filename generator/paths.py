@@ -6,7 +6,7 @@ import importlib.resources
 import os
 from pathlib import Path
 
-from fa3gen.contract import IN_CHECKOUT, REPO_ROOT
+from fa3gen.contract import IN_CHECKOUT, REPO_ROOT, SPEC_SUFFIXES
 
 
 def _data_dir(checkout_name: str, package_name: str) -> Path:
@@ -23,9 +23,9 @@ SPECS_DIR = _data_dir("specs", "_specs")
 def resolve_spec_path(spec: str) -> Path:
     """Accept a path to a YAML file or a bare spec name from specs/ (e.g. `h100`)."""
     p = Path(spec)
-    if p.is_file() or p.suffix in (".yaml", ".yml") or os.sep in spec:  # not a folder named h100
+    if p.is_file() or p.suffix in SPEC_SUFFIXES or os.sep in spec:  # not a folder named h100
         return p
-    for suffix in (".yaml", ".yml"):
+    for suffix in SPEC_SUFFIXES:
         cand = SPECS_DIR / (spec + suffix)
         if cand.exists():
             return cand
