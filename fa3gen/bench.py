@@ -138,6 +138,11 @@ def render_markdown(report: dict) -> str:
         f"- Timing: {timing}. W and J/PFLOP: mean board power (nvidia-smi) while the backend "
         "ran, and the energy per 10^15 FLOPs at that power.",
     ]
+    runs = report.get("runs") or []
+    for i, run in enumerate(runs[:-1]):  # the last is the header's
+        n = sum(1 for r in report["rows"] if r.get("run") == i)
+        lines.append(f"- {n} rows (run {i} in the tables' last column) from an earlier run: {run.get('date')}, "
+                     f"{run.get('gpu')}, commit `{run.get('commit')}`, `{run.get('command') or 'fa3gen bench'}`")
     seen = [r["clock_reasons"]["fa3gen"] for r in report["rows"]
             if (r.get("clock_reasons") or {}).get("fa3gen") is not None]
     if seen:
@@ -149,8 +154,8 @@ def render_markdown(report: dict) -> str:
             f"### {direction}, {dtype}, causal={causal}",
             "",
             "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer | "
-            "fa3gen W | fa3gen J/PFLOP | best peer J/PFLOP | variant |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+            "fa3gen W | fa3gen J/PFLOP | best peer J/PFLOP | variant |" + (" run |" if len(runs) > 1 else ""),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|" + ("---:|" if len(runs) > 1 else ""),
         ]
         for r in rows:
             t, joules = r["tflops"], r.get("j_per_pflop") or {}
@@ -162,6 +167,7 @@ def render_markdown(report: dict) -> str:
                 f"{_fmt(ratio, '.2f')}{f' ({LABELS[peer]})' if ratio else ''} | "
                 f"{_fmt((r.get('power_w') or {}).get('fa3gen'))} | {_fmt(joules.get('fa3gen'))} | "
                 f"{_fmt(joules.get(peer) if peer else None)} | {r.get('variant') or '—'} |"
+                + (f" {r.get('run')} |" if len(runs) > 1 else "")
             )
     lines += _candidates_markdown(report["rows"])
     lines.append(END)
@@ -228,6 +234,43 @@ def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
 
 def write_json(report: dict, path: Path) -> None:
     write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def point_of(row: dict) -> tuple:
+    """What a row measures: the same point in two reports is the same call."""
+    return (row["direction"], row["dtype"], row["head_dim"], row["causal"], row["seqlen"])
+
+
+def earlier_report(path: Path) -> dict | None:
+    """The report --merge adds to: None where there is none yet."""
+    if not path.exists():
+        return None
+    try:
+        report = json.loads(path.read_text())
+        if not isinstance(report.get("header"), dict):
+            raise TypeError
+        for row in report["rows"]:
+            point_of(row)  # KeyError or TypeError unless a row
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise Fa3genError(f"--merge: {path} is not a bench report ({type(exc).__name__}); "
+                          "name another --out or leave out --merge") from None
+    return report
+
+
+def merge_reports(old: dict, new: dict) -> dict:
+    """`new`'s rows replace `old`'s rows of the same point, the rest of `old` stays (bench
+    --merge: re-measure part of a grid). The result's header is `new`'s; "runs" lists the
+    header of every run that still gives rows, oldest first, and each row's "run" indexes it."""
+    runs = old.get("runs") or [old["header"]]
+    kept = [dict(r, run=r.get("run", 0)) for r in old["rows"]]
+    fresh = {point_of(r) for r in new["rows"]}
+    kept = [r for r in kept if point_of(r) not in fresh]
+    used = sorted({r["run"] for r in kept})
+    renumber = {i: n for n, i in enumerate(used)}
+    rows = [dict(r, run=renumber[r["run"]]) for r in kept]
+    rows += [dict(r, run=len(used)) for r in new["rows"]]
+    return {**new, "header": new["header"], "runs": [runs[i] for i in used] + [new["header"]],
+            "rows": rows}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -452,6 +495,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                         "(default docs/BENCHMARKS.md)")
     p.add_argument("--plot", type=Path, default=RESULTS_DIR / "bench.png",
                    help="plot of TFLOP/s vs seqlen (default docs/results/bench.png)")
+    p.add_argument("--merge", action="store_true",
+                   help="keep --out's other rows: the points measured now replace theirs, and the "
+                        "report lists each run that still gives rows (re-measure part of a grid)")
     p.add_argument("--no-baselines", action="store_true", help="time fa3gen only (no SDPA)")
     p.add_argument("--all-variants", action="store_true",
                    help="also time every built variant of each shape's key (rows gain a "
@@ -525,6 +571,7 @@ def bench_runs(direction: str, dtypes: list[str], causals: list[bool]) -> list[t
 def run(args) -> int:
     if not bench_runs(args.direction, args.dtype, [False]):  # only e4m3 backward asked for
         raise Fa3genError("e4m3 has no backward: bench it with --direction fwd")
+    earlier = earlier_report(args.out) if args.merge else None  # read before the timing: fail fast
     import torch
 
     from fa3gen import runtime
@@ -559,6 +606,8 @@ def run(args) -> int:
                       f"{_fmt(row['power_w']['fa3gen'])} W  [{row['variant']}]", flush=True)
 
     report = {"header": header, "rows": rows}
+    if earlier is not None:
+        report = merge_reports(earlier, report)
     if args.all_variants:
         report["picked_defaults"] = pick_defaults(rows)
         for key, p in report["picked_defaults"].items():

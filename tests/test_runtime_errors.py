@@ -916,3 +916,43 @@ def test_the_gemm_ceiling_is_timed_as_the_rows(monkeypatch):
     monkeypatch.setattr(bench, "gemm_tflops", lambda measure: measure(lambda: None))
     args = object()
     assert bench.gemm_ceiling(args) == 2.0 and seen == [(["gemm"], args)]
+
+
+def test_merge_replaces_the_points_measured_again_and_names_each_run(tmp_path):
+    old = fabricated_report()
+    new = fabricated_report()
+    new["header"] = dict(new["header"], date="2026-12-06 14:00 UTC", commit="def456", command="fa3gen bench --merge")
+    new["rows"] = [dict(r, ms=dict(r["ms"], fa3gen=0.25)) for r in new["rows"] if r["head_dim"] == 64]
+    merged = bench.merge_reports(old, new)
+    assert len(merged["rows"]) == len(old["rows"])  # same points, none twice
+    by_point = {bench.point_of(r): r for r in merged["rows"]}
+    assert len(by_point) == len(merged["rows"])
+    for point, r in by_point.items():
+        assert r["run"] == (1 if point[2] == 64 else 0)
+        assert r["ms"]["fa3gen"] == (0.25 if point[2] == 64 else 0.5)
+    assert merged["header"] == new["header"] and merged["runs"] == [old["header"], new["header"]]
+    block = bench.render_markdown(merged)
+    assert "4 rows (run 0 in the tables' last column) from an earlier run: 2026-11-30 00:00 UTC" in block
+    assert "commit `abc123`" in block and "| variant | run |" in block
+    assert any(ln.startswith("| 64 | 512 |") and ln.endswith(" 1 |") for ln in block.splitlines())
+    # a third run that replaces every run-0 row drops that run and renumbers
+    third = fabricated_report()
+    third["header"] = dict(third["header"], commit="0a0b0c")
+    third["rows"] = [r for r in third["rows"] if r["head_dim"] == 128]
+    again = bench.merge_reports(merged, third)
+    assert [h["commit"] for h in again["runs"]] == ["def456", "0a0b0c"]
+    assert {r["run"] for r in again["rows"] if r["head_dim"] == 64} == {0}
+    # one run: no run column
+    assert "| run |" not in bench.render_markdown(old)
+
+
+def test_merge_refuses_what_is_not_a_report(tmp_path):
+    assert bench.earlier_report(tmp_path / "none.json") is None
+    bad = tmp_path / "bad.json"
+    for text in ("not json", "[]", '{"header": {}, "rows": [{"dtype": "bf16"}]}'):
+        bad.write_text(text)
+        with pytest.raises(Fa3genError, match="--merge: .* is not a bench report"):
+            bench.earlier_report(bad)
+    good = tmp_path / "good.json"
+    bench.write_json(fabricated_report(), good)
+    assert bench.earlier_report(good) == fabricated_report()
