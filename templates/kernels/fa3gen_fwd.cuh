@@ -129,20 +129,12 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   cudaError_t err = set_smem_limit_once(kernel, smem_bytes);
   if (err != cudaSuccess) return report("cudaFuncSetAttribute", err);
   const dim3 grid(static_cast<unsigned>(schedule.ctas));
-#ifdef FA3GEN_FWD_PDL
-  // Measurement switch: a programmatic dependent of the kernel before it (fwd_kernel.cuh).
-  cudaLaunchAttribute attributes[2] = {programmatic_attribute(), cluster_attribute(Traits::kClusterM)};
-  cudaLaunchConfig_t config = launch_config(grid, dim3(Traits::kThreads), smem_bytes, stream, attributes);
-  config.numAttrs = Traits::kClusterM > 1 ? 2 : 1;
-  err = cudaLaunchKernelEx(&config, kernel, p);
-#else
   if constexpr (Traits::kClusterM > 1) {
     err = launch_clustered(kernel, grid, dim3(Traits::kThreads), smem_bytes, stream, Traits::kClusterM, p);
   } else {
     kernel<<<grid, Traits::kThreads, smem_bytes, stream>>>(p);
     err = cudaGetLastError();
   }
-#endif
   if (err != cudaSuccess) return report("kernel launch", err);
   return 0;
 }

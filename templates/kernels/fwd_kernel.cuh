@@ -25,21 +25,12 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   using Scheduler = cute::conditional_t<Traits::kVarlen, VarlenTileScheduler, TileScheduler<Traits::kCausal>>;
   const Scheduler sched = make_scheduler<Scheduler, Traits::kVarlen>(p);
 
-#ifdef FA3GEN_FWD_PDL
-  // Measurement switch: launched as a programmatic dependent (fa3gen_fwd.cuh), the next call's
-  // grid may be placed as this one's CTAs retire; this one sets up its barriers while the
-  // kernel before it drains, and reads or writes global memory only after that kernel is done.
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);
   Mainloop mainloop(p, smem, warp_idx);
   // Barrier initialisation visible to every thread before first use; in a cluster, to the
   // other CTAs too (their TMA multicasts and consumers signal this CTA's pipeline barriers).
   if constexpr (Traits::kClusterM > 1) cute::cluster_sync();
   else __syncthreads();
-#ifdef FA3GEN_FWD_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 
   if constexpr (Traits::kWarpSpecialized) {
     if (warp_idx < 4) {  // producer warpgroup

@@ -63,16 +63,12 @@ inline cudaLaunchAttribute cluster_attribute(int cluster) {
 // may be placed once every CTA of that kernel has run griddepcontrol.launch_dependents (or
 // exited), and must run griddepcontrol.wait (prerequisite_grid_wait) before they read what
 // that kernel writes. Everything launched before that kernel has completed by then.
-inline cudaLaunchAttribute programmatic_attribute() {
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  return attribute;
-}
 template <class... Params, class... Args>
 inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes,
                                        cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attribute = programmatic_attribute();
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
   const cudaLaunchConfig_t config = launch_config(grid, block, smem_bytes, stream, &attribute);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }

@@ -178,9 +178,6 @@ template <int Tile, bool BlocksDescending, int KvBytesPerKey = 0>
 __global__ void __launch_bounds__(kVarlenListThreads)
 varlen_tiles_kernel(const int* cu_rows, int total_rows, const int* cu_cost, int total_cost, int batch, int heads,
                     int2* tiles, int capacity, bool paired, const PaddingArgs padding) {
-#ifdef FA3GEN_FWD_PDL
-  asm volatile("griddepcontrol.launch_dependents;");  // the forward may be placed and set up meanwhile
-#endif
   if (blockIdx.x > 0) {
     zero_padding(padding, int(blockIdx.x) - 1, int(gridDim.x) - 1);
     return;
