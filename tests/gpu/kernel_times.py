@@ -1,7 +1,8 @@
-"""Kernel time per call of fa3gen's forward beside cuDNN's (PyTorch SDPA's cuDNN backend), from
+"""Kernel time per call of fa3gen's forward beside cuDNN's (PyTorch SDPA's cuDNN backend) and FA4's
+(when flash_attn.cute imports), from
 torch.profiler: the kernels each backend launches (name, grid, block, shared memory, registers)
 and their summed duration per call, over back-to-back calls after a warm-up. A burst (about
-5-12% above sustained timing on a power-capped board) but GPU time only, the same way for both,
+5-12% above sustained timing on a power-capped board) but GPU time only, the same way for all,
 and it names the kernel a peer chose, which the bench does not:
 
     python3 tests/gpu/kernel_times.py --shapes 64:1:512 64:1:1024 64:0:512 --json times.json
@@ -14,6 +15,8 @@ backend on the first shape and nothing else, for ncu to pick a launch:
         --section WarpStateStats python3 tests/gpu/kernel_times.py --one fa3gen --shapes 64:1:512
     (cuDNN's kernels: -k regex:cudnn_generated ... --one cudnn)
 
+The forward-only sibling of bwd_kernel_times.py, which splits a backward call by kernel.
+
 Not a pytest module; fa3gen runs its key's default from the library runtime.get_library finds.
 """
 
@@ -22,8 +25,12 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+BACKENDS = ("fa3gen", "cudnn", "fa4")  # fa4: when flash_attn.cute imports
 
 
 def shape_arg(text: str) -> tuple[int, bool, int]:
@@ -36,22 +43,17 @@ def shape_arg(text: str) -> tuple[int, bool, int]:
     return d, bool(causal), s
 
 
-def calls(d: int, causal: bool, s: int, dtype):
-    """One call of each backend on the shape, and its FLOPs (the bench's count)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+def calls(d: int, causal: bool, s: int, dtype) -> tuple[dict, float]:
+    """One call of each backend on the shape (fa3gen; cuDNN through SDPA; FA4 when it imports),
+    and its FLOPs (the bench's count)."""
+    from fa3gen import bench
     from fa3gen.ops import flash_attn_func
 
-    b, h = 16384 // s, 2048 // d
+    b, h = bench.TOTAL_TOKENS // s, bench.HIDDEN // d
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-
-    def cudnn():
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-
-    fns = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal), "cudnn": cudnn}
+    peers = bench.peer_forwards(q, k, v, causal)
+    fns = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal)}
+    fns.update({name: peers[name] for name in BACKENDS[1:] if name in peers})
     return fns, 4 * b * h * s * s * d / (2 if causal else 1)
 
 
@@ -77,7 +79,7 @@ def main() -> int:
                    help="head_dim:causal:seqlen (default 64:1:512)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--calls", type=int, default=20, help="profiled calls a backend and shape (default 20)")
-    p.add_argument("--one", choices=("fa3gen", "cudnn"), help="only a few calls of this backend (for ncu)")
+    p.add_argument("--one", choices=BACKENDS, help="only a few calls of this backend (for ncu)")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -85,7 +87,11 @@ def main() -> int:
         return 2
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     if args.one:
-        fn = calls(*args.shapes[0], dtype)[0][args.one]
+        fns = calls(*args.shapes[0], dtype)[0]
+        if args.one not in fns:
+            print(f"kernel_times.py: {args.one} is not available here", file=sys.stderr)
+            return 2
+        fn = fns[args.one]
         for _ in range(8):
             fn()
         torch.cuda.synchronize()
