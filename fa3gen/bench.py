@@ -269,8 +269,7 @@ def merge_reports(old: dict, new: dict) -> dict:
     renumber = {i: n for n, i in enumerate(used)}
     rows = [dict(r, run=renumber[r["run"]]) for r in kept]
     rows += [dict(r, run=len(used)) for r in new["rows"]]
-    return {**new, "header": new["header"], "runs": [runs[i] for i in used] + [new["header"]],
-            "rows": rows}
+    return {**new, "runs": [runs[i] for i in used] + [new["header"]], "rows": rows}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -1,8 +1,9 @@
 """Kernel time per call of fa3gen's forward beside cuDNN's (PyTorch SDPA's cuDNN backend) and FA4's
 (when flash_attn.cute imports), from
 torch.profiler: the kernels each backend launches (name, grid, block, shared memory, registers)
-and their summed duration per call, over back-to-back calls after a warm-up. A burst (about
-5-12% above sustained timing on a power-capped board) but GPU time only, the same way for all,
+and their summed duration per call, over back-to-back calls after a warm-up. A burst (5-15%
+above the sustained A/B of the same kernels on a power-capped H100) but GPU time only, the same
+way for all,
 and it names the kernel a peer chose, which the bench does not:
 
     python3 tests/gpu/kernel_times.py --shapes 64:1:512 64:1:1024 64:0:512 --json times.json
