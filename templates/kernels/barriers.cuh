@@ -20,6 +20,9 @@ enum class BarrierId : uint32_t {
   // fp8 without the intra-warpgroup overlap: both consumer warpgroups, once a block, half a
   // block apart (fwd_mainloop.cuh, kStagger).
   kFwdStagger = 6,
+  // FA3GEN_FWD_O_TMA_STORE (16-bit dense variants, where 4-6 are otherwise unused): consumer
+  // warpgroup w's threads have written its O rows to shared memory (fwd_epilogue.cuh).
+  kFwdOStored0 = 4,
   // Backward. kDqPerWg (bwd_traits.cuh): consumer warpgroup w hands its own slice of dQ to
   // the writer warp on kBwdDqFull0 + w and waits for it to be read on kBwdDqEmpty0 + w.
   kBwdDqFull0 = 0,

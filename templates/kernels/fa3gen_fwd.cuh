@@ -122,8 +122,24 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                a.k_descale_block_stride, a.v_descale_batch_stride, a.v_descale_head_stride,
                a.v_descale_block_stride, a.q_descale_head_div > 0 ? a.q_descale_head_div : 1},
       a.o_fp16 != 0,
-      PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols}};
+      PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols}
+#ifdef FA3GEN_FWD_O_TMA_STORE
+      , typename Traits::TmaO{}, false  // set below
+#endif
+  };
 
+#ifdef FA3GEN_FWD_O_TMA_STORE
+  if constexpr (Traits::kOTmaStore) {
+    // TMA wants a 16-byte aligned base and strides; otherwise the epilogue's own stores.
+    p.o_tma = vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8);
+    if (p.o_tma) {
+      auto o = make_tensor(make_gmem_ptr(static_cast<E*>(a.o)),
+                           make_layout(make_shape(a.seqlen_q, Int<HeadDim>{}, a.heads_q, a.batch),
+                                       make_stride(a.o_row_stride, _1{}, a.o_head_stride, a.o_batch_stride)));
+      p.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutOPart{});
+    }
+  }
+#endif
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = set_smem_limit_once(kernel, smem_bytes);

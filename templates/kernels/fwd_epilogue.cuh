@@ -1,8 +1,10 @@
 // The forward epilogue: O / rowsum and the LSE of one query tile, straight from registers to
 // global memory, without shared memory (the forward's shared memory is all Q, K and V).
 #pragma once
+#include "barriers.cuh"
 #include "fragments.cuh"
 #include "fwd_traits.cuh"
+#include "tma_pipeline.cuh"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 
@@ -100,6 +102,36 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
       if (row < row_end) { lse_row[row] = lse[r]; }
     }
   }
+#ifdef FA3GEN_FWD_O_TMA_STORE
+  if constexpr (Traits::kOTmaStore) {
+    static_assert(!Traits::kFp8 && !Traits::kVarlen && Traits::kConsumerWGs <= 3, "barrier ids 4-6 are free");
+    if (p.o_tma) {
+      extern __shared__ __align__(1024) char o_smem_raw[];
+      auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(o_smem_raw);
+      const int wg = tid / 128;
+      const bool issuer = tid % 128 == 0;
+      Tensor rO = convert_fragment<typename Traits::ElementOut>(tOrO);
+      // The warpgroup's rows of the previous tile have left shared memory before new ones land.
+      if (issuer) tma_store_wait<0>();
+      barrier_sync_at<BarrierId::kFwdOStored0>(wg, 128);
+      Tensor sO = make_tensor(make_smem_ptr(smem.o.data()), typename Traits::SmemLayoutQ{});
+      auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, typename Traits::ElementOut>{}, mma_pv);
+      auto thr_copy = smem_copy.get_thread_slice(tid);
+      copy(smem_copy, thr_copy.retile_S(rO), thr_copy.partition_D(sO));
+      cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA unit
+      barrier_sync_at<BarrierId::kFwdOStored0>(wg, 128);
+      if (issuer) {  // rows past seqlen_q fall outside the tensor: TMA drops them
+        auto [tg, ts] = tma_tiles(p.tma_o, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), tile.head,
+                                  tile.batch, Shape<_64, Int<kHeadDim>>{},
+                                  make_coord(tile.block * Traits::kConsumerWGs + wg, _0{}),
+                                  smem.o.data() + wg * Traits::kOPartOffset, typename Traits::SmemLayoutOPart{});
+        copy(p.tma_o, ts, tg);
+        tma_store_arrive();
+      }
+      return;
+    }
+  }
+#endif
   const int64_t o_offset = Traits::kVarlen
                               ? first_row * p.o_row_stride + tile.head * p.o_head_stride
                               : tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +

@@ -48,6 +48,14 @@ struct PStorage {
 template <class Element, int Elems>
 struct PStorage<Element, Elems, false> {};
 
+// FA3GEN_FWD_O_TMA_STORE only: O's tile, written by the consumers, read by their TMA stores.
+template <class Element, int Elems, bool Present>
+struct OStorage {
+  alignas(1024) cute::array_aligned<Element, Elems> o;
+};
+template <class Element, int Elems>
+struct OStorage<Element, Elems, false> {};
+
 // fp8 descale factors (fa3gen_abi.h): per (batch, head) as FA3's q/k/v_descale, or per
 // (batch, head, tile-aligned block) for block quantization; a null pointer reads 1.
 struct Descales {
@@ -282,8 +290,24 @@ struct FwdTraits {
   using PipelineV = cute::conditional_t<kFp8, cutlass::PipelineAsync<Stages>, Pipeline>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  struct SharedStorage : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
-                         PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem> {
+  // Measurement switch FA3GEN_FWD_O_TMA_STORE: O leaves through a shared-memory tile of its own
+  // and one TMA store per consumer warpgroup (its 64 rows), as FA3, FA4 and cuDNN do, instead
+  // of 16-byte stores from registers; 16-bit dense variants where the tile fits.
+#ifdef FA3GEN_FWD_O_TMA_STORE
+  static constexpr bool kOTmaStoreAsked = !kFp8 && !Varlen && !Paged;
+#else
+  static constexpr bool kOTmaStoreAsked = false;
+#endif
+  using SmemLayoutOPart = decltype(composition(
+      SmemLayoutQ{}, Layout<Shape<_64, Int<HeadDim>>, Stride<_1, Int<TileM>>>{}));
+  static constexpr int kOPartOffset = 64 * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
+  using GmemTensorRowsOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayoutRows{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorRowsOut{}, SmemLayoutOPart{}));
+
+  template <bool WithO>
+  struct SharedStorageT : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
+                          PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem>,
+                          OStorage<Element, WithO ? cosize_v<SmemLayoutQ> : 1, WithO> {
     // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
     // and WGMMA derive it from address bits.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -294,6 +318,8 @@ struct FwdTraits {
     alignas(8) uint64_t barrier_q[kQParts];       // Q slice landed (TMA transaction barrier)
     alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
+  static constexpr bool kOTmaStore = kOTmaStoreAsked && sizeof(SharedStorageT<true>) <= kSmemPerBlockLimit;
+  using SharedStorage = SharedStorageT<kOTmaStore>;
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= kSmemPerBlockLimit, "tile does not fit in the 227 KiB of shared memory");
 };
@@ -319,6 +345,10 @@ struct FwdParams {
   Descales descale;       // fp8 variants
   bool o_fp16;            // fp8 variants: O in fp16 instead of bf16
   PagedArgs paged;        // paged variants (varlen.cuh)
+#ifdef FA3GEN_FWD_O_TMA_STORE
+  typename Traits::TmaO tma_o;  // Traits::kOTmaStore and o_tma: O's TMA store (fwd_epilogue.cuh)
+  bool o_tma;                   // O and its strides allow it (16-byte aligned)
+#endif
 };
 
 }  // namespace fa3gen
