@@ -1,5 +1,7 @@
 // The forward epilogue: O / rowsum and the LSE of one query tile, straight from registers to
-// global memory, without shared memory (the forward's shared memory is all Q, K and V).
+// global memory, without shared memory (the forward's shared memory is all Q, K and V); with
+// the opt-in FA3GEN_FWD_O_TMA_STORE, O through a shared-memory tile of its own and TMA stores
+// (measured on non-clustered d64 and d128 tiles only; docs/BENCHMARKS.md, thirty-first).
 #pragma once
 #include "barriers.cuh"
 #include "fragments.cuh"
