@@ -139,6 +139,7 @@ def render_markdown(report: dict) -> str:
         "ran, and the energy per 10^15 FLOPs at that power.",
     ]
     runs = report.get("runs") or []
+    several = len(runs) > 1  # the tables name each row's run
     for i, run in enumerate(runs[:-1]):  # the last is the header's
         n = sum(1 for r in report["rows"] if r.get("run") == i)
         lines.append(f"- {n} rows (run {i} in the tables' last column) from an earlier run: {run.get('date')}, "
@@ -154,8 +155,8 @@ def render_markdown(report: dict) -> str:
             f"### {direction}, {dtype}, causal={causal}",
             "",
             "| head_dim | seqlen | fa3gen | cuDNN | FA2 | FA4 | fa3gen / best peer | "
-            "fa3gen W | fa3gen J/PFLOP | best peer J/PFLOP | variant |" + (" run |" if len(runs) > 1 else ""),
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|" + ("---:|" if len(runs) > 1 else ""),
+            "fa3gen W | fa3gen J/PFLOP | best peer J/PFLOP | variant |" + (" run |" if several else ""),
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|" + ("---:|" if several else ""),
         ]
         for r in rows:
             t, joules = r["tflops"], r.get("j_per_pflop") or {}
@@ -167,7 +168,7 @@ def render_markdown(report: dict) -> str:
                 f"{_fmt(ratio, '.2f')}{f' ({LABELS[peer]})' if ratio else ''} | "
                 f"{_fmt((r.get('power_w') or {}).get('fa3gen'))} | {_fmt(joules.get('fa3gen'))} | "
                 f"{_fmt(joules.get(peer) if peer else None)} | {r.get('variant') or '—'} |"
-                + (f" {r.get('run')} |" if len(runs) > 1 else "")
+                + (f" {r.get('run')} |" if several else "")
             )
     lines += _candidates_markdown(report["rows"])
     lines.append(END)

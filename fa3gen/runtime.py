@@ -503,7 +503,6 @@ _BUNDLED = sorted((Path(__file__).parent / "lib").glob("libfa3gen_*.so"))
 BUNDLED_LIBRARY: Path | None = _BUNDLED[0] if len(_BUNDLED) == 1 else None
 
 
-
 def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | None]:
     """(library path, spec name or None) for a spec name, a spec .yaml path or a .so path."""
     if spec is None:

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fa3gen import bench  # noqa: E402
+
 BACKENDS = ("fa3gen", "cudnn", "fa4")  # fa4: when flash_attn.cute imports
 
 
@@ -39,7 +41,7 @@ def shape_arg(text: str) -> tuple[int, bool, int]:
         d, causal, s = (int(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected head_dim:causal:seqlen, e.g. 64:1:512") from None
-    if d <= 0 or causal not in (0, 1) or s <= 0 or 16384 % s or 2048 % d:
+    if d <= 0 or causal not in (0, 1) or s <= 0 or bench.TOTAL_TOKENS % s or bench.HIDDEN % d:
         raise argparse.ArgumentTypeError(f"{text!r}: seqlen must divide 16384, head_dim 2048, causal be 0 or 1")
     return d, bool(causal), s
 
@@ -47,15 +49,15 @@ def shape_arg(text: str) -> tuple[int, bool, int]:
 def calls(d: int, causal: bool, s: int, dtype) -> tuple[dict, float]:
     """One call of each backend on the shape (fa3gen; cuDNN through SDPA; FA4 when it imports),
     and its FLOPs (the bench's count)."""
-    from fa3gen import bench
     from fa3gen.ops import flash_attn_func
 
-    b, h = bench.TOTAL_TOKENS // s, bench.HIDDEN // d
+    shape = bench.grid([s], [d])[0]
+    b, h = shape["batch"], shape["heads"]
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
     peers = bench.peer_forwards(q, k, v, causal)
     fns = {"fa3gen": lambda: flash_attn_func(q, k, v, causal=causal)}
     fns.update({name: peers[name] for name in BACKENDS[1:] if name in peers})
-    return fns, 4 * b * h * s * s * d / (2 if causal else 1)
+    return fns, bench.attention_flops(b, h, s, s, d, causal)
 
 
 def kernel_time(fn, n: int) -> tuple[float, list]:
