@@ -148,9 +148,14 @@ AXIS_TABLE = (
     Axis("p_in_smem", "bool", "knob", words=("", "psmem")),
     # Varlen forward over a paged KV cache: keys and values read through a block table
     # (flash_attn_with_kvcache's chunked prefill); page size and table are runtime arguments.
-    # Last (a key after the knobs) so that names and Variant(...) calls of the variants
-    # without it read as they did before.
+    # After the knobs it joined (a key among knobs) so that names and Variant(...) calls of the
+    # variants without it read as they did before.
     Axis("paged", "bool", "key", words=("", "paged")),
+    # Forward, 16-bit, not varlen: O leaves through a shared-memory tile of its own and one TMA
+    # store per consumer warpgroup instead of 16-byte stores from registers
+    # (templates/kernels/fwd_epilogue.cuh). After paged, so that names and Variant(...) calls
+    # of the variants without it read as they did before.
+    Axis("o_tma_store", "bool", "knob", words=("", "otma")),
 )
 AXIS_BY_NAME = {a.name: a for a in AXIS_TABLE}
 AXES = tuple(AXIS_BY_NAME)
@@ -320,7 +325,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 14
+ABI_VERSION = 15
 
 # The C ABI's sizes and lengths are int32: the largest value a call's length or window may take.
 INT32_MAX = 2**31 - 1
@@ -463,7 +468,7 @@ _FWD_TEMPLATE = (("Element", "dtype"), ("HeadDim", "head_dim"), ("TileM", "tile_
                  ("Local", "local"), ("Softcap", "softcap"), ("Varlen", "varlen"),
                  ("Paged", "paged"), ("WarpSpecialized", "warp_specialized"), ("Pingpong", "pingpong"),
                  ("IntraWgOverlap", "intra_wg_overlap"), ("PeelMasked", "peel_masked"),
-                 ("PInSmem", "p_in_smem"))
+                 ("PInSmem", "p_in_smem"), ("OTmaStore", "o_tma_store"))
 
 LAUNCHERS = {
     "fwd": Launcher("fa3gen_fwd.cuh", "fa3gen::launch_fwd", "fa3gen_fwd_params", FWD_PARAMS,

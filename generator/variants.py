@@ -59,6 +59,7 @@ REALIZED_KNOBS = {
     ("intra_wg_overlap", False), ("intra_wg_overlap", True),
     ("peel_masked", False), ("peel_masked", True),
     ("p_in_smem", False), ("p_in_smem", True),
+    ("o_tma_store", False), ("o_tma_store", True),
 }
 # A new on/off knob is checked too: pruned until its values are added above.
 _CHECKED_KNOBS = tuple(a for a in KNOB_AXES if AXIS_BY_NAME[a].kind == "bool")
@@ -84,11 +85,12 @@ def smem_bytes(v: Variant) -> int:
         dq_tile = 4 * v.tile_m * v.head_dim
         return core if split and core + dq_tile > SMEM_LIMIT else core + dq_tile
     # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose; p_in_smem
-    # adds P's tile.
+    # adds P's tile, o_tma_store O's (the size of Q's).
     raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
     p_tile = v.tile_m * v.tile_n if v.p_in_smem else 0
-    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v + p_tile) \
-        + SMEM_RESERVED
+    o_tile = v.tile_m * v.head_dim if v.o_tma_store else 0
+    return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v + p_tile
+                   + o_tile) + SMEM_RESERVED
 
 
 def fwd_clustered(v: Variant) -> bool:
@@ -274,6 +276,17 @@ def p_in_smem_scope(v: Variant) -> Optional[str]:
     return None
 
 
+def o_tma_store_scope(v: Variant) -> Optional[str]:
+    """Where O's TMA store is realized: one store per consumer warpgroup of its 64 rows of one
+    (head, batch), so not across the varlen rows' sequence bounds; e4m3's O is converted to
+    another type than its inputs and not staged this way."""
+    if v.o_tma_store and (v.direction != "fwd" or v.dtype == "e4m3" or v.varlen
+                          or not v.warp_specialized):
+        return ("o_tma_store is realized in the 16-bit warp-specialized forward without varlen "
+                "only")
+    return None
+
+
 def pingpong_needs_two_consumers(v: Variant) -> Optional[str]:
     if v.pingpong and (consumer_warpgroups(v) < 2 or not v.warp_specialized):
         return "pingpong needs warp specialization and at least 2 consumer warpgroups"
@@ -303,6 +316,7 @@ CONSTRAINTS: tuple[tuple[str, Callable[[Variant], Optional[str]]], ...] = (
     ("pingpong_needs_two_consumers", pingpong_needs_two_consumers),
     ("peel_needs_overlap", peel_needs_overlap),
     ("p_in_smem_scope", p_in_smem_scope),
+    ("o_tma_store_scope", o_tma_store_scope),
     ("knob_realized", knob_realized),
 )
 

@@ -209,7 +209,8 @@ def test_filter_matching_only_pruned_says_why(tmp_path, monkeypatch):
     # Every knob value is realized today: narrow the table so pp1 is pruned by knob_realized.
     from generator import variants as V
     monkeypatch.setattr(V, "REALIZED_KNOBS", {("warp_specialized", True), ("pingpong", False),
-                                              ("intra_wg_overlap", False), ("peel_masked", False), ("p_in_smem", False)})
+                                              ("intra_wg_overlap", False), ("peel_masked", False), ("p_in_smem", False),
+                                              ("o_tma_store", False)})
     spec = tmp_path / "p.yaml"
     spec.write_text(SPEC.replace("pingpong: false", "pingpong: [false, true]")
                     + "dispatch_required: false\n")

@@ -65,7 +65,8 @@ def test_list_by_bare_name_and_explain(capsys):
 
 def test_list_explain_says_which_knob_is_unrealized(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(V, "REALIZED_KNOBS", {("warp_specialized", True), ("pingpong", False),
-                                              ("intra_wg_overlap", False), ("peel_masked", False), ("p_in_smem", False)})
+                                              ("intra_wg_overlap", False), ("peel_masked", False), ("p_in_smem", False),
+                                              ("o_tma_store", False)})
     spec = tmp_path / "k.yaml"
     spec.write_text("axes: {direction: fwd, dtype: bf16, head_dim: 128, causal: true, "
                     "tile: [128, 128], stages: 2, warp_specialized: true, "

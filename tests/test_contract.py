@@ -133,7 +133,7 @@ def test_name_format():
     assert contract.NAME_FORMAT == ("{direction}_{dtype}_d{head_dim}_{nocausal|causal}_"
                                     "[local]_[softcap]_[varlen]_"
                                     "m{tile_m}n{tile_n}_s{stages}_ws{0|1}_pp{0|1}_ov{0|1}_[peel]_[psmem]_"
-                                    "[paged]")
+                                    "[paged]_[otma]")
     assert v.key == ("fwd", "bf16", 128, False, False, False, False, False)
     assert contract.key_str(v.key) == "(fwd, bf16, d128, nocausal)"
 
@@ -202,8 +202,13 @@ def test_variant_info_row_follows_struct():
     assert (row["local"], row["softcap"], row["varlen"]) == ("0", "0", "0")
     assert contract.template_args(fwd) == ["cutlass::half_t", "64", "192", "128", "3", "true",
                                            "false", "false", "false", "false", "false", "false", "true",
-                                           "false", "false"]
+                                           "false", "false", "false"]
     assert row["peel_masked"] == "0" and row["p_in_smem"] == "0" and row["paged"] == "0"
+    assert row["o_tma_store"] == "0"
+    via_tma = dataclasses.replace(fwd, o_tma_store=True)  # a knob spelled after the paged key
+    assert via_tma.name.endswith("_ov1_otma") and parse_name(via_tma.name) == via_tma
+    assert contract.template_args(via_tma)[-1] == "true"
+    assert contract.variant_info_values(via_tma, False)[list(dict(VARIANT_INFO)).index("o_tma_store")] == "1"
     paged = dataclasses.replace(fwd, varlen=True, paged=True)
     assert contract.template_args(paged)[8:10] == ["true", "true"]  # Varlen, Paged
     assert contract.variant_info_values(paged, False)[list(dict(VARIANT_INFO)).index("paged")] == "1"

@@ -29,23 +29,23 @@ def test_variant_tu():
     assert ('extern "C" FA3GEN_API int fa3gen_launch_fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1('
             'const fa3gen_fwd_params* p, void* stream)') in text
     assert ("fa3gen::launch_fwd<cutlass::bfloat16_t, 128, 128, 176, 2, false, false, false, false, "
-            "false, true, true, true, false, false>"
+            "false, true, true, true, false, false, false>"
             "(*p, static_cast<cudaStream_t>(stream))") in text
     text2 = render_variant(V2)
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false, false, "
-            "false, false, false, false, false>") in text2
+            "false, false, false, false, false, false>") in text2
     local = dataclasses.replace(V2, causal=False, local=True, softcap=True)
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, false, true, true, false, false, "
-            "false, false, false, false, false>") in render_variant(local)
+            "false, false, false, false, false, false>") in render_variant(local)
     packed = dataclasses.replace(V2, varlen=True)
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, true, false, "
-            "false, false, false, false, false>") in render_variant(packed)
+            "false, false, false, false, false, false>") in render_variant(packed)
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, true, true, "
-            "false, false, false, false, false>") in render_variant(dataclasses.replace(packed, paged=True))
+            "false, false, false, false, false, false>") in render_variant(dataclasses.replace(packed, paged=True))
     peeled = dataclasses.replace(V2, peel_masked=True)
     assert peeled.name.endswith("_ov0_peel")
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false, false, "
-            "false, false, false, true, false>") in render_variant(peeled)
+            "false, false, false, true, false, false>") in render_variant(peeled)
 
 
 V3 = Variant("bwd", "bf16", 128, True, False, False, False, 64, 128, 2, True, False, False)
@@ -61,19 +61,23 @@ def test_backward_variant_tu():
     via_smem = dataclasses.replace(V2, p_in_smem=True)
     assert via_smem.name.endswith("_ov0_psmem")
     assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false, false, "
-            "false, false, false, false, true>") in render_variant(via_smem)
+            "false, false, false, false, true, false>") in render_variant(via_smem)
+    via_tma = dataclasses.replace(V2, o_tma_store=True)
+    assert via_tma.name.endswith("_ov0_otma")
+    assert ("launch_fwd<cutlass::half_t, 64, 192, 128, 3, true, false, false, false, false, "
+            "false, false, false, false, false, true>") in render_variant(via_tma)
 
 
 def test_dispatch_table():
     text = render_dispatch("h100", [V1, V2, V3], {V2.name}, {"spec": "h100", "fingerprint": "ab"})
     assert '#include "fa3gen_abi.h"' in text and "fa3gen_fwd.cuh\"" not in text
     assert f"int fa3gen_launch_{V1.name}(const fa3gen_fwd_params* p, void* stream);" in text
-    assert (f'{{"{V1.name}", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 176, 2, 1, 1, 1, 0, 0, 0, 0, '
+    assert (f'{{"{V1.name}", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 176, 2, 1, 1, 1, 0, 0, 0, 0, 0, '
             f'&fa3gen_launch_{V1.name}, nullptr}}') in text
-    assert (f'{{"{V2.name}", "fwd", "fp16", 64, 1, 0, 0, 0, 192, 128, 3, 0, 0, 0, 0, 0, 0, 1, '
+    assert (f'{{"{V2.name}", "fwd", "fp16", 64, 1, 0, 0, 0, 192, 128, 3, 0, 0, 0, 0, 0, 0, 0, 1, '
             f'&fa3gen_launch_{V2.name}, nullptr}}') in text
     assert f"int fa3gen_launch_{V3.name}(const fa3gen_bwd_params* p, void* stream);" in text
-    assert (f'{{"{V3.name}", "bwd", "bf16", 128, 1, 0, 0, 0, 64, 128, 2, 1, 0, 0, 0, 0, 0, 0, '
+    assert (f'{{"{V3.name}", "bwd", "bf16", 128, 1, 0, 0, 0, 64, 128, 2, 1, 0, 0, 0, 0, 0, 0, 0, '
             f'nullptr, &fa3gen_launch_{V3.name}}}') in text
     assert "kNumVariants = 3;" in text
     assert "? &kVariants[index] : nullptr" in text

@@ -670,21 +670,21 @@ static int launch_bwd(const fa3gen_bwd_params* p, void* stream) {
 }
 static const fa3gen_variant_info table[] = {
   {"fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 176, 2, 1, 1,
-   1, 0, 0, 0, 1, launch, 0},
+   1, 0, 0, 0, 0, 1, launch, 0},
   {"fwd_bf16_d128_nocausal_m128n128_s2_ws0_pp0_ov0", "fwd", "bf16", 128, 0, 0, 0, 0, 128, 128, 2, 0, 0,
-   0, 0, 0, 0, 0, launch, 0},
+   0, 0, 0, 0, 0, 0, launch, 0},
   {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 0, 0, 0, 64, 128, 2, 1, 0,
-   0, 0, 0, 0, 1, 0, launch_bwd},
+   0, 0, 0, 0, 0, 1, 0, launch_bwd},
   {"fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 1, 0,
-   128, 128, 2, 1, 1, 1, 0, 0, 0, 1, launch, 0},
+   128, 128, 2, 1, 1, 1, 0, 0, 0, 0, 1, launch, 0},
   {"fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 1, 0, 0, 1,
-   128, 128, 2, 1, 1, 1, 0, 0, 0, 1, launch, 0},
+   128, 128, 2, 1, 1, 1, 0, 0, 0, 0, 1, launch, 0},
   {"bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 1, 0, 0, 1,
-   64, 128, 2, 1, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
+   64, 128, 2, 1, 0, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
   {"fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1_paged", "fwd", "bf16", 128, 1, 0, 0, 1,
-   128, 128, 2, 1, 1, 1, 0, 0, 1, 1, launch, 0},
+   128, 128, 2, 1, 1, 1, 0, 0, 1, 0, 1, launch, 0},
   {"fwd_e4m3_d128_causal_m128n128_s2_ws1_pp1_ov1", "fwd", "e4m3", 128, 1, 0, 0, 0,
-   128, 128, 2, 1, 1, 1, 0, 0, 0, 1, launch, 0},
+   128, 128, 2, 1, 1, 1, 0, 0, 0, 0, 1, launch, 0},
 };
 #define COUNT ((int32_t)(sizeof table / sizeof table[0]))
 int32_t fa3gen_abi_version(void) { return ABI; }

@@ -19,7 +19,8 @@ BASE = Variant("fwd", "bf16", 128, False, False, False, False, 128, 128, 2, True
 # Every knob value is realized today; the knob_realized tests narrow the table to the state
 # before pingpong/overlap/non-ws landed, so the mechanism stays proven for future knobs.
 NARROW_KNOBS = {("warp_specialized", True), ("pingpong", False), ("intra_wg_overlap", False),
-                ("peel_masked", False), ("p_in_smem", False)}
+                ("peel_masked", False), ("p_in_smem", False),
+                ("o_tma_store", False)}
 
 
 @pytest.fixture
@@ -173,6 +174,11 @@ def test_variants_sort_head_dims_as_numbers():
     (dict(p_in_smem=True), "p_in_smem_scope"),                      # no overlap: not tested
     (dict(p_in_smem=True, intra_wg_overlap=True, local=True), "p_in_smem_scope"),
     (dict(p_in_smem=True, head_dim=192, tile_n=112, intra_wg_overlap=True), "smem_budget"),
+    (dict(o_tma_store=True, direction="bwd", tile_m=64), "o_tma_store_scope"),
+    (dict(o_tma_store=True, dtype="e4m3"), "o_tma_store_scope"),
+    (dict(o_tma_store=True, varlen=True), "o_tma_store_scope"),
+    (dict(o_tma_store=True, warp_specialized=False), "o_tma_store_scope"),
+    (dict(o_tma_store=True, head_dim=256, tile_n=128, stages=1), "smem_budget"),  # fits without O's tile
 ])
 def test_each_constraint_prunes(change, constraint, monkeypatch):
     if constraint == "knob_realized":
@@ -189,6 +195,15 @@ def test_p_in_smem_counts_p_tile():
     with_p = dataclasses.replace(v, p_in_smem=True)
     assert V.smem_bytes(with_p) - V.smem_bytes(v) == 2 * 192 * 128
     assert check(with_p) is None and with_p.name.endswith("_ov1_psmem")
+
+
+def test_o_tma_store_counts_o_tile():
+    """O's (tile_m x head_dim) tile is in the shared-memory budget (FwdTraits::OStorage)."""
+    v = dataclasses.replace(BASE, head_dim=64, causal=True, pingpong=True, intra_wg_overlap=True,
+                            peel_masked=True)
+    with_o = dataclasses.replace(v, o_tma_store=True)
+    assert V.smem_bytes(with_o) - V.smem_bytes(v) == 2 * 128 * 64
+    assert check(with_o) is None and with_o.name.endswith("_ov1_peel_otma")
 
 
 def test_paged_chunk_is_the_kernels_chunk():
@@ -255,7 +270,7 @@ def test_constraint_table_order():
         "head_dim_supported", "fp8_scope", "one_mask", "paged_scope", "backward_knobs", "mma_m_shape",
         "mma_n_shape",
         "stages_range", "smem_budget", "register_budget", "pingpong_needs_two_consumers",
-        "peel_needs_overlap", "p_in_smem_scope", "knob_realized"]
+        "peel_needs_overlap", "p_in_smem_scope", "o_tma_store_scope", "knob_realized"]
 
 
 def test_first_failing_constraint_reported():

@@ -20,7 +20,7 @@ enum class BarrierId : uint32_t {
   // fp8 without the intra-warpgroup overlap: both consumer warpgroups, once a block, half a
   // block apart (fwd_mainloop.cuh, kStagger).
   kFwdStagger = 6,
-  // FA3GEN_FWD_O_TMA_STORE (16-bit dense variants, where 4-6 are otherwise unused): consumer
+  // o_tma_store (16-bit forwards without varlen, where 4-6 are otherwise unused): consumer
   // warpgroup w's threads have written its O rows to shared memory (fwd_epilogue.cuh).
   kFwdOStored0 = 4,
   // Backward. kDqPerWg (bwd_traits.cuh): consumer warpgroup w hands its own slice of dQ to

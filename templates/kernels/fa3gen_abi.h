@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 14
+#define FA3GEN_ABI_VERSION 15
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -287,6 +287,7 @@ typedef struct fa3gen_variant_info {
   int32_t peel_masked;    // forward: masked key blocks peeled out of the steady-state loop
   int32_t p_in_smem;      // forward: P reaches the PV GEMM through shared memory
   int32_t paged;          // varlen forward over a paged KV cache (block_table of the params)
+  int32_t o_tma_store;    // forward: O through shared memory and TMA stores
   int32_t is_default;     // the spec's dispatch section picked it for its (direction, dtype, head_dim, causal)
   fa3gen_fwd_launch_fn launch_fwd;  // NULL for a backward variant
   fa3gen_bwd_launch_fn launch_bwd;  // NULL for a forward variant

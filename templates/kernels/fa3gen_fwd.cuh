@@ -9,10 +9,10 @@ namespace fa3gen {
 
 template <class Element, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local, bool Softcap,
           bool Varlen, bool Paged, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap, bool PeelMasked,
-          bool PInSmem>
+          bool PInSmem, bool OTmaStore>
 int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   using Traits = FwdTraits<Element, HeadDim, TileM, TileN, Stages, Causal, Local, Softcap, Varlen, Paged,
-                           WarpSpecialized, Pingpong, IntraWgOverlap, PeelMasked, PInSmem>;
+                           WarpSpecialized, Pingpong, IntraWgOverlap, PeelMasked, PInSmem, OTmaStore>;
   if (check_sizes(HeadDim, a.head_dim, a.batch, a.seqlen_q, a.seqlen_k, a.heads_q, a.heads_kv)) return 1;
   Masking masking;
   if (masking_args<Local, Softcap, Varlen>(a, masking)) return 1;
@@ -123,23 +123,19 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                a.v_descale_block_stride, a.q_descale_head_div > 0 ? a.q_descale_head_div : 1},
       a.o_fp16 != 0,
       PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols}
-#ifdef FA3GEN_FWD_O_TMA_STORE
-      , typename Traits::TmaO{}, false  // set below
-#endif
+      // o_tma: set below
   };
 
-#ifdef FA3GEN_FWD_O_TMA_STORE
   if constexpr (Traits::kOTmaStore) {
     // TMA wants a 16-byte aligned base and strides; otherwise the epilogue's own stores.
-    p.o_tma = vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8);
-    if (p.o_tma) {
+    p.o_tma.enabled = vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8);
+    if (p.o_tma.enabled) {
       auto o = make_tensor(make_gmem_ptr(static_cast<E*>(a.o)),
                            make_layout(make_shape(a.seqlen_q, Int<HeadDim>{}, a.heads_q, a.batch),
                                        make_stride(a.o_row_stride, _1{}, a.o_head_stride, a.o_batch_stride)));
-      p.tma_o = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutOPart{});
+      p.o_tma.tma = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutOPart{});
     }
   }
-#endif
   auto kernel = fwd_kernel<Traits>;
   constexpr int smem_bytes = Traits::kSmemBytes;
   cudaError_t err = set_smem_limit_once(kernel, smem_bytes);

@@ -1,7 +1,6 @@
 // The forward epilogue: O / rowsum and the LSE of one query tile, straight from registers to
-// global memory, without shared memory (the forward's shared memory is all Q, K and V); with
-// the opt-in FA3GEN_FWD_O_TMA_STORE, O through a shared-memory tile of its own and TMA stores
-// (measured on non-clustered d64 and d128 tiles only; docs/BENCHMARKS.md, thirty-first).
+// global memory, without shared memory (the forward's shared memory is all Q, K and V); in
+// o_tma_store variants, O through a shared-memory tile of its own and TMA stores.
 #pragma once
 #include "barriers.cuh"
 #include "fragments.cuh"
@@ -104,10 +103,9 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
       if (row < row_end) { lse_row[row] = lse[r]; }
     }
   }
-#ifdef FA3GEN_FWD_O_TMA_STORE
   if constexpr (Traits::kOTmaStore) {
     static_assert(!Traits::kFp8 && !Traits::kVarlen && Traits::kConsumerWGs <= 3, "barrier ids 4-6 are free");
-    if (p.o_tma) {
+    if (p.o_tma.enabled) {
       extern __shared__ __align__(1024) char o_smem_raw[];
       auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(o_smem_raw);
       const int wg = tid / 128;
@@ -123,17 +121,16 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
       cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA unit
       barrier_sync_at<BarrierId::kFwdOStored0>(wg, 128);
       if (issuer) {  // rows past seqlen_q fall outside the tensor: TMA drops them
-        auto [tg, ts] = tma_tiles(p.tma_o, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), tile.head,
+        auto [tg, ts] = tma_tiles(p.o_tma.tma, make_shape(p.seqlen_q, Int<kHeadDim>{}, p.heads_q, p.batch), tile.head,
                                   tile.batch, Shape<_64, Int<kHeadDim>>{},
                                   make_coord(tile.block * Traits::kConsumerWGs + wg, _0{}),
                                   smem.o.data() + wg * Traits::kOPartOffset, typename Traits::SmemLayoutOPart{});
-        copy(p.tma_o, ts, tg);
+        copy(p.o_tma.tma, ts, tg);
         tma_store_arrive();
       }
       return;
     }
   }
-#endif
   const int64_t o_offset = Traits::kVarlen
                               ? first_row * p.o_row_stride + tile.head * p.o_head_stride
                               : tile.batch * p.o_batch_stride + tile.head * p.o_head_stride +

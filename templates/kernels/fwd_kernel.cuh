@@ -71,10 +71,8 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     }
   }
   turns.drain();
-#ifdef FA3GEN_FWD_O_TMA_STORE
   // O's last TMA stores have read shared memory before the CTA exits.
-  if constexpr (Traits::kOTmaStore) { if (p.o_tma && tid % 128 == 0) tma_store_wait<0>(); }
-#endif
+  if constexpr (Traits::kOTmaStore) { if (p.o_tma.enabled && tid % 128 == 0) tma_store_wait<0>(); }
 }
 
 }  // namespace fa3gen

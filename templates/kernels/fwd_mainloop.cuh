@@ -140,9 +140,7 @@ struct FwdMainloop {
   // Once, by one thread of warp 0, before the pipelines are built.
   __device__ __forceinline__ static void init(FwdParams<Traits> const& p, typename Traits::SharedStorage& smem) {
     prefetch_tma_descriptors(p.tma_q, p.tma_k, p.tma_v);
-#ifdef FA3GEN_FWD_O_TMA_STORE
-    if constexpr (Traits::kOTmaStore) { if (p.o_tma) prefetch_tma_descriptors(p.tma_o); }
-#endif
+    if constexpr (Traits::kOTmaStore) { if (p.o_tma.enabled) prefetch_tma_descriptors(p.o_tma.tma); }
     for (int part = 0; part < Traits::kQParts; ++part) {
       TmaBarrier::init(&smem.barrier_q[part], 1);
       TmaBarrier::init(&smem.barrier_q_free[part], Traits::kConsumerThreads / Traits::kQParts);

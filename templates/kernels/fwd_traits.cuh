@@ -48,7 +48,7 @@ struct PStorage {
 template <class Element, int Elems>
 struct PStorage<Element, Elems, false> {};
 
-// FA3GEN_FWD_O_TMA_STORE only: O's tile, written by the consumers, read by their TMA stores.
+// o_tma_store variants only: O's tile, written by the consumers, read by their TMA stores.
 template <class Element, int Elems, bool Present>
 struct OStorage {
   alignas(1024) cute::array_aligned<Element, Elems> o;
@@ -84,7 +84,7 @@ struct Descales {
 
 template <class Element_, int HeadDim, int TileM, int TileN, int Stages, bool Causal, bool Local,
           bool Softcap, bool Varlen, bool Paged, bool WarpSpecialized, bool Pingpong, bool IntraWgOverlap,
-          bool PeelMasked = false, bool PInSmem = false>
+          bool PeelMasked = false, bool PInSmem = false, bool OTmaStore = false>
 struct FwdTraits {
   using Element = Element_;  // of q, k, v
   static constexpr bool kFp8 = sizeof(Element) == 1;
@@ -290,14 +290,13 @@ struct FwdTraits {
   using PipelineV = cute::conditional_t<kFp8, cutlass::PipelineAsync<Stages>, Pipeline>;
   using PipelineState = typename cutlass::PipelineState<Stages>;
 
-  // Measurement switch FA3GEN_FWD_O_TMA_STORE: O leaves through a shared-memory tile of its own
-  // and one TMA store per consumer warpgroup (its 64 rows), as FA3, FA4 and cuDNN do, instead
-  // of 16-byte stores from registers; 16-bit dense variants where the tile fits.
-#ifdef FA3GEN_FWD_O_TMA_STORE
-  static constexpr bool kOTmaStoreAsked = !kFp8 && !Varlen && !Paged;
-#else
-  static constexpr bool kOTmaStoreAsked = false;
-#endif
+  // The o_tma_store knob: O leaves through a shared-memory tile of its own and one TMA store per
+  // consumer warpgroup (its 64 rows), as FA3, FA4 and cuDNN do, instead of 16-byte stores from
+  // registers (fwd_epilogue.cuh); 16-bit warp-specialized forwards without varlen
+  // (generator/variants.py o_tma_store_scope).
+  static constexpr bool kOTmaStore = OTmaStore;
+  static_assert(!OTmaStore || (!kFp8 && !Varlen && WarpSpecialized),
+                "o_tma_store: a 16-bit warp-specialized forward without varlen");
   using SmemLayoutOPart = decltype(composition(
       SmemLayoutQ{}, Layout<Shape<_64, Int<HeadDim>>, Stride<_1, Int<TileM>>>{}));
   static constexpr int kOPartOffset = 64 * decltype(size<1>(smem_atom<Element, HeadDim, true>()))::value;
@@ -318,10 +317,18 @@ struct FwdTraits {
     alignas(8) uint64_t barrier_q[kQParts];       // Q slice landed (TMA transaction barrier)
     alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
-  static constexpr bool kOTmaStore = kOTmaStoreAsked && sizeof(SharedStorageT<true>) <= kSmemPerBlockLimit;
   using SharedStorage = SharedStorageT<kOTmaStore>;
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= kSmemPerBlockLimit, "tile does not fit in the 227 KiB of shared memory");
+};
+
+// O's TMA store, in the params of o_tma_store variants only (empty otherwise).
+template <class Traits, bool = Traits::kOTmaStore>
+struct FwdOTmaArgs {};
+template <class Traits>
+struct FwdOTmaArgs<Traits, true> {
+  typename Traits::TmaO tma;
+  bool enabled;  // O and its strides allow it (16-byte aligned); else the stores from registers
 };
 
 template <class Traits>
@@ -345,10 +352,7 @@ struct FwdParams {
   Descales descale;       // fp8 variants
   bool o_fp16;            // fp8 variants: O in fp16 instead of bf16
   PagedArgs paged;        // paged variants (varlen.cuh)
-#ifdef FA3GEN_FWD_O_TMA_STORE
-  typename Traits::TmaO tma_o;  // Traits::kOTmaStore and o_tma: O's TMA store (fwd_epilogue.cuh)
-  bool o_tma;                   // O and its strides allow it (16-byte aligned)
-#endif
+  FwdOTmaArgs<Traits> o_tma;  // o_tma_store variants: O's TMA store (fwd_epilogue.cuh)
 };
 
 }  // namespace fa3gen
