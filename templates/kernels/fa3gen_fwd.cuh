@@ -122,8 +122,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
                a.k_descale_block_stride, a.v_descale_batch_stride, a.v_descale_head_stride,
                a.v_descale_block_stride, a.q_descale_head_div > 0 ? a.q_descale_head_div : 1},
       a.o_fp16 != 0,
-      PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols}
-      // o_tma: set below
+      PagedArgs{a.block_table, a.block_table_batch_stride, a.page_size, a.num_pages, a.block_table_cols},
+      FwdOTmaArgs<Traits>{}  // set below
   };
 
   if constexpr (Traits::kOTmaStore) {
