@@ -515,11 +515,11 @@ def test_a_bool_of_any_kind_in_the_scales_place_is_the_order_error(flag):
 # The fake library's table with the windowed backward and the windowed varlen pair added.
 WINDOW_ROWS = """
   {"bwd_bf16_d128_nocausal_local_softcap_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 1, 1, 0,
-   64, 128, 2, 1, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
+   64, 128, 2, 1, 0, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
   {"fwd_bf16_d128_nocausal_local_varlen_m128n128_s2_ws1_pp1_ov1", "fwd", "bf16", 128, 0, 1, 0, 1,
-   128, 128, 2, 1, 1, 1, 0, 0, 0, 1, launch, 0},
+   128, 128, 2, 1, 1, 1, 0, 0, 0, 0, 1, launch, 0},
   {"bwd_bf16_d128_nocausal_local_varlen_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 1, 0, 1,
-   64, 128, 2, 1, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
+   64, 128, 2, 1, 0, 0, 0, 0, 0, 0, 1, 0, launch_bwd},
 """
 
 

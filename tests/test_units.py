@@ -13,26 +13,30 @@ from generator.units import partition, traits_mangled, unit_size
 from tests.test_build import A, B_, fake, quiet, take_calls  # noqa: F401 (fake: fixture)
 
 # Entry names from real ptxas output (nvcc 13.0, CUTLASS 4.2, 2026-12-04): a forward unit of
-# twelve fwd bf16 d128 variants, a backward unit of five, an e4m3 and an fp16 TU.
+# twelve fwd bf16 d128 variants, a backward unit of five, an e4m3 and an fp16 TU; the forward
+# names with the o_tma_store argument (2026-12-06; the _otma one from its build).
 REAL = {
     "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass10bfloat16_tELi128ELi128ELi128ELi2ELb1ELb0ELb0"
-        "ELb0ELb0ELb1ELb1ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb0ELb0ELb1ELb1ELb1ELb0ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
     "fwd_bf16_d128_causal_softcap_varlen_m128n128_s2_ws1_pp1_ov1":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass10bfloat16_tELi128ELi128ELi128ELi2ELb1ELb0ELb1"
-        "ELb1ELb0ELb1ELb1ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb1ELb0ELb1ELb1ELb1ELb0ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
     "fwd_bf16_d128_causal_softcap_m128n128_s2_ws1_pp1_ov1_peel":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass10bfloat16_tELi128ELi128ELi128ELi2ELb1ELb0ELb1"
-        "ELb0ELb0ELb1ELb1ELb1ELb1ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb0ELb0ELb1ELb1ELb1ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
     "fwd_bf16_d128_nocausal_varlen_m128n128_s2_ws1_pp1_ov1_paged":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass10bfloat16_tELi128ELi128ELi128ELi2ELb0ELb0ELb0"
-        "ELb1ELb1ELb1ELb1ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb1ELb1ELb1ELb1ELb1ELb0ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
     "fwd_e4m3_d64_causal_m192n160_s2_ws1_pp0_ov1":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass12float_e4m3_tELi64ELi192ELi160ELi2ELb1ELb0ELb0"
-        "ELb0ELb0ELb1ELb0ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb0ELb0ELb1ELb0ELb1ELb0ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
     "fwd_fp16_d256_causal_m128n80_s2_ws1_pp0_ov1_peel":
         "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass6half_tELi256ELi128ELi80ELi2ELb1ELb0ELb0ELb0ELb0"
-        "ELb1ELb0ELb1ELb1ELb0EEEEEvNS_9FwdParamsIT_EE",
+        "ELb1ELb0ELb1ELb1ELb0ELb0EEEEEvNS_9FwdParamsIT_EE",
+    "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1_otma":
+        "_ZN6fa3gen10fwd_kernelINS_9FwdTraitsIN7cutlass10bfloat16_tELi128ELi128ELi128ELi2ELb0ELb0ELb0"
+        "ELb0ELb0ELb1ELb1ELb1ELb0ELb0ELb1EEEEEvNS_9FwdParamsIT_EE",
     "bwd_bf16_d128_causal_m64n128_s2_ws1_pp0_ov0":
         "_ZN6fa3gen10bwd_kernelINS_9BwdTraitsIN7cutlass10bfloat16_tELi128ELi64ELi128ELi2ELb1ELb0ELb0"
         "ELb0EEEEEvNS_9BwdParamsIT_EE",
