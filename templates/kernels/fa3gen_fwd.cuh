@@ -103,7 +103,7 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     const bool long_tiles = fwd_long_tiles(Causal, Local, HeadDim, a.seqlen_k, masking.window_keys);
     const int64_t kv_head_bytes = int64_t(a.seqlen_k) * kv_bytes_per_key<Element, HeadDim>();
     schedule = fwd_tile_schedule(m_blocks, a.heads_q, a.batch, Causal, long_tiles, a.grid_mode, a.num_sms,
-                                 Traits::kClusterM, cluster_fit, kv_head_bytes, Traits::kDynamicTiles);
+                                 Traits::kClusterM, cluster_fit, kv_head_bytes);
   }
 
   FwdParams<Traits> p{

@@ -48,21 +48,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<Traits::kTileM>, Int<Traits::kHeadDim>>{});
   const GemmTurns<Traits> turns{tid / 128};
   turns.seed();
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  // The dynamic walk: the n-th tile from the producer's ring (tile_scheduler.cuh).
-  int taken = 0;
-  const bool dynamic = Traits::kDynamicTiles && sched.dynamic();
-  auto next_tile = [&](int t) {
-    if constexpr (Traits::kDynamicTiles) {
-      if (dynamic) return mainloop.take_tile(taken++);
-    }
-    return sched.next(t);
-  };
-  const int first = dynamic ? next_tile(0) : sched.first();
-  for (int t = first; t < sched.count(); t = next_tile(t)) {
-#else
   for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
-#endif
     TileCoord tile;
     if (!sched.decode(t, tile)) continue;
     const SeqSlice seq = mainloop.seq_of(tile);

@@ -148,35 +148,7 @@ struct FwdMainloop {
     if constexpr (Traits::kFp8) {
       for (int slot = 0; slot < Traits::kVRawSlots; ++slot) TmaBarrier::init(&smem.barrier_v_raw[slot], 1);
     }
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-    if constexpr (Traits::kDynamicTiles) {
-      for (int slot = 0; slot < 2; ++slot) {
-        TmaBarrier::init(&smem.tile_ring.full[slot], 1);
-        TmaBarrier::init(&smem.tile_ring.empty[slot], Traits::kConsumerThreads);
-      }
-    }
-#endif
   }
-
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  // The dynamic walk's ring (tile_scheduler.cuh, DynamicTileRing): the producer thread publishes
-  // the n-th tile index of this CTA, the consumers take it.
-  __device__ __forceinline__ void publish_tile(int n, int t) {
-    const int slot = n & 1;
-    if (n >= 2) TmaBarrier::wait(&smem.tile_ring.empty[slot], ((n >> 1) - 1) & 1);
-    *reinterpret_cast<volatile int*>(&smem.tile_ring.index[slot]) = t;
-    asm volatile("" ::: "memory");
-    TmaBarrier::arrive(&smem.tile_ring.full[slot]);  // release: the index is visible to the waiters
-  }
-  __device__ __forceinline__ int take_tile(int n) {
-    const int slot = n & 1;
-    TmaBarrier::wait(&smem.tile_ring.full[slot], (n >> 1) & 1);
-    asm volatile("" ::: "memory");
-    const int t = *reinterpret_cast<volatile int*>(&smem.tile_ring.index[slot]);
-    TmaBarrier::arrive(&smem.tile_ring.empty[slot]);
-    return t;
-  }
-#endif
 
   __device__ __forceinline__ FwdMainloop(FwdParams<Traits> const& p_, typename Traits::SharedStorage& smem_, int warp_idx)
       : p(p_), smem(smem_),
@@ -322,25 +294,7 @@ struct FwdMainloop {
   __device__ __forceinline__ void for_each_tile_loading_q(Scheduler const& sched, bool leader, PipelineState& st_k,
                                                          Body&& body) {
     int tiles_loaded = 0;  // tiles with work so far: the phase of the Q barriers
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-    int* counter = fwd_dynamic_tile_counter<Traits>;
-    const bool dynamic = Traits::kDynamicTiles && sched.dynamic();  // one thread walks (produce(), not fp8)
-    int n = 0;
-    auto publish = [&](int t) {
-      if constexpr (Traits::kDynamicTiles) publish_tile(n++, t);
-    };
-    if (dynamic) publish(sched.first());
-    for (int t = sched.first(), next; t < sched.count(); t = next) {
-      if (dynamic) {
-        // The next index before this tile's loads: the atomic's round trip overlaps them.
-        next = int(gridDim.x) + atomicAdd(&counter[0], 1);
-        publish(next);
-      } else {
-        next = sched.next(t);
-      }
-#else
     for (int t = sched.first(); t < sched.count(); t = sched.next(t)) {
-#endif
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
       const SeqSlice seq = seq_of(tile);
@@ -357,16 +311,6 @@ struct FwdMainloop {
       body(tile, seq, blocks, head_kv);
       ++tiles_loaded;
     }
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-    if (dynamic) {
-      // Every CTA has taken its last index once the last one counts itself done.
-      __threadfence();
-      if (atomicAdd(&counter[1], 1) == int(gridDim.x) - 1) {
-        atomicExch(&counter[0], 0);
-        atomicExch(&counter[1], 0);
-      }
-    }
-#endif
   }
 
   // ---------------- fp8: V through the producer warpgroup ----------------

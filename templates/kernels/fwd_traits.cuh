@@ -48,16 +48,6 @@ struct PStorage {
 template <class Element, int Elems>
 struct PStorage<Element, Elems, false> {};
 
-// FA3GEN_FWD_DYNAMIC_TILES (tile_scheduler.cuh): the producer's tile indices for the consumers.
-template <bool Present>
-struct TileRingStorage {
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  DynamicTileRing tile_ring;
-#endif
-};
-template <>
-struct TileRingStorage<false> {};
-
 // o_tma_store variants only: O's tile, written by the consumers, read by their TMA stores.
 template <class Element, int Elems, bool Present>
 struct OStorage {
@@ -158,15 +148,7 @@ struct FwdTraits {
   // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232, with the epilogue's offsets
   // recomputed each tile where the tile is large (store_fwd_tile), all 22 dense non-causal
   // forwards of specs/h100.yaml build spill-free with the switch (2026-12-05 (fourteenth)).
-  // Measurement switch FA3GEN_FWD_DYNAMIC_TILES: the dense causal warp-specialized 16-bit
-  // forward may take its tiles from a counter (TileSchedule::dynamic, tile_scheduler.cuh); its
-  // producer's walk then spills at 24 registers (d64 128x128: 52 bytes).
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  static constexpr bool kDynamicTiles = Causal && !Varlen && WarpSpecialized && !kFp8;
-#else
-  static constexpr bool kDynamicTiles = false;
-#endif
-  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1 || kDynamicTiles;
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap
@@ -313,7 +295,6 @@ struct FwdTraits {
   // registers (fwd_epilogue.cuh); 16-bit warp-specialized forwards without varlen
   // (generator/variants.py o_tma_store_scope).
   static constexpr bool kOTmaStore = OTmaStore;
-
   static_assert(!OTmaStore || (!kFp8 && !Varlen && WarpSpecialized),
                 "o_tma_store: a 16-bit warp-specialized forward without varlen");
   using SmemLayoutOPart = decltype(composition(
@@ -325,8 +306,7 @@ struct FwdTraits {
   template <bool WithO>
   struct SharedStorageT : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
                           PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem>,
-                          OStorage<Element, WithO ? cosize_v<SmemLayoutQ> : 1, WithO>,
-                          TileRingStorage<kDynamicTiles> {
+                          OStorage<Element, WithO ? cosize_v<SmemLayoutQ> : 1, WithO> {
     // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
     // and WGMMA derive it from address bits.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;

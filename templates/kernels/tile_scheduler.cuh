@@ -29,7 +29,6 @@ struct TileSchedule {
   bool paired;         // walk tiles in (longest, shortest) pairs
   int64_t ctas;        // the one-dimensional grid of the forward and varlen launches
   int head_section = 1;  // causal, one CTA per tile: (head, batch) pairs whose tiles are listed together
-  bool dynamic = false;  // FA3GEN_FWD_DYNAMIC_TILES: persistent CTAs take tiles from a counter
 };
 
 struct TileCoord {
@@ -108,26 +107,14 @@ __host__ __device__ __forceinline__ void section_order(int t, int blocks, int gr
 
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0,
-                                      int64_t kv_head_bytes = 0, bool dynamic_walk = false) {
+                                      int64_t kv_head_bytes = 0) {
   const int blocks = (m_blocks + cluster - 1) / cluster * cluster;
   const int64_t tiles = int64_t(blocks) * heads * batch;
   const bool one_per_tile = grid_mode == FA3GEN_GRID_TILES || (grid_mode == FA3GEN_GRID_AUTO && long_tiles);
   const int64_t ctas = one_per_tile ? tiles : persistent_ctas(tiles, num_sms, cluster, cluster_fit);
   TileSchedule s{blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  // Measurement switch: persistent causal CTAs take single tiles, longest first in L2 sections
-  // as one CTA per tile lists them, from a counter (DynamicTileRing) instead of a static share
-  // of pairs. With 2048 pairs on 132 CTAs (the 16k-token grid's 128-row causal tiles at every
-  // length to 2k) a static share ends 16 pairs against a mean of 15.5: about 3% of the call.
-  if (dynamic_walk && s.paired && cluster == 1) {
-    s.paired = false;
-    s.dynamic = true;
-  }
-#endif
   // Clusters take neighbouring blocks of one head: they keep the head-by-head order.
-  if (causal && (ctas == tiles || s.dynamic) && cluster == 1) {
-    s.head_section = l2_head_section(kv_head_bytes, int64_t(heads) * batch);
-  }
+  if (causal && ctas == tiles && cluster == 1) s.head_section = l2_head_section(kv_head_bytes, int64_t(heads) * batch);
   return s;
 }
 
@@ -167,23 +154,6 @@ __host__ __device__ __forceinline__ int walk_next(int t, bool pairs, Grid g = {}
 // then shortest (j), so that a pair costs about n + 1 key blocks.
 __host__ __device__ __forceinline__ int paired_block(int j, bool second, int n) { return second ? j : n - 1 - j; }
 
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-// The dynamic walk (TileSchedule::dynamic): CTA b starts on tile b; its producer thread takes
-// each next tile from a global counter (gridDim.x + the counter's old value) and publishes it
-// to the CTA's consumers through a two-slot ring in shared memory (full: the producer wrote the
-// slot; empty: every consumer thread read it); a tile index >= count() ends the walk. The last
-// CTA to finish resets the counter for the next launch. Measurements only: launches of one
-// variant on two streams at once would share the counter (wrong results), and a launch that
-// faults leaves it set.
-struct DynamicTileRing {
-  int index[2];
-  alignas(8) uint64_t full[2];
-  alignas(8) uint64_t empty[2];
-};
-template <class Traits>
-__device__ int fwd_dynamic_tile_counter[2];  // [0]: tiles taken past the first wave, [1]: CTAs done
-#endif
-
 // LongestFirst (causal forward): a head's query tiles differ in length; the longest comes
 // first, and pairs are walked when the host asked for them. Without it (non-causal forward,
 // backward) the pairing compiles away.
@@ -192,11 +162,6 @@ struct TileScheduler {
   TileSchedule const& s;
 
   __host__ __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
-#ifdef FA3GEN_FWD_DYNAMIC_TILES
-  __host__ __device__ __forceinline__ bool dynamic() const { return LongestFirst && s.dynamic; }
-#else
-  __host__ __device__ __forceinline__ bool dynamic() const { return false; }
-#endif
 
   // Upper bound of the tile index t (pair indices cover 2 per pair).
   __host__ __device__ __forceinline__ int count() const {

@@ -306,7 +306,6 @@ struct VarlenTileScheduler {
   __device__ __forceinline__ int first() const { return walk_first(s.paired); }
   __device__ __forceinline__ int count() const { return s.blocks; }  // entries
   __device__ __forceinline__ int next(int t) const { return walk_next(t, s.paired); }
-  __host__ __device__ __forceinline__ bool dynamic() const { return false; }
   __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     const int2 e = tiles[t];
     tile.batch = e.x;
