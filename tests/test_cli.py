@@ -83,9 +83,9 @@ def test_list_with_filter(capsys):
     rc, out, _ = run(["list", "--spec", "h100", "--only", "*fp16_d64*"], capsys)
     en, _ = h100()
     want = [v.name for v in sorted(en.kept) if fnmatch.fnmatchcase(v.name, "*fp16_d64*")]
-    # a range default carries its range: "+ name  (seqlen_k 0-2048)"
+    # a range default carries its range: "+ name  (seqlen_k 1536-2048)"
     assert rc == 0 and want and [l[2:].split("  (")[0] for l in out.splitlines()] == want
-    assert any(l.startswith("+ ") and l.endswith("(seqlen_k 0-2048)") for l in out.splitlines())
+    assert "+ fwd_fp16_d64_causal_m128n128_s2_ws1_pp1_ov1_peel  (seqlen_k 1536-2048)" in out.splitlines()
 
 
 def test_spec_error_is_one_line(tmp_path, capsys):
