@@ -17,8 +17,9 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   Masking masking;
   if (masking_args<Local, Softcap, Varlen>(a, masking)) return 1;
   using E = Element;
-  auto rows = [](const void* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
-    return make_tensor(make_gmem_ptr(static_cast<E const*>(ptr)),
+  // A (seqlen, head_dim, heads, batch) tensor at ptr: E const* for the loads, E* for O's store.
+  auto rows = [](auto* ptr, int seqlen, int heads, int batch, int64_t rs, int64_t hs, int64_t bs) {
+    return make_tensor(make_gmem_ptr(ptr),
                        make_layout(make_shape(seqlen, Int<HeadDim>{}, heads, batch), make_stride(rs, _1{}, hs, bs)));
   };
   if constexpr (Paged) {
@@ -34,13 +35,13 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   const int rows_q = Varlen ? a.total_q : a.seqlen_q;
   const int rows_k = Paged ? a.page_size : Varlen ? a.total_k : a.seqlen_k;
   const int batches = Varlen ? 1 : a.batch, batches_k = Paged ? a.num_pages : batches;
-  auto q = rows(a.q, rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
-  auto k = rows(a.k, rows_k, a.heads_kv, batches_k, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
+  auto q = rows(static_cast<E const*>(a.q), rows_q, a.heads_q, batches, a.q_row_stride, a.q_head_stride, a.q_batch_stride);
+  auto k = rows(static_cast<E const*>(a.k), rows_k, a.heads_kv, batches_k, a.k_row_stride, a.k_head_stride, a.k_batch_stride);
   // V as TMA loads it: V^T straight into the MN-major B operand (16-bit), or rows like K into
   // the raw slots the fp8 kernel transposes.
   auto v = [&]() {
     if constexpr (Traits::kFp8) {
-      return rows(a.v, rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
+      return rows(static_cast<E const*>(a.v), rows_k, a.heads_kv, batches, a.v_row_stride, a.v_head_stride, a.v_batch_stride);
     } else {
       return make_tensor(make_gmem_ptr(static_cast<E const*>(a.v)),
                          make_layout(make_shape(Int<HeadDim>{}, rows_k, a.heads_kv, batches_k),
@@ -130,9 +131,8 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
     // TMA wants a 16-byte aligned base and strides; otherwise the epilogue's own stores.
     p.o_tma.enabled = vec_aligned<E>(a.o, a.o_batch_stride, a.o_row_stride, a.o_head_stride, 8);
     if (p.o_tma.enabled) {
-      auto o = make_tensor(make_gmem_ptr(static_cast<E*>(a.o)),
-                           make_layout(make_shape(a.seqlen_q, Int<HeadDim>{}, a.heads_q, a.batch),
-                                       make_stride(a.o_row_stride, _1{}, a.o_head_stride, a.o_batch_stride)));
+      auto o = rows(static_cast<E*>(a.o), a.seqlen_q, a.heads_q, a.batch, a.o_row_stride, a.o_head_stride,
+                    a.o_batch_stride);
       p.o_tma.tma = make_tma_copy(SM90_TMA_STORE{}, o, typename Traits::SmemLayoutOPart{});
     }
   }

@@ -303,10 +303,9 @@ struct FwdTraits {
   using GmemTensorRowsOut = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemLayoutRows{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorRowsOut{}, SmemLayoutOPart{}));
 
-  template <bool WithO>
-  struct SharedStorageT : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
-                          PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem>,
-                          OStorage<Element, WithO ? cosize_v<SmemLayoutQ> : 1, WithO> {
+  struct SharedStorage : VRawStorage<Element, kFp8 ? cosize_v<SmemLayoutVRaw> : 1, kVRawSlots, kFp8>,
+                         PStorage<Element, PInSmem ? cosize_v<SmemLayoutP> : 1, PInSmem>,
+                         OStorage<Element, OTmaStore ? cosize_v<SmemLayoutQ> : 1, OTmaStore> {
     // 1024-byte alignment: the 128B swizzle pattern repeats every 1024 bytes and both TMA
     // and WGMMA derive it from address bits.
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -317,7 +316,6 @@ struct FwdTraits {
     alignas(8) uint64_t barrier_q[kQParts];       // Q slice landed (TMA transaction barrier)
     alignas(8) uint64_t barrier_q_free[kQParts];  // its readers are done: the next tile may load it
   };
-  using SharedStorage = SharedStorageT<kOTmaStore>;
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= kSmemPerBlockLimit, "tile does not fit in the 227 KiB of shared memory");
 };
