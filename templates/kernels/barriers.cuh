@@ -17,7 +17,7 @@ enum class BarrierId : uint32_t {
   kFwdVTransposed = 4,
   // varlen: the consumers have zeroed the V rows past the sequence (fwd_mainloop.cuh).
   kFwdVTail = 5,
-  // fp8 without the intra-warpgroup overlap: both consumer warpgroups, once a block, half a
+  // Two consumer warpgroups without pingpong or the overlap: once a block, half a
   // block apart (fwd_mainloop.cuh, kStagger).
   kFwdStagger = 6,
   // o_tma_store (16-bit forwards without varlen, where 4-6 are otherwise unused): consumer

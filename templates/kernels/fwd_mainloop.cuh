@@ -82,13 +82,14 @@ struct FwdMainloop {
       storage.empty_barrier_[s.index()].arrive(uint32_t(warp), threadIdx.x % 32 == 0 && warp < Traits::kClusterM);
     }
   }
-  // fp8 without the intra-warpgroup overlap: the two consumer warpgroups are held half a block
-  // apart by one barrier a block, which warpgroup 0 meets between its row maxima and its
+  // Without pingpong or the intra-warpgroup overlap: the two consumer warpgroups are held half a
+  // block apart by one barrier a block, which warpgroup 0 meets between its row maxima and its
   // exponentials and warpgroup 1 after its exponentials (softmax_block). So their exp2 phases,
   // each as long as its S and P V GEMMs, take turns on the MUFU units, the other's GEMMs
-  // running meanwhile. As in cuDNN's fp8 kernel (its SASS: 128x256 tiles, this barrier);
-  // measured +7-11% on 128x256 against the same tile without it (docs/BENCHMARKS.md).
-  static constexpr bool kStagger = Traits::kFp8 && Traits::kConsumerWGs == 2 && !Traits::kPingpong && !Traits::kOverlap;
+  // running meanwhile: cuDNN's schedule (its fp8 kernel's SASS; the template of its 16-bit
+  // persistent forward). Measured against the same tile without it: fp8 128x256 +7-11%, 16-bit
+  // d64 causal 128x128 +4-7% (docs/BENCHMARKS.md).
+  static constexpr bool kStagger = Traits::kConsumerWGs == 2 && !Traits::kPingpong && !Traits::kOverlap;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
   static constexpr int kRows = decltype(size<0>(acc_as_rowcol(typename AccS::layout_type{})))::value;
@@ -561,6 +562,22 @@ struct FwdMainloop {
     // thread's rows, in a warp-uniform branch on the rows' maxima that is always taken, so
     // that ptxas can neither lift it above them nor drop it; step()'s own wait then finds
     // nothing left to wait for.
+    // Warpgroup 0 starts its exponentials when warpgroup 1 has finished its own (kStagger).
+    // bar.red.popc both times: ptxas moves arithmetic across a plain bar.sync (it put
+    // exponentials on both sides), so warpgroup 0's exponentials take in the first one's
+    // count less 256 (0), and warpgroup 1's barrier waits on its row sums (a predicate that
+    // is always true).
+    auto stagger_head = [&]() {
+      return tid < 128 ? barrier_sync_popc<BarrierId::kFwdStagger>(256, true) - 256 : 0;
+    };
+    auto stagger_tail = [&]() {
+      if (tid >= 128) {
+        float sums = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kRows; ++r) sums += softmax.row_sum[r];
+        barrier_sync_popc<BarrierId::kFwdStagger>(256, sums != -1.f);
+      }
+    };
     auto softmax_block = [&](int i, auto masked, auto pinned) {
       const int n_block = blocks.at(i);
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
@@ -572,25 +589,16 @@ struct FwdMainloop {
         // (per row, not per score).
         const float k_descale = p.descale.k_blocks() ? p.descale.k_(tile.batch, head_kv, n_block) : 1.f;
         if constexpr (kStagger) {
-          // Warpgroup 0 starts its exponentials when warpgroup 1 has finished its own (kStagger).
-          // bar.red.popc both times: ptxas moves arithmetic across a plain bar.sync (it put
-          // exponentials on both sides), so warpgroup 0's exponentials take in the first one's
-          // count less 256 (0), and warpgroup 1's barrier waits on its row sums (a predicate
-          // that is always true).
-          rescale_o = softmax.step(S, rescale, k_descale, [&]() {
-            return tid < 128 ? barrier_sync_popc<BarrierId::kFwdStagger>(256, true) - 256 : 0;
-          });
-          if (tid >= 128) {
-            float sums = 0.f;
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < kRows; ++r) sums += softmax.row_sum[r];
-            barrier_sync_popc<BarrierId::kFwdStagger>(256, sums != -1.f);
-          }
+          rescale_o = softmax.step(S, rescale, k_descale, stagger_head);
+          stagger_tail();
         } else {
           rescale_o = softmax.step(S, rescale, k_descale);
         }
       } else {
-        if constexpr (Traits::kPinPvWait && decltype(pinned)::value) {
+        if constexpr (kStagger) {
+          rescale_o = softmax.template step_hooked<0>(S, rescale, stagger_head);
+          stagger_tail();
+        } else if constexpr (Traits::kPinPvWait && decltype(pinned)::value) {
           rescale_o = softmax.template step_hooked<kRows / 2>(S, rescale, [&]() {
             if (__any_sync(0xffffffffu, softmax.row_max[0] == softmax.row_max[0])) warpgroup_wait<0>();
             return 0;
