@@ -9,6 +9,8 @@
 //                    the next tile's Q arrives for the warpgroup that finishes first.
 //   IntraWgOverlap:  S(j+1) = Q K(j+1)^T and O += P(j) V(j) are in flight together; the softmax
 //                    of block j+1 runs while the PV GEMM of block j finishes.
+//   Neither, two consumer warpgroups: they take turns around their exponentials instead
+//                    (kStagger), each one's GEMMs running while the other's exponentials do.
 // Block i of a tile's visiting order is key block blocks.at(i), from the last visible one down:
 // the diagonal (masked) blocks come first.
 // fp8 (e4m3 q, k, v): WGMMA reads 8-bit operands K-major only, so V^T cannot come straight
