@@ -90,7 +90,7 @@ struct FwdMainloop {
   // each as long as its S and P V GEMMs, take turns on the MUFU units, the other's GEMMs
   // running meanwhile: cuDNN's schedule (its fp8 kernel's SASS; the template of its 16-bit
   // persistent forward). Measured against the same tile without it: fp8 128x256 +7-11%, 16-bit
-  // d64 causal 128x128 +3-7% (docs/BENCHMARKS.md).
+  // d64 causal 128x128 +3-8% (docs/BENCHMARKS.md).
   static constexpr bool kStagger = Traits::kConsumerWGs == 2 && !Traits::kPingpong && !Traits::kOverlap;
   // Rows of the S and O accumulators per consumer thread (OnlineSoftmax's size).
   using AccS = decltype(partition_fragment_C(typename Traits::TiledMmaQK{}, Shape<Int<kTileM>, Int<kTileN>>{}));
