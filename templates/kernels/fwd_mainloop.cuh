@@ -557,13 +557,6 @@ struct FwdMainloop {
     float rescale[kRows];
     bool rescale_o = true;  // this thread's O rows need their factors (softmax.cuh: threshold)
     o_units = 1.f;
-    // masked (std::true_type / false_type): whether block i may need the mask (then checked
-    // per block); the peeled loop's unmasked run has no mask code.
-    // pinned (std::true_type in the steady state's step; Traits::kPinPvWait): the wait for
-    // P(i-1) V(i-1) inside the softmax, before the exponentials of the second half of the
-    // thread's rows, in a warp-uniform branch on the rows' maxima that is always taken, so
-    // that ptxas can neither lift it above them nor drop it; step()'s own wait then finds
-    // nothing left to wait for.
     // Warpgroup 0 starts its exponentials when warpgroup 1 has finished its own (kStagger).
     // bar.red.popc both times: ptxas moves arithmetic across a plain bar.sync (it put
     // exponentials on both sides), so warpgroup 0's exponentials take in the first one's
@@ -580,6 +573,13 @@ struct FwdMainloop {
         barrier_sync_popc<BarrierId::kFwdStagger>(256, sums != -1.f);
       }
     };
+    // masked (std::true_type / false_type): whether block i may need the mask (then checked
+    // per block); the peeled loop's unmasked run has no mask code.
+    // pinned (std::true_type in the steady state's step; Traits::kPinPvWait): the wait for
+    // P(i-1) V(i-1) inside the softmax, before the exponentials of the second half of the
+    // thread's rows, in a warp-uniform branch on the rows' maxima that is always taken, so
+    // that ptxas can neither lift it above them nor drop it; step()'s own wait then finds
+    // nothing left to wait for.
     auto softmax_block = [&](int i, auto masked, auto pinned) {
       const int n_block = blocks.at(i);
       if constexpr (Traits::kSoftcap) p.softcap.apply(S);  // before the mask: -inf stays -inf
