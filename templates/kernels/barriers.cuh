@@ -20,8 +20,9 @@ enum class BarrierId : uint32_t {
   // Two consumer warpgroups without pingpong or the overlap: once a block, half a
   // block apart (fwd_mainloop.cuh, kStagger).
   kFwdStagger = 6,
-  // o_tma_store (16-bit forwards without varlen, where 4-6 are otherwise unused): consumer
-  // warpgroup w's threads have written its O rows to shared memory (fwd_epilogue.cuh).
+  // o_tma_store (16-bit forwards without varlen, where 4 and 5 are otherwise unused, and 6
+  // too with three consumer warpgroups, which never stagger): consumer warpgroup w's threads
+  // have written its O rows to shared memory (fwd_epilogue.cuh).
   kFwdOStored0 = 4,
   // Backward. kDqPerWg (bwd_traits.cuh): consumer warpgroup w hands its own slice of dQ to
   // the writer warp on kBwdDqFull0 + w and waits for it to be read on kBwdDqEmpty0 + w.

@@ -58,6 +58,9 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
   }
 }
 
+// o_tma_store: thread 0 of each consumer warpgroup issues its rows' TMA store and waits for it.
+__device__ __forceinline__ bool o_store_issuer(int tid) { return tid % 128 == 0; }
+
 // O = O / rowsum in the output dtype and LSE (natural log, fp32) for the rows of the tile that
 // exist; tid is the thread's index among the consumers. fp8: lse_scale and o_scale carry the
 // descale factors.
@@ -104,12 +107,13 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
     }
   }
   if constexpr (Traits::kOTmaStore) {
-    static_assert(!Traits::kFp8 && !Traits::kVarlen && Traits::kConsumerWGs <= 3, "barrier ids 4-6 are free");
+    static_assert(!Traits::kFp8 && !Traits::kVarlen && Traits::kConsumerWGs <= 3,
+                  "barrier ids 4 to 3 + consumer warpgroups are free (barriers.cuh)");
     if (p.o_tma.enabled) {
       extern __shared__ __align__(1024) char o_smem_raw[];
       auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(o_smem_raw);
       const int wg = tid / 128;
-      const bool issuer = tid % 128 == 0;
+      const bool issuer = o_store_issuer(tid);
       Tensor rO = convert_fragment<typename Traits::ElementOut>(tOrO);
       // The warpgroup's rows of the previous tile have left shared memory before new ones land.
       if (issuer) tma_store_wait<0>();
@@ -147,6 +151,14 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
     else store(cutlass::bfloat16_t{});
   } else {
     store(typename Traits::ElementOut{});
+  }
+}
+
+// o_tma_store: O's last TMA stores have read shared memory before the CTA exits.
+template <class Traits>
+__device__ __forceinline__ void drain_o_stores(FwdParams<Traits> const& p, int tid) {
+  if constexpr (Traits::kOTmaStore) {
+    if (p.o_tma.enabled && o_store_issuer(tid)) tma_store_wait<0>();
   }
 }
 

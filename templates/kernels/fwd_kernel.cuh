@@ -71,8 +71,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
     }
   }
   turns.drain();
-  // O's last TMA stores have read shared memory before the CTA exits.
-  if constexpr (Traits::kOTmaStore) { if (p.o_tma.enabled && tid % 128 == 0) tma_store_wait<0>(); }
+  drain_o_stores(p, tid);
 }
 
 }  // namespace fa3gen
