@@ -62,10 +62,11 @@ __device__ __forceinline__ void store_tile_rows_16b(ThrMma const& thr, Frag cons
 __device__ __forceinline__ bool o_store_issuer(int tid) { return tid % 128 == 0; }
 
 // O = O / rowsum in the output dtype and LSE (natural log, fp32) for the rows of the tile that
-// exist; tid is the thread's index among the consumers. fp8: lse_scale and o_scale carry the
-// descale factors.
+// exist; tid is the thread's index among the consumers; smem holds O's tile with o_tma_store.
+// fp8: lse_scale and o_scale carry the descale factors.
 template <class Traits, int Rows, int Chains, int PLog2, bool Vote, class TO>
-__device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileCoord const& tile, SeqSlice const& seq,
+__device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, typename Traits::SharedStorage& smem,
+                                               TileCoord const& tile, SeqSlice const& seq,
                                                OnlineSoftmax<Rows, Chains, PLog2, Vote>& softmax, TO& tOrO, int tid,
                                                float lse_scale, float o_scale = 1.f) {
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
@@ -110,8 +111,6 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, TileC
     static_assert(!Traits::kFp8 && !Traits::kVarlen && Traits::kConsumerWGs <= 3,
                   "barrier ids 4 to 3 + consumer warpgroups are free (barriers.cuh)");
     if (p.o_tma.enabled) {
-      extern __shared__ __align__(1024) char o_smem_raw[];
-      auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(o_smem_raw);
       const int wg = tid / 128;
       const bool issuer = o_store_issuer(tid);
       Tensor rO = convert_fragment<typename Traits::ElementOut>(tOrO);

@@ -62,12 +62,12 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
       const float v_tile = p.descale.v_blocks() ? 1.f : p.descale.v_(tile.batch, head_kv, 0);
       typename Mainloop::Softmax softmax(p.scale_log2 * qk, kRescaleThresholdFp8P);
       mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
-      store_fwd_tile(p, tile, seq, softmax, tOrO, tid, p.lse_scale * qk,
+      store_fwd_tile(p, smem, tile, seq, softmax, tOrO, tid, p.lse_scale * qk,
                      v_tile * mainloop.o_units);
     } else {
       typename Mainloop::Softmax softmax(p.scale_log2);
       mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
-      store_fwd_tile(p, tile, seq, softmax, tOrO, tid, p.lse_scale);
+      store_fwd_tile(p, smem, tile, seq, softmax, tOrO, tid, p.lse_scale);
     }
   }
   turns.drain();
