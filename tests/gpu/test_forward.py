@@ -141,6 +141,22 @@ def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
     check(out, lse, q, k, v, info.causal, scale, f"{info.name} grid={grid}", **extra)
 
 
+def test_variant_causal_even_tiles_per_head(lib, fwd_variant, monkeypatch):
+    """Causal, persistent, 6 query tiles a head over 144 (head, batch) groups: every pair full,
+    432 pairs over a grid they do not divide, so with FA3GEN_FWD_BALANCED_TAIL the last rounds
+    run as single tiles dealt in a snake (tile_scheduler.cuh)."""
+    info = lib.get(fwd_variant)
+    if not info.causal:
+        pytest.skip("causal tiles only")
+    monkeypatch.setenv("FA3GEN_GRID", "persistent")
+    sq = 6 * info.tile_m - 5
+    q, k, v = make_qkv(9, sq, sq, 16, 4, info.head_dim, DTYPES[info.dtype], seed=6)
+    scale = info.head_dim**-0.5
+    extra = probe_masking(info)
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} even tiles", **extra)
+
+
 def test_variant_deterministic(lib, fwd_variant):
     info = lib.get(fwd_variant)
     q, k, v = make_qkv(2, 300, 300, 4, 2, info.head_dim, DTYPES[info.dtype], seed=2)
