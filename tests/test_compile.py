@@ -213,6 +213,23 @@ struct HostGrid {
 SCHEDULE_CHECK = WALK_PRELUDE + r"""
 #include <algorithm>
 long long tails = 0;  // schedules with a balanced tail checked (FA3GEN_FWD_BALANCED_TAIL)
+// The heaviest CTA's walk in key blocks, one more a tile for its own costs (the host model of
+// balanced_tail_from).
+template <bool Causal>
+long long heaviest_cta(TileSchedule const& s) {
+  const TileScheduler<Causal> sched{s};
+  long long heaviest = 0;
+  for (int cta = 0; cta < int(s.ctas); ++cta) {
+    const HostGrid grid{cta, int(s.ctas)};
+    long long load = 0;
+    for (int t = sched.first(grid); t < sched.count(); t = sched.next(t, grid)) {
+      TileCoord tile;
+      if (sched.decode(t, tile)) load += tile.block + 2;
+    }
+    heaviest = std::max(heaviest, load);
+  }
+  return heaviest;
+}
 // fwd_tile_schedule's grid walked as the forward kernel walks it (TileScheduler, walk_*):
 // every query tile once, none twice, for every grid policy; with clusters (FwdTraits::kClusterM,
 // dense non-causal d >= 128) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
@@ -240,15 +257,12 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
   }
   std::map<std::tuple<int, int, int>, int> seen;
   std::vector<std::vector<TileCoord>> walks(s.ctas);
-  long long max_load = 0;
   for (int cta = 0; cta < int(s.ctas); ++cta) {
     const HostGrid grid{cta, int(s.ctas)};
-    long long load = 0;
     for (int t = sched.first(grid); t < sched.count(); t = sched.next(t, grid)) {
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
       walks[cta].push_back(tile);
-      load += tile.block + 2;  // key blocks, and one more for the tile's own costs
       if (tile.head < 0 || tile.head >= heads || tile.batch < 0 || tile.batch >= batch) {
         std::printf("cta %d: head %d batch %d\n", cta, tile.head, tile.batch);
         return 1;
@@ -259,24 +273,13 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
         return 1;
       }
     }
-    max_load = std::max(max_load, load);
   }
   // The balanced tail: never a heavier CTA than the pairs alone give (causal, persistent).
   if (s.tail_from >= 0) {
     TileSchedule plain = s;
     plain.tail_from = -1;
-    const TileScheduler<Causal> pairs{plain};
-    long long pairs_max = 0;
-    for (int cta = 0; cta < int(s.ctas); ++cta) {
-      const HostGrid grid{cta, int(s.ctas)};
-      long long load = 0;
-      for (int t = pairs.first(grid); t < pairs.count(); t = pairs.next(t, grid)) {
-        TileCoord tile;
-        if (pairs.decode(t, tile)) load += tile.block + 2;
-      }
-      pairs_max = std::max(pairs_max, load);
-    }
-    if (max_load > pairs_max) { std::printf("tail: a CTA at %lld, pairs %lld\n", max_load, pairs_max); return 1; }
+    const long long with_tail = heaviest_cta<Causal>(s), pairs = heaviest_cta<Causal>(plain);
+    if (with_tail > pairs) { std::printf("tail: a CTA at %lld, pairs %lld\n", with_tail, pairs); return 1; }
     ++tails;
   }
   if (int(seen.size()) != m * heads * batch) { std::printf("%zu of %d tiles\n", seen.size(), m * heads * batch); return 1; }
