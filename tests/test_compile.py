@@ -213,11 +213,16 @@ struct HostGrid {
 SCHEDULE_CHECK = WALK_PRELUDE + r"""
 #include <algorithm>
 long long tails = 0;  // schedules with a balanced tail checked (FA3GEN_FWD_BALANCED_TAIL)
+#ifdef FA3GEN_FWD_BALANCED_TAIL
+constexpr bool kTailBuild = true;  // the kernels with FwdTraits::kBalancedTail
+#else
+constexpr bool kTailBuild = false;
+#endif
 // The heaviest CTA's walk in key blocks, one more a tile for its own costs (the host model of
 // balanced_tail_from).
 template <bool Causal>
 long long heaviest_cta(TileSchedule const& s) {
-  const TileScheduler<Causal> sched{s};
+  const TileScheduler<Causal, kTailBuild> sched{s};
   long long heaviest = 0;
   for (int cta = 0; cta < int(s.ctas); ++cta) {
     const HostGrid grid{cta, int(s.ctas)};
@@ -239,7 +244,7 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
           long long kv_head_bytes = 0) {
   const TileSchedule s = fwd_tile_schedule(m, heads, batch, Causal, long_tiles, mode, sms, cluster, fit, kv_head_bytes);
   if (s.ctas < 1 || s.ctas % cluster) { std::printf("grid %lld\n", (long long)s.ctas); return 1; }
-  const TileScheduler<Causal> sched{s};
+  const TileScheduler<Causal, kTailBuild> sched{s};
   // Causal, one CTA per tile: sections of head_section (head, batch) pairs, as many as L2 holds
   // (a power of two, at most the pairs), each listing its tiles longest first across its heads.
   const int want = Causal && s.ctas == int64_t(m) * heads * batch && cluster == 1

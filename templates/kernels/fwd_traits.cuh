@@ -148,7 +148,16 @@ struct FwdTraits {
   // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232, with the epilogue's offsets
   // recomputed each tile where the tile is large (store_fwd_tile), all 22 dense non-causal
   // forwards of specs/h100.yaml build spill-free with the switch (2026-12-05 (fourteenth)).
-  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
+  // FA3GEN_FWD_BALANCED_TAIL (tile_scheduler.cuh): its walk spills the producer's loop state at
+  // 24, so it needs 40 and leaves the consumers 232: not on tiles whose consumers need 240
+  // (d256 128x80 spills 24 bytes at 232); those walk the pairs.
+#ifdef FA3GEN_FWD_BALANCED_TAIL
+  static constexpr bool kBalancedTail = kCausal && !kVarlen && kTileN * kHeadDim <= 128 * 128;
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1 || kBalancedTail;
+#else
+  static constexpr bool kBalancedTail = false;
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;  // generator/variants.py mirrors it
+#endif
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap

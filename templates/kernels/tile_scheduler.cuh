@@ -32,7 +32,7 @@ struct TileSchedule {
   // paired, FA3GEN_FWD_BALANCED_TAIL (balanced_tail_from): the first pair of the balanced tail
   // (-1: none); the walk index of its first round, and the index past its last; its tiles, its
   // (head, batch) groups and the first of them; the CTA its snake starts at. Precomputed so that
-  // the walk reads them as operands (the producer thread has 24 registers).
+  // the walk reads them as operands instead of holding them in the producer thread's registers.
   int tail_from = -1, tail_start = 0, tail_end = 0, tail_tiles = 0, tail_heads = 0, tail_group0 = 0, tail_offset = 0;
 };
 
@@ -116,10 +116,11 @@ __host__ __device__ __forceinline__ void section_order(int t, int blocks, int gr
 // up to whole heads, are dealt as single tiles instead: longest first across their heads (rank
 // by rank), in a snake over the CTAs (round r forward, round r + 1 back), starting where the
 // pairs before them left a CTA one pair short. A list-scheduling model (a tile costs its key
-// blocks and one more) puts that within 0.5-1.3% of the mean where pairs are 3.1% above it
+// blocks and one more) puts that within 0.4-1.3% of the mean where pairs are 3.1% above it
 // (d64 / d128 128x128, 512 to 4k keys), but with few CTAs or long tiles the snake can load a
 // CTA more than the pairs do; so the host runs the same model on both and keeps the pairs
-// unless the tail is lighter. Even block counts only (every pair then costs the same).
+// unless the tail is lighter. Even block counts only (every pair then costs the same). Causal
+// windows are walked the same way, though their tiles cost alike (not measured).
 inline int balanced_tail_from(int blocks, int64_t head_groups, int64_t ctas) {
   constexpr int kMaxCtas = 1024;
   const int pairs_per_head = (blocks + 1) / 2;
@@ -187,8 +188,15 @@ inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persi
 // Grid: where the CTA index and the grid size come from (the host tests pass their own,
 // tests/test_compile.py).
 struct DeviceGrid {
+#ifdef FA3GEN_FWD_BALANCED_TAIL
+  // Read where used (volatile), not hoisted and held through the walk (the producer thread's
+  // loop spilled them at 24 registers).
+  __device__ __forceinline__ int cta() const { int v; asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v)); return v; }
+  __device__ __forceinline__ int size() const { int v; asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(v)); return v; }
+#else
   __device__ __forceinline__ int cta() const { return int(blockIdx.x); }
   __device__ __forceinline__ int size() const { return int(gridDim.x); }
+#endif
 };
 template <class Grid = DeviceGrid>
 __host__ __device__ __forceinline__ int walk_first(bool pairs, Grid g = {}) { return pairs ? 2 * g.cta() : g.cta(); }
@@ -204,14 +212,12 @@ __host__ __device__ __forceinline__ int paired_block(int j, bool second, int n) 
 // LongestFirst (causal forward): a head's query tiles differ in length; the longest comes
 // first, and pairs are walked when the host asked for them. Without it (non-causal forward,
 // backward) the pairing compiles away.
-template <bool LongestFirst>
+// BalancedTail: the kernel walks the balanced tail where the host planned one
+// (FwdTraits::kBalancedTail; otherwise its pairs).
+template <bool LongestFirst, bool BalancedTail = false>
 struct TileScheduler {
   TileSchedule const& s;
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-  static constexpr bool kBalancedTail = LongestFirst;
-#else
-  static constexpr bool kBalancedTail = false;
-#endif
+  static constexpr bool kBalancedTail = LongestFirst && BalancedTail;
 
   __host__ __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
   // The balanced tail (balanced_tail_from): walk index 2 * tail_from + r * G + c is CTA c's
