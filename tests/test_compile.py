@@ -219,7 +219,7 @@ constexpr bool kTailBuild = true;  // the kernels with FwdTraits::kBalancedTail
 constexpr bool kTailBuild = false;
 #endif
 // The heaviest CTA's walk in key blocks, one more a tile for its own costs (the host model of
-// balanced_tail_from).
+// plan_balanced_tail).
 template <bool Causal>
 long long heaviest_cta(TileSchedule const& s) {
   const TileScheduler<Causal, kTailBuild> sched{s};

@@ -148,11 +148,14 @@ struct FwdTraits {
   // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232, with the epilogue's offsets
   // recomputed each tile where the tile is large (store_fwd_tile), all 22 dense non-causal
   // forwards of specs/h100.yaml build spill-free with the switch (2026-12-05 (fourteenth)).
+  // Key tiles larger than 128 keys x head dim 128 (d128 128x176, d192 128x112, d256 128x80):
+  // there 232 consumer registers are tight (fwd_epilogue.cuh's opaque tid).
+  static constexpr bool kLargeKeyTile = kTileN * kHeadDim > 128 * 128;
   // FA3GEN_FWD_BALANCED_TAIL (tile_scheduler.cuh): its walk spills the producer's loop state at
-  // 24, so it needs 40 and leaves the consumers 232: not on tiles whose consumers need 240
-  // (d256 128x80 spills 24 bytes at 232); those walk the pairs.
+  // 24, so it needs 40 and leaves the consumers 232: not on large key tiles (d256 128x80
+  // spills 24 bytes at 232); those walk the pairs.
 #ifdef FA3GEN_FWD_BALANCED_TAIL
-  static constexpr bool kBalancedTail = kCausal && !kVarlen && kTileN * kHeadDim <= 128 * 128;
+  static constexpr bool kBalancedTail = kCausal && !kVarlen && !kLargeKeyTile;
   static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1 || kBalancedTail;
 #else
   static constexpr bool kBalancedTail = false;

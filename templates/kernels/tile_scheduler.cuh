@@ -29,11 +29,10 @@ struct TileSchedule {
   bool paired;         // walk tiles in (longest, shortest) pairs
   int64_t ctas;        // the one-dimensional grid of the forward and varlen launches
   int head_section = 1;  // causal, one CTA per tile: (head, batch) pairs whose tiles are listed together
-  // paired, FA3GEN_FWD_BALANCED_TAIL (balanced_tail_from): the first pair of the balanced tail
-  // (-1: none); the walk index of its first round, and the index past its last; its tiles, its
-  // (head, batch) groups and the first of them; the CTA its snake starts at. Precomputed so that
-  // the walk reads them as operands instead of holding them in the producer thread's registers.
-  int tail_from = -1, tail_start = 0, tail_end = 0, tail_tiles = 0, tail_heads = 0, tail_group0 = 0, tail_offset = 0;
+  // paired, FA3GEN_FWD_BALANCED_TAIL (plan_balanced_tail): the first pair of the balanced tail
+  // (-1: none), its (head, batch) groups (the last ones), the walk index past its last round
+  // and the CTA its snake starts at (the last two would cost the walk a division a tile).
+  int tail_from = -1, tail_heads = 0, tail_end = 0, tail_offset = 0;
 };
 
 struct TileCoord {
@@ -118,26 +117,30 @@ __host__ __device__ __forceinline__ void section_order(int t, int blocks, int gr
 // pairs before them left a CTA one pair short. A list-scheduling model (a tile costs its key
 // blocks and one more) puts that within 0.4-1.3% of the mean where pairs are 3.1% above it
 // (d64 / d128 128x128, 512 to 4k keys), but with few CTAs or long tiles the snake can load a
-// CTA more than the pairs do; so the host runs the same model on both and keeps the pairs
-// unless the tail is lighter. Even block counts only (every pair then costs the same). Causal
+// CTA more than the pairs do; so the host runs the same model on both and plans the tail only
+// where it is lighter. Even block counts only (every pair then costs the same). Causal
 // windows are walked the same way, though their tiles cost alike (not measured).
-inline int balanced_tail_from(int blocks, int64_t head_groups, int64_t ctas) {
+inline void plan_balanced_tail(TileSchedule& s) {
   constexpr int kMaxCtas = 1024;
-  const int pairs_per_head = (blocks + 1) / 2;
-  const int64_t pairs = int64_t(pairs_per_head) * head_groups;
-  if (blocks % 2 || ctas <= 1 || ctas > kMaxCtas || pairs % ctas == 0) return -1;
-  const int64_t tail_heads = std::min<int64_t>(head_groups, (ctas + pairs % ctas + pairs_per_head - 1) / pairs_per_head);
-  const int64_t from = pairs - tail_heads * pairs_per_head, pair_cost = blocks + 3;
+  const int64_t blocks = s.blocks, groups = int64_t(s.heads) * s.batch, ctas = s.ctas;
+  const int64_t pairs = s.pairs_per_head * groups;
+  if (!s.paired || blocks % 2 || ctas <= 1 || ctas > kMaxCtas || pairs % ctas == 0) return;
+  const int64_t heads = std::min<int64_t>(groups, (ctas + pairs % ctas + s.pairs_per_head - 1) / s.pairs_per_head);
+  const int64_t from = pairs - heads * s.pairs_per_head, pair_cost = blocks + 3;
   int64_t load[kMaxCtas];
   for (int64_t b = 0; b < ctas; ++b) load[b] = (from / ctas + (b < from % ctas)) * pair_cost;
   int64_t heaviest = 0;
-  for (int64_t i = 0; i < tail_heads * blocks; ++i) {  // the walk of TileScheduler::tail_index
+  for (int64_t i = 0; i < heads * blocks; ++i) {  // the walk of TileScheduler::decode's tail
     const int64_t r = i / ctas, pos = i % ctas, j = (r & 1) ? ctas - 1 - pos : pos;
     int64_t& l = load[(j + from) % ctas];
-    l += blocks - 1 - i / tail_heads + 2;
+    l += blocks - 1 - i / heads + 2;
     heaviest = std::max(heaviest, l);
   }
-  return heaviest < (pairs + ctas - 1) / ctas * pair_cost ? int(from) : -1;
+  if (heaviest >= (pairs + ctas - 1) / ctas * pair_cost) return;
+  s.tail_from = int(from);
+  s.tail_heads = int(heads);
+  s.tail_end = int(2 * from + (heads * blocks + ctas - 1) / ctas * ctas);
+  s.tail_offset = int(from % ctas);
 }
 
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
@@ -151,17 +154,7 @@ inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool c
   // Clusters take neighbouring blocks of one head: they keep the head-by-head order.
   if (causal && ctas == tiles && cluster == 1) s.head_section = l2_head_section(kv_head_bytes, int64_t(heads) * batch);
 #ifdef FA3GEN_FWD_BALANCED_TAIL
-  if (s.paired && cluster == 1) {
-    s.tail_from = balanced_tail_from(blocks, int64_t(heads) * batch, ctas);
-    if (s.tail_from >= 0) {
-      s.tail_heads = heads * batch - s.tail_from / s.pairs_per_head;
-      s.tail_group0 = heads * batch - s.tail_heads;
-      s.tail_tiles = s.tail_heads * blocks;
-      s.tail_start = 2 * s.tail_from;
-      s.tail_end = s.tail_start + int((int64_t(s.tail_tiles) + ctas - 1) / ctas * ctas);
-      s.tail_offset = int(s.tail_from % ctas);
-    }
-  }
+  if (cluster == 1) plan_balanced_tail(s);
 #endif
   return s;
 }
@@ -220,9 +213,10 @@ struct TileScheduler {
   static constexpr bool kBalancedTail = LongestFirst && BalancedTail;
 
   __host__ __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
-  // The balanced tail (balanced_tail_from): walk index 2 * tail_from + r * G + c is CTA c's
+  // The balanced tail (plan_balanced_tail): walk index tail_start() + r * G + c is CTA c's
   // tile of round r; decode turns it into the snake's place (a tile of the sorted tail).
   __host__ __device__ __forceinline__ bool tail() const { return kBalancedTail && paired() && s.tail_from >= 0; }
+  __host__ __device__ __forceinline__ int tail_start() const { return 2 * s.tail_from; }
 
   // Upper bound of the tile index t (pair indices cover 2 per pair).
   __host__ __device__ __forceinline__ int count() const {
@@ -232,29 +226,29 @@ struct TileScheduler {
   template <class Grid = DeviceGrid>
   __host__ __device__ __forceinline__ int first(Grid g = {}) const {
     if (!tail()) return walk_first(paired(), g);
-    return g.cta() < s.tail_from ? walk_first(true, g) : s.tail_start + g.cta();
+    return g.cta() < s.tail_from ? walk_first(true, g) : tail_start() + g.cta();
   }
   template <class Grid = DeviceGrid>
   __host__ __device__ __forceinline__ int next(int t, Grid g = {}) const {
     if (!tail()) return walk_next(t, paired(), g);
-    if (t >= s.tail_start) return t + g.size();
+    if (t >= tail_start()) return t + g.size();
     const int n = walk_next(t, true, g);
-    return n < s.tail_start ? n : s.tail_start + g.cta();
+    return n < tail_start() ? n : tail_start() + g.cta();
   }
   // False for the empty half of the middle pair (M odd), and for a tail round's places past
   // the tail: skip them.
   __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     int hb;
-    if (tail() && t >= s.tail_start) {
+    if (tail() && t >= tail_start()) {
       // The snake: round r forward on even rounds, back on odd ones, from the CTA after the
       // last one the pairs gave an extra pair; the sorted tail rank by rank (longest first)
       // across its heads.
-      const int n = int(s.ctas), raw = t - s.tail_start, r = raw / n, c = raw - r * n;
+      const int n = int(s.ctas), raw = t - tail_start(), r = raw / n, c = raw - r * n;
       const int j = c >= s.tail_offset ? c - s.tail_offset : c - s.tail_offset + n;
       const int i = r * n + ((r & 1) ? n - 1 - j : j);
-      if (i >= s.tail_tiles) return false;
+      if (i >= s.tail_heads * s.blocks) return false;
       const int rank = i / s.tail_heads;
-      hb = s.tail_group0 + (i - rank * s.tail_heads);
+      hb = s.heads * s.batch - s.tail_heads + (i - rank * s.tail_heads);
       tile.block = s.blocks - 1 - rank;
     } else if (paired()) {
       const int pair = t >> 1, j = pair % s.pairs_per_head;

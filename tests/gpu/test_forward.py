@@ -126,6 +126,16 @@ def test_variant_unaligned_out_through_c_abi(lib, fwd_variant):
     check(out, lse, q, k, v, info.causal, d**-0.5, f"{info.name} 4-byte aligned out", **extra)
 
 
+def check_tile_walk(info, sq, sk, seed, label):
+    """One call of 9 batches x 16 query heads (4 kv heads), more query tiles than SMs, against
+    the reference: how the grid walks them (FA3GEN_GRID) is the caller's."""
+    q, k, v = make_qkv(9, sq, sk, 16, 4, info.head_dim, DTYPES[info.dtype], seed=seed)
+    scale = info.head_dim**-0.5
+    extra = probe_masking(info)
+    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
+    check(out, lse, q, k, v, info.causal, scale, f"{info.name} {label}", **extra)
+
+
 @pytest.mark.parametrize("grid", ["auto", "persistent", "tiles"])
 def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
     """More query tiles than SMs: each persistent CTA walks several tiles (Q, pipeline phases
@@ -134,11 +144,7 @@ def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
     info = lib.get(fwd_variant)
     monkeypatch.setenv("FA3GEN_GRID", grid)
     sq = 5 * info.tile_m - 17  # 5 query tiles per head
-    q, k, v = make_qkv(9, sq, sq + 40, 16, 4, info.head_dim, DTYPES[info.dtype], seed=4)
-    scale = info.head_dim**-0.5
-    extra = probe_masking(info)
-    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
-    check(out, lse, q, k, v, info.causal, scale, f"{info.name} grid={grid}", **extra)
+    check_tile_walk(info, sq, sq + 40, seed=4, label=f"grid={grid}")
 
 
 def test_variant_causal_even_tiles_per_head(lib, fwd_variant, monkeypatch):
@@ -150,11 +156,7 @@ def test_variant_causal_even_tiles_per_head(lib, fwd_variant, monkeypatch):
         pytest.skip("causal tiles only")
     monkeypatch.setenv("FA3GEN_GRID", "persistent")
     sq = 6 * info.tile_m - 5
-    q, k, v = make_qkv(9, sq, sq, 16, 4, info.head_dim, DTYPES[info.dtype], seed=6)
-    scale = info.head_dim**-0.5
-    extra = probe_masking(info)
-    out, lse = run_poisoned(q, k, v, info.causal, scale, info.name, **extra)
-    check(out, lse, q, k, v, info.causal, scale, f"{info.name} even tiles", **extra)
+    check_tile_walk(info, sq, sq, seed=6, label="even tiles")
 
 
 def test_variant_deterministic(lib, fwd_variant):
