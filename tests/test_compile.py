@@ -101,7 +101,7 @@ int main() {
 """
 
 
-def host_check(tmp_path, name: str, source: str, cutlass: bool = False, defines: tuple = ()) -> int:
+def host_check(tmp_path, name: str, source: str, cutlass: bool = False) -> int:
     """Compile `source` (a host program over the kernel headers) with the real nvcc, run it,
     and return the count it prints on success (it prints what failed and exits 1 otherwise)."""
     from generator.toolchain import find_cutlass_include
@@ -112,8 +112,7 @@ def host_check(tmp_path, name: str, source: str, cutlass: bool = False, defines:
         pytest.skip(str(e))
     src, exe = tmp_path / f"{name}.cu", tmp_path / name
     src.write_text(source)
-    subprocess.run([str(nvcc), "-std=c++17", "-O2", "--expt-relaxed-constexpr", *includes,
-                    *(f"-D{d}" for d in defines), str(src),
+    subprocess.run([str(nvcc), "-std=c++17", "-O2", "--expt-relaxed-constexpr", *includes, str(src),
                     "-o", str(exe)], check=True, capture_output=True, text=True)
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout
@@ -211,30 +210,6 @@ struct HostGrid {
 """
 
 SCHEDULE_CHECK = WALK_PRELUDE + r"""
-#include <algorithm>
-long long tails = 0;  // schedules with a balanced tail checked (FA3GEN_FWD_BALANCED_TAIL)
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-constexpr bool kTailBuild = true;  // the kernels with FwdTraits::kBalancedTail
-#else
-constexpr bool kTailBuild = false;
-#endif
-// The heaviest CTA's walk in key blocks, one more a tile for its own costs (the host model of
-// plan_balanced_tail).
-template <bool Causal>
-long long heaviest_cta(TileSchedule const& s) {
-  const TileScheduler<Causal, kTailBuild> sched{s};
-  long long heaviest = 0;
-  for (int cta = 0; cta < int(s.ctas); ++cta) {
-    const HostGrid grid{cta, int(s.ctas)};
-    long long load = 0;
-    for (int t = sched.first(grid); t < sched.count(); t = sched.next(t, grid)) {
-      TileCoord tile;
-      if (sched.decode(t, tile)) load += tile.block + 2;
-    }
-    heaviest = std::max(heaviest, load);
-  }
-  return heaviest;
-}
 // fwd_tile_schedule's grid walked as the forward kernel walks it (TileScheduler, walk_*):
 // every query tile once, none twice, for every grid policy; with clusters (FwdTraits::kClusterM,
 // dense non-causal d >= 128) the grid is whole clusters and the CTAs of one walk tiles m, m + 1 of one head
@@ -244,7 +219,7 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
           long long kv_head_bytes = 0) {
   const TileSchedule s = fwd_tile_schedule(m, heads, batch, Causal, long_tiles, mode, sms, cluster, fit, kv_head_bytes);
   if (s.ctas < 1 || s.ctas % cluster) { std::printf("grid %lld\n", (long long)s.ctas); return 1; }
-  const TileScheduler<Causal, kTailBuild> sched{s};
+  const TileScheduler<Causal> sched{s};
   // Causal, one CTA per tile: sections of head_section (head, batch) pairs, as many as L2 holds
   // (a power of two, at most the pairs), each listing its tiles longest first across its heads.
   const int want = Causal && s.ctas == int64_t(m) * heads * batch && cluster == 1
@@ -264,7 +239,7 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
   std::vector<std::vector<TileCoord>> walks(s.ctas);
   for (int cta = 0; cta < int(s.ctas); ++cta) {
     const HostGrid grid{cta, int(s.ctas)};
-    for (int t = sched.first(grid); t < sched.count(); t = sched.next(t, grid)) {
+    for (int t = walk_first(sched.paired(), grid); t < sched.count(); t = walk_next(t, sched.paired(), grid)) {
       TileCoord tile;
       if (!sched.decode(t, tile)) continue;
       walks[cta].push_back(tile);
@@ -278,14 +253,6 @@ int check(int m, int heads, int batch, bool long_tiles, int mode, int sms, int c
         return 1;
       }
     }
-  }
-  // The balanced tail: never a heavier CTA than the pairs alone give (causal, persistent).
-  if (s.tail_from >= 0) {
-    TileSchedule plain = s;
-    plain.tail_from = -1;
-    const long long with_tail = heaviest_cta<Causal>(s), pairs = heaviest_cta<Causal>(plain);
-    if (with_tail > pairs) { std::printf("tail: a CTA at %lld, pairs %lld\n", with_tail, pairs); return 1; }
-    ++tails;
   }
   if (int(seen.size()) != m * heads * batch) { std::printf("%zu of %d tiles\n", seen.size(), m * heads * batch); return 1; }
   for (auto const& [tile, count] : seen) if (count != 1) { std::printf("a tile %d times\n", count); return 1; }
@@ -329,9 +296,6 @@ int main() {
   const int grid16k[][3] = {{4, 32, 32}, {8, 32, 16}, {16, 32, 8}, {32, 32, 4}, {4, 16, 32}, {8, 16, 16}, {11, 32, 8}, {22, 32, 4}};
   for (auto const& g : grid16k)
     if (check<true>(g[0], g[1], g[2], false, FA3GEN_GRID_AUTO, 132, 1, 0, n)) { std::printf("m %d\n", g[0]); return 1; }
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-  if (tails < 100) { std::printf("%lld balanced tails\n", tails); return 1; }
-#endif
   std::printf("%lld checked\n", n);
   return 0;
 }
@@ -381,12 +345,6 @@ def test_the_forward_walk_covers_every_tile_once(tmp_path):
     grid policies, SM counts, (FwdTraits::kClusterM) clusters of two with residency caps and,
     for causal tiles one CTA each, L2 sections of heads listed longest first across them."""
     assert host_check(tmp_path, "schedule", SCHEDULE_CHECK) > 10000
-
-
-def test_the_balanced_tail_covers_every_tile_once(tmp_path):
-    """The same walk with FA3GEN_FWD_BALANCED_TAIL: the causal pairs' last G + R pairs dealt as
-    single tiles still cover every tile once, and no CTA carries more than under pairs alone."""
-    assert host_check(tmp_path, "schedule_tail", SCHEDULE_CHECK, defines=("FA3GEN_FWD_BALANCED_TAIL",)) > 10000
 
 
 VARLEN_WALK_CHECK = WALK_PRELUDE + r"""

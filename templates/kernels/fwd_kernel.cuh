@@ -22,7 +22,7 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
   const int warp_idx = cutlass::canonical_warp_idx_sync();
-  using Scheduler = cute::conditional_t<Traits::kVarlen, VarlenTileScheduler, TileScheduler<Traits::kCausal, Traits::kBalancedTail>>;
+  using Scheduler = cute::conditional_t<Traits::kVarlen, VarlenTileScheduler, TileScheduler<Traits::kCausal>>;
   const Scheduler sched = make_scheduler<Scheduler, Traits::kVarlen>(p);
 
   if (warp_idx == 0 && cute::elect_one_sync()) Mainloop::init(p, smem);

@@ -151,16 +151,7 @@ struct FwdTraits {
   // Key tiles larger than 128 keys x head dim 128 (d128 128x176, d192 128x112, d256 128x80):
   // there 232 consumer registers are tight (fwd_epilogue.cuh's opaque tid).
   static constexpr bool kLargeKeyTile = kTileN * kHeadDim > 128 * 128;
-  // FA3GEN_FWD_BALANCED_TAIL (tile_scheduler.cuh): its walk spills the producer's loop state at
-  // 24, so it needs 40 and leaves the consumers 232: not on large key tiles (d256 128x80
-  // spills 24 bytes at 232); those walk the pairs.
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-  static constexpr bool kBalancedTail = kCausal && !kVarlen && !kLargeKeyTile;
-  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1 || kBalancedTail;
-#else
-  static constexpr bool kBalancedTail = false;
-  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;  // generator/variants.py mirrors it
-#endif
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap

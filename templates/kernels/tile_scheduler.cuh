@@ -29,10 +29,6 @@ struct TileSchedule {
   bool paired;         // walk tiles in (longest, shortest) pairs
   int64_t ctas;        // the one-dimensional grid of the forward and varlen launches
   int head_section = 1;  // causal, one CTA per tile: (head, batch) pairs whose tiles are listed together
-  // paired, FA3GEN_FWD_BALANCED_TAIL (plan_balanced_tail): the first pair of the balanced tail
-  // (-1: none), its (head, batch) groups (the last ones), the walk index past its last round
-  // and the CTA its snake starts at (the last two would cost the walk a division a tile).
-  int tail_from = -1, tail_heads = 0, tail_end = 0, tail_offset = 0;
 };
 
 struct TileCoord {
@@ -109,40 +105,6 @@ __host__ __device__ __forceinline__ void section_order(int t, int blocks, int gr
   rank = r / width;
 }
 
-// FA3GEN_FWD_BALANCED_TAIL (a switch under test): with P pairs over G CTAs, R = P mod G of
-// them take one pair more than the rest, 3% above the mean on the 16k-token grid (2048 pairs at
-// every length to 2k keys for d64 128x128: 16 against 15.5). So the last G + R pairs, counted
-// up to whole heads, are dealt as single tiles instead: longest first across their heads (rank
-// by rank), in a snake over the CTAs (round r forward, round r + 1 back), starting where the
-// pairs before them left a CTA one pair short. A list-scheduling model (a tile costs its key
-// blocks and one more) puts that within 0.4-1.3% of the mean where pairs are 3.1% above it
-// (d64 / d128 128x128, 512 to 4k keys), but with few CTAs or long tiles the snake can load a
-// CTA more than the pairs do; so the host runs the same model on both and plans the tail only
-// where it is lighter. Even block counts only (every pair then costs the same). Causal
-// windows are walked the same way, though their tiles cost alike (not measured).
-inline void plan_balanced_tail(TileSchedule& s) {
-  constexpr int kMaxCtas = 1024;
-  const int64_t blocks = s.blocks, groups = int64_t(s.heads) * s.batch, ctas = s.ctas;
-  const int64_t pairs = s.pairs_per_head * groups;
-  if (!s.paired || blocks % 2 || ctas <= 1 || ctas > kMaxCtas || pairs % ctas == 0) return;
-  const int64_t heads = std::min<int64_t>(groups, (ctas + pairs % ctas + s.pairs_per_head - 1) / s.pairs_per_head);
-  const int64_t from = pairs - heads * s.pairs_per_head, pair_cost = blocks + 3;
-  int64_t load[kMaxCtas];
-  for (int64_t b = 0; b < ctas; ++b) load[b] = (from / ctas + (b < from % ctas)) * pair_cost;
-  int64_t heaviest = 0;
-  for (int64_t i = 0; i < heads * blocks; ++i) {  // the walk of TileScheduler::decode's tail
-    const int64_t r = i / ctas, pos = i % ctas, j = (r & 1) ? ctas - 1 - pos : pos;
-    int64_t& l = load[(j + from) % ctas];
-    l += blocks - 1 - i / heads + 2;
-    heaviest = std::max(heaviest, l);
-  }
-  if (heaviest >= (pairs + ctas - 1) / ctas * pair_cost) return;
-  s.tail_from = int(from);
-  s.tail_heads = int(heads);
-  s.tail_end = int(2 * from + (heads * blocks + ctas - 1) / ctas * ctas);
-  s.tail_offset = int(from % ctas);
-}
-
 inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool causal, bool long_tiles,
                                       int grid_mode, int num_sms, int cluster = 1, int cluster_fit = 0,
                                       int64_t kv_head_bytes = 0) {
@@ -153,9 +115,6 @@ inline TileSchedule fwd_tile_schedule(int m_blocks, int heads, int batch, bool c
   TileSchedule s{blocks, heads, batch, (blocks + 1) / 2, causal && ctas < tiles, ctas};
   // Clusters take neighbouring blocks of one head: they keep the head-by-head order.
   if (causal && ctas == tiles && cluster == 1) s.head_section = l2_head_section(kv_head_bytes, int64_t(heads) * batch);
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-  if (cluster == 1) plan_balanced_tail(s);
-#endif
   return s;
 }
 
@@ -181,15 +140,8 @@ inline TileSchedule varlen_fwd_schedule(int64_t entries, bool causal, bool persi
 // Grid: where the CTA index and the grid size come from (the host tests pass their own,
 // tests/test_compile.py).
 struct DeviceGrid {
-#ifdef FA3GEN_FWD_BALANCED_TAIL
-  // Read where used (volatile), not hoisted and held through the walk (the producer thread's
-  // loop spilled them at 24 registers).
-  __device__ __forceinline__ int cta() const { int v; asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(v)); return v; }
-  __device__ __forceinline__ int size() const { int v; asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(v)); return v; }
-#else
   __device__ __forceinline__ int cta() const { return int(blockIdx.x); }
   __device__ __forceinline__ int size() const { return int(gridDim.x); }
-#endif
 };
 template <class Grid = DeviceGrid>
 __host__ __device__ __forceinline__ int walk_first(bool pairs, Grid g = {}) { return pairs ? 2 * g.cta() : g.cta(); }
@@ -205,52 +157,22 @@ __host__ __device__ __forceinline__ int paired_block(int j, bool second, int n) 
 // LongestFirst (causal forward): a head's query tiles differ in length; the longest comes
 // first, and pairs are walked when the host asked for them. Without it (non-causal forward,
 // backward) the pairing compiles away.
-// BalancedTail: the kernel walks the balanced tail where the host planned one
-// (FwdTraits::kBalancedTail; otherwise its pairs).
-template <bool LongestFirst, bool BalancedTail = false>
+template <bool LongestFirst>
 struct TileScheduler {
   TileSchedule const& s;
-  static constexpr bool kBalancedTail = LongestFirst && BalancedTail;
 
   __host__ __device__ __forceinline__ bool paired() const { return LongestFirst && s.paired; }
-  // The balanced tail (plan_balanced_tail): walk index tail_start() + r * G + c is CTA c's
-  // tile of round r; decode turns it into the snake's place (a tile of the sorted tail).
-  __host__ __device__ __forceinline__ bool tail() const { return kBalancedTail && paired() && s.tail_from >= 0; }
-  __host__ __device__ __forceinline__ int tail_start() const { return 2 * s.tail_from; }
 
   // Upper bound of the tile index t (pair indices cover 2 per pair).
   __host__ __device__ __forceinline__ int count() const {
-    if (tail()) return s.tail_end;
     return (paired() ? 2 * s.pairs_per_head : s.blocks) * s.heads * s.batch;
   }
-  template <class Grid = DeviceGrid>
-  __host__ __device__ __forceinline__ int first(Grid g = {}) const {
-    if (!tail()) return walk_first(paired(), g);
-    return g.cta() < s.tail_from ? walk_first(true, g) : tail_start() + g.cta();
-  }
-  template <class Grid = DeviceGrid>
-  __host__ __device__ __forceinline__ int next(int t, Grid g = {}) const {
-    if (!tail()) return walk_next(t, paired(), g);
-    if (t >= tail_start()) return t + g.size();
-    const int n = walk_next(t, true, g);
-    return n < tail_start() ? n : tail_start() + g.cta();
-  }
-  // False for the empty half of the middle pair (M odd), and for a tail round's places past
-  // the tail: skip them.
+  __device__ __forceinline__ int first() const { return walk_first(paired()); }
+  __device__ __forceinline__ int next(int t) const { return walk_next(t, paired()); }
+  // False for the empty half of the middle pair (M odd): skip it.
   __host__ __device__ __forceinline__ bool decode(int t, TileCoord& tile) const {
     int hb;
-    if (tail() && t >= tail_start()) {
-      // The snake: round r forward on even rounds, back on odd ones, from the CTA after the
-      // last one the pairs gave an extra pair; the sorted tail rank by rank (longest first)
-      // across its heads.
-      const int n = int(s.ctas), raw = t - tail_start(), r = raw / n, c = raw - r * n;
-      const int j = c >= s.tail_offset ? c - s.tail_offset : c - s.tail_offset + n;
-      const int i = r * n + ((r & 1) ? n - 1 - j : j);
-      if (i >= s.tail_heads * s.blocks) return false;
-      const int rank = i / s.tail_heads;
-      hb = s.heads * s.batch - s.tail_heads + (i - rank * s.tail_heads);
-      tile.block = s.blocks - 1 - rank;
-    } else if (paired()) {
+    if (paired()) {
       const int pair = t >> 1, j = pair % s.pairs_per_head;
       hb = pair / s.pairs_per_head;
       tile.block = paired_block(j, t & 1, s.blocks);

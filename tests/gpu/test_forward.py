@@ -148,9 +148,9 @@ def test_variant_many_tiles_per_cta(lib, fwd_variant, grid, monkeypatch):
 
 
 def test_variant_causal_even_tiles_per_head(lib, fwd_variant, monkeypatch):
-    """Causal, persistent, 6 query tiles a head over 144 (head, batch) groups: every pair full,
-    432 pairs over a grid they do not divide, so with FA3GEN_FWD_BALANCED_TAIL the last rounds
-    run as single tiles dealt in a snake (tile_scheduler.cuh)."""
+    """Causal, persistent, 6 query tiles a head over 144 (head, batch) groups: every (longest,
+    shortest) pair full (test_variant_many_tiles_per_cta's 5 tiles leave a middle tile alone),
+    432 pairs over a grid they do not divide, so CTAs end one pair apart."""
     info = lib.get(fwd_variant)
     if not info.causal:
         pytest.skip("causal tiles only")
