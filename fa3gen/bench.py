@@ -258,12 +258,22 @@ def earlier_report(path: Path) -> dict | None:
     return report
 
 
+def unmeasured_points(old: dict, new: dict) -> list[tuple]:
+    """The points `new` has no fa3gen time for (the library lacked the variant) where `old` has
+    one: --merge keeps `old`'s row there rather than blank a measurement."""
+    timed = {point_of(r) for r in old["rows"] if r["tflops"].get("fa3gen") is not None}
+    return [point_of(r) for r in new["rows"] if r["tflops"].get("fa3gen") is None and point_of(r) in timed]
+
+
 def merge_reports(old: dict, new: dict) -> dict:
     """`new`'s rows replace `old`'s rows of the same point, the rest of `old` stays (bench
-    --merge: re-measure part of a grid). The result's header is `new`'s; "runs" lists the
-    header of every run that still gives rows, oldest first, and each row's "run" indexes it."""
+    --merge: re-measure part of a grid), except where `new` has no fa3gen time and `old` has
+    (unmeasured_points). The result's header is `new`'s; "runs" lists the header of every run
+    that still gives rows, oldest first, and each row's "run" indexes it."""
     runs = old.get("runs") or [old["header"]]
     kept = [dict(r, run=r.get("run", 0)) for r in old["rows"]]
+    blank = set(unmeasured_points(old, new))
+    new = dict(new, rows=[r for r in new["rows"] if point_of(r) not in blank])
     fresh = {point_of(r) for r in new["rows"]}
     kept = [r for r in kept if point_of(r) not in fresh]
     used = sorted({r["run"] for r in kept})
@@ -607,6 +617,11 @@ def run(args) -> int:
 
     report = {"header": header, "rows": rows}
     if earlier is not None:
+        blank = unmeasured_points(earlier, report)
+        if blank:
+            print(f"fa3gen bench: warning: no fa3gen time at {len(blank)} points {args.out} has one for "
+                  f"(the library lacks their variants); --merge keeps the earlier rows there, "
+                  f"e.g. {blank[0]}", file=sys.stderr)
         report = merge_reports(earlier, report)
     if args.all_variants:
         report["picked_defaults"] = pick_defaults(rows)

@@ -946,6 +946,24 @@ def test_merge_replaces_the_points_measured_again_and_names_each_run(tmp_path):
     assert "| run |" not in bench.render_markdown(old)
 
 
+def test_merge_keeps_a_timed_row_where_the_new_run_has_no_fa3gen_time():
+    """A run against a library without a point's variant (a filtered build) has no fa3gen time
+    there: --merge keeps the earlier measured row instead of blanking it, and still takes the
+    peers' new rows where neither run timed fa3gen."""
+    old = fabricated_report()
+    old["rows"][1] = dict(old["rows"][1], tflops=dict(old["rows"][1]["tflops"], fa3gen=None))
+    new = fabricated_report()
+    new["header"] = dict(new["header"], commit="def456")
+    new["rows"] = [dict(r, tflops=dict(r["tflops"], fa3gen=None, cudnn=1.0)) for r in new["rows"][:2]]
+    assert bench.unmeasured_points(old, new) == [bench.point_of(old["rows"][0])]
+    merged = bench.merge_reports(old, new)
+    by_point = {bench.point_of(r): r for r in merged["rows"]}
+    assert len(by_point) == len(old["rows"]) == len(merged["rows"])
+    assert by_point[bench.point_of(old["rows"][0])] == dict(old["rows"][0], run=0)  # kept
+    assert by_point[bench.point_of(old["rows"][1])]["run"] == 1  # untimed both times: the new row
+    assert by_point[bench.point_of(old["rows"][1])]["tflops"]["cudnn"] == 1.0
+
+
 def test_merge_refuses_what_is_not_a_report(tmp_path):
     assert bench.earlier_report(tmp_path / "none.json") is None
     bad = tmp_path / "bad.json"
