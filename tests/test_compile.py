@@ -295,7 +295,10 @@ int main() {
   // The 16k-token grid's causal shapes: 128-row tiles at 512 to 4k keys, 192-row at 2k and 4k.
   const int grid16k[][3] = {{4, 32, 32}, {8, 32, 16}, {16, 32, 8}, {32, 32, 4}, {4, 16, 32}, {8, 16, 16}, {11, 32, 8}, {22, 32, 4}};
   for (auto const& g : grid16k)
-    if (check<true>(g[0], g[1], g[2], false, FA3GEN_GRID_AUTO, 132, 1, 0, n)) { std::printf("m %d\n", g[0]); return 1; }
+    if (check<true>(g[0], g[1], g[2], false, FA3GEN_GRID_AUTO, 132, 1, 0, n)) {
+      std::printf("m %d heads %d batch %d\n", g[0], g[1], g[2]);
+      return 1;
+    }
   std::printf("%lld checked\n", n);
   return 0;
 }

@@ -70,12 +70,12 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, typen
                                                OnlineSoftmax<Rows, Chains, PLog2, Vote>& softmax, TO& tOrO, int tid,
                                                float lse_scale, float o_scale = 1.f) {
   constexpr int kTileM = Traits::kTileM, kHeadDim = Traits::kHeadDim;
-  // Clustered large key tiles (FwdTraits::kLargeKeyTile), whose consumers run at 232 registers:
-  // ptxas hoists this thread's row and column offsets out of the tile loop and then spills them.
-  // An opaque tid makes it recompute them here, a few instructions a tile. An empirical line
-  // (ptxas, 2026-12-05): at 128 x 128 and below nothing spills without it, and with it d256
-  // 128x64 pingpong spilled two counters.
-  if constexpr (Traits::kClusterM > 1 && Traits::kLargeKeyTile) {
+  // Clustered tiles larger than 128 x 128 (keys x head dim: d128 128x176, d192 128x112, d256
+  // 128x80), whose consumers run at 232 registers: ptxas hoists this thread's row and column
+  // offsets out of the tile loop and then spills them. An opaque tid makes it recompute them
+  // here, a few instructions a tile. An empirical line (ptxas, 2026-12-05): at 128 x 128 and
+  // below nothing spills without it, and with it d256 128x64 pingpong spilled two counters.
+  if constexpr (Traits::kClusterM > 1 && Traits::kTileN * kHeadDim > 128 * 128) {
     asm volatile("" : "+r"(tid));
   }
   typename Traits::TiledMmaPV mma_pv;
