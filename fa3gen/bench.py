@@ -777,14 +777,17 @@ def _settle(args) -> float:
     return settle_for(args.min_ms, getattr(args, "settle_ms", None))
 
 
-def measure_backends(fns: dict, args, sampler: PowerSampler | None = None, reasons: dict | None = None):
+def measure_backends(fns: dict, args, sampler: PowerSampler | None = None, reasons: dict | None = None,
+                     per_round: dict | None = None):
     """(ms, power W, SM MHz) per backend of fns ({name: callable or None}); `reasons`, when
     given, gets each backend's clock-event reasons from the sampler. Each callable runs
     once first; one that fails is reported and left out. Sustained (the default): all of them
     interleaved, rounds of at least --min-ms of back-to-back launches (timing.sustained_ms),
     with the sampler's mean power and clock per backend; --steady-s: each alone for that long,
     counted once its clock has settled (timing.steady_ms), power and clock as sustained;
-    --burst: each alone, the median of --iters launches after --warmup (timing.time_ms)."""
+    --burst: each alone, the median of --iters launches after --warmup (timing.time_ms).
+    `per_round`, when given, gets each backend's ms of every sustained round (nothing in the
+    other modes)."""
     import torch
 
     runnable = {}
@@ -811,8 +814,12 @@ def measure_backends(fns: dict, args, sampler: PowerSampler | None = None, reaso
     if getattr(args, "steady_s", None):
         times = steady_ms([runnable[n] for n in names], args.steady_s, args.idle_s, tag=tag)
     else:
+        rounds: list = []
         times = sustained_ms([runnable[n] for n in names], args.rounds, args.min_ms,
-                             settle_ms=_settle(args), order=getattr(args, "order", "rotate"), tag=tag)
+                             settle_ms=_settle(args), order=getattr(args, "order", "rotate"), tag=tag,
+                             per_round=rounds)
+        if per_round is not None:
+            per_round.update(zip(names, rounds))
     ms = dict(zip(names, times))
     if sampler is not None:
         for i, (w, mhz) in sampler.means(range(len(names))).items():

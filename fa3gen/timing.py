@@ -111,7 +111,7 @@ def settle_for(min_ms: float, settle_ms: float | None = None) -> float:
 
 
 def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: float | None = None,
-                 order: str = "rotate") -> list[float]:
+                 order: str = "rotate", per_round: list | None = None) -> list[float]:
     """Median ms per launch of each fn, measured sustained (what a power-capped board gives in
     steady use, not a burst): rounds of back-to-back launches lasting at least min_ms each, the
     fns alternating. order "rotate" starts each round one fn later (so a fn always follows the
@@ -120,7 +120,8 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
     the 700 W cap a call timed right after a slower, lower-power one starts with headroom and
     read up to 9% fast (the same kernel 668 after a syncing call, 614 after a fast one).
     tag(i) is called before each timed batch of fns[i] and tag(None) after it (a
-    PowerSampler's `tag`)."""
+    PowerSampler's `tag`). per_round, when given, receives each fn's ms of every round, in round
+    order (the fns of one round ran back to back, so their ratios pair up)."""
     import random
 
     if order not in ORDERS:
@@ -145,6 +146,8 @@ def sustained_ms(fns: list, rounds: int, min_ms: float, tag=None, settle_ms: flo
             tag(i)
             times[i].append(batch_ms(fns[i], launches[i]))
             tag(None)
+    if per_round is not None:
+        per_round[:] = times
     return [statistics.median(t) for t in times]
 
 

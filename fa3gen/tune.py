@@ -108,6 +108,19 @@ def choose(times: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
     return best, {n: s / speed[best] for n, s in sorted(speed.items(), key=lambda x: -x[1])}
 
 
+def round_spread(per_round: dict, best: str) -> dict[str, list]:
+    """{candidate: [[lowest, highest] speed relative to the winner per shape]}, each round's
+    candidate batch against the winner's in the same round (best ms / candidate ms), so the
+    spread of one run shows beside its medians; None for a shape either side did not run."""
+    spread = {}
+    for name, shapes in per_round.items():
+        spread[name] = []
+        for mine, theirs in zip(shapes, per_round.get(best, [])):
+            ratios = [b / m for m, b in zip(mine or [], theirs or []) if m and b]
+            spread[name].append([min(ratios), max(ratios)] if ratios else None)
+    return spread
+
+
 def _yaml_value(axis: str, value) -> str:
     if AXIS_BY_NAME[axis].kind == "tile":
         return f"[{value[0]}, {value[1]}]"
@@ -261,12 +274,14 @@ def _call(key: tuple, shape: dict,
 def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             min_ms: float, sampler=None, power: dict | None = None,
             window: tuple[int, int] = LOCAL_WINDOW,
-            reasons: dict | None = None) -> dict[str, list[float | None]]:
+            reasons: dict | None = None,
+            per_round: dict | None = None) -> dict[str, list[float | None]]:
     """{candidate: [ms per shape]} (None where it failed), candidates interleaved per shape
     (bench.measure_backends, sustained); local keys run with window_size `window`. With a
     PowerSampler, power gets {candidate: [[mean board W, mean SM MHz] per shape]} over that
     candidate's timed batches ([None, None] without samples), and reasons {candidate: [the
-    clock-event reasons per shape]} (None without them)."""
+    clock-event reasons per shape]} (None without them). per_round, when given, gets
+    {candidate: [[ms of each round] per shape]} (None where it failed)."""
     from fa3gen.bench import measure_backends
     from fa3gen.timing import report_failure
 
@@ -276,6 +291,8 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
         power.update({n: [] for n in names})
     if sampler is not None and reasons is not None:
         reasons.update({n: [] for n in names})
+    if per_round is not None:
+        per_round.update({n: [] for n in names})
     for shape in shapes:
         make = _call(key, shape, window)
         fns = {}
@@ -285,10 +302,12 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             except Exception as e:  # a candidate that cannot run this shape cannot win
                 report_failure(name, e)
                 fns[name] = None
-        seen: dict = {}
-        ms, watts, mhz = measure_backends(fns, timing, sampler, seen)
+        seen, rounds = {}, {}
+        ms, watts, mhz = measure_backends(fns, timing, sampler, seen, rounds)
         for name in names:
             times[name].append(ms.get(name))
+            if per_round is not None:
+                per_round[name].append(rounds.get(name))
             if sampler is not None and power is not None:
                 power[name].append([watts.get(name), mhz.get(name)])
             if sampler is not None and reasons is not None:
@@ -298,6 +317,14 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
 
 # ---------------------------------------------------------------------------------------------
 # CLI.
+
+
+def _spread_text(shapes: list | None) -> str:
+    """' (rounds LO-HI)' over every shape's per-round speeds, '' when no round paired up."""
+    pairs = [p for p in shapes or [] if p]
+    if not pairs:
+        return ""
+    return f" (rounds {min(p[0] for p in pairs):.3f}-{max(p[1] for p in pairs):.3f})"
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -376,10 +403,11 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
         names = [v.name for v in variants]
-        power, reasons = {}, {}  # filled only with a sampler
+        power, reasons, per_round = {}, {}, {}  # power and reasons filled only with a sampler
         times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power,
-                        args.window, reasons=reasons)
+                        args.window, reasons=reasons, per_round=per_round)
         best, relative = choose(times)
+        spread = round_spread(per_round, best)
         winner = next(v for v in variants if v.name == best)
         old = current.get(key)
         winners[key] = winner
@@ -400,11 +428,13 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
                                "previous_default": old.name if old else None,
                                "seqlen_ranges": [[lo, hi, v.name] for lo, hi, v
                                                  in ranges.get(key, [])],
+                               "round_ms": per_round, "round_relative": spread,
                                **({"power_w_sm_mhz": power} if power else {}),
                                **({"clock_reasons": reasons} if reasons else {})})
         change = "" if old is not None and old.name == best else f" (was {old.name if old else 'none'})"
         print(f"{key_str(key)}: {best}{change}; " + ", ".join(
-            f"{n}: {r:.3f}" for n, r in relative.items()), flush=True)
+            f"{n}: {r:.3f}{'' if n == best else _spread_text(spread.get(n))}"
+            for n, r in relative.items()), flush=True)
         # after every key, so that a run that dies keeps what it measured (complete: false)
         out.write_text(json.dumps(report, indent=1) + "\n")
     report["header"]["complete"] = True

@@ -239,12 +239,13 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     calls = []
 
-    def fake_sustained(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate"):
+    def fake_sustained(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate", per_round=None):
         calls.append((settle_ms, order))
         for i, _ in enumerate(fns):
             tag(i)
             calls.append(i)
             tag(None)
+        per_round[:] = [[1.0 + i, 1.5 + i] for i in range(len(fns))]
         return [1.0 + i for i in range(len(fns))]
 
     monkeypatch.setattr(bench, "sustained_ms", fake_sustained)
@@ -268,11 +269,12 @@ def test_measure_backends_sustained_interleaved_with_power(monkeypatch, capsys):
 
     sampler = Sampler()
     args = types.SimpleNamespace(burst=False, rounds=2, min_ms=5.0)
-    reasons = {}
+    reasons, per_round = {}, {}
     ms, power, clock = bench.measure_backends(
         {"fa3gen": lambda: None, "cudnn": boom, "flash": None, "fa4": lambda: None}, args, sampler,
-        reasons)
+        reasons, per_round)
     assert ms == {"fa3gen": 1.0, "fa4": 2.0} and sampler.seen == [0, 1]
+    assert per_round == {"fa3gen": [1.0, 1.5], "fa4": [2.0, 2.5]}  # the backends that ran
     assert reasons == {"fa3gen": ["sw_power_cap"], "fa4": ["sw_thermal"]}
     assert calls[0] == (2.5, "rotate")  # settle: half of --min-ms unless --settle-ms says
     bench.measure_backends({"fa3gen": lambda: None}, types.SimpleNamespace(
@@ -480,6 +482,9 @@ def test_sustained_rotates_and_sizes_each_batch_by_its_own_fn(monkeypatch):
     assert log[4:] == [("timed", "fast", 40), ("timed", "slow", 5), ("timed", "slow", 5),
                        ("timed", "fast", 40), ("timed", "fast", 40), ("timed", "slow", 5)]
     assert not [e for e in log if e[0] == "settle"]  # settle_ms=0: none
+    rounds = []
+    timing.sustained_ms([fast, slow], rounds=2, min_ms=20.0, settle_ms=0, per_round=rounds)
+    assert rounds == [[0.5, 0.5], [4.0, 4.0]]  # each fn's batch of every round
     log.clear()
     timing.sustained_ms([slow], rounds=1, min_ms=20.0)  # by default half of min_ms
     assert log[2:] == [("settle", "slow")] * 2 + [("timed", "slow", 5)]

@@ -106,8 +106,9 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     timed = []
 
     def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None,
-                window=tune.LOCAL_WINDOW, reasons=None):
+                window=tune.LOCAL_WINDOW, reasons=None, per_round=None):
         timed.append((key, names, [s["seqlen"] for s in shapes], rounds, min_ms, window))
+        per_round.update({NC_128: [[1.0, 1.0]] * 2, NC_176: [[1.25, 1.0], [1.1, 1.0]]})
         return {NC_128: [1.0, 1.0], NC_176: [1.1, 1.05]}
 
     monkeypatch.setattr(tune, "measure", measure)
@@ -115,7 +116,9 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--rounds", "2",
                      "--min-ms", "5", "--out", str(out), "--no-power", "--window", "4096,0"]) == 0
     assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0, (4096, 0))]
-    assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in printed
+    assert f"{NC_176}: 0.930 (rounds 0.800-1.000)" in printed  # the runner-up's spread
     report = json.loads(out.read_text())
     assert report["keys"][0]["winner"] == NC_128 and report["keys"][0]["previous_default"] == NC_176
     assert tune.candidates(spec_file)[1][NC_KEY].name == NC_128
@@ -185,7 +188,7 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
     monkeypatch.setattr(tune, "provenance", lambda lib: {})
 
     def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None, window=None,
-                reasons=None):
+                reasons=None, per_round=None):
         if NC_128 in names:  # keys go in name order: causal, then nocausal
             raise RuntimeError("second key fails")
         return {c_128: [1.0, 1.0, 1.0], c_176: [1.1, 1.1, 1.1]}
@@ -199,6 +202,19 @@ def test_a_run_that_dies_keeps_the_keys_it_measured(spec_file, tmp_path, monkeyp
     assert report["header"]["complete"] is False
     assert [k["winner"] for k in report["keys"]] == [c_128]
     assert spec_file.read_text() == before
+
+
+def test_round_spread_pairs_each_round_with_the_winners():
+    """Per shape, the lowest and highest of best ms / candidate ms over rounds taken together
+    (round r against round r), None where either side did not run; the printed range spans
+    every shape's."""
+    per_round = {"a": [[1.0, 2.0], [4.0, 4.0], None], "b": [[1.1, 1.9], [4.4, 3.6], [1.0]]}
+    spread = tune.round_spread(per_round, "a")
+    assert spread["a"] == [[1.0, 1.0], [1.0, 1.0], None]
+    assert spread["b"] == [pytest.approx([1.0 / 1.1, 2.0 / 1.9]),
+                           pytest.approx([4.0 / 4.4, 4.0 / 3.6]), None]
+    assert tune._spread_text(spread["b"]) == " (rounds 0.909-1.111)"
+    assert tune._spread_text([None]) == "" and tune._spread_text(None) == ""
 
 
 def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeypatch):
@@ -230,11 +246,12 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
             return lambda: None
         return make
 
-    def sustained_ms(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate"):
+    def sustained_ms(fns, rounds, min_ms, tag=None, settle_ms=None, order="rotate", per_round=None):
         for i in range(len(fns)):
             tag(i)
             wait_for_sample(samplers[-1], i)
             tag(None)
+        per_round[:] = [[1.0 + i, 1.0 + 3 * i] for i in range(len(fns))]  # two rounds
         return [1.0 + i for i in range(len(fns))]
 
     from fa3gen import bench
@@ -251,6 +268,9 @@ def test_tune_records_power_and_clock_per_candidate(spec_file, tmp_path, monkeyp
     assert key["power_w_sm_mhz"] == {NC_128: [[600.0, 1700.0]] * 2,
                                      NC_176: [[600.0, 1700.0], [None, None]]}
     assert key["clock_reasons"] == {NC_128: [["sw_power_cap"]] * 2, NC_176: [["sw_power_cap"], None]}
+    # each round's times, and the runner-up's speed against the winner's batch of the same round
+    assert key["round_ms"] == {NC_128: [[1.0, 1.0]] * 2, NC_176: [[2.0, 4.0], None]}
+    assert key["round_relative"] == {NC_128: [[1.0, 1.0]] * 2, NC_176: [[0.25, 0.5], None]}
 
 
 def test_keys_not_timed_keep_their_ranges_and_what_follows_the_block_stays(tmp_path):
