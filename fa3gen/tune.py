@@ -302,12 +302,12 @@ def measure(lib, key: tuple, names: list[str], shapes: list[dict], rounds: int,
             except Exception as e:  # a candidate that cannot run this shape cannot win
                 report_failure(name, e)
                 fns[name] = None
-        seen, rounds = {}, {}
-        ms, watts, mhz = measure_backends(fns, timing, sampler, seen, rounds)
+        seen, shape_rounds = {}, {}
+        ms, watts, mhz = measure_backends(fns, timing, sampler, seen, shape_rounds)
         for name in names:
             times[name].append(ms.get(name))
             if per_round is not None:
-                per_round[name].append(rounds.get(name))
+                per_round[name].append(shape_rounds.get(name))
             if sampler is not None and power is not None:
                 power[name].append([watts.get(name), mhz.get(name)])
             if sampler is not None and reasons is not None:
