@@ -148,7 +148,7 @@ struct FwdTraits {
   // spills (d128 128x128, 128x176, d256 128x80). At 40 / 232, with the epilogue's offsets
   // recomputed each tile where the tile is large (store_fwd_tile), all 22 dense non-causal
   // forwards of specs/h100.yaml build spill-free with the switch (2026-12-05 (fourteenth)).
-  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;
+  static constexpr bool kProducerNeeds40 = kFp8 || kClusterM > 1;  // generator/variants.py's caps mirror it
   static constexpr int kProducerRegs = kConsumerWGs == 3 ? 32 : kProducerNeeds40 ? 40 : 24;
   static constexpr int kConsumerRegs = kConsumerWGs == 3 ? 160 : kProducerNeeds40 ? 232 : 240;
   // setmaxnreg only moves registers inside the CTA's launch allocation (the per-thread cap
