@@ -794,6 +794,72 @@ _fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
+# torch.func's transforms (grad, vjp, jacrev, vmap). The custom ops' own autograd wrapper is a
+# Function without setup_context, which those transforms refuse; this one wraps the same ops
+# in the form they take. Attention is independent per batch entry, so a vmapped dimension is
+# folded into the batch: one launch, not one per vmapped entry.
+
+
+def _fold_vmapped(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor with its vmapped dimension (broadcast where it has none) merged into dim 0."""
+    folded = []
+    for t, dim in zip(tensors, in_dims):
+        t = t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+        folded.append(t.reshape(-1, *t.shape[2:]))
+    return folded
+
+
+def _unfold_vmapped(info, *tensors: torch.Tensor) -> tuple:
+    return tuple(t.reshape(info.batch_size, -1, *t.shape[1:]) for t in tensors)
+
+
+@torch.library.register_vmap("fa3gen::fwd")
+def _fwd_vmap(info, in_dims, q, k, v, *args):
+    out = torch.ops.fa3gen.fwd(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
+    return _unfold_vmapped(info, *out), (0, 0)
+
+
+@torch.library.register_vmap("fa3gen::bwd")
+def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *args):
+    grads = torch.ops.fa3gen.bwd(*_fold_vmapped(info, in_dims[:6], dout, q, k, v, out, lse),
+                                 *args)
+    return _unfold_vmapped(info, *grads), (0, 0, 0)
+
+
+class _TransformedAttention(torch.autograd.Function):
+    """flash_attn_func under a torch.func transform: fa3gen::fwd forward, fa3gen::bwd backward,
+    a vmap rule that folds the vmapped dimension into the batch; no forward-mode AD (jvp)."""
+
+    @staticmethod
+    def forward(q, k, v, causal, softmax_scale, variant, deterministic, window_left,
+                window_right, softcap):
+        return torch.ops.fa3gen.fwd(q, k, v, causal, softmax_scale, variant, deterministic,
+                                    window_left, window_right, softcap)
+
+    setup_context = staticmethod(_fwd_setup_context)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v = ctx.saved_tensors[:3]
+        # Without grad mode the op is not recorded (the transforms keep grad mode on in the
+        # backward, and fa3gen::bwd has no derivative); a second derivative raises instead.
+        with torch.no_grad():
+            grads = _fwd_backward(ctx, dout, _dlse)[:3]
+        return (*no_second_derivative(q, k, v, grads=grads), *(None,) * 7)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, *args):
+        out = _TransformedAttention.apply(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
+        return _unfold_vmapped(info, *out), (0, 0)
+
+    @staticmethod
+    def jvp(ctx, *_):
+        raise Fa3genError("fa3gen's attention has no forward-mode derivative (torch.func.jvp, "
+                          "jacfwd, torch.autograd.forward_ad): use reverse mode (grad, vjp, "
+                          "jacrev)")
+
+
+# ---------------------------------------------------------------------------------------------
 # Eager path: flash_attn_func outside graph capture. The checks, the dispatch and the params
 # are computed once per call signature; a call that repeats one costs two allocations, the
 # pointer checks and the launch.
@@ -928,16 +994,24 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _NoSecondDerivative(torch.autograd.Function):
-    """The gradients as they are, but an error (not zeros) if anything differentiates them."""
+    """The gradients as they are, but an error (not zeros) if anything differentiates them.
+    Written with setup_context, so torch.func's transforms take it too."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, anchor, *grads):
+    def forward(anchor, *grads):
         return tuple(g.view_as(g) if g is not None else None for g in grads)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
 
     @staticmethod
     def backward(ctx, *_):
         raise Fa3genError("fa3gen's attention has no second derivative: its backward is not "
-                          "differentiable (create_graph=True through flash_attn_func)")
+                          "differentiable (create_graph=True, or torch.func.grad of a grad, "
+                          "through flash_attn_func)")
 
 
 def no_second_derivative(*inputs: torch.Tensor, grads: tuple) -> tuple:
@@ -1196,9 +1270,13 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
                                                 mask.causal, scale, op_variant,
                                                 out_dtype == torch.float16)
         else:
-            out, lse = torch.ops.fa3gen.fwd(q, k, v, mask.causal, scale, op_variant,
-                                            bool(deterministic), mask.window_left,
-                                            mask.window_right, mask.softcap)
+            # Under torch.func's transforms (not while compiling, where dynamo traces them):
+            # the same op in a Function they accept.
+            fwd = (_TransformedAttention.apply
+                   if _functorch_active() and not torch.compiler.is_compiling()
+                   else torch.ops.fa3gen.fwd)
+            out, lse = fwd(q, k, v, mask.causal, scale, op_variant, bool(deterministic),
+                           mask.window_left, mask.window_right, mask.softcap)
     elif fp8:
         out, lse, name, dims = _fp8.fp8_forward(q, k, v, mask, softmax_scale, variant, descales,
                                                 out_dtype)

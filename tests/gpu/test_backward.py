@@ -195,6 +195,33 @@ def test_expanded_inputs_with_zero_strides(lib, bwd_default_key, expanded):
     check_grads(grads, qd, kd, vd, dout, causal, d**-0.5, f"{expanded} {bwd_default_key}")
 
 
+def test_torch_func_transforms(lib, bwd_default_key):
+    """torch.func on the kernels: grad's gradients and vmap(grad)'s per-sample gradients (one
+    launch a direction over the folded batch) against the reference, vmap's output against
+    calls on each entry."""
+    dtype_name, d, causal = bwd_default_key
+    q, k, v = make_qkv(3, 200, 300, 4, 2, d, DTYPES[dtype_name], seed=22)
+    dout = torch.randn_like(q)
+
+    def loss(q, k, v):
+        return (flash_attn_func(q, k, v, causal=causal).float() * dout.float()).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    check_grads(grads, q, k, v, dout, causal, d**-0.5, f"torch.func.grad {bwd_default_key}")
+    per_sample = torch.func.vmap(torch.func.grad(
+        lambda q, k, v, dout: (flash_attn_func(q, k, v, causal=causal).float()
+                               * dout.float()).sum(), argnums=(0, 1, 2)))(
+        q[:, None], k[:, None], v[:, None], dout[:, None])
+    for i in range(3):
+        check_grads([g[i] for g in per_sample], q[i:i + 1], k[i:i + 1], v[i:i + 1],
+                    dout[i:i + 1], causal, d**-0.5, f"vmap(grad) entry {i} {bwd_default_key}")
+    out = torch.func.vmap(lambda q, k, v: flash_attn_func(q, k, v, causal=causal))(
+        q[:, None], k[:, None], v[:, None])
+    for i in range(3):
+        alone = flash_attn_func(q[i:i + 1], k[i:i + 1], v[i:i + 1], causal=causal)
+        assert torch.equal(out[i], alone), f"vmap entry {i} {bwd_default_key}"
+
+
 def test_bwd_opcheck(lib, bwd_default_key):
     dtype_name, d, causal = bwd_default_key
     if d != max(v.head_dim for v in lib.defaults("bwd")):

@@ -1,0 +1,130 @@
+"""flash_attn_func under torch.func's transforms (grad, vjp, vmap and their compositions), on
+CPU: the fake library answers the dispatch, and the bodies of the fa3gen::fwd and fa3gen::bwd
+custom ops compute fa3gen.reference's attention and gradients instead of launching kernels,
+so what is checked is the plumbing (which op runs, on what, how often), against the same
+reference called directly."""
+import pytest
+import torch
+
+from fa3gen import Fa3genError, ops, packed
+from fa3gen.reference import attention_grad_reference, attention_reference
+
+
+@pytest.fixture
+def reference_ops(fake_launches, monkeypatch):
+    """The ops' bodies as the reference; returns the (direction, batch) of each body call."""
+    calls = []
+
+    def forward(q, k, v, mask, softmax_scale, variant):
+        assert type(q) is torch.Tensor  # the body never sees a transform's wrapper
+        calls.append(("fwd", q.shape[0]))
+        out, lse = attention_reference(q, k, v, mask.causal, softmax_scale)
+        return out.to(q.dtype), lse
+
+    def backward(dout, q, k, v, out, lse, mask, softmax_scale, variant, deterministic):
+        assert type(dout) is torch.Tensor
+        calls.append(("bwd", q.shape[0]))
+        grads = attention_grad_reference(q, k, v, dout, mask.causal, softmax_scale)
+        return tuple(g.to(q.dtype) for g in grads)  # the kernels' gradients are in q's dtype
+
+    monkeypatch.setattr(ops, "_forward", forward)
+    monkeypatch.setattr(ops, "_backward", backward)
+    return calls
+
+
+def _grads(q, k, v, dout):
+    return [g.to(q.dtype) for g in attention_grad_reference(q, k, v, dout)]
+
+
+def _inputs(*batch, seqlen=16, heads=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*batch, seqlen, heads, 128, generator=g).to(torch.bfloat16)
+            for _ in range(3)]
+
+
+def _loss(q, k, v):
+    return ops.flash_attn_func(q, k, v).float().sum()
+
+
+def test_grad_runs_the_backward_op(reference_ops):
+    q, k, v = _inputs(2)
+    grads = torch.func.grad(_loss, argnums=(0, 1, 2))(q, k, v)
+    want = _grads(q, k, v, torch.ones_like(q))
+    for got, w in zip(grads, want):
+        assert got.dtype == q.dtype and torch.equal(got, w)
+    assert reference_ops == [("fwd", 2), ("bwd", 2)]
+
+
+def test_grad_of_the_packed_function(reference_ops):
+    q, k, v = _inputs(1)
+    qkv = torch.stack([q, k, v], dim=2)
+    grad = torch.func.grad(lambda t: packed.flash_attn_qkvpacked_func(t).float().sum())(qkv)
+    for got, w in zip(grad.unbind(2), _grads(q, k, v, torch.ones_like(q))):
+        assert torch.equal(got, w)
+
+
+def test_vjp_takes_any_cotangent(reference_ops):
+    q, k, v = _inputs(1)
+    out, pullback = torch.func.vjp(lambda q, k, v: ops.flash_attn_func(q, k, v), q, k, v)
+    assert torch.equal(out, attention_reference(q, k, v)[0].to(q.dtype))
+    dout = _inputs(1, seed=1)[0]
+    for got, w in zip(pullback(dout), _grads(q, k, v, dout)):
+        assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("in_dims", [(0, 0, 0), (1, None, None)])
+def test_vmap_is_one_call_over_the_folded_batch(reference_ops, in_dims):
+    """A vmapped dimension (at any position; inputs without one are shared) joins the batch:
+    one launch, and each entry's output is what a call on that entry alone gives."""
+    batched = _inputs(3, 2)
+    args = [t.movedim(0, d) if d is not None else t[0] for t, d in zip(batched, in_dims)]
+    out, lse = torch.func.vmap(lambda q, k, v: ops.flash_attn_func(q, k, v, return_lse=True),
+                               in_dims=in_dims)(*args)
+    assert reference_ops == [("fwd", 6)]
+    assert out.shape == (3, 2, 16, 2, 128) and lse.shape == (3, 2, 2, 16)
+    for i in range(3):
+        q, k, v = (t[i] if d is not None else t[0] for t, d in zip(batched, in_dims))
+        want_out, want_lse = attention_reference(q, k, v)
+        torch.testing.assert_close(out[i], want_out.to(q.dtype), rtol=0, atol=0)
+        torch.testing.assert_close(lse[i], want_lse, rtol=1e-6, atol=1e-6)
+
+
+def test_per_sample_gradients_by_vmap_of_grad(reference_ops):
+    """vmap(grad(loss)): each entry's gradients, from one forward and one backward launch."""
+    batched = _inputs(3, 1)
+    grads = torch.func.vmap(torch.func.grad(_loss, argnums=(0, 1, 2)))(*batched)
+    assert reference_ops == [("fwd", 3), ("bwd", 3)]
+    for i in range(3):
+        q, k, v = (t[i] for t in batched)
+        want = _grads(q, k, v, torch.ones_like(q))
+        for got, w in zip(grads, want):
+            assert torch.equal(got[i], w)
+
+
+def test_jacrev(reference_ops):
+    q, k, v = _inputs(1, seqlen=2, heads=1)
+    jac = torch.func.jacrev(lambda q: ops.flash_attn_func(q, k, v).float())(q)
+    assert jac.shape == q.shape + q.shape
+    assert reference_ops == [("fwd", 1), ("bwd", 256)]  # one backward for every output entry
+    dout = torch.zeros_like(q)
+    dout[0, 1, 0, 5] = 1
+    assert torch.equal(jac[0, 1, 0, 5].to(q.dtype), _grads(q, k, v, dout)[0])
+
+
+# torch's forward-mode set-up scripts its decompositions with the deprecated torch.jit.script
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_second_derivatives_and_forward_mode_are_errors(reference_ops):
+    q, k, v = _inputs(1)
+    with pytest.raises(Fa3genError, match="no second derivative"):
+        torch.func.grad(lambda q: torch.func.grad(_loss)(q, k, v).float().sum())(q)
+    with pytest.raises(Fa3genError, match="no forward-mode derivative"):
+        torch.func.jvp(lambda q: ops.flash_attn_func(q, k, v), (q,), (q,))
+
+
+def test_plain_autograd_keeps_the_eager_path(reference_ops, monkeypatch):
+    """Outside a transform, nothing changes: the eager Function (its launches stubbed), not
+    the custom ops."""
+    monkeypatch.setattr(ops._TransformedAttention, "apply", None)  # would fail if called
+    q, k, v = (t.requires_grad_() for t in _inputs(1))
+    _loss(q, k, v).backward()
+    assert reference_ops == [] and q.grad is not None
