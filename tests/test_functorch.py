@@ -89,6 +89,22 @@ def test_vmap_is_one_call_over_the_folded_batch(reference_ops, in_dims):
         torch.testing.assert_close(lse[i], want_lse, rtol=1e-6, atol=1e-6)
 
 
+def test_the_ops_own_vmap_rules_fold_too(reference_ops):
+    """vmap over the custom ops themselves (as a compiled graph may call them): one call each,
+    and the backward's result is each entry's."""
+    q, k, v = _inputs(3, 1)
+    fwd = torch.func.vmap(lambda q, k, v: torch.ops.fa3gen.fwd(q, k, v, False, 0.5, ""))
+    out, lse = fwd(q, k, v)
+    dout = _inputs(3, 1, seed=1)[0]
+    grads = torch.func.vmap(lambda *t: torch.ops.fa3gen.bwd(*t, False, 0.5, "", False))(
+        dout, q, k, v, out, lse)
+    assert reference_ops == [("fwd", 3), ("bwd", 3)]
+    for i in range(3):
+        want = attention_grad_reference(q[i], k[i], v[i], dout[i], False, 0.5)
+        for got, w in zip(grads, want):
+            assert torch.equal(got[i], w.to(q.dtype))
+
+
 def test_per_sample_gradients_by_vmap_of_grad(reference_ops):
     """vmap(grad(loss)): each entry's gradients, from one forward and one backward launch."""
     batched = _inputs(3, 1)
