@@ -826,37 +826,41 @@ def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *args):
     return _unfold_vmapped(info, *grads), (0, 0, 0)
 
 
-class _TransformedAttention(torch.autograd.Function):
-    """flash_attn_func under a torch.func transform: fa3gen::fwd forward, fa3gen::bwd backward,
-    a vmap rule that folds the vmapped dimension into the batch; no forward-mode AD (jvp)."""
+def transformable(name: str, op, setup_context, op_backward, vmap) -> type:
+    """An autograd.Function over custom op `op` in the form torch.func's transforms take:
+    setup_context and op_backward are the op's autograd registration (the first three inputs
+    q, k, v the differentiable ones), vmap(info, in_dims, *inputs) its batching rule. The
+    backward's op runs without grad mode (the transforms keep it on, and the backward ops have
+    no derivative), so a second derivative raises instead; forward-mode AD raises."""
 
-    @staticmethod
-    def forward(q, k, v, causal, softmax_scale, variant, deterministic, window_left,
-                window_right, softcap):
-        return torch.ops.fa3gen.fwd(q, k, v, causal, softmax_scale, variant, deterministic,
-                                    window_left, window_right, softcap)
+    def forward(*inputs):
+        return op(*inputs)
 
-    setup_context = staticmethod(_fwd_setup_context)
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v = ctx.saved_tensors[:3]
-        # Without grad mode the op is not recorded (the transforms keep grad mode on in the
-        # backward, and fa3gen::bwd has no derivative); a second derivative raises instead.
+    def backward(ctx, *grad_outputs):
         with torch.no_grad():
-            grads = _fwd_backward(ctx, dout, _dlse)[:3]
-        return (*no_second_derivative(q, k, v, grads=grads), *(None,) * 7)
+            grads = op_backward(ctx, *grad_outputs)
+        return (*no_second_derivative(*ctx.saved_tensors[:3], grads=grads[:3]), *grads[3:])
 
-    @staticmethod
-    def vmap(info, in_dims, q, k, v, *args):
-        out = _TransformedAttention.apply(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
-        return _unfold_vmapped(info, *out), (0, 0)
-
-    @staticmethod
     def jvp(ctx, *_):
         raise Fa3genError("fa3gen's attention has no forward-mode derivative (torch.func.jvp, "
                           "jacfwd, torch.autograd.forward_ad): use reverse mode (grad, vjp, "
                           "jacrev)")
+
+    return type(name, (torch.autograd.Function,), {
+        "__doc__": f"{op} under a torch.func transform (ops.transformable).",
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward), "vmap": staticmethod(vmap),
+        "jvp": staticmethod(jvp)})
+
+
+def _attention_vmap(info, in_dims, q, k, v, *args):
+    out = _TransformedAttention.apply(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
+    return _unfold_vmapped(info, *out), (0, 0)
+
+
+# flash_attn_func under a transform; its vmap rule folds the vmapped dimension into the batch.
+_TransformedAttention = transformable("_TransformedAttention", torch.ops.fa3gen.fwd,
+                                      _fwd_setup_context, _fwd_backward, _attention_vmap)
 
 
 # ---------------------------------------------------------------------------------------------

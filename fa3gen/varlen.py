@@ -464,6 +464,19 @@ def _op_backward(ctx, dout, _dlse):
 _varlen_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
+def _varlen_vmap(info, in_dims, *inputs):
+    """One call per vmapped entry (the sequences of one call are already its batch)."""
+    entries = [_TransformedVarlen.apply(*(t.select(d, i) if d is not None else t
+                                          for t, d in zip(inputs, in_dims)))
+               for i in range(info.batch_size)]
+    return tuple(torch.stack(ts) for ts in zip(*entries)), (0, 0)
+
+
+# flash_attn_varlen_func under a torch.func transform (ops.transformable).
+_TransformedVarlen = ops.transformable("_TransformedVarlen", torch.ops.fa3gen.varlen_fwd,
+                                       _setup_context, _op_backward, _varlen_vmap)
+
+
 class _EagerVarlenAttention(torch.autograd.Function):
     """As ops._EagerAttention, for packed sequences."""
 
@@ -623,7 +636,10 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
                                  *ops._key_flags(mask), True)
         ops.check_layout(q=q, k=k, v=v)
-        out, lse = torch.ops.fa3gen.varlen_fwd(
+        fwd = (_TransformedVarlen.apply
+               if ops._functorch_active() and not torch.compiler.is_compiling()
+               else torch.ops.fa3gen.varlen_fwd)  # as flash_attn_func's
+        out, lse = fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
             ops._softmax_scale(softmax_scale, dims.head_dim), "" if variant is None else name,
             bool(deterministic),

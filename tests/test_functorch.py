@@ -1,13 +1,13 @@
-"""flash_attn_func under torch.func's transforms (grad, vjp, vmap and their compositions), on
-CPU: the fake library answers the dispatch, and the bodies of the fa3gen::fwd and fa3gen::bwd
-custom ops compute fa3gen.reference's attention and gradients instead of launching kernels,
-so what is checked is the plumbing (which op runs, on what, how often), against the same
-reference called directly."""
+"""flash_attn_func and flash_attn_varlen_func under torch.func's transforms (grad, vjp, vmap
+and their compositions), on CPU: the fake library answers the dispatch, and the bodies of the
+custom ops (fa3gen::fwd / bwd, fa3gen::varlen_fwd / varlen_bwd) compute fa3gen.reference's
+attention and gradients instead of launching kernels, so what is checked is the plumbing
+(which op runs, on what, how often), against the same reference called directly."""
 import pytest
 import torch
 
-from fa3gen import Fa3genError, ops, packed
-from fa3gen.reference import attention_grad_reference, attention_reference
+from fa3gen import Fa3genError, ops, packed, varlen
+from fa3gen.reference import attention_grad_reference, attention_reference, sequences
 
 
 @pytest.fixture
@@ -27,8 +27,35 @@ def reference_ops(fake_launches, monkeypatch):
         grads = attention_grad_reference(q, k, v, dout, mask.causal, softmax_scale)
         return tuple(g.to(q.dtype) for g in grads)  # the kernels' gradients are in q's dtype
 
+    def per_sequence(fn, cu_q, cu_k, *tensors):
+        """fn on each sequence (a batch of one), its outputs concatenated along the rows."""
+        parts = []
+        for rows_q, rows_k in sequences(cu_q, cu_k):
+            dout, q, k, v = (t[rows][None] if t is not None else None for t, rows in
+                             zip(tensors, (rows_q, rows_q, rows_k, rows_k)))
+            parts.append(fn(dout, q, k, v))
+        return parts
+
+    def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant,
+                       seqused_k):
+        calls.append(("varlen_fwd", len(cu_q) - 1))
+        parts = per_sequence(lambda _, q, k, v: attention_reference(q, k, v, mask.causal,
+                                                                    softmax_scale),
+                             cu_q, cu_k, None, q, k, v)
+        return (torch.cat([o[0] for o, _ in parts]).to(q.dtype),
+                torch.cat([lse[0] for _, lse in parts], dim=-1))
+
+    def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, mask,
+                        softmax_scale, variant, deterministic, seqused_k):
+        calls.append(("varlen_bwd", len(cu_q) - 1))
+        parts = per_sequence(lambda dout, q, k, v: attention_grad_reference(
+            q, k, v, dout, mask.causal, softmax_scale), cu_q, cu_k, dout, q, k, v)
+        return tuple(torch.cat([p[i][0] for p in parts]).to(q.dtype) for i in range(3))
+
     monkeypatch.setattr(ops, "_forward", forward)
     monkeypatch.setattr(ops, "_backward", backward)
+    monkeypatch.setattr(varlen, "_forward", varlen_forward)
+    monkeypatch.setattr(varlen, "_backward", varlen_backward)
     return calls
 
 
@@ -125,6 +152,32 @@ def test_jacrev(reference_ops):
     dout = torch.zeros_like(q)
     dout[0, 1, 0, 5] = 1
     assert torch.equal(jac[0, 1, 0, 5].to(q.dtype), _grads(q, k, v, dout)[0])
+
+
+def test_varlen_grad_and_vmap(reference_ops):
+    """flash_attn_varlen_func (causal, two sequences of 5 and 11 rows) under grad: each
+    sequence's reference gradients; under vmap: one call per vmapped entry."""
+    q, k, v = (t[0] for t in _inputs(1))
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+
+    def loss(q, k, v):
+        return varlen.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True).float().sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert reference_ops == [("varlen_fwd", 2), ("varlen_bwd", 2)]
+    for rows in (slice(0, 5), slice(5, 16)):
+        seq = [t[rows][None] for t in (q, k, v)]
+        want = [g.to(q.dtype) for g in attention_grad_reference(*seq, torch.ones_like(seq[0]),
+                                                                True)]
+        for got, w in zip(grads, want):
+            assert torch.equal(got[rows], w[0])
+    batched = [torch.stack([t, t.flip(0)]) for t in (q, k, v)]
+    out = torch.func.vmap(lambda q, k, v: varlen.flash_attn_varlen_func(
+        q, k, v, cu, cu, 11, 11, causal=True))(*batched)
+    assert out.shape == (2, 16, 2, 128) and reference_ops[2:] == [("varlen_fwd", 2)] * 2
+    for rows in (slice(0, 5), slice(5, 16)):  # the second entry: each sequence's reference
+        want = attention_reference(*(t[1][rows][None] for t in batched), True)[0]
+        assert torch.equal(out[1][rows], want[0].to(q.dtype))
 
 
 # torch's forward-mode set-up scripts its decompositions with the deprecated torch.jit.script

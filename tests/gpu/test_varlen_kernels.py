@@ -164,6 +164,21 @@ def test_backward(lib, bwd_varlen_key, case):
     assert_grads_match(f"{bwd_varlen_key} {case}", grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
+def test_torch_func_grad(lib, bwd_varlen_key):
+    """torch.func.grad's gradients against the reference (the custom ops under a transform)."""
+    dtype, d, causal = bwd_varlen_key
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=35)
+    dout = torch.randn_like(q)
+
+    def loss(q, k, v):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
+        return (out.float() * dout.float()).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert_grads_match(f"{bwd_varlen_key} torch.func.grad", grads, q, k, v, dout, cu_q, cu_k,
+                       causal)
+
+
 @pytest.mark.parametrize("expanded", ["kv_heads", "q_heads"])
 def test_expanded_heads_with_zero_strides(lib, bwd_varlen_key, expanded):
     """Packed rows expand()ed along heads (stride 0) reach the kernels as views: forward and
