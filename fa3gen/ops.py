@@ -805,12 +805,13 @@ def _fold_vmapped(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
     folded = []
     for t, dim in zip(tensors, in_dims):
         t = t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
-        folded.append(t.reshape(-1, *t.shape[2:]))
+        folded.append(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]))  # no -1: sizes may be 0
     return folded
 
 
 def _unfold_vmapped(info, *tensors: torch.Tensor) -> tuple:
-    return tuple(t.reshape(info.batch_size, -1, *t.shape[1:]) for t in tensors)
+    n = info.batch_size
+    return tuple(t.reshape(n, t.shape[0] // n, *t.shape[1:]) for t in tensors)
 
 
 @torch.library.register_vmap("fa3gen::fwd")
@@ -824,6 +825,16 @@ def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *args):
     grads = torch.ops.fa3gen.bwd(*_fold_vmapped(info, in_dims[:6], dout, q, k, v, out, lse),
                                  *args)
     return _unfold_vmapped(info, *grads), (0, 0, 0)
+
+
+def transforming() -> bool:
+    """Whether a torch.func transform that needs `transformable`'s Function (grad, vjp, jacrev,
+    vmap, jvp) is on top; not while compiling (dynamo traces the transforms), nor under
+    functionalize, which takes the custom ops as they are."""
+    if not _functorch_active() or torch.compiler.is_compiling():
+        return False
+    top = _peek_interpreter()
+    return top is None or top.key() != _FUNCTIONALIZE
 
 
 def transformable(name: str, op, setup_context, op_backward, vmap) -> type:
@@ -998,14 +1009,16 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _NoSecondDerivative(torch.autograd.Function):
-    """The gradients as they are, but an error (not zeros) if anything differentiates them.
-    Written with setup_context, so torch.func's transforms take it too."""
+    """The gradients as they are, but an error (not zeros) if anything differentiates them:
+    tied to every input (the first `anchors` arguments), so that differentiating them with
+    respect to any one raises. Written with setup_context, so torch.func's transforms take it
+    too."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(anchor, *grads):
-        return tuple(g.view_as(g) if g is not None else None for g in grads)
+    def forward(anchors, *tensors):
+        return tuple(g.view_as(g) if g is not None else None for g in tensors[anchors:])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -1019,13 +1032,14 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 
 def no_second_derivative(*inputs: torch.Tensor, grads: tuple) -> tuple:
-    """The backward's gradients; under create_graph (grad mode on in backward), tied to an input
-    that requires grad so that differentiating them raises instead of giving silent zeros (the
-    custom ops say "no autograd formula" then; eager must not be silently different)."""
-    anchor = next((t for t in inputs if t.requires_grad), None)
-    if not torch.is_grad_enabled() or anchor is None:
+    """The backward's gradients; under create_graph (grad mode on in backward), tied to the
+    inputs when one requires grad, so that differentiating them raises instead of giving
+    silent zeros (the custom ops say "no autograd formula" then; eager must not be silently
+    different). Every input is tied, not only one that requires grad here: a nested
+    torch.func.grad may differentiate with respect to another at an outer level."""
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         return grads
-    return _NoSecondDerivative.apply(anchor, *grads)
+    return _NoSecondDerivative.apply(len(inputs), *inputs, *grads)
 
 
 def _trace_call(name: str, default: bool, dims: Dims) -> None:
@@ -1035,6 +1049,8 @@ def _trace_call(name: str, default: bool, dims: Dims) -> None:
 
 # One call per flash_attn_func (not one per tensor): whether a torch.func transform is running.
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_peek_interpreter = torch._C._functorch.peek_interpreter_stack
+_FUNCTIONALIZE = torch._C._functorch.TransformType.Functionalize
 
 
 def _captured(*tensors: torch.Tensor) -> bool:
@@ -1274,11 +1290,8 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
                                                 mask.causal, scale, op_variant,
                                                 out_dtype == torch.float16)
         else:
-            # Under torch.func's transforms (not while compiling, where dynamo traces them):
-            # the same op in a Function they accept.
-            fwd = (_TransformedAttention.apply
-                   if _functorch_active() and not torch.compiler.is_compiling()
-                   else torch.ops.fa3gen.fwd)
+            # Under torch.func's transforms: the same op in a Function they accept.
+            fwd = _TransformedAttention.apply if transforming() else torch.ops.fa3gen.fwd
             out, lse = fwd(q, k, v, mask.causal, scale, op_variant, bool(deterministic),
                            mask.window_left, mask.window_right, mask.softcap)
     elif fp8:

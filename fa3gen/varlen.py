@@ -636,9 +636,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         name = ops._variant_name("fwd", dims.dtype, dims.head_dim, variant,
                                  *ops._key_flags(mask), True)
         ops.check_layout(q=q, k=k, v=v)
-        fwd = (_TransformedVarlen.apply
-               if ops._functorch_active() and not torch.compiler.is_compiling()
-               else torch.ops.fa3gen.varlen_fwd)  # as flash_attn_func's
+        fwd = _TransformedVarlen.apply if ops.transforming() else torch.ops.fa3gen.varlen_fwd
         out, lse = fwd(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask.causal,
             ops._softmax_scale(softmax_scale, dims.head_dim), "" if variant is None else name,

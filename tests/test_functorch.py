@@ -186,8 +186,28 @@ def test_second_derivatives_and_forward_mode_are_errors(reference_ops):
     q, k, v = _inputs(1)
     with pytest.raises(Fa3genError, match="no second derivative"):
         torch.func.grad(lambda q: torch.func.grad(_loss)(q, k, v).float().sum())(q)
+    # dq differentiated with respect to v (a gradient penalty's pattern): an error too, not
+    # the zeros of a guard tied to q alone
+    with pytest.raises(Fa3genError, match="no second derivative"):
+        torch.func.grad(lambda v: torch.func.grad(_loss)(q, k, v).float().sum())(v)
     with pytest.raises(Fa3genError, match="no forward-mode derivative"):
         torch.func.jvp(lambda q: ops.flash_attn_func(q, k, v), (q,), (q,))
+
+
+def test_vmap_over_empty_sequences(reference_ops):
+    """seqlen 0 (no rows to fold by -1): empty outputs of the vmapped shape."""
+    q, k, v = _inputs(3, 1, seqlen=0)
+    out, lse = torch.func.vmap(lambda q, k, v: ops.flash_attn_func(q, k, v, return_lse=True))(
+        q, k, v)
+    assert out.shape == (3, 1, 0, 2, 128) and lse.shape == (3, 1, 2, 0)
+
+
+def test_functionalize_keeps_the_custom_op(reference_ops):
+    """functionalize has no rule for a Function: the call stays the custom op there."""
+    q, k, v = _inputs(1)
+    out = torch.func.functionalize(lambda q, k, v: ops.flash_attn_func(q, k, v))(q, k, v)
+    assert torch.equal(out, attention_reference(q, k, v)[0].to(q.dtype))
+    assert reference_ops == [("fwd", 1)]
 
 
 def test_plain_autograd_keeps_the_eager_path(reference_ops, monkeypatch):
