@@ -24,6 +24,10 @@ def reference_ops(fake_launches, monkeypatch):
     def backward(dout, q, k, v, out, lse, mask, softmax_scale, variant, deterministic):
         assert type(dout) is torch.Tensor
         calls.append(("bwd", q.shape[0]))
+        # out and lse arrive as the forward gave them for these q, k, v (a vmap fold that
+        # mixed up their rows would show here: the reference gradients do not read them)
+        want_out, want_lse = attention_reference(q, k, v, mask.causal, softmax_scale)
+        assert torch.equal(out, want_out.to(q.dtype)) and torch.equal(lse, want_lse)
         grads = attention_grad_reference(q, k, v, dout, mask.causal, softmax_scale)
         return tuple(g.to(q.dtype) for g in grads)  # the kernels' gradients are in q's dtype
 
