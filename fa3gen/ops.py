@@ -814,17 +814,20 @@ def _unfold_vmapped(info, *tensors: torch.Tensor) -> tuple:
     return tuple(t.reshape(n, t.shape[0] // n, *t.shape[1:]) for t in tensors)
 
 
-@torch.library.register_vmap("fa3gen::fwd")
-def _fwd_vmap(info, in_dims, q, k, v, *args):
-    out = torch.ops.fa3gen.fwd(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
-    return _unfold_vmapped(info, *out), (0, 0)
+def _folding_rule(call, tensors: int):
+    """A vmap rule that calls `call` once on the first `tensors` inputs folded into the batch
+    (the rest as they are) and unfolds each output."""
+
+    def rule(info, in_dims, *inputs):
+        folded = _fold_vmapped(info, in_dims[:tensors], *inputs[:tensors])
+        outputs = _unfold_vmapped(info, *call(*folded, *inputs[tensors:]))
+        return outputs, (0,) * len(outputs)
+
+    return rule
 
 
-@torch.library.register_vmap("fa3gen::bwd")
-def _bwd_vmap(info, in_dims, dout, q, k, v, out, lse, *args):
-    grads = torch.ops.fa3gen.bwd(*_fold_vmapped(info, in_dims[:6], dout, q, k, v, out, lse),
-                                 *args)
-    return _unfold_vmapped(info, *grads), (0, 0, 0)
+torch.library.register_vmap("fa3gen::fwd", _folding_rule(torch.ops.fa3gen.fwd, 3))
+torch.library.register_vmap("fa3gen::bwd", _folding_rule(torch.ops.fa3gen.bwd, 6))
 
 
 def transforming() -> bool:
@@ -833,8 +836,7 @@ def transforming() -> bool:
     functionalize, which takes the custom ops as they are."""
     if not _functorch_active() or torch.compiler.is_compiling():
         return False
-    top = _peek_interpreter()
-    return top is None or top.key() != _FUNCTIONALIZE
+    return _peek_interpreter().key() != _FUNCTIONALIZE
 
 
 def transformable(name: str, op, setup_context, op_backward, vmap) -> type:
@@ -864,14 +866,10 @@ def transformable(name: str, op, setup_context, op_backward, vmap) -> type:
         "jvp": staticmethod(jvp)})
 
 
-def _attention_vmap(info, in_dims, q, k, v, *args):
-    out = _TransformedAttention.apply(*_fold_vmapped(info, in_dims[:3], q, k, v), *args)
-    return _unfold_vmapped(info, *out), (0, 0)
-
-
 # flash_attn_func under a transform; its vmap rule folds the vmapped dimension into the batch.
-_TransformedAttention = transformable("_TransformedAttention", torch.ops.fa3gen.fwd,
-                                      _fwd_setup_context, _fwd_backward, _attention_vmap)
+_TransformedAttention = transformable(
+    "_TransformedAttention", torch.ops.fa3gen.fwd, _fwd_setup_context, _fwd_backward,
+    _folding_rule(lambda *inputs: _TransformedAttention.apply(*inputs), 3))
 
 
 # ---------------------------------------------------------------------------------------------
