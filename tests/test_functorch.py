@@ -15,10 +15,13 @@ def reference_ops(fake_launches, monkeypatch):
     """The ops' bodies as the reference; returns the (direction, batch) of each body call."""
     calls = []
 
+    def masked(mask):  # the reference's mask arguments for a Masking
+        return dict(window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
+
     def forward(q, k, v, mask, softmax_scale, variant):
         assert type(q) is torch.Tensor  # the body never sees a transform's wrapper
         calls.append(("fwd", q.shape[0]))
-        out, lse = attention_reference(q, k, v, mask.causal, softmax_scale)
+        out, lse = attention_reference(q, k, v, mask.causal, softmax_scale, **masked(mask))
         return out.to(q.dtype), lse
 
     def backward(dout, q, k, v, out, lse, mask, softmax_scale, variant, deterministic):
@@ -26,9 +29,11 @@ def reference_ops(fake_launches, monkeypatch):
         calls.append(("bwd", q.shape[0]))
         # out and lse arrive as the forward gave them for these q, k, v (a vmap fold that
         # mixed up their rows would show here: the reference gradients do not read them)
-        want_out, want_lse = attention_reference(q, k, v, mask.causal, softmax_scale)
+        want_out, want_lse = attention_reference(q, k, v, mask.causal, softmax_scale,
+                                                 **masked(mask))
         assert torch.equal(out, want_out.to(q.dtype)) and torch.equal(lse, want_lse)
-        grads = attention_grad_reference(q, k, v, dout, mask.causal, softmax_scale)
+        grads = attention_grad_reference(q, k, v, dout, mask.causal, softmax_scale,
+                                         **masked(mask))
         return tuple(g.to(q.dtype) for g in grads)  # the kernels' gradients are in q's dtype
 
     def per_sequence(fn, cu_q, cu_k, *tensors):
@@ -43,9 +48,8 @@ def reference_ops(fake_launches, monkeypatch):
     def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant,
                        seqused_k):
         calls.append(("varlen_fwd", len(cu_q) - 1))
-        parts = per_sequence(lambda _, q, k, v: attention_reference(q, k, v, mask.causal,
-                                                                    softmax_scale),
-                             cu_q, cu_k, None, q, k, v)
+        parts = per_sequence(lambda _, q, k, v: attention_reference(
+            q, k, v, mask.causal, softmax_scale, **masked(mask)), cu_q, cu_k, None, q, k, v)
         return (torch.cat([o[0] for o, _ in parts]).to(q.dtype),
                 torch.cat([lse[0] for _, lse in parts], dim=-1))
 
@@ -53,7 +57,7 @@ def reference_ops(fake_launches, monkeypatch):
                         softmax_scale, variant, deterministic, seqused_k):
         calls.append(("varlen_bwd", len(cu_q) - 1))
         parts = per_sequence(lambda dout, q, k, v: attention_grad_reference(
-            q, k, v, dout, mask.causal, softmax_scale), cu_q, cu_k, dout, q, k, v)
+            q, k, v, dout, mask.causal, softmax_scale, **masked(mask)), cu_q, cu_k, dout, q, k, v)
         return tuple(torch.cat([p[i][0] for p in parts]).to(q.dtype) for i in range(3))
 
     monkeypatch.setattr(ops, "_forward", forward)
@@ -221,3 +225,48 @@ def test_plain_autograd_keeps_the_eager_path(reference_ops, monkeypatch):
     q, k, v = (t.requires_grad_() for t in _inputs(1))
     _loss(q, k, v).backward()
     assert reference_ops == [] and q.grad is not None
+
+
+@pytest.fixture
+def windowed_library(reference_ops, tmp_path, monkeypatch):
+    """reference_ops on the fake library with the windowed backward and varlen rows added."""
+    from tests.test_api import WINDOW_ROWS
+    from tests.test_runtime_errors import FAKE_LIB_C, build_fake_lib
+
+    source = FAKE_LIB_C.replace("\n};\n#define COUNT", WINDOW_ROWS + "};\n#define COUNT", 1)
+    monkeypatch.setenv("FA3GEN_LIB", str(build_fake_lib(tmp_path, source=source, name="win")))
+    return reference_ops
+
+
+def test_gqa_window_and_softcap_reach_the_ops(windowed_library):
+    """GQA (4 query heads on 2 kv heads), a sliding window, softcap and a scale under
+    vmap(grad), and GQA with a window under varlen grad: each entry's gradients are the
+    reference's for the same arguments (a transform that dropped one would change them)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 1, 16, h, 128, generator=g).to(torch.bfloat16)
+               for h in (4, 2, 2))
+
+    def loss(q, k, v):
+        return ops.flash_attn_func(q, k, v, softmax_scale=0.3, window_size=(3, 2),
+                                   softcap=5.0).float().sum()
+
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert windowed_library == [("fwd", 3), ("bwd", 3)]
+    for i in range(3):
+        want = attention_grad_reference(q[i], k[i], v[i], torch.ones_like(q[i]), False, 0.3,
+                                        window_size=(3, 2), softcap=5.0)
+        for got, w in zip(grads, want):
+            assert got[i].shape == w.shape and torch.equal(got[i], w.to(q.dtype))
+
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    q, k, v = (t[0, 0] for t in (q, k, v))
+    grads = torch.func.grad(lambda q, k, v: varlen.flash_attn_varlen_func(
+        q, k, v, cu, cu, 11, 11, softmax_scale=0.3, window_size=(3, 2)).float().sum(),
+        argnums=(0, 1, 2))(q, k, v)
+    assert windowed_library[2:] == [("varlen_fwd", 2), ("varlen_bwd", 2)]
+    for rows in (slice(0, 5), slice(5, 16)):
+        seq = [t[rows][None] for t in (q, k, v)]
+        want = attention_grad_reference(*seq, torch.ones_like(seq[0]), False, 0.3,
+                                        window_size=(3, 2))
+        for got, w in zip(grads, want):
+            assert torch.equal(got[rows], w[0].to(q.dtype))
