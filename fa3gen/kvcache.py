@@ -467,12 +467,14 @@ _plans: dict = {}
 def _call_key(q, k_cache, v_cache, args) -> tuple:
     """The plan's key: tensors by shape, strides, dtype and device, other arguments by type and
     value (an unhashable one raises TypeError), except an int cache_seqlens (args[2]), which
-    grows by one every decode step: one plan serves every value. Flat: it runs every call."""
+    grows by one every decode step: one plan serves every value. softmax_scale and softcap
+    (args[5], args[8]) by their value even when given as a 0-d tensor or a numpy number.
+    Flat: it runs every call."""
     sig = ops._signature
     key = [sig(q), sig(k_cache), sig(v_cache)]
     for i, a in enumerate(args):
-        if i == 5 and a is not None and type(a) is not float:  # softmax_scale: its value
-            key.append(float(a))
+        if i in (5, 8) and type(a) is not float and ops.real_number(a) is not None:
+            key.append(ops.real_number(a))
         elif isinstance(a, torch.Tensor):
             key.append(sig(a))
         elif i == 2 and type(a) is int:

@@ -278,6 +278,18 @@ def test_append_errors(launched, kwargs, match):
         kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc, **args)
 
 
+def test_softcap_and_scale_given_as_tensors_key_the_plan_by_value(launched):
+    """A 0-d tensor softcap or softmax_scale (masking() takes them) is part of the plan's key by
+    its value: a second call with another value does not reuse the first one's plan."""
+    q = torch.zeros(2, 1, 8, 128, dtype=BF)
+    kc = torch.zeros(2, 256, 2, 128, dtype=BF)
+    for cap, scale in ((1.0, 0.5), (30.0, 0.25), (0.0, 0.5)):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=100, softcap=torch.tensor(cap),
+                                        softmax_scale=torch.tensor(scale))
+    assert [p.softcap for p in launched] == [1.0, 30.0, 0.0]
+    assert [p.softmax_scale for p in launched] == [0.5, 0.25, 0.5]
+
+
 def test_window_and_softcap_params(launched):
     """flash-attn's window and softcap reach the kernel as the forward's masking() gives them;
     the split count follows the keys the window leaves, not the cache."""
