@@ -748,6 +748,60 @@ def _may_share_memory(t: torch.Tensor) -> bool:
     return False
 
 
+def _solvable(target: int, terms: list[tuple[int, int, int]], budget: list[int]) -> bool:
+    """Whether target = sum(stride * x) with lo <= x <= hi for each (stride, lo, hi) of terms
+    (strides positive, largest first): depth first, each term taking only the values that the
+    smaller ones can still complete. budget[0] counts the steps left; past it, True (may)."""
+    if not terms:
+        return target == 0
+    (stride, lo, hi), rest = terms[0], terms[1:]
+    rest_lo = sum(s * a for s, a, _ in rest)
+    rest_hi = sum(s * b for s, _, b in rest)
+    first = max(lo, -((rest_hi - target) // stride))  # ceil((target - rest_hi) / stride)
+    last = min(hi, (target - rest_lo) // stride)
+    for x in range(first, last + 1):
+        budget[0] -= 1
+        if budget[0] < 0 or _solvable(target - stride * x, rest, budget):
+            return True
+    return False
+
+
+def _caches_collide(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether an element of k_cache and one of v_cache share a byte (slices of one buffer,
+    such as k and v interleaved in one kv cache, do not). Cheap unless both are views of one
+    storage; then exact over their strides, in bytes (a search too long to finish says yes)."""
+    if k_cache.numel() == 0 or v_cache.numel() == 0 or \
+            k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+        return False
+    size = k_cache.element_size()
+    merged: dict[int, list[int]] = {}  # stride in bytes -> the range of its summed index
+    for t, sign in ((k_cache, 1), (v_cache, -1)):  # k's indices add, v's subtract
+        for stride, n in zip(t.stride(), t.shape):
+            if n > 1 and stride > 0:
+                r = merged.setdefault(stride * size, [0, 0])
+                r[0 if sign < 0 else 1] += sign * (n - 1)
+    terms = sorted(((s, lo, hi) for s, (lo, hi) in merged.items()), reverse=True)
+    delta = v_cache.data_ptr() - k_cache.data_ptr()  # k's element at v's start + offsets
+    budget = [100_000]
+    return any(_solvable(delta + e, terms, budget) for e in range(1 - size, size))
+
+
+def _check_caches_apart(k_cache, v_cache, k, v, transformed: bool) -> None:
+    """An append writes k into k_cache and v into v_cache: where the caches share memory one of
+    the two would be lost, unless they are one view and k, v too, written as they are (not
+    `transformed`: rotated, or quantized by two scales), so the same values twice. Per call
+    (the cost is a storage compare), not while compiling (fake tensors have no memory)."""
+    if torch.compiler.is_compiling() or not _caches_collide(k_cache, v_cache):
+        return
+    same = (k_cache.data_ptr(), k_cache.stride()) == (v_cache.data_ptr(), v_cache.stride()) and \
+        (k.data_ptr(), k.stride()) == (v.data_ptr(), v.stride()) and not transformed
+    if not same:
+        raise InvalidInputError(
+            "k_cache and v_cache share memory, and appending k, v writes both in place: the "
+            "keys or the values written would be lost; pass caches of their own (slices of one "
+            "buffer that do not overlap, such as kv[:, :, 0] and kv[:, :, 1], are fine)")
+
+
 def _check_append_places(batch, k_cache, v_cache, cache_seqlens, cache_batch_idx,
                          block_table) -> None:
     """The append writes k and v into the cache in place, where no two new rows may land on
@@ -794,6 +848,8 @@ def _append(geometry: tuple, k_cache, v_cache, k, v, seqlens, cache_batch_idx, b
     rotary (only with lib): the keys are rotated as they are written and q into rotary.q_out,
     by the kernel or, where the layouts do not suit it, by PyTorch first. template: the plan's
     append_template (LOOK_UP: append_params looks it up). No host sync."""
+    _check_caches_apart(k_cache, v_cache, k, v, rotary is not None or
+                        (kv_fp8 and k_scale is not v_scale))
     with torch.no_grad():
         if kv_fp8:
             k, v = _quantize_new(k, k_scale), _quantize_new(v, v_scale)

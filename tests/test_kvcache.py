@@ -548,7 +548,7 @@ def test_rotary_positions_past_the_table_under_debug_checks(launched, monkeypatc
     """A tensor cache_seqlens is not read on the host by default (positions are clamped to the
     table); FA3GEN_DEBUG_CHECKS=1 reads it and names the positions needed."""
     q = torch.zeros(2, 3, 4, 64, dtype=BF)
-    kc = vc = torch.zeros(2, 60, 2, 64, dtype=BF)
+    kc, vc = torch.zeros(2, 60, 2, 64, dtype=BF), torch.zeros(2, 60, 2, 64, dtype=BF)
     k = v = torch.zeros(2, 3, 2, 64, dtype=BF)
     table = dict(rotary_cos=torch.ones(50, 16), rotary_sin=torch.zeros(50, 16))
     seqlens = torch.tensor([48, 5], dtype=torch.int32)
@@ -1367,7 +1367,7 @@ def test_rotary_positions_of_q_follow_the_windows_reach(launched, monkeypatch, w
     kc = torch.zeros(2, 48, 2, 128, dtype=BF)
     new = torch.zeros(2, 2, 2, 128, dtype=BF)
     cos = torch.ones(48, 32)
-    kvcache.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=10, window_size=window,
+    kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), new, new, cache_seqlens=10, window_size=window,
                                     rotary_cos=cos, rotary_sin=cos)
     assert seen == [per_row]
 
@@ -1929,3 +1929,56 @@ def test_append_into_caches_laid_over_themselves_or_shared_rows(launched):
     with pytest.raises(InvalidInputError, match="cache_batch_idx has a stride of 0"):
         kvcache.flash_attn_with_kvcache(q, fine, fine.clone(), new, new, cache_batch_idx=one_row,
                                         cache_seqlens=3)
+
+
+def test_append_into_k_and_v_caches_that_share_memory(launched):
+    """An append writes k into k_cache and v into v_cache: caches that share memory (one tensor
+    for both, or slices of one buffer that overlap) are refused before anything is written,
+    unless they are one view and k, v too (the same values written twice); slices that
+    interleave without overlapping are fine."""
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    k_new, v_new = torch.ones(2, 1, 2, 64, dtype=BF), torch.full((2, 1, 2, 64), 2.0, dtype=BF)
+    cache = torch.zeros(2, 16, 2, 64, dtype=BF)
+    buf = torch.zeros(2, 16, 3, 64, dtype=BF)
+    for kc, vc in ((cache, cache), (buf[:, :, 0:2], buf[:, :, 1:3]),
+                   (cache[:, :10], cache[:, 6:])):
+        with pytest.raises(InvalidInputError, match="k_cache and v_cache share memory"):
+            kvcache.flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=3)
+        kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=3)  # reading is fine
+    assert not cache.any() and not buf.any()
+    kvcache.flash_attn_with_kvcache(q, cache, cache, k_new, k_new, cache_seqlens=3)
+    assert cache[:, 3].eq(1).all() and cache[:, 4:].eq(0).all()
+    with pytest.raises(InvalidInputError, match="share memory"):  # rotated keys, plain values
+        kvcache.flash_attn_with_kvcache(q, cache, cache, k_new, k_new, cache_seqlens=3,
+                                        rotary_cos=torch.ones(16, 32),
+                                        rotary_sin=torch.zeros(16, 32))
+    kvcache.flash_attn_with_kvcache(q, cache[:, :8], cache[:, 8:], k_new, v_new, cache_seqlens=3)
+    assert cache[:, 3].eq(1).all() and cache[:, 11].eq(2).all()
+    kv = torch.zeros(2, 16, 2, 2, 64, dtype=BF)  # (batch, rows, heads, k or v, d): interleaved
+    kvcache.flash_attn_with_kvcache(q, kv[:, :, :, 0], kv[:, :, :, 1], k_new, v_new,
+                                    cache_seqlens=3)
+    assert kv[:, 3, :, 0].eq(1).all() and kv[:, 3, :, 1].eq(2).all()
+
+
+def test_caches_collide_against_every_byte(launched):
+    """_caches_collide against a byte-by-byte comparison on random strided views of one
+    buffer (and of two), elements of 2 bytes."""
+    import itertools
+    import random
+
+    def addresses(t):
+        starts = (t.data_ptr() + 2 * sum(i * s for i, s in zip(idx, t.stride()))
+                  for idx in itertools.product(*map(range, t.shape)))
+        return {a + b for a in starts for b in range(2)}
+
+    buf = torch.zeros(512, dtype=BF)
+    rng = random.Random(0)
+    views = [(torch.zeros(2, 3, dtype=BF), torch.zeros(2, 3, dtype=BF))]
+    for _ in range(300):
+        shape = [rng.randint(1, 3) for _ in range(3)]
+        views.append(tuple(buf.as_strided(shape, [rng.choice([1, 2, 3, 4, 6, 8, 24])
+                                                  for _ in range(3)], rng.randint(0, 60))
+                           for _ in range(2)))
+    collided = [kvcache._caches_collide(a, b) for a, b in views]
+    assert collided == [bool(addresses(a) & addresses(b)) for a, b in views]
+    assert 50 < sum(collided) < 250  # both answers are exercised
