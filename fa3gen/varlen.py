@@ -80,18 +80,27 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> tuple:
     """(max_seqlen_q, max_seqlen_k) as Python ints (a numpy integer too, as flash-attn takes
-    it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic)."""
+    it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic, or one read
+    from a tensor in the graph, `(cu[1:] - cu[:-1]).max().item()` with capture_scalar_outputs,
+    whose checks torch._check_with makes assertions that run with the graph)."""
+    compiling = torch.compiler.is_compiling()  # (dynamo shows a SymInt as an int)
     ints = []
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or \
-                m <= 0 or m > INT32_MAX:
-            raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest sequence), "
-                                    f"got {ops.shown(m)}")
+        rule = f"{name} must be an int in [1, 2**31) (the longest sequence)"
+        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)):
+            raise InvalidInputError(f"{rule}, got {ops.shown(m)}")
+        if compiling:  # no value in the message: it may be known only when the graph runs
+            torch._check_with(InvalidInputError, m >= 1, lambda rule=rule: rule)
+            torch._check_with(InvalidInputError, m <= INT32_MAX, lambda rule=rule: rule)
+        elif m <= 0 or m > INT32_MAX:
+            raise InvalidInputError(f"{rule}, got {ops.shown(m)}")
         ints.append(m if isinstance(m, (int, torch.SymInt)) else int(m))
-    if ints[0] + ints[1] > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
-        raise InvalidInputError(f"max_seqlen_q + max_seqlen_k must be at most 2**30 - 1, got "
-                                f"{ints[0]} + {ints[1]}; they bound the longest "
-                                "sequences, not the totals")
+    rule = ("max_seqlen_q + max_seqlen_k must be at most 2**30 - 1; they bound the longest "
+            "sequences, not the totals")
+    if compiling:
+        torch._check_with(InvalidInputError, ints[0] + ints[1] <= INT32_MAX // 2, lambda: rule)
+    elif ints[0] + ints[1] > INT32_MAX // 2:  # the kernels' mask arithmetic (masking_args)
+        raise InvalidInputError(f"{rule}, got {ints[0]} + {ints[1]}")
     return tuple(ints)
 
 
@@ -202,7 +211,11 @@ def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
              variant, seqused_k=None):
     """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q)); variant
-    "": the default for max_seqlen_k. Records the call for fa3gen.trace."""
+    "": the default for max_seqlen_k. Records the call for fa3gen.trace. FA3GEN_DEBUG_CHECKS
+    reads cu_seqlens here, with the graph's (or a vmapped entry's) real tensors."""
+    if debug_checks_enabled():
+        check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              seqused_k)
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                        scale, variant or None)  # once per call signature, as eager calls
     _trace_call(plan.info.name, not variant, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -621,11 +634,12 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if seqused_k is not None:
         _check_seqused_k(seqused_k, cu_seqlens_k)
     max_seqlen_q, max_seqlen_k = _check_max_seqlen(max_seqlen_q, max_seqlen_k)
-    if debug_checks_enabled():
+    captured = ops._captured(q, k, v)
+    if debug_checks_enabled() and not captured:  # captured: the op's body checks, when it runs
         check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               seqused_k)
-    if ops._captured(q, k, v):
+    if captured:
         ops.check_device(q, k, v)
         dims = check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k)

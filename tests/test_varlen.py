@@ -507,3 +507,45 @@ def test_a_nested_tensor_is_one_error(fake_launches):
         flash_attn_varlen_func(q, q, q, CU_Q, CU_K, 7, 5, causal=True)
     with pytest.raises(InvalidInputError, match="q is a nested tensor"):
         ops.flash_attn_func(q, q, q)
+
+
+def test_max_seqlen_read_from_cu_seqlens_inside_a_compiled_graph(fake_launches):
+    """max_seqlen as `(cu[1:] - cu[:-1]).max().item()` (Hugging Face's packed path) under
+    torch.compile(fullgraph=True) with capture_scalar_outputs: its checks become assertions
+    that run with the graph (a guard on its value could not be traced), forward and backward
+    launch with the value of each run, and a value outside [1, 2**31) fails when it runs."""
+    torch._dynamo.reset()
+    longest = lambda cu: (cu[1:] - cu[:-1]).max().item()  # noqa: E731
+    call = torch.compile(lambda q, cu: varlen.flash_attn_varlen_func(
+        q, q, q, cu, cu, longest(cu), longest(cu), causal=True), fullgraph=True,
+        backend="aot_eager")
+    q = torch.zeros(40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for cu, most in (([0, 30, 40], 30), ([0, 12, 40], 28)):
+            call(q, torch.tensor(cu, dtype=torch.int32)).float().sum().backward()
+            fwd, bwd = (p for _, p in fake_launches[-2:])
+            assert (fwd.seqlen_q, fwd.seqlen_k, bwd.seqlen_q, bwd.seqlen_k) == (most,) * 4
+        with pytest.raises(RuntimeError, match="u0 >= 1"):
+            call(q, torch.zeros(3, dtype=torch.int32))
+
+
+def test_debug_checks_under_compile_and_vmap(fake_launches, monkeypatch):
+    """FA3GEN_DEBUG_CHECKS=1 reads cu_seqlens in the op's body when the call is captured: a
+    compiled graph checks each run's values, vmap each entry's (tracing cannot read them)."""
+    monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")
+    i32 = dict(dtype=torch.int32)
+    cu, falling = torch.tensor([0, 30, 40], **i32), torch.tensor([0, 30, 20], **i32)
+    attend = lambda q, cu: varlen.flash_attn_varlen_func(  # noqa: E731
+        q, q, q, cu, cu, 30, 30, causal=True)
+    torch._dynamo.reset()
+    call = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    q = torch.zeros(40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    call(q, cu).float().sum().backward()
+    with pytest.raises(InvalidInputError, match="cu_seqlens_q must not decrease"):
+        call(q, falling)
+    with pytest.raises(InvalidInputError, match="max_seqlen_q is 30 but sequence 1 has 35"):
+        call(q, torch.tensor([0, 5, 40], **i32))
+    batched = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
+    assert torch.func.vmap(attend)(batched, torch.stack([cu, cu])).shape == batched.shape
+    with pytest.raises(InvalidInputError, match="cu_seqlens_q must not decrease"):
+        torch.func.vmap(attend)(batched, torch.stack([cu, falling]))
