@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from fa3gen.contract import MANIFEST_NAME, SPEC_SUFFIXES, generated_root
-from fa3gen.files import stdout_to_devnull
+from fa3gen.files import StdoutWithoutReader, stdout_to_devnull
 from generator.errors import BuildError, GeneratorError
 from generator.lock import KILLED_BUILDS_COMPILES, lock_unless_busy
 from generator.paths import resolve_spec_path
@@ -23,6 +23,9 @@ from generator.paths import resolve_spec_path
 # Imported only when the command line asks for something that is not built in.
 COMMAND_MODULES = ("fa3gen.bench", "fa3gen.ablate", "fa3gen.tune", "fa3gen.numerics")
 BUILTIN_COMMANDS = ("build", "list", "clean", "package", "spec")
+# Commands whose output is what the reader wants: when the reader leaves they stop. The
+# others (their work is files: a build, a spec, a wheel, a measurement) go on without it.
+OUTPUT_COMMANDS = ("list",)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -312,9 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM as Ctrl-C while a command runs: a killed build stops ninja and its compiles
     # before it lets go of the build lock (generator/ninja.py: run_ninja), not orphaning them.
     previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
+    stdout = sys.stdout
+    if stdout is not None and args.command not in OUTPUT_COMMANDS:
+        sys.stdout = StdoutWithoutReader(stdout)
     try:
         return _run(args)
     finally:
+        if sys.stdout is not stdout:
+            sys.stdout.flush()  # here, where a reader that left is not an error
+            sys.stdout = stdout
         if on_main and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -339,7 +348,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except BrokenPipeError:  # the reader of stdout left (`| head`)
         stdout_to_devnull()
-        if args.func is cmd_list:  # it only prints: what the reader wanted, it has
+        if args.command in OUTPUT_COMMANDS:  # it only prints: what the reader wanted, it has
             return 0
         _error("stdout was closed before the command finished (its reader left); it did not "
                "complete")

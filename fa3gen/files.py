@@ -41,6 +41,31 @@ def stdout_to_devnull() -> None:
         pass
 
 
+class StdoutWithoutReader:
+    """sys.stdout for a command whose work is not its output (a build, a written spec or
+    wheel, a measurement): when the reader leaves (`| head`: a broken pipe) the output stops
+    (stdout_to_devnull) and the command goes on."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (BrokenPipeError, ValueError):  # ValueError: a stdout closed under us
+            stdout_to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (BrokenPipeError, ValueError):
+            stdout_to_devnull()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def write_atomically(path: Path, data: str | bytes) -> None:
     with replacing(path) as tmp:
         if isinstance(data, bytes):

@@ -70,6 +70,47 @@ def test_a_build_whose_output_reader_left_is_not_a_success(monkeypatch, capsys):
     assert "stdout was closed before the command finished" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["build", "spec"])
+def test_a_reader_that_leaves_stops_the_output_not_the_command(command, tmp_path, monkeypatch,
+                                                               capsys):
+    """`fa3gen build ... | head -1` with stdout unbuffered (PYTHONUNBUFFERED, CI): a print before
+    ninja starts (a note, the spec's header) broke the build, and `spec` and `package` said
+    "it did not complete" after their files were written. Now the output stops and the command
+    goes on (`list` still stops: its output is what the reader wanted)."""
+    import io
+
+    class LeftReader(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    done = []
+
+    def build(*a, **kw):  # prints first, as the real build's notes and header do
+        print("spec tiny: 3 variants")
+        done.append(True)
+
+    monkeypatch.setattr("generator.build.build", build)
+    monkeypatch.setattr("fa3gen.cli.stdout_to_devnull", lambda: None)
+    monkeypatch.setattr("fa3gen.files.stdout_to_devnull", lambda: None)
+    monkeypatch.setattr(sys, "stdout", LeftReader())
+    if command == "build":
+        assert cli.main(["build", "--spec", "specs/tiny.yaml"]) == 0 and done
+    else:
+        import yaml
+
+        from fa3gen import tracing
+        trace = tmp_path / "trace.yaml"
+        calls = [{"variant": "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1", "default": True,
+                  "calls": 1}]
+        trace.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": calls}))
+        out = tmp_path / "out.yaml"
+        assert cli.main(["spec", "--from-trace", str(trace), "-o", str(out)]) == 0
+        assert out.is_file() and "error" not in capsys.readouterr().err
+    assert isinstance(sys.stdout, LeftReader)  # put back
+    monkeypatch.setattr(sys, "stdout", LeftReader())
+    assert cli.main(["list", "--spec", "specs/tiny.yaml"]) == 0
+
+
 @pytest.mark.parametrize("argv, env", [(["-j", "5000", "--dry-run"], {}),
                                        (["--dry-run"], {"FA3GEN_UNIT_SIZE": "0"}),
                                        (["--dry-run"], {"FA3GEN_UNIT_SIZE": "abc"})])
