@@ -253,7 +253,8 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
     b.add_argument("--allow-spills", action="store_true",
                    help="accept variants that spill or lose setmaxnreg (FA3GEN_ALLOW_SPILLS=1)")
     b.add_argument("--launcher", default=None,
-                   help="compiler launcher, e.g. ccache (default: $FA3GEN_COMPILER_LAUNCHER)")
+                   help="compiler launcher, e.g. ccache (default: $FA3GEN_COMPILER_LAUNCHER; "
+                        "\"\": none)")
     b.add_argument("--debug", action="store_true", help="device asserts on, -lineinfo")
     b.add_argument("--lineinfo", action="store_true", help="add -lineinfo")
     b.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",

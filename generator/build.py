@@ -161,7 +161,9 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
         log(f"fa3gen: warning: {warning}")
     tc = toolchain or detect(debug=debug, lineinfo=lineinfo, defines=defines)
     fp = tc.fingerprint()
-    launcher = compiler_launcher or os.environ.get("FA3GEN_COMPILER_LAUNCHER") or None
+    # An explicit --launcher "" means none, over the environment's.
+    launcher = (os.environ.get("FA3GEN_COMPILER_LAUNCHER") if compiler_launcher is None
+                else compiler_launcher) or None
     if launcher:
         check_launcher(launcher)
     fitting = default_jobs()

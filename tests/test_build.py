@@ -185,6 +185,9 @@ def test_compiler_launcher(fake, monkeypatch, tmp_path):
     monkeypatch.setenv("FA3GEN_COMPILER_LAUNCHER", "no-such-ccache -x")  # a dry run said nothing
     with pytest.raises(GeneratorError, match="'no-such-ccache' is not a program on PATH"):
         B.build(spec, toolchain=tc, dry_run=True, log=quiet)
+    # --launcher "" is none, over the environment's (it used to fall back to it)
+    B.build(spec, toolchain=tc, compiler_launcher="", log=quiet)
+    assert "launcher = \n" in (res.plan.out_dir / "build.ninja").read_text()
 
 
 def test_filters(fake):
