@@ -302,8 +302,13 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
             v = parse_name(c["variant"])
         except (TypeError, ValueError) as e:
             raise TraceError(f"{path}: bad call entry {c!r}: {e}") from e
-        if not isinstance(c.get("default", False), bool):
-            raise TraceError(f"{path}: bad call entry {c!r}: default must be true or false")
+        if not isinstance(c.get("default"), bool):  # every trace writes it: a missing one is
+            raise TraceError(f"{path}: bad call entry {c!r}: default must be true or false "
+                             "(a trace cut short?)")  # a cut, e.g. in the middle of a name
+        written = _spec_values(v, KEY_AXES)  # the key axes written beside the name must agree
+        if any(a in c and c[a] != written[a] for a in KEY_AXES):
+            raise TraceError(f"{path}: bad call entry {c!r}: its key axes do not match variant "
+                             f"{v.name} (a trace cut short or edited?)")
         variants[v] = variants.get(v, False) or c.get("default", False)
         lengths = c.get("seqlen_k")
         if lengths is not None and not (isinstance(lengths, list) and len(lengths) == 2 and all(

@@ -342,6 +342,9 @@ def test_a_trace_of_decode_calls_alone_is_written_at_exit(tmp_path):
     (5, "expected a mapping with a variant"),
     ({"default": True}, "expected a mapping with a variant"),
     ({"variant": D128, "default": "no"}, "default must be true or false"),
+    ({"variant": D128}, r"default must be true or false \(a trace cut short\?\)"),
+    ({"variant": D128, "default": True, "direction": "fwd", "head_dim": 64},
+     "its key axes do not match variant"),
 ])
 def test_bad_call_entries_are_errors_not_skipped(tmp_path, entry, message):
     path = tmp_path / "t.yaml"
