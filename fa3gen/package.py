@@ -134,13 +134,17 @@ _SHIPPED_DEFINES = ("-DNDEBUG",)
 
 
 def _build_switches(info: dict) -> list[str]:
-    """The --define flags of a manifest's build (all but NDEBUG), and "no -DNDEBUG" for a debug
-    build (--debug: device asserts kept)."""
+    """The --define flags of a manifest's build (all but NDEBUG), "no -DNDEBUG" for a debug
+    build (--debug: device asserts kept), and nvcc's own NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS
+    where the build ran with them (flags of any kind, none of them fa3gen's)."""
     toolchain = info.get("toolchain")
     flags = toolchain.get("flags") if isinstance(toolchain, dict) else None
     if not isinstance(flags, list) or not flags:  # not recorded: nothing to say
         return []
     switches = [f for f in flags if isinstance(f, str) and f.startswith("-D") and f not in _SHIPPED_DEFINES]
+    env = toolchain.get("nvcc_env_flags")
+    if isinstance(env, dict):
+        switches += [f"{name}={value!r} (nvcc's environment)" for name, value in env.items()]
     return switches + ([] if "-DNDEBUG" in flags else ["no -DNDEBUG (a --debug build)"])
 
 

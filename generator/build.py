@@ -108,14 +108,16 @@ class Plan:
 def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Plan:
     spec = load_spec(resolve_spec_path(str(spec_path)))
     en = enumerate_variants(spec)
-    if not en.kept:  # by constraint, one example each: a large spec prunes thousands
-        by_constraint: dict = {}
+    if not en.kept:  # each variant; past ten, by constraint with an example (a large spec
+        by_constraint: dict = {}  # prunes thousands)
         for x in en.pruned:
             by_constraint.setdefault(x.constraint, []).append(x)
-        raise spec.error(
-            f"the spec leaves no variant; each of its {len(en.pruned)} is pruned:\n" + "\n".join(
-                f"  {name} ({len(xs)}): {xs[0].reason}, e.g. {xs[0].variant.name}"
-                for name, xs in by_constraint.items()))
+        lines = ([f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in en.pruned]
+                 if len(en.pruned) <= 10 else
+                 [f"  {name} ({len(xs)}): {xs[0].reason}, e.g. {xs[0].variant.name}"
+                  for name, xs in by_constraint.items()])
+        raise spec.error(f"the spec leaves no variant; each one is pruned ({len(en.pruned)}):\n"
+                         + "\n".join(lines))
     # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
     en.warnings += unmatched_values(spec, en)
     defaults = resolve_dispatch(spec, en.kept)

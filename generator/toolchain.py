@@ -123,10 +123,21 @@ class Toolchain:
                            self.cutlass_version, self.templates_dir)
 
     def describe(self) -> dict:
+        env = nvcc_env_flags()
         return {"nvcc": str(self.nvcc), "nvcc_version": self.nvcc_version,
                 "cutlass_include": str(self.cutlass_include),
                 "cutlass_version": self.cutlass_version, "flags": list(self.flags),
-                "link_flags": list(self.link_flags), "generator_version": __version__}
+                "link_flags": list(self.link_flags), "generator_version": __version__,
+                **({"nvcc_env_flags": env} if env else {})}
+
+
+# nvcc reads these itself: flags that reach every compile without being in ours
+NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
+
+
+def nvcc_env_flags() -> dict[str, str]:
+    """The NVCC_ENV_FLAGS set now (non-empty), by name."""
+    return {v: os.environ[v] for v in NVCC_ENV_FLAGS if os.environ.get(v)}
 
 
 def detect(debug: bool = False, lineinfo: bool = False, defines: Sequence[str] = ()) -> Toolchain:
@@ -155,8 +166,7 @@ def fingerprint(nvcc_version: str, flags, link_flags, cutlass_version: str,
     Absolute -I paths are part of `flags` on purpose: a different CUTLASS checkout is a
     different build."""
     h = hashlib.sha256()
-    # nvcc reads these itself: flags that reach every compile without being in ours
-    nvcc_env = [os.environ.get(v, "") for v in ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")]
+    nvcc_env = [os.environ.get(v, "") for v in NVCC_ENV_FLAGS]
     for part in (nvcc_version, " ".join(flags), " ".join(link_flags), cutlass_version,
                  __version__, *nvcc_env):
         h.update(part.encode() + b"\0")

@@ -529,6 +529,20 @@ def test_manifest_marks_only_the_defaults(fake):
     assert {v["name"]: v["is_default"] for v in m["variants"]} == {A: True, B_: False, B2: True}
 
 
+def test_manifest_records_nvccs_environment_flags(fake, monkeypatch):
+    """NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS reach every compile without being fa3gen's flags:
+    the manifest records them (fa3gen package refuses such a build unless --allow-switches)."""
+    spec, tc, calls = fake
+    monkeypatch.delenv("NVCC_PREPEND_FLAGS", raising=False)
+    monkeypatch.delenv("NVCC_APPEND_FLAGS", raising=False)
+    res = B.build(spec, toolchain=tc, log=quiet)
+    assert "nvcc_env_flags" not in json.loads(res.manifest.read_text())["toolchain"]
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DFA3GEN_FP8_SKIP_TRANSPOSE")
+    res = B.build(spec, toolchain=tc, log=quiet)
+    assert json.loads(res.manifest.read_text())["toolchain"]["nvcc_env_flags"] == {
+        "NVCC_APPEND_FLAGS": "-DFA3GEN_FP8_SKIP_TRANSPOSE"}
+
+
 def test_manifest_records_the_commit_of_the_tree_it_built(fake, monkeypatch):
     """Reports that time a library elsewhere name the tree it came from (bench.library_commit
     reads this field); FA3GEN_COMMIT stands in for git here."""

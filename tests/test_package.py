@@ -295,9 +295,13 @@ def test_a_build_with_switches_is_refused_unless_allowed(built, capsys):
     is not packaged by default; --allow-switches packages it, labelled."""
     manifest = contract.manifest_path("fake")
     info = json.loads(manifest.read_text())
-    for flags, said in ((["-O3", "-DNDEBUG", "-DFA3GEN_FP8_SKIP_TRANSPOSE"], "-DFA3GEN_FP8_SKIP_TRANSPOSE"),
-                        (["-O3", "-lineinfo"], "no -DNDEBUG (a --debug build)")):
-        manifest.write_text(json.dumps({**info, "toolchain": {"flags": flags}}))
+    appended = {"nvcc_env_flags": {"NVCC_APPEND_FLAGS": "-DFA3GEN_FP8_SKIP_TRANSPOSE"}}
+    for flags, said, more in (
+            (["-O3", "-DNDEBUG", "-DFA3GEN_FP8_SKIP_TRANSPOSE"], "-DFA3GEN_FP8_SKIP_TRANSPOSE", {}),
+            (["-O3", "-lineinfo"], "no -DNDEBUG (a --debug build)", {}),
+            (["-O3", "-DNDEBUG"], "NVCC_APPEND_FLAGS='-DFA3GEN_FP8_SKIP_TRANSPOSE' (nvcc's "
+             "environment)", appended)):
+        manifest.write_text(json.dumps({**info, "toolchain": {"flags": flags, **more}}))
         assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
         err = capsys.readouterr().err
         assert f"was built with {said}" in err and "--allow-switches" in err
