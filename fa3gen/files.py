@@ -52,15 +52,22 @@ class StdoutWithoutReader:
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except (BrokenPipeError, ValueError):  # ValueError: a stdout closed under us
-            stdout_to_devnull()
+        except (BrokenPipeError, ValueError) as e:
+            self._left(e)
             return len(text)
 
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except (BrokenPipeError, ValueError):
-            stdout_to_devnull()
+        except (BrokenPipeError, ValueError) as e:
+            self._left(e)
+
+    def _left(self, error: Exception) -> None:
+        """The reader left: a broken pipe, or a stdout closed under us (ValueError); any other
+        ValueError (text the stream cannot encode) is the command's to report."""
+        if isinstance(error, ValueError) and not getattr(self._stream, "closed", False):
+            raise error
+        stdout_to_devnull()
 
     def __getattr__(self, name):
         return getattr(self._stream, name)

@@ -13,6 +13,7 @@ the other features fa3gen lacks are refused unless at their defaults.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass, replace
@@ -473,8 +474,9 @@ def _call_key(q, k_cache, v_cache, args) -> tuple:
     sig = ops._signature
     key = [sig(q), sig(k_cache), sig(v_cache)]
     for i, a in enumerate(args):
-        if i in (5, 8) and type(a) is not float and ops.real_number(a) is not None:
-            key.append(ops.real_number(a))
+        value = ops.real_number(a) if i in (5, 8) and type(a) is not float else None
+        if value is not None:
+            key.append(value)
         elif isinstance(a, torch.Tensor):
             key.append(sig(a))
         elif i == 2 and type(a) is int:
@@ -751,9 +753,12 @@ def _may_share_memory(t: torch.Tensor) -> bool:
 def _solvable(target: int, terms: list[tuple[int, int, int]], budget: list[int]) -> bool:
     """Whether target = sum(stride * x) with lo <= x <= hi for each (stride, lo, hi) of terms
     (strides positive, largest first): depth first, each term taking only the values that the
-    smaller ones can still complete. budget[0] counts the steps left; past it, True (may)."""
+    smaller ones can still complete, none where the strides' gcd does not divide target.
+    budget[0] counts the steps left; past it, True (may)."""
     if not terms:
         return target == 0
+    if target % math.gcd(*(t[0] for t in terms)):
+        return False
     (stride, lo, hi), rest = terms[0], terms[1:]
     rest_lo = sum(s * a for s, a, _ in rest)
     rest_hi = sum(s * b for s, _, b in rest)
@@ -766,14 +771,27 @@ def _solvable(target: int, terms: list[tuple[int, int, int]], budget: list[int])
     return False
 
 
+_collisions: dict = {}  # (layouts, element size, offset between them) -> _caches_collide's answer
+
+
 def _caches_collide(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether an element of k_cache and one of v_cache share a byte (slices of one buffer,
     such as k and v interleaved in one kv cache, do not). Cheap unless both are views of one
-    storage; then exact over their strides, in bytes (a search too long to finish says yes)."""
+    storage; then exact over their strides, in bytes (a search too long to finish says yes),
+    once a layout (_collisions)."""
     if k_cache.numel() == 0 or v_cache.numel() == 0 or \
             k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
         return False
     size = k_cache.element_size()
+    delta = v_cache.data_ptr() - k_cache.data_ptr()  # k's element at v's start + offsets
+    key = (k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(), size, delta)
+    found = _collisions.get(key)
+    if found is None:
+        found = ops._remember(_collisions, key, _strided_overlap(k_cache, v_cache, size, delta))
+    return found
+
+
+def _strided_overlap(k_cache, v_cache, size: int, delta: int) -> bool:
     merged: dict[int, list[int]] = {}  # stride in bytes -> the range of its summed index
     for t, sign in ((k_cache, 1), (v_cache, -1)):  # k's indices add, v's subtract
         for stride, n in zip(t.stride(), t.shape):
@@ -781,7 +799,6 @@ def _caches_collide(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
                 r = merged.setdefault(stride * size, [0, 0])
                 r[0 if sign < 0 else 1] += sign * (n - 1)
     terms = sorted(((s, lo, hi) for s, (lo, hi) in merged.items()), reverse=True)
-    delta = v_cache.data_ptr() - k_cache.data_ptr()  # k's element at v's start + offsets
     budget = [100_000]
     return any(_solvable(delta + e, terms, budget) for e in range(1 - size, size))
 
@@ -790,8 +807,9 @@ def _check_caches_apart(k_cache, v_cache, k, v, transformed: bool) -> None:
     """An append writes k into k_cache and v into v_cache: where the caches share memory one of
     the two would be lost, unless they are one view and k, v too, written as they are (not
     `transformed`: rotated, or quantized by two scales), so the same values twice. Per call
-    (the cost is a storage compare), not while compiling (fake tensors have no memory)."""
-    if torch.compiler.is_compiling() or not _caches_collide(k_cache, v_cache):
+    (the cost is a storage compare), not while captured (compiling, make_fx, vmap: fake and
+    batched tensors have no memory to compare)."""
+    if ops._captured(k_cache, v_cache, k, v) or not _caches_collide(k_cache, v_cache):
         return
     same = (k_cache.data_ptr(), k_cache.stride()) == (v_cache.data_ptr(), v_cache.stride()) and \
         (k.data_ptr(), k.stride()) == (v.data_ptr(), v.stride()) and not transformed

@@ -133,6 +133,28 @@ def _taken_by(name: str) -> str | None:
 _SHIPPED_DEFINES = ("-DNDEBUG",)
 
 
+# nvcc flags that say where tools and headers are, not what the kernels compute: conda's
+# cuda-nvcc sets NVCC_PREPEND_FLAGS="-ccbin=$CXX" in every environment.
+_PLACE_FLAGS = ("-ccbin", "--compiler-bindir", "-I", "-isystem", "--include-path",
+                "--system-include")
+
+
+def _changes_the_code(flags) -> bool:
+    """Whether an nvcc flags string holds anything but _PLACE_FLAGS (and their values)."""
+    import shlex
+    try:
+        tokens = shlex.split(flags) if isinstance(flags, str) else [None]
+    except ValueError:  # an unclosed quote: nvcc would not have taken it either
+        return True
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        if not isinstance(t, str) or not t.startswith(_PLACE_FLAGS):
+            return True
+        i += 2 if t in _PLACE_FLAGS else 1  # "-ccbin PATH": the value is the next token
+    return False
+
+
 def _build_switches(info: dict) -> list[str]:
     """The --define flags of a manifest's build (all but NDEBUG), "no -DNDEBUG" for a debug
     build (--debug: device asserts kept), and nvcc's own NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS
@@ -144,7 +166,8 @@ def _build_switches(info: dict) -> list[str]:
     switches = [f for f in flags if isinstance(f, str) and f.startswith("-D") and f not in _SHIPPED_DEFINES]
     env = toolchain.get("nvcc_env_flags")
     if isinstance(env, dict):
-        switches += [f"{name}={value!r} (nvcc's environment)" for name, value in env.items()]
+        switches += [f"{name}={value!r} (nvcc's environment)" for name, value in env.items()
+                     if _changes_the_code(value)]
     return switches + ([] if "-DNDEBUG" in flags else ["no -DNDEBUG (a --debug build)"])
 
 

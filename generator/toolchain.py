@@ -137,7 +137,7 @@ NVCC_ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
 
 def nvcc_env_flags() -> dict[str, str]:
     """The NVCC_ENV_FLAGS set now (non-empty), by name."""
-    return {v: os.environ[v] for v in NVCC_ENV_FLAGS if os.environ.get(v)}
+    return {v: os.environ[v] for v in NVCC_ENV_FLAGS if os.environ.get(v, "").strip()}
 
 
 def detect(debug: bool = False, lineinfo: bool = False, defines: Sequence[str] = ()) -> Toolchain:

@@ -1982,3 +1982,21 @@ def test_caches_collide_against_every_byte(launched):
     collided = [kvcache._caches_collide(a, b) for a, b in views]
     assert collided == [bool(addresses(a) & addresses(b)) for a, b in views]
     assert 50 < sum(collided) < 250  # both answers are exercised
+
+
+def test_the_caches_overlap_check_stays_out_of_captured_calls(launched):
+    """Fake and batched tensors have no memory to compare (fake ones all start at 0): an append
+    under FakeTensorMode or vmap is not refused as one into shared caches, nor does it fail
+    reading their storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.zeros(2, 1, 4, 64, dtype=BF)
+        kc, vc = torch.zeros(2, 16, 2, 64, dtype=BF), torch.zeros(2, 16, 2, 64, dtype=BF)
+        k, v = torch.ones(2, 1, 2, 64, dtype=BF), torch.ones(2, 2, 1, 64, dtype=BF).transpose(1, 2)
+        kvcache._check_caches_apart(kc, vc, k, v, False)  # not an error
+    q, kc, vc = torch.zeros(3, 2, 1, 4, 64, dtype=BF), torch.zeros(2, 16, 2, 64, dtype=BF), \
+        torch.zeros(2, 16, 2, 64, dtype=BF)
+    new = torch.ones(2, 1, 2, 64, dtype=BF)
+    torch.func.vmap(lambda q: kvcache.flash_attn_with_kvcache(q, kc, vc, new, new,
+                                                             cache_seqlens=3))(q)

@@ -310,6 +310,12 @@ def test_a_build_with_switches_is_refused_unless_allowed(built, capsys):
     assert wheel.name.split("-")[1].endswith(".switches")
     manifest.write_text(json.dumps({**info, "toolchain": {"flags": ["-O3", "-DNDEBUG"]}}))
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "shipped")]) == 0
+    # conda's nvcc sets NVCC_PREPEND_FLAGS to its host compiler: where tools are, not a switch
+    for where in ("-ccbin=/opt/conda/bin/x86_64-conda-linux-gnu-c++", "-ccbin /usr/bin/g++-12 "
+                  "-I/opt/include"):
+        manifest.write_text(json.dumps({**info, "toolchain": {
+            "flags": ["-O3", "-DNDEBUG"], "nvcc_env_flags": {"NVCC_PREPEND_FLAGS": where}}}))
+        assert cli.main(["package", "--spec", "fake", "--out", str(built / "conda")]) == 0
 
 
 def test_package_waits_for_no_build_it_refuses_one_that_runs(built, capsys):

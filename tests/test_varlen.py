@@ -549,3 +549,18 @@ def test_debug_checks_under_compile_and_vmap(fake_launches, monkeypatch):
     assert torch.func.vmap(attend)(batched, torch.stack([cu, cu])).shape == batched.shape
     with pytest.raises(InvalidInputError, match="cu_seqlens_q must not decrease"):
         torch.func.vmap(attend)(batched, torch.stack([cu, falling]))
+
+
+def test_a_bad_dynamic_max_seqlen_under_compile_is_still_invalid_input(fake_launches):
+    """A max_seqlen that torch.compile made dynamic has a value while tracing: a bad one raises
+    InvalidInputError as in eager (only one read from a tensor in the graph waits for the run)."""
+    cu = torch.tensor([0, 30, 40], dtype=torch.int32)
+    q = torch.zeros(40, 2, 128, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    call = torch.compile(lambda q, cu, m: varlen.flash_attn_varlen_func(
+        q, q, q, cu, cu, m, m, causal=True), backend="aot_eager", dynamic=True)
+    call(q, cu, 30)
+    for bad, match in ((0, r"in \[1, 2\*\*31\)"), (2**31, r"in \[1, 2\*\*31\)"),
+                       (2**30, "at most 2\\*\\*30 - 1")):
+        with pytest.raises(InvalidInputError, match=match):
+            call(q, cu, bad)
