@@ -593,6 +593,9 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
                                 "at most 2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
+    if append > capacity:  # from the shapes alone, whatever cache_seqlens holds
+        raise InvalidInputError(f"k and v append {append} rows a sequence, more than the cache "
+                                f"holds ({capacity})")
     seqlen_k = capacity
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         seqlen_k = _int_length(cache_seqlens, capacity, append)  # no tensor needed

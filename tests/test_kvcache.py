@@ -268,6 +268,10 @@ def test_append_paged_crosses_pages_and_never_writes_past_the_cache(monkeypatch)
     (dict(k=torch.zeros(2, 1, 2, 32, dtype=BF)), r"k and v must be \(batch=2, seqlen_new >= 1, 2, 64\)"),
     (dict(k=torch.zeros(2, 1, 2, 64), v=torch.zeros(2, 1, 2, 64)), "match the cache's dtype"),
     (dict(cache_seqlens=None), "needs cache_seqlens"),
+    # more new rows than the cache holds, whatever the lengths (a tensor is not read)
+    (dict(k=torch.zeros(2, 33, 2, 64, dtype=BF), v=torch.zeros(2, 33, 2, 64, dtype=BF),
+          cache_seqlens=torch.zeros(2, dtype=torch.int32)), r"append 33 rows a sequence, more "
+     r"than the cache holds \(32\)"),
 ])
 def test_append_errors(launched, kwargs, match):
     kc = torch.zeros(2, 32, 2, 64, dtype=BF)
@@ -916,8 +920,12 @@ def test_degenerate_caches_and_tables_get_input_errors_or_no_writes(launched):
         kvcache.flash_attn_with_kvcache(q, kc, kc.clone(), k, k, cache_seqlens=lengths,
                                         rotary_cos=torch.ones(0, 16), rotary_sin=torch.ones(0, 16))
     pages = torch.zeros(4, 16, 2, 64, dtype=BF)
-    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), k, k, cache_seqlens=lengths,  # no page:
-                                    block_table=torch.zeros(1, 0, dtype=torch.int32))      # no room
+    no_page = torch.zeros(1, 0, dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="more than the cache holds"):  # no room
+        kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), k, k, cache_seqlens=lengths,
+                                        block_table=no_page)
+    kvcache.flash_attn_with_kvcache(q, pages, pages.clone(), cache_seqlens=lengths,
+                                    block_table=no_page)  # reading no page is fine
     assert not pages.any() and launched[-1].seqlen_k == 0
     # A cache of no rows: an input error (the decode kernels' own check raised a Fa3genError).
     for none, table in ((torch.zeros(0, 16, 2, 64, dtype=BF), torch.zeros(1, 1, dtype=torch.int32)),
