@@ -26,6 +26,7 @@ from fa3gen.contract import INT32_MAX
 from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError, build_command
 from fa3gen.fp8 import E4M3_MAX, FP8_DTYPE as FP8
 
+CACHE_NAMES = ("q", "k_cache", "v_cache")  # in errors, as the signature names them
 MAX_ROWS = 16         # seqlen_q * heads_q / heads_kv per kv head: one M=16 tile (decode.cuh)
 HEAD_DIMS = contract.DECODE_HEAD_DIMS
 # One 16-key slice per warp of the split kernel's 4. Splits that short pay: a small cache is
@@ -133,7 +134,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     the append when the append kernel does not do it (FA3GEN_APPEND_KERNEL=0, a compiled call, an e4m3 cache, ...; bit for bit the same). Positions past seqlen_ro are an error when
     cache_seqlens is an int; with a tensor they are clamped to the last row (checked under
     FA3GEN_DEBUG_CHECKS=1)."""
-    ops._check_tensors(q, k_cache, v_cache)
+    ops._check_tensors(q, k_cache, v_cache, CACHE_NAMES)
     if fa3_keywords:  # the usual call passes none
         block_table, k_scale, v_scale = _other_keywords(block_table, k_scale, v_scale,
                                                         num_splits, **fa3_keywords)
@@ -537,7 +538,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
            causal, window_size, softcap, num_splits, k_scale, v_scale) -> _Checked:
     """Every check that the tensors' metadata and the arguments allow."""
     mask = ops.masking(causal, window_size, softcap)
-    ops.check_device(q, k_cache, v_cache)
+    ops.check_device(q, k_cache, v_cache, CACHE_NAMES)
     if q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         raise InvalidInputError("q, k_cache and v_cache must be 4-D (batch or pages, seqlen, "
                                 "heads, head_dim)")

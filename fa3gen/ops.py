@@ -219,8 +219,12 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
 # Validation. Pure functions: they run on CPU/meta tensors so the CPU tests can check messages.
 
 
-def _check_tensors(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
+QKV = ("q", "k", "v")
+
+
+def _check_tensors(q, k, v, names: tuple = QKV) -> None:
+    """names: the three as the caller's signature names them (k_cache, v_cache: the cache's)."""
+    for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.is_nested:  # checked inline: this runs on every call
@@ -234,10 +238,10 @@ def refuse_nested(name: str, t: torch.Tensor) -> None:
                                 "(the varlen functions) instead")
 
 
-def check_device(q, k, v) -> None:
+def check_device(q, k, v, names: tuple = QKV) -> None:
     """CUDA tensors on one sm_90 device. Non-CUDA tensors fail before any CUDA call."""
-    _check_tensors(q, k, v)
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    _check_tensors(q, k, v, names)
+    for name, t in zip(names, (q, k, v)):
         if t.device.type != "cuda":
             raise Fa3genError(
                 f"{name} is on device '{t.device}'; fa3gen runs on CUDA Hopper GPUs (sm_90: "
@@ -245,8 +249,8 @@ def check_device(q, k, v) -> None:
             )
     if not (q.device == k.device == v.device):
         raise Fa3genError(
-            f"q, k, v must be on one device, got q: {q.device}, k: {k.device}, v: {v.device}"
-        )
+            f"{', '.join(names)} must be on one device, got " +
+            ", ".join(f"{n}: {t.device}" for n, t in zip(names, (q, k, v))))
     cap = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         raise Fa3genError(

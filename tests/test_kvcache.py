@@ -1000,6 +1000,12 @@ def test_argument_errors_a_mutation_pass_found(launched):
     with pytest.raises(TypeError, match="k and v must be torch.Tensors"):
         kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, kc.clone(), k.tolist(), k,
                                         cache_seqlens=5)
+    # the caches by their own names (k and v are the new rows here)
+    with pytest.raises(TypeError, match="^k_cache must be a torch.Tensor, got NoneType"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), None, kc, cache_seqlens=5)
+    with pytest.raises(InvalidInputError, match="^v_cache is a nested tensor"):
+        kvcache.flash_attn_with_kvcache(torch.zeros(2, 1, 4, 64, dtype=BF), kc, torch.nested.nested_tensor(
+            [torch.zeros(3, 64), torch.zeros(4, 64)]), cache_seqlens=5)
     assert not launched
 
 
