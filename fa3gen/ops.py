@@ -22,12 +22,13 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from fa3gen import runtime
 from fa3gen import fp8 as _fp8
 from fa3gen import tracing as _trace
 from fa3gen.contract import DTYPES, GRID_MODES, INT32_MAX, SUPPORTED_HEAD_DIMS
-from fa3gen.errors import Fa3genError, InvalidInputError
+from fa3gen.errors import Fa3genError, InvalidInputError, VariantNotBuiltError
 
 # "bf16" -> torch.bfloat16
 TORCH_DTYPES = {name: getattr(torch, d.torch) for name, d in DTYPES.items()}
@@ -674,7 +675,7 @@ def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask: Masking, scale: float, 
     check_device(q, k, v)
     dims = check_inputs(q, k, v)
     _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims)
-    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, **mask.key())
+    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant or None, **mask.key())
     check_layout(q=q, k=k, v=v)
     launches = dims.batch and dims.heads_q and dims.seqlen_q and dims.seqlen_k
     params = None
@@ -776,10 +777,21 @@ def _fwd_setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+def traced_backward_variant(resolve) -> str:
+    """resolve() (the key's default backward variant, whose name a compiled graph bakes in),
+    or "" where the library lacks it: the backward op's body resolves "" when it runs, so that
+    a compiled forward whose inputs require grad (AOT traces the backward with it) runs without
+    a backward variant, as an eager one does, until a backward runs and raises."""
+    try:
+        return resolve()
+    except VariantNotBuiltError:
+        return ""
+
+
 def _backward_variant(q, k, mask: Masking) -> str:
     """The default backward variant of the key, recorded when tracing."""
-    name = resolve_bwd_variant(q, q.shape[-1], mask)
-    if _trace._active:
+    name = traced_backward_variant(lambda: resolve_bwd_variant(q, q.shape[-1], mask))
+    if _trace._active and name:
         _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                       heads_q=q.shape[2], heads_kv=k.shape[2])
     return name
@@ -834,6 +846,19 @@ torch.library.register_vmap("fa3gen::fwd", _folding_rule(torch.ops.fa3gen.fwd, 3
 torch.library.register_vmap("fa3gen::bwd", _folding_rule(torch.ops.fa3gen.bwd, 6))
 
 
+NO_FORWARD_MODE = ("fa3gen's attention has no forward-mode derivative (torch.func.jvp, jacfwd, "
+                   "torch.autograd.forward_ad): use reverse mode (grad, vjp, jacrev)")
+
+
+def refuse_tangents(*tensors) -> None:
+    """Forward-mode AD (torch.autograd.forward_ad) through an eager call: a dual input's
+    tangent would be dropped (the kernels have no jvp), so an error instead. Call it inside a
+    dual level only (forward_ad._current_level >= 0): unpack_dual costs microseconds."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+            raise Fa3genError(NO_FORWARD_MODE)
+
+
 def transforming() -> bool:
     """Whether a torch.func transform that needs `transformable`'s Function (grad, vjp, jacrev,
     vmap, jvp) is on top; not while compiling (dynamo traces the transforms), nor under
@@ -856,12 +881,11 @@ def transformable(name: str, op, setup_context, op_backward, vmap) -> type:
     def backward(ctx, *grad_outputs):
         with torch.no_grad():
             grads = op_backward(ctx, *grad_outputs)
-        return (*no_second_derivative(*ctx.saved_tensors[:3], grads=grads[:3]), *grads[3:])
+        return (*no_second_derivative(*ctx.saved_tensors[:3], grad_outputs[0],
+                                      grads=grads[:3]), *grads[3:])
 
     def jvp(ctx, *_):
-        raise Fa3genError("fa3gen's attention has no forward-mode derivative (torch.func.jvp, "
-                          "jacfwd, torch.autograd.forward_ad): use reverse mode (grad, vjp, "
-                          "jacrev)")
+        raise Fa3genError(NO_FORWARD_MODE)
 
     return type(name, (torch.autograd.Function,), {
         "__doc__": f"{op} under a torch.func transform (ops.transformable).",
@@ -1007,7 +1031,7 @@ class _EagerAttention(torch.autograd.Function):
             return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse)
-        return (*no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None)
+        return (*no_second_derivative(q, k, v, dout, grads=(dq, dk, dv)), None, None)
 
 
 class _NoSecondDerivative(torch.autograd.Function):
@@ -1029,16 +1053,18 @@ class _NoSecondDerivative(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *_):
         raise Fa3genError("fa3gen's attention has no second derivative: its backward is not "
-                          "differentiable (create_graph=True, or torch.func.grad of a grad, "
-                          "through flash_attn_func)")
+                          "differentiable (create_graph=True, torch.func.grad of a grad, or "
+                          "torch.autograd.functional.jvp / hvp, through flash_attn_func)")
 
 
 def no_second_derivative(*inputs: torch.Tensor, grads: tuple) -> tuple:
     """The backward's gradients; under create_graph (grad mode on in backward), tied to the
-    inputs when one requires grad, so that differentiating them raises instead of giving
-    silent zeros (the custom ops say "no autograd formula" then; eager must not be silently
-    different). Every input is tied, not only one that requires grad here: a nested
-    torch.func.grad may differentiate with respect to another at an outer level."""
+    inputs (q, k, v and the incoming gradient dout) when one requires grad, so that
+    differentiating them raises instead of giving silent zeros (the custom ops say "no
+    autograd formula" then; eager must not be silently different). Every input is tied, not
+    only one that requires grad here: a nested torch.func.grad may differentiate with respect
+    to another at an outer level, and autograd.functional.jvp differentiates with respect to
+    dout (the double-backward trick)."""
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in inputs):
         return grads
     return _NoSecondDerivative.apply(len(inputs), *inputs, *grads)
@@ -1302,6 +1328,8 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
         if _trace._active:
             _trace_call(name, variant is None, dims)
     else:
+        if _forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): rarely
+            refuse_tangents(q, k, v)
         plan = _eager_fwd_plan(q, k, v, mask, softmax_scale, variant)
         if _trace._active:
             _trace_call(plan.info.name, variant is None, plan.dims)

@@ -221,7 +221,8 @@ class PackedAttention(torch.autograd.Function):
         run = ctx.run
         grads = tuple(t.new_empty(t.shape) for t in packed)  # the views cover every element
         run.backward(dout, *run.unpack(packed), out, lse, run.unpack(grads), *others)
-        return (None, *ops.no_second_derivative(*packed, grads=grads), *(None,) * len(others))
+        return (None, *ops.no_second_derivative(*packed, dout, grads=grads),
+                *(None,) * len(others))
 
 
 class DenseRun:

@@ -161,7 +161,10 @@ def note_dispatch_ranges(ranges: dict) -> None:
 
 
 def record(variant: str, default: bool, **sizes: int) -> None:
-    """Called by fa3gen.ops for every dispatched call while a trace is active."""
+    """Called by fa3gen.ops for every dispatched call while a trace is active. Sizes that are
+    not ints are left out: a backward recorded while torch.compile traces it with dynamic
+    shapes has SymInts, which min/max would guard on and YAML cannot write."""
+    sizes = {k: v for k, v in sizes.items() if type(v) is int}
     for t in _active:
         t.add(variant, default, sizes)
 

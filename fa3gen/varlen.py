@@ -358,7 +358,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if not lse.is_contiguous():
         raise InvalidInputError("lse must be contiguous (the C ABI takes no lse strides)")
-    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant, varlen=True, **mask.key())
+    info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant or None, varlen=True,
+                    **mask.key())
     ops.check_layout(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     views = _views(q, k, v, out, dout, dq, dk, dv)
     params = None
@@ -469,8 +470,9 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
     m = ctx.mask
-    name = _backward_variant(q, m)
-    _trace_call(name, True, q, k, cu_q, *ctx.sizes)
+    name = ops.traced_backward_variant(lambda: _backward_variant(q, m))
+    if name:
+        _trace_call(name, True, q, k, cu_q, *ctx.sizes)
     dq, dk, dv = torch.ops.fa3gen.varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, m.causal, ctx.scale, name,
         ctx.deterministic, m.window_left, m.window_right, m.softcap, seqused_k)
@@ -512,7 +514,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
         dq, dk, dv = _eager_backward(ctx.plan, ctx.deterministic, dout, q, k, v, out, lse, cu_q,
                                      cu_k, seqused_k)
-        return (*ops.no_second_derivative(q, k, v, grads=(dq, dk, dv)), None, None, None, None,
+        return (*ops.no_second_derivative(q, k, v, dout, grads=(dq, dk, dv)), None, None, None, None,
                 None)
 
 
@@ -660,6 +662,8 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             bool(deterministic),
             mask.window_left, mask.window_right, mask.softcap, seqused_k)
         return (out, lse) if return_lse else out
+    if ops._forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): rarely
+        ops.refuse_tangents(q, k, v)
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                        softmax_scale, variant)
     _trace_call(plan.info.name, variant is None, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)

@@ -674,3 +674,24 @@ def test_real_numbers_only_and_never_another_exception():
     with pytest.raises(InvalidInputError, match="must be a finite number > 0"):  # not +5e-324
         ops.check_softmax_scale(fractions.Fraction(-1, 10**400))
     assert ops.masking(False, (-1, -1), np.array(2, dtype=np.uint8)).softcap == 2.0
+
+
+def test_a_compiled_forward_whose_inputs_require_grad_needs_no_backward_variant(fake_launches):
+    """AOT traces the backward with the forward when an input requires grad: a library with
+    the forward variant only (a spec trimmed from an inference trace, the model in eval mode
+    without no_grad) runs the compiled call as the eager one does, and a backward raises
+    VariantNotBuiltError when it runs (the fake library has no windowed softcap backward)."""
+    from fa3gen import VariantNotBuiltError
+
+    torch._dynamo.reset()
+    call = torch.compile(lambda q: ops.flash_attn_func(q, q, q, window_size=(3, 3), softcap=5.0),
+                         fullgraph=True, backend="aot_eager")
+    q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    out = call(q)
+    assert [n for n, _ in fake_launches] == [
+        "fwd_bf16_d128_nocausal_local_softcap_m128n128_s2_ws1_pp1_ov1"]
+    with pytest.raises(VariantNotBuiltError, match="direction=bwd"):
+        out.float().sum().backward()
+    eager = ops.flash_attn_func(q, q, q, window_size=(3, 3), softcap=5.0)
+    with pytest.raises(VariantNotBuiltError, match="direction=bwd"):
+        eager.float().sum().backward()

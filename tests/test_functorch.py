@@ -270,3 +270,25 @@ def test_gqa_window_and_softcap_reach_the_ops(windowed_library):
                                         window_size=(3, 2))
         for got, w in zip(grads, want):
             assert torch.equal(got[rows], w[0].to(q.dtype))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's forward-mode set-up
+def test_forward_mode_and_the_double_backward_trick_are_errors_on_the_eager_path(fake_launches):
+    """Outside torch.func: a dual input (torch.autograd.forward_ad) would lose its tangent, and
+    autograd.functional.jvp (vjp with create_graph, then a derivative with respect to the
+    cotangent) would give zeros; both raise instead, for the dense, packed and varlen calls."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = _inputs(1)
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    calls = {"dense": lambda q: ops.flash_attn_func(q, k, v),
+             "packed": lambda q: packed.flash_attn_qkvpacked_func(torch.stack([q, k, v], 2)),
+             "varlen": lambda q: varlen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 16, 16,
+                                                               causal=True)}
+    for name, call in calls.items():
+        with fwAD.dual_level(), pytest.raises(Fa3genError, match="no forward-mode derivative"):
+            call(fwAD.make_dual(q, torch.ones_like(q)))
+        with pytest.raises(Fa3genError, match="no second derivative"):
+            torch.autograd.functional.jvp(lambda q: call(q).float(), q, torch.ones_like(q))
+    with fwAD.dual_level():  # a dual level alone, no dual input: the call runs
+        assert calls["dense"](q).shape == q.shape

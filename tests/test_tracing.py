@@ -442,3 +442,25 @@ def test_a_backward_traced_by_length_gets_one_default(tmp_path):
     p = plan(out)
     assert p.defaults[parse_name(BWD).key].name == BWD and p.seqlen_dispatch() == []
     assert sorted(v.name for v in p.variants) == sorted([BWD_FWD, BWD, other])
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_trace_of_compiled_training_steps_whose_sizes_turn_dynamic(fake_launches, tmp_path,
+                                                                    dynamic):
+    """torch.compile records the backward's variant while it traces it: with dynamic shapes (a
+    second length, or dynamic=True) its sizes are SymInts, which broke the trace (min/max
+    guarded on them mid-compile; YAML could not write them). They are left out; the forward's,
+    recorded when the graph runs, are kept."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda q: ops.flash_attn_func(q, q, q), backend="aot_eager",
+                         dynamic=dynamic)
+    path = tmp_path / "t.yaml"
+    with fa3gen.trace(path):
+        for b, s in ((2, 40), (3, 50)):
+            q = torch.zeros(b, s, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+            step(q).float().sum().backward()
+    calls = {c["direction"]: c for c in yaml.safe_load(path.read_text())["calls"]}
+    assert calls["fwd"]["count"] == 2 and calls["fwd"]["seqlen_q"] == [40, 50]
+    # the backward's first compile (static unless dynamic=True) has ints; a dynamic one none
+    assert calls["bwd"].get("seqlen_q") == (None if dynamic else [40, 40])
+    assert tracing.spec_from_trace(path, "x")  # and it makes a spec
