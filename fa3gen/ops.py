@@ -101,6 +101,10 @@ def real_number(x) -> float | None:
     if isinstance(x, torch.Tensor):
         if x.dim() != 0 or x.is_complex():
             return None
+        if torch.compiler.is_compiling():  # its value is known only when the graph runs
+            raise InvalidInputError("under torch.compile, softmax_scale and softcap must be "
+                                    "Python numbers, not tensors (pass float(t) from outside "
+                                    "the compiled function)")
     elif not isinstance(x, (numbers.Real, decimal.Decimal, torch.SymFloat, torch.SymInt)) and \
             not _is_numpy_real_0d(x):
         return None

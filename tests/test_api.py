@@ -48,6 +48,19 @@ def test_scalar_scales_are_taken():
         ops.check_softmax_scale(scale)
 
 
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+def test_a_tensor_scale_under_compile_is_one_clear_error(fake_launches, name):
+    """Eager calls take a 0-d tensor scale or softcap (its value read on the host); a compiled
+    graph cannot (no value while tracing: torch failed on a guard): our error, in dynamo's."""
+    torch._dynamo.reset()
+    q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
+    call = torch.compile(lambda q, t: ops.flash_attn_func(q, q, q, **{name: t}), fullgraph=True,
+                         backend="aot_eager")
+    with pytest.raises(Exception, match="under torch.compile, softmax_scale and softcap must be "
+                                        "Python numbers, not tensors"):
+        call(q, torch.tensor(0.5))
+
+
 def test_the_fp32_range_keeps_what_the_kernels_derive_finite_and_normal():
     """The bounds hold for the kernels' derived values (scale * log2(e), scale / softcap,
     softcap * log2(e)) at their extremes, in fp32."""
