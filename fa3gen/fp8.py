@@ -101,6 +101,14 @@ def _tag_blocks(descale: torch.Tensor, block_rows: int | None) -> torch.Tensor:
     return descale
 
 
+def _descale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, or 1 where that is 0: a scope of zeros, and an fp32 one whose largest
+    magnitude is below 448 x 2^-150 (the product rounds to 0, and 0 / 0 would be NaN; 16-bit
+    inputs, the fused kernel's, never get there, so the two stay bit for bit the same)."""
+    scale = amax * INV_E4M3_MAX
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
 def quantize(x: torch.Tensor, block_rows: int | None = None):
     """(float8_e4m3fn values, fp32 descale) of x (batch, seqlen, heads, d), x ~ values *
@@ -115,12 +123,12 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     mag = xf.abs().nan_to_num(nan=0.0, posinf=math.inf)
     if block_rows is None:
         amax = mag.amax().reshape(1) if mag.numel() else mag.new_zeros(1)  # empty: scale 1
-        scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
+        scale = _descale(amax)
         return (xf / scale).to(FP8_DTYPE), scale
     blocks = -(-s // block_rows)
     padded = torch.nn.functional.pad(mag, (0, 0, 0, 0, 0, blocks * block_rows - s))
     amax = padded.reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
-    scale = torch.where(amax > 0, amax * INV_E4M3_MAX, torch.ones_like(amax))
+    scale = _descale(amax)
     rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
     return (xf / rows).to(FP8_DTYPE), _tag_blocks(scale.permute(0, 2, 1).contiguous(), block_rows)
 
@@ -432,13 +440,22 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
 
 
 def check_descale_data(descales: dict) -> None:
-    """FA3GEN_DEBUG_CHECKS=1: every descale finite and not negative (0 is right for a block of
-    zeros). Reads them on the host: a device sync per call."""
+    """FA3GEN_DEBUG_CHECKS=1: every descale finite and not negative, and not 0 where the kernels
+    would give NaN: a 0 suits only a block of k (a block of zeros; the kernel takes it) and a v
+    descale of one value or one per (batch, head); q_descale, k's of one value or per head,
+    and v's per block must be positive. Reads them on the host: a device sync per call. A
+    descale of the wrong kind (dtype, layout, device) is left to _descale_view's message."""
     for name in DESCALE_NAMES:
         t = descales.get(name)
-        if isinstance(t, torch.Tensor):  # anything else: _descale_view says what is wrong
-            ops.check_entries(name, t, ~(torch.isfinite(t) & (t >= 0)),
-                              "descales must be finite and not negative")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or \
+                t.layout != torch.strided or t.is_meta:
+            continue
+        zero_ok = t.dim() == 3 if name == "k_descale" else t.dim() < 3 if name == "v_descale" \
+            else False
+        floor = t >= 0 if zero_ok else t > 0
+        ops.check_entries(name, t, ~(torch.isfinite(t) & floor),
+                          "descales must be finite and not negative" if zero_ok else
+                          "this descale must be finite and positive (a 0 here gives NaN)")
 
 
 def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: dict, out_dtype,

@@ -132,6 +132,17 @@ def test_quantize_keeps_an_infinite_scope_infinite():
     assert scale[0, 1, 0].isinf() and scale.isfinite().sum() == 5
 
 
+def test_quantize_a_scope_too_small_for_its_descale_gives_no_nan():
+    """An fp32 scope whose largest magnitude times 1/448 rounds to 0 (below 448 x 2^-150): its
+    descale is 1, as a scope of zeros', not 0 (which made 0 / 0 = NaN values)."""
+    x = torch.zeros(1, 64, 2, 64)
+    x[0, 0, 0, 0] = 1e-44
+    for block_rows in (None, 16):
+        values, scale = fp8.quantize(x, block_rows)
+        assert not values.float().isnan().any() and (scale > 0).all()
+        assert scale.flatten()[0] == 1.0
+
+
 def test_q_blocks_count_query_rows(fake_launches):
     """300 queries and 200 keys in tiles of 128: q takes 3 blocks, k 2."""
     q = torch.zeros(1, 300, 2, 128, dtype=torch.float8_e4m3fn)
