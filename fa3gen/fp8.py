@@ -58,6 +58,9 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
                                 f"{type(t).__name__}")
     if t.dtype != torch.float32:
         raise InvalidInputError(f"{name} must be float32, got {t.dtype}")
+    if t.layout != torch.strided:  # the kernel reads it by strides
+        raise InvalidInputError(f"{name} must be a dense (strided) tensor, got {t.layout}; "
+                                "pass .to_dense()")
     if t.device != device:
         raise InvalidInputError(f"{name} must be on {device} like q, got {t.device}")
     group = dims.heads_q // dims.heads_kv if name == "q_descale" else 1
@@ -246,8 +249,12 @@ def _check_quantize_inputs(q, k, v, hadamard: bool, seed) -> None:
     d = q.shape[3]
     if hadamard and (d < 1 or d & (d - 1)):
         raise InvalidInputError(f"quantize_fp8: hadamard=True needs a power-of-two head dim, got {d}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidInputError(f"quantize_fp8: seed must be an int, got {ops.shown(seed)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+        raise InvalidInputError(f"quantize_fp8: seed must be an int in [-2**63, 2**64) (a torch "
+                                f"generator's seed), got {ops.shown(seed)}")
+    if not q.device == k.device == v.device:  # the kernel and the signs take q's device
+        raise InvalidInputError(f"quantize_fp8: q, k, v must be on one device, got q: "
+                                f"{q.device}, k: {k.device}, v: {v.device}")
 
 
 def _describe(x) -> str:

@@ -88,6 +88,8 @@ def test_descale_views():
         fp8._descale_view("v_descale", torch.rand(2, 2).half(), dims, cpu, 2, 128)
     with pytest.raises(InvalidInputError, match="must be a float32 tensor"):
         fp8._descale_view("v_descale", 2.0, dims, cpu, 2, 128)
+    with pytest.raises(InvalidInputError, match="must be a dense .* got torch.sparse_coo"):
+        fp8._descale_view("k_descale", torch.ones(2, 2).to_sparse(), dims, cpu, 2, 128)
     with pytest.raises(InvalidInputError, match="must be on meta like q"):
         fp8._descale_view("q_descale", one, dims, torch.device("meta"), 3, 128)
     with pytest.raises(InvalidInputError, match=r"got shape \(0,\)"):  # not one value
@@ -456,6 +458,8 @@ def test_a_nan_does_not_reset_its_scopes_scale():
           v=torch.zeros(1, 8, 2, 96)), "power-of-two head dim"),
     (dict(seed=1.5), "seed must be an int"),
     (dict(seed=True), "seed must be an int"),
+    (dict(seed=2**64, hadamard=True), r"seed must be an int in \[-2\*\*63, 2\*\*64\)"),
+    (dict(v=torch.zeros(1, 8, 2, 64, device="meta")), "q, k, v must be on one device"),
     (dict(q=torch.zeros(1, 8, 2, 64, dtype=torch.float8_e4m3fn)), "16 bits or more"),
     (dict(q=torch.zeros(2, 8, 2, 64)), "same batch and head dim"),
     (dict(k=torch.zeros(1, 8, 0, 64), v=torch.zeros(1, 8, 0, 64)), "not a multiple"),
