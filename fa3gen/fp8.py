@@ -408,8 +408,14 @@ def _quantize_launch(lib, template, x, signs, rotary):
     return out, _tag_blocks(descale, block_rows)
 
 
-def check_call(q, k, v, mask: ops.Masking, out_dtype) -> torch.dtype:
-    """What an fp8 call may not ask for, before any tracing or launch; the output dtype."""
+def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = None) -> torch.dtype:
+    """What an fp8 call may not ask for, before any tracing or launch; the output dtype.
+    descales (the traced call's): each a tensor or None, as the custom op's schema takes them
+    (their shapes are checked when the op runs)."""
+    for name, t in (descales or {}).items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InvalidInputError(f"{name} must be a float32 tensor or None, got "
+                                    f"{type(t).__name__}")
     if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
         raise InvalidInputError("fp8 attention is forward only: q, k, v must not require grad "
                                 "(run it under torch.no_grad() or detach them)")

@@ -1307,7 +1307,7 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
         check_device(q, k, v)
         dims = check_inputs(q, k, v)
         if fp8:
-            out_dtype = _fp8.check_call(q, k, v, mask, out_dtype)
+            out_dtype = _fp8.check_call(q, k, v, mask, out_dtype, descales)
         # Tracing only checks that the key (or the named variant) is built. A default call
         # leaves the choice to the op ("" below), which makes it when it runs, by the call's
         # length as eager calls do (the spec's seqlen_k range defaults; fp8 block descales are

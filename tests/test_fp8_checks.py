@@ -530,3 +530,14 @@ def test_block_descales_made_for_other_tiles_are_refused(fake_launches, monkeypa
     monkeypatch.setenv("FA3GEN_DEBUG_CHECKS", "1")  # a non-tensor descale: the same clear error
     with pytest.raises(InvalidInputError, match="q_descale must be a float32 tensor"):
         ops.flash_attn_func(q8, q8, q8, causal=True, q_descale=2.0)
+
+
+def test_a_non_tensor_descale_under_compile_is_the_eager_error(fake_launches):
+    """The custom op's schema takes tensors: a float descale in a compiled call is refused while
+    tracing with the eager call's message (it failed in dynamo on the schema)."""
+    q8 = torch.zeros(1, 64, 2, 128, dtype=torch.float8_e4m3fn)
+    torch._dynamo.reset()
+    call = torch.compile(lambda q: ops.flash_attn_func(q, q, q, causal=True, k_descale=2.0),
+                         fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="k_descale must be a float32 tensor or None, got float"):
+        call(q8)
