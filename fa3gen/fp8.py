@@ -454,16 +454,19 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
 
 def check_descale_data(descales: dict) -> None:
     """FA3GEN_DEBUG_CHECKS=1: every descale finite and not negative, and not 0 where the kernels
-    would give NaN: a 0 suits only a block of k (a block of zeros; the kernel takes it) and a v
-    descale of one value or one per (batch, head); q_descale, k's of one value or per head,
-    and v's per block must be positive. Reads them on the host: a device sync per call. A
+    would give NaN: a 0 suits only a block of k read per block (a block of zeros; the kernel
+    takes it) and a v descale the kernel does not read per block; q_descale, k's that scale
+    whole rows (one value, per head, one block) and v's read per block must be positive. Reads them on the host: a device sync per call. A
     descale of the wrong kind (dtype, layout, device) is left to _descale_view's message."""
     for name in DESCALE_NAMES:
         t = descales.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or \
                 t.layout != torch.strided or t.is_meta:
             continue
-        zero_ok = t.dim() == 3 if name == "k_descale" else t.dim() < 3 if name == "v_descale" \
+        # per block as the kernel reads it: a block stride that is not 0 (_descale_view gives
+        # 0 to one block, one value and an expanded block dim: those scale the whole row)
+        per_block = t.dim() == 3 and t.shape[2] > 1 and t.stride(2) != 0
+        zero_ok = per_block if name == "k_descale" else not per_block if name == "v_descale" \
             else False
         floor = t >= 0 if zero_ok else t > 0
         ops.check_entries(name, t, ~(torch.isfinite(t) & floor),

@@ -228,12 +228,18 @@ QKV = ("q", "k", "v")
 
 
 def _check_tensors(q, k, v, names: tuple = QKV) -> None:
-    """names: the three as the caller's signature names them (k_cache, v_cache: the cache's)."""
+    """names: the three as the caller's signature names them (k_cache, v_cache: the cache's).
+    One test a tensor here (this runs on every call); the message is found on a failure."""
+    for t in (q, k, v):
+        if not isinstance(t, torch.Tensor) or t.is_nested:
+            _refuse_tensors(q, k, v, names)
+
+
+def _refuse_tensors(q, k, v, names: tuple) -> None:
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_nested:  # checked inline: this runs on every call
-            refuse_nested(name, t)
+        refuse_nested(name, t)
 
 
 def refuse_nested(name: str, t: torch.Tensor) -> None:

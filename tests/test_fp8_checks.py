@@ -421,10 +421,17 @@ def test_debug_checks_catch_bad_descales(fake_launches, monkeypatch):
         ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.tensor([-2.0]))
     # 0 where the kernels would give NaN (the scores' scale, a per-block v's ratio): refused
     ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.zeros(1))
+    # (per block means as the kernel reads it: more than one block, a block stride that is
+    # not 0; one block, or an expanded block dim, scales whole rows)
     for name, zero in (("q_descale", torch.zeros(1)), ("k_descale", torch.zeros(b, h)),
-                       ("v_descale", good.clone())):
+                       ("v_descale", good.clone()),
+                       ("k_descale", torch.zeros(b, h, 1).expand(b, h, 2))):
         with pytest.raises(InvalidInputError, match=f"{name}.* 0 here gives NaN"):
             ops.flash_attn_func(q, k, v, causal=True, **{name: zero})
+    one_block = torch.zeros(b, 100, h, 128, dtype=torch.float8_e4m3fn)  # 100 keys: one tile
+    with pytest.raises(InvalidInputError, match="k_descale.* 0 here gives NaN"):
+        ops.flash_attn_func(q, one_block, one_block, causal=True, k_descale=torch.zeros(b, h, 1))
+    ops.flash_attn_func(q, one_block, one_block, causal=True, v_descale=torch.zeros(b, h, 1))
     # a descale of the wrong dtype: the eager calls' message, not torch's from the read
     with pytest.raises(InvalidInputError, match="float32"):
         ops.flash_attn_func(q, k, v, causal=True, k_descale=good.to(torch.float8_e4m3fn))
