@@ -82,28 +82,32 @@ def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> tuple:
     """(max_seqlen_q, max_seqlen_k) as Python ints (a numpy integer too, as flash-attn takes
     it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic). One read from
     a tensor inside a compiled graph (`(cu[1:] - cu[:-1]).max().item()` with
-    capture_scalar_outputs) has no value while tracing: its checks become torch._check_with
+    capture_scalar_outputs) has no value while tracing: its checks become torch._check
     assertions that run with the graph; any other value is checked as it is."""
     if torch.compiler.is_compiling():  # (dynamo shows a SymInt as an int)
         from torch.fx.experimental.symbolic_shapes import guard_or_false as known
+        from torch.fx.experimental.symbolic_shapes import statically_known_true as sure
     else:
-        known = bool
+        known = sure = bool
     ints = []
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         rule = f"{name} must be an int in [1, 2**31) (the longest sequence)"
         if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or \
                 known(m <= 0) or known(m > INT32_MAX):
             raise InvalidInputError(f"{rule}, got {ops.shown(m)}")
-        if known is not bool:  # a value known only when the graph runs: checked then
-            torch._check_with(InvalidInputError, m >= 1, lambda rule=rule: rule)
-            torch._check_with(InvalidInputError, m <= INT32_MAX, lambda rule=rule: rule)
+        # a value known only when the graph runs: checked then, by torch's assertion (torch
+        # 2.11's dynamo cannot trace torch._check_with's message function; a constant or a
+        # guarded value is already known here)
+        for holds in ((m >= 1, m <= INT32_MAX) if sure is not bool else ()):
+            if not sure(holds):
+                torch._check(holds)
         ints.append(m if isinstance(m, (int, torch.SymInt)) else int(m))
     rule = ("max_seqlen_q + max_seqlen_k must be at most 2**30 - 1; they bound the longest "
             "sequences, not the totals")
     if known(ints[0] + ints[1] > INT32_MAX // 2):  # the kernels' mask arithmetic (masking_args)
         raise InvalidInputError(f"{rule}, got {ints[0]} + {ints[1]}")
-    if known is not bool:
-        torch._check_with(InvalidInputError, ints[0] + ints[1] <= INT32_MAX // 2, lambda: rule)
+    if sure is not bool and not sure(ints[0] + ints[1] <= INT32_MAX // 2):
+        torch._check(ints[0] + ints[1] <= INT32_MAX // 2)
     return tuple(ints)
 
 
