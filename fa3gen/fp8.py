@@ -75,8 +75,15 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
                 f"{name} holds blocks of {made_for} rows (from fa3gen.quantize_fp8 or "
                 f"fa3gen.fp8.quantize), but this call's variant reads blocks of {block_rows}: "
                 "quantize with the call's causal and variant (fa3gen.fp8.block_sizes)")
-        return t, (t.stride(0), t.stride(1), t.stride(2) if blocks > 1 else 0), 1
+        return t, (t.stride(0), t.stride(1), t.stride(2) if _read_per_block(t) else 0), 1
     raise InvalidInputError(f"{name} must have {want}, got shape {tuple(t.shape)}")
+
+
+def _read_per_block(t: torch.Tensor) -> bool:
+    """Whether the kernels read a (batch, heads, blocks) descale block by block: more than one
+    block and a block stride that is not 0; otherwise it scales whole rows (the kernels then
+    take it as one per head, its block stride 0)."""
+    return t.dim() == 3 and t.shape[2] > 1 and t.stride(2) != 0
 
 
 def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple[int, int]:
@@ -455,17 +462,16 @@ def _fwd_fp8_fake(q, k, v, q_descale, k_descale, v_descale, causal, softmax_scal
 def check_descale_data(descales: dict) -> None:
     """FA3GEN_DEBUG_CHECKS=1: every descale finite and not negative, and not 0 where the kernels
     would give NaN: a 0 suits only a block of k read per block (a block of zeros; the kernel
-    takes it) and a v descale the kernel does not read per block; q_descale, k's that scale
-    whole rows (one value, per head, one block) and v's read per block must be positive. Reads them on the host: a device sync per call. A
-    descale of the wrong kind (dtype, layout, device) is left to _descale_view's message."""
+    takes it) and a v descale not read per block (_read_per_block); q_descale, k's that scale
+    whole rows and v's read per block must be positive. Reads them on the host: a device sync
+    per call. A descale of the wrong kind (dtype, layout, device) is left to _descale_view's
+    message."""
     for name in DESCALE_NAMES:
         t = descales.get(name)
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or \
                 t.layout != torch.strided or t.is_meta:
             continue
-        # per block as the kernel reads it: a block stride that is not 0 (_descale_view gives
-        # 0 to one block, one value and an expanded block dim: those scale the whole row)
-        per_block = t.dim() == 3 and t.shape[2] > 1 and t.stride(2) != 0
+        per_block = _read_per_block(t)
         zero_ok = per_block if name == "k_descale" else not per_block if name == "v_descale" \
             else False
         floor = t >= 0 if zero_ok else t > 0

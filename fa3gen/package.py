@@ -142,14 +142,16 @@ _PLACE_FLAGS = ("-ccbin", "--compiler-bindir", "-I", "-isystem", "--include-path
 def _changes_the_code(flags) -> bool:
     """Whether an nvcc flags string holds anything but _PLACE_FLAGS (and their values)."""
     import shlex
+    if not isinstance(flags, str):  # not what a build records: say it
+        return True
     try:
-        tokens = shlex.split(flags) if isinstance(flags, str) else [None]
+        tokens = shlex.split(flags)
     except ValueError:  # an unclosed quote: nvcc would not have taken it either
         return True
     i = 0
     while i < len(tokens):
         t = tokens[i]
-        if not isinstance(t, str) or not t.startswith(_PLACE_FLAGS):
+        if not t.startswith(_PLACE_FLAGS):
             return True
         i += 2 if t in _PLACE_FLAGS else 1  # "-ccbin PATH": the value is the next token
     return False

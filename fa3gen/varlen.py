@@ -78,36 +78,40 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return Dims(cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, hq, hkv, d, _DTYPES[q.dtype])
 
 
+def _violated(bad, holds) -> bool:
+    """While compiling (dynamo shows a SymInt as an int): whether a check's condition is known
+    not to hold, `bad` (the caller raises; `holds` its negation, written out: dynamo traces no
+    negation of a symbolic bool). One known only when the graph runs (a max_seqlen read from a
+    tensor there) is asserted then, by torch._check (torch's assertion: torch 2.11's dynamo
+    cannot trace torch._check_with's message function)."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+    if guard_or_false(bad):
+        return True
+    if not statically_known_true(holds):
+        torch._check(holds)
+    return False
+
+
 def _check_max_seqlen(max_seqlen_q, max_seqlen_k) -> tuple:
     """(max_seqlen_q, max_seqlen_k) as Python ints (a numpy integer too, as flash-attn takes
-    it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic). One read from
-    a tensor inside a compiled graph (`(cu[1:] - cu[:-1]).max().item()` with
-    capture_scalar_outputs) has no value while tracing: its checks become torch._check
-    assertions that run with the graph; any other value is checked as it is."""
-    if torch.compiler.is_compiling():  # (dynamo shows a SymInt as an int)
-        from torch.fx.experimental.symbolic_shapes import guard_or_false as known
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as sure
-    else:
-        known = sure = bool
+    it; a torch.SymInt stays one: a max_seqlen that torch.compile made dynamic, or one read
+    from a tensor inside the graph, `(cu[1:] - cu[:-1]).max().item()` with
+    capture_scalar_outputs, whose checks run with the graph: _violated)."""
+    compiling = torch.compiler.is_compiling()
     ints = []
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        rule = f"{name} must be an int in [1, 2**31) (the longest sequence)"
-        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or \
-                known(m <= 0) or known(m > INT32_MAX):
-            raise InvalidInputError(f"{rule}, got {ops.shown(m)}")
-        # a value known only when the graph runs: checked then, by torch's assertion (torch
-        # 2.11's dynamo cannot trace torch._check_with's message function; a constant or a
-        # guarded value is already known here)
-        for holds in ((m >= 1, m <= INT32_MAX) if sure is not bool else ()):
-            if not sure(holds):
-                torch._check(holds)
+        if isinstance(m, bool) or not isinstance(m, (numbers.Integral, torch.SymInt)) or (
+                _violated(m <= 0, m >= 1) or _violated(m > INT32_MAX, m <= INT32_MAX)
+                if compiling else m <= 0 or m > INT32_MAX):
+            raise InvalidInputError(f"{name} must be an int in [1, 2**31) (the longest "
+                                    f"sequence), got {ops.shown(m)}")
         ints.append(m if isinstance(m, (int, torch.SymInt)) else int(m))
-    rule = ("max_seqlen_q + max_seqlen_k must be at most 2**30 - 1; they bound the longest "
-            "sequences, not the totals")
-    if known(ints[0] + ints[1] > INT32_MAX // 2):  # the kernels' mask arithmetic (masking_args)
-        raise InvalidInputError(f"{rule}, got {ints[0]} + {ints[1]}")
-    if sure is not bool and not sure(ints[0] + ints[1] <= INT32_MAX // 2):
-        torch._check(ints[0] + ints[1] <= INT32_MAX // 2)
+    total = ints[0] + ints[1]  # the kernels' mask arithmetic (masking_args)
+    if _violated(total > INT32_MAX // 2, total <= INT32_MAX // 2) if compiling else \
+            total > INT32_MAX // 2:
+        raise InvalidInputError(f"max_seqlen_q + max_seqlen_k must be at most 2**30 - 1, got "
+                                f"{ints[0]} + {ints[1]}; they bound the longest "
+                                "sequences, not the totals")
     return tuple(ints)
 
 

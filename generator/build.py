@@ -105,19 +105,24 @@ class Plan:
         return {v.name for v in self.defaults.values() if v.name in built}
 
 
+def _pruned_lines(pruned: list) -> list[str]:
+    """Each pruned variant with its constraint; past ten, each constraint once with its count
+    and an example (a large spec prunes thousands)."""
+    if len(pruned) <= 10:
+        return [f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in pruned]
+    by_constraint: dict = {}
+    for x in pruned:
+        by_constraint.setdefault(x.constraint, []).append(x)
+    return [f"  {name} ({len(xs)}): {xs[0].reason}, e.g. {xs[0].variant.name}"
+            for name, xs in by_constraint.items()]
+
+
 def plan(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = ()) -> Plan:
     spec = load_spec(resolve_spec_path(str(spec_path)))
     en = enumerate_variants(spec)
-    if not en.kept:  # each variant; past ten, by constraint with an example (a large spec
-        by_constraint: dict = {}  # prunes thousands)
-        for x in en.pruned:
-            by_constraint.setdefault(x.constraint, []).append(x)
-        lines = ([f"  {x.variant.name}: {x.constraint}: {x.reason}" for x in en.pruned]
-                 if len(en.pruned) <= 10 else
-                 [f"  {name} ({len(xs)}): {xs[0].reason}, e.g. {xs[0].variant.name}"
-                  for name, xs in by_constraint.items()])
+    if not en.kept:
         raise spec.error(f"the spec leaves no variant; each one is pruned ({len(en.pruned)}):\n"
-                         + "\n".join(lines))
+                         + "\n".join(_pruned_lines(en.pruned)))
     # Dispatch resolves over the whole spec so a filter cannot make an entry "match nothing".
     en.warnings += unmatched_values(spec, en)
     defaults = resolve_dispatch(spec, en.kept)
