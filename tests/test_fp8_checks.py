@@ -402,9 +402,8 @@ def test_kernel_block_values_is_the_quantizer_kernels():
 
 def test_debug_checks_catch_bad_descales(fake_launches, monkeypatch):
     """FA3GEN_DEBUG_CHECKS=1 reads the descales on the host: NaN, inf or negative values raise
-    (naming the entry), 0 passes for a k block and a v descale of one value, not where the
-    kernels would give NaN; without the switch nothing is read (the kernels propagate a NaN
-    instead)."""
+    (naming the entry), 0 passes everywhere; without the switch nothing is read (the kernels
+    propagate a NaN instead)."""
     b, s, h = 1, 256, 2
     q = k = v = torch.zeros(b, s, h, 128, dtype=torch.float8_e4m3fn)
     good = torch.ones(b, h, 2)
@@ -419,19 +418,11 @@ def test_debug_checks_catch_bad_descales(fake_launches, monkeypatch):
                 ops.flash_attn_func(q, k, v, causal=True, k_descale=bad)
     with pytest.raises(InvalidInputError, match=r"v_descale\[0\] is -2.0"):
         ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.tensor([-2.0]))
-    # 0 where the kernels would give NaN (the scores' scale, a per-block v's ratio): refused
-    ops.flash_attn_func(q, k, v, causal=True, v_descale=torch.zeros(1))
-    # (per block means as the kernel reads it: more than one block, a block stride that is
-    # not 0; one block, or an expanded block dim, scales whole rows)
+    # 0 anywhere: the attention of zeros on that side (tests/gpu/test_fp8.py runs them)
     for name, zero in (("q_descale", torch.zeros(1)), ("k_descale", torch.zeros(b, h)),
                        ("v_descale", good.clone()),
                        ("k_descale", torch.zeros(b, h, 1).expand(b, h, 2))):
-        with pytest.raises(InvalidInputError, match=f"{name}.* 0 here gives NaN"):
-            ops.flash_attn_func(q, k, v, causal=True, **{name: zero})
-    one_block = torch.zeros(b, 100, h, 128, dtype=torch.float8_e4m3fn)  # 100 keys: one tile
-    with pytest.raises(InvalidInputError, match="k_descale.* 0 here gives NaN"):
-        ops.flash_attn_func(q, one_block, one_block, causal=True, k_descale=torch.zeros(b, h, 1))
-    ops.flash_attn_func(q, one_block, one_block, causal=True, v_descale=torch.zeros(b, h, 1))
+        ops.flash_attn_func(q, k, v, causal=True, **{name: zero})
     # a descale of the wrong dtype: the eager calls' message, not torch's from the read
     with pytest.raises(InvalidInputError, match="float32"):
         ops.flash_attn_func(q, k, v, causal=True, k_descale=good.to(torch.float8_e4m3fn))

@@ -50,10 +50,14 @@ int launch_fwd(const fa3gen_fwd_params& a, cudaStream_t stream) {
   }();
 
   const int m_blocks = (a.seqlen_q + TileM - 1) / TileM;
-  // Tile indices (pairs round up, plus 2 * grid) are ints; clusters walk m_blocks rounded up to them.
+  // Tile indices (pairs round up, plus 2 * grid) are ints; clusters walk m_blocks rounded up to
+  // them. Varlen walks its tile list, bounded by total_q rather than by max_seqlen_q's tiles
+  // for every sequence.
   const int64_t walked_blocks = (m_blocks + Traits::kClusterM - 1) / Traits::kClusterM * Traits::kClusterM;
-  if (walked_blocks * a.heads_q * a.batch > INT32_MAX / 2) {
-    fa3gen_set_error("too many query tiles for one launch (m_blocks * heads * batch > 2^30)");
+  const int64_t query_tiles = Varlen ? FA3GEN_VARLEN_TILES(a.total_q, a.batch, TileM) * a.heads_q
+                                     : walked_blocks * a.heads_q * a.batch;
+  if (query_tiles > INT32_MAX / 2) {
+    fa3gen_set_error("too many query tiles for one launch (more than 2^30 - 1 tiles times heads)");
     return 1;
   }
   TileSchedule schedule;

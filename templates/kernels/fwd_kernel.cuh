@@ -60,7 +60,8 @@ fwd_kernel(__grid_constant__ const FwdParams<Traits> p) {
       const float qk = p.descale.q_(tile.batch, tile.head, tile.block) *
                        (p.descale.k_blocks() ? 1.f : p.descale.k_(tile.batch, head_kv, 0));
       const float v_tile = p.descale.v_blocks() ? 1.f : p.descale.v_(tile.batch, head_kv, 0);
-      typename Mainloop::Softmax softmax(p.scale_log2 * qk, kRescaleThresholdFp8P);
+      using Softmax = typename Mainloop::Softmax;
+      Softmax softmax(Softmax::floored(p.scale_log2 * qk, Softmax::kTileScaleFloor), kRescaleThresholdFp8P);
       mainloop.mma(tile, seq, blocks, turns, softmax, tOrO, tid);
       store_fwd_tile(p, smem, tile, seq, softmax, tOrO, tid, p.lse_scale * qk,
                      v_tile * mainloop.o_units);

@@ -28,6 +28,16 @@ struct OnlineSoftmax {
     for (int r = 0; r < Rows; ++r) { row_max[r] = -INFINITY; row_sum[r] = 0.f; }
   }
 
+  // Floors of the fp8 scales, which multiply raw e4m3 dot products of at most 448^2 * 256 <
+  // 2^26: a tile's scale (the softmax scale times the q and k descales) below 2^-60 leaves
+  // every exponent within 2^-34 of 0, as the floor does, and a key block's factor below 2^-63
+  // leaves it within 2^-37 times the tile's scale. So a descale of 0 (the attention of zeros on
+  // that side) gives equal weights over the visible keys, and a block's multiplier, at least
+  // 2^-123 > FLT_MIN, cannot underflow to 0, which would turn a masked -inf into NaN. A NaN is
+  // kept (x < floor is false) and shows in the output.
+  static constexpr float kTileScaleFloor = 0x1p-60f, kBlockScaleFloor = 0x1p-63f;
+  __device__ __forceinline__ static float floored(float x, float floor) { return x < floor ? floor : x; }
+
   // A row's max and sum run as Chains independent chains (column c in chain c % Chains):
   // while one warpgroup's softmax runs, the other holds the tensor cores and no other warp on
   // the scheduler has work, so one serial chain of dependent FMNMX/FADD exposes its latency
@@ -63,9 +73,8 @@ struct OnlineSoftmax {
   }
   // The same on the scores S * block_scale (a factor of this key block, e.g. its fp8 descale),
   // without multiplying them: the block's maximum and the exponent's multiplier take the factor
-  // instead, one multiply per row instead of one per score. A factor of 0 (a block of zeros:
-  // its scores are 0) is taken as 1e-30, so that a masked -inf times it stays -inf; a NaN
-  // stays NaN and shows in the output.
+  // instead, one multiply per row instead of one per score. The factor is floored at
+  // kBlockScaleFloor (a block of zeros, descale 0: its scores are 0).
   // between(): called once every row's maximum is known and before the first exponential
   // (the rows' two phases then run as two loops); without it each row runs both in turn. It
   // returns an int that is 0 at run time but not to the compiler: the exponentials take it in,
@@ -73,7 +82,7 @@ struct OnlineSoftmax {
   struct NoHook {};
   template <class TS, class Hook = NoHook>
   __device__ __forceinline__ bool step(TS& S, float (&rescale)[Rows], float block_scale, Hook&& between = {}) {
-    return step_impl<true>(S, rescale, block_scale == 0.f ? 1e-30f : block_scale, between);
+    return step_impl<true>(S, rescale, floored(block_scale, kBlockScaleFloor), between);
   }
   // Unscaled, with between() called before row HookRow's exponentials (the two phases).
   template <int HookRow, class TS, class Hook>

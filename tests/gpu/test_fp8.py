@@ -181,6 +181,44 @@ def test_fp8_k_block_descale_zero_and_nan(info):
     assert out.isnan().all() and lse.isnan().all()
 
 
+@pytest.mark.parametrize("case", ["q_zero", "k_tensor_zero", "k_head_zero", "q_and_k_block_zero",
+                                  "tiny", "v_block_zero"])
+@pytest.mark.parametrize("info", [v for v in VARIANTS if v.is_default], ids=lambda v: v.name)
+def test_fp8_zero_descales_match_reference(info, case):
+    """A descale of 0 is the attention of zeros on that side: a 0 q descale or k descale of one
+    value or one head gives every score 0 (equal weights over the visible keys, LSE the log of
+    their count), a 0 v block descale removes that block's values from the output (here over
+    v values that are not zero), and a 0 q descale together with a 0 k block one, or q and k
+    descales whose product underflows fp32 (1e-20 each), stay finite. Checked against the fp64
+    reference where the mask (causal, and the last block's rows past the keys) covers scores:
+    before the kernels floored their scales these gave NaN."""
+    g = torch.Generator(device="cuda").manual_seed(21)
+    b, s, hq, hkv, d = 2, 2 * info.tile_n + 37, 4, 2, info.head_dim
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", generator=g) for h in (hq, hkv, hkv))
+    (q8, qd), (k8, kd), (v8, vd) = (fp8.quantize(x, blk) for x, blk in
+                                    ((q, info.tile_m), (k, info.tile_n), (v, info.tile_n)))
+    if case == "q_zero":
+        qd = torch.zeros(b, hkv, device="cuda")
+    elif case == "k_tensor_zero":
+        kd = torch.zeros(1, device="cuda")
+    elif case == "k_head_zero":
+        kd = torch.rand(b, hkv, device="cuda", generator=g) + 0.5
+        kd[:, 1] = 0
+    elif case == "q_and_k_block_zero":
+        qd[:, :, 0] = 0
+        kd[:, :, 0] = 0
+    elif case == "tiny":
+        qd, kd = torch.full_like(qd, 1e-20), torch.full_like(kd, 1e-20)
+    else:
+        vd[:, :, 0] = 0  # the first block: O has no units yet
+        vd[:, 0, 2] = 0  # the last one, on one head
+    descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
+    out, lse = _run(q8, k8, v8, descales, info.causal, info.name, poison=7.0)
+    res = compare_fp8_to_reference(out, lse, q8, k8, v8, descales, info.causal, info.tile_n,
+                                   block_q=info.tile_m)
+    assert res["ok"], res["why"]
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_quantize_fp8_end_to_end(hadamard):
     """fa3gen.quantize_fp8 (block scales at the serving variant's tiles) into flash_attn_func,

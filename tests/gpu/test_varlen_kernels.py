@@ -357,3 +357,18 @@ def test_understated_max_seqlen_still_computes_every_tile(lib, fwd_varlen_key):
     torch.cuda.synchronize()
     res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
     assert res["ok"], res["why"][:1000]
+
+
+def test_generous_max_seqlen_over_many_sequences(lib, fwd_varlen_key):
+    """The launch's tile bound counts the tile list (from total_q), not max_seqlen_q's tiles
+    for every sequence: a max_seqlen_q of 3 * 2^20 over 2048 short sequences and 32 heads
+    (2^30 tiles and more by that count) runs and gives the right answer."""
+    dtype, d, causal = fwd_varlen_key
+    rng = random.Random(7)
+    lengths = [(rng.randint(1, 3), rng.randint(0, 3)) for _ in range(2048)]
+    q, k, v, cu_q, cu_k, _, mk = packed(lengths, 32, 4, d, DTYPES[dtype], seed=39)
+    out, lse = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3 << 20, mk, causal=causal,
+                                      return_lse=True)
+    torch.cuda.synchronize()
+    res = compare_varlen_to_reference(out, lse, q, k, v, cu_q, cu_k, causal)
+    assert res["ok"], res["why"][:1000]
