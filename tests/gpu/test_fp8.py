@@ -188,8 +188,9 @@ def test_fp8_zero_descales_match_reference(info, case):
     """A descale of 0 is the attention of zeros on that side: a 0 q descale or k descale of one
     value or one head gives every score 0 (equal weights over the visible keys, LSE the log of
     their count), a 0 v block descale removes that block's values from the output (here over
-    v values that are not zero), and a 0 q descale together with a 0 k block one, or q and k
-    descales whose product underflows fp32 (1e-20 each), stay finite. Checked against the fp64
+    v values that are not zero; first, last, a run and all of a head's blocks), and a 0 q
+    descale together with a 0 k block one, or q and k descales of 1e-20 (the tile's scale
+    times a block's factor underflows fp32), stay finite. Checked against the fp64
     reference where the mask (causal, and the last block's rows past the keys) covers scores:
     before the kernels floored their scales these gave NaN."""
     g = torch.Generator(device="cuda").manual_seed(21)
@@ -209,14 +210,18 @@ def test_fp8_zero_descales_match_reference(info, case):
         kd[:, :, 0] = 0
     elif case == "tiny":
         qd, kd = torch.full_like(qd, 1e-20), torch.full_like(kd, 1e-20)
-    else:
-        vd[:, :, 0] = 0  # the first block: O has no units yet
-        vd[:, 0, 2] = 0  # the last one, on one head
+    else:  # key blocks are visited from the last down
+        vd[:, 0, 2] = 0  # head 0: the first visited (O has no units yet) ...
+        vd[:, 0, 0] = 0  # ... and the last (its negative units reach the epilogue)
+        vd[0, 1, :2] = 0  # batch 0, head 1: a run of two
+        vd[1, 1, :] = 0  # batch 1, head 1: every block (output 0)
     descales = {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     out, lse = _run(q8, k8, v8, descales, info.causal, info.name, poison=7.0)
     res = compare_fp8_to_reference(out, lse, q8, k8, v8, descales, info.causal, info.tile_n,
                                    block_q=info.tile_m)
     assert res["ok"], res["why"]
+    if case == "v_block_zero":  # the query heads of kv head 1 in batch 1 see only zero blocks
+        assert out[1, :, hq // hkv:].float().abs().max() < 1e-20
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
