@@ -19,7 +19,6 @@
 // fp32 accumulator into the e4m3 A operand inside each thread (p_to_fp8); the key order that
 // leaves in P's registers is matched by the order the transpose writes V^T's columns in.
 #pragma once
-#include <cfloat>
 #include <cutlass/arch/barrier.h>
 #include "barriers.cuh"
 #include "fwd_traits.cuh"
@@ -558,9 +557,7 @@ struct FwdMainloop {
     };
     float rescale[kRows];
     bool rescale_o = true;  // this thread's O rows need their factors (softmax.cuh: threshold)
-    // With V block descales the units start at the smallest normal float, so that a 0 first
-    // block (softmax_block) adds nothing at any scale of the later ones; O is still 0 then.
-    o_units = Traits::kFp8 && p.descale.v_blocks() ? FLT_MIN : 1.f;
+    o_units = 1.f;
     // Warpgroup 0 starts its exponentials when warpgroup 1 has finished its own (kStagger).
     // bar.red.popc both times: ptxas moves arithmetic across a plain bar.sync (it put
     // exponentials on both sides), so warpgroup 0's exponentials take in the first one's
@@ -617,17 +614,18 @@ struct FwdMainloop {
         // Block quantization of V: O so far is in units of the previous block's factor; P V(j)
         // adds in units of this one, so O is rescaled by their ratio along with the softmax's
         // factor (O is still 0 at the first block). A factor of 0 (the attention of zeros,
-        // whatever finite values the block holds) takes units -2^-40 times the previous
-        // block's (at least FLT_MIN in magnitude): what P V adds is then 2^-40 of the same
-        // products in those units, and O grows by 2^40 at most. Negative units (descales are
-        // never negative) mark a run of such blocks, which keeps them, so that O grows once;
-        // the sign cancels when the epilogue multiplies O by its units. A register for the last
-        // nonzero factor instead cost 0.5-1.4% on per-tensor calls (H100).
+        // whatever finite values the block holds) takes units -2^-64 times the previous
+        // block's: what P V adds is then 2^-64 of the same products in those units, and O grows
+        // by 2^64 at most. Negative units (descales are never negative) mark a run of such
+        // blocks, which keeps them, so that O grows once; the sign cancels when the epilogue
+        // multiplies O by its units. Limits: after a factor below 2^-62 the units flush to -0
+        // (NaN); O overflows once the visible keys times the spread of the row's factors reach
+        // about 2^46; a 0 first block adds 2^-64 of its values at units 1. What would lift them
+        // cost on per-tensor calls (H100): a register for the last nonzero factor 0.5-1.4%,
+        // units starting at FLT_MIN with -max(2^-40 x previous, FLT_MIN) about 2%.
         if (p.descale.v_blocks()) {
           const float v_descale = p.descale.v_(tile.batch, head_kv, n_block);
-          const float units = v_descale != 0.f ? v_descale
-                              : o_units < 0.f  ? o_units
-                                               : -fmaxf(o_units * 0x1p-40f, FLT_MIN);
+          const float units = v_descale != 0.f ? v_descale : o_units < 0.f ? o_units : o_units * -0x1p-64f;
           const float ratio = o_units / units;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kRows; ++r) rescale[r] *= ratio;

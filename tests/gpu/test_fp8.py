@@ -221,7 +221,8 @@ def test_fp8_zero_descales_match_reference(info, case):
                                    block_q=info.tile_m)
     assert res["ok"], res["why"]
     if case == "v_block_zero":  # the query heads of kv head 1 in batch 1 see only zero blocks
-        assert out[1, :, hq // hkv:].float().abs().max() < 1e-20
+        # (their values add 2^-64 of themselves at units 1: at most 448 * 2^-64, about 2.4e-17)
+        assert out[1, :, hq // hkv:].float().abs().max() < 1e-15
 
 
 @pytest.mark.parametrize("hadamard", [False, True])
