@@ -53,9 +53,7 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
     per_block = (dims.batch, heads, blocks)
     want = f"one value, {per_kv} (batch, heads_kv) or {per_block} (batch, heads, blocks of " \
            f"{block_rows} rows)"
-    if not isinstance(t, torch.Tensor):
-        raise InvalidInputError(f"{name} must be a float32 tensor ({want}) or None, got "
-                                f"{type(t).__name__}")
+    _refuse_non_tensor(name, t, want)
     if t.dtype != torch.float32:
         raise InvalidInputError(f"{name} must be float32, got {t.dtype}")
     if t.layout != torch.strided:  # the kernel reads it by strides
@@ -75,15 +73,16 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
                 f"{name} holds blocks of {made_for} rows (from fa3gen.quantize_fp8 or "
                 f"fa3gen.fp8.quantize), but this call's variant reads blocks of {block_rows}: "
                 "quantize with the call's causal and variant (fa3gen.fp8.block_sizes)")
-        return t, (t.stride(0), t.stride(1), t.stride(2) if _read_per_block(t) else 0), 1
+        return t, (t.stride(0), t.stride(1), t.stride(2) if blocks > 1 else 0), 1
     raise InvalidInputError(f"{name} must have {want}, got shape {tuple(t.shape)}")
 
 
-def _read_per_block(t: torch.Tensor) -> bool:
-    """Whether the kernels read a (batch, heads, blocks) descale block by block: more than one
-    block and a block stride that is not 0; otherwise it scales whole rows (the kernels then
-    take it as one per head, its block stride 0)."""
-    return t.dim() == 3 and t.shape[2] > 1 and t.stride(2) != 0
+def _refuse_non_tensor(name: str, t, want: str = "") -> None:
+    """A descale that is neither a tensor nor None: one message, eager (want: the shapes it may
+    have) or traced (their check waits for the op)."""
+    if t is not None and not isinstance(t, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a float32 tensor{f' ({want})' if want else ''} "
+                                f"or None, got {type(t).__name__}")
 
 
 def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple[int, int]:
@@ -420,9 +419,7 @@ def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = No
     descales (the traced call's): each a tensor or None, as the custom op's schema takes them
     (their shapes are checked when the op runs)."""
     for name, t in (descales or {}).items():
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise InvalidInputError(f"{name} must be a float32 tensor or None, got "
-                                    f"{type(t).__name__}")
+        _refuse_non_tensor(name, t)
     if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
         raise InvalidInputError("fp8 attention is forward only: q, k, v must not require grad "
                                 "(run it under torch.no_grad() or detach them)")

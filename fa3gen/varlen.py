@@ -14,6 +14,7 @@ max_seqlen is at least the longest sequence; seqused_k[b] lies within sequence b
 import numbers
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from fa3gen import ops, runtime
 from fa3gen import tracing as _trace
@@ -670,7 +671,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
             bool(deterministic),
             mask.window_left, mask.window_right, mask.softcap, seqused_k)
         return (out, lse) if return_lse else out
-    if ops._forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): rarely
+    if _forward_ad._current_level >= 0:  # inside forward_ad.dual_level(): rarely
         ops.refuse_tangents(q, k, v)
     plan = _eager_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                        softmax_scale, variant)
