@@ -78,6 +78,7 @@ def _check_int32_vector(name, t, batch, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be an int32 tensor of shape ({batch},), got "
                                 f"{type(t).__name__}")
+    ops.refuse_sparse(name, t)
     if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
         raise InvalidInputError(f"{name} must be int32 of shape ({batch},) on {device}, got "
                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
@@ -569,6 +570,8 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
                                 f"{'pages' if pages_or_b == 0 else 'rows'}: a paged cache needs "
                                 f"pages of at least one row, a contiguous one a sequence")
     if paged:
+        if isinstance(block_table, torch.Tensor):
+            ops.refuse_sparse("block_table", block_table)
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
                 block_table.dim() != 2 or block_table.shape[0] != b or \
                 block_table.device != q.device:

@@ -105,6 +105,9 @@ def real_number(x) -> float | None:
             raise InvalidInputError("under torch.compile, softmax_scale and softcap must be "
                                     "Python numbers, not tensors (pass float(t) from outside "
                                     "the compiled function)")
+        if x.requires_grad and torch.is_grad_enabled():  # float() would drop its gradient
+            raise InvalidInputError("softmax_scale and softcap take no gradient: pass a Python "
+                                    "number or a tensor that does not require grad (t.detach())")
     elif not isinstance(x, (numbers.Real, decimal.Decimal, torch.SymFloat, torch.SymInt)) and \
             not _is_numpy_real_0d(x):
         return None
@@ -231,7 +234,7 @@ def _check_tensors(q, k, v, names: tuple = QKV) -> None:
     """names: the three as the caller's signature names them (k_cache, v_cache: the cache's).
     One test a tensor here (this runs on every call); the message is found on a failure."""
     for t in (q, k, v):
-        if not isinstance(t, torch.Tensor) or t.is_nested:
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout is not torch.strided:
             _refuse_tensors(q, k, v, names)
 
 
@@ -240,6 +243,14 @@ def _refuse_tensors(q, k, v, names: tuple) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         refuse_nested(name, t)
+        refuse_sparse(name, t)
+
+
+def refuse_sparse(name: str, t: torch.Tensor) -> None:
+    """Sparse layouts have no strides or data pointer the kernels could read."""
+    if t.layout is not torch.strided:
+        raise InvalidInputError(f"{name} is a {str(t.layout).replace('torch.', '')} tensor; "
+                                f"fa3gen takes dense ones (pass {name}.to_dense())")
 
 
 def refuse_nested(name: str, t: torch.Tensor) -> None:

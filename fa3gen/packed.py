@@ -19,6 +19,7 @@ with the meaning and limits they have there.
 from __future__ import annotations
 
 import inspect
+import numbers
 import re
 
 import torch
@@ -95,8 +96,9 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
             raise InvalidInputError(f"qkv must be {lead}, 3, heads, head_dim), got "
                                     f"{_shape(qkv)}{hint}")
         return lambda tensors: tensors[0].unbind(batch_dims)
-    if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int):
+    if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, numbers.Integral):
         raise TypeError(f"num_heads_q must be an int, got {type(num_heads_q).__name__}")
+    num_heads_q = int(num_heads_q)  # numpy integers too, as the other int arguments
     heads = qkv.shape[batch_dims] if qkv.dim() == batch_dims + 2 else -1
     hkv = (heads - num_heads_q) // 2
     if heads < 0 or num_heads_q < 1 or hkv < 1 or num_heads_q + 2 * hkv != heads:

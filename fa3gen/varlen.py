@@ -54,6 +54,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        ops.refuse_sparse(name, cu)
         if cu.dtype != torch.int32:
             raise InvalidInputError(f"{name} must be int32, got {cu.dtype}")
         if cu.dim() != 1 or cu.shape[0] < 2:

@@ -61,6 +61,42 @@ def test_a_tensor_scale_under_compile_is_one_clear_error(fake_launches, name):
         call(q, torch.tensor(0.5))
 
 
+def test_a_tensor_scale_that_requires_grad_is_refused_not_detached(fake_launches):
+    """float() would read its value and drop the gradient a learnable temperature or cap
+    expects, silently; without grad mode, or detached, it is a number as before."""
+    q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    t = torch.tensor(0.5, requires_grad=True)
+    for call in (lambda s: ops.flash_attn_func(q, q, q, s),
+                 lambda s: ops.masking(False, (-1, -1), s)):  # softcap's check
+        with pytest.raises(InvalidInputError, match="softmax_scale and softcap take no gradient"):
+            call(t)
+        with torch.no_grad():
+            call(t)
+        call(t.detach())
+    assert len(fake_launches) == 2
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")  # beta
+def test_sparse_tensors_are_one_error(fake_launches):
+    """A sparse q went on to a misleading lse error; sparse index tensors raised inside torch."""
+    dense = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    for layout in ("to_sparse", "to_sparse_csr"):
+        sparse = getattr(dense[0, :, 0], layout)()
+        with pytest.raises(InvalidInputError, match=r"k is a sparse_\w+ tensor; .*k.to_dense\(\)"):
+            ops.flash_attn_func(dense, sparse, dense)
+    with pytest.raises(InvalidInputError, match="cu_seqlens_k is a sparse_coo tensor"):
+        fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], CU, CU.to_sparse(), 8, 8)
+    cache = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16)
+    seqlens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="cache_seqlens is a sparse_coo tensor"):
+        fa3gen.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=seqlens.to_sparse())
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match="block_table is a sparse_coo tensor"):
+        fa3gen.flash_attn_with_kvcache(q[:, :1], cache, cache, cache_seqlens=seqlens,
+                                       block_table=table.to_sparse())
+    assert not fake_launches
+
+
 def test_the_fp32_range_keeps_what_the_kernels_derive_finite_and_normal():
     """The bounds hold for the kernels' derived values (scale * log2(e), scale / softcap,
     softcap * log2(e)) at their extremes, in fp32."""

@@ -196,6 +196,14 @@ def test_non_tensors_and_bad_num_heads_q_are_type_errors():
         packed.flash_attn_qkvpacked_func(torch.zeros(B, S, 6, D, dtype=BF), num_heads_q=2.0)
 
 
+def test_num_heads_q_takes_numpy_integers(fake_launches):
+    np = pytest.importorskip("numpy")
+    qkv = torch.zeros(B, S, 4 + 2 * 2, D, dtype=BF)
+    packed.flash_attn_qkvpacked_func(qkv, num_heads_q=np.int64(4))
+    (f,) = _launches(fake_launches, "fwd")
+    assert (f.heads_q, f.heads_kv) == (4, 2)
+
+
 def test_flash_attn_2_positional_dropout_is_refused(fake_launches):
     """flash-attn 2 passes dropout_p second: 0.0 there is a softmax_scale here, and refused."""
     with pytest.raises(InvalidInputError, match="softmax_scale.*positional argument after the tensors is dropout_p"):
