@@ -270,7 +270,7 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
                     help="also list pruned variants and the constraint that dropped each")
     ls.set_defaults(func=cmd_list)
 
-    c = sub.add_parser("clean", help="remove generated/<spec> (or all of generated/)")
+    c = sub.add_parser("clean", help="remove the build of generated/<spec> (or every build in generated/)")
     c.add_argument("--spec", default=None, help="spec YAML path or name")
     c.set_defaults(func=cmd_clean)
 
