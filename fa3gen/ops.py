@@ -1152,11 +1152,19 @@ def static_head_dim(head_dim):
     """head_dim as a constant: under torch.compile with dynamic shapes (dynamic=True, or a
     recompile after a head_dim changed) it is a SymInt, which a constant function cannot take
     and int() does not make constant; comparing it with each head dim fa3gen builds does (a
-    guard per comparison: the head dim picks the kernels). Another value is returned as it is
-    (eagerly an int, whose lookup names what the library has)."""
+    guard per comparison: the head dim picks the kernels). Another value in [0, 2^31) comes back
+    as the int of its value (whose lookup names what the library has)."""
     for known in SUPPORTED_HEAD_DIMS:
         if head_dim == known:
             return known
+    # No kernel's. A SymInt (dynamo's: isinstance cannot tell) becomes its value by a bisection
+    # of guards, for the lookup's error; torch 2.11's dynamo refused the SymInt there.
+    if 0 <= head_dim < 1 << 31:
+        lo, hi = 0, 1 << 31
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if head_dim < mid else (mid, hi)
+        return lo
     return head_dim
 
 

@@ -490,6 +490,13 @@ def test_torch_compile_with_dynamic_shapes(fake_launches):
                       dynamic=True)(odd)
 
 
+def test_static_head_dim_gives_every_value_back():
+    """Unsupported head dims come back as their value for the lookup's error (under torch
+    2.11's dynamo a SymInt reached the lookup instead: test_torch_compile_with_dynamic_shapes)."""
+    for d in (64, 128, 72, 1, 0, 2**31 - 1, 2**31, -3):
+        assert ops.static_head_dim(d) == d and type(ops.static_head_dim(d)) is int
+
+
 def test_flash_attention_3s_other_keywords(fake_launches):
     """FA3 code that passes its performance hints (num_splits, pack_gqa, sm_margin) runs, with
     the same launch; qv and attention_chunk, which change the result, are refused unless at
