@@ -294,3 +294,27 @@ def test_bwd_empty_keys(lib, bwd_default_key):
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     ops._bwd_into(torch.randn_like(q), q, k, v, out, lse, dq, dk, dv, causal, 0.1, name)
     assert (dq == 0).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("expanded", ["batch", "heads", "rows"])
+def test_expanded_kv_gives_the_contiguous_calls_answer(lib, causal, expanded):
+    """k and v expanded along one dim (stride 0, which check_layout takes: TMA reads the same
+    rows again) give the forward of .contiguous() copies bit for bit, and the same gradient
+    of the expanded source (autograd sums the expanded dk, dv). First run as a script on an
+    H100 (2026-12-07, fortieth)."""
+    b, s, hq, hkv, d = 2, 300, 4, 2, 128
+    shape = {"batch": (1, s, hkv, d), "heads": (b, s, 1, d), "rows": (b, 1, hkv, d)}[expanded]
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    src = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    dout = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    results = []
+    for make in (lambda t: t.expand(b, s, hkv, d), lambda t: t.expand(b, s, hkv, d).contiguous()):
+        qq, ss = q.clone().requires_grad_(), src.clone().requires_grad_()
+        kv = make(ss)
+        out = flash_attn_func(qq, kv, kv, causal=causal, deterministic=True)
+        results.append((out, *torch.autograd.grad(out, (qq, ss), dout)))
+    (out, dq, dsrc), (want, want_dq, want_dsrc) = results
+    assert torch.equal(out, want)
+    assert torch.equal(dq, want_dq) and torch.equal(dsrc, want_dsrc)
