@@ -228,13 +228,14 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
 
 
 QKV = ("q", "k", "v")
+_STRIDED = torch.strided  # a global lookup, not torch's attribute, on every call
 
 
 def _check_tensors(q, k, v, names: tuple = QKV) -> None:
     """names: the three as the caller's signature names them (k_cache, v_cache: the cache's).
     One test a tensor here (this runs on every call); the message is found on a failure."""
     for t in (q, k, v):
-        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout is not torch.strided:
+        if not isinstance(t, torch.Tensor) or t.is_nested or t.layout is not _STRIDED:
             _refuse_tensors(q, k, v, names)
 
 
@@ -248,7 +249,7 @@ def _refuse_tensors(q, k, v, names: tuple) -> None:
 
 def refuse_sparse(name: str, t: torch.Tensor) -> None:
     """Sparse layouts have no strides or data pointer the kernels could read."""
-    if t.layout is not torch.strided:
+    if t.layout is not _STRIDED:
         raise InvalidInputError(f"{name} is a {str(t.layout).replace('torch.', '')} tensor; "
                                 f"fa3gen takes dense ones (pass {name}.to_dense())")
 

@@ -88,6 +88,7 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
     ops.refuse_nested("qkv", qkv)
+    ops.refuse_sparse("qkv", qkv)
     lead = "(batch, seqlen" if batch_dims == 2 else "(total"
     if num_heads_q is None:
         if qkv.dim() != batch_dims + 3 or qkv.shape[batch_dims] != 3:

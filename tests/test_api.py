@@ -84,6 +84,9 @@ def test_sparse_tensors_are_one_error(fake_launches):
         sparse = getattr(dense[0, :, 0], layout)()
         with pytest.raises(InvalidInputError, match=r"k is a sparse_\w+ tensor; .*k.to_dense\(\)"):
             ops.flash_attn_func(dense, sparse, dense)
+    qkv = torch.zeros(1, 8, 3, 2, 128, dtype=torch.bfloat16).to_sparse()
+    with pytest.raises(InvalidInputError, match=r"qkv is a sparse_coo tensor; .*qkv.to_dense\(\)"):
+        fa3gen.flash_attn_qkvpacked_func(qkv)
     with pytest.raises(InvalidInputError, match="cu_seqlens_k is a sparse_coo tensor"):
         fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], CU, CU.to_sparse(), 8, 8)
     cache = torch.zeros(1, 16, 2, 128, dtype=torch.bfloat16)
@@ -490,10 +493,19 @@ def test_torch_compile_with_dynamic_shapes(fake_launches):
                       dynamic=True)(odd)
 
 
-def test_static_head_dim_gives_every_value_back():
-    """Unsupported head dims come back as their value for the lookup's error (under torch
-    2.11's dynamo a SymInt reached the lookup instead: test_torch_compile_with_dynamic_shapes)."""
-    for d in (64, 128, 72, 1, 0, 2**31 - 1, 2**31, -3):
+def test_static_head_dim_gives_every_value_back_as_an_int():
+    """A symbolic head dim comes back as the int of its value, supported or not: the lookup
+    (a constant function under torch.compile) names what the library has. Torch 2.11's
+    dynamo failed on the SymInt (test_torch_compile_with_dynamic_shapes, on that torch)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    for d in (64, 128, 72, 2, 2**31 - 1):  # 0 and 1 the ShapeEnv specializes
+        sym = env.create_symintnode(env.create_symbol(d, ConstantSource(f"d{d}")), hint=d)
+        assert isinstance(sym, torch.SymInt)
+        assert ops.static_head_dim(sym) == d and type(ops.static_head_dim(sym)) is int
+    for d in (64, 72, 0, 2**31, -3):  # eager ints as they are
         assert ops.static_head_dim(d) == d and type(ops.static_head_dim(d)) is int
 
 
