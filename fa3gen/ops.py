@@ -1195,19 +1195,21 @@ def _key_flags(mask: Masking | bool) -> tuple:
     return tuple(m.key().values())
 
 
-def check_softmax_scale(softmax_scale, hint: str = "") -> None:
-    """None (1 / sqrt(head_dim)) or a number in FP32_ARG_RANGE; anything else one clear error."""
+def check_softmax_scale(softmax_scale, hint: str = "") -> float | None:
+    """None (1 / sqrt(head_dim)) or a number in FP32_ARG_RANGE, returned as a float (a tensor's
+    value read once: a CUDA one's read is a device sync); anything else one clear error."""
     if softmax_scale is None:
-        return
+        return None
     value = real_number(softmax_scale)
     if value is None or not 0.0 < value < math.inf:
         raise InvalidInputError(f"softmax_scale must be a finite number > 0 (None: 1 / "
                                 f"sqrt(head_dim)), got {shown(softmax_scale)}{hint}")
     if not _FP32_LO <= value <= _FP32_HI:
         _fp32_range_error("softmax_scale", value)
+    return value
 
 
-def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
+def _check_fa3_arguments(softmax_scale, positional: bool = True) -> float | None:
     """A scale that comes from another order (fa3gen's old (q, k, v, causal, softmax_scale),
     flash-attn 2's dropout_p): an error, never a different result. positional: the scale may
     be passed right after the tensors (the dense and the dense packed functions)."""
@@ -1215,9 +1217,9 @@ def _check_fa3_arguments(softmax_scale, positional: bool = True) -> None:
         raise InvalidInputError(
             f"softmax_scale={shown(softmax_scale)}: flash_attn_func follows FlashAttention-3's "
             "order (q, k, v, softmax_scale, causal); pass causal=... by keyword")
-    check_softmax_scale(softmax_scale, ": with flash-attn 2's order the positional argument after "
-                        "the tensors is dropout_p, here (FlashAttention-3's order) it is the scale"
-                        if positional else "")
+    return check_softmax_scale(
+        softmax_scale, ": with flash-attn 2's order the positional argument after the tensors is "
+        "dropout_p, here (FlashAttention-3's order) it is the scale" if positional else "")
 
 
 def check_fa3_extras(qv, attention_chunk, num_splits, pack_gqa, sm_margin, dropout_p=0.0,
@@ -1322,7 +1324,7 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
     """flash_attn_func's body. packed: (tensors, unpack) when q, k, v are unpack(tensors),
     views of packed inputs (fa3gen.packed): an eager call that autograd records then writes
     its gradients into one tensor per packed input."""
-    _check_fa3_arguments(softmax_scale)
+    softmax_scale = _check_fa3_arguments(softmax_scale)  # a tensor's value, read once
     mask = masking(causal, window_size, softcap)
     deterministic = flag("deterministic", deterministic)
     _check_tensors(q, k, v)

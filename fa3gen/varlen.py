@@ -642,7 +642,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     if seqused_q is not None:
         raise InvalidInputError("seqused_q is not supported by fa3gen; pass cu_seqlens_q that "
                                 "bound the used rows instead")
-    ops._check_fa3_arguments(softmax_scale, positional=False)  # keyword-only here
+    softmax_scale = ops._check_fa3_arguments(softmax_scale, positional=False)  # keyword-only
     mask = ops.masking(causal, window_size, softcap)
     deterministic = ops.flag("deterministic", deterministic)
     ops._check_tensors(q, k, v)

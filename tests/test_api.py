@@ -76,6 +76,27 @@ def test_a_tensor_scale_that_requires_grad_is_refused_not_detached(fake_launches
     assert len(fake_launches) == 2
 
 
+def test_a_tensor_scale_is_read_once_a_call(fake_launches):
+    """Each read of a CUDA tensor's value is a device sync: the call reads it once."""
+    reads = []
+
+    class Counted(torch.Tensor):
+        def __float__(self):
+            reads.append(1)
+            return super().__float__()
+
+    q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
+    scale = torch.tensor(0.5).as_subclass(Counted)
+    for call in (lambda: ops.flash_attn_func(q, q, q, scale),
+                 lambda: fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], CU.new_tensor([0, 40]),
+                                                       CU.new_tensor([0, 40]), 40, 40,
+                                                       softmax_scale=scale, causal=True)):
+        reads.clear()
+        call()
+        assert len(reads) == 1
+    assert [p.softmax_scale for _, p in fake_launches] == [0.5, 0.5]
+
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")  # beta
 def test_sparse_tensors_are_one_error(fake_launches):
     """A sparse q went on to a misleading lse error; sparse index tensors raised inside torch."""
