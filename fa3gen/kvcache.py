@@ -264,6 +264,9 @@ def _captured_call(q, k_cache, v_cache, args, return_lse):
     b, sq, hq, d = q.shape
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     length = cache_seqlens if seqlens is None else None  # an int (or None: the capacity)
+    if c.prefill and 0 not in (b, sq, hq):  # as _run: before the append in the graph
+        _require_prefill_forward(q, k_cache, c.geometry[2], c.kv_fp8, c.mask, seqlens,
+                                 cache_batch_idx, block_table)
     if c.append and b:
         _append(c.geometry, k_cache, v_cache, k, v, length if seqlens is None else seqlens,
                 cache_batch_idx, block_table, c.kv_fp8, k_scale, v_scale)
@@ -1053,6 +1056,9 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
             (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
         _debug_check_scales(k_scale, v_scale)
+    if plan.prefill and not no_query:  # a missing forward: an error before the cache changes
+        _require_prefill_forward(q, k_cache, plan.geometry[2], plan.kv_fp8, plan.prefill[0],
+                                 seqlens, batch_idx, block_table)
     if plan.append:
         _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table, plan.kv_fp8, k_scale, v_scale,
@@ -1134,10 +1140,9 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     # lengths: a tensor, or one int for every sequence (the capacity, or the int given)
     seqlens, length = (lengths, None) if isinstance(lengths, torch.Tensor) else (None, lengths)
     rows_k = k_cache[:b]
-    # The paths that read the cache in place have no backward: a q that wants one gathers.
-    differentiable = torch.is_grad_enabled() and q.requires_grad
-    if (block_table is None and seqlens is not None and batch_idx is None and not differentiable
-            and rows_k.stride(0) == capacity * rows_k.stride(1)):
+    table, route = _prefill_route(q, k_cache, capacity, plan.kv_fp8, seqlens, batch_idx,
+                                  block_table)
+    if route == "rows":
         # Lengths on the device, a contiguous cache: the varlen forward over the cache rows
         # themselves, sequence i at rows [i * capacity, ..) using its first length keys
         # (seqused_k). No copy, no device sync.
@@ -1150,13 +1155,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
         out = out.view(b, sq, hq, d)
         lse = lse.view(hq, b, sq).permute(1, 0, 2)
         return (out, lse) if return_lse else out
-    # A paged cache: the paged varlen forward reads each sequence's pages where they lie. A
-    # contiguous one with cache_batch_idx is a paged cache of one page a sequence (its cache
-    # row, `capacity` rows long): the same kernels, without the sync that picks the rows.
-    table = block_table if block_table is not None else (
-        batch_idx.view(b, 1) if batch_idx is not None else None)
-    if (table is not None and not plan.kv_fp8 and not differentiable
-            and varlen.paged_fits(q, k_cache, table)):
+    if table is not None:  # the paged varlen forward, where the library has it
         lib = runtime.get_library()
         info = varlen.paged_variant(q, mask, lib)
         if info is not None:
@@ -1165,7 +1164,7 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
             out, lse = varlen.paged_forward(q, k_cache, v_cache, table, used, mask, scale, info,
                                             lib)
             return (out, lse) if return_lse else out
-    if block_table is None and (length is not None or b == 1):
+    if route == "dense":
         if length is None:
             length = min(max(int(seqlens[0]), 0), capacity)  # a sync: the view's size
         if batch_idx is not None:
@@ -1204,6 +1203,60 @@ def _prefill(plan: _DecodePlan, q, k_cache, v_cache, lengths, batch_idx, block_t
     out = out.view(b, sq, hq, d)
     lse = lse.view(hq, b, sq).permute(1, 0, 2)
     return (out, lse) if return_lse else out
+
+
+def _prefill_route(q, k_cache, capacity: int, kv_fp8: bool, seqlens, batch_idx, block_table):
+    """(table, route): how _prefill serves a chunked prefill, from shapes and flags alone (the
+    check before the append takes the same path). route "rows": the varlen forward over the
+    cache rows themselves (lengths on the device, a contiguous cache: no copy, no sync);
+    "dense": flash_attn_func on a view of the cache (one length); "gather": the varlen forward
+    over packed copies of each sequence's keys. table: where the paged varlen forward may take
+    the call first (a paged cache, or a contiguous one with cache_batch_idx: one page a
+    sequence, its cache row), else None. The paths that read the cache in place have no
+    backward: a q that wants one gathers."""
+    b = q.shape[0]
+    differentiable = torch.is_grad_enabled() and q.requires_grad
+    rows_k = k_cache[:b]
+    if (block_table is None and seqlens is not None and batch_idx is None and not differentiable
+            and rows_k.stride(0) == capacity * rows_k.stride(1)):
+        return None, "rows"
+    table = block_table if block_table is not None else (
+        batch_idx.view(b, 1) if batch_idx is not None else None)
+    if table is not None and (kv_fp8 or differentiable or not _varlen().paged_fits(q, k_cache,
+                                                                                     table)):
+        table = None
+    dense = block_table is None and (seqlens is None or b == 1)
+    return table, "dense" if dense else "gather"
+
+
+def _require_prefill_forward(q, k_cache, capacity: int, kv_fp8: bool, mask: ops.Masking,
+                             seqlens, batch_idx, block_table) -> None:
+    """VariantNotBuiltError before the append writes anything, where the library lacks the
+    forward a chunked prefill would run (a library built for decoding alone, say)."""
+    table, route = _prefill_route(q, k_cache, capacity, kv_fp8, seqlens, batch_idx, block_table)
+    _require_forward("fp16" if q.dtype == torch.float16 else "bf16",
+                     ops.static_head_dim(q.shape[-1]), *ops._key_flags(mask), table is not None,
+                     route == "dense")
+
+
+@ops._assume_constant_result  # as _require_decode_kernels: the lookup runs while tracing
+def _require_forward(dtype: str, head_dim: int, causal: bool, local: bool, softcap: bool,
+                     paged: bool, dense: bool) -> bool:
+    lib = runtime.get_library()
+    flags = dict(local=local, softcap=softcap)
+    if paged:
+        try:
+            lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
+            return True
+        except VariantNotBuiltError:
+            pass
+    lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
+    return True
+
+
+def _varlen():
+    from fa3gen import varlen  # imported by the first prefill, as _prefill does
+    return varlen
 
 
 def _built_decode_pairs() -> frozenset:

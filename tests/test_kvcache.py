@@ -317,6 +317,7 @@ def test_more_rows_than_decode_takes_go_to_the_forward_kernels(launched, monkeyp
     sequence's keys for flash_attn_varlen_func; window, softcap, scale and causal pass through."""
     import fa3gen.varlen as varlen
     calls = []
+    monkeypatch.setattr(kvcache, "_require_forward", lambda *a: True)  # stubbed forwards
     monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, scale, **kw: calls.append(
         ("dense", k, v, scale, kw)) or (torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     monkeypatch.setattr(varlen, "flash_attn_varlen_func", lambda q, k, v, cu_q, cu_k, mq, mk, **kw: calls.append(
@@ -468,6 +469,7 @@ def test_fp8_cache_prefill_dequantizes(launched, monkeypatch):
     """Chunked prefill over an e4m3 cache hands the forward kernels keys in q's dtype,
     multiplied by their factors."""
     calls = []
+    monkeypatch.setattr(kvcache, "_require_forward", lambda *a: True)  # stubbed forwards
     monkeypatch.setattr(ops, "flash_attn_func", lambda q, k, v, scale, **kw: calls.append((k, v)) or (
         torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1])))
     g = torch.Generator().manual_seed(4)
@@ -580,6 +582,7 @@ def test_chunked_prefill_clamps_bad_indices_as_the_decode_kernels(launched, monk
     cache: out-of-range pages or rows are clamped there too (an IndexError, on CUDA a device
     assert, before); FA3GEN_DEBUG_CHECKS=1 reports them."""
     calls = []
+    monkeypatch.setattr(kvcache, "_require_forward", lambda *a: True)  # stubbed forwards
     monkeypatch.setattr(ops, "flash_attn_func", lambda *a, **k: calls.append(a) or (
         torch.zeros_like(a[0]), torch.zeros(a[0].shape[0], a[0].shape[2], a[0].shape[1])))
     from fa3gen import varlen
@@ -853,7 +856,8 @@ def test_a_rotary_table_exactly_long_enough(launched):
 
 
 def _stub_forwards(monkeypatch):
-    """The forward kernels chunked prefill calls, recording (kind, k, cu_seqlens_k) and checking
+    """The forward kernels chunked prefill calls (and the check that the library has them),
+    recording (kind, k, cu_seqlens_k) and checking
     that each is asked for its LSE. The LSE they return reads 1000 h + r at head h, packed query
     row r (b * seqlen_q + s), each in its layout: flash_attn_func's (batch, heads_q, seqlen_q),
     the varlen function's (heads_q, total_q)."""
@@ -876,6 +880,7 @@ def _stub_forwards(monkeypatch):
 
     monkeypatch.setattr(ops, "flash_attn_func", dense)
     monkeypatch.setattr(varlen, "flash_attn_varlen_func", packed)
+    monkeypatch.setattr(kvcache, "_require_forward", lambda *a: True)  # their lookup
     return calls
 
 
@@ -1828,6 +1833,7 @@ def test_a_trace_records_decode_kernels_only_for_decode_calls(launched, monkeypa
     """A chunked prefill runs the forward kernels (which record their own variants): it adds
     no decode pair to the trace, a decode call does."""
     from fa3gen import tracing
+    monkeypatch.setattr(kvcache, "_require_forward", lambda *a: True)  # stubbed forwards
     monkeypatch.setattr(kvcache, "_prefill", lambda *a, **kw: (None, None))
     kc = torch.zeros(1, 256, 2, 64, dtype=torch.float16)
     with tracing.trace(tmp_path / "t.yaml") as t:
@@ -2014,3 +2020,27 @@ def test_the_caches_overlap_check_stays_out_of_captured_calls(launched):
     new = torch.ones(2, 1, 2, 64, dtype=BF)
     torch.func.vmap(lambda q: kvcache.flash_attn_with_kvcache(q, kc, vc, new, new,
                                                              cache_seqlens=3))(q)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("lengths", ["int", "tensor"])
+def test_a_prefill_the_library_cannot_serve_leaves_the_cache_as_it_was(fake_launches, lengths,
+                                                                       compiled):
+    """The forward a chunked prefill runs is looked up before the append (as the decode
+    kernels are): the fake library has no dense causal and no non-causal varlen bf16 d128
+    forward, so both calls raise with nothing written. They wrote the 32 new rows first."""
+    q = torch.zeros(1, 32, 2, 128, dtype=BF)  # 32 rows per kv head: the forward kernels
+    kc, vc = torch.zeros(1, 128, 2, 128, dtype=BF), torch.zeros(1, 128, 2, 128, dtype=BF)
+    new = torch.ones(1, 32, 2, 128, dtype=BF)
+    seqlens = 10 if lengths == "int" else torch.tensor([10], dtype=torch.int32)
+
+    def call(q, kc, vc, new, seqlens):
+        return kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=seqlens,
+                                               causal=lengths == "int")
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="no fa3gen variant built for direction=fwd dtype=bf16 "
+                                        "head_dim=128 causal=(True|False)"):
+        call(q, kc, vc, new, seqlens)
+    assert not kc.any() and not vc.any() and not fake_launches
