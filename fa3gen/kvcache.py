@@ -1239,18 +1239,27 @@ def _require_prefill_forward(q, k_cache, capacity: int, kv_fp8: bool, mask: ops.
                      route == "dense")
 
 
+_served_prefills: set = set()  # (library, _require_forward's arguments) found served
+
+
 @ops._assume_constant_result  # as _require_decode_kernels: the lookup runs while tracing
 def _require_forward(dtype: str, head_dim: int, causal: bool, local: bool, softcap: bool,
                      paged: bool, dense: bool) -> bool:
     lib = runtime.get_library()
+    key = (lib, dtype, head_dim, causal, local, softcap, paged, dense)
+    if key in _served_prefills:  # a lookup scans the variant table: once a signature
+        return True
     flags = dict(local=local, softcap=softcap)
     if paged:
         try:
             lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
-            return True
         except VariantNotBuiltError:
-            pass
-    lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
+            paged = False
+    if not paged:
+        lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
+    if len(_served_prefills) >= 256:
+        _served_prefills.clear()
+    _served_prefills.add(key)
     return True
 
 

@@ -91,8 +91,8 @@ def fake_launches(tmp_path, monkeypatch):
                           (varlen, "_plans"), (varlen, "_bwd_op_plans"),
                           (varlen, "_bwd_plans"), (varlen, "_paged_plans"), (varlen, "_offsets"),
                           (varlen, "_paged_variants"),
-                          (fp8, "_plans"), (kvcache, "_plans")):
-        monkeypatch.setattr(module, cache, {})
+                          (fp8, "_plans"), (kvcache, "_plans"), (kvcache, "_served_prefills")):
+        monkeypatch.setattr(module, cache, type(getattr(module, cache))())
     launched = []
     monkeypatch.setattr(ops, "_launch", lambda lib, info, device, make: launched.append((info.name, make())))
     return launched
