@@ -179,6 +179,21 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = Fal
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """Decimal integers only: YAML 1.1 (PyYAML) also reads 0100 as octal 64, 0x40, 6_4 and
+    base 60 (1:04), which a spec meaning 100 or 64 would silently get as another number."""
+    if not _DECIMAL.fullmatch(node.value):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{node.value!r} is not a decimal integer (YAML 1.1 reads it as "
+            f"{yaml.SafeLoader.construct_yaml_int(loader, node)}); write the number in "
+            "decimal, without leading zeros", node.start_mark)
+    return int(node.value)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def _exactly_in(value, allowed) -> bool:
@@ -314,6 +329,9 @@ class _Validator:
         name = data.get("name", default_name)
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):  # fullmatch: no trailing newline
             raise self.fail("name", "expected a name of letters, digits, '_', '-' or '.'", name)
+        if name.lower().endswith((".yaml", ".yml", ".so")):  # --spec NAME would read a file
+            raise self.fail("name", "expected a name that does not end in .yaml, .yml or .so "
+                            "(--spec and FA3GEN_LIB would take it for a file)", name)
         top = self.axes(data.get("axes"), "axes")
         groups = self.groups(data, top)
         exclude = []

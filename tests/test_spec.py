@@ -153,6 +153,27 @@ def test_duplicate_yaml_key(tmp_path):
     assert "duplicate key 'stages'" in msg
 
 
+@pytest.mark.parametrize("spelling,yaml11", [("0100", 64), ("0x80", 128), ("12_8", 128),
+                                              ("2:08", 128), ("0o200", None)])
+def test_integers_other_than_decimal_are_refused(tmp_path, spelling, yaml11):
+    """YAML 1.1 reads 0100 as octal 64 (and hex, underscores, base 60): a spec meaning 100
+    would build head dim 64. Decimal only; 0o200 (YAML 1.2's octal) stays a string, refused
+    as one."""
+    msg = error_of(tmp_path, FULL_AXES.replace("head_dim: 128", f"head_dim: {spelling}"))
+    if yaml11 is None:
+        assert "head_dim" in msg
+    else:
+        assert f"'{spelling}' is not a decimal integer (YAML 1.1 reads it as {yaml11})" in msg
+    assert load_spec(write(tmp_path, FULL_AXES.replace("stages: 2", "stages: +2"))).groups
+
+
+@pytest.mark.parametrize("name", ["v1.yaml", "v1.YML", "lib.so"])
+def test_a_name_that_reads_as_a_file_is_refused(tmp_path, name):
+    """`--spec v1.yaml` looks for that file, so such a build could not be named again."""
+    msg = error_of(tmp_path, f"name: {name}\n" + FULL_AXES)
+    assert "name" in msg and "does not end in .yaml, .yml or .so" in msg
+
+
 def test_invalid_yaml(tmp_path):
     msg = error_of(tmp_path, "axes: [unclosed\n")
     assert "invalid YAML" in msg
