@@ -38,11 +38,13 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from generator.build import plan
+    from generator.build import filter_notes, plan
     from generator.render import has_quantizer
     p = plan(args.spec, args.only, args.exclude)
     for warning in p.warnings:
         print(f"fa3gen: warning: {warning}", file=sys.stderr)
+    for note in filter_notes(p):  # as `build` says them: list previews a filtered build
+        print(f"fa3gen: note: {note}", file=sys.stderr)
     defaults = {v.name for v in p.defaults.values()}
     ranges: dict[str, list[str]] = {}  # range defaults: name -> ["lo-hi", ...]
     for *_, lo, hi, name in p.seqlen_dispatch():

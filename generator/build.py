@@ -146,6 +146,22 @@ def _other_spec_file(out: Path, spec_path) -> str | None:
     return recorded if isinstance(recorded, str) and recorded != here else None
 
 
+
+def filter_notes(p) -> list[str]:
+    """What an --only/--exclude filter took from the dispatch of plan p's keys: a default, or a
+    seqlen_k range's choice (the key keeps variants, so a call runs something else or fails)."""
+    notes = []
+    for key, v in p.defaults.items():
+        if v not in p.variants and any(x.key == key for x in p.variants):
+            notes.append(f"{key_str(key)} has no default in this build ({v.name} was filtered "
+                         "out)")
+    for key, ranges in p.seqlen_defaults.items():
+        for lo, hi, v in ranges:
+            if v not in p.variants and any(x.key == key for x in p.variants):
+                notes.append(f"{key_str(key)} takes its default for seqlen_k {lo}-{hi} in this "
+                             f"build ({v.name}, the spec's choice there, was filtered out)")
+    return notes
+
 def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           jobs: Optional[int] = None, dry_run: bool = False,
           compiler_launcher: Optional[str] = None, allow_spills: bool = False,
@@ -190,15 +206,8 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
                          f"${GENERATED_ENV})")
     env = environment(tc.templates_dir)
 
-    for key, v in p.defaults.items():
-        if v not in p.variants and any(x.key == key for x in p.variants):
-            log(f"fa3gen: note: {key_str(key)} has no default in this build "
-                f"({v.name} was filtered out)")
-    for key, ranges in p.seqlen_defaults.items():
-        for lo, hi, v in ranges:
-            if v not in p.variants and any(x.key == key for x in p.variants):
-                log(f"fa3gen: note: {key_str(key)} takes its default for seqlen_k {lo}-{hi} in "
-                    f"this build ({v.name}, the spec's choice there, was filtered out)")
+    for note in filter_notes(p):
+        log(f"fa3gen: note: {note}")
     info = {"spec": p.spec.name, "fingerprint": fp, "generator_version": __version__,
             "num_variants": len(p.variants), "filters": {"only": only, "exclude": exclude},
             "spec_keys": sorted({v.key for v in p.enumeration.kept})}

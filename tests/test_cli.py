@@ -363,3 +363,15 @@ def test_a_spec_that_prunes_every_variant_names_each_constraint_once(tmp_path, c
     assert [line.split()[0] for line in lines[1:]] == [
         "pingpong_needs_two_consumers", "smem_budget", "stages_range"]
     assert sum(int(line.split()[1].strip("():")) for line in lines[1:]) == 144
+
+
+def test_list_notes_what_a_filter_takes_from_the_dispatch(capsys):
+    """list previews a filtered build, so it says what build says: a key left without its
+    default (the range choice stays, so nothing looks wrong in the listing itself)."""
+    rc, out, err = run(["list", "--spec", "h100", "--only",
+                        "fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1_otma"], capsys)
+    assert rc == 0 and "+ fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1_otma" in out
+    assert ("fa3gen: note: (fwd, bf16, d128, causal) has no default in this build "
+            "(fwd_bf16_d128_causal_m128n128_s2_ws1_pp1_ov1 was filtered out)") in err
+    rc, out, err = run(["list", "--spec", "h100"], capsys)
+    assert rc == 0 and "note:" not in err
