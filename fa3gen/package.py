@@ -128,6 +128,35 @@ def _taken_by(name: str) -> str | None:
     return f"an installed module ({found.origin})"
 
 
+def _distribution(name: str) -> str:
+    """pip's normalized distribution name: case and runs of -_. folded (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _distribution_taken_by(package_name: str, distributions=None) -> str | None:
+    """What pip would uninstall to install a wheel of package_name, unless it is an earlier
+    wheel of this package (which the new one replaces, as intended): pip matches installed
+    distributions by the normalized name, so `PyYAML` would replace pyyaml, a requirement of
+    the wheel itself, and fa3gen_t__1 a wheel of package fa3gen_t_1, whose import it breaks."""
+    from importlib import metadata
+
+    wanted = _distribution(package_name)
+    for requirement in REQUIRES:
+        if _distribution(re.match(r"[A-Za-z0-9._-]+", requirement).group()) == wanted:
+            return f"a package the wheel requires ({requirement})"
+    for dist in metadata.distributions() if distributions is None else distributions:
+        name = dist.metadata.get("Name") or ""
+        if _distribution(name) != wanted:
+            continue
+        ours = "Generator: fa3gen package" in (dist.read_text("WHEEL") or "")
+        top_level = (dist.read_text("top_level.txt") or "").split()
+        if ours and top_level == [package_name]:
+            continue
+        return (f"the installed distribution {name} {dist.version}"
+                + (f" (a wheel of package {', '.join(top_level)})" if ours else ""))
+    return None
+
+
 # Flags of a build that change what its kernels compute or cost (build --define, --debug):
 # measurement switches, some of them wrong on purpose (FA3GEN_FP8_SKIP_TRANSPOSE).
 _SHIPPED_DEFINES = ("-DNDEBUG",)
@@ -216,9 +245,9 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
         raise Fa3genError(f"{given} is not a Python package name pip installs (ASCII letters, "
                           "digits and _, a letter or digit at both ends)" + ("" if name else
                           "; pass --name"))
-    if re.sub(r"[-_.]+", "-", package_name).lower() in TOOL_PACKAGES:  # pip's normalized name
+    if _distribution(package_name) in TOOL_PACKAGES:
         raise Fa3genError(f"--name {package_name} is the tool's own package: choose another name")
-    taken = _taken_by(package_name)
+    taken = _taken_by(package_name) or _distribution_taken_by(package_name)
     if taken:
         raise Fa3genError(f"--name {package_name} is {taken}: installing the wheel would replace "
                           "it; choose another name")

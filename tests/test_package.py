@@ -105,7 +105,9 @@ def test_package_without_a_build_says_how(tmp_path, monkeypatch, capsys):
                                            ("generator", "the tool's own package"),
                                            ("yaml", "an installed module"),
                                            ("torch", "an installed module"),
-                                           ("json", "a standard-library module")])
+                                           ("json", "a standard-library module"),
+                                           ("PyYAML", "a package the wheel requires (pyyaml)"),
+                                           ("Jinja2", "the installed distribution Jinja2")])
 def test_package_names_that_would_not_import_or_would_replace_the_tool(built, capsys, name, message):
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist"), "--name", name]) == 2
     assert message in capsys.readouterr().err and not (built / "dist").exists()
@@ -337,3 +339,26 @@ def test_the_packaged_package_exposes_its_modules_and_api_as_fa3gen_does(built, 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["libfa3gen_fake.so fa3gen_fake.ops", "[] True",
                                         "fa3gen_fake.ops fa3gen_fake.errors"]
+
+
+def test_a_name_pip_folds_into_another_distribution_is_refused():
+    """pip matches distributions by the normalized name (case, runs of -_.): a wheel of
+    fa3gen_t__1 would uninstall the wheel of package fa3gen_t_1 and break its import; an
+    earlier wheel of the same package is what the new one replaces."""
+    from fa3gen import package as P
+
+    class Dist:
+        def __init__(self, name, wheel, top):
+            self.metadata, self.version, self._files = {"Name": name}, "0.1", {
+                "WHEEL": wheel, "top_level.txt": top}
+
+        def read_text(self, name):
+            return self._files.get(name)
+
+    ours = Dist("fa3gen_t_1", "Wheel-Version: 1.0\nGenerator: fa3gen package\n", "fa3gen_t_1\n")
+    assert P._distribution_taken_by("fa3gen_t__1", [ours]) == (
+        "the installed distribution fa3gen_t_1 0.1 (a wheel of package fa3gen_t_1)")
+    assert P._distribution_taken_by("fa3gen_t_1", [ours]) is None
+    other = Dist("My.Kernels", "Generator: bdist_wheel\n", "my_kernels\n")
+    assert P._distribution_taken_by("my_kernels", [other]) == "the installed distribution My.Kernels 0.1"
+    assert P._distribution_taken_by("my_kernels2", [other]) is None
