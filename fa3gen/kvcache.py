@@ -139,7 +139,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if fa3_keywords:  # the usual call passes none
         block_table, k_scale, v_scale = _other_keywords(block_table, k_scale, v_scale,
                                                         num_splits, **fa3_keywords)
-    ops.check_softmax_scale(softmax_scale)
+    softmax_scale = ops.check_softmax_scale(softmax_scale)  # a tensor's value, read once
     return_lse = ops.returns_lse(return_lse, return_softmax_lse, "return_softmax_lse")
     if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
         cache_seqlens = int(cache_seqlens)  # a numpy integer too, as flash-attn takes it
@@ -1256,7 +1256,13 @@ def _require_forward(dtype: str, head_dim: int, causal: bool, local: bool, softc
         except VariantNotBuiltError:
             paged = False
     if not paged:
-        lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
+        try:
+            lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
+        except VariantNotBuiltError:  # a key served by seqlen_k ranges alone (a filtered build)
+            ranged = contract.make_key("fwd", dtype, head_dim, causal, local, softcap,
+                                       not dense, False)
+            if not lib.seqlen_dispatch.get(ranged):
+                raise
     if len(_served_prefills) >= 256:
         _served_prefills.clear()
     _served_prefills.add(key)

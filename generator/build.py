@@ -146,7 +146,6 @@ def _other_spec_file(out: Path, spec_path) -> str | None:
     return recorded if isinstance(recorded, str) and recorded != here else None
 
 
-
 def filter_notes(p) -> list[str]:
     """What an --only/--exclude filter took from the dispatch of plan p's keys: a default, or a
     seqlen_k range's choice (the key keeps variants, so a call runs something else or fails)."""
@@ -161,6 +160,7 @@ def filter_notes(p) -> list[str]:
                 notes.append(f"{key_str(key)} takes its default for seqlen_k {lo}-{hi} in this "
                              f"build ({v.name}, the spec's choice there, was filtered out)")
     return notes
+
 
 def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
           jobs: Optional[int] = None, dry_run: bool = False,

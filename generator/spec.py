@@ -186,9 +186,12 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     """Decimal integers only: YAML 1.1 (PyYAML) also reads 0100 as octal 64, 0x40, 6_4 and
     base 60 (1:04), which a spec meaning 100 or 64 would silently get as another number."""
     if not _DECIMAL.fullmatch(node.value):
+        try:
+            read = f" (YAML 1.1 reads it as {yaml.SafeLoader.construct_yaml_int(loader, node)})"
+        except ValueError:  # 0x_: no digits
+            read = ""
         raise yaml.constructor.ConstructorError(
-            None, None, f"{node.value!r} is not a decimal integer (YAML 1.1 reads it as "
-            f"{yaml.SafeLoader.construct_yaml_int(loader, node)}); write the number in "
+            None, None, f"{node.value!r} is not a decimal integer{read}; write the number in "
             "decimal, without leading zeros", node.start_mark)
     return int(node.value)
 

@@ -2044,3 +2044,21 @@ def test_a_prefill_the_library_cannot_serve_leaves_the_cache_as_it_was(fake_laun
                                         "head_dim=128 causal=(True|False)"):
         call(q, kc, vc, new, seqlens)
     assert not kc.any() and not vc.any() and not fake_launches
+
+
+def test_a_prefill_served_by_a_seqlen_k_range_alone_runs(fake_launches):
+    """A filtered build may keep a key's seqlen_k range choice and not its default: the
+    prefill's forward picks by length, so the check before the append takes the key."""
+    from fa3gen import runtime
+    from fa3gen.contract import make_key
+    lib = runtime.get_library()
+    default = lib.find("fwd", "bf16", 128, False)
+    ranged = next(v for v in lib.variants if v.key == default.key and v is not default)
+    lib.variants = [v for v in lib.variants if v is not default]
+    lib._by_name.pop(default.name)
+    lib.seqlen_dispatch = {make_key("fwd", "bf16", 128, False): [(0, 4096, ranged)]}
+    q = torch.zeros(1, 32, 2, 128, dtype=BF)
+    kc, vc = torch.zeros(1, 128, 2, 128, dtype=BF), torch.zeros(1, 128, 2, 128, dtype=BF)
+    new = torch.ones(1, 32, 2, 128, dtype=BF)
+    kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=10)
+    assert [name for name, _ in fake_launches] == [ranged.name] and kc[0, 10:42].eq(1).all()
