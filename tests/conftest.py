@@ -163,3 +163,21 @@ def under_hash_seeds():
         assert outs[0], "the code printed nothing"
         return outs[0], outs[1]
     return run
+
+
+@pytest.fixture
+def counted_scale():
+    """counted_scale(value) -> (a 0-d tensor of value, the list its float() reads append to):
+    each read of a CUDA tensor's value is a device sync, which a call makes once."""
+    import torch
+
+    def make(value):
+        reads = []
+
+        class Counted(torch.Tensor):
+            def __float__(self):
+                reads.append(1)
+                return super().__float__()
+
+        return torch.tensor(value).as_subclass(Counted), reads
+    return make

@@ -76,17 +76,10 @@ def test_a_tensor_scale_that_requires_grad_is_refused_not_detached(fake_launches
     assert len(fake_launches) == 2
 
 
-def test_a_tensor_scale_is_read_once_a_call(fake_launches):
+def test_a_tensor_scale_is_read_once_a_call(fake_launches, counted_scale):
     """Each read of a CUDA tensor's value is a device sync: the call reads it once."""
-    reads = []
-
-    class Counted(torch.Tensor):
-        def __float__(self):
-            reads.append(1)
-            return super().__float__()
-
     q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16)
-    scale = torch.tensor(0.5).as_subclass(Counted)
+    scale, reads = counted_scale(0.5)
     for call in (lambda: ops.flash_attn_func(q, q, q, scale),
                  lambda: fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], CU.new_tensor([0, 40]),
                                                        CU.new_tensor([0, 40]), 40, 40,

@@ -2064,17 +2064,10 @@ def test_a_prefill_served_by_a_seqlen_k_range_alone_runs(fake_launches):
     assert [name for name, _ in fake_launches] == [ranged.name] and kc[0, 10:42].eq(1).all()
 
 
-def test_a_tensor_scale_is_read_once_a_decode_call(launched):
+def test_a_tensor_scale_is_read_once_a_decode_call(launched, counted_scale):
     """Each read of a CUDA tensor's value is a device sync: a decode call reads it once."""
-    reads = []
-
-    class Counted(torch.Tensor):
-        def __float__(self):
-            reads.append(1)
-            return super().__float__()
-
     q, kc = torch.zeros(2, 1, 8, 128, dtype=BF), torch.zeros(2, 64, 2, 128, dtype=BF)
-    scale = torch.tensor(0.25).as_subclass(Counted)
+    scale, reads = counted_scale(0.25)
     for _ in range(2):  # planned, then the plan found by value
         reads.clear()
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, softmax_scale=scale)
