@@ -54,6 +54,8 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
     want = f"one value, {per_kv} (batch, heads_kv) or {per_block} (batch, heads, blocks of " \
            f"{block_rows} rows)"
     _refuse_non_tensor(name, t, want)
+    if t.is_nested:  # its sizes raise inside torch
+        raise InvalidInputError(f"{name} is a nested tensor; pass a dense one ({want})")
     if t.dtype != torch.float32:
         raise InvalidInputError(f"{name} must be float32, got {t.dtype}")
     if t.layout != torch.strided:  # the kernel reads it by strides
@@ -418,11 +420,14 @@ def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = No
     """What an fp8 call may not ask for, before any tracing or launch; the output dtype.
     descales (the traced call's): each a tensor or None, as the custom op's schema takes them
     (their shapes are checked when the op runs)."""
-    for name, t in (descales or {}).items():
+    descales = descales or {}
+    for name, t in descales.items():
         _refuse_non_tensor(name, t)
-    if any(t.requires_grad for t in (q, k, v)) and torch.is_grad_enabled():
-        raise InvalidInputError("fp8 attention is forward only: q, k, v must not require grad "
-                                "(run it under torch.no_grad() or detach them)")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, *descales.values())):
+        # A descale too: eagerly its gradient was dropped, compiled the op had no formula.
+        raise InvalidInputError("fp8 attention is forward only: q, k, v and the descales must "
+                                "not require grad (run it under torch.no_grad() or detach them)")
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise InvalidInputError(f"out_dtype must be torch.bfloat16 or torch.float16 for fp8 "
@@ -485,16 +490,18 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
                    variant, out_dtype, ops._grid_env(), runtime.get_library(),
                    *(_descale_signature(descales.get(n)) for n in DESCALE_NAMES))
             plan = _plans.get(key)
-        except (TypeError, AttributeError, Fa3genError):  # not tensors, no library: the
-            key, plan = None, None  # checks below say what is wrong (bad tensors first)
+        except (TypeError, AttributeError, RuntimeError, Fa3genError):
+            # not tensors, sparse or nested ones, no library: the checks below say what is
+            # wrong (bad tensors first)
+            key, plan = None, None
         if plan is not None:
-            out_dtype = check_call(q, k, v, mask, out_dtype)  # grad mode is not in the signature
+            out_dtype = check_call(q, k, v, mask, out_dtype, descales)  # grad mode: not keyed
             out, lse = ops._empty_outputs(q, out_dtype)
             ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
             return out, lse, plan.info.name, plan.dims
     ops.check_device(q, k, v)
     dims = ops.check_inputs(q, k, v)  # one dtype for q, k, v
-    out_dtype = check_call(q, k, v, mask, out_dtype)
+    out_dtype = check_call(q, k, v, mask, out_dtype, descales)
     lib = runtime.get_library()
     name = ops.resolve_variant(dims, mask, variant)
     if out is None:

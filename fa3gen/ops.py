@@ -751,6 +751,9 @@ def _bwd_op(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _trace._active and variant:  # when the graph runs: a graph compiled before the trace too
+        _trace.record(variant, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                      heads_q=q.shape[2], heads_kv=k.shape[2])
     return _backward(dout, q, k, v, out, lse, masking(causal, (window_left, window_right),
                                                       softcap), softmax_scale, variant,
                      deterministic)
@@ -811,12 +814,8 @@ def traced_backward_variant(resolve) -> str:
 
 
 def _backward_variant(q, k, mask: Masking) -> str:
-    """The default backward variant of the key, recorded when tracing."""
-    name = traced_backward_variant(lambda: resolve_bwd_variant(q, q.shape[-1], mask))
-    if _trace._active and name:
-        _trace.record(name, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-                      heads_q=q.shape[2], heads_kv=k.shape[2])
-    return name
+    """The default backward variant of the key (fa3gen::bwd records it when it runs)."""
+    return traced_backward_variant(lambda: resolve_bwd_variant(q, q.shape[-1], mask))
 
 
 def _fwd_backward(ctx, dout, _dlse):

@@ -357,8 +357,10 @@ def _fp8_dequantized(q, k, v, q_descale, k_descale, v_descale, block_q=None, blo
     def dequant(x, descale, per_q_head, block):
         x = x.double()
         if descale is not None:
-            if descale.dim() == 3:  # (b, h, blocks): each row's block
-                ds = descale.double()[:, :, torch.arange(x.shape[1], device=x.device) // block]
+            if descale.dim() == 3:  # (b, h, blocks): each row's block; a dim of 1 serves all,
+                ds = descale.double().expand(b, x.shape[2], descale.shape[2])  # as the kernels
+                rows = torch.arange(x.shape[1], device=x.device)        # read it (stride 0)
+                ds = ds[:, :, rows // block if descale.shape[2] > 1 else rows * 0]
                 x = x * ds.permute(0, 2, 1)[..., None]
             else:
                 ds = descale.double().reshape(-1, 1) if descale.numel() == 1 else descale.double()

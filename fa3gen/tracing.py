@@ -44,6 +44,10 @@ class Entry:
     def add(self, sizes: dict) -> None:
         self.absorb(1, {k: (v, v) for k, v in sizes.items()})
 
+    def copy(self) -> "Entry":
+        return Entry(self.variant, self.default, self.count,
+                     {k: list(r) for k, r in self.ranges.items()}, set(self.dispatch_ranges))
+
     def absorb(self, count: int, ranges: dict) -> None:
         """count more calls, whose sizes span `ranges` (size -> (min, max))."""
         self.count += count
@@ -69,8 +73,10 @@ class Trace:
             self.entries.setdefault((variant, default), Entry(variant, default)).add(sizes)
 
     def to_dict(self) -> dict:
+        with self._lock:  # threads still calling attention add entries meanwhile
+            entries, decode = [e.copy() for e in self.entries.values()], set(self.decode)
         calls = []
-        parsed = sorted((parse_name(e.variant), not e.default, e) for e in self.entries.values())
+        parsed = sorted((parse_name(e.variant), not e.default, e) for e in entries)
         for v, _, e in parsed:
             calls.append({**_spec_values(v, KEY_AXES), "variant": e.variant,
                           "default": e.default, "count": e.count,
@@ -80,8 +86,8 @@ class Trace:
             if rows:
                 calls[-1]["dispatch_seqlen_k"] = [list(r) for r in sorted(rows)]
         data = {"format": FORMAT, "calls": calls}
-        if self.decode:
-            data["decode"] = [list(pair) for pair in sorted(self.decode)]
+        if decode:
+            data["decode"] = [list(pair) for pair in sorted(decode)]
         return data
 
     def merge(self, data: dict) -> None:

@@ -457,6 +457,8 @@ def _varlen_bwd_op(
     deterministic: bool, window_left: int, window_right: int, softcap: float,
     seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if variant:  # when the graph runs: a graph compiled before the trace too
+        _trace_call(variant, True, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, ops.masking(causal, (window_left, window_right), softcap),
                      softmax_scale, variant, deterministic, seqused_k)
@@ -480,9 +482,7 @@ def _setup_context(ctx, inputs, output):
 def _op_backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k, seqused_k = ctx.saved_tensors
     m = ctx.mask
-    name = ops.traced_backward_variant(lambda: _backward_variant(q, m))
-    if name:
-        _trace_call(name, True, q, k, cu_q, *ctx.sizes)
+    name = ops.traced_backward_variant(lambda: _backward_variant(q, m))  # recorded when it runs
     dq, dk, dv = torch.ops.fa3gen.varlen_bwd(
         dout, q, k, v, out, lse, cu_q, cu_k, *ctx.sizes, m.causal, ctx.scale, name,
         ctx.deterministic, m.window_left, m.window_right, m.softcap, seqused_k)

@@ -35,6 +35,20 @@ def _inputs(b=2, sq=129, sk=200, hq=4, hkv=2, d=64):
     return q, k, v, ds
 
 
+def test_fp8_reference_takes_3d_descales_with_dims_of_one_as_the_kernels_do():
+    """(1, 1, 1) is one value and (b, h, 1) one per head, whatever the blocks (the kernels
+    read a dim of 1 with stride 0); the reference read them as blocks of rows and failed."""
+    q, k, v, ds = _inputs()
+    want, _ = fp8_attention_reference(q, k, v, q_descale=torch.tensor(2.0),
+                                      k_descale=ds["k_descale"], v_descale=ds["v_descale"])
+    for block_q in (None, 64):
+        got, _ = fp8_attention_reference(q, k, v, q_descale=torch.full((1, 1, 1), 2.0),
+                                         k_descale=ds["k_descale"][..., None],
+                                         v_descale=ds["v_descale"][..., None], block_q=block_q,
+                                         block_k=block_q)
+        assert torch.equal(got, want)
+
+
 def test_fp8_reference_exact_matches_attention_on_dequantized_inputs():
     q, k, v, ds = _inputs()
     out, lse = fp8_attention_reference(q, k, v, **ds, causal=True)
@@ -298,6 +312,41 @@ def test_fp8_calls_are_planned_once_per_signature(fake_launches, monkeypatch):
     with pytest.raises(InvalidInputError, match="forward only"):  # checked on a planned signature
         _grad_call(q, k, v, kds[0])
     assert len(planned) == 3
+
+
+def test_a_descale_that_requires_grad_is_refused(fake_launches):
+    """fp8 attention has no backward: a descale that needs a gradient (kd from a tensor that
+    requires grad) ran eagerly with its gradient dropped, and compiled it failed inside
+    torch's backend ("no autograd formula"). Refused like q, k, v, planned or not, eager or
+    traced; under no_grad it runs."""
+    b, s, h = 1, 256, 2
+    q = torch.zeros(b, s, h, 128, dtype=torch.float8_e4m3fn)
+    kd = torch.ones(b, h, requires_grad=True) * 2  # (batch, heads_kv), needs grad
+    with torch.no_grad():
+        ops.flash_attn_func(q, q, q, causal=True, k_descale=kd)  # planned
+    for _ in range(2):
+        with pytest.raises(InvalidInputError, match="q, k, v and the descales must not require "
+                                                    "grad"):
+            ops.flash_attn_func(q, q, q, causal=True, k_descale=kd)
+    torch._dynamo.reset()
+    call = torch.compile(lambda q, kd: ops.flash_attn_func(q, q, q, causal=True, k_descale=kd),
+                         fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="the descales must not require grad"):
+        call(q, kd)
+    assert len(fake_launches) == 1
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # a prototype
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support")  # beta
+def test_sparse_and_nested_descales_are_one_error(fake_launches):
+    """A CSR or nested descale raised inside torch while the plan key was built."""
+    q = torch.zeros(1, 256, 2, 128, dtype=torch.float8_e4m3fn)
+    for kd, says in ((torch.ones(1, 2).to_sparse_csr(), "must be a dense \\(strided\\) tensor"),
+                     (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                      "is a nested tensor; pass a dense one")):
+        with pytest.raises(InvalidInputError, match=f"k_descale {says}"):
+            ops.flash_attn_func(q, q, q, causal=True, k_descale=kd)
+    assert not fake_launches
 
 
 def _grad_call(q, k, v, kd):

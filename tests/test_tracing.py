@@ -447,10 +447,10 @@ def test_a_backward_traced_by_length_gets_one_default(tmp_path):
 @pytest.mark.parametrize("dynamic", [None, True])
 def test_a_trace_of_compiled_training_steps_whose_sizes_turn_dynamic(fake_launches, tmp_path,
                                                                     dynamic):
-    """torch.compile records the backward's variant while it traces it: with dynamic shapes (a
-    second length, or dynamic=True) its sizes are SymInts, which broke the trace (min/max
-    guarded on them mid-compile; YAML could not write them). They are left out; the forward's,
-    recorded when the graph runs, are kept."""
+    """A compiled backward is recorded when the graph runs it, as the forward is, with the
+    sizes of each run. (It was recorded while torch.compile traced it: with dynamic shapes its
+    sizes were SymInts, left out of the trace, and a graph compiled before the trace began,
+    a warm-up step, recorded no backward at all.)"""
     torch._dynamo.reset()
     step = torch.compile(lambda q: ops.flash_attn_func(q, q, q), backend="aot_eager",
                          dynamic=dynamic)
@@ -461,6 +461,39 @@ def test_a_trace_of_compiled_training_steps_whose_sizes_turn_dynamic(fake_launch
             step(q).float().sum().backward()
     calls = {c["direction"]: c for c in yaml.safe_load(path.read_text())["calls"]}
     assert calls["fwd"]["count"] == 2 and calls["fwd"]["seqlen_q"] == [40, 50]
-    # the backward's first compile (static unless dynamic=True) has ints; a dynamic one none
-    assert calls["bwd"].get("seqlen_q") == (None if dynamic else [40, 40])
+    assert calls["bwd"]["count"] == 2 and calls["bwd"]["seqlen_q"] == [40, 50]
     assert tracing.spec_from_trace(path, "x")  # and it makes a spec
+    warm = tmp_path / "warm.yaml"  # the graphs compiled above, before this trace began
+    with fa3gen.trace(warm):
+        q = torch.zeros(3, 50, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+        step(q).float().sum().backward()
+    calls = {c["direction"]: c for c in yaml.safe_load(warm.read_text())["calls"]}
+    assert calls["bwd"]["count"] == 1 and calls["fwd"]["count"] == 1
+
+
+def test_a_trace_written_while_threads_record_into_it(tmp_path):
+    """to_dict walked the entries while another thread's first calls of variants added to
+    them: 'dictionary changed size during iteration', and no file written."""
+    import sys
+    import threading
+    names = [f"fwd_bf16_d128_nocausal_m{m}n{n}_s{st}_ws1_pp0_ov0" for m in (64, 128, 192)
+             for n in range(16, 257, 16) for st in (2, 3, 4)]
+    errors = []
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: the race shows in a few rounds
+    try:
+        for _ in range(20):
+            t = tracing.Trace(tmp_path / "t.yaml")
+            adder = threading.Thread(target=lambda: [t.add(n, d, {"batch": 1})
+                                                     for n in names for d in (True, False)])
+            adder.start()
+            while adder.is_alive():
+                try:
+                    t.to_dict()
+                except RuntimeError as e:
+                    errors.append(e)
+            adder.join()
+            assert len(t.to_dict()["calls"]) == 2 * len(names)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
