@@ -254,9 +254,10 @@ class Library:
             raise LibraryNotBuiltError(self.path, spec_name, spec_file)
         try:
             # RTLD_LOCAL: several spec libraries (h100, ablation) export the same symbol names.
-            # An absolute path: a bare file name would make dlopen search the library paths, not
-            # the working directory, and maybe load another library of that name.
-            self._dll = ctypes.CDLL(str(self.path.absolute()), mode=ctypes.RTLD_LOCAL)
+            # The resolved path: a bare file name would make dlopen search the library paths,
+            # not the working directory, and dlopen answers a path it has loaded (a symlink's,
+            # say) with that object, even after the link points at another file.
+            self._dll = ctypes.CDLL(str(self.path.resolve()), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
             raise Fa3genError(f"cannot load fa3gen library {self.path}: {e}") from e
         dll = self._dll

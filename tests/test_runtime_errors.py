@@ -793,6 +793,22 @@ def test_fake_library_table_and_launch(tmp_path):
     assert (got.window_left, got.window_right, got.softcap) == (-1, -1, 2.5)
 
 
+def test_a_symlink_repointed_at_another_library_loads_that_one(tmp_path):
+    """dlopen answers a path string it has loaded with that object: after the link moved to
+    another file, the old library came back silently (here: no ABI error from the new one)."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = runtime.Library(build_fake_lib(tmp_path / "a"))
+    other = build_fake_lib(tmp_path / "b", abi=99)
+    link = tmp_path / "libfa3gen_link.so"
+    link.symlink_to(first.path)
+    assert runtime.Library(link).variants  # loads through the link
+    link.unlink()
+    link.symlink_to(other)
+    with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99"):
+        runtime.Library(link)
+
+
 def test_fake_library_abi_mismatch(tmp_path):
     with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99, this fa3gen package "
                                                       f"expects {runtime.ABI_VERSION}"):
