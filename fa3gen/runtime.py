@@ -14,6 +14,7 @@ Which library is loaded, first match wins:
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import functools
 import json
@@ -36,6 +37,7 @@ from fa3gen.errors import (
 )
 
 DEFAULT_SPEC = "h100"
+_dlclose = getattr(_ctypes, "dlclose", None)  # POSIX (None elsewhere)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +262,17 @@ class Library:
             self._dll = ctypes.CDLL(str(self.path.resolve()), mode=ctypes.RTLD_LOCAL)
         except OSError as e:
             raise Fa3genError(f"cannot load fa3gen library {self.path}: {e}") from e
+        try:
+            self._bind(spec_name)
+        except BaseException:
+            # A library that failed stays loaded under its path (dlopen would answer that path
+            # with it again): closed, a rebuild there loads in this process.
+            if _dlclose is not None:
+                _dlclose(self._dll._handle)
+            raise
+
+    def _bind(self, spec_name: str | None) -> None:
+        """The library's ABI, entry points and variant table."""
         dll = self._dll
         try:
             dll.fa3gen_abi_version.restype = ctypes.c_int32

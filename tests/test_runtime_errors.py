@@ -809,6 +809,22 @@ def test_a_symlink_repointed_at_another_library_loads_that_one(tmp_path):
         runtime.Library(link)
 
 
+def test_a_library_rebuilt_after_a_failed_load_loads_in_the_same_process(tmp_path):
+    """The failed library stayed loaded under its path, and dlopen answered the path with it:
+    the ABI error came back after the rebuild, until a new process."""
+    import os
+    import shutil
+    lib = tmp_path / "libfa3gen_rebuilt.so"
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    shutil.copy(build_fake_lib(tmp_path / "old", abi=99), lib)
+    with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99"):
+        runtime.Library(lib)
+    shutil.copy(build_fake_lib(tmp_path / "new"), tmp_path / "next.so")
+    os.replace(tmp_path / "next.so", lib)  # as the build links aside and renames
+    assert runtime.Library(lib).variants
+
+
 def test_fake_library_abi_mismatch(tmp_path):
     with pytest.raises(fa3gen.AbiMismatchError, match="C ABI version 99, this fa3gen package "
                                                       f"expects {runtime.ABI_VERSION}"):
