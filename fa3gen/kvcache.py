@@ -1058,7 +1058,8 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         _debug_check_scales(k_scale, v_scale)
     if plan.prefill and not no_query:  # a missing forward: an error before the cache changes
         _require_prefill_forward(q, k_cache, plan.geometry[2], plan.kv_fp8, plan.prefill[0],
-                                 seqlens, batch_idx, block_table)
+                                 seqlens, batch_idx, block_table,
+                                 p.seqlen_k if seqlens is None else None)
     if plan.append:
         _append(plan.geometry, k_cache, v_cache, k, v, length if length is not None else seqlens,
                 batch_idx, block_table, plan.kv_fp8, k_scale, v_scale,
@@ -1230,39 +1231,45 @@ def _prefill_route(q, k_cache, capacity: int, kv_fp8: bool, seqlens, batch_idx, 
 
 
 def _require_prefill_forward(q, k_cache, capacity: int, kv_fp8: bool, mask: ops.Masking,
-                             seqlens, batch_idx, block_table) -> None:
+                             seqlens, batch_idx, block_table, length: int | None = None) -> None:
     """VariantNotBuiltError before the append writes anything, where the library lacks the
-    forward a chunked prefill would run (a library built for decoding alone, say)."""
+    forward a chunked prefill would run (a library built for decoding alone, say). length:
+    the keys of one int cache_seqlens after the append, when the call knows it (eager)."""
     table, route = _prefill_route(q, k_cache, capacity, kv_fp8, seqlens, batch_idx, block_table)
+    # The forward's seqlen_k where known now (its variant may be a seqlen_k range's choice):
+    # the dense view's length, the cache rows' capacity; the gathered copies' longest is not.
+    seqlen_k = length if route == "dense" else max(1, capacity) if route == "rows" else None
     _require_forward("fp16" if q.dtype == torch.float16 else "bf16",
                      ops.static_head_dim(q.shape[-1]), *ops._key_flags(mask), table is not None,
-                     route == "dense")
+                     route == "dense", seqlen_k)
 
 
-_served_prefills: set = set()  # (library, _require_forward's arguments) found served
+_served_prefills: set = set()  # (library, key, paged, dense) whose every length is served
 
 
 @ops._assume_constant_result  # as _require_decode_kernels: the lookup runs while tracing
 def _require_forward(dtype: str, head_dim: int, causal: bool, local: bool, softcap: bool,
-                     paged: bool, dense: bool) -> bool:
+                     paged: bool, dense: bool, seqlen_k: int | None) -> bool:
     lib = runtime.get_library()
     key = (lib, dtype, head_dim, causal, local, softcap, paged, dense)
     if key in _served_prefills:  # a lookup scans the variant table: once a signature
         return True
     flags = dict(local=local, softcap=softcap)
-    if paged:
-        try:
-            lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
-        except VariantNotBuiltError:
-            paged = False
-    if not paged:
-        try:
+    try:
+        if paged:
+            try:
+                lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
+            except VariantNotBuiltError:
+                paged = False
+        if not paged:  # the key's default serves every length
             lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
-        except VariantNotBuiltError:  # a key served by seqlen_k ranges alone (a filtered build)
-            ranged = contract.make_key("fwd", dtype, head_dim, causal, local, softcap,
-                                       not dense, False)
-            if not lib.seqlen_dispatch.get(ranged):
-                raise
+    except VariantNotBuiltError:  # a key served by seqlen_k ranges alone (a filtered build):
+        ranged = contract.make_key("fwd", dtype, head_dim, causal, local, softcap, not dense,
+                                   False)  # served if a range holds the length (or it is unknown)
+        if not any(seqlen_k is None or lo <= seqlen_k <= hi
+                   for lo, hi, _ in lib.seqlen_dispatch.get(ranged) or ()):
+            raise
+        return True  # not remembered: it depends on the length
     if len(_served_prefills) >= 256:
         _served_prefills.clear()
     _served_prefills.add(key)

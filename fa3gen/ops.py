@@ -751,12 +751,22 @@ def _bwd_op(
     window_right: int = -1,
     softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = masking(causal, (window_left, window_right), softcap)
     if _trace._active and variant:  # when the graph runs: a graph compiled before the trace too
-        _trace.record(variant, True, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+        _trace.record(variant, _is_default(variant, lambda: resolve_bwd_variant(q, q.shape[-1],
+                                                                                mask)),
+                      batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                       heads_q=q.shape[2], heads_kv=k.shape[2])
-    return _backward(dout, q, k, v, out, lse, masking(causal, (window_left, window_right),
-                                                      softcap), softmax_scale, variant,
-                     deterministic)
+    return _backward(dout, q, k, v, out, lse, mask, softmax_scale, variant, deterministic)
+
+
+def _is_default(variant: str, resolve) -> bool:
+    """Whether variant is the key's default (resolve() names it): a backward op is called with
+    the default its autograd formula resolved, or with a variant named by the caller (bench)."""
+    try:
+        return variant == resolve()
+    except VariantNotBuiltError:
+        return False
 
 
 def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, variant: str,

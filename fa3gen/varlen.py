@@ -457,11 +457,12 @@ def _varlen_bwd_op(
     deterministic: bool, window_left: int, window_right: int, softcap: float,
     seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if variant:  # when the graph runs: a graph compiled before the trace too
-        _trace_call(variant, True, q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    mask = ops.masking(causal, (window_left, window_right), softcap)
+    if _trace._active and variant:  # when the graph runs: a graph compiled before the trace too
+        _trace_call(variant, ops._is_default(variant, lambda: _backward_variant(q, mask)), q, k,
+                    cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     return _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, ops.masking(causal, (window_left, window_right), softcap),
-                     softmax_scale, variant, deterministic, seqused_k)
+                     max_seqlen_k, mask, softmax_scale, variant, deterministic, seqused_k)
 
 
 @_varlen_bwd_op.register_fake

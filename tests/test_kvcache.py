@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fa3gen import kvcache, ops
-from fa3gen.errors import InvalidInputError
+from fa3gen.errors import InvalidInputError, VariantNotBuiltError
 from fa3gen.reference import kvcache_attention_reference
 
 BF = torch.bfloat16
@@ -2062,6 +2062,13 @@ def test_a_prefill_served_by_a_seqlen_k_range_alone_runs(fake_launches):
     new = torch.ones(1, 32, 2, 128, dtype=BF)
     kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=10)
     assert [name for name, _ in fake_launches] == [ranged.name] and kc[0, 10:42].eq(1).all()
+    # a range that does not hold the call's 42 keys: refused before the append, as a key
+    # without any variant is
+    lib.seqlen_dispatch = {make_key("fwd", "bf16", 128, False): [(0, 16, ranged)]}
+    kc.zero_()
+    with pytest.raises(VariantNotBuiltError):
+        kvcache.flash_attn_with_kvcache(q, kc, vc, new, new, cache_seqlens=10)
+    assert not kc.any() and len(fake_launches) == 1
 
 
 def test_a_tensor_scale_is_read_once_a_decode_call(launched, counted_scale):

@@ -497,3 +497,15 @@ def test_a_trace_written_while_threads_record_into_it(tmp_path):
     finally:
         sys.setswitchinterval(interval)
     assert not errors
+
+
+def test_a_backward_op_called_with_a_named_variant_is_not_recorded_as_the_default():
+    """fa3gen::bwd records when it runs; bench calls it with every candidate by name, which
+    the trace took for the key's default (it records what resolve() names as the default)."""
+    from fa3gen.errors import VariantNotBuiltError
+    assert ops._is_default("bwd_a", lambda: "bwd_a")
+    assert not ops._is_default("bwd_b", lambda: "bwd_a")
+
+    def missing():
+        raise VariantNotBuiltError("key", [], "hint")
+    assert not ops._is_default("bwd_b", missing)
