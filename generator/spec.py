@@ -188,7 +188,7 @@ def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     if not _DECIMAL.fullmatch(node.value):
         try:
             read = f" (YAML 1.1 reads it as {yaml.SafeLoader.construct_yaml_int(loader, node)})"
-        except ValueError:  # 0x_: no digits
+        except (ValueError, IndexError):  # 0x_, an empty !!int: no digits
             read = ""
         raise yaml.constructor.ConstructorError(
             None, None, f"{node.value!r} is not a decimal integer{read}; write the number in "
