@@ -1239,6 +1239,8 @@ def _require_prefill_forward(q, k_cache, capacity: int, kv_fp8: bool, mask: ops.
     # The forward's seqlen_k where known now (its variant may be a seqlen_k range's choice):
     # the dense view's length, the cache rows' capacity; the gathered copies' longest is not.
     seqlen_k = length if route == "dense" else max(1, capacity) if route == "rows" else None
+    if torch.compiler.is_compiling():  # sizes may be symbolic: a constant function takes none
+        seqlen_k = None
     _require_forward("fp16" if q.dtype == torch.float16 else "bf16",
                      ops.static_head_dim(q.shape[-1]), *ops._key_flags(mask), table is not None,
                      route == "dense", seqlen_k)
