@@ -423,11 +423,8 @@ def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = No
     descales = descales or {}
     for name, t in descales.items():
         _refuse_non_tensor(name, t)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (q, k, v, *descales.values())):
-        # A descale too: eagerly its gradient was dropped, compiled the op had no formula.
-        raise InvalidInputError("fp8 attention is forward only: q, k, v and the descales must "
-                                "not require grad (run it under torch.no_grad() or detach them)")
+    if torch.is_grad_enabled():
+        _refuse_grad(q, k, v, descales)
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if out_dtype not in OUT_DTYPES:
         raise InvalidInputError(f"out_dtype must be torch.bfloat16 or torch.float16 for fp8 "
@@ -436,6 +433,14 @@ def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = No
         raise InvalidInputError("fp8 attention with window_size or softcap is not supported yet "
                                 "(causal and non-causal are)")
     return out_dtype
+
+
+def _refuse_grad(q, k, v, descales: dict) -> None:
+    """Under grad mode: no input needs a gradient, a descale included (eagerly its gradient was
+    dropped; compiled, the op has no autograd formula)."""
+    if any(t is not None and t.requires_grad for t in (q, k, v, *descales.values())):
+        raise InvalidInputError("fp8 attention is forward only: q, k, v and the descales must "
+                                "not require grad (run it under torch.no_grad() or detach them)")
 
 
 @torch.library.custom_op("fa3gen::fwd_fp8", mutates_args=())
@@ -494,9 +499,10 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
             # not tensors, sparse or nested ones, no library: the checks below say what is
             # wrong (bad tensors first)
             key, plan = None, None
-        if plan is not None:
-            out_dtype = check_call(q, k, v, mask, out_dtype, descales)  # grad mode: not keyed
-            out, lse = ops._empty_outputs(q, out_dtype)
+        if plan is not None:  # the key holds what check_call checks, except grad mode
+            if torch.is_grad_enabled():
+                _refuse_grad(q, k, v, descales)
+            out, lse = ops._empty_outputs(q, torch.bfloat16 if out_dtype is None else out_dtype)
             ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
             return out, lse, plan.info.name, plan.dims
     ops.check_device(q, k, v)

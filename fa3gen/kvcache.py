@@ -1254,27 +1254,29 @@ def _require_forward(dtype: str, head_dim: int, causal: bool, local: bool, softc
                      paged: bool, dense: bool, seqlen_k: int | None) -> bool:
     lib = runtime.get_library()
     key = (lib, dtype, head_dim, causal, local, softcap, paged, dense)
-    if key in _served_prefills:  # a lookup scans the variant table: once a signature
+    if key in _served_prefills:  # a lookup without a length scans the variant table: once
         return True
     flags = dict(local=local, softcap=softcap)
-    try:
-        if paged:
-            try:
-                lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
-            except VariantNotBuiltError:
-                paged = False
-        if not paged:  # the key's default serves every length
-            lib.find("fwd", dtype, head_dim, causal, varlen=not dense, **flags)
-    except VariantNotBuiltError:  # a key served by seqlen_k ranges alone (a filtered build):
-        ranged = contract.make_key("fwd", dtype, head_dim, causal, local, softcap, not dense,
-                                   False)  # served if a range holds the length (or it is unknown)
-        if not any(seqlen_k is None or lo <= seqlen_k <= hi
-                   for lo, hi, _ in lib.seqlen_dispatch.get(ranged) or ()):
+    found = None
+    if paged:
+        try:
+            found = lib.find("fwd", dtype, head_dim, causal, varlen=True, paged=True, **flags)
+        except VariantNotBuiltError:
+            pass
+    if found is None:
+        try:  # as the forward picks it: the seqlen_k range holding the length, else the default
+            found = lib.find("fwd", dtype, head_dim, causal, varlen=not dense, seqlen_k=seqlen_k,
+                             **flags)
+        except VariantNotBuiltError:  # no default: ranges alone (a filtered build) may hold a
+            ranged = contract.make_key("fwd", dtype, head_dim, causal, local, softcap,
+                                       not dense, False)  # length not known before the gather
+            if seqlen_k is None and lib.seqlen_dispatch.get(ranged):
+                return True
             raise
-        return True  # not remembered: it depends on the length
-    if len(_served_prefills) >= 256:
-        _served_prefills.clear()
-    _served_prefills.add(key)
+    if found.is_default:  # every length is served; a range's choice depends on the length
+        if len(_served_prefills) >= 256:
+            _served_prefills.clear()
+        _served_prefills.add(key)
     return True
 
 
