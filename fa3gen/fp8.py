@@ -156,8 +156,8 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     unchanged in exact arithmetic, outliers are spread; d a power of two). On bf16/fp16 CUDA
     tensors with head dim 64, 128 or 256 and a library that has the quantizer (specs with e4m3
     variants), one fused kernel per tensor does it all; otherwise PyTorch operations (`quantize`)
-    give the same values (with hadamard=True and block scales the kernel's transform runs on the
-    tensor cores: a byte may then be one e4m3 step from the PyTorch path's). rotary=(cos, sin), each (>= seqlen, rotary_dim / 2): rotary position
+    give the same values (with hadamard=True, block scales and no rotary the kernel's transform runs on
+    the tensor cores: a byte may then be one e4m3 step from the PyTorch path's). rotary=(cos, sin), each (>= seqlen, rotary_dim / 2): rotary position
     embedding of q and k first (positions 0, 1, ...; flash-attn's apply_rotary_emb, halves
     rotated together, or adjacent pairs with rotary_interleaved), in fp32 before the Hadamard
     transform and the rounding, so the embedding adds no rounding of its own; inside the fused

@@ -98,7 +98,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     cache_batch_idx (batch,) int32 choosing a cache row per sequence (default: the same index);
     or paged: k_cache, v_cache (pages, page_size, heads_kv, d) with block_table (batch, max
     pages) int32. cache_seqlens (batch,) int32 or an int: the keys each sequence has (default:
-    the capacity; required when paged). Query i of seqlen_q sits at position
+    the capacity; required when paged or when k, v are given). Query i of seqlen_q sits at position
     p = cache_seqlen - seqlen_q + i; causal: it sees keys j <= p; window_size (left, right):
     p - left <= j <= p + right (-1: unbounded; work grows with the window, not the cache);
     softcap > 0: scores s (scaled) become softcap * tanh(s / softcap) (flash-attn's). num_splits:

@@ -9,7 +9,8 @@ Which library is loaded, first match wins:
   1b. in a packaged copy of this module (fa3gen package): the library bundled beside it
   2. env FA3GEN_LIB: a path to a built .so
   3. <generated root>/<spec>/lib/libfa3gen_<spec>.so with spec "h100", where the generated root
-     is env FA3GEN_GENERATED or <repo root>/generated.
+     is env FA3GEN_GENERATED, else <checkout>/generated, else $XDG_CACHE_HOME/fa3gen/generated
+     (an install without a checkout).
 """
 
 from __future__ import annotations
