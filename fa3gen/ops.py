@@ -254,11 +254,11 @@ def refuse_sparse(name: str, t: torch.Tensor) -> None:
                                 f"fa3gen takes dense ones (pass {name}.to_dense())")
 
 
-def refuse_nested(name: str, t: torch.Tensor) -> None:
+def refuse_nested(name: str, t: torch.Tensor,
+                   instead: str = "packed rows with cu_seqlens (the varlen functions)") -> None:
     """A nested tensor's shape and strides raise inside torch: say what to pass instead."""
     if t.is_nested:
-        raise InvalidInputError(f"{name} is a nested tensor; pass packed rows with cu_seqlens "
-                                "(the varlen functions) instead")
+        raise InvalidInputError(f"{name} is a nested tensor; pass {instead} instead")
 
 
 def check_device(q, k, v, names: tuple = QKV) -> None:
@@ -599,6 +599,7 @@ def _forward(q, k, v, mask: Masking, softmax_scale: float, variant: str):
     custom op's body, which also records the call for fa3gen.trace. Planned once per call
     signature, as eager calls are: a compiled call's host time then drops from ~88 us (the
     checks and params on every call) to ~55 (a 2-core CPU host, launch stubbed)."""
+    check_softmax_scale(softmax_scale)  # a direct op call has had no public function's checks
     plan = _eager_fwd_plan(q, k, v, mask, float(softmax_scale), variant or None)
     if _trace._active:
         _trace_call(plan.info.name, not variant, plan.dims)
@@ -775,6 +776,7 @@ def _backward(dout, q, k, v, out, lse, mask: Masking, softmax_scale: float, vari
     for a misaligned dout). Autograd (or a compiled graph) may hand over any strides: what TMA
     cannot read is copied. The checks and params are planned once per call signature (with
     which inputs it copies), as the eager backward's are."""
+    check_softmax_scale(softmax_scale)  # as _forward's
     ins = (dout, q, k, v, out)
     lib = runtime.get_library()
     key = (_layout_key(*ins, lse), mask, float(softmax_scale), variant, bool(deterministic), lib,

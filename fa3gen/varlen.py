@@ -54,6 +54,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        ops.refuse_nested(name, cu, "a 1-D int32 tensor")
         ops.refuse_sparse(name, cu)
         if cu.dtype != torch.int32:
             raise InvalidInputError(f"{name} must be int32, got {cu.dtype}")
@@ -209,7 +210,11 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
 def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
     """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device. A cu_seqlens_k
     that is no tensor is left to check_varlen_inputs, which names it."""
-    other = cu_seqlens_k if isinstance(cu_seqlens_k, torch.Tensor) and cu_seqlens_k.dim() == 1 else None
+    if isinstance(seqused_k, torch.Tensor):
+        ops.refuse_nested("seqused_k", seqused_k, "a 1-D int32 tensor")
+        ops.refuse_sparse("seqused_k", seqused_k)
+    other = cu_seqlens_k if isinstance(cu_seqlens_k, torch.Tensor) and not cu_seqlens_k.is_nested \
+        and cu_seqlens_k.dim() == 1 else None
     if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or \
             seqused_k.dim() != 1 or (other is not None and (
                 seqused_k.device != other.device or seqused_k.shape[0] != other.shape[0] - 1)):
@@ -221,11 +226,19 @@ def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
         raise InvalidInputError("seqused_k must be contiguous")
 
 
+def _check_op_arguments(scale, seqused_k, cu_seqlens_k) -> None:
+    """What the public function checks before an op body runs, for a direct op call (no sync)."""
+    ops.check_softmax_scale(scale)
+    if seqused_k is not None:
+        _check_seqused_k(seqused_k, cu_seqlens_k)
+
+
 def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, scale,
              variant, seqused_k=None):
     """The checked path (custom op body): (out (total_q, hq, d), lse (hq, total_q)); variant
     "": the default for max_seqlen_k. Records the call for fa3gen.trace. FA3GEN_DEBUG_CHECKS
     reads cu_seqlens here, with the graph's (or a vmapped entry's) real tensors."""
+    _check_op_arguments(scale, seqused_k, cu_seqlens_k)
     if debug_checks_enabled():
         check_cu_seqlens_data(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               seqused_k)
@@ -401,6 +414,7 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
 def _backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               mask, scale, variant, deterministic, seqused_k=None):
     """The varlen backward op's body, planned once per call signature as ops._backward."""
+    _check_op_arguments(scale, seqused_k, cu_seqlens_k)
     ins = (dout, q, k, v, out)
     lib = runtime.get_library()
     key = (ops._layout_key(*ins, lse), _cu_signature(cu_seqlens_q), _cu_signature(cu_seqlens_k),
@@ -716,6 +730,6 @@ def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant)
 
 def _cu_signature(cu) -> tuple:
     """What the checks read of a cu_seqlens argument (its data is the kernel's)."""
-    if not isinstance(cu, torch.Tensor):
-        return (type(cu),)  # a miss: the checks reject it
+    if not isinstance(cu, torch.Tensor) or cu.is_nested:
+        return (type(cu), cu.is_nested if isinstance(cu, torch.Tensor) else None)  # a miss: the checks reject it
     return cu.shape, cu.stride(), cu.dtype, cu.device

@@ -564,3 +564,53 @@ def test_a_bad_dynamic_max_seqlen_under_compile_is_still_invalid_input(fake_laun
                        (2**30, "at most 2\\*\\*30 - 1")):
         with pytest.raises(InvalidInputError, match=match):
             call(q, cu, bad)
+
+
+def _nested(t):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the prototype API's warning
+        return torch.nested.nested_tensor([t])
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k", "seqused_k"])
+def test_nested_index_tensors_get_one_clear_error(fake_launches, which):
+    """A nested cu_seqlens or seqused_k had raised torch's "NestedTensorImpl doesn't support
+    sizes" while the call's key was made."""
+    q, k, v = qkv()
+    args = dict(cu_seqlens_q=CU_Q, cu_seqlens_k=CU_K)
+    if which == "seqused_k":
+        args["seqused_k"] = _nested(CU_K[1:] - CU_K[:-1])
+    else:
+        args[which] = _nested(args[which])
+    with pytest.raises(InvalidInputError, match=f"{which} is a nested tensor; pass a 1-D int32"):
+        flash_attn_varlen_func(q, k, v, max_seqlen_q=7, max_seqlen_k=5, **args)
+    assert fake_launches == []
+
+
+@pytest.mark.parametrize("scale, seqused_k, message", [
+    (1e40, None, "outside"), (1e-45, None, "outside"), (float("nan"), None, "finite number"),
+    (0.1, torch.tensor([5, 2, 5]), "seqused_k must be int32"),
+    (0.1, torch.tensor([5], dtype=torch.int32), "seqused_k must be int32 of shape"),
+])
+def test_the_ops_called_directly_check_what_the_functions_do(fake_launches, scale, seqused_k,
+                                                             message):
+    """fa3gen::varlen_fwd / varlen_bwd / fwd / bwd are public entry points: a scale that fp32
+    makes inf or 0 and a seqused_k the kernel would misread (int64, too short) had reached the
+    launch when the op was called without the public function."""
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match=message):
+        torch.ops.fa3gen.varlen_fwd(q, k, v, CU_Q, CU_K, 7, 5, True, scale, "", False, -1, -1,
+                                    0.0, seqused_k)
+    out, lse = torch.zeros_like(q), torch.zeros(4, 10)
+    with pytest.raises(InvalidInputError, match=message):
+        torch.ops.fa3gen.varlen_bwd(out, q, k, v, out, lse, CU_Q, CU_K, 7, 5, True, scale, "",
+                                    False, -1, -1, 0.0, seqused_k)
+    if seqused_k is None:
+        qd = q[None]
+        with pytest.raises(InvalidInputError, match=message):
+            torch.ops.fa3gen.fwd(qd, qd, qd, False, scale, "", False, -1, -1, 0.0)
+        with pytest.raises(InvalidInputError, match=message):
+            torch.ops.fa3gen.bwd(qd, qd, qd, qd, qd, torch.zeros(1, 4, 10), False, scale, "",
+                                 False, -1, -1, 0.0)
+    assert fake_launches == []
