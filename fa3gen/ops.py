@@ -1017,10 +1017,12 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
     return plan, dout
 
 
-def _backward_key(fwd: _Plan, deterministic: bool, dout, grads) -> tuple:
+def _backward_key(fwd: _Plan, deterministic: bool, dout, grads, saved: tuple) -> tuple:
     """An eager backward's plan key (dense and varlen): dout's layout with its alignment, which
-    decides a copy (_plan_once), and the given gradients' strides, which are the params'."""
-    key = (fwd, deterministic, *_layout_key(dout))
+    decides a copy (_plan_once), the saved tensors' layouts (the forward's plan read q, k, v
+    as the forward got them, but a saved-tensor hook such as save_on_cpu gives them back
+    contiguous) and the given gradients' strides: all of them are the params'."""
+    key = (fwd, deterministic, *_layout_key(dout, *saved))
     return key if grads is None else key + tuple(_signature(g) for g in grads)
 
 
@@ -1028,7 +1030,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, gr
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked), new, or
     written into `grads` (views of packed gradients, fa3gen.packed)."""
     plan, dout = _backward_plan_once(
-        _bwd_plans, _backward_key(fwd, deterministic, dout, grads), dout,
+        _bwd_plans, _backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale,
                                 resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask),

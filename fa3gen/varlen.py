@@ -175,6 +175,7 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
     # a packed batch has no one length, and the caller's bound costs no sync).
     info = lib.find("fwd", dims.dtype, dims.head_dim, variant=variant, varlen=True,
                     seqlen_k=max_seqlen_k, **mask.key())
+    _check_tiles_per_seq("max_seqlen_q", max_seqlen_q, info.tile_m, info.name)
     q4, k4, v4, o4 = _views(q, k, v, out)
     ops.check_layout(q=q, k=k, v=v)
     scale = ops._softmax_scale(softmax_scale, dims.head_dim)
@@ -183,6 +184,16 @@ def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, o
         params = ops._make_params(q4, k4, v4, o4, lse, dims, scale, ops._num_sms(q.device.index),
                                   ops._grid_mode(), mask)
     return _Plan(lib, info, dims, mask, scale, q.device, params)
+
+
+def _check_tiles_per_seq(name: str, max_seqlen: int, tile: int, variant: str) -> None:
+    """The tile list's bound (the launcher's check_varlen), known once the variant's tile is:
+    the forward lists query tiles of max_seqlen_q, the backward key tiles of max_seqlen_k."""
+    limit = VARLEN_LIMITS["tiles_per_seq"]
+    if -(-max_seqlen // tile) > limit:
+        raise InvalidInputError(f"{name}={max_seqlen} makes more than {limit} tiles of {tile} "
+                                f"rows a sequence for {variant} (at most {limit * tile}); "
+                                f"split longer sequences")
 
 
 def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k=None,
@@ -383,6 +394,7 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         raise InvalidInputError("lse must be contiguous (the C ABI takes no lse strides)")
     info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant or None, varlen=True,
                     **mask.key())
+    _check_tiles_per_seq("max_seqlen_k", max_seqlen_k, info.tile_n, info.name)
     ops.check_layout(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     views = _views(q, k, v, out, dout, dq, dk, dv)
     params = None
@@ -553,7 +565,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
     plan's covers q, k, v, cu_seqlens and max_seqlen); grads as there."""
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
     plan, dout = ops._backward_plan_once(
-        _bwd_plans, ops._backward_key(fwd, deterministic, dout, grads), dout,
+        _bwd_plans, ops._backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
                                 *(grads or ops._empty_grads(q, k, v)),
                                 fwd.mask, fwd.scale, _backward_variant(q, fwd.mask), deterministic,

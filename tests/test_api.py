@@ -1,5 +1,6 @@
 """flash_attn_func's signature: FlashAttention-3's positional order, flash-attn's meaning of
 causal / window_size / softcap, and clear errors instead of a different result."""
+import contextlib
 import inspect
 
 import pytest
@@ -777,3 +778,36 @@ def test_a_compiled_forward_whose_inputs_require_grad_needs_no_backward_variant(
     eager = ops.flash_attn_func(q, q, q, window_size=(3, 3), softcap=5.0)
     with pytest.raises(VariantNotBuiltError, match="direction=bwd"):
         eager.float().sum().backward()
+
+
+@pytest.mark.parametrize("offload_first", [False, True])
+@pytest.mark.parametrize("path", ["dense", "varlen"])
+def test_backward_takes_the_saved_tensors_layout(fake_launches, path, offload_first):
+    """A saved-tensor hook (save_on_cpu: activation offloading) gives q, k, v back contiguous.
+    The eager backward's plan had been kept under the forward's plan alone, so a step with
+    offloading and one without (the same call) shared params: the other's strides, read past
+    q or the wrong rows of it."""
+    from fa3gen import varlen
+
+    def step(offload):
+        shape = (64, 3, 2, 128) if path == "varlen" else (1, 64, 3, 2, 128)
+        qkv = torch.zeros(shape, dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = qkv.unbind(-3)  # views: rows 3 x 2 x 128 apart
+        # as save_on_cpu(pin_memory=True) does: a contiguous copy comes back
+        hooks = torch.autograd.graph.saved_tensors_hooks(
+            lambda t: t.clone(memory_format=torch.contiguous_format), lambda t: t) \
+            if offload else contextlib.nullcontext()
+        with hooks:
+            if path == "varlen":
+                cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+                out = varlen.flash_attn_varlen_func(q, k, v, cu, cu, 34, 34, causal=True)
+            else:
+                out = fa3gen.flash_attn_func(q, k, v)
+        out.float().sum().backward()
+        name, p = fake_launches[-1]
+        assert name.startswith("bwd_")
+        return p.q_row_stride, p.k_row_stride, p.v_row_stride
+
+    first, second = (True, False) if offload_first else (False, True)
+    assert step(first) == ((256,) * 3 if first else (768,) * 3)
+    assert step(second) == ((256,) * 3 if second else (768,) * 3)

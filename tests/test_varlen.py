@@ -614,3 +614,18 @@ def test_the_ops_called_directly_check_what_the_functions_do(fake_launches, scal
             torch.ops.fa3gen.bwd(qd, qd, qd, qd, qd, torch.zeros(1, 4, 10), False, scale, "",
                                  False, -1, -1, 0.0)
     assert fake_launches == []
+
+
+def test_more_tiles_a_sequence_than_the_list_holds_is_refused_before_the_launch(fake_launches):
+    """65535 tiles a sequence (the tile list's bound) had been checked only by the launcher,
+    as a generic Fa3genError; the backward's key tiles only when .backward() ran."""
+    too_long = 65535 * 128 + 1
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputError, match="max_seqlen_q=8388481 makes more than 65535 tiles"):
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, too_long, 5, causal=True)
+    assert fake_launches == []
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 65535 * 128, 5, causal=True)  # the bound itself
+    q, k, v = qkv(grad=True)
+    out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, too_long, causal=True)
+    with pytest.raises(InvalidInputError, match="max_seqlen_k=8388481 makes more than 65535 tiles"):
+        out.sum().backward()
