@@ -422,9 +422,10 @@ def test_limits_are_inclusive(fake_launches):
     q, k, v = qkv()
     one_q, one_k = (torch.tensor([0, n], dtype=torch.int32) for n in (10, 12))
     flash_attn_varlen_func(q, k, v, one_q, one_k, 10, 12, causal=True)
-    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**29, 2**29 - 1, causal=True)
+    longest_q = 65535 * 128  # the tile list's bound at 128-row tiles
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, longest_q, 2**30 - 1 - longest_q, causal=True)
     with pytest.raises(InvalidInputError, match=r"max_seqlen_q \+ max_seqlen_k must be at most 2\*\*30 - 1"):
-        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**29, 2**29, causal=True)
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, longest_q, 2**30 - longest_q, causal=True)
     with pytest.raises(InvalidInputError, match=r"max_seqlen_q must be an int in \[1, 2\*\*31\)"):
         flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 2**31, 5, causal=True)
     n = contract.VARLEN_LIMITS["batch"]
