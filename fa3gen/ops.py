@@ -858,9 +858,10 @@ def _fold_vmapped(info, in_dims, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return folded
 
 
-def _unfold_vmapped(info, *tensors: torch.Tensor) -> tuple:
-    n = info.batch_size
-    return tuple(t.reshape(n, t.shape[0] // n, *t.shape[1:]) for t in tensors)
+def _unfold_vmapped(info, batch: int, *tensors: torch.Tensor) -> tuple:
+    """Each output's dim 0 (vmapped entries x `batch`, one entry's) split again; `batch` is
+    given, not divided out, so that a vmapped size of 0 works."""
+    return tuple(t.reshape(info.batch_size, batch, *t.shape[1:]) for t in tensors)
 
 
 def _folding_rule(call, tensors: int):
@@ -869,7 +870,9 @@ def _folding_rule(call, tensors: int):
 
     def rule(info, in_dims, *inputs):
         folded = _fold_vmapped(info, in_dims[:tensors], *inputs[:tensors])
-        outputs = _unfold_vmapped(info, *call(*folded, *inputs[tensors:]))
+        first, dim = inputs[0], in_dims[0]
+        batch = first.shape[0] if dim is None else first.movedim(dim, 0).shape[1]
+        outputs = _unfold_vmapped(info, batch, *call(*folded, *inputs[tensors:]))
         return outputs, (0,) * len(outputs)
 
     return rule

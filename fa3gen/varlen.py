@@ -521,6 +521,11 @@ _varlen_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 def _varlen_vmap(info, in_dims, *inputs):
     """One call per vmapped entry (the sequences of one call are already its batch)."""
+    if info.batch_size == 0:  # no entry to call: no rows of an entry's output shapes
+        q = inputs[0] if in_dims[0] is None else inputs[0].movedim(in_dims[0], 0)
+        total, hq, d = q.shape[-3:]
+        return (q.new_empty((0, total, hq, d)),
+                q.new_empty((0, hq, total), dtype=torch.float32)), (0, 0)
     entries = [_TransformedVarlen.apply(*(t.select(d, i) if d is not None else t
                                           for t, d in zip(inputs, in_dims)))
                for i in range(info.batch_size)]

@@ -210,6 +210,22 @@ def test_vmap_over_empty_sequences(reference_ops):
     assert out.shape == (3, 1, 0, 2, 128) and lse.shape == (3, 1, 2, 0)
 
 
+def test_vmap_over_no_entries(reference_ops):
+    """A vmapped size of 0 (dense: 0 entries, the batch was divided by it; varlen: no entry
+    to call): outputs with no entries, as torch's own ops give."""
+    q, k, v = _inputs(0, 2)
+    out, lse = torch.func.vmap(lambda q, k, v: ops.flash_attn_func(q, k, v, return_lse=True))(
+        q, k, v)
+    assert out.shape == (0, 2, 16, 2, 128) and lse.shape == (0, 2, 2, 16)
+    grads = torch.func.vmap(torch.func.grad(_loss, argnums=(0, 1, 2)))(q, k, v)
+    assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    out, lse = torch.func.vmap(lambda q, k, v: varlen.flash_attn_varlen_func(
+        q, k, v, cu, cu, 11, 11, causal=True, return_lse=True))(q[:, 0], k[:, 0], v[:, 0])
+    assert out.shape == (0, 16, 2, 128) and lse.shape == (0, 2, 16) and lse.dtype == torch.float32
+    assert [name for name, _ in reference_ops] == ["fwd", "fwd", "bwd"]  # the dense ones only
+
+
 def test_functionalize_keeps_the_custom_op(reference_ops):
     """functionalize has no rule for a Function: the call stays the custom op there."""
     q, k, v = _inputs(1)
