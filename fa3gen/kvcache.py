@@ -1045,8 +1045,12 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     length = cache_seqlens if isinstance(cache_seqlens, int) else None  # one for every sequence
     seqlens = cache_seqlens.contiguous() if isinstance(cache_seqlens, torch.Tensor) else None
     batch_idx = cache_batch_idx.contiguous() if cache_batch_idx is not None else None
-    pointers = None if no_query else ops._aligned_pointers(q=q, k_cache=k_cache,  # plan: the
-                                                           v_cache=v_cache)       # strides
+    # checked before the append changes the cache (the plan checked the strides); a prefill's
+    # q by _data_ptr, which reads 0 for a wrapper without storage (under torch.func)
+    pointers = None if no_query else ops._aligned_pointers(
+        **({} if plan.prefill else {"q": q}), k_cache=k_cache, v_cache=v_cache)
+    if plan.prefill and not no_query and ops._data_ptr(q) % ops._TMA_ALIGN_BYTES:
+        ops.check_layout(q=q)
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)

@@ -308,3 +308,22 @@ def test_forward_mode_and_the_double_backward_trick_are_errors_on_the_eager_path
             torch.autograd.functional.jvp(lambda q: call(q).float(), q, torch.ones_like(q))
     with fwAD.dual_level():  # a dual level alone, no dual input: the call runs
         assert calls["dense"](q).shape == q.shape
+
+
+def test_grad_of_a_chunked_prefill(reference_ops, monkeypatch):
+    """flash_attn_with_kvcache's chunked prefill is differentiable in q (eagerly, and now under
+    torch.func.grad, where its alignment check had read q's data pointer: a wrapper without
+    storage, a RuntimeError)."""
+    from fa3gen import contract, kvcache
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib=None: None)
+    cache = _inputs(2, seqlen=96)[0]
+    q = _inputs(2, seqlen=32, seed=1)[0]
+
+    def loss(q):
+        return kvcache.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=80).float().sum()
+
+    got = torch.func.grad(loss)(q)
+    keys = cache[:, :80]  # non-causal: every query sees the 80 keys
+    want = attention_grad_reference(q, keys, keys, torch.ones_like(q), False)[0].to(q.dtype)
+    assert got.abs().sum() > 0 and torch.equal(got, want)
