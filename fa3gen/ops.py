@@ -1029,9 +1029,21 @@ def _backward_key(fwd: _Plan, deterministic: bool, dout, grads, saved: tuple) ->
     return key if grads is None else key + tuple(_signature(g) for g in grads)
 
 
+def refuse_batched_backward(dout: torch.Tensor) -> None:
+    """A batched gradient reaches the eager backward as a dout without storage (autograd's
+    own vmap wrapper): one clear error instead of torch's about data pointers."""
+    if not _has_storage(dout):
+        raise Fa3genError(
+            "batched gradients through an eager fa3gen call (autograd.grad(..., "
+            "is_grads_batched=True), autograd.functional.jacobian / hessian with "
+            "vectorize=True) are not supported; torch.func.jacrev or vmap over torch.func.vjp "
+            "of the same function are")
+
+
 def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, grads=None):
     """dq, dk, dv for a forward that ran `fwd` on q, k, v (whose layout it checked), new, or
     written into `grads` (views of packed gradients, fa3gen.packed)."""
+    refuse_batched_backward(dout)
     plan, dout = _backward_plan_once(
         _bwd_plans, _backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
@@ -1115,6 +1127,7 @@ def _trace_call(name: str, default: bool, dims: Dims) -> None:
 
 # One call per flash_attn_func (not one per tensor): whether a torch.func transform is running.
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_has_storage = getattr(torch._C, "_has_storage", lambda t: True)
 _peek_interpreter = torch._C._functorch.peek_interpreter_stack
 _FUNCTIONALIZE = torch._C._functorch.TransformType.Functionalize
 

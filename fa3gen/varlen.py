@@ -568,6 +568,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
                     seqused_k=None, grads=None):
     """As ops._eager_backward: the checks and the dispatch once per signature (the forward
     plan's covers q, k, v, cu_seqlens and max_seqlen); grads as there."""
+    ops.refuse_batched_backward(dout)
     sizes = (fwd.dims.seqlen_q, fwd.dims.seqlen_k)
     plan, dout = ops._backward_plan_once(
         _bwd_plans, ops._backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,

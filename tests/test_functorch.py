@@ -327,3 +327,18 @@ def test_grad_of_a_chunked_prefill(reference_ops, monkeypatch):
     keys = cache[:, :80]  # non-causal: every query sees the 80 keys
     want = attention_grad_reference(q, keys, keys, torch.ones_like(q), False)[0].to(q.dtype)
     assert got.abs().sum() > 0 and torch.equal(got, want)
+
+
+def test_batched_gradients_through_an_eager_call_are_one_clear_error(fake_launches):
+    """autograd.grad(..., is_grads_batched=True) (jacobian / hessian with vectorize=True) hands
+    the eager backward a dout without storage: it had failed in torch's data_ptr."""
+    q, k, v = (t.requires_grad_() for t in _inputs(1))
+    out = ops.flash_attn_func(q, k, v)
+    douts = torch.ones(3, *out.shape, dtype=out.dtype)
+    with pytest.raises(Fa3genError, match="batched gradients through an eager fa3gen call"):
+        torch.autograd.grad(out, q, douts, is_grads_batched=True)
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    out = varlen.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 11, 11, causal=True)
+    with pytest.raises(Fa3genError, match="batched gradients through an eager fa3gen call"):
+        torch.autograd.grad(out, q, douts[:, 0], is_grads_batched=True)
+    assert [name[:3] for name, _ in fake_launches] == ["fwd", "fwd"]
