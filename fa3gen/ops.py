@@ -24,6 +24,11 @@ from dataclasses import dataclass
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
+try:
+    import numpy as _np  # torch's optional dependency: only to name numpy values in errors
+except ImportError:
+    _np = None
+
 from fa3gen import runtime
 from fa3gen import fp8 as _fp8
 from fa3gen import tracing as _trace
@@ -136,6 +141,9 @@ def shown(x) -> str:
     size (repr of an int past 4300 digits raises ValueError, in a tuple too)."""
     if isinstance(x, torch.Tensor):
         return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    if _np is not None and isinstance(x, _np.ndarray) and torch.compiler.is_compiling():
+        # dynamo traces a numpy scalar as an array, whose value and repr it cannot read
+        return "a numpy value, which torch.compile traces as an array (pass int(...) or float(...))"
     if isinstance(x, int) and not isinstance(x, bool) and x.bit_length() > 100:
         return f"an int of about {'-' if x < 0 else ''}10^{x.bit_length() * 0.30103:.0f}"
     try:

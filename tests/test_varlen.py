@@ -630,3 +630,19 @@ def test_more_tiles_a_sequence_than_the_list_holds_is_refused_before_the_launch(
     out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, too_long, causal=True)
     with pytest.raises(InvalidInputError, match="max_seqlen_k=8388481 makes more than 65535 tiles"):
         out.sum().backward()
+
+
+def test_a_numpy_max_seqlen_under_fullgraph_compile_is_named(fake_launches):
+    """dynamo traces a numpy scalar as an array: the check's message had failed on its repr
+    (dynamo's "repr() on tensor"), so the user saw no word of max_seqlen."""
+    import numpy as np
+    torch._dynamo.reset()
+    q, k, v = qkv()
+    call = torch.compile(lambda q, k, v, m: flash_attn_varlen_func(q, k, v, CU_Q, CU_K, m, m,
+                                                                   causal=True),
+                         fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"max_seqlen_q must be an int .* got a numpy value, "
+                                        r"which torch.compile traces as an array \(pass int"):
+        call(q, k, v, np.int64(7))
+    assert flash_attn_varlen_func(q, k, v, CU_Q, CU_K, np.int64(7), np.int64(5),
+                                  causal=True).shape == q.shape  # eagerly taken
