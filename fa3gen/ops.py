@@ -1055,8 +1055,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, gr
     plan, dout = _backward_plan_once(
         _bwd_plans, _backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, *(grads or _empty_grads(q, k, v)),
-                                fwd.mask, fwd.scale,
-                                resolve_bwd_variant(q, fwd.dims.head_dim, fwd.mask),
+                                fwd.mask, fwd.scale, None,  # fwd.lib's default
                                 deterministic, fwd.lib))
     if _trace._active:
         _trace_call(plan.info.name, True, plan.dims)

@@ -574,7 +574,7 @@ def _eager_backward(fwd: _Plan, deterministic: bool, dout, q, k, v, out, lse, cu
         _bwd_plans, ops._backward_key(fwd, deterministic, dout, grads, (q, k, v, out, lse)), dout,
         lambda ready: _bwd_plan(ready, q, k, v, out, lse, cu_q, cu_k, *sizes,
                                 *(grads or ops._empty_grads(q, k, v)),
-                                fwd.mask, fwd.scale, _backward_variant(q, fwd.mask), deterministic,
+                                fwd.mask, fwd.scale, None, deterministic,  # fwd.lib's default
                                 fwd.lib),
         ready=_tma_ready)
     _trace_call(plan.info.name, True, q, k, cu_q, *sizes)

@@ -811,3 +811,19 @@ def test_backward_takes_the_saved_tensors_layout(fake_launches, path, offload_fi
     first, second = (True, False) if offload_first else (False, True)
     assert step(first) == ((256,) * 3 if first else (768,) * 3)
     assert step(second) == ((256,) * 3 if second else (768,) * 3)
+
+
+def test_the_backward_runs_on_the_forwards_library(fake_launches, tmp_path, monkeypatch):
+    """A backward's variant had been looked up in the library current when the backward ran
+    (launched on the forward's): after a switch to a library without it, VariantNotBuiltError."""
+    from tests.test_runtime_errors import FAKE_LIB_C, build_fake_lib
+    bwd_row = ('  {"bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0", "bwd", "bf16", 128, 0, 0, 0, 0, '
+               '64, 128, 2, 1, 0,\n   0, 0, 0, 0, 0, 1, 0, launch_bwd},\n')
+    assert bwd_row in FAKE_LIB_C
+    forward_only = build_fake_lib(tmp_path, source=FAKE_LIB_C.replace(bwd_row, ""), name="fwdonly")
+    q = torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    out = fa3gen.flash_attn_func(q, q, q)
+    monkeypatch.setenv("FA3GEN_LIB", str(forward_only))
+    out.float().sum().backward()
+    assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
+                                                   "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0"]
