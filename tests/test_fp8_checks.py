@@ -75,6 +75,22 @@ def test_fp8_tolerance_rule_accepts_the_kernel_arithmetic_and_rejects_errors():
     assert not off["ok"] and "lse" in off["why"]
 
 
+def test_fp8_tolerance_rule_takes_the_calls_scale():
+    """The e4m3 checks run at a scale that is not the default (0.8 / sqrt(d), as the 16-bit
+    ones): a kernel that kept 1 / sqrt(d) fails them."""
+    q, k, v, ds = _inputs()
+    scale = 0.8 * q.shape[-1] ** -0.5
+    emu, lse = fp8_attention_reference(q, k, v, **ds, causal=True, softmax_scale=scale,
+                                       key_block=128)
+    good = compare_fp8_to_reference(emu.to(torch.bfloat16), lse.float(), q, k, v, ds, True, 128,
+                                    softmax_scale=scale)
+    assert good["ok"], good["why"]
+    default, default_lse = fp8_attention_reference(q, k, v, **ds, causal=True, key_block=128)
+    ignored = compare_fp8_to_reference(default.to(torch.bfloat16), default_lse.float(), q, k, v,
+                                       ds, True, 128, softmax_scale=scale)
+    assert not ignored["ok"] and "RMSE" in ignored["why"] and "lse" in ignored["why"]
+
+
 def test_descales_belong_to_fp8_inputs():
     t = torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match="float8_e4m3fn q, k, v only"):

@@ -17,7 +17,7 @@ from test_forward import DTYPES, make_qkv
 pytestmark = pytest.mark.gpu
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
-SHAPES = [(1, 300, 300, 4, 2), (2, 257, 513, 4, 4), (1, 513, 257, 2, 1), (1, 1, 700, 2, 2)]
+SHAPES = [(1, 300, 300, 8, 2), (2, 257, 513, 4, 4), (1, 513, 257, 2, 1), (1, 1, 700, 2, 2)]
 # (left, right); a causal key only uses left (right is 0). 5000 is wider than every sequence.
 WINDOWS = [(0, 0), (0, 37), (37, 0), (130, 61), (-1, 50), (50, -1), (5000, 5000), (1, 200)]
 SOFTCAPS = [0.5, 5.0, 50.0, 60.0]  # 50 and 60: either side of a bound in softmax.cuh
@@ -64,7 +64,7 @@ def test_forward_softcap_values(lib, fwd_feature_key, softcap):
     if not has_cap:
         pytest.skip("no softcap")
     kw = _call_args(fwd_feature_key, (96, 0), softcap)
-    q, k, v = make_qkv(2, 400, 400, 4, 2, d, DTYPES[dtype], seed=22)
+    q, k, v = make_qkv(2, 400, 400, 8, 2, d, DTYPES[dtype], seed=22)
     q = q * 3  # larger scores: the cap saturates
     out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
     torch.cuda.synchronize()
@@ -131,7 +131,7 @@ def test_backward_deterministic(lib, bwd_feature_key):
     band of key blocks that starts above 0 (the semaphore turn counts from the band's first)."""
     dtype, d, _, _, _ = bwd_feature_key
     kw = _call_args(bwd_feature_key, (300, 200), 3.0)
-    q, k, v = make_qkv(2, 900, 1100, 4, 2, d, DTYPES[dtype], seed=24)
+    q, k, v = make_qkv(2, 900, 1100, 8, 2, d, DTYPES[dtype], seed=24)
     dout = torch.randn_like(q)
     scale = CHECK_SCALE_FACTOR * d**-0.5
     grads = repeated_grads(lambda *qkv: flash_attn_func(*qkv, scale, deterministic=True, **kw),
@@ -147,7 +147,7 @@ def test_feature_opcheck(lib, bwd_feature_key):
     dtype, d, _, _, _ = bwd_feature_key
     kw = _call_args(bwd_feature_key, (50, 20), 3.0)
     mask = ops.masking(kw["causal"], kw["window_size"], kw["softcap"])
-    q, k, v = make_qkv(1, 129, 200, 4, 2, d, DTYPES[dtype], seed=25)
+    q, k, v = make_qkv(1, 129, 200, 8, 2, d, DTYPES[dtype], seed=25)
     fwd = ops.resolve_variant(ops.check_inputs(q, k, v), mask)
     args = (mask.causal, d**-0.5, fwd, False, mask.window_left, mask.window_right, mask.softcap)
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))

@@ -10,6 +10,7 @@ import torch
 import fa3gen
 from fa3gen import fp8, ops, runtime
 from fa3gen.errors import Fa3genError, InvalidInputError
+from fa3gen.checks import CHECK_SCALE_FACTOR
 from fa3gen.reference import attention_reference, compare_fp8_to_reference, fp8_attention_reference
 
 pytestmark = pytest.mark.gpu
@@ -38,17 +39,20 @@ def _inputs(b, sq, sk, hq, hkv, d, seed=0):
     return [t.to(torch.float8_e4m3fn) for t in (q, k, v)], descales
 
 
-def _run(q, k, v, descales, causal, variant, out_dtype=torch.bfloat16, poison=float("nan")):
+def _run(q, k, v, descales, causal, variant, out_dtype=torch.bfloat16, poison=float("nan"),
+         softmax_scale=None):
     b, sq, hq, d = q.shape
     out = torch.full((b, sq, hq, d), poison, dtype=out_dtype, device="cuda")
     lse = torch.full((b, hq, sq), poison, device="cuda")
-    fp8.fp8_forward(q, k, v, ops.masking(causal), None, variant, descales, out_dtype, out, lse)
+    fp8.fp8_forward(q, k, v, ops.masking(causal), softmax_scale, variant, descales, out_dtype,
+                    out, lse)
     torch.cuda.synchronize()
     return out, lse
 
 
-def _check(out, lse, q, k, v, descales, causal, tile_n):
-    res = compare_fp8_to_reference(out, lse, q, k, v, descales, causal, tile_n)
+def _check(out, lse, q, k, v, descales, causal, tile_n, softmax_scale=None):
+    res = compare_fp8_to_reference(out, lse, q, k, v, descales, causal, tile_n,
+                                   softmax_scale=softmax_scale)
     assert res["ok"], res["why"]
 
 
@@ -57,8 +61,9 @@ def _check(out, lse, q, k, v, descales, causal, tile_n):
 def test_fp8_variant_matches_reference(info, shape):
     b, sq, sk, hq, hkv = shape
     (q, k, v), descales = _inputs(b, sq, sk, hq, hkv, info.head_dim)
-    out, lse = _run(q, k, v, descales, info.causal, info.name)
-    _check(out, lse, q, k, v, descales, info.causal, info.tile_n)
+    scale = CHECK_SCALE_FACTOR * info.head_dim**-0.5  # not the default: a kernel must use it
+    out, lse = _run(q, k, v, descales, info.causal, info.name, softmax_scale=scale)
+    _check(out, lse, q, k, v, descales, info.causal, info.tile_n, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("info", [v for v in VARIANTS if v.is_default], ids=lambda v: v.name)

@@ -54,11 +54,13 @@ def test_contiguous(lib, dtype, d, case, splits):
     seqlens = torch.randint(0, cap + 1, (b,), device="cuda", generator=g, dtype=torch.int32)
     seqlens[0] = 0 if b > 1 else cap  # an empty sequence
     idx = torch.randperm(b + 1, device="cuda", generator=g)[:b].to(torch.int32)
-    for causal in (False, True):
+    for causal, scale in ((False, None), (True, 0.3)):  # 0.3: a kernel must take the call's scale
         out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, cache_batch_idx=idx,
-                                                   causal=causal, num_splits=splits, return_lse=True)
+                                                   causal=causal, num_splits=splits, return_lse=True,
+                                                   softmax_scale=scale)
         torch.cuda.synchronize()
-        ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, cache_batch_idx=idx, causal=causal)
+        ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, cache_batch_idx=idx, causal=causal,
+                                                   softmax_scale=scale)
         _check(out, lse, ref, ref_lse)
 
 
@@ -139,9 +141,10 @@ def test_append_then_attend(lib, paged):
     k, v = (torch.randn(b, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     seqlens = torch.tensor([13, 0, 59], dtype=torch.int32, device="cuda")
     kc, vc, extra = _cache(b, cap, hkv, d, g, 16 if paged else None)
-    k0 = kc.clone()
+    k0, v0 = kc.clone(), vc.clone()
     for causal in (False, True):
         kc.copy_(k0)
+        vc.copy_(v0)
         out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=causal,
                                                    return_lse=True, **extra)
         torch.cuda.synchronize()
@@ -150,9 +153,11 @@ def test_append_then_attend(lib, paged):
     for i in range(b):
         for j in range(new):
             pos = int(seqlens[i]) + j
-            row = kc[extra["block_table"][i, pos // 16], pos % 16] if paged else kc[i, pos]
-            assert torch.equal(row, k[i, j])
+            for cache, new_rows in ((kc, k), (vc, v)):
+                row = cache[extra["block_table"][i, pos // 16], pos % 16] if paged else cache[i, pos]
+                assert torch.equal(row, new_rows[i, j])
     assert int((kc != k0).any(dim=(-1, -2)).sum()) <= b * new
+    assert int((vc != v0).any(dim=(-1, -2)).sum()) <= b * new
 
 
 @pytest.mark.parametrize("window,softcap", [((100, 0), 0.0), ((37, 5), 0.0), ((-1, -1), 15.0), ((300, 0), 20.0)],
@@ -166,13 +171,14 @@ def test_window_and_softcap(lib, window, softcap, paged, splits):
     g = torch.Generator(device="cuda").manual_seed(11)
     seqlens = torch.tensor([1, 777, 5000], dtype=torch.int32, device="cuda")
     kc, vc, extra = _cache(b, cap, hkv, d, g, 64 if paged else None)
-    for sq in (1, 4):
+    for sq, scale in ((1, None), (4, 0.3)):  # 0.3: the softcap's input scale is the call's
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g) * 3
         out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, window_size=window,
-                                                   softcap=softcap, num_splits=splits, return_lse=True, **extra)
+                                                   softcap=softcap, num_splits=splits, return_lse=True,
+                                                   softmax_scale=scale, **extra)
         torch.cuda.synchronize()
         ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, window_size=window, softcap=softcap,
-                                                   **extra)
+                                                   softmax_scale=scale, **extra)
         _check(out, lse, ref, ref_lse)
 
 
@@ -189,10 +195,12 @@ def test_chunked_prefill(lib, layout, causal):
     seqlens = (torch.tensor([1500, 1500] if layout == "one_length" else [1777, 96][:b], dtype=torch.int32,
                             device="cuda"))
     lengths = 1500 if layout == "one_length" else seqlens
+    scale = 0.3 if causal else None  # not the default on one of the two
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lengths, causal=causal, return_lse=True,
-                                               **extra)
+                                               softmax_scale=scale, **extra)
     torch.cuda.synchronize()
-    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, **extra)
+    ref, ref_lse = kvcache_attention_reference(q, kc, vc, seqlens, causal=causal, softmax_scale=scale,
+                                               **extra)
     _check(out, lse, ref, ref_lse)
 
 
@@ -350,17 +358,22 @@ def test_fp8_cache_paged_window_softcap_append(lib, d):
     seqlens = torch.tensor([2000, 127], dtype=torch.int32, device="cuda")
     k, v = (torch.randn(b, 3, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k0, v0 = kc.clone(), vc.clone()
     out, lse = kvcache.flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=seqlens, block_table=table,
                                                window_size=(700, 0), softcap=20.0, return_lse=True,
                                                k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
-    # the appended rows hold k / factor in e4m3
+    # the appended rows hold k / k's factor and v / v's factor in e4m3; no other row changed
     for i, start in enumerate(seqlens.tolist()):
         for j in range(3):
             pos = start + j
-            row = kc[table[i, pos // page].long(), pos % page]
-            want = (k[i, j].float() / ks[:, None]).clamp(-448, 448).to(FP8)
-            assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
+            for cache, new, factor in ((kc, k, ks), (vc, v, vs)):
+                row = cache[table[i, pos // page].long(), pos % page]
+                want = (new[i, j].float() / factor[:, None]).clamp(-448, 448).to(FP8)
+                assert torch.equal(row.view(torch.uint8), want.view(torch.uint8))
+    for cache, before in ((kc, k0), (vc, v0)):
+        changed = (cache.view(torch.uint8) != before.view(torch.uint8)).any(dim=(-1, -2))
+        assert int(changed.sum()) <= b * 3
     ref_k = kc.float() * ks[None, None, :, None]
     ref_v = vc.float() * vs[None, None, :, None]
     ref, ref_lse = kvcache_attention_reference(q, ref_k, ref_v, seqlens + 3, block_table=table,

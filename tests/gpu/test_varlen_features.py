@@ -49,7 +49,7 @@ def lib_key(info):
 
 @pytest.mark.parametrize("window", WINDOWS, ids=_ids)
 @pytest.mark.parametrize("case", list(LENGTHS))
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("heads", [(8, 2), (2, 2)], ids=["gqa", "mha"])
 def test_forward_windows(lib, fwd_varlen_feature_key, case, heads, window):
     dtype, d, _, local, _ = fwd_varlen_feature_key
     if not local and window != WINDOWS[0]:
@@ -65,7 +65,7 @@ def test_forward_softcap_values(lib, fwd_varlen_feature_key, softcap):
     if not has_cap:
         pytest.skip("no softcap")
     kw = _call_args(fwd_varlen_feature_key, (96, 0), softcap)
-    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=42)
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 8, 2, d, DTYPES[dtype], seed=42)
     q = q * 3  # larger scores: the cap saturates
     _check_forward(fwd_varlen_feature_key, q, k, v, cu_q, cu_k, mq, mk, kw)
 
@@ -76,7 +76,7 @@ def test_understated_max_seqlen(lib, fwd_varlen_feature_key, window):
     an unbounded side of the window still reaches every key of a sequence."""
     dtype, d, _, local, _ = fwd_varlen_feature_key
     kw = _call_args(fwd_varlen_feature_key, window, 4.0)
-    q, k, v, cu_q, cu_k, _, _ = packed(LENGTHS["long"], 4, 2, d, DTYPES[dtype], seed=43)
+    q, k, v, cu_q, cu_k, _, _ = packed(LENGTHS["long"], 8, 2, d, DTYPES[dtype], seed=43)
     _check_forward(fwd_varlen_feature_key, q, k, v, cu_q, cu_k, 64, 64, kw)
 
 
@@ -88,7 +88,7 @@ def test_forward_grids(lib, fwd_varlen_feature_key, grid, monkeypatch):
     dtype, d, _, _, _ = fwd_varlen_feature_key
     kw = _call_args(fwd_varlen_feature_key, (130, 61), 4.0)
     lengths = LENGTHS["mixed"] * 40 + [(i % 9, (i * 7) % 11) for i in range(1100)]
-    q, k, v, cu_q, cu_k, mq, mk = packed(lengths, 4, 2, d, DTYPES[dtype], seed=44)
+    q, k, v, cu_q, cu_k, mq, mk = packed(lengths, 8, 2, d, DTYPES[dtype], seed=44)
     _check_forward(fwd_varlen_feature_key, q, k, v, cu_q, cu_k, mq, mk, kw, grid)
 
 
@@ -99,7 +99,7 @@ def test_backward_windows(lib, bwd_varlen_feature_key, case, window):
     if not local and window != (37, 0):
         pytest.skip("no window: one window is enough")
     kw = _call_args(bwd_varlen_feature_key, window, 3.0)
-    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS[case], 4, 2, d, DTYPES[dtype], seed=45,
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS[case], 8, 2, d, DTYPES[dtype], seed=45,
                                          grad=True)
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, **kw)
     dout = torch.randn_like(out)
@@ -116,7 +116,7 @@ def test_backward_deterministic(lib, bwd_varlen_feature_key):
     block (the dQ semaphore turn counts from the band's first block)."""
     dtype, d, _, _, _ = bwd_varlen_feature_key
     kw = _call_args(bwd_varlen_feature_key, (300, 200), 3.0)
-    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["long"], 4, 2, d, DTYPES[dtype], seed=46)
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["long"], 8, 2, d, DTYPES[dtype], seed=46)
     dout = torch.randn_like(q)
     grads = repeated_grads(lambda *qkv: flash_attn_varlen_func(
         *qkv, cu_q, cu_k, mq, mk, deterministic=True, **kw), (q, k, v), dout, bwd_varlen_feature_key)
@@ -131,7 +131,7 @@ def test_opcheck(lib, bwd_varlen_feature_key):
     dtype, d, _, _, _ = bwd_varlen_feature_key
     kw = _call_args(bwd_varlen_feature_key, (50, 20), 3.0)
     mask = ops.masking(**kw)
-    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 4, 2, d, DTYPES[dtype], seed=47,
+    q, k, v, cu_q, cu_k, mq, mk = packed(LENGTHS["mixed"], 8, 2, d, DTYPES[dtype], seed=47,
                                          grad=True)
     name = lib.find("fwd", dtype, d, variant=None, varlen=True, **mask.key()).name
     torch.library.opcheck(torch.ops.fa3gen.varlen_fwd.default,
