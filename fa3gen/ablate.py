@@ -24,8 +24,9 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, _fmt, attention_flops, count, positive_ms, provenance,
-                          update_markdown, write_json)
+from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, Given, _fmt, attention_flops, check_markers,
+                          check_output_file, count, draw_plot, output_path, positive_ms, provenance,
+                          refuse_unused, update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
 from fa3gen.contract import library_manifest
@@ -651,22 +652,22 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="a preprocessor definition for every compile of the matrix (repeatable), "
                         "as fa3gen build's: e.g. FA3GEN_FWD_NO_CLUSTER2, the cells without K/V "
                         "multicast; the report's build_info lists it")
-    p.add_argument("--min-ms", type=positive_ms, default=100.0,
+    p.add_argument("--min-ms", type=positive_ms, default=100.0, action=Given,
                    help=f"sustained timing: each of the {TIMED_BATCHES} batches per cell is at "
                         "least this many ms of back-to-back launches (default 100)")
     p.add_argument("--burst", action="store_true",
                    help="time each batch as the median of --iters launches after --warmup "
                         "instead (the old timing)")
-    p.add_argument("--warmup", type=count(0), default=5,
+    p.add_argument("--warmup", type=count(0), default=5, action=Given,
                    help="--burst: untimed launches before timing each cell (default 5)")
-    p.add_argument("--iters", type=count(1), default=30,
+    p.add_argument("--iters", type=count(1), default=30, action=Given,
                    help=f"--burst: timed launches per batch ({TIMED_BATCHES} batches per cell, "
                         "the median is reported; default 30)")
     p.add_argument("--no-power", action="store_true",
                    help="do not sample the SM clock and board power per batch (nvidia-smi)")
     p.add_argument("--out-dir", type=Path, default=RESULTS_DIR,
                    help="where ablation.json/.csv/.png go (default docs/results)")
-    p.add_argument("--doc", type=Path, default=DOCS_DIR / "ABLATION.md",
+    p.add_argument("--doc", type=output_path("--doc"), default=DOCS_DIR / "ABLATION.md",
                    help="markdown file whose ablation markers get the tables")
     p.set_defaults(func=run)
     return p
@@ -685,17 +686,37 @@ def run(args, build_fn=None) -> int:
     if args.define and args.no_build:
         raise Fa3genError("fa3gen ablate: --define changes what the build compiles; with "
                           "--no-build the library is used as built (drop one of them)")
+    if args.jobs is not None and args.no_build:
+        raise Fa3genError("fa3gen ablate: -j/--jobs sets the build's parallel compiles; with "
+                          "--no-build nothing is compiled (drop one of them)")
+    if args.burst:
+        refuse_unused(args, {"min_ms": "is for the sustained timing, which --burst replaces: "
+                             "drop one of them"})
+    else:
+        refuse_unused(args, {d: "is for --burst's timing, which this run does not use: add "
+                             "--burst or drop it" for d in ("warmup", "iters")})
+    # the outputs, before the build and the matrix: a path that cannot take them fails now
+    out = Path(args.out_dir)
+    existing = next(d for d in (out, *out.parents) if d.exists())
+    if not existing.is_dir():
+        raise Fa3genError(f"--out-dir {out}: {existing} is a file, not a folder")
+    check_output_file("--doc", args.doc)
+    check_markers(args.doc, BEGIN, END)
     p = plan(args.spec, args.only, args.exclude)  # checks the spec and the globs before building
+    dims = {v.head_dim for v in p.variants}
+    if not any(s["head_dim"] in dims for s in shapes):  # nothing to time: say so before the build
+        raise Fa3genError(f"fa3gen ablate: no cell has the head dim of any --shape "
+                          f"({', '.join(shape_str(s) for s in shapes)}); the cells' head dims: "
+                          f"{', '.join(map(str, sorted(dims)))}")
+    for s in shapes:
+        if s["head_dim"] not in dims:
+            print(f"fa3gen ablate: warning: no cell has head_dim {s['head_dim']} "
+                  f"(shape {shape_str(s)} is skipped)", file=sys.stderr)
     if not args.no_build:
         (build_fn or build)(args.spec, only=args.only, exclude=args.exclude, jobs=args.jobs,
                             defines=args.define)
     lib = runtime.use_spec(args.spec)
     torch.backends.cuda.matmul.allow_tf32 = False  # the reference must be true fp32
-    dims = {v.head_dim for v in p.variants}
-    for s in shapes:
-        if s["head_dim"] not in dims:
-            print(f"fa3gen ablate: warning: no cell has head_dim {s['head_dim']} "
-                  f"(shape {shape_str(s)} is skipped)", file=sys.stderr)
 
     resources = resources_of(library_manifest(lib.path) or {})
     sample = not (args.burst or args.no_power)
@@ -708,19 +729,20 @@ def run(args, build_fn=None) -> int:
     pruned = [pruned_entry(x) for x in p.enumeration.pruned
               if matches(x.variant.name, args.only, args.exclude)]
     header = provenance(lib)
-    header.update(spec=p.spec.name, warmup=args.warmup, iters=args.iters,
+    # what the run's timing used: --warmup and --iters only in a burst, --min-ms only sustained
+    header.update(spec=p.spec.name, warmup=args.warmup if args.burst else None,
+                  iters=args.iters if args.burst else None,
                   min_ms=None if args.burst else args.min_ms,
                   settle_ms=None if args.burst else settle_for(args.min_ms),
                   shapes=[shape_str(s) for s in shapes],
                   check=CELL_CHECK_DESCRIPTION)
     report = make_report(header, rows, pruned)
 
-    out = Path(args.out_dir)
     write_json(report, out / "ablation.json")
     write_csv(rows, out / "ablation.csv")
-    plot(report, out / "ablation.png")
+    plotted = draw_plot(plot, report, out / "ablation.png")
     update_markdown(args.doc, render_markdown(report), BEGIN, END, title="# Ablation\n\n")
     bad = [r for r in rows if r["status"] != "ok"]
-    print(f"wrote {out}/ablation.{{json,csv,png}} and {args.doc}; {len(rows) - len(bad)} "
-          f"timed, {len(bad)} wrong/error, {len(pruned)} pruned")
+    print(f"wrote {out}/ablation.{{json,csv{',png' if plotted else ''}}} and {args.doc}; "
+          f"{len(rows) - len(bad)} timed, {len(bad)} wrong/error, {len(pruned)} pruned")
     return 1 if bad else 0

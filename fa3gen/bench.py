@@ -220,12 +220,7 @@ def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
     elsewhere stays. A missing file starts as `title`."""
     path = Path(path)
     old = path.read_text() if path.exists() else title
-    starts, ends = old.count(begin), old.count(end)
-    if (starts, ends) not in ((0, 0), (1, 1)) or (starts and old.index(begin) > old.index(end)):
-        # guessing which text is the generated block could delete hand-written text
-        raise Fa3genError(f"{path}: expected one {begin} before one {end} (found {starts} and "
-                          f"{ends}); fix the markers by hand")
-    pat = re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+    pat = _marked_block(old, path, begin, end)
     if pat.search(old):
         new = pat.sub(lambda _: block, old, count=1)
     else:
@@ -235,6 +230,66 @@ def update_markdown(path: Path, block: str, begin: str = BEGIN, end: str = END,
 
 def write_json(report: dict, path: Path) -> None:
     write_atomically(path, json.dumps(report, indent=2) + "\n")
+
+
+def check_output_file(option: str, path: Path) -> None:
+    """Refuse, before any measurement, an output path no file can be written at: a folder
+    (`--out ''` is '.'), or one under a file."""
+    path = Path(path)
+    if not path.name or path.is_dir():
+        raise Fa3genError(f"{option} {str(path)!r} is a folder: give a file path")
+    existing = next(d for d in path.parents if d.exists())  # the file's folder may be made
+    if not existing.is_dir():
+        raise Fa3genError(f"{option} {path}: {existing} is a file, not a folder")
+
+
+def check_plot_file(option: str, path: Path) -> None:
+    """check_output_file, and a suffix matplotlib writes (it takes the format from it; none:
+    it would write PATH.png). Without matplotlib there is no plot to check (draw_plot)."""
+    check_output_file(option, path)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix[1:].lower() not in formats:
+        raise Fa3genError(f"{option} {path}: not a file name of an image format matplotlib "
+                          f"writes (the suffix gives it: {', '.join(sorted(formats))})")
+
+
+def check_markers(path: Path, begin: str = BEGIN, end: str = END) -> None:
+    """update_markdown's check of path's markers, before the measurement that fills them."""
+    path = Path(path)
+    if path.is_file():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as e:
+            raise Fa3genError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        _marked_block(text, path, begin, end)
+
+
+def _marked_block(old: str, path: Path, begin: str, end: str):
+    """The pattern of old's generated block; an error unless one begin marker precedes one end
+    marker, or neither is there."""
+    starts, ends = old.count(begin), old.count(end)
+    if (starts, ends) not in ((0, 0), (1, 1)) or (starts and old.index(begin) > old.index(end)):
+        # guessing which text is the generated block could delete hand-written text
+        raise Fa3genError(f"{path}: expected one {begin} before one {end} (found {starts} and "
+                          f"{ends}); fix the markers by hand")
+    return re.compile(re.escape(begin) + r".*?" + re.escape(end) + r"\n?", re.S)
+
+
+def draw_plot(plot_fn, report: dict, path: Path) -> bool:
+    """plot_fn(report, path), unless matplotlib cannot be imported (only the [test] extra
+    installs it): then a one-line note and False, the other outputs written as usual."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        print(f"fa3gen: note: no plot written ({path}): matplotlib cannot be imported ({e}); "
+              "pip install matplotlib to draw it", file=sys.stderr)
+        return False
+    plot_fn(report, path)
+    return True
 
 
 def point_of(row: dict) -> tuple:
@@ -391,16 +446,34 @@ def _ms(text: str) -> float:
         return math.nan
 
 
+class Given(argparse.Action):
+    """Store the value and add the option's dest to the namespace's `given`: a timing option
+    the chosen timing does not use is refused (refuse_unused) only when given, so the
+    documented defaults stay."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+def refuse_unused(args, unused: dict[str, str]) -> None:
+    """An error naming the options given (Given) that the run would ignore: {dest: why}."""
+    given = getattr(args, "given", frozenset())
+    for dest, why in unused.items():
+        if dest in given:
+            raise Fa3genError(f"--{dest.replace('_', '-')} {why}")
+
+
 def add_settle_arguments(p: argparse.ArgumentParser, settle_ms: float | None = None,
                          order: str = "rotate") -> None:
     """--settle-ms and --order of sustained timing (timing.sustained_ms), with these defaults
     (settle_ms None: half of --min-ms)."""
     default = "half of --min-ms" if settle_ms is None else f"{settle_ms:g}"
-    p.add_argument("--settle-ms", type=nonnegative_ms, default=settle_ms,
+    p.add_argument("--settle-ms", type=nonnegative_ms, default=settle_ms, action=Given,
                    help="sustained timing: untimed launches of a backend right before each of its "
                         f"timed batches, ms (default {default}; 0: none). Without them a backend "
                         "timed after a slower one reads up to 9%% fast")
-    p.add_argument("--order", choices=ORDERS, default=order,
+    p.add_argument("--order", choices=ORDERS, default=order, action=Given,
                    help="sustained timing: the backends' order each round, rotated by one or "
                         f"shuffled (seeded; default {order})")
 
@@ -437,6 +510,14 @@ def int_list(example: str):
     return parse
 
 
+def output_path(option: str):
+    """An argparse type: a Path, refused when empty (Path('') is '.', the working folder)."""
+    from fa3gen.cli import _non_empty
+
+    check = _non_empty(option)
+    return lambda text: Path(check(text))
+
+
 def count(minimum: int):
     """An argparse type: a whole number of at least `minimum`."""
     def parse(s: str) -> int:
@@ -471,10 +552,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="forward rows, backward rows or both (default)")
     p.add_argument("--dtype", type=_dtype_list, default=["bf16"], metavar="DTYPE,...",
                    help="bf16, fp16, e4m3 (forward only), comma-separated (default bf16)")
-    p.add_argument("--rounds", type=count(1), default=3,
+    p.add_argument("--rounds", type=count(1), default=3, action=Given,
                    help="sustained timing: rounds per point, backends alternating with the "
                         "order rotated; the median is reported (default 3)")
-    p.add_argument("--min-ms", type=positive_ms, default=100.0,
+    p.add_argument("--min-ms", type=positive_ms, default=100.0, action=Given,
                    help="sustained timing: back-to-back launches per round and backend, ms "
                         "(default 100)")
     add_settle_arguments(p)
@@ -490,20 +571,20 @@ def register(subparsers) -> argparse.ArgumentParser:
                            "where the interleaved rounds read a backend up to 4%% high; about "
                            "2 x (S + idle) s per backend and point. --all-variants candidates "
                            "keep the interleaved rounds")
-    p.add_argument("--idle-s", type=steady_seconds, default=1.0, metavar="S",
+    p.add_argument("--idle-s", type=steady_seconds, default=1.0, metavar="S", action=Given,
                    help="--steady-s: idle GPU before each backend's run, s (default 1)")
-    p.add_argument("--warmup", type=count(0), default=5,
+    p.add_argument("--warmup", type=count(0), default=5, action=Given,
                    help="--burst: untimed launches before timing each case (default 5)")
-    p.add_argument("--iters", type=count(1), default=30,
+    p.add_argument("--iters", type=count(1), default=30, action=Given,
                    help="--burst: timed launches per case; the median is reported (default 30)")
     p.add_argument("--no-power", action="store_true",
                    help="do not sample board power and SM clock with nvidia-smi")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR / "bench.json",
+    p.add_argument("--out", type=output_path("--out"), default=RESULTS_DIR / "bench.json",
                    help="JSON report (default docs/results/bench.json)")
-    p.add_argument("--markdown", type=Path, default=DOCS_DIR / "BENCHMARKS.md",
+    p.add_argument("--markdown", type=output_path("--markdown"), default=DOCS_DIR / "BENCHMARKS.md",
                    help="markdown file whose bench markers get the tables "
                         "(default docs/BENCHMARKS.md)")
-    p.add_argument("--plot", type=Path, default=RESULTS_DIR / "bench.png",
+    p.add_argument("--plot", type=output_path("--plot"), default=RESULTS_DIR / "bench.png",
                    help="plot of TFLOP/s vs seqlen (default docs/results/bench.png)")
     p.add_argument("--merge", action="store_true",
                    help="keep --out's other rows: the points measured now replace theirs, and the "
@@ -578,9 +659,43 @@ def bench_runs(direction: str, dtypes: list[str], causals: list[bool]) -> list[t
             if not (dr == "bwd" and d == "e4m3")]
 
 
+def refuse_unused_timing(args) -> None:
+    """The timing options the chosen timing would ignore, when given: an error."""
+    if args.burst:
+        refuse_unused(args, {d: "is for the sustained timing, which --burst replaces: drop one of "
+                             "them" for d in ("rounds", "min_ms", "settle_ms", "order")})
+    else:
+        refuse_unused(args, {d: "is for --burst's timing, which this run does not use: add --burst "
+                             "or drop it" for d in ("warmup", "iters")})
+    if not getattr(args, "steady_s", None):
+        refuse_unused(args, {"idle_s": "is for --steady-s, which this run does not use: add "
+                             "--steady-s or drop it"})
+    elif not getattr(args, "all_variants", False):  # the rounds time only its candidates
+        refuse_unused(args, {d: "is for the sustained timing, which --steady-s replaces (it "
+                             "times --all-variants' candidates only): drop one of them"
+                             for d in ("rounds", "min_ms", "settle_ms", "order")})
+
+
+def _has_variant(lib, direction: str, dt_name: str, shape: dict, causal: bool) -> bool:
+    """Whether fa3gen times this point: the variant the call dispatches to (a backward's
+    forward too) is in lib."""
+    try:
+        for dr in (direction, "fwd"):
+            lib.find(dr, dt_name, shape["head_dim"], causal, seqlen_k=shape["seqlen"])
+    except Fa3genError:
+        return False
+    return True
+
+
 def run(args) -> int:
     if not bench_runs(args.direction, args.dtype, [False]):  # only e4m3 backward asked for
         raise Fa3genError("e4m3 has no backward: bench it with --direction fwd")
+    refuse_unused_timing(args)
+    # the outputs, before the grid (hours): a path no file can take fails now, not at the end
+    check_output_file("--out", args.out)
+    check_output_file("--markdown", args.markdown)
+    check_markers(args.markdown)
+    check_plot_file("--plot", args.plot)
     earlier = earlier_report(args.out) if args.merge else None  # read before the timing: fail fast
     import torch
 
@@ -591,6 +706,12 @@ def run(args) -> int:
         raise Fa3genError("fa3gen bench needs a CUDA GPU (Hopper sm_90)")
     lib = runtime.use_spec(args.spec) if args.spec else runtime.get_library()
     causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+    runs = bench_runs(args.direction, args.dtype, causals)
+    if not any(_has_variant(lib, direction, dt_name, shape, causal)
+               for direction, dt_name, causal in runs for shape in grid(args.seqlens, args.head_dims)):
+        raise Fa3genError(f"{lib.path} has no fa3gen variant for any point asked for (directions, "
+                          "dtypes, head dims, masks): nothing to measure; build them, or ask for "
+                          "what the library has (fa3gen list --spec SPEC)")
 
     header = provenance(lib)
     header["gemm_tflops"] = gemm_ceiling(args)
@@ -599,7 +720,6 @@ def run(args) -> int:
     print(f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(header['gemm_tflops'], '.1f')} TFLOP/s")
 
     rows = []
-    runs = bench_runs(args.direction, args.dtype, causals)
     sample = not (args.burst or args.no_power)
     with PowerSampler(torch.cuda.current_device()) if sample else contextlib.nullcontext() as sampler:
         for direction, dt_name, causal in runs:
@@ -615,6 +735,10 @@ def run(args) -> int:
                       f"{_fmt(t['fa4']):>4}  TFLOP/s  fa3gen "
                       f"{_fmt(row['power_w']['fa3gen'])} W  [{row['variant']}]", flush=True)
 
+    if not any(r["tflops"]["fa3gen"] is not None for r in rows):  # each fa3gen call failed
+        print("fa3gen: error: fa3gen measured no point (see the failures above); "
+              f"{args.out}, {args.markdown} and {args.plot} are left as they were", file=sys.stderr)
+        return 1
     report = {"header": header, "rows": rows}
     if earlier is not None:
         blank = unmeasured_points(earlier, report)
@@ -629,8 +753,8 @@ def run(args) -> int:
             print(f"best for {key}: {p['variant']}")
     write_json(report, args.out)
     update_markdown(args.markdown, render_markdown(report))
-    plot(report, args.plot)
-    print(f"wrote {args.out}, {args.markdown}, {args.plot}")
+    plotted = draw_plot(plot, report, args.plot)
+    print(f"wrote {args.out}, {args.markdown}" + (f", {args.plot}" if plotted else ""))
     return 0
 
 

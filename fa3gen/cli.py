@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shutil
 import signal
 import sys
@@ -83,7 +84,27 @@ def _spec_name(spec: str) -> str:
         return spec_name_of_file(path)
     if path.suffix in SPEC_SUFFIXES:
         raise GeneratorError(f"--spec {spec!r}: no such spec file")
+    if os.sep in spec:  # a path, as build reads it (not a name): build's error, not its basename
+        from generator.spec import spec_file_error
+        raise spec_file_error(path)
     return Path(spec).name  # a bare name as given: spec names may hold dots (h100.v2)
+
+
+def _check_built_from(spec: str, name: str) -> None:
+    """--spec FILE must be the file whose build generated/<name> holds: another spec file with
+    the same `name:` builds into the same folder (a bare name means that folder's build)."""
+    from fa3gen.contract import manifest_path
+    from generator.build import _other_spec_file
+
+    path = Path(spec)
+    if resolve_spec_path(spec) != path or not path.is_file():
+        return
+    other = _other_spec_file(manifest_path(name).parent, path)
+    if other:
+        raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from {other}, "
+                             f"another spec file with that name, not from {path.resolve()}; build "
+                             f"it first (fa3gen build --spec {spec}), or package that build with "
+                             f"--spec {other}")
 
 
 # What a build folder holds: generator/build.py writes build.ninja and fingerprint.txt before
@@ -152,6 +173,7 @@ def cmd_package(args: argparse.Namespace) -> int:
         if holder is not None:
             raise GeneratorError(f"spec {name!r} is being built ({holder}); package it when "
                                  "that build ends")
+        _check_built_from(args.spec, name)  # under the lock: a build may be writing the manifest
         wheel = package(name, args.out, args.name, args.allow_switches)
     print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "
           f"pip install {wheel}")

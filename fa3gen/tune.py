@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Callable
 
-from fa3gen.bench import RESULTS_DIR, count, int_list, positive_ms, provenance
+from fa3gen.bench import RESULTS_DIR, check_output_file, count, int_list, positive_ms, provenance
 from fa3gen.contract import KEY_AXES, KNOB_AXES, AXIS_BY_NAME, key_str, takes_seqlen_ranges
 from fa3gen.errors import Fa3genError
 from fa3gen.files import write_atomically
@@ -52,13 +52,20 @@ def _window(text: str) -> tuple[int, int]:
     """LEFT,RIGHT for --window: a window_size that selects the local keys (ops.masking's rules,
     -1 for no limit on that side)."""
     from fa3gen.errors import InvalidInputError
-    from fa3gen.ops import masking  # imports torch: only when --window is given
+    try:
+        from fa3gen.ops import masking  # imports torch: only when --window is given
+    except ImportError as e:
+        if e.name != "torch":
+            raise
+        masking = None  # unchecked: run() says that `fa3gen tune` needs torch, as without --window
 
     parts = text.split(",")
     try:
         if len(parts) != 2:
             raise ValueError(f"got {len(parts)} value(s) in {text!r}")
         left, right = (int(x) for x in parts)
+        if masking is None:
+            return left, right
         local = masking(False, (left, right)).local
     except (ValueError, InvalidInputError) as e:
         raise argparse.ArgumentTypeError(f"expected LEFT,RIGHT, two integers >= -1: {e}")
@@ -337,8 +344,9 @@ def register(subparsers) -> argparse.ArgumentParser:
                    metavar="N,N,...", help="sequence lengths of the timed shapes (default "
                    "1024,4096,16384; batch = 16384 // seqlen, heads = 2048 // head_dim)")
     p.add_argument("--keys", default=None, metavar="REGEX", type=_regex,
-                   help="tune only keys whose spelling, e.g. '(fwd, bf16, d128, causal)', "
-                        "matches (re.search); the others keep their default")
+                   help="tune only keys whose spelling matches (re.search, so anchor and "
+                        "escape it for one key: '^\\(fwd, bf16, d128, causal\\)$'; 'd128' "
+                        "takes every d128 key); the others keep their default")
     p.add_argument("--window", type=_window, default=LOCAL_WINDOW, metavar="LEFT,RIGHT",
                    help="window_size of the local keys' calls (default 1024,0): tune at the "
                         "window the model uses (--window=-1,N for a side without limit)")
@@ -374,6 +382,18 @@ def run(args) -> int:
                                  + (", ".join(key_str(k) for k in every) or "none"))
         print(f"fa3gen tune: {spec_path}: no key with several candidates; nothing to tune")
         return 0
+    # write_spec gives every multi-candidate key a default: one --keys leaves out needs the
+    # spec's, else the rewrite fails, and that must not come after the timing
+    untimed = [key_str(k) for k in every if k not in multi and k not in current]
+    if untimed and not args.dry_run:
+        raise GeneratorError(f"{spec_path}: --keys {args.keys!r} leaves out {', '.join(untimed)}, "
+                             "which ha" + ("s" if len(untimed) == 1 else "ve") + " several "
+                             "candidates and no default in the spec's dispatch: the rewritten "
+                             "dispatch would have none to write; widen --keys, give "
+                             + ("it" if len(untimed) == 1 else "them") + " a dispatch entry, or "
+                             "pass --dry-run")
+    out = Path(str(args.out).replace("<spec>", spec_path.stem))
+    check_output_file("--out", out)  # written after the first key's timing: said before it
     if not torch.cuda.is_available():
         raise Fa3genError("fa3gen tune needs a CUDA GPU (Hopper sm_90)")
     lib = runtime.use_spec(str(spec_path))
@@ -386,7 +406,6 @@ def run(args) -> int:
     report = {"header": provenance(lib), "keys": []}
     report["header"].update(spec=str(spec_path), seqlens=args.seqlens, window=list(args.window),
                             rounds=args.rounds, min_ms=args.min_ms, complete=False)
-    out = Path(str(args.out).replace("<spec>", spec_path.stem))
     out.parent.mkdir(parents=True, exist_ok=True)
     from fa3gen.timing import PowerSampler
 

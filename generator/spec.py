@@ -208,16 +208,22 @@ def _exactly_in(value, allowed) -> bool:
     return any(type(value) is type(a) and value == a for a in allowed)
 
 
+def spec_file_error(path: Path) -> SpecError:
+    """load_spec's error for a path that holds no spec file, a folder or nothing (clean and
+    package, which take a path's build, say it as build does)."""
+    if path.is_dir():
+        return SpecError(f"spec {str(path)!r} is a folder, not a spec file (an empty --spec is "
+                         "one): give a spec name from specs/ or a .yaml path")
+    known = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.yaml")))
+    return SpecError(f"spec file not found: {path} (specs in {SPECS_DIR}: {known or 'none'})")
+
+
 def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     try:
         text = path.read_text()
-    except FileNotFoundError:
-        known = ", ".join(sorted(p.stem for p in SPECS_DIR.glob("*.yaml")))
-        raise SpecError(f"spec file not found: {path} (specs in {SPECS_DIR}: {known or 'none'})")
-    except IsADirectoryError:
-        raise SpecError(f"spec {str(path)!r} is a folder, not a spec file (an empty --spec is "
-                        "one): give a spec name from specs/ or a .yaml path")
+    except (FileNotFoundError, IsADirectoryError):
+        raise spec_file_error(path) from None
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}")
     except UnicodeDecodeError as e:

@@ -388,8 +388,10 @@ def test_ablate_without_gpu_fails_before_building(monkeypatch, capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err and not called
 
 
-def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
-    """run() end to end with the GPU parts faked: build args, outputs, exit status."""
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    """The GPU parts of run() faked: a library of the ablation spec whose manifest has one
+    cell's resources, every cell checked right but name(stages=1); returns make_timer's calls."""
     torch = pytest.importorskip("torch")
     from fa3gen import runtime
 
@@ -415,6 +417,12 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     timers = []
     monkeypatch.setattr(A, "make_timer", lambda warmup, iters, min_ms, sampler: timers.append(
         (min_ms, type(sampler).__name__)) or (lambda c, s: 4.0))
+    return timers
+
+
+def test_run_glue_writes_every_output(fake_gpu, tmp_path, capsys):
+    """run() end to end with the GPU parts faked: build args, outputs, exit status."""
+    timers = fake_gpu
     built = []
     args = cli.build_parser().parse_args([
         "ablate", "--only", "*fp16*nocausal*m128n128_s[12]*", "--exclude", "*ws0_pp0_ov0",
@@ -434,6 +442,40 @@ def test_run_glue_writes_every_output(tmp_path, monkeypatch, capsys):
     assert "wrong" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("burst", [False, True])
+def test_the_header_records_only_the_timing_the_run_used(fake_gpu, tmp_path, burst):
+    """A sustained run's header gave --warmup 5 and --iters 30, which it never used."""
+    args = cli.build_parser().parse_args(
+        ["ablate", "--only", "*fp16*nocausal*m128n128_s2*", "--out-dir", str(tmp_path / "out"),
+         "--doc", str(tmp_path / "A.md")] + (["--burst", "--warmup", "2", "--iters", "7"] if burst else []))
+    A.run(args, build_fn=lambda *a, **k: None)
+    header = json.loads((tmp_path / "out/ablation.json").read_text())["header"]
+    used = {"warmup": 2, "iters": 7, "min_ms": None} if burst else \
+        {"warmup": None, "iters": None, "min_ms": 100.0}
+    assert {k: header[k] for k in used} == used
+
+
+def test_shapes_that_fit_no_cell_are_refused_before_the_build(fake_gpu, tmp_path, monkeypatch, capsys):
+    """A --shape of a head dim no cell has: it built and checked every cell, then wrote reports
+    of 0 timed cells and exited 0."""
+    monkeypatch.setattr("generator.build.build", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(A, "check_cell", lambda *a: pytest.fail("checked"))
+    assert cli.main(["ablate", "--no-power", "--shape", "4,8448,16,64", "--shape", "2,1024,8,96",
+                     "--out-dir", str(tmp_path / "out"), "--doc", str(tmp_path / "A.md")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no cell has the head dim of any --shape" in err
+    assert "4,8448,16,64, 2,1024,8,96" in err and "head dims: 128" in err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "A.md").exists()
+
+
+def test_jobs_need_the_build(fake_gpu, monkeypatch, capsys):
+    """-j with --no-build was taken and ignored (nothing compiles), as --define is refused."""
+    monkeypatch.setattr(A, "check_cell", lambda *a: pytest.fail("checked"))
+    assert cli.main(["ablate", "--no-build", "-j", "64", "--only", "*fp16*_causal*"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-j/--jobs" in err and "--no-build" in err
+
+
 def test_a_define_needs_the_build(monkeypatch):
     """--define changes the compiled cells, so with --no-build (the library as it was built) it
     is one clear error, not a report that claims a define its library never had."""
@@ -444,3 +486,28 @@ def test_a_define_needs_the_build(monkeypatch):
     args = cli.build_parser().parse_args(["ablate", "--no-build", "--define", "FA3GEN_FWD_NO_CLUSTER2"])
     with pytest.raises(Fa3genError, match="--define .*--no-build"):
         A.run(args, build_fn=lambda *a, **k: pytest.fail("built"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--burst", "--min-ms", "50"], "--min-ms is for the sustained timing, which --burst replaces"),
+    (["--warmup", "2"], "--warmup is for --burst's timing, which this run does not use"),
+    (["--iters", "9"], "--iters is for --burst's timing"),
+    (["--doc", "folder"], "--doc 'folder' is a folder: give a file path"),
+    (["--doc", "marked.md"], "marked.md: expected one <!-- ablation:begin --> before one"),
+    (["--out-dir", "afile/out"], "--out-dir afile/out: afile is a file, not a folder"),
+])
+def test_options_the_run_would_ignore_or_cannot_write_are_refused_first(
+        fake_gpu, tmp_path, monkeypatch, capsys, argv, message):
+    """As bench's: a timing option the timing does not use was taken silently, and an output
+    that cannot be written failed after the whole matrix."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "marked.md").write_text(A.END + "\n" + A.BEGIN + "\n")
+    monkeypatch.setattr("generator.build.build", lambda *a, **k: pytest.fail("built"))
+    monkeypatch.setattr(A, "check_cell", lambda *a: pytest.fail("checked"))
+    base = ["ablate", "--no-power", "--only", "*fp16*nocausal*m128n128_s2*", "--out-dir", "out",
+            "--doc", "A.md"]
+    assert cli.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fa3gen: error: ") and message in err and err.count("\n") == 1

@@ -239,10 +239,27 @@ def test_clean_never_takes_a_spec_that_names_no_build_for_the_root(tmp_path, mon
     (tmp_path / "gen" / "h100").mkdir(parents=True)
     dotted = tmp_path / "dotted.yaml"
     dotted.write_text('name: "."\n')
-    for spec in ("", ".", "/", "h100/../..", str(dotted)):
+    for spec in ("", ".", str(dotted)):
         rc, out, err = run(["clean", "--spec", spec], capsys)
         assert rc == 2 and "names no spec build" in err and out == "", spec
+    for spec, says in (("/", "is a folder, not a spec file"), ("h100/../..", "spec file not found")):
+        rc, out, err = run(["clean", "--spec", spec], capsys)  # paths: build's error (below)
+        assert rc == 2 and says in err and out == "", spec
     assert (tmp_path / "gen" / "h100").is_dir()
+
+
+@pytest.mark.parametrize("command", ["clean", "package"])
+def test_a_path_to_no_spec_file_is_builds_error_not_a_name(command, tmp_path, monkeypatch, capsys):
+    """clean and package took the last part of a path that is no file (/nonexistent/dir/u) as a
+    spec name, and cleaned or packaged build u; build says the file is not there."""
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
+    _fake_build(tmp_path / "gen" / "u")
+    for spec, says in ((str(tmp_path / "dir" / "u"), "spec file not found"),
+                       (str(tmp_path / "gen"), "is a folder, not a spec file")):
+        rc, _, built_err = run(["build", "--spec", spec], capsys)
+        rc2, out, err = run([command, "--spec", spec], capsys)
+        assert rc == rc2 == 2 and says in err and err == built_err and out == "", spec
+    assert (tmp_path / "gen" / "u" / "manifest.json").is_file()
 
 
 def test_a_folder_named_like_a_spec_does_not_hide_it(tmp_path, monkeypatch, capsys):

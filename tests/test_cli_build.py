@@ -122,11 +122,169 @@ def test_bad_build_options_exit_2_not_as_a_failed_build(argv, env, monkeypatch, 
     assert capsys.readouterr().err.startswith("fa3gen: error: ")
 
 
-@pytest.mark.parametrize("command", [["bench"], ["ablate"], ["tune", "--spec", "h100"], ["numerics"]])
+@pytest.mark.parametrize("command", [["bench"], ["ablate"], ["tune", "--spec", "h100"], ["numerics"],
+                                     ["tune", "--spec", "h100", "--window", "512,0"]])
 def test_a_command_that_needs_torch_says_so_when_it_cannot_import_it(command, monkeypatch, capsys):
-    """torch is imported when a GPU command runs: without it one line and exit 2, no traceback."""
+    """torch is imported when a GPU command runs: without it one line and exit 2, no traceback
+    (tune's --window, checked by fa3gen.ops at parsing, was a traceback)."""
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "fa3gen.ops", raising=False)  # imported as it would be here
     assert cli.main(command) == 2
     command = command[0]
     err = capsys.readouterr().err
     assert err.startswith(f"fa3gen: error: `fa3gen {command}` needs torch") and "Traceback" not in err
+
+
+# ---- `fa3gen bench` through cli.main with the GPU parts faked ---------------------------------
+
+
+@pytest.fixture
+def fake_bench(tmp_path, monkeypatch):
+    """bench with CUDA, the library and each point's measurement faked; returns the points
+    measured and a dict whose "fa3gen" entry is the time each point gets (None: not timed).
+    The library has the variants of head dims 64 and 128."""
+    torch = pytest.importorskip("torch")
+    from fa3gen import bench, runtime
+    from fa3gen.errors import Fa3genError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class FakeLib:
+        path, build_info = tmp_path / "libfa3gen_fake.so", {}
+
+        def find(self, direction, dtype, head_dim, causal, **kw):
+            if head_dim not in (64, 128):
+                raise Fa3genError(f"no variant for ({direction}, {dtype}, d{head_dim}) here")
+
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: FakeLib())
+    monkeypatch.setattr(bench, "provenance", lambda lib: {"gpu": "fake", "command": "fa3gen bench"})
+    monkeypatch.setattr(bench, "gemm_ceiling", lambda args: 700.0)
+    measured, times = [], {"fa3gen": 1.0}
+
+    def shape(lib, shape, causal, dtype, args, sampler=None):
+        measured.append((shape["head_dim"], shape["seqlen"], causal))
+        return bench.make_row("fwd", "bf16", shape, causal, "v", dict(times))
+
+    monkeypatch.setattr(bench, "bench_fwd_shape", shape)
+    monkeypatch.setattr(bench, "bench_bwd_shape", shape)
+    monkeypatch.chdir(tmp_path)
+    return measured, times
+
+
+BENCH = ["bench", "--spec", "fake", "--no-power", "--head-dims", "64", "--seqlens", "512",
+         "--direction", "fwd", "--causal", "false"]
+OUTPUTS = ["--out", "b.json", "--markdown", "b.md", "--plot", "b.png"]
+
+
+def test_bench_writes_its_outputs(fake_bench, tmp_path, capsys):
+    assert cli.main(BENCH + OUTPUTS) == 0
+    assert fake_bench[0] == [(64, 512, False)]
+    assert all((tmp_path / f).is_file() for f in ("b.json", "b.md", "b.png"))
+    assert "wrote b.json, b.md, b.png" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--out": "adir"}, "--out 'adir' is a folder: give a file path"),
+    ({"--markdown": "afile/b.md"}, "--markdown afile/b.md: afile is a file, not a folder"),
+    ({"--markdown": "marked.md"}, "marked.md: expected one <!-- bench:begin --> before one"),
+    ({"--plot": "b.pngg"}, "--plot b.pngg: not a file name of an image format matplotlib writes"),
+    ({"--plot": "b"}, "--plot b: not a file name of an image format"),  # it would write b.png
+])
+def test_bench_outputs_are_checked_before_the_grid(fake_bench, tmp_path, capsys, change, message):
+    """A folder --out failed after the whole grid naming a temporary file, and a --plot
+    matplotlib does not write was a traceback after the JSON was written."""
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "marked.md").write_text("<!-- bench:end -->\n")
+    argv = OUTPUTS.copy()
+    for option, value in change.items():
+        argv[argv.index(option) + 1] = value
+    assert cli.main(BENCH + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fa3gen: error: ") and message in err and err.count("\n") == 1
+    assert fake_bench[0] == [] and not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("option", ["--out", "--markdown", "--plot"])
+def test_an_empty_bench_output_is_a_usage_error(fake_bench, capsys, option):
+    """--out '' was Path('.'): a ValueError traceback after the grid."""
+    argv = OUTPUTS.copy()
+    argv[argv.index(option) + 1] = ""
+    with pytest.raises(SystemExit) as e:
+        cli.main(BENCH + argv)
+    assert e.value.code == 2 and f"argument {option}: {option} is empty" in capsys.readouterr().err
+    assert fake_bench[0] == []
+
+
+@pytest.mark.parametrize("command", ["bench", "ablate"])
+def test_without_matplotlib_the_plot_is_skipped_with_a_note(command, fake_bench, tmp_path, monkeypatch, capsys):
+    """matplotlib comes with the [test] extra only: without it a full run ended in a traceback
+    and ablate never updated its doc."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    if command == "bench":
+        assert cli.main(BENCH + OUTPUTS) == 0
+        written, plot = ("b.json", "b.md"), "b.png"
+    else:
+        from fa3gen import ablate as A
+        monkeypatch.setattr(A, "check_cell", lambda lib, c: {"status": "ok", "max_err": 0.0, "detail": None})
+        monkeypatch.setattr(A, "make_timer", lambda *a: lambda c, s: 4.0)
+        monkeypatch.setattr(A, "provenance", lambda lib: {"gpu": "fake"})
+        assert cli.main(["ablate", "--no-build", "--no-power", "--only", "*fp16*nocausal*m128n128_s2*",
+                         "--out-dir", "out", "--doc", "A.md"]) == 0
+        written, plot = ("out/ablation.json", "out/ablation.csv", "A.md"), "out/ablation.png"
+    out, err = capsys.readouterr()
+    assert all((tmp_path / f).is_file() for f in written) and not (tmp_path / plot).exists()
+    notes = [line for line in err.splitlines() if "matplotlib" in line]
+    assert notes == [f"fa3gen: note: no plot written ({plot}): matplotlib cannot be imported "
+                     "(import of matplotlib halted; None in sys.modules); pip install matplotlib "
+                     "to draw it"] and "Traceback" not in err
+    assert "png" not in out.splitlines()[-1]  # the closing line names what was written
+
+
+def test_bench_with_no_fa3gen_variant_for_any_point_measures_nothing(fake_bench, tmp_path, capsys):
+    """A library that has none of the asked points' variants: every fa3gen cell was empty, the
+    report overwritten, exit 0."""
+    assert cli.main(BENCH + OUTPUTS[:-2] + ["--plot", "b.png", "--head-dims", "96,256"]) == 2
+    err = capsys.readouterr().err
+    assert "has no fa3gen variant for any point asked for" in err and err.count("\n") == 1
+    assert fake_bench[0] == [] and not (tmp_path / "b.json").exists()
+
+
+def test_bench_that_timed_no_fa3gen_point_keeps_the_old_report(fake_bench, tmp_path, capsys):
+    """Variants there, but every fa3gen call failed (no time): exit 1 and the report and the
+    markdown of the last run stay."""
+    (tmp_path / "b.json").write_text("old report")
+    (tmp_path / "b.md").write_text("old markdown")
+    fake_bench[1]["fa3gen"] = None
+    assert cli.main(BENCH + OUTPUTS) == 1
+    err = capsys.readouterr().err
+    assert "fa3gen: error: fa3gen measured no point" in err and err.count("\n") == 1
+    assert fake_bench[0] == [(64, 512, False)]
+    assert (tmp_path / "b.json").read_text() == "old report" and (tmp_path / "b.md").read_text() == "old markdown"
+    assert not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--burst", "--rounds", "5"], "--rounds is for the sustained timing, which --burst replaces"),
+    (["--burst", "--min-ms", "50"], "--min-ms is for the sustained timing"),
+    (["--burst", "--settle-ms", "0"], "--settle-ms is for the sustained timing"),
+    (["--burst", "--order", "shuffle"], "--order is for the sustained timing"),
+    (["--idle-s", "2"], "--idle-s is for --steady-s, which this run does not use"),
+    (["--burst", "--idle-s", "2"], "--idle-s is for --steady-s"),
+    (["--warmup", "2"], "--warmup is for --burst's timing, which this run does not use"),
+    (["--steady-s", "3", "--iters", "9"], "--iters is for --burst's timing"),
+    (["--steady-s", "3", "--rounds", "2"], "--rounds is for the sustained timing, which --steady-s replaces"),
+])
+def test_bench_refuses_timing_options_its_timing_ignores(fake_bench, capsys, argv, message):
+    assert cli.main(BENCH + OUTPUTS + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fa3gen: error: ") and message in err and fake_bench[0] == []
+
+
+@pytest.mark.parametrize("argv", [["--burst", "--warmup", "2", "--iters", "9"],
+                                  ["--steady-s", "3", "--idle-s", "0"],
+                                  ["--steady-s", "3", "--rounds", "2", "--all-variants"],
+                                  ["--rounds", "2", "--min-ms", "5", "--settle-ms", "1", "--order", "shuffle"]])
+def test_bench_takes_the_timing_options_its_timing_uses(fake_bench, argv):
+    assert cli.main(BENCH + OUTPUTS + argv) == 0 and fake_bench[0] == [(64, 512, False)]

@@ -362,3 +362,20 @@ def test_a_name_pip_folds_into_another_distribution_is_refused():
     other = Dist("My.Kernels", "Generator: bdist_wheel\n", "my_kernels\n")
     assert P._distribution_taken_by("my_kernels", [other]) == "the installed distribution My.Kernels 0.1"
     assert P._distribution_taken_by("my_kernels2", [other]) is None
+
+
+def test_a_spec_file_is_packaged_only_from_its_own_build(built, capsys):
+    """Two spec files with one `name:` build into one folder: `package --spec FILE` wrote the
+    other file's build as FILE's wheel."""
+    recorded, other = built / "specs" / "fake.yaml", built / "mine" / "fake.yaml"
+    for spec in (recorded, other):
+        spec.parent.mkdir()
+        spec.write_text("name: fake\n")
+    manifest = contract.manifest_path("fake")
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "spec_path": str(recorded)}))
+    assert cli.main(["package", "--spec", str(other), "--out", str(built / "dist")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(recorded) in err and str(other) in err
+    assert f"fa3gen build --spec {other}" in err and not (built / "dist").exists()
+    for spec in (str(recorded), "fake"):  # its own file, or the build's name
+        assert cli.main(["package", "--spec", spec, "--out", str(built / "dist")]) == 0, capsys.readouterr().err

@@ -361,3 +361,71 @@ def test_tune_ranges_skip_backward_keys(tmp_path, monkeypatch):
     assert "seqlen_k" not in spec.read_text()
     assert plan(spec).defaults[parse_name(names[1]).key].name == names[1]
     assert json.loads((tmp_path / "t.json").read_text())["keys"][0]["seqlen_ranges"] == []
+
+
+def _help_of(parser, command: str, option: str) -> str:
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return next(a for a in sub._actions if option in a.option_strings).help
+
+
+def test_the_keys_examples_take_one_key_alone():
+    """--keys is searched (re.search): the help's example '(fwd, bf16, d128, causal)' also
+    tuned that key's varlen, local and softcap keys. The help's and the README's examples take
+    the key they spell alone, among the spec's keys and that key's feature siblings."""
+    import re
+    from pathlib import Path
+
+    examples = re.findall(r"'(\^[^']+)'", _help_of(cli.build_parser(), "tune", "--keys"))
+    root = Path(__file__).resolve().parent.parent
+    examples += re.findall(r"`--keys '([^']+)'` takes that key alone", (root / "README.md").read_text())
+    assert len(examples) == 2
+    keys = [key_str(k) for k in tune.candidates(root / "specs/h100.yaml")[0]]
+    for example in examples:
+        spelled = re.sub(r"\\(.)", r"\1", example).strip("^$")  # the key it names
+        siblings = [spelled[:-1] + f", {flag})" for flag in ("local", "softcap", "varlen")]
+        assert spelled in keys
+        assert [k for k in keys + siblings if re.search(example, k)] == [spelled], example
+
+
+def test_keys_that_leave_out_a_key_without_default_are_refused_before_timing(tmp_path, monkeypatch, capsys):
+    """A spec without dispatch defaults, --keys taking one of its two multi-candidate keys: the
+    rewrite had no default for the other, which it said only after timing the first."""
+    import torch
+
+    from fa3gen import runtime
+
+    spec = tmp_path / "nodefaults.yaml"
+    spec.write_text(SPEC.split("exclude:")[0] + "dispatch_required: false\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime, "use_spec", lambda s: types.SimpleNamespace(
+        variants=[parse_name(NC_128), parse_name(NC_176), parse_name(NC_128.replace("nocausal", "causal")),
+                  parse_name(NC_176.replace("nocausal", "causal"))], path=tmp_path / "lib.so"))
+    monkeypatch.setattr(tune, "provenance", lambda lib: {"gpu": "fake"})
+    timed = []
+
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None,
+                window=tune.LOCAL_WINDOW, reasons=None, per_round=None):
+        timed.append(key)
+        return {n: [1.0 + i] * len(shapes) for i, n in enumerate(names)}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    argv = ["tune", "--spec", str(spec), "--keys", r"^\(fwd, bf16, d128, causal\)$", "--no-power",
+            "--out", str(tmp_path / "t.json")]
+    assert cli.main(argv) == 2 and timed == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "leaves out (fwd, bf16, d128, nocausal), which has several " \
+        "candidates and no default in the spec's dispatch" in err
+    assert "widen --keys" in err and not (tmp_path / "t.json").exists()
+    assert cli.main(argv + ["--dry-run"]) == 0 and len(timed) == 1  # the spec is not rewritten
+    assert cli.main(argv[:3] + argv[5:]) == 0 and len(timed) == 3  # every key: each gets its winner
+
+
+def test_an_out_that_is_a_folder_is_refused_before_timing(spec_file, tmp_path, monkeypatch, capsys):
+    """The JSON is first written after the first key's timing: a folder --out failed there."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("went on to the GPU"))
+    monkeypatch.setattr(tune, "measure", lambda *a, **k: pytest.fail("timed"))
+    assert cli.main(["tune", "--spec", str(spec_file), "--no-power", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"fa3gen: error: --out {str(tmp_path)!r} is a folder: give a file path\n"
