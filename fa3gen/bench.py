@@ -129,7 +129,8 @@ def render_markdown(report: dict) -> str:
         f"- torch {h.get('torch')}, CUDA {h.get('cuda')}, cuDNN {h.get('cudnn')}; "
         f"cuBLAS bf16 GEMM {GEMM_N}^3: {_fmt(h.get('gemm_tflops'))} TFLOP/s "
         f"({'timed as the rows' if h.get('gemm_timing') == 'rows' else 'a burst of launches'})",
-        f"- fa3gen library: {h.get('library')}",
+        f"- fa3gen library: {h.get('library')}" + (
+            f", built from `{h['library_commit']}`" if h.get("library_commit") else ""),
         f"- Reproduce: `{h.get('command') or 'fa3gen bench'}`",
         "- Grid: batch*seqlen = 16384, heads*head_dim = 2048; FLOPs = 4*b*h*s^2*d, halved when "
         "causal (backward 2.5x). — = backend failed, not built or not installed. FA2 = PyTorch "
@@ -142,8 +143,10 @@ def render_markdown(report: dict) -> str:
     several = len(runs) > 1  # the tables name each row's run
     for i, run in enumerate(runs[:-1]):  # the last is the header's
         n = sum(1 for r in report["rows"] if r.get("run") == i)
+        built = f" (library built from `{run['library_commit']}`)" if run.get("library_commit") else ""
         lines.append(f"- {n} rows (run {i} in the tables' last column) from an earlier run: {run.get('date')}, "
-                     f"{run.get('gpu')}, commit `{run.get('commit')}`, `{run.get('command') or 'fa3gen bench'}`")
+                     f"{run.get('gpu')}, commit `{run.get('commit')}`{built}, torch {run.get('torch')}, "
+                     f"timing: {run.get('timing') or 'burst'}, `{run.get('command') or 'fa3gen bench'}`")
     seen = [r["clock_reasons"]["fa3gen"] for r in report["rows"]
             if (r.get("clock_reasons") or {}).get("fa3gen") is not None]
     if seen:
@@ -364,8 +367,8 @@ def plot(report: dict, path: Path) -> None:
                 pts = [(s, t) for s, t in pts if t is not None]
                 if pts:
                     ax.plot(*zip(*pts), marker="o", label=LABELS[b])
-            if gemm:
-                ax.axhline(gemm, ls="--", color="gray", label="cuBLAS GEMM")
+            if gemm and kind[1] != "e4m3":  # a bf16 GEMM is no ceiling for fp8 rows
+                ax.axhline(gemm, ls="--", color="gray", label="cuBLAS bf16 GEMM")
             ax.set_xscale("log", base=2)
             if sel:
                 ax.set_xticks([r["seqlen"] for r in sel], [str(r["seqlen"]) for r in sel])
@@ -377,8 +380,11 @@ def plot(report: dict, path: Path) -> None:
             if i == 0 and j == 0:
                 ax.legend(fontsize=8)
     h = report["header"]
-    fig.suptitle(f"{h.get('gpu')}  commit {str(h.get('commit'))[:10]}  {h.get('date')}",
-                 fontsize=9)
+    earlier = (report.get("runs") or [])[:-1]  # --merge: rows of earlier runs are drawn too
+    fig.suptitle(f"{h.get('gpu')}  commit {str(h.get('commit'))[:10]}  {h.get('date')}" + (
+        f"  (+ rows of {len(earlier)} earlier run{'s' if len(earlier) > 1 else ''}: "
+        + ", ".join(f"{str(r.get('commit'))[:10]} {r.get('date')}" for r in earlier) + ")"
+        if earlier else ""), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,19 +25,25 @@ from bench_features import visible_pairs
 SEQLEN = 16384
 
 
+def _tiles(tile_m: int) -> int:
+    """Query tiles of one head: a 192-row tile leaves a partial one at 16384 (86, not 85)."""
+    return -(-SEQLEN // tile_m)
+
+
 def blocks_visited(window: int, tile_m: int, tile_n: int) -> int:
     """Key blocks the query tiles of one head visit with window (window, 0) at SEQLEN."""
     total = 0
-    for m in range(SEQLEN // tile_m):
+    for m in range(_tiles(tile_m)):
         first = max(0, m * tile_m - window) // tile_n
-        last = (m * tile_m + tile_m - 1) // tile_n
+        last = (min(m * tile_m + tile_m, SEQLEN) - 1) // tile_n  # a last tile may be partial
         total += last - first + 1
     return total
 
 
 def per_tile_blocks(rows: list[dict], tile_m: int, tile_n: int, max_window: int) -> float | None:
     """a / b of the fit ms / tiles = a + b * blocks / tiles over rows with window <= max_window."""
-    pts = [(blocks_visited(r["window"], tile_m, tile_n) / (SEQLEN // tile_m), r["ms"] / (SEQLEN // tile_m))
+    tiles = _tiles(tile_m)
+    pts = [(blocks_visited(r["window"], tile_m, tile_n) / tiles, r["ms"] / tiles)
            for r in rows if r["window"] <= max_window]
     if len(pts) < 2:
         return None
