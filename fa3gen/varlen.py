@@ -748,6 +748,6 @@ def _eager_plan(q, k, v, cu_q, cu_k, max_q, max_k, mask, softmax_scale, variant)
 
 def _cu_signature(cu) -> tuple:
     """What the checks read of a cu_seqlens argument (its data is the kernel's)."""
-    if not isinstance(cu, torch.Tensor) or cu.is_nested:
-        return (type(cu), cu.is_nested if isinstance(cu, torch.Tensor) else None)  # a miss: the checks reject it
+    if not isinstance(cu, torch.Tensor) or cu.is_nested:  # a miss: the checks reject it
+        return (type(cu), isinstance(cu, torch.Tensor))
     return cu.shape, cu.stride(), cu.dtype, cu.device
