@@ -950,7 +950,7 @@ _TransformedAttention = transformable(
 # pointer checks and the launch.
 
 _fwd_plans: dict = {}  # forward call signature -> _Plan
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's layout key) -> (_Plan, (copies dout,))
+_bwd_plans: dict = {}  # _backward_key (forward _Plan, dout's layout, ...) -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the bwd op's call signature -> (_Plan, which of dout..out it copies)
 _MAX_PLANS = 1024  # emptied when full: shapes that never repeat re-plan, memory stays bounded
 
@@ -1030,17 +1030,19 @@ def _backward_plan_once(plans: dict, key, dout, make_plan, ready=None):
 
 def _backward_key(fwd: _Plan, deterministic: bool, dout, grads, saved: tuple) -> tuple:
     """An eager backward's plan key (dense and varlen): dout's layout with its alignment, which
-    decides a copy (_plan_once), the saved tensors' layouts (the forward's plan read q, k, v
+    decides a copy (_plan_once), the saved tensors' strides (the forward's plan read q, k, v
     as the forward got them, but a saved-tensor hook such as save_on_cpu gives them back
-    contiguous) and the given gradients' strides: all of them are the params'."""
-    key = (fwd, deterministic, *_layout_key(dout, *saved))
+    contiguous; shapes, dtypes and devices stay the forward's, and the pointers' alignment is
+    checked on every call) and the given gradients' strides: all of them are the params'."""
+    key = (fwd, deterministic, *_layout_key(dout), *(t.stride() for t in saved))
     return key if grads is None else key + tuple(_signature(g) for g in grads)
 
 
 def refuse_batched_backward(dout: torch.Tensor) -> None:
     """A batched gradient reaches the eager backward as a dout without storage (autograd's
-    own vmap wrapper): one clear error instead of torch's about data pointers."""
-    if not _has_storage(dout):
+    own vmap wrapper): one clear error instead of torch's about data pointers. (A sparse
+    dout has none either: torch's own error names it.)"""
+    if not _has_storage(dout) and dout.layout is _STRIDED:
         raise Fa3genError(
             "batched gradients through an eager fa3gen call (autograd.grad(..., "
             "is_grads_batched=True), autograd.functional.jacobian / hessian with "

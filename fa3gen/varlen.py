@@ -560,7 +560,7 @@ class _EagerVarlenAttention(torch.autograd.Function):
                 None)
 
 
-_bwd_plans: dict = {}  # (forward _Plan, deterministic, dout's layout key) -> (_Plan, (copies dout,))
+_bwd_plans: dict = {}  # ops._backward_key -> (_Plan, (copies dout,))
 _bwd_op_plans: dict = {}  # the varlen bwd op's call signature -> (_Plan, which inputs it copies)
 
 

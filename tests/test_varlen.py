@@ -635,7 +635,7 @@ def test_more_tiles_a_sequence_than_the_list_holds_is_refused_before_the_launch(
 def test_a_numpy_max_seqlen_under_fullgraph_compile_is_named(fake_launches):
     """dynamo traces a numpy scalar as an array: the check's message had failed on its repr
     (dynamo's "repr() on tensor"), so the user saw no word of max_seqlen."""
-    import numpy as np
+    np = pytest.importorskip("numpy")
     torch._dynamo.reset()
     q, k, v = qkv()
     call = torch.compile(lambda q, k, v, m: flash_attn_varlen_func(q, k, v, CU_Q, CU_K, m, m,
