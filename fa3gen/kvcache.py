@@ -242,8 +242,9 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
     result = _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table,
                   return_lse, k_scale, v_scale, lib, rotary)
     # For `fa3gen spec --from-trace`: the decode kernels a model needs (a chunked prefill runs
-    # the forward kernels, which record their own variants).
-    if tracing._active and plan.prefill is None:
+    # the forward kernels, which record their own variants; one that appends new keys needs
+    # the append kernels, which a build has only with the decode kernels).
+    if tracing._active and (plan.prefill is None or plan.append):
         tracing.record_decode("fp16" if q.dtype == torch.float16 else "bf16", q.shape[-1])
     return result
 

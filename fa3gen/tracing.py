@@ -8,7 +8,8 @@ write the smallest spec that builds exactly those.
 Forward calls are recorded when their variant is resolved (under torch.compile: by the custom
 op, each time the graph runs it), backward ones when
 autograd runs the backward (under torch.compile: while compiling, once per graph), decode calls
-(flash_attn_with_kvcache) as the (dtype, head_dim) pairs of the decode kernels they ran. Each
+(flash_attn_with_kvcache) as the (dtype, head_dim) pairs of the decode kernels they ran (or, for
+a chunked prefill that appends, of the append kernels built with them). Each
 entry keeps the call count and the range of every size seen. No torch import here.
 """
 from __future__ import annotations

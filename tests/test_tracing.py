@@ -509,3 +509,24 @@ def test_a_backward_op_called_with_a_named_variant_is_not_recorded_as_the_defaul
     def missing():
         raise VariantNotBuiltError("key", [], "hint")
     assert not ops._is_default("bwd_b", missing)
+
+
+def test_a_chunked_prefill_that_appends_keeps_the_append_kernels(tmp_path, monkeypatch,
+                                                                  fake_launches):
+    """A chunked prefill runs the forward kernels, but its append runs the append kernel, which
+    a build has only with the decode kernels: a trace of prefills alone had given a spec
+    without `decode:`, whose library took the PyTorch append (slower, unannounced)."""
+    import torch
+    from fa3gen import contract, kvcache
+    monkeypatch.setattr(kvcache, "_built_decode_pairs", lambda: frozenset(contract.DECODE_PAIRS))
+    monkeypatch.setattr(kvcache, "_launch_decode", lambda device, p, lib=None: None)
+    for append in (False, True):
+        path = tmp_path / f"prefill_{append}.yaml"
+        with fa3gen.trace(path):
+            kc, vc = (torch.zeros(1, 128, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+            new = dict(k=torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16),
+                       v=torch.zeros(1, 40, 2, 128, dtype=torch.bfloat16)) if append else {}
+            kvcache.flash_attn_with_kvcache(torch.zeros(1, 40, 4, 128, dtype=torch.bfloat16),
+                                            kc, vc, cache_seqlens=60, **new)
+        data = yaml.safe_load(path.read_text())
+        assert data["calls"] and data.get("decode") == ([["bf16", 128]] if append else None)
