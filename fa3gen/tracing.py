@@ -203,6 +203,9 @@ def _trace_whole_program() -> None:
         except TraceError as e:  # at import: say so once and run untraced
             print(f"fa3gen: warning: {TRACE_ENV} ignored: {e}", file=sys.stderr)
             return
+        # Absolute from now on: another runtime copy (a packaged fa3gen_<spec>) loads this
+        # module at its own first call, maybe after a chdir, and must write the same file.
+        os.environ[TRACE_ENV] = str(t.path)
         _active.append(t)
         atexit.register(_write_if_recorded, t)
 

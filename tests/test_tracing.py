@@ -530,3 +530,23 @@ def test_a_chunked_prefill_that_appends_keeps_the_append_kernels(tmp_path, monke
                                             kc, vc, cache_seqlens=60, **new)
         data = yaml.safe_load(path.read_text())
         assert data["calls"] and data.get("decode") == ([["bf16", 128]] if append else None)
+
+
+def test_a_relative_trace_path_is_one_file_for_every_runtime_copy(tmp_path):
+    """A packaged fa3gen_<spec> loads its own tracing module at its first call, maybe after a
+    chdir: the relative FA3GEN_TRACE had then named another file for it."""
+    (tmp_path / "elsewhere").mkdir()
+    record = "record({!r}, True, batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)\n"
+    code = ("import importlib.util, os, sys\n"
+            "from fa3gen import tracing\n"
+            "tracing." + record.format(D128) +
+            f"os.chdir({str(tmp_path / 'elsewhere')!r})\n"
+            "spec = importlib.util.spec_from_file_location('copy_tracing', tracing.__file__)\n"
+            "copy = sys.modules['copy_tracing'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(copy)\n"
+            "copy." + record.format(D128_OTHER))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path,
+                   env={**os.environ, "FA3GEN_TRACE": "rel.yaml", "PYTHONPATH": str(REPO_ROOT)})
+    assert not (tmp_path / "elsewhere" / "rel.yaml").exists()
+    variants = {c["variant"] for c in yaml.safe_load((tmp_path / "rel.yaml").read_text())["calls"]}
+    assert variants == {D128, D128_OTHER}
