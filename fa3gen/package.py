@@ -284,4 +284,11 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
             entry = zipfile.ZipInfo(n, date_time=(1980, 1, 1, 0, 0, 0))
             entry.external_attr = 0o644 << 16
             z.writestr(entry, d, compress_type=zipfile.ZIP_DEFLATED)
+    # Earlier wheels of this package in out_dir go: their versions end in a content hash, which
+    # pip orders as text, so `pip install DIR/<package>-*.whl` found two candidates (no
+    # resolution) and --find-links could pick an older build.
+    for old in out_dir.glob(f"{package_name}-*-py3-none-*.whl"):
+        if old.name != wheel.name and old.name.split("-")[0] == package_name:
+            old.unlink()
+            print(f"fa3gen: removed the earlier wheel {old}", file=sys.stderr)
     return wheel
