@@ -94,7 +94,7 @@ def _check_built_from(spec: str, name: str) -> None:
     """--spec FILE must be the file whose build generated/<name> holds: another spec file with
     the same `name:` builds into the same folder (a bare name means that folder's build)."""
     from fa3gen.contract import manifest_path
-    from generator.build import _other_spec_file
+    from generator.build import _other_spec_file, read_manifest, spec_sha256
 
     path = Path(spec)
     if resolve_spec_path(spec) != path or not path.is_file():
@@ -105,6 +105,11 @@ def _check_built_from(spec: str, name: str) -> None:
                              f"another spec file with that name, not from {path.resolve()}; build "
                              f"it first (fa3gen build --spec {spec}), or package that build with "
                              f"--spec {other}")
+    recorded = (read_manifest(manifest_path(name)) or {}).get("spec_sha256")
+    if isinstance(recorded, str) and recorded != spec_sha256(path):  # older builds: no field
+        raise GeneratorError(f"--spec {spec} changed since the build of spec {name!r} (edited, "
+                             f"or rewritten by fa3gen tune); build it again first: fa3gen build "
+                             f"--spec {spec}")
 
 
 # What a build folder holds: generator/build.py writes build.ninja and fingerprint.txt before

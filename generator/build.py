@@ -139,6 +139,11 @@ class BuildResult:
     planned: list[str] = field(default_factory=list)   # dry run: edges ninja would run
 
 
+def spec_sha256(path) -> str:
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def _other_spec_file(out: Path, spec_path) -> str | None:
     """The spec file whose build out's manifest records, where it is not spec_path."""
     recorded = (read_manifest(out / MANIFEST_NAME) or {}).get("spec_path")  # none: no finished build
@@ -385,6 +390,8 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
     data = {
         "spec": p.spec.name,
         "spec_path": str(Path(p.spec.path).resolve()),
+        # what the file held (fa3gen package refuses a file edited since, e.g. by fa3gen tune)
+        "spec_sha256": spec_sha256(p.spec.path),
         "fingerprint": fp,
         "generator_version": __version__,
         "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h

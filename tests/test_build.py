@@ -552,6 +552,15 @@ def test_manifest_records_the_commit_of_the_tree_it_built(fake, monkeypatch):
     assert json.loads(res.manifest.read_text())["source_commit"] == "abc1234-dirty"
 
 
+def test_manifest_records_what_the_spec_file_held(fake):
+    """fa3gen package compares it with the file it is given (an edit since the build)."""
+    import hashlib
+    spec, tc, calls = fake
+    res = B.build(spec, toolchain=tc, log=quiet)
+    want = hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+    assert json.loads(res.manifest.read_text())["spec_sha256"] == want
+
+
 def test_a_filtered_out_default_is_noted(fake):
     spec, tc, calls = fake
     spec.write_text(TWO_CAUSAL)

@@ -385,3 +385,23 @@ def test_a_spec_file_is_packaged_only_from_its_own_build(built, capsys):
     assert f"fa3gen build --spec {other}" in err and not (built / "dist").exists()
     for spec in (str(recorded), "fake"):  # its own file, or the build's name
         assert cli.main(["package", "--spec", spec, "--out", str(built / "dist")]) == 0, capsys.readouterr().err
+
+
+def test_a_spec_file_edited_since_its_build_is_not_packaged(built, capsys):
+    """The manifest records the spec file's bytes: a file edited (or rewritten by fa3gen tune)
+    after the build had been packaged as that build without a word."""
+    import hashlib
+    spec = built / "specs" / "fake.yaml"
+    spec.parent.mkdir()
+    spec.write_text("name: fake\n")
+    manifest = contract.manifest_path("fake")
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "spec_path": str(spec),
+                                    "spec_sha256": hashlib.sha256(spec.read_bytes()).hexdigest()}))
+    out = built / "dist"
+    assert cli.main(["package", "--spec", str(spec), "--out", str(out)]) == 0, capsys.readouterr().err
+    spec.write_text("name: fake\n# tuned\n")
+    assert cli.main(["package", "--spec", str(spec), "--out", str(built / "dist2")]) == 2
+    err = capsys.readouterr().err
+    assert "changed since the build" in err and f"fa3gen build --spec {spec}" in err
+    assert not (built / "dist2").exists()
+    assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist2")]) == 0  # by name
