@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, Given, _fmt, attention_flops, check_markers,
-                          check_output_file, count, draw_plot, output_path, positive_ms, provenance,
+                          check_output_file, check_output_folder, count, draw_plot, output_path, positive_ms, provenance,
                           refuse_unused, update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
@@ -697,9 +697,7 @@ def run(args, build_fn=None) -> int:
                              "--burst or drop it" for d in ("warmup", "iters")})
     # the outputs, before the build and the matrix: a path that cannot take them fails now
     out = Path(args.out_dir)
-    existing = next(d for d in (out, *out.parents) if d.exists())
-    if not existing.is_dir():
-        raise Fa3genError(f"--out-dir {out}: {existing} is a file, not a folder")
+    check_output_folder("--out-dir", out)
     check_output_file("--doc", args.doc)
     check_markers(args.doc, BEGIN, END)
     p = plan(args.spec, args.only, args.exclude)  # checks the spec and the globs before building

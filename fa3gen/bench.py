@@ -241,9 +241,16 @@ def check_output_file(option: str, path: Path) -> None:
     path = Path(path)
     if not path.name or path.is_dir():
         raise Fa3genError(f"{option} {str(path)!r} is a folder: give a file path")
-    existing = next(d for d in path.parents if d.exists())  # the file's folder may be made
+    check_output_folder(option, path.parent, path)
+
+
+def check_output_folder(option: str, folder: Path, given: Path | None = None) -> None:
+    """Refuse a folder that cannot be made: it, or the nearest of its parents that exists (the
+    rest is made when written), is a file. given: the path the option named (folder's)."""
+    folder = Path(folder)
+    existing = next(d for d in (folder, *folder.parents) if d.exists())
     if not existing.is_dir():
-        raise Fa3genError(f"{option} {path}: {existing} is a file, not a folder")
+        raise Fa3genError(f"{option} {given or folder}: {existing} is a file, not a folder")
 
 
 def check_plot_file(option: str, path: Path) -> None:

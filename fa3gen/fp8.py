@@ -54,8 +54,7 @@ def _descale_view(name: str, t, dims: ops.Dims, device, blocks: int, block_rows:
     want = f"one value, {per_kv} (batch, heads_kv) or {per_block} (batch, heads, blocks of " \
            f"{block_rows} rows)"
     _refuse_non_tensor(name, t, want)
-    if t.is_nested:  # its sizes raise inside torch
-        raise InvalidInputError(f"{name} is a nested tensor; pass a dense one ({want})")
+    ops.refuse_nested(name, t, f"a dense one ({want})")  # its sizes raise inside torch
     if t.dtype != torch.float32:
         raise InvalidInputError(f"{name} must be float32, got {t.dtype}")
     if t.layout != torch.strided:  # the kernel reads it by strides

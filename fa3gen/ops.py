@@ -251,8 +251,14 @@ def _refuse_tensors(q, k, v, names: tuple) -> None:
     for name, t in zip(names, (q, k, v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        refuse_nested(name, t)
-        refuse_sparse(name, t)
+        refuse_layout(name, t)
+
+
+def refuse_layout(name: str, t: torch.Tensor,
+                  instead: str = "packed rows with cu_seqlens (the varlen functions)") -> None:
+    """A tensor the kernels cannot read by strides and a pointer: nested or sparse."""
+    refuse_nested(name, t, instead)
+    refuse_sparse(name, t)
 
 
 def refuse_sparse(name: str, t: torch.Tensor) -> None:

@@ -87,8 +87,7 @@ def _split_qkv(qkv, num_heads_q, batch_dims: int):
     num_heads_q (FlashAttention-3's GQA layout) (.., heads_q + 2 * heads_kv, d)."""
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv must be a torch.Tensor, got {type(qkv).__name__}")
-    ops.refuse_nested("qkv", qkv)
-    ops.refuse_sparse("qkv", qkv)
+    ops.refuse_layout("qkv", qkv)
     lead = "(batch, seqlen" if batch_dims == 2 else "(total"
     if num_heads_q is None:
         if qkv.dim() != batch_dims + 3 or qkv.shape[batch_dims] != 3:
