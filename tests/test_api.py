@@ -207,6 +207,32 @@ def test_masking_follows_flash_attn(causal, window, want):
     assert want.local == (want.window_left >= 0 or want.window_right >= 0)
 
 
+@pytest.mark.parametrize("window, softcap", [((-1.0, -1), 0.0), ((-1, -1.0), 0.0),
+                                             ((-1, -1), True), ((-1, -1), -1.0)])
+def test_masking_near_the_usual_call_still_checks(window, softcap):
+    """masking()'s shortcut for the usual call (a bool, (-1, -1), 0) takes exactly that: a float
+    side or a bool softcap, equal in value, still meets the checks."""
+    with pytest.raises(InvalidInputError, match="window_size .*must be an int|softcap must be"):
+        ops.masking(False, window, softcap)
+    assert ops.masking(False, [-1, -1], 0) == M() and ops.masking(1, (-1, -1)) == M(True)
+
+
+def test_env_reader_sees_every_change(monkeypatch):
+    """The per-call cache keys read FA3GEN_LIB, FA3GEN_GENERATED and FA3GEN_GRID through
+    runtime.env_reader: a set, changed or removed variable must read differently."""
+    from fa3gen import runtime
+    read = runtime.env_reader("FA3GEN_TEST_ENV_READER")
+    monkeypatch.delenv("FA3GEN_TEST_ENV_READER", raising=False)
+    assert read() is None
+    seen = [None]
+    for value in ("a", "b", ""):
+        monkeypatch.setenv("FA3GEN_TEST_ENV_READER", value)
+        seen.append(read())
+    monkeypatch.delenv("FA3GEN_TEST_ENV_READER")
+    seen.append(read())
+    assert seen[-1] is None and len(set(seen[:4])) == 4
+
+
 def test_window_and_softcap_select_the_feature_variant(fake_launches, monkeypatch):
     """window_size/softcap pick the key with local/softcap, and reach the kernel as it takes
     them, through the custom op (as under torch.compile); a key the library lacks says, while
@@ -314,6 +340,28 @@ def eager(fake_launches, monkeypatch):
     return fake_launches, checks
 
 
+def test_eager_attention_is_function_apply_without_its_python_layer(monkeypatch):
+    """ops._c_apply: the eager forward enters autograd at Function.apply's C entry; the same
+    graph and gradients as .apply, and .apply itself on a torch without that entry."""
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, factor):
+            ctx.factor = factor
+            return q * factor + k * v
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * ctx.factor, None, None, None
+
+    x = torch.ones(3, requires_grad=True)
+    y = ops._c_apply(Scale)(x, torch.ones(3), torch.ones(3), 2.0)
+    assert type(y.grad_fn).__name__ == "ScaleBackward" and y.tolist() == [3.0] * 3
+    y.sum().backward()
+    assert x.grad.tolist() == [2.0] * 3
+    monkeypatch.delattr(torch._C, "_FunctionBase")
+    assert ops._c_apply(Scale) == Scale.apply
+
+
 def test_a_repeated_signature_skips_the_checks(eager, monkeypatch):
     launched, checks = eager
     base = torch.zeros(1, 8, 2, 136, dtype=torch.bfloat16)
@@ -390,7 +438,7 @@ def test_an_empty_query_side_gives_empty_gradients(eager):
 
 def test_no_grad_calls_skip_autograd(eager, monkeypatch):
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
-    monkeypatch.setattr(ops._EagerAttention, "apply", None)  # would fail if called
+    monkeypatch.setattr(ops, "_eager_attention", None)  # would fail if called
     with torch.no_grad():
         assert not ops.flash_attn_func(q, q, q).requires_grad
     assert not ops.flash_attn_func(q.detach(), q.detach(), q.detach()).requires_grad
