@@ -231,6 +231,9 @@ def test_env_reader_sees_every_change(monkeypatch):
     monkeypatch.delenv("FA3GEN_TEST_ENV_READER")
     seen.append(read())
     assert seen[-1] is None and len(set(seen[:4])) == 4
+    import os  # an environment put in os.environ's place (mock.patch("os.environ", ...))
+    monkeypatch.setattr(os, "environ", {"FA3GEN_TEST_ENV_READER": "c"})
+    assert read() == "c"
 
 
 def test_window_and_softcap_select_the_feature_variant(fake_launches, monkeypatch):
