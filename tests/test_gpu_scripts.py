@@ -179,6 +179,53 @@ def test_steady_state_splits_a_run_into_stretches():
     assert out["0-0.2s"]["reasons"] == ["0x1"] and out["1s-end"]["reasons"] == ["0x4"]
 
 
+def test_host_time_summarizes_processes_by_in_process_ratios():
+    """host_time.summarize: per backend and row, the median time over the processes and the
+    median of each process's ratio to cuDNN's row (not the ratio of the medians); a row
+    cuDNN lacks (FA4 only, say) has no ratio."""
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import host_time
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    runs = [{"fa3gen": {"fwd": 30.0}, "cudnn (sdpa)": {"fwd": 20.0}},   # 1.5x
+            {"fa3gen": {"fwd": 40.0}, "cudnn (sdpa)": {"fwd": 50.0}},   # 0.8x
+            {"fa3gen": {"fwd": 35.0, "only here": 9.0}, "cudnn (sdpa)": {"fwd": 45.0}}]  # 0.78x
+    out = host_time.summarize(runs)
+    assert out["fa3gen"]["fwd"] == {"us": 35.0, "ratio_to_cudnn": 0.8}  # medians' ratio: 0.78
+    assert out["fa3gen"]["only here"] == {"us": 9.0}
+    assert out["cudnn (sdpa)"]["fwd"] == {"us": 45.0, "ratio_to_cudnn": 1.0}
+
+
+def test_host_time_processes_runs_fresh_processes_and_writes_the_medians(tmp_path, monkeypatch):
+    """--processes N: N runs of the script itself (fresh interpreters, same --calls/--rounds),
+    each one's --json read back; the --json written holds every process and the medians."""
+    import argparse
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import host_time
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    calls = []
+
+    def fake_run(cmd, check):
+        calls.append(cmd)
+        us = 20.0 + len(calls)
+        with open(cmd[cmd.index("--json") + 1], "w") as fh:
+            json.dump({"header": {"gpu": "x"}, "first_call_ms": 50.0,
+                       "per_call_us": {"fa3gen": {"fwd": us}, "cudnn (sdpa)": {"fwd": 20.0}}}, fh)
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = tmp_path / "h.json"
+    args = argparse.Namespace(processes=3, calls=50, rounds=2, json=str(out))
+    assert host_time.run_processes(args) == 0
+    assert len(calls) == 3 and all(c[0] == sys.executable and c[1] == host_time.__file__ and
+                                   c[2:6] == ["--calls", "50", "--rounds", "2"] for c in calls)
+    got = json.loads(out.read_text())
+    assert [r["fa3gen"]["fwd"] for r in got["processes"]] == [21.0, 22.0, 23.0]
+    assert got["median"]["fa3gen"]["fwd"] == {"us": 22.0, "ratio_to_cudnn": 1.1}
+    assert got["header"] == {"gpu": "x"} and got["first_call_ms"] == [50.0] * 3
+
+
 def test_bwd_kernel_times_sorts_kernels_into_phases():
     """bwd_kernel_times.py's phases, on kernel names fa3gen, FA4 and cuDNN launch: the main
     kernel is whatever is neither a preprocess nor a conversion (the longest such, per call)."""

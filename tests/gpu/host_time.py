@@ -6,7 +6,12 @@ forward+backward, and the forward replayed from a CUDA graph (the GPU's share: w
 without host work); fa3gen also under torch.compile(fullgraph=True). Also the first call of
 the process (library load + first resolution).
 
-    python3 tests/gpu/host_time.py [--json out.json] [--profile]
+    python3 tests/gpu/host_time.py [--json out.json] [--profile] [--processes N]
+
+--processes N runs the measurement in N fresh processes one after another and reports, per
+row, the median over them of each backend's time and of its ratio to cuDNN's in the same
+process: host time moves between processes and hosts (1.7x on one H100 host, 2026-12-07),
+and a ratio taken within a process is what the host-time targets compare.
 
 --profile also times fa3gen's eager backward alone (ops._eager_backward on the main thread, no
 autograd engine) and prints where its host time goes (cProfile, by own time); autograd runs
@@ -64,13 +69,69 @@ def profile_backward(q, k, v, args) -> float:
     return us
 
 
+PEER = "cudnn (sdpa)"  # the backend the host-time targets compare against
+
+
+def summarize(runs: list[dict]) -> dict:
+    """{backend: {row: {"us": median, "ratio_to_cudnn": median}}} over runs (each a --json
+    output's per_call_us); a ratio only where the run has cuDNN's row."""
+    out: dict = {}
+    for name in dict.fromkeys(n for run in runs for n in run):
+        rows = dict.fromkeys(r for run in runs for r in run.get(name, {}))
+        out[name] = {}
+        for row in rows:
+            times = [run[name][row] for run in runs if row in run.get(name, {})]
+            ratios = [run[name][row] / run[PEER][row] for run in runs
+                      if row in run.get(name, {}) and run.get(PEER, {}).get(row)]
+            out[name][row] = {"us": statistics.median(times)}
+            if ratios:
+                out[name][row]["ratio_to_cudnn"] = statistics.median(ratios)
+    return out
+
+
+def run_processes(args) -> int:
+    """The measurement in args.processes fresh processes, one after another; the medians."""
+    import subprocess
+    import tempfile
+
+    runs, first_calls = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.processes):
+            path = f"{tmp}/run{i}.json"
+            subprocess.run([sys.executable, __file__, "--calls", str(args.calls), "--rounds",
+                            str(args.rounds), "--json", path], check=True)
+            with open(path) as fh:
+                run = json.load(fh)
+            runs.append(run["per_call_us"])
+            first_calls.append(run["first_call_ms"])
+            header = run["header"]
+    summary = summarize(runs)
+    print(f"median of {len(runs)} processes:")
+    for name, rows in summary.items():
+        print(f"{name:14s} " + "  ".join(
+            f"{row} {v['us']:6.1f} us" + (f" ({v['ratio_to_cudnn']:.2f}x cuDNN)"
+                                          if "ratio_to_cudnn" in v else "")
+            for row, v in rows.items()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"header": header, "processes": runs, "first_call_ms": first_calls,
+                       "median": summary}, fh, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--json")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="fresh processes to run one after another; medians over them")
     args = ap.parse_args()
+    if args.processes < 1 or (args.profile and args.processes > 1):
+        ap.error("--processes must be >= 1, and --profile runs in one process")
+    if args.processes > 1:
+        return run_processes(args)
 
     shape = (1, 128, 1, 64)
     make = lambda grad: [torch.randn(shape, device="cuda", dtype=torch.bfloat16,
