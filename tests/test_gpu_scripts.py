@@ -210,20 +210,27 @@ def test_host_time_processes_runs_fresh_processes_and_writes_the_medians(tmp_pat
 
     def fake_run(cmd, check):
         calls.append(cmd)
+        if len(calls) == 2:  # a process that failed (a CUDA error, say): left out
+            return subprocess.CompletedProcess(cmd, 1)
         us = 20.0 + len(calls)
         with open(cmd[cmd.index("--json") + 1], "w") as fh:
-            json.dump({"header": {"gpu": "x"}, "first_call_ms": 50.0,
+            json.dump({"header": {"gpu": "x"}, "first_call_ms": 50.0, "shape": [1, 128, 1, 64],
                        "per_call_us": {"fa3gen": {"fwd": us}, "cudnn (sdpa)": {"fwd": 20.0}}}, fh)
+        return subprocess.CompletedProcess(cmd, 0)
     monkeypatch.setattr(subprocess, "run", fake_run)
     out = tmp_path / "h.json"
-    args = argparse.Namespace(processes=3, calls=50, rounds=2, json=str(out))
+    args = argparse.Namespace(processes=4, calls=50, rounds=2, json=str(out))
     assert host_time.run_processes(args) == 0
-    assert len(calls) == 3 and all(c[0] == sys.executable and c[1] == host_time.__file__ and
+    assert len(calls) == 4 and all(c[0] == sys.executable and c[1] == host_time.__file__ and
                                    c[2:6] == ["--calls", "50", "--rounds", "2"] for c in calls)
     got = json.loads(out.read_text())
-    assert [r["fa3gen"]["fwd"] for r in got["processes"]] == [21.0, 22.0, 23.0]
-    assert got["median"]["fa3gen"]["fwd"] == {"us": 22.0, "ratio_to_cudnn": 1.1}
+    assert [r["fa3gen"]["fwd"] for r in got["processes"]] == [21.0, 23.0, 24.0]
+    assert got["median"]["fa3gen"]["fwd"] == {"us": 23.0, "ratio_to_cudnn": 1.15}
     assert got["header"] == {"gpu": "x"} and got["first_call_ms"] == [50.0] * 3
+    assert got["shape"] == [1, 128, 1, 64]
+    calls.clear()
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: subprocess.CompletedProcess(cmd, 1))
+    assert host_time.run_processes(args) == 1  # none finished
 
 
 def test_bwd_kernel_times_sorts_kernels_into_phases():

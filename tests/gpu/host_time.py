@@ -11,7 +11,9 @@ the process (library load + first resolution).
 --processes N runs the measurement in N fresh processes one after another and reports, per
 row, the median over them of each backend's time and of its ratio to cuDNN's in the same
 process: host time moves between processes and hosts (1.7x on one H100 host, 2026-12-07),
-and a ratio taken within a process is what the host-time targets compare.
+and a ratio taken within a process is what the host-time targets compare. Its --json holds
+every process's rows and the medians ({header, shape, processes, first_call_ms, median});
+--processes 1 (the default) writes the one process's rows as before.
 
 --profile also times fa3gen's eager backward alone (ops._eager_backward on the main thread, no
 autograd engine) and prints where its host time goes (cProfile, by own time); autograd runs
@@ -90,21 +92,28 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def run_processes(args) -> int:
-    """The measurement in args.processes fresh processes, one after another; the medians."""
+    """The measurement in args.processes fresh processes, one after another; the medians over
+    those that finished (a failed one is reported and left out; none finishing is an error)."""
     import subprocess
     import tempfile
 
-    runs, first_calls = [], []
+    runs, first_calls, header, shape = [], [], None, None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.processes):
             path = f"{tmp}/run{i}.json"
-            subprocess.run([sys.executable, __file__, "--calls", str(args.calls), "--rounds",
-                            str(args.rounds), "--json", path], check=True)
+            done = subprocess.run([sys.executable, __file__, "--calls", str(args.calls),
+                                   "--rounds", str(args.rounds), "--json", path], check=False)
+            if done.returncode != 0:
+                print(f"process {i + 1}: exit {done.returncode}, left out", file=sys.stderr)
+                continue
             with open(path) as fh:
                 run = json.load(fh)
             runs.append(run["per_call_us"])
             first_calls.append(run["first_call_ms"])
-            header = run["header"]
+            header, shape = run["header"], run.get("shape")
+    if not runs:
+        print("no process finished", file=sys.stderr)
+        return 1
     summary = summarize(runs)
     print(f"median of {len(runs)} processes:")
     for name, rows in summary.items():
@@ -114,8 +123,8 @@ def run_processes(args) -> int:
             for row, v in rows.items()))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"header": header, "processes": runs, "first_call_ms": first_calls,
-                       "median": summary}, fh, indent=1)
+            json.dump({"header": header, "shape": shape, "processes": runs,
+                       "first_call_ms": first_calls, "median": summary}, fh, indent=1)
     return 0
 
 
