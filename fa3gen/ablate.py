@@ -26,7 +26,7 @@ from typing import Callable, Iterable
 
 from fa3gen.bench import (DOCS_DIR, RESULTS_DIR, Given, _fmt, attention_flops, check_markers,
                           check_output_file, check_output_folder, count, draw_plot, output_path, positive_ms, provenance,
-                          refuse_unused, update_markdown, write_json)
+                          refuse_unused_timing, update_markdown, write_json)
 from fa3gen.checks import CELL_CHECK_DESCRIPTION, check_cell
 from fa3gen.cli import positive_int
 from fa3gen.contract import library_manifest
@@ -689,12 +689,7 @@ def run(args, build_fn=None) -> int:
     if args.jobs is not None and args.no_build:
         raise Fa3genError("fa3gen ablate: -j/--jobs sets the build's parallel compiles; with "
                           "--no-build nothing is compiled (drop one of them)")
-    if args.burst:
-        refuse_unused(args, {"min_ms": "is for the sustained timing, which --burst replaces: "
-                             "drop one of them"})
-    else:
-        refuse_unused(args, {d: "is for --burst's timing, which this run does not use: add "
-                             "--burst or drop it" for d in ("warmup", "iters")})
+    refuse_unused_timing(args)  # bench's rule: ablate has --min-ms, --warmup and --iters of it
     # the outputs, before the build and the matrix: a path that cannot take them fails now
     out = Path(args.out_dir)
     check_output_folder("--out-dir", out)

@@ -99,13 +99,14 @@ def _check_built_from(spec: str, name: str) -> None:
     path = Path(spec)
     if resolve_spec_path(spec) != path or not path.is_file():
         return
-    other = _other_spec_file(manifest_path(name).parent, path)
+    manifest = read_manifest(manifest_path(name)) or {}
+    other = _other_spec_file(manifest, path)
     if other:
         raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from {other}, "
                              f"another spec file with that name, not from {path.resolve()}; build "
                              f"it first (fa3gen build --spec {spec}), or package that build with "
                              f"--spec {other}")
-    recorded = (read_manifest(manifest_path(name)) or {}).get("spec_sha256")
+    recorded = manifest.get("spec_sha256")
     if isinstance(recorded, str) and recorded != spec_sha256(path):  # older builds: no field
         raise GeneratorError(f"--spec {spec} changed since the build of spec {name!r} (edited, "
                              f"or rewritten by fa3gen tune); build it again first: fa3gen build "

@@ -1049,11 +1049,11 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
     # Alignment, checked before the append changes the cache (the plan checked the strides).
     pointers = None
     if not no_query and plan.prefill:  # the forward takes the pointers; q by _data_ptr (0 for
-        ops._aligned_pointers(k_cache=k_cache, v_cache=v_cache)  # torch.func's wrapper)
+        ops._aligned_pointers(("k_cache", "v_cache"), k_cache, v_cache)  # torch.func's wrapper)
         if ops._data_ptr(q) % ops._TMA_ALIGN_BYTES:
             ops.check_layout(q=q)
     elif not no_query:
-        pointers = ops._aligned_pointers(q=q, k_cache=k_cache, v_cache=v_cache)
+        pointers = ops._aligned_pointers(("q", "k_cache", "v_cache"), q, k_cache, v_cache)
     p = runtime.DecodeParams.from_buffer_copy(plan.params)
     if length is not None:  # this call's length: seqlen_k and the split count follow it
         p.seqlen_k = _int_length(length, plan.geometry[2], plan.append)

@@ -263,8 +263,10 @@ def _refuse_tensors(q, k, v, names: tuple) -> None:
         refuse_layout(name, t)
 
 
-def refuse_layout(name: str, t: torch.Tensor,
-                  instead: str = "packed rows with cu_seqlens (the varlen functions)") -> None:
+_PACKED_INSTEAD = "packed rows with cu_seqlens (the varlen functions)"  # what to pass for nested
+
+
+def refuse_layout(name: str, t: torch.Tensor, instead: str = _PACKED_INSTEAD) -> None:
     """A tensor the kernels cannot read by strides and a pointer: nested or sparse."""
     refuse_nested(name, t, instead)
     refuse_sparse(name, t)
@@ -277,8 +279,7 @@ def refuse_sparse(name: str, t: torch.Tensor) -> None:
                                 f"fa3gen takes dense ones (pass {name}.to_dense())")
 
 
-def refuse_nested(name: str, t: torch.Tensor,
-                   instead: str = "packed rows with cu_seqlens (the varlen functions)") -> None:
+def refuse_nested(name: str, t: torch.Tensor, instead: str = _PACKED_INSTEAD) -> None:
     """A nested tensor's shape and strides raise inside torch: say what to pass instead."""
     if t.is_nested:
         raise InvalidInputError(f"{name} is a nested tensor; pass {instead} instead")
@@ -432,7 +433,8 @@ def _num_sms(index: int) -> int:
 
 # The plan keys' part that the environment sets: a plan's params carry the grid mode
 # (_grid_mode), so a changed FA3GEN_GRID plans again.
-_grid_env = runtime.env_reader("FA3GEN_GRID")
+GRID_ENV = "FA3GEN_GRID"
+_grid_env = runtime.env_reader(GRID_ENV)
 
 
 def _grid_mode() -> int:
@@ -442,9 +444,9 @@ def _grid_mode() -> int:
     of more than 512 keys on average, or windowed over sequences shorter than twice the window
     (the policy lives in launch_fwd); persistent |
     tiles force one policy, for measurements."""
-    mode = os.environ.get("FA3GEN_GRID") or "auto"  # set but empty: unset, as the others
+    mode = os.environ.get(GRID_ENV) or "auto"  # set but empty: unset, as the others
     if mode not in GRID_MODES:
-        raise InvalidInputError(f"FA3GEN_GRID={mode!r}: expected auto, persistent or tiles")
+        raise InvalidInputError(f"{GRID_ENV}={mode!r}: expected auto, persistent or tiles")
     return GRID_MODES[mode]
 
 
@@ -548,26 +550,29 @@ def _fwd_run(plan: _Plan, q, k, v, out, lse, pointers: dict | None = None) -> No
     _launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
+_FWD_POINTERS = ("q", "k", "v", "out")  # _aligned_pointers' names, as check_layout's messages
+_BWD_POINTERS = ("q", "k", "v", "out", "dout", "dq", "dk", "dv")
+
+
 def _fwd_call_params(plan: _Plan, q, k, v, out, lse):
     """A copy of plan's params with this call's pointers (checked for alignment)."""
     p = runtime.FwdParams.from_buffer_copy(plan.params)
-    p.q, p.k, p.v, p.o = pointers = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-    if (pointers[0] | pointers[1] | pointers[2] | pointers[3]) % _TMA_ALIGN_BYTES:
-        _aligned_pointers(q=q, k=k, v=v, out=out)  # raises, naming the misaligned one
+    p.q, p.k, p.v, p.o = _aligned_pointers(_FWD_POINTERS, q, k, v, out)
     p.lse = lse.data_ptr()
     return p
 
 
-def _aligned_pointers(**tensors: torch.Tensor) -> list[int]:
+def _aligned_pointers(names: tuple, *tensors: torch.Tensor) -> list[int]:
     """The tensors' addresses, checked for TMA alignment: the per-call part of check_layout
-    (strides are part of a plan's signature). One test of their OR on the common path."""
-    pointers = [t.data_ptr() for t in tensors.values()]
+    (strides are part of a plan's signature). One test of their OR on the common path; the
+    names (the tensors', in order) only for the error. Positional: a call costs no dict."""
+    pointers = [t.data_ptr() for t in tensors]
     combined = 0
     for ptr in pointers:
         combined |= ptr
     if combined % _TMA_ALIGN_BYTES:  # raises with the message of the first misaligned one
         check_layout(**{name: t.unsqueeze(0) if t.dim() == 3 else t  # varlen's (total, h, d)
-                        for name, t in tensors.items()})
+                        for name, t in zip(names, tensors)})
     return pointers
 
 
@@ -756,7 +761,7 @@ def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dic
     its workspace (the _WORKSPACE buffers of `work`)."""
     p = runtime.BwdParams.from_buffer_copy(plan.params)
     p.q, p.k, p.v, p.o, p.dout, p.dq, p.dk, p.dv = _aligned_pointers(
-        q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
+        _BWD_POINTERS, q, k, v, out, dout, dq, dk, dv)
     p.lse = lse.data_ptr()
     _set_pointers(p, {name: work[name] for name in _WORKSPACE})
     return p

@@ -527,7 +527,7 @@ def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | 
     if spec is None and BUNDLED_LIBRARY is not None:
         return BUNDLED_LIBRARY, contract.spec_name_of_library(BUNDLED_LIBRARY)
     if spec is None:
-        env = os.environ.get("FA3GEN_LIB")
+        env = os.environ.get(LIB_ENV)
         if env:
             return Path(env), contract.spec_name_of_library(env)
         spec = DEFAULT_SPEC
@@ -567,7 +567,8 @@ def env_reader(name: str) -> Callable[[], Any]:
     return read
 
 
-_lib_env = env_reader("FA3GEN_LIB")
+LIB_ENV = "FA3GEN_LIB"  # a built .so to load (the module doc's order)
+_lib_env = env_reader(LIB_ENV)
 _generated_env = env_reader(contract.GENERATED_ENV)
 
 

@@ -26,6 +26,8 @@ from fa3gen.ops import Dims, Masking, _Plan, _DTYPES, debug_checks_enabled
 # ---------------------------------------------------------------------------------------------
 # Validation (no device sync).
 
+_INT32_VECTOR = "a 1-D int32 tensor"  # what cu_seqlens and seqused_k must be (nested: refused)
+
 
 def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Dims:
     """Types, dtypes, shapes and devices; returns the sizes (batch = sequences, seqlen_q/k =
@@ -54,7 +56,7 @@ def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor):
             raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-        ops.refuse_layout(name, cu, "a 1-D int32 tensor")
+        ops.refuse_layout(name, cu, _INT32_VECTOR)
         if cu.dtype != torch.int32:
             raise InvalidInputError(f"{name} must be int32, got {cu.dtype}")
         if cu.dim() != 1 or cu.shape[0] < 2:
@@ -221,7 +223,7 @@ def _check_seqused_k(seqused_k, cu_seqlens_k) -> None:
     """FA3's seqused_k: int32 (batch,) on cu_seqlens_k's device. A cu_seqlens_k
     that is no tensor is left to check_varlen_inputs, which names it."""
     if isinstance(seqused_k, torch.Tensor):
-        ops.refuse_layout("seqused_k", seqused_k, "a 1-D int32 tensor")
+        ops.refuse_layout("seqused_k", seqused_k, _INT32_VECTOR)
     other = cu_seqlens_k if isinstance(cu_seqlens_k, torch.Tensor) and not cu_seqlens_k.is_nested \
         and cu_seqlens_k.dim() == 1 else None
     if not isinstance(seqused_k, torch.Tensor) or seqused_k.dtype != torch.int32 or \

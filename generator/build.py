@@ -144,9 +144,9 @@ def spec_sha256(path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def _other_spec_file(out: Path, spec_path) -> str | None:
-    """The spec file whose build out's manifest records, where it is not spec_path."""
-    recorded = (read_manifest(out / MANIFEST_NAME) or {}).get("spec_path")  # none: no finished build
+def _other_spec_file(manifest: dict | None, spec_path) -> str | None:
+    """The spec file a build's manifest records, where it is not spec_path."""
+    recorded = (manifest or {}).get("spec_path")  # no manifest: no finished build
     here = str(Path(spec_path).resolve())
     return recorded if isinstance(recorded, str) and recorded != here else None
 
@@ -237,7 +237,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
                                                     _strict(allow_spills)))
 
     with build_lock(out, f"spec {p.spec.name}", log):
-        other = _other_spec_file(out, p.spec.path)
+        other = _other_spec_file(read_manifest(out / MANIFEST_NAME), p.spec.path)
         if other:  # one output folder a spec name: this build replaces that file's library
             log(f"fa3gen: warning: {out} held the build of {other}, another spec file named "
                 f"{p.spec.name!r}; this build of {p.spec.path} replaces it (give one of them "

@@ -24,6 +24,7 @@ same process, after fa3gen's first call has been timed.
 """
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -160,14 +161,14 @@ def main() -> int:
     # The backend choice is entered once around a backend's rows, not per call: the context
     # manager alone costs ~10 us a call, which is the harness's, not cuDNN's (before
     # 2026-12-07 (forty-first) it was inside every timed call).
-    contexts = {"cudnn (sdpa)": lambda: torch.nn.attention.sdpa_kernel(
+    contexts = {PEER: lambda: torch.nn.attention.sdpa_kernel(
         torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
 
     fns = {"fa3gen": lambda q, k, v: flash_attn_func(q, k, v),
            # the custom-op path (fa3gen::fwd / fa3gen::bwd) plus torch's guards and dispatch
            "fa3gen compiled": torch.compile(lambda q, k, v: flash_attn_func(q, k, v),
                                             fullgraph=True),
-           "cudnn (sdpa)": sdpa}
+           PEER: sdpa}
     try:
         from flash_attn.cute.interface import flash_attn_func as fa4
         fns["fa4"] = lambda q, k, v: fa4(q, k, v)
@@ -191,8 +192,6 @@ def main() -> int:
             torch.cuda.synchronize()  # the replay's GPU time is what is measured here
             samples.append((time.perf_counter() - t0) / args.calls * 1e6)
         return statistics.median(samples)
-
-    import contextlib
 
     for name, f in fns.items():
         first = lambda o: o[0] if isinstance(o, tuple) else o
