@@ -74,11 +74,19 @@ def num_splits_heuristic(batch: int, heads_kv: int, seqlen_k: int, num_sms: int,
     return min((s for s in good if waves(s) == waves(good[0])), key=lambda s: (keys_per_split(s), s))
 
 
+def _refuse_layouts(instead: str, **tensors) -> None:
+    """The tensors among the arguments, if nested or sparse: one error naming the argument
+    (their sizes or data pointers raise inside torch)."""
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor):
+            ops.refuse_layout(name, t, instead)
+
+
 def _check_int32_vector(name, t, batch, device) -> None:
     if not isinstance(t, torch.Tensor):
         raise InvalidInputError(f"{name} must be an int32 tensor of shape ({batch},), got "
                                 f"{type(t).__name__}")
-    ops.refuse_sparse(name, t)
+    ops.refuse_layout(name, t, f"an int32 tensor of shape ({batch},)")
     if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
         raise InvalidInputError(f"{name} must be int32 of shape ({batch},) on {device}, got "
                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
@@ -216,8 +224,8 @@ def _eager_call(q, k_cache, v_cache, args, return_lse, rotary=None):
             key += (ops._signature(cos), ops._signature(sin), interleaved,
                     _rotation_keeps_grad(q, k, cos, sin), _rotary_kernel_on(lib, k))
         plan = _plans.get(key)
-    except (TypeError, AttributeError):  # unhashable, or not a tensor: the checks below say so
-        key, plan = None, None
+    except (TypeError, AttributeError, RuntimeError):  # unhashable, not a tensor, or nested (its
+        key, plan = None, None  # sizes raise inside torch): the checks below say so
     planned = None  # a rotary plan's attention q and new keys, made while planning
     if plan is None:
         if rotary is not None:
@@ -345,6 +353,8 @@ def _check_rotary(q, k, v, cache_seqlens, cos, sin, per_row: bool) -> None:
     if k is None or v is None:
         raise InvalidInputError("rotary_cos and rotary_sin rotate the new keys: pass k and v "
                                 "(flash-attn applies them only with k and v)")
+    _refuse_layouts("a dense (batch, seqlen_new, heads_kv, head_dim) tensor", k=k, v=v)
+    _refuse_layouts("a dense (seqlen_ro, rotary_dim / 2) tensor", rotary_cos=cos, rotary_sin=sin)
     if not all(isinstance(t, torch.Tensor) for t in (cos, sin)) or cos.dim() != 2 or \
             cos.shape != sin.shape or not cos.is_floating_point() or sin.dtype != cos.dtype or \
             cos.device != q.device or not 1 <= cos.shape[1] <= q.shape[-1] // 2 or cos.shape[0] < 1:
@@ -575,7 +585,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
                                 f"pages of at least one row, a contiguous one a sequence")
     if paged:
         if isinstance(block_table, torch.Tensor):
-            ops.refuse_sparse("block_table", block_table)
+            ops.refuse_layout("block_table", block_table, f"an int32 tensor (batch={b}, max pages)")
         if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or \
                 block_table.dim() != 2 or block_table.shape[0] != b or \
                 block_table.device != q.device:
@@ -683,6 +693,7 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
     tensors = []
     for name, s in given:
         if isinstance(s, torch.Tensor):
+            ops.refuse_layout(name, s, "a dense fp32 tensor")
             if s.dtype != torch.float32 or s.device != device or \
                     tuple(s.shape) not in ((heads_kv,), (batch, heads_kv)):
                 raise InvalidInputError(f"{name} must be fp32 of shape ({heads_kv},) or ({batch}, "
@@ -726,6 +737,7 @@ def _check_new_kv(k, v, k_cache, batch, cache_seqlens, q_dtype) -> int:
         raise InvalidInputError("pass both k and v to append to the cache, or neither")
     if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
         raise TypeError("k and v must be torch.Tensors")
+    _refuse_layouts("a dense (batch, seqlen_new, heads_kv, head_dim) tensor", k=k, v=v)
     want = (batch, k.shape[1] if k.dim() == 4 else -1, *k_cache.shape[2:])
     if k.dim() != 4 or tuple(k.shape) != want or tuple(v.shape) != want or k.shape[1] < 1:
         raise InvalidInputError(f"k and v must be (batch={batch}, seqlen_new >= 1, "

@@ -2080,3 +2080,41 @@ def test_a_tensor_scale_is_read_once_a_decode_call(launched, counted_scale):
         kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, softmax_scale=scale)
         assert len(reads) == 1
     assert [p.softmax_scale for p in launched] == [0.25, 0.25]
+
+
+def _decode_call_with(name: str, wrap):
+    """A decode call whose argument `name` is passed through wrap (the others valid)."""
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    cache = torch.zeros(2, 40, 2, 64, dtype=BF)
+    e4m3 = torch.zeros(2, 40, 2, 64, dtype=FP8)
+    new = torch.zeros(2, 1, 2, 64, dtype=BF)
+    args = {"q": q, "k_cache": cache, "v_cache": cache.clone(), "cache_seqlens": 5}
+    if name in ("k_scale", "v_scale"):
+        args.update(k_cache=e4m3, v_cache=e4m3.clone(), k_scale=torch.ones(2), v_scale=torch.ones(2))
+    elif name == "block_table":
+        args.update(k_cache=torch.zeros(6, 16, 2, 64, dtype=BF), block_table=torch.zeros(2, 3, dtype=torch.int32))
+        args["v_cache"] = args["k_cache"].clone()
+    elif name in ("k", "v", "rotary_cos", "rotary_sin"):
+        args.update(k=new, v=new.clone())
+        if name.startswith("rotary"):
+            args.update(rotary_cos=torch.ones(64, 16), rotary_sin=torch.zeros(64, 16))
+    elif name == "cache_batch_idx":
+        args[name] = torch.tensor([1, 0], dtype=torch.int32)
+    if name == "cache_seqlens":
+        args[name] = torch.tensor([5, 3], dtype=torch.int32)
+    args[name] = wrap(args[name])
+    return kvcache.flash_attn_with_kvcache(**args)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # a prototype
+@pytest.mark.parametrize("layout", ["nested", "sparse"])
+@pytest.mark.parametrize("name", ["cache_seqlens", "cache_batch_idx", "block_table", "k_scale",
+                                  "v_scale", "k", "v", "rotary_cos", "rotary_sin"])
+def test_every_tensor_argument_refuses_a_nested_or_sparse_one(launched, name, layout):
+    """These raised torch's "NestedTensorImpl doesn't support sizes", "Cannot access data
+    pointer" or a sparse backend's NotImplementedError while the plan key was made or the
+    rotation ran; each is now one error naming the argument."""
+    _decode_call_with(name, lambda t: t)  # the call is valid as it is
+    wrap = (lambda t: torch.nested.nested_tensor([t])) if layout == "nested" else torch.Tensor.to_sparse
+    with pytest.raises(InvalidInputError, match=f"^{name} is a {layout}"):
+        _decode_call_with(name, wrap)
