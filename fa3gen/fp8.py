@@ -24,7 +24,7 @@ from fa3gen import ops, runtime
 from fa3gen.errors import Fa3genError, InvalidInputError
 
 FP8_DTYPE = torch.float8_e4m3fn
-OUT_DTYPES = (torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16)  # the first: when out_dtype is None
 DESCALE_NAMES = ("q_descale", "k_descale", "v_descale")
 
 
@@ -415,6 +415,10 @@ def _quantize_launch(lib, template, x, signs, rotary):
     return out, _tag_blocks(descale, block_rows)
 
 
+def _out_dtype(out_dtype: torch.dtype | None) -> torch.dtype:
+    return OUT_DTYPES[0] if out_dtype is None else out_dtype
+
+
 def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = None) -> torch.dtype:
     """What an fp8 call may not ask for, before any tracing or launch; the output dtype.
     descales (the traced call's): each a tensor or None, as the custom op's schema takes them
@@ -424,7 +428,7 @@ def check_call(q, k, v, mask: ops.Masking, out_dtype, descales: dict | None = No
         _refuse_non_tensor(name, t)
     if torch.is_grad_enabled():
         _refuse_grad(q, k, v, descales)
-    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    out_dtype = _out_dtype(out_dtype)
     if out_dtype not in OUT_DTYPES:
         raise InvalidInputError(f"out_dtype must be torch.bfloat16 or torch.float16 for fp8 "
                                 f"inputs, got {out_dtype}")
@@ -501,7 +505,7 @@ def fp8_forward(q, k, v, mask: ops.Masking, softmax_scale, variant, descales: di
         if plan is not None:  # the key holds what check_call checks, except grad mode
             if torch.is_grad_enabled():
                 _refuse_grad(q, k, v, descales)
-            out, lse = ops._empty_outputs(q, torch.bfloat16 if out_dtype is None else out_dtype)
+            out, lse = ops._empty_outputs(q, _out_dtype(out_dtype))
             ops._fwd_run(plan, q, k, v, out, lse, _descale_pointers(descales))
             return out, lse, plan.info.name, plan.dims
     ops.check_device(q, k, v)
