@@ -325,7 +325,7 @@ def spec_name_of_library(path: str | os.PathLike) -> Optional[str]:
 # --------------------------------------------------------------------------- C ABI
 # templates/kernels/fa3gen_abi.h as data: each struct is its (field, C type) list in order.
 
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 # The C ABI's sizes and lengths are int32: the largest value a call's length or window may take.
 INT32_MAX = 2**31 - 1

@@ -537,12 +537,13 @@ def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
 
 
 def _fwd_run(plan: _Plan, q, k, v, out, lse, pointers: dict | None = None) -> None:
-    """Launch plan on tensors of its signature (out, lse: as _empty_outputs makes them).
-    pointers: more of this call's pointer fields (the fp8 descales)."""
+    """Launch plan on tensors of its signature (out, lse: as _empty_outputs makes them; lse
+    None: none is written). pointers: more of this call's pointer fields (the fp8 descales)."""
     if plan.params is None:
         if out.numel() and plan.dims.seqlen_k == 0:  # no key: the fully-masked-row convention
             out.zero_()
-            lse.fill_(float("-inf"))
+            if lse is not None:
+                lse.fill_(float("-inf"))
         return
     p = _fwd_call_params(plan, q, k, v, out, lse)
     for name, value in (pointers or {}).items():
@@ -558,7 +559,7 @@ def _fwd_call_params(plan: _Plan, q, k, v, out, lse):
     """A copy of plan's params with this call's pointers (checked for alignment)."""
     p = runtime.FwdParams.from_buffer_copy(plan.params)
     p.q, p.k, p.v, p.o = _aligned_pointers(_FWD_POINTERS, q, k, v, out)
-    p.lse = lse.data_ptr()
+    p.lse = lse.data_ptr() if lse is not None else None
     return p
 
 
@@ -599,15 +600,16 @@ def on_current_stream(device, call):
     return call(_raw_stream(index) if _raw_stream else torch.cuda.current_stream(index).cuda_stream)
 
 
-def _empty_outputs(q: torch.Tensor, out_dtype: torch.dtype | None = None):
+def _empty_outputs(q: torch.Tensor, out_dtype: torch.dtype | None = None,
+                   with_lse: bool = True):
     """(out, lse) for q: out (b, sq, hq, d) contiguous whatever q's strides are, in out_dtype
-    (default q's; fp8 inputs give bf16/fp16), lse fp32 (b, hq, sq)."""
+    (default q's; fp8 inputs give bf16/fp16), lse fp32 (b, hq, sq), or None unless with_lse."""
     b, sq, hq, d = q.shape
     if out_dtype is None:  # q's dtype and shape: empty_like parses less (0.3-0.6 us a call)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
         out = q.new_empty((b, sq, hq, d), dtype=out_dtype)
-    lse = q.new_empty((b, hq, sq), dtype=torch.float32)
+    lse = q.new_empty((b, hq, sq), dtype=torch.float32) if with_lse else None
     return out, lse
 
 
@@ -1039,8 +1041,10 @@ def _eager_fwd_plan(q, k, v, mask: Masking, softmax_scale, variant: str | None) 
     return plan
 
 
-def _eager_forward(plan: _Plan, q, k, v):
-    out, lse = _empty_outputs(q)
+def _eager_forward(plan: _Plan, q, k, v, with_lse: bool = True):
+    """(out, lse) of plan on q, k, v; lse None unless with_lse (the kernel then writes none:
+    one allocation a call less where nothing reads it)."""
+    out, lse = _empty_outputs(q, with_lse=with_lse)
     _fwd_run(plan, q, k, v, out, lse)
     return out, lse
 
@@ -1459,5 +1463,5 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
                 run = DenseRun(plan, bool(deterministic), packed[1])
                 out, lse = PackedAttention.apply(run, *packed[0], *run.tensors)
         else:
-            out, lse = _eager_forward(plan, q, k, v)
+            out, lse = _eager_forward(plan, q, k, v, with_lse=return_lse)
     return (out, lse) if return_lse else out

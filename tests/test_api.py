@@ -389,6 +389,22 @@ def test_a_repeated_signature_skips_the_checks(eager, monkeypatch):
     assert launched[6][1].grid_mode != launched[0][1].grid_mode
 
 
+def test_lse_is_written_only_where_something_reads_it(eager):
+    """The kernel writes lse only through a non-null pointer (ABI 16): an eager call without
+    grad or return_lse passes null and allocates none; return_lse and a call autograd records
+    (its backward reads lse) pass one."""
+    launched, _ = eager
+    x = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
+    assert ops.flash_attn_func(x, x, x).shape == x.shape
+    out, lse = ops.flash_attn_func(x, x, x, return_lse=True)
+    ops.flash_attn_func(x.requires_grad_(), x, x)
+    assert [p.lse for _, p in launched] == [None, lse.data_ptr(), launched[2][1].lse] and \
+        launched[2][1].lse
+    empty_keys = torch.zeros(1, 0, 2, 128, dtype=torch.bfloat16)  # no launch: the fill's path
+    assert (ops.flash_attn_func(x.detach(), empty_keys, empty_keys) == 0).all()
+    assert ops.flash_attn_func(x.detach(), empty_keys, empty_keys, return_lse=True)[1].isneginf().all()
+
+
 def test_a_cached_signature_still_checks_alignment(eager):
     base = torch.zeros(1, 8, 2, 136, dtype=torch.bfloat16)
     ops.flash_attn_func(base[..., :128], base[..., :128], base[..., :128])

@@ -7,7 +7,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FA3GEN_ABI_VERSION 15
+#define FA3GEN_ABI_VERSION 16
 
 // The library is compiled with hidden visibility (generator/toolchain.py) and exports only
 // what carries FA3GEN_API: two libraries in one process (two specs, an A/B) must not bind
@@ -19,7 +19,8 @@ extern "C" {
 #endif
 
 // Forward attention. Layout (batch, seqlen, heads, head_dim); strides in elements; the
-// head_dim stride is 1. LSE is fp32, contiguous (batch, heads_q, seqlen_q).
+// head_dim stride is 1. LSE is fp32, contiguous (batch, heads_q, seqlen_q); null: none is
+// written (the dense 16-bit forward, since ABI 16).
 typedef struct fa3gen_fwd_params {
   const void* q;
   const void* k;

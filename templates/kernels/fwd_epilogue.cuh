@@ -94,7 +94,8 @@ __device__ __forceinline__ void store_fwd_tile(FwdParams<Traits> const& p, typen
   const int row_end = seqlen_q - tile.block * kTileM;
   // LSE before O: lse[] and inv_sum[] are then dead while O is converted and stored (the other
   // order spilled 16 bytes on d256 128x80, where O alone is 128 registers per thread).
-  if (tid % 4 == 0) {  // the quad's first thread holds the row's statistics
+  // The quad's first thread holds the row's statistics; a null lse: the caller wants none.
+  if (tid % 4 == 0 && p.lse != nullptr) {
     typename Traits::TiledMmaQK mma_qk;
     Tensor c = mma_qk.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<Traits::kTileN>>{}));
     Tensor rows = make_tensor(c.data(), acc_as_rowcol(c.layout()));
