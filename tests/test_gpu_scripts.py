@@ -233,6 +233,35 @@ def test_host_time_processes_runs_fresh_processes_and_writes_the_medians(tmp_pat
     assert host_time.run_processes(args) == 1  # none finished
 
 
+def test_host_time_interleaves_the_backends_round_by_round(monkeypatch):
+    """interleaved_us: every round times one batch of each backend, the order rotated a place
+    a round, each backend's context entered around its batch; the median per backend."""
+    import contextlib
+    sys.path.insert(0, str(GPU_DIR))
+    try:
+        import host_time
+    finally:
+        sys.path.remove(str(GPU_DIR))
+    monkeypatch.setattr(host_time.torch.cuda, "synchronize", lambda: None)
+    ran, entered, now = [], [], [0]
+    monkeypatch.setattr(host_time.time, "perf_counter", lambda: now[0] * 1e-6)
+
+    @contextlib.contextmanager
+    def peer_context():
+        entered.append(len(ran))
+        yield
+
+    def call(name, us):  # a call that takes us on the fake clock
+        ran.append(name)
+        now[0] += us
+    fns = {"a": lambda: call("a", 1), "b": lambda: call("b", 2), "c": lambda: call("c", 3)}
+    out = host_time.interleaved_us(fns, {"b": peer_context}, calls=2, rounds=3)
+    timed = [name for name in ran[60:]][::2]  # after 20 warm-up calls each; a batch is 2 calls
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert entered == [20, 60 + 2, 60 + 6, 60 + 16]  # warm-up, then around b's batches only
+    assert out == pytest.approx({"a": 1.0, "b": 2.0, "c": 3.0})
+
+
 def test_bwd_kernel_times_sorts_kernels_into_phases():
     """bwd_kernel_times.py's phases, on kernel names fa3gen, FA4 and cuDNN launch: the main
     kernel is whatever is neither a preprocess nor a conversion (the longest such, per call)."""

@@ -1,7 +1,9 @@
 """Host time per call: how long the CPU spends in one attention call on a problem so small that
 the GPU is never the bottleneck (batch 1, seqlen 128, 1 head, d64, bf16). Calls are issued
 back to back without synchronizing and timed with perf_counter; the median of --rounds rounds
-of --calls calls is reported per backend, forward with and without requires_grad inputs,
+of --calls calls is reported per backend, the backends taking turns round by round (since
+2026-12-07, forty-third: before, each backend's rounds ran in one stretch, so a drift of the
+host's speed fell on one backend's row), forward with and without requires_grad inputs,
 forward+backward, and the forward replayed from a CUDA graph (the GPU's share: what remains
 without host work); fa3gen also under torch.compile(fullgraph=True). Also the first call of
 the process (library load + first resolution).
@@ -45,6 +47,29 @@ def per_call_us(fn, calls: int, rounds: int) -> float:
         samples.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
     return statistics.median(samples)
+
+
+def interleaved_us(fns: dict, contexts: dict, calls: int, rounds: int) -> dict:
+    """{name: median per-call us} of each fn, the backends taking turns: each round times one
+    batch of `calls` calls of every fn, the order rotated a place each round (a drift of the
+    host's speed then falls on every backend alike, not on whichever ran last). contexts[name]
+    (the SDPA backend choice) is entered around each batch, outside its timing."""
+    names = list(fns)
+    for name in names:
+        with contexts.get(name, contextlib.nullcontext)():
+            for _ in range(20):
+                fns[name]()
+    torch.cuda.synchronize()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            with contexts.get(name, contextlib.nullcontext)():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fns[name]()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+                torch.cuda.synchronize()
+    return {name: statistics.median(t) for name, t in samples.items()}
 
 
 def profile_backward(q, k, v, args) -> float:
@@ -176,7 +201,6 @@ def main() -> int:
         print(f"FA4 unavailable: {e!r}"[:200], file=sys.stderr)
 
     qg, kg, vg = make(True)
-    rows = {}
 
     def graph_replay_us(f) -> float:
         """Per-call time of replaying a CUDA graph that holds `calls` captured calls: what is
@@ -193,21 +217,23 @@ def main() -> int:
             samples.append((time.perf_counter() - t0) / args.calls * 1e6)
         return statistics.median(samples)
 
+    first = lambda o: o[0] if isinstance(o, tuple) else o
+    rows = {name: {} for name in fns}
+    calls = {"fwd": (lambda f: lambda: f(q, k, v), args.calls),
+             "fwd requires_grad": (lambda f: lambda: f(qg, kg, vg), args.calls),
+             "fwd+bwd": (lambda f: lambda: first(f(qg, kg, vg)).sum().backward(), args.calls // 4)}
+    for row, (call, n) in calls.items():
+        timed = interleaved_us({name: call(f) for name, f in fns.items()}, contexts, n, args.rounds)
+        for name, us in timed.items():
+            rows[name][row] = us
     for name, f in fns.items():
-        first = lambda o: o[0] if isinstance(o, tuple) else o
         with contexts.get(name, contextlib.nullcontext)():
-            row = {
-                "fwd": per_call_us(lambda: f(q, k, v), args.calls, args.rounds),
-                "fwd requires_grad": per_call_us(lambda: f(qg, kg, vg), args.calls, args.rounds),
-                "fwd+bwd": per_call_us(lambda: first(f(qg, kg, vg)).sum().backward(),
-                                       args.calls // 4, args.rounds),
-            }
             try:
-                row["fwd, CUDA-graph replay"] = graph_replay_us(f)
+                rows[name]["fwd, CUDA-graph replay"] = graph_replay_us(f)
             except Exception as e:  # a backend that cannot be captured: say so, keep the rest
                 print(f"{name}: graph capture failed: {e!r}"[:200], file=sys.stderr)
-        rows[name] = row
-        print(f"{name:14s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in row.items()), flush=True)
+        print(f"{name:14s} " + "  ".join(f"{k} {v:6.1f} us" for k, v in rows[name].items()),
+              flush=True)
     print(f"fa3gen first call in the process: {first_ms:.0f} ms")
     if args.profile:
         rows["fa3gen"]["eager backward alone"] = profile_backward(qg, kg, vg, args)
