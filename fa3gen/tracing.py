@@ -18,6 +18,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,6 @@ from fa3gen.errors import TraceError, yaml_error_place
 from fa3gen.files import write_atomically
 
 TRACE_ENV = "FA3GEN_TRACE"
-PROCESS_ENV = "FA3GEN_TRACE_PROCESS"  # _process_id's token where /proc is missing
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
 FORMAT = "fa3gen-trace-1"
 
@@ -60,6 +60,7 @@ class Entry:
 class Trace:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path).absolute()  # where it was asked for, whatever the cwd at exit
+        self.began = time.time()  # a trace written there since then is this run's: merged
         if self.path.is_dir():
             raise TraceError(f"trace path {path} is a folder: name a file")
         parent = next(p for p in self.path.parents if p.exists())  # the rest is created at write
@@ -99,51 +100,59 @@ class Trace:
             e.dispatch_ranges.update(tuple(r) for r in c.get("dispatch_seqlen_k") or ())
         self.decode |= {tuple(pair) for pair in data.get("decode") or []}
 
-    def write(self, process: str | None = None) -> None:
-        """Write the trace; `process` (a whole-program trace's): it is recorded, and calls this
-        process wrote there before are kept (each copy of the runtime in a program, fa3gen and
-        a packaged fa3gen_<spec>, keeps its own trace and writes it at exit)."""
+    def write(self) -> None:
+        """Write the trace, keeping the calls of a trace written there since this one began:
+        those of processes running beside this one (a distributed job's ranks, a child) and of
+        the program's other runtime copies (fa3gen and a packaged fa3gen_<spec> each write
+        theirs at exit), but not those of an earlier run, which this one replaces. Writers
+        take turns (a lock on the folder), so that two exiting at once lose neither's calls."""
         import yaml  # kept out of import time: ops imports this module
 
-        data = self.to_dict()
-        if process is not None:
-            earlier = _written_by(self.path, process)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(self.path.parent):
+            earlier = _written_since(self.path, self.began)
             if earlier:
                 with self._lock:
                     self.merge(earlier)
-                data = self.to_dict()
-            data["process"] = process
-        write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
-                         f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
-                         "-o specs/NAME.yaml\n"
-                         + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+            data = self.to_dict()
+            data["written"] = time.time()
+            write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
+                             f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
+                             "-o specs/NAME.yaml\n"
+                             + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
-def _process_id() -> str:
-    """This process, the same for every copy of this module in it and never again for another
-    process: its pid and start time (Linux), else its pid and a random token kept in the
-    environment (which a child inherits with its parent's pid: it makes its own)."""
-    pid = os.getpid()
+@contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive flock on the folder for the block; none where the platform or file system
+    has no such lock (the writes are then only atomic, not serialized)."""
     try:
-        return f"{pid}:{Path('/proc/self/stat').read_text().rsplit(')', 1)[1].split()[19]}"
-    except (OSError, IndexError):
-        pass
-    token = os.environ.get(PROCESS_ENV, "")
-    if not token.startswith(f"{pid}:"):
-        import secrets
-        token = os.environ[PROCESS_ENV] = f"{pid}:{secrets.token_hex(8)}"
-    return token
+        import fcntl
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
-def _written_by(path: Path, process: str) -> dict | None:
-    """The trace data at path if this process wrote it (another runtime copy's exit), else None."""
+def _written_since(path: Path, began: float) -> dict | None:
+    """The trace data at path if it was written at or after `began` (epoch seconds), else None
+    (none, not a trace, or an earlier run's)."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    if isinstance(data, dict) and data.get("format") == FORMAT and data.get("process") == process:
+    if isinstance(data, dict) and data.get("format") == FORMAT and \
+            isinstance(data.get("written"), (int, float)) and data["written"] >= began:
         return data
     return None
 
@@ -214,7 +223,7 @@ def _write_if_recorded(t: Trace) -> None:
     """At exit: a process that made no call (e.g. `fa3gen spec` reading this very trace) leaves
     the file as it is."""
     if t.entries or t.decode:
-        t.write(process=_process_id())
+        t.write()
 
 
 _trace_whole_program()

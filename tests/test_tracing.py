@@ -2,6 +2,7 @@
 them (round trip: the generated spec resolves every traced key to the traced variant)."""
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -379,24 +380,43 @@ def test_an_output_file_name_that_is_no_spec_name_asks_for_name(tmp_path, capsys
 
 def test_copies_of_the_runtime_in_one_program_keep_each_others_calls(tmp_path):
     """Under FA3GEN_TRACE, fa3gen and a packaged fa3gen_<spec> in one program each write their
-    trace at exit: the later keeps what the earlier wrote in this process (it replaced it), but
-    not what another process wrote there before."""
+    trace at exit: the later keeps what the earlier wrote since it began, but not what an
+    earlier run wrote there (written before this one began)."""
     path = tmp_path / "prog.yaml"
-    first, second, stale = (tracing.Trace(path) for _ in range(3))
+    stale = tracing.Trace(path)
     sizes = dict(batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)
     stale.add(D128.replace("d128", "d64"), True, sizes)
-    stale.write(process="1:1")  # an earlier run
+    stale.write()  # an earlier run
+    time.sleep(0.01)
+    first, second = tracing.Trace(path), tracing.Trace(path)
     first.add(D128, True, sizes)
     first.add(D128, True, {**sizes, "seqlen_k": 9})
-    first.write(process="2:2")
+    first.write()
     second.add(D128, True, {**sizes, "seqlen_k": 5})
     second.decode.add(("bf16", 128))
-    second.write(process="2:2")
+    second.write()
     data = yaml.safe_load(path.read_text())
     assert [(c["variant"], c["count"], c["seqlen_k"]) for c in data["calls"]] == [(D128, 3, [3, 9])]
-    assert data["decode"] == [["bf16", 128]] and data["process"] == "2:2"
+    assert data["decode"] == [["bf16", 128]] and data["written"] >= second.began
     assert "fa3gen spec --from-trace prog.yaml -o specs/NAME.yaml" in path.read_text()
-    assert tracing._process_id() == tracing._process_id() != "2:2"
+
+
+def test_processes_running_at_once_keep_each_others_calls(tmp_path):
+    """A distributed job's ranks trace into one FA3GEN_TRACE file: each writes at exit, and
+    none loses another's calls, even when they all exit at once (the writers take turns)."""
+    path = tmp_path / "ranks.yaml"
+    code = ("import sys, time\n"
+            "from fa3gen import tracing\n"
+            "rank = int(sys.argv[1])\n"
+            f"tracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=100 + rank, heads_q=4, heads_kv=4)\n"
+            "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # exit together\n")
+    env = {**os.environ, "FA3GEN_TRACE": str(path)}
+    at = time.time() + 3.0
+    ranks = [subprocess.Popen([sys.executable, "-c", code, str(r), str(at)], env=env, cwd=REPO_ROOT)
+             for r in range(4)]
+    assert [p.wait(timeout=60) for p in ranks] == [0] * 4
+    (call,) = yaml.safe_load(path.read_text())["calls"]
+    assert call["count"] == 4 and call["seqlen_k"] == [100, 103]
 
 
 def test_a_backward_traced_without_its_forward_is_refused(tmp_path):
@@ -412,19 +432,6 @@ def test_a_backward_traced_without_its_forward_is_refused(tmp_path):
     path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "calls": [
         {"variant": bwd, "default": True, "count": 1}, {"variant": fwd, "default": True, "count": 1}]}))
     assert "name: x" in tracing.spec_from_trace(path, "x")
-
-
-def test_the_process_token_without_proc_is_shared_in_a_process_and_new_in_a_child(monkeypatch):
-    """Where /proc is missing, one random token per process in the environment: every runtime
-    copy in the process reads it, a child (which inherits it with its parent's pid) makes its own."""
-    real = Path.read_text
-    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (_ for _ in ()).throw(OSError())
-                        if str(self) == "/proc/self/stat" else real(self, *a, **k))
-    monkeypatch.delenv(tracing.PROCESS_ENV, raising=False)
-    first = tracing._process_id()
-    assert first.startswith(f"{os.getpid()}:") and tracing._process_id() == first
-    monkeypatch.setenv(tracing.PROCESS_ENV, "1:inherited")  # a parent's, pid 1
-    assert tracing._process_id() not in ("1:inherited", first)
 
 
 def test_a_backward_traced_by_length_gets_one_default(tmp_path):
