@@ -143,6 +143,8 @@ def shown(x) -> str:
     """x for an error message: a tensor by dtype and shape, an int too long to print by its
     size (repr of an int past 4300 digits raises ValueError, in a tuple too)."""
     if isinstance(x, torch.Tensor):
+        if x.is_nested:  # its shape raises inside torch
+            return f"a nested {x.dtype} tensor"
         return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
     if _np is not None and isinstance(x, _np.ndarray) and torch.compiler.is_compiling():
         # dynamo traces a numpy scalar as an array, whose value and repr it cannot read

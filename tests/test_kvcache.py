@@ -2118,3 +2118,18 @@ def test_every_tensor_argument_refuses_a_nested_or_sparse_one(launched, name, la
     wrap = (lambda t: torch.nested.nested_tensor([t])) if layout == "nested" else torch.Tensor.to_sparse
     with pytest.raises(InvalidInputError, match=f"^{name} is a {layout}"):
         _decode_call_with(name, wrap)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # a prototype
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+def test_a_nested_scale_or_cap_is_one_error(launched, name):
+    """The error message's description of the value read a nested tensor's shape, which raised
+    inside torch instead of the check's InvalidInputError."""
+    nested = torch.nested.nested_tensor([torch.ones(1)])
+    q = torch.zeros(2, 1, 4, 64, dtype=BF)
+    cache = torch.zeros(2, 40, 2, 64, dtype=BF)
+    for call in (lambda: kvcache.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=5,
+                                                         **{name: nested}),
+                 lambda: ops.flash_attn_func(q, q, q, **{name: nested})):
+        with pytest.raises(InvalidInputError, match=f"^{name} must be .* got a nested torch.float32 tensor"):
+            call()
