@@ -15,10 +15,11 @@ def replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` to write; it replaces `path` in one step when the block
     ends normally and is removed when it raises. Named by process id, so that two processes
     writing the same file never share one. A `path` that exists but is not a regular file
-    (/dev/null, /dev/stdout, a pipe) is handed out itself, to be written through: renaming over
-    /dev/null as root would leave a regular file in its place."""
+    (/dev/null, /dev/stdout, a pipe), or is a symbolic link, is handed out itself, to be written
+    through: renaming over /dev/null or the /dev/stdout link (a regular file when stdout is
+    redirected to one) as root would leave a regular file in its place."""
     path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():
+    if path.is_symlink() or (path.exists() and not path.is_file() and not path.is_dir()):
         yield path
         return
     path.parent.mkdir(parents=True, exist_ok=True)

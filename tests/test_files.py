@@ -39,3 +39,16 @@ def test_a_pipe_or_device_is_written_through_not_replaced(tmp_path):
     assert got == ["report\n"]
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo"]
+
+
+def test_a_symbolic_link_is_written_through_not_replaced(tmp_path):
+    """/dev/stdout is a link, to a regular file when stdout is redirected to one: renaming over
+    it (as root) replaced the link with a regular file. The link stays and its target gets
+    the bytes."""
+    target = tmp_path / "target.txt"
+    target.write_text("old")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    write_atomically(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "target.txt"]
