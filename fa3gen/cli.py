@@ -192,7 +192,8 @@ def cmd_spec(args: argparse.Namespace) -> int:
     from generator.variants import enumerate_variants, resolve_dispatch, resolve_seqlen_dispatch
 
     out = Path(args.output)
-    if out.exists() and out.resolve() == Path(args.from_trace).resolve():
+    traces = ", ".join(args.from_trace)
+    if out.exists() and any(out.resolve() == Path(t).resolve() for t in args.from_trace):
         raise GeneratorError(f"-o {args.output} is the trace itself: write the spec elsewhere")
     name = args.name or out.stem
     if not args.name and not _NAME_RE.match(name):
@@ -201,10 +202,10 @@ def cmd_spec(args: argparse.Namespace) -> int:
     text = spec_from_trace(args.from_trace, name)  # a bad trace: TraceError, printed by main
     # What it writes must build: a bad name, or traced variants no build holds (a trace of
     # another fa3gen, an edited one), fail here and not at the build.
-    spec = parse_spec(text, f"the spec from {args.from_trace}", name)
+    spec = parse_spec(text, f"the spec from {traces}", name)
     enumeration = enumerate_variants(spec)
     if enumeration.pruned:
-        raise SpecError(f"{args.from_trace}: traced variants no build holds: " + "; ".join(
+        raise SpecError(f"{traces}: traced variants no build holds: " + "; ".join(
             f"{x.variant.name} ({x.constraint}: {x.reason})" for x in enumeration.pruned))
     resolve_seqlen_dispatch(spec, enumeration.kept, resolve_dispatch(spec, enumeration.kept))
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -317,7 +318,9 @@ def build_parser(extra: bool = True) -> argparse.ArgumentParser:
 
     sp = sub.add_parser("spec", help="write the smallest spec that builds the variants a trace "
                         "recorded (fa3gen.trace / FA3GEN_TRACE)")
-    sp.add_argument("--from-trace", required=True, metavar="TRACE", help="trace YAML file")
+    sp.add_argument("--from-trace", required=True, nargs="+", metavar="TRACE",
+                    help="trace YAML file(s): several (a job's ranks or nodes traced to files "
+                    "of their own) make one spec")
     sp.add_argument("-o", "--output", required=True, help="spec YAML to write")
     sp.add_argument("--name", default=None, type=_non_empty("--name"),
                     help="the spec's name (default: the output file's stem)")

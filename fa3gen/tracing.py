@@ -15,6 +15,7 @@ entry keeps the call count and the range of every size seen. No torch import her
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -30,6 +31,8 @@ from fa3gen.errors import TraceError, yaml_error_place
 from fa3gen.files import write_atomically
 
 TRACE_ENV = "FA3GEN_TRACE"
+BEGAN_ENV = "FA3GEN_TRACE_BEGAN"  # when the traced run began: child processes inherit it
+PROCESS_ENV = "FA3GEN_TRACE_PROCESS"  # _process_id's token where /proc is missing
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
 FORMAT = "fa3gen-trace-1"
 
@@ -58,9 +61,11 @@ class Entry:
 
 
 class Trace:
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, began: float | None = None):
+        """began: when the run this trace belongs to began (a whole-program trace's, which
+        child processes inherit); default now."""
         self.path = Path(path).absolute()  # where it was asked for, whatever the cwd at exit
-        self.began = time.time()  # a trace written there since then is this run's: merged
+        self.began = time.time() if began is None else began
         if self.path.is_dir():
             raise TraceError(f"trace path {path} is a folder: name a file")
         parent = next(p for p in self.path.parents if p.exists())  # the rest is created at write
@@ -100,26 +105,50 @@ class Trace:
             e.dispatch_ranges.update(tuple(r) for r in c.get("dispatch_seqlen_k") or ())
         self.decode |= {tuple(pair) for pair in data.get("decode") or []}
 
-    def write(self) -> None:
-        """Write the trace, keeping the calls of a trace written there since this one began:
-        those of processes running beside this one (a distributed job's ranks, a child) and of
-        the program's other runtime copies (fa3gen and a packaged fa3gen_<spec> each write
-        theirs at exit), but not those of an earlier run, which this one replaces. Writers
-        take turns (a lock on the folder), so that two exiting at once lose neither's calls."""
+    def write(self, whole_program: bool = False) -> None:
+        """Write the trace. A whole-program trace (FA3GEN_TRACE, at exit) keeps the calls of
+        whole-program traces written there since its run began by other processes (a job's
+        ranks, children) and by the program's other runtime copies (fa3gen and a packaged
+        fa3gen_<spec> each write theirs at exit), but not those of an earlier run, which it
+        replaces; writers take turns (a lock on the folder), so that two exiting at once lose
+        neither's calls. A `trace()` block's write replaces the file: it keeps only its own
+        calls (a trace of this runtime copy active beside it saw them too)."""
         import yaml  # kept out of import time: ops imports this module
 
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(self.path.parent):
-            earlier = _written_since(self.path, self.began)
+        if whole_program:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(self.path.parent) if whole_program else contextlib.nullcontext():
+            earlier = _this_runs(self.path, self.began) if whole_program else None
             if earlier:
                 with self._lock:
                     self.merge(earlier)
             data = self.to_dict()
-            data["written"] = time.time()
+            if whole_program:  # what _this_runs reads; `process` as runtimes before
+                # 2026-12-07 (forty-third) wrote and read it, so that they merge with this one
+                data.update(written=time.time(), writer=_COPY, process=_process_id())
             write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
                              f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
                              "-o specs/NAME.yaml\n"
                              + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+
+
+_COPY = f"{os.getpid()}:{id(Trace):x}:{time.time_ns()}"  # this copy of the module in this process
+
+
+def _process_id() -> str:
+    """This process, the same for every copy of this module in it and never again for another
+    process: its pid and start time (Linux), else its pid and a random token kept in the
+    environment (which a child inherits with its parent's pid: it makes its own)."""
+    pid = os.getpid()
+    try:
+        return f"{pid}:{Path('/proc/self/stat').read_text().rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        pass
+    token = os.environ.get(PROCESS_ENV, "")
+    if not token.startswith(f"{pid}:"):
+        import secrets
+        token = os.environ[PROCESS_ENV] = f"{pid}:{secrets.token_hex(8)}"
+    return token
 
 
 @contextmanager
@@ -142,17 +171,24 @@ def _folder_lock(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _written_since(path: Path, began: float) -> dict | None:
-    """The trace data at path if it was written at or after `began` (epoch seconds), else None
-    (none, not a trace, or an earlier run's)."""
+def _this_runs(path: Path, began: float) -> dict | None:
+    """The trace data at path if another runtime copy's whole-program trace of this run wrote
+    it: written at or after `began` (epoch seconds), or by this process (a runtime from before
+    `written`). None otherwise: no file, not a trace, an earlier run's, this copy's own, or a
+    path that is no regular file (/dev/stdout, a pipe: reading it would wait for input)."""
     import yaml
 
     try:
+        if not path.is_file() or path.is_symlink():
+            return None
         data = yaml.safe_load(path.read_text())
     except (OSError, ValueError, yaml.YAMLError):
         return None
-    if isinstance(data, dict) and data.get("format") == FORMAT and \
-            isinstance(data.get("written"), (int, float)) and data["written"] >= began:
+    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("writer") == _COPY:
+        return None
+    written = data.get("written")
+    if (isinstance(written, (int, float)) and written >= began) or \
+            data.get("process") == _process_id():
         return data
     return None
 
@@ -208,13 +244,20 @@ def _trace_whole_program() -> None:
     path = os.environ.get(TRACE_ENV)
     if path:
         try:
-            t = Trace(path)
+            began = float(os.environ.get(BEGAN_ENV, ""))
+        except ValueError:
+            began = None  # this process began the run
+        try:
+            t = Trace(path, began)
         except TraceError as e:  # at import: say so once and run untraced
             print(f"fa3gen: warning: {TRACE_ENV} ignored: {e}", file=sys.stderr)
             return
         # Absolute from now on: another runtime copy (a packaged fa3gen_<spec>) loads this
         # module at its own first call, maybe after a chdir, and must write the same file.
+        # The run's start goes to children too: one started after another exited keeps the
+        # earlier one's calls.
         os.environ[TRACE_ENV] = str(t.path)
+        os.environ[BEGAN_ENV] = repr(t.began)
         _active.append(t)
         atexit.register(_write_if_recorded, t)
 
@@ -223,7 +266,7 @@ def _write_if_recorded(t: Trace) -> None:
     """At exit: a process that made no call (e.g. `fa3gen spec` reading this very trace) leaves
     the file as it is."""
     if t.entries or t.decode:
-        t.write()
+        t.write(whole_program=True)
 
 
 _trace_whole_program()
@@ -247,13 +290,26 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"{path}: not a trace (nested too deeply to read)") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
         raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
-    if not data["calls"]:
-        what = " but decode calls (a spec needs a flash_attn_func variant too)" if data.get("decode") else ""
-        raise TraceError(f"{path}: the trace recorded no call{what or ' (was anything run inside it?)'}")
     decode = data.get("decode", [])
     if not isinstance(decode, list) or not all(isinstance(p, list) and len(p) == 2 for p in decode):
         raise TraceError(f"{path}: decode must be a list of [dtype, head_dim] pairs, got {decode!r}")
     return data["calls"], decode
+
+
+def _read_all(paths: list[Path]) -> tuple[list[tuple[Path, int, dict]], list]:
+    """The calls of the traces at paths, each with its file and place there, and their decode pairs (each
+    once): several traces make one spec (a job's ranks or nodes traced to files of their own)."""
+    calls, decode = [], []
+    for path in paths:
+        file_calls, file_decode = _read(path)
+        calls += [(path, i, c) for i, c in enumerate(file_calls)]
+        decode += [p for p in file_decode if p not in decode]
+    if not calls:
+        where = paths[0] if len(paths) == 1 else f"{', '.join(map(str, paths))}:"
+        what = " but decode calls (a spec needs a flash_attn_func variant too)" if decode else ""
+        raise TraceError(f"{where}: {'the trace' if len(paths) == 1 else 'the traces'} recorded "
+                         f"no call{what or ' (was anything run inside it?)'}")
+    return calls, decode
 
 
 def _spec_values(v, axes) -> dict:
@@ -305,18 +361,20 @@ def _library_ranges(defaults: list, library_ranges: dict, seqlen_k: dict) -> lis
 NO_DEFAULT_NOTE = "no dispatch default for"  # spec_from_trace's header lines; fa3gen spec prints them
 
 
-def spec_from_trace(path: str | os.PathLike, name: str) -> str:
-    """The YAML text of the smallest spec that builds the traced variants: one group per
-    variant, every axis fixed; a key served by several variants gets a dispatch entry for the
-    one its calls resolved to by default, and where the dispatch chose by seqlen_k (the
-    library's range defaults), entries that reproduce that choice for every traced length."""
+def spec_from_trace(paths, name: str) -> str:
+    """The YAML text of the smallest spec that builds the variants traced in paths (one trace
+    file or several): one group per variant, every axis fixed; a key served by several
+    variants gets a dispatch entry for the one its calls resolved to by default, and where the
+    dispatch chose by seqlen_k (the library's range defaults), entries that reproduce that
+    choice for every traced length."""
     import yaml
 
-    calls, decode = _read(Path(path))
+    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    calls, decode = _read_all(paths)
     variants = {}
     seqlen_k: dict = {}  # variant -> [min, max] seqlen_k of its dispatched calls
     library_ranges: dict = {}  # variant -> {(lo, hi)}: its rows in the traced library's dispatch
-    for i, c in enumerate(calls):
+    for path, i, c in calls:
         if not isinstance(c, dict) or "variant" not in c:
             raise TraceError(f"{path}: bad call entry {i}: expected a mapping with a variant "
                              f"(and default, seqlen_k), got {c!r}")
@@ -355,7 +413,8 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
     orphans = sorted({key_str(v.key) for v in variants
                       if v.direction == "bwd" and v.key[1:] not in forward_keys})
     if orphans:
-        raise TraceError(f"{path}: the trace holds the backward of {', '.join(orphans)} without "
+        where = ", ".join(map(str, paths))
+        raise TraceError(f"{where}: the trace{'s hold' if len(paths) > 1 else ' holds'} the backward of {', '.join(orphans)} without "
                          "its forward, which a library needs to run it (autograd calls fa3gen's "
                          "backward after fa3gen's forward): trace the forward calls too")
     groups, dispatch = [], []
@@ -389,7 +448,7 @@ def spec_from_trace(path: str | os.PathLike, name: str) -> str:
         spec["dispatch"] = dispatch
     if not required:
         spec["dispatch_required"] = False
-    header = (f"# Generated by `fa3gen spec --from-trace {Path(path).name}`: the {len(variants)} "
+    header = (f"# Generated by `fa3gen spec --from-trace {' '.join(p.name for p in paths)}`: the {len(variants)} "
               f"variant(s) the traced calls used.\n")
     for key in undispatched:
         header += (f"# {NO_DEFAULT_NOTE} {key}: its traced calls named their variant, or the "
