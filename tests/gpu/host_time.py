@@ -179,13 +179,13 @@ def main() -> int:
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
 
-    def sdpa(q, k, v):  # called inside sdpa_kernel(CUDNN_ATTENTION), entered once (below)
+    def sdpa(q, k, v):  # called inside sdpa_kernel(CUDNN_ATTENTION), entered per batch (below)
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
 
-    # The backend choice is entered once around a backend's rows, not per call: the context
-    # manager alone costs ~10 us a call, which is the harness's, not cuDNN's (before
-    # 2026-12-07 (forty-first) it was inside every timed call).
+    # The backend choice is entered around each timed batch of calls, outside its timing, not
+    # per call: the context manager alone costs ~10 us a call, which is the harness's, not
+    # cuDNN's (before 2026-12-07 (forty-first) it was inside every timed call).
     contexts = {PEER: lambda: torch.nn.attention.sdpa_kernel(
         torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
 
