@@ -10,18 +10,33 @@ from pathlib import Path
 from typing import Iterator
 
 
+def written_through(path: Path) -> bool:
+    """Whether `path` is to be written into rather than replaced: an existing file that is not
+    a regular one (/dev/null, a pipe), or one reached through /proc (/dev/stdout ->
+    /proc/self/fd/1: replacing what that resolves to would replace the file stdout is
+    redirected to, and renaming over the link as root would leave a regular file in /dev)."""
+    p = Path(path)
+    for _ in range(40):  # the hops of a chain of links
+        if p.parts[:2] == ("/", "proc"):
+            return True
+        if not p.is_symlink():
+            return p.exists() and not p.is_file() and not p.is_dir()
+        p = p.parent / os.readlink(p)
+    return True  # a loop: opening it fails and says so
+
+
 @contextmanager
 def replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` to write; it replaces `path` in one step when the block
     ends normally and is removed when it raises. Named by process id, so that two processes
-    writing the same file never share one. A `path` that exists but is not a regular file
-    (/dev/null, /dev/stdout, a pipe), or is a symbolic link, is handed out itself, to be written
-    through: renaming over /dev/null or the /dev/stdout link (a regular file when stdout is
-    redirected to one) as root would leave a regular file in its place."""
+    writing the same file never share one. A symbolic link to a regular file keeps its link:
+    the file it names is replaced. A path `written_through` is handed out itself."""
     path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_file() and not path.is_dir()):
+    if written_through(path):
         yield path
         return
+    if path.is_symlink():
+        path = path.resolve()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -75,6 +90,10 @@ class StdoutWithoutReader:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
+    if written_through(path):  # appended: stdout redirected to a file keeps what it holds
+        with open(path, "ab" if isinstance(data, bytes) else "a") as fh:
+            fh.write(data)
+        return
     with replacing(path) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)

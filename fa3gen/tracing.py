@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import sys
 import threading
@@ -28,7 +29,7 @@ from typing import Iterator
 from fa3gen.contract import (AXES, AXIS_BY_NAME, INT32_MAX, KEY_AXES, KNOB_AXES, key_str,
                              parse_name, takes_seqlen_ranges)
 from fa3gen.errors import TraceError, yaml_error_place
-from fa3gen.files import write_atomically
+from fa3gen.files import write_atomically, written_through
 
 TRACE_ENV = "FA3GEN_TRACE"
 BEGAN_ENV = "FA3GEN_TRACE_BEGAN"  # when the traced run began: child processes inherit it
@@ -119,7 +120,7 @@ class Trace:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with _folder_lock(self.path.parent) if whole_program else contextlib.nullcontext():
             earlier = _this_runs(self.path, self.began) if whole_program else None
-            if earlier:
+            if earlier and _mergeable(earlier, self.path):
                 with self._lock:
                     self.merge(earlier)
             data = self.to_dict()
@@ -132,7 +133,23 @@ class Trace:
                              + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
-_COPY = f"{os.getpid()}:{id(Trace):x}:{time.time_ns()}"  # this copy of the module in this process
+def _copy_token() -> str:
+    return f"{os.getpid()}:{id(Trace):x}:{time.time_ns()}"
+
+
+_COPY = _copy_token()  # this copy of the module in this process (a forked child makes its own)
+
+
+def _mergeable(data: dict, path: Path) -> bool:
+    """Whether a trace's data merges (an edited or cut one may not); a warning if not, and this
+    process's calls replace it."""
+    try:
+        Trace(path).merge(data)
+        return True
+    except (TypeError, ValueError, KeyError, AttributeError, TraceError) as e:
+        print(f"fa3gen: warning: {path}: an unreadable trace of this run replaced ({e!r})"[:300],
+              file=sys.stderr)
+        return False
 
 
 def _process_id() -> str:
@@ -175,14 +192,14 @@ def _this_runs(path: Path, began: float) -> dict | None:
     """The trace data at path if another runtime copy's whole-program trace of this run wrote
     it: written at or after `began` (epoch seconds), or by this process (a runtime from before
     `written`). None otherwise: no file, not a trace, an earlier run's, this copy's own, or a
-    path that is no regular file (/dev/stdout, a pipe: reading it would wait for input)."""
+    path written through (/dev/stdout, a pipe: reading it would wait for input)."""
     import yaml
 
     try:
-        if not path.is_file() or path.is_symlink():
+        if written_through(path) or not path.is_file():
             return None
         data = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError, RecursionError):
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("writer") == _COPY:
         return None
@@ -240,15 +257,25 @@ def trace(path: str | os.PathLike) -> Iterator[Trace]:
         t.write()
 
 
+def _inherited_start(path: Path) -> float | None:
+    """The run's start a parent traced into `path` left in BEGAN_ENV ("<epoch seconds> <path>"),
+    if it is for this path and a time not in the future; else None (this process begins the
+    run)."""
+    start, _, for_path = os.environ.get(BEGAN_ENV, "").partition(" ")
+    try:
+        began = float(start)
+    except ValueError:
+        return None
+    ok = math.isfinite(began) and began <= time.time() + 1.0 and for_path == str(path)
+    return began if ok else None
+
+
 def _trace_whole_program() -> None:
     path = os.environ.get(TRACE_ENV)
     if path:
+        path = Path(os.path.expandvars(path)).absolute()  # 'trace_$RANK.yaml': each rank's own
         try:
-            began = float(os.environ.get(BEGAN_ENV, ""))
-        except ValueError:
-            began = None  # this process began the run
-        try:
-            t = Trace(path, began)
+            t = Trace(path, _inherited_start(path))
         except TraceError as e:  # at import: say so once and run untraced
             print(f"fa3gen: warning: {TRACE_ENV} ignored: {e}", file=sys.stderr)
             return
@@ -257,16 +284,39 @@ def _trace_whole_program() -> None:
         # The run's start goes to children too: one started after another exited keeps the
         # earlier one's calls.
         os.environ[TRACE_ENV] = str(t.path)
-        os.environ[BEGAN_ENV] = repr(t.began)
+        os.environ[BEGAN_ENV] = f"{t.began!r} {t.path}"
         _active.append(t)
+        _program_traces.append(t)
         atexit.register(_write_if_recorded, t)
+
+
+_program_traces: list[Trace] = []  # this copy's whole-program trace (FA3GEN_TRACE), if any
+
+
+def _forget_the_parents_calls() -> None:
+    """In a forked child: its own token, and none of the calls its parent recorded before the
+    fork (the parent writes those); the child then writes only its own calls, if any."""
+    global _COPY
+    _COPY = _copy_token()
+    for t in _program_traces:
+        with t._lock:
+            t.entries.clear()
+            t.decode.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_parents_calls)
 
 
 def _write_if_recorded(t: Trace) -> None:
     """At exit: a process that made no call (e.g. `fa3gen spec` reading this very trace) leaves
-    the file as it is."""
+    the file as it is. A failure is one line, not a traceback at exit."""
     if t.entries or t.decode:
-        t.write(whole_program=True)
+        try:
+            t.write(whole_program=True)
+        except Exception as e:  # noqa: BLE001 - at exit, nothing else would say it
+            print(f"fa3gen: warning: {TRACE_ENV}: could not write {t.path}: {e!r}"[:300],
+                  file=sys.stderr)
 
 
 _trace_whole_program()
@@ -305,10 +355,10 @@ def _read_all(paths: list[Path]) -> tuple[list[tuple[Path, int, dict]], list]:
         calls += [(path, i, c) for i, c in enumerate(file_calls)]
         decode += [p for p in file_decode if p not in decode]
     if not calls:
-        where = paths[0] if len(paths) == 1 else f"{', '.join(map(str, paths))}:"
+        one = len(paths) == 1
         what = " but decode calls (a spec needs a flash_attn_func variant too)" if decode else ""
-        raise TraceError(f"{where}: {'the trace' if len(paths) == 1 else 'the traces'} recorded "
-                         f"no call{what or ' (was anything run inside it?)'}")
+        raise TraceError(f"{', '.join(map(str, paths))}: the trace{'' if one else 's'} recorded "
+                         f"no call{what or (' (was anything run inside it?)' if one else '')}")
     return calls, decode
 
 

@@ -41,10 +41,9 @@ def test_a_pipe_or_device_is_written_through_not_replaced(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.fifo"]
 
 
-def test_a_symbolic_link_is_written_through_not_replaced(tmp_path):
-    """/dev/stdout is a link, to a regular file when stdout is redirected to one: renaming over
-    it (as root) replaced the link with a regular file. The link stays and its target gets
-    the bytes."""
+def test_a_symbolic_link_keeps_its_link_and_its_target_is_replaced(tmp_path):
+    """Renaming over a link replaced it with a regular file (as root, /dev/stdout's in /dev):
+    the link stays and the file it names is replaced, atomically."""
     target = tmp_path / "target.txt"
     target.write_text("old")
     link = tmp_path / "link.txt"
@@ -52,3 +51,17 @@ def test_a_symbolic_link_is_written_through_not_replaced(tmp_path):
     write_atomically(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "target.txt"]
+
+
+def test_a_path_through_proc_is_appended_to(tmp_path):
+    """/dev/stdout redirected to a file (`>> log`) is /proc/self/fd/1: what the file holds
+    stays, and the text is appended (writing it through with truncation wiped the log,
+    replacing the resolved file swapped the log for the text)."""
+    log = tmp_path / "log.txt"
+    log.write_text("earlier output\n")
+    with open(log, "a") as fh:
+        link = tmp_path / "stdout"
+        link.symlink_to(f"/proc/self/fd/{fh.fileno()}")
+        write_atomically(link, "report\n")
+    assert log.read_text() == "earlier output\nreport\n" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "stdout"]

@@ -469,6 +469,70 @@ def test_a_trace_block_keeps_only_its_own_calls(tmp_path):
     assert yaml.safe_load(path.read_text())["calls"][0]["count"] == 1
 
 
+@pytest.mark.parametrize("parent_first", [False, True])
+def test_a_forked_child_writes_only_its_own_calls(tmp_path, parent_first):
+    """os.fork() copies the runtime and its exit handler: the child had kept the parent's token
+    (so whichever wrote second took the other's trace for its own and replaced it) and the
+    parent's calls from before the fork (counted twice). Either may exit first."""
+    path = tmp_path / "fork.yaml"
+    record = "tracing.record({!r}, True, batch=1, seqlen_q=2, seqlen_k={{}}, heads_q=4, heads_kv=4)".format(D128)
+    code = "\n".join([
+        "import os, sys, time", "from fa3gen import tracing", record.format(1),
+        "pid = os.fork()",
+        "if pid == 0:",
+        f"    time.sleep({1.0 if parent_first else 0.0})",
+        "    " + record.format(2),
+        "    sys.exit(0)",
+        record.format(3),
+        "" if parent_first else "os.waitpid(pid, 0)", ""])
+    env = {**os.environ, "FA3GEN_TRACE": str(path)}
+    env.pop(tracing.BEGAN_ENV, None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
+    deadline = time.time() + 30
+    while True:  # a child that outlives its parent writes after the parent's exit
+        calls = yaml.safe_load(path.read_text())["calls"] if path.exists() else []
+        if (calls and calls[0]["count"] == 3) or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    (call,) = calls
+    assert call["count"] == 3 and call["seqlen_k"] == [1, 3]
+
+
+def test_the_run_start_is_taken_only_for_the_same_path_and_a_real_time(monkeypatch, tmp_path):
+    path = tmp_path / "t.yaml"
+    for value, want in ((f"12.5 {path}", 12.5), (f"12.5 {tmp_path / 'other.yaml'}", None),
+                        (f"nan {path}", None), (f"inf {path}", None), (f"-inf {path}", None),
+                        (f"{time.time() + 3600} {path}", None), ("", None), ("x", None)):
+        monkeypatch.setenv(tracing.BEGAN_ENV, value)
+        assert tracing._inherited_start(path) == want, value
+
+
+def test_the_trace_path_expands_environment_variables(tmp_path):
+    """FA3GEN_TRACE='trace_$RANK.yaml' (quoted for the shell that starts torchrun, which has
+    no RANK): each rank expands it in its own environment."""
+    code = f"from fa3gen import tracing\ntracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)\n"
+    env = {**os.environ, "FA3GEN_TRACE": str(tmp_path / "trace_$RANK.yaml"), "RANK": "3"}
+    env.pop(tracing.BEGAN_ENV, None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
+    assert (tmp_path / "trace_3.yaml").is_file() and not (tmp_path / "trace_$RANK.yaml").exists()
+
+
+def test_an_unreadable_trace_of_this_run_is_replaced_with_a_warning(tmp_path, monkeypatch, capsys):
+    """A trace of this run whose entries do not merge (edited, cut) had raised at exit and
+    written nothing, so every later writer failed the same way."""
+    path = tmp_path / "t.yaml"
+    t = tracing.Trace(path)
+    path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "written": time.time(), "writer": "other",
+                                    "calls": [{"variant": D128, "default": True, "count": "x"}]}))
+    t.add(D128, True, dict(batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4))
+    tracing._write_if_recorded(t)
+    (call,) = yaml.safe_load(path.read_text())["calls"]
+    assert call["count"] == 1 and "an unreadable trace of this run replaced" in capsys.readouterr().err
+    monkeypatch.setattr(tracing, "write_atomically", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
+    tracing._write_if_recorded(t)  # one line at exit, no traceback
+    assert capsys.readouterr().err.startswith(f"fa3gen: warning: FA3GEN_TRACE: could not write {path}")
+
+
 def test_a_path_that_is_no_regular_file_is_not_read_for_merging(tmp_path):
     """A FIFO (or /dev/stdout on a pipe) would wait for input if read before the write."""
     fifo = tmp_path / "t.fifo"
