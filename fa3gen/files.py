@@ -16,7 +16,8 @@ def written_through(path: Path) -> bool:
     /proc/self/fd/1: replacing what that resolves to would replace the file stdout is
     redirected to, and renaming over the link as root would leave a regular file in /dev)."""
     p = Path(path)
-    for _ in range(40):  # the hops of a chain of links
+    for _ in range(40):  # the hops of a chain of links, each in its folder's real place
+        p = Path(os.path.realpath(p.parent)) / p.name  # /dev/fd/1: /proc/self/fd/1
         if p.parts[:2] == ("/", "proc"):
             return True
         if not p.is_symlink():
@@ -90,12 +91,38 @@ class StdoutWithoutReader:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
-    if written_through(path):  # appended: stdout redirected to a file keeps what it holds
-        with open(path, "ab" if isinstance(data, bytes) else "a") as fh:
-            fh.write(data)
+    if written_through(path):
+        _write_through(Path(path), data)
         return
     with replacing(path) as tmp:
         if isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
             tmp.write_text(data)
+
+
+def _write_through(path: Path, data: str | bytes) -> None:
+    """Into a path written through: this process's stdout or stderr (/dev/stdout, /dev/fd/2)
+    through its stream, so that the text lands where the stream is (a file opened with `>`
+    keeps the stream's own position, which a write through another descriptor would not
+    move: later output overwrote it); anything else appended (`>>` keeps what it holds)."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        target = None
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            same = target is not None and os.path.samestat(target, os.fstat(stream.fileno()))
+        except (OSError, ValueError, AttributeError):  # no descriptor (a test's capture), closed
+            same = False
+        if same:
+            if isinstance(data, bytes):
+                stream.flush()
+                stream.buffer.write(data)
+                stream.buffer.flush()
+            else:
+                stream.write(data)
+                stream.flush()
+            return
+    with open(path, "ab" if isinstance(data, bytes) else "a") as fh:
+        fh.write(data)

@@ -106,6 +106,25 @@ class Trace:
             e.dispatch_ranges.update(tuple(r) for r in c.get("dispatch_seqlen_k") or ())
         self.decode |= {tuple(pair) for pair in data.get("decode") or []}
 
+    def _merged_dict(self, data: dict) -> dict | None:
+        """to_dict() of this trace with another's data merged in, tried on a copy (an edited or
+        cut trace may fail part-way, in the merge or when written out) and then kept; None,
+        with a warning, if it does not merge: this trace's calls then replace it."""
+        with self._lock:  # no call recorded meanwhile is lost when the merged entries are kept
+            trial = Trace.__new__(Trace)
+            trial.path, trial.began, trial._lock = self.path, self.began, threading.Lock()
+            trial.entries = {k: e.copy() for k, e in self.entries.items()}
+            trial.decode = set(self.decode)
+            try:
+                trial.merge(data)
+                merged = trial.to_dict()
+            except Exception as e:  # noqa: BLE001 - whatever an edited file holds
+                print(f"fa3gen: warning: {self.path}: a trace of this run that does not merge, "
+                      f"replaced ({e!r})"[:300], file=sys.stderr)
+                return None
+            self.entries, self.decode = trial.entries, trial.decode  # as the file will hold
+            return merged
+
     def write(self, whole_program: bool = False) -> None:
         """Write the trace. A whole-program trace (FA3GEN_TRACE, at exit) keeps the calls of
         whole-program traces written there since its run began by other processes (a job's
@@ -120,10 +139,7 @@ class Trace:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         with _folder_lock(self.path.parent) if whole_program else contextlib.nullcontext():
             earlier = _this_runs(self.path, self.began) if whole_program else None
-            if earlier and _mergeable(earlier, self.path):
-                with self._lock:
-                    self.merge(earlier)
-            data = self.to_dict()
+            data = (earlier and self._merged_dict(earlier)) or self.to_dict()
             if whole_program:  # what _this_runs reads; `process` as runtimes before
                 # 2026-12-07 (forty-third) wrote and read it, so that they merge with this one
                 data.update(written=time.time(), writer=_COPY, process=_process_id())
@@ -140,16 +156,6 @@ def _copy_token() -> str:
 _COPY = _copy_token()  # this copy of the module in this process (a forked child makes its own)
 
 
-def _mergeable(data: dict, path: Path) -> bool:
-    """Whether a trace's data merges (an edited or cut one may not); a warning if not, and this
-    process's calls replace it."""
-    try:
-        Trace(path).merge(data)
-        return True
-    except (TypeError, ValueError, KeyError, AttributeError, TraceError) as e:
-        print(f"fa3gen: warning: {path}: an unreadable trace of this run replaced ({e!r})"[:300],
-              file=sys.stderr)
-        return False
 
 
 def _process_id() -> str:
@@ -298,10 +304,9 @@ def _forget_the_parents_calls() -> None:
     fork (the parent writes those); the child then writes only its own calls, if any."""
     global _COPY
     _COPY = _copy_token()
-    for t in _program_traces:
-        with t._lock:
-            t.entries.clear()
-            t.decode.clear()
+    for t in _program_traces:  # new containers and lock: a thread of the parent's may have
+        t._lock = threading.Lock()  # held the old one at the fork, which no thread here frees
+        t.entries, t.decode = {}, set()
 
 
 if hasattr(os, "register_at_fork"):

@@ -1,5 +1,7 @@
 import os
 import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -65,3 +67,36 @@ def test_a_path_through_proc_is_appended_to(tmp_path):
         write_atomically(link, "report\n")
     assert log.read_text() == "earlier output\nreport\n" and link.is_symlink()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "stdout"]
+
+
+def test_paths_into_proc_by_their_folder_are_written_through(tmp_path):
+    """/dev/fd/N is no link itself: its folder is (to /proc/self/fd); a relative link can climb
+    there with `..`. Both were taken for files to replace (a temporary in /proc/<pid>/fd)."""
+    from fa3gen.files import written_through
+    read, write = os.pipe()
+    try:
+        assert written_through(f"/dev/fd/{write}")
+        climb = tmp_path / "climb"
+        climb.symlink_to("../" * len(tmp_path.parts) + f"proc/self/fd/{write}")
+        assert written_through(climb)
+        assert not written_through(tmp_path / "out.json")
+        (tmp_path / "plain").write_text("x")
+        (tmp_path / "link").symlink_to(tmp_path / "plain")
+        assert not written_through(tmp_path / "link") and not written_through(tmp_path / "plain")
+    finally:
+        os.close(read)
+        os.close(write)
+
+
+def test_stdout_redirected_with_truncation_gets_the_text_where_its_stream_is(tmp_path):
+    """`> file`: the stream keeps its own position in the file, so text written through another
+    descriptor was overwritten by the output printed after it (`fa3gen bench --out
+    /dev/stdout > r.json`); it now goes through the stream, between what is printed around it."""
+    out = tmp_path / "out.txt"
+    code = ("from fa3gen.files import write_atomically\n"
+            "print('before')\nwrite_atomically('/dev/stdout', 'report\\n')\nprint('after')\n"
+            "write_atomically('/dev/stdout', b'bytes\\n')\nprint('end')\n")
+    with open(out, "w") as fh:
+        subprocess.run([sys.executable, "-c", code], stdout=fh, check=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.read_text() == "before\nreport\nafter\nbytes\nend\n"

@@ -498,6 +498,34 @@ def test_a_forked_child_writes_only_its_own_calls(tmp_path, parent_first):
     assert call["count"] == 3 and call["seqlen_k"] == [1, 3]
 
 
+def test_a_fork_while_another_thread_records_does_not_hang_the_child(tmp_path):
+    """The lock a thread of the parent held at the fork is never freed in the child: the
+    child's trace gets a new one instead of waiting on it."""
+    path = tmp_path / "fork.yaml"
+    record = "tracing.record({!r}, True, batch=1, seqlen_q=2, seqlen_k={{}}, heads_q=4, heads_kv=4)".format(D128)
+    code = "\n".join([
+        "import os, signal, sys, time", "from fa3gen import tracing",
+        "tracing._program_traces[0]._lock.acquire()  # as a thread recording at the fork",
+        "pid = os.fork()",
+        "if pid == 0:",
+        "    " + record.format(2),
+        "    sys.exit(0)",
+        "tracing._program_traces[0]._lock.release()",
+        record.format(3),
+        "for _ in range(200):",
+        "    if os.waitpid(pid, os.WNOHANG)[0]:",
+        "        break",
+        "    time.sleep(0.1)",
+        "else:",
+        "    os.kill(pid, signal.SIGKILL)",
+        "    sys.exit('the child hung')", ""])
+    env = {**os.environ, "FA3GEN_TRACE": str(path)}
+    env.pop(tracing.BEGAN_ENV, None)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT, timeout=60)
+    (call,) = yaml.safe_load(path.read_text())["calls"]
+    assert call["count"] == 2 and call["seqlen_k"] == [2, 3]
+
+
 def test_the_run_start_is_taken_only_for_the_same_path_and_a_real_time(monkeypatch, tmp_path):
     path = tmp_path / "t.yaml"
     for value, want in ((f"12.5 {path}", 12.5), (f"12.5 {tmp_path / 'other.yaml'}", None),
@@ -527,7 +555,15 @@ def test_an_unreadable_trace_of_this_run_is_replaced_with_a_warning(tmp_path, mo
     t.add(D128, True, dict(batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4))
     tracing._write_if_recorded(t)
     (call,) = yaml.safe_load(path.read_text())["calls"]
-    assert call["count"] == 1 and "an unreadable trace of this run replaced" in capsys.readouterr().err
+    assert call["count"] == 1 and "a trace of this run that does not merge, replaced" in capsys.readouterr().err
+    for bad in ({"variant": "no_such_variant", "default": True, "count": 1},  # fails at to_dict
+                {"variant": D128, "default": True, "count": 1, "seqlen_k": ["a", "b"]}):
+        path.write_text(yaml.safe_dump({"format": tracing.FORMAT, "written": time.time(),
+                                        "writer": "other", "calls": [bad]}))
+        tracing._write_if_recorded(t)
+        (call,) = yaml.safe_load(path.read_text())["calls"]
+        assert call["count"] == 1 and call["seqlen_k"] == [3, 3], bad
+        assert "does not merge, replaced" in capsys.readouterr().err
     monkeypatch.setattr(tracing, "write_atomically", lambda *a: (_ for _ in ()).throw(OSError(28, "full")))
     tracing._write_if_recorded(t)  # one line at exit, no traceback
     assert capsys.readouterr().err.startswith(f"fa3gen: warning: FA3GEN_TRACE: could not write {path}")
