@@ -182,6 +182,13 @@ def flag(name: str, value) -> bool:
     raise InvalidInputError(f"{name} must be True or False, got {shown(value)}")
 
 
+def deterministic_backward(deterministic) -> bool:
+    """A call's deterministic flag, or torch.use_deterministic_algorithms(True)'s: a program
+    that asked torch for reproducible results gets the ordered dq additions whatever the call
+    passed (as torch's own operations do)."""
+    return flag("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
 def returns_lse(return_lse, alias, alias_name: str = "return_attn_probs") -> bool:
     """Whether a call returns (out, lse): return_lse, or the flag another API names it
     (FlashAttention-3's return_attn_probs, flash_attn_with_kvcache's return_softmax_lse)."""
@@ -1386,7 +1393,8 @@ def flash_attn_func(
     and its seqlen_k range defaults.
     Differentiable in q, k, v (the spec's default backward variant for the key; lse carries no
     gradient). deterministic: the backward accumulates dq in a fixed order, so gradients are
-    bitwise reproducible (slower); dk and dv are always deterministic.
+    bitwise reproducible (slower), also under torch.use_deterministic_algorithms(True); dk and
+    dv are always deterministic.
     Returns out (batch, seqlen_q, heads_q, head_dim), plus lse (batch, heads_q, seqlen_q)
     float32 when return_lse (or return_attn_probs, FlashAttention-3's name for it).
     The positional order is FlashAttention-3's (q, k, v, softmax_scale, causal); the rest is
@@ -1416,7 +1424,7 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
     its gradients into one tensor per packed input."""
     softmax_scale = _check_fa3_arguments(softmax_scale)  # a tensor's value, read once
     mask = masking(causal, window_size, softcap)
-    deterministic = flag("deterministic", deterministic)
+    deterministic = deterministic_backward(deterministic)
     _check_tensors(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if q_descale is not None or k_descale is not None or v_descale is not None or \

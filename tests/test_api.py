@@ -894,3 +894,31 @@ def test_the_backward_runs_on_the_forwards_library(fake_launches, tmp_path, monk
     out.float().sum().backward()
     assert [name for name, _ in fake_launches] == ["fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1",
                                                    "bwd_bf16_d128_nocausal_m64n128_s2_ws1_pp0_ov0"]
+
+
+@pytest.fixture
+def deterministic_algorithms():
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_torch_deterministic_algorithms_make_the_backward_deterministic(
+        fake_launches, deterministic_algorithms, compiled):
+    """torch.use_deterministic_algorithms(True) asks every operation for reproducible results:
+    the backward orders its dq additions whatever deterministic= says (it had run with
+    atomics, silently non-reproducible), eager and under torch.compile."""
+    torch._dynamo.reset()
+    q = torch.zeros(2, 40, 2, 128, dtype=torch.bfloat16, requires_grad=True)
+    call = lambda q: ops.flash_attn_func(q, q, q)
+    if compiled:
+        call = torch.compile(call, fullgraph=True, backend="aot_eager")
+    call(q).float().sum().backward()
+    torch.use_deterministic_algorithms(False)
+    torch._dynamo.reset()
+    ops.flash_attn_func(q, q, q).float().sum().backward()  # the flag off again
+    bwd = [p.deterministic for name, p in fake_launches if name.startswith("bwd")]
+    assert bwd == [1, 0]

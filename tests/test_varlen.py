@@ -646,3 +646,13 @@ def test_a_numpy_max_seqlen_under_fullgraph_compile_is_named(fake_launches):
         call(q, k, v, np.int64(7))
     assert flash_attn_varlen_func(q, k, v, CU_Q, CU_K, np.int64(7), np.int64(5),
                                   causal=True).shape == q.shape  # eagerly taken
+
+
+def test_torch_deterministic_algorithms_make_the_varlen_backward_deterministic(fake_launches):
+    q, k, v = qkv(grad=True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).float().sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert fake_launches[1][1].deterministic == 1
