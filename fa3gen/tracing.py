@@ -156,8 +156,6 @@ def _copy_token() -> str:
 _COPY = _copy_token()  # this copy of the module in this process (a forked child makes its own)
 
 
-
-
 def _process_id() -> str:
     """This process, the same for every copy of this module in it and never again for another
     process: its pid and start time (Linux), else its pid and a random token kept in the
@@ -352,8 +350,9 @@ def _read(path: Path) -> tuple[list[dict], list]:
 
 
 def _read_all(paths: list[Path]) -> tuple[list[tuple[Path, int, dict]], list]:
-    """The calls of the traces at paths, each with its file and place there, and their decode pairs (each
-    once): several traces make one spec (a job's ranks or nodes traced to files of their own)."""
+    """The calls of the traces at paths, each with its file and place there, and their decode
+    pairs (each once): several traces make one spec (a job's ranks or nodes traced to files of
+    their own)."""
     calls, decode = [], []
     for path in paths:
         file_calls, file_decode = _read(path)
