@@ -162,6 +162,32 @@ def test_autograd_gqa_and_scale(lib, bwd_default_key):
                 f"gqa {bwd_default_key}")
 
 
+def test_torch_deterministic_algorithms_give_repeatable_gradients(lib, bwd_default_key, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) a call that passes no deterministic=
+    runs the ordered dq additions: the launched params say so, and dq is bitwise equal run
+    to run (several key blocks per query block), against the reference."""
+    dtype_name, d, causal = bwd_default_key
+    q, k, v = make_qkv(2, 700, 900, 4, 2, d, DTYPES[dtype_name], seed=13)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    dout = torch.randn_like(q)
+    modes = []
+    real_launch = ops._launch
+    monkeypatch.setattr(ops, "_launch", lambda lib_, info, device, make: modes.append(
+        (info.name, make())) or real_launch(lib_, info, device, lambda: modes[-1][1]))
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [torch.autograd.grad(flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+                for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert [p.deterministic for name, p in modes if name.startswith("bwd")] == [1, 1, 1]
+    check_grads(runs[0], q.detach(), k.detach(), v.detach(), dout, causal, d**-0.5,
+                f"torch deterministic {bwd_default_key}")
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other)), bwd_default_key
+
+
 @pytest.mark.parametrize("expanded", ["kv_batch", "kv_heads", "q_batch"])
 def test_expanded_inputs_with_zero_strides(lib, bwd_default_key, expanded):
     """expand()ed inputs (stride 0 along batch or heads) pass the layout checks and reach the
