@@ -15,7 +15,7 @@ entry keeps the call count and the range of every size seen. No torch import her
 from __future__ import annotations
 
 import atexit
-import contextlib
+import copy
 import math
 import os
 import sys
@@ -111,8 +111,8 @@ class Trace:
         cut trace may fail part-way, in the merge or when written out) and then kept; None,
         with a warning, if it does not merge: this trace's calls then replace it."""
         with self._lock:  # no call recorded meanwhile is lost when the merged entries are kept
-            trial = Trace.__new__(Trace)
-            trial.path, trial.began, trial._lock = self.path, self.began, threading.Lock()
+            trial = copy.copy(self)  # its own lock and containers; the rest shared
+            trial._lock = threading.Lock()
             trial.entries = {k: e.copy() for k, e in self.entries.items()}
             trial.decode = set(self.decode)
             try:
@@ -133,20 +133,25 @@ class Trace:
         replaces; writers take turns (a lock on the folder), so that two exiting at once lose
         neither's calls. A `trace()` block's write replaces the file: it keeps only its own
         calls (a trace of this runtime copy active beside it saw them too)."""
+        if not whole_program:
+            self._write(self.to_dict())
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)  # the folder the lock is taken on
+        with _folder_lock(self.path.parent):
+            earlier = _this_runs(self.path, self.began)
+            data = (earlier and self._merged_dict(earlier)) or self.to_dict()
+            # what _this_runs reads; `process` as runtimes before 2026-12-07 (forty-third) wrote
+            # and read it, so that they merge with this one
+            data.update(written=time.time(), writer=_COPY, process=_process_id())
+            self._write(data)
+
+    def _write(self, data: dict) -> None:
         import yaml  # kept out of import time: ops imports this module
 
-        if whole_program:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        with _folder_lock(self.path.parent) if whole_program else contextlib.nullcontext():
-            earlier = _this_runs(self.path, self.began) if whole_program else None
-            data = (earlier and self._merged_dict(earlier)) or self.to_dict()
-            if whole_program:  # what _this_runs reads; `process` as runtimes before
-                # 2026-12-07 (forty-third) wrote and read it, so that they merge with this one
-                data.update(written=time.time(), writer=_COPY, process=_process_id())
-            write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
-                             f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
-                             "-o specs/NAME.yaml\n"
-                             + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+        write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
+                         f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
+                         "-o specs/NAME.yaml\n"
+                         + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
 
 
 def _copy_token() -> str:

@@ -20,6 +20,9 @@ D128 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"     # h100's default for
 D128_OTHER = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
 BWD = "bwd_fp16_d64_causal_m128n128_s2_ws1_pp0_ov0"
 BWD_FWD = "fwd_fp16_d64_causal_m192n128_s2_ws1_pp0_ov1_peel"  # the forward of BWD's key
+# A call of D128 recorded in a subprocess's code, its seqlen_k to fill in with format().
+RECORD_LINE = ("tracing.record(" + repr(D128) + ", True, batch=1, seqlen_q=2, seqlen_k={}, "
+               "heads_q=4, heads_kv=4)")
 
 
 def test_trace_records_counts_and_size_ranges(tmp_path):
@@ -463,7 +466,7 @@ def test_a_trace_block_keeps_only_its_own_calls(tmp_path):
     assert yaml.safe_load(path.read_text())["calls"][0]["count"] == 1
     code = ("import fa3gen\nfrom fa3gen import tracing\n"
             f"with fa3gen.trace({str(path)!r}):\n"
-            f"    tracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)\n")
+            "    " + RECORD_LINE.format(3) + "\n")
     subprocess.run([sys.executable, "-c", code], env={**os.environ, "FA3GEN_TRACE": str(path)},
                    check=True, cwd=REPO_ROOT)
     assert yaml.safe_load(path.read_text())["calls"][0]["count"] == 1
@@ -475,15 +478,14 @@ def test_a_forked_child_writes_only_its_own_calls(tmp_path, parent_first):
     (so whichever wrote second took the other's trace for its own and replaced it) and the
     parent's calls from before the fork (counted twice). Either may exit first."""
     path = tmp_path / "fork.yaml"
-    record = "tracing.record({!r}, True, batch=1, seqlen_q=2, seqlen_k={{}}, heads_q=4, heads_kv=4)".format(D128)
     code = "\n".join([
-        "import os, sys, time", "from fa3gen import tracing", record.format(1),
+        "import os, sys, time", "from fa3gen import tracing", RECORD_LINE.format(1),
         "pid = os.fork()",
         "if pid == 0:",
         f"    time.sleep({1.0 if parent_first else 0.0})",
-        "    " + record.format(2),
+        "    " + RECORD_LINE.format(2),
         "    sys.exit(0)",
-        record.format(3),
+        RECORD_LINE.format(3),
         "" if parent_first else "os.waitpid(pid, 0)", ""])
     env = {**os.environ, "FA3GEN_TRACE": str(path)}
     env.pop(tracing.BEGAN_ENV, None)
@@ -502,16 +504,15 @@ def test_a_fork_while_another_thread_records_does_not_hang_the_child(tmp_path):
     """The lock a thread of the parent held at the fork is never freed in the child: the
     child's trace gets a new one instead of waiting on it."""
     path = tmp_path / "fork.yaml"
-    record = "tracing.record({!r}, True, batch=1, seqlen_q=2, seqlen_k={{}}, heads_q=4, heads_kv=4)".format(D128)
     code = "\n".join([
         "import os, signal, sys, time", "from fa3gen import tracing",
         "tracing._program_traces[0]._lock.acquire()  # as a thread recording at the fork",
         "pid = os.fork()",
         "if pid == 0:",
-        "    " + record.format(2),
+        "    " + RECORD_LINE.format(2),
         "    sys.exit(0)",
         "tracing._program_traces[0]._lock.release()",
-        record.format(3),
+        RECORD_LINE.format(3),
         "for _ in range(200):",
         "    if os.waitpid(pid, os.WNOHANG)[0]:",
         "        break",
@@ -538,7 +539,7 @@ def test_the_run_start_is_taken_only_for_the_same_path_and_a_real_time(monkeypat
 def test_the_trace_path_expands_environment_variables(tmp_path):
     """FA3GEN_TRACE='trace_$RANK.yaml' (quoted for the shell that starts torchrun, which has
     no RANK): each rank expands it in its own environment."""
-    code = f"from fa3gen import tracing\ntracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=3, heads_q=4, heads_kv=4)\n"
+    code = "from fa3gen import tracing\n" + RECORD_LINE.format(3) + "\n"
     env = {**os.environ, "FA3GEN_TRACE": str(tmp_path / "trace_$RANK.yaml"), "RANK": "3"}
     env.pop(tracing.BEGAN_ENV, None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, cwd=REPO_ROOT)
@@ -583,7 +584,7 @@ def test_processes_running_at_once_keep_each_others_calls(tmp_path):
     code = ("import sys, time\n"
             "from fa3gen import tracing\n"
             "rank = int(sys.argv[1])\n"
-            f"tracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k=100 + rank, heads_q=4, heads_kv=4)\n"
+            + RECORD_LINE.format("100 + rank") + "\n"
             "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))  # exit together\n")
     env = {**os.environ, "FA3GEN_TRACE": str(path)}
     env.pop(tracing.BEGAN_ENV, None)
@@ -600,8 +601,7 @@ def test_children_run_one_after_another_keep_each_others_calls(tmp_path):
     first wrote, but the run began with the parent (the children inherit its start), so the
     file holds all three processes' calls; a later run replaces them."""
     path = tmp_path / "prog.yaml"
-    record = ("from fa3gen import tracing\n"
-              f"tracing.record({D128!r}, True, batch=1, seqlen_q=2, seqlen_k={{}}, heads_q=4, heads_kv=4)\n")
+    record = "from fa3gen import tracing\n" + RECORD_LINE + "\n"
     parent = (record.format(50) + "import subprocess, sys\n" +
               "".join(f"subprocess.run([sys.executable, '-c', {record.format(n)!r}], check=True)\n"
                       for n in (10, 20)))

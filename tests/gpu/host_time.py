@@ -35,20 +35,6 @@ import time
 import torch
 
 
-def per_call_us(fn, calls: int, rounds: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
-
-
 def interleaved_us(fns: dict, contexts: dict, calls: int, rounds: int) -> dict:
     """{name: median per-call us} of each fn, the backends taking turns: each round times one
     batch of `calls` calls of every fn, the order rotated a place each round (a drift of the
@@ -70,6 +56,11 @@ def interleaved_us(fns: dict, contexts: dict, calls: int, rounds: int) -> dict:
                 samples[name].append((time.perf_counter() - t0) / calls * 1e6)
                 torch.cuda.synchronize()
     return {name: statistics.median(t) for name, t in samples.items()}
+
+
+def per_call_us(fn, calls: int, rounds: int) -> float:
+    """Median per-call us of fn alone (interleaved_us of one)."""
+    return interleaved_us({"fn": fn}, {}, calls, rounds)["fn"]
 
 
 def profile_backward(q, k, v, args) -> float:
