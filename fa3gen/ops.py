@@ -520,6 +520,7 @@ class _Plan:
     device: torch.device
     params: object  # FwdParams / BwdParams with this call's pointers; None: a zero size
     deterministic: bool = False
+    workspace: "WorkspaceLayout | None" = None  # the backward's scratch buffers
 
 
 def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
@@ -685,10 +686,13 @@ def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
     check_layout(dout=dout, dq=dq, dk=dk, dv=dv)
 
 
-def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims: Dims, scale: float,
+def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work: dict, dims: Dims, scale: float,
                      deterministic: bool, mask: Masking = Masking()):
+    """BwdParams of one call; work: the workspace's pointers (WorkspaceLayout.pointers)."""
     p = runtime.BwdParams()
-    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv, **work))
+    _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv))
+    for name in _WORKSPACE:
+        setattr(p, name, work[name])
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         strides = _strides(t)
@@ -707,22 +711,62 @@ def _set_pointers(p, tensors: dict) -> None:
         setattr(p, name, t.data_ptr())
 
 
-_WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # _bwd_workspace's buffers
+_WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # the ABI's scratch buffers
 
 
-def _bwd_workspace(q: torch.Tensor, dims: Dims, tile_m: int, deterministic: bool) -> dict:
-    """Scratch buffers of the C ABI (fa3gen_bwd_params), padded to whole query blocks. Left
-    uninitialised: the backward's preprocess zeroes dq_accum and dq_semaphore (since ABI 3)."""
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Where the backward's scratch buffers of the C ABI (fa3gen_bwd_params: dq_accum,
+    lse_log2, dsum, dq_semaphore; varlen also tile_list) lie in the one allocation a call
+    makes for all of them: on an H100 host each caching-allocator call costs several us, and
+    four (five) of them were a quarter of the eager backward's Python-side time. Fixed per
+    plan; every buffer starts on a 256-byte boundary. Left uninitialised: the backward's
+    preprocess zeroes dq_accum and dq_semaphore (since ABI 3)."""
+    parts: tuple  # ((name, shape, dtype, byte offset), ...)
+    nbytes: int
+
+    ALIGN = 256
+
+    @classmethod
+    def of(cls, **parts: tuple) -> "WorkspaceLayout":
+        """parts: name=(shape, dtype), in the order they are laid out."""
+        laid, offset = [], 0
+        for name, (shape, dtype) in parts.items():
+            laid.append((name, tuple(shape), dtype, offset))
+            size = math.prod(shape) * dtype.itemsize
+            offset += -(-size // cls.ALIGN) * cls.ALIGN
+        return cls(tuple(laid), max(offset, cls.ALIGN))
+
+    def pointers(self, buffer: torch.Tensor) -> dict:
+        """{name: device address} in `buffer` (an allocation of nbytes)."""
+        base = buffer.data_ptr()
+        return {name: base + offset for name, _, _, offset in self.parts}
+
+    def view(self, buffer: torch.Tensor, name: str) -> torch.Tensor:
+        """Buffer `name` of `buffer` as a tensor of its shape and dtype (tests, poisoning)."""
+        for part, shape, dtype, offset in self.parts:
+            if part == name:
+                size = math.prod(shape) * dtype.itemsize
+                return buffer[offset:offset + size].view(dtype).view(shape)
+        raise KeyError(name)
+
+
+def _bwd_layout(dims: Dims, tile_m: int, deterministic: bool) -> WorkspaceLayout:
+    """The dense backward's workspace, padded to whole query blocks."""
     rows = -(-dims.seqlen_q // tile_m) * tile_m
     stats = (dims.batch, dims.heads_q, rows)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    sem_shape = (dims.batch, dims.heads_q, rows // tile_m) if deterministic else (1,)
-    return dict(
-        dq_accum=torch.empty(stats + (dims.head_dim,), **f32),
-        lse_log2=torch.empty(stats, **f32),
-        dsum=torch.empty(stats, **f32),
-        dq_semaphore=torch.empty(sem_shape, dtype=torch.int32, device=q.device),
+    return WorkspaceLayout.of(
+        dq_accum=(stats + (dims.head_dim,), torch.float32),
+        lse_log2=(stats, torch.float32),
+        dsum=(stats, torch.float32),
+        dq_semaphore=((dims.batch, dims.heads_q, rows // tile_m) if deterministic else (1,),
+                      torch.int32),
     )
+
+
+def _bwd_workspace(layout: WorkspaceLayout, device: torch.device) -> torch.Tensor:
+    """One call's workspace: an uninitialised allocation of layout.nbytes."""
+    return torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
 
 
 def _bwd_into(
@@ -747,12 +791,13 @@ def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask: Masking, scale: float, 
     info = lib.find("bwd", dims.dtype, dims.head_dim, variant=variant or None, **mask.key())
     check_layout(q=q, k=k, v=v)
     launches = dims.batch and dims.heads_q and dims.seqlen_q and dims.seqlen_k
-    params = None
+    params = layout = None
     if launches:
-        work = {name: lse for name in _WORKSPACE}  # placeholders: _bwd_run allocates them
+        layout = _bwd_layout(dims, info.tile_m, bool(deterministic))
+        work = dict.fromkeys(_WORKSPACE, 0)  # placeholders: _bwd_run allocates the workspace
         params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims, scale,
                                   deterministic, mask)
-    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic))
+    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic), layout)
 
 
 def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
@@ -762,19 +807,21 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
         dk.zero_()
         dv.zero_()
         return
-    work = _bwd_workspace(q, plan.dims, plan.info.tile_m, plan.deterministic)
-    p = _bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
+    workspace = _bwd_workspace(plan.workspace, q.device)
+    p = _bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv,
+                         plan.workspace.pointers(workspace))
     _launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
 def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dict):
     """A copy of plan's params with this call's pointers (checked for alignment) and those of
-    its workspace (the _WORKSPACE buffers of `work`)."""
+    its workspace (`work`: WorkspaceLayout.pointers)."""
     p = runtime.BwdParams.from_buffer_copy(plan.params)
     p.q, p.k, p.v, p.o, p.dout, p.dq, p.dk, p.dv = _aligned_pointers(
         _BWD_POINTERS, q, k, v, out, dout, dq, dk, dv)
     p.lse = lse.data_ptr()
-    _set_pointers(p, {name: work[name] for name in _WORKSPACE})
+    p.dq_accum, p.lse_log2, p.dsum, p.dq_semaphore = (
+        work["dq_accum"], work["lse_log2"], work["dsum"], work["dq_semaphore"])
     return p
 
 

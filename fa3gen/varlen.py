@@ -157,14 +157,22 @@ def _empty_outputs(q: torch.Tensor):
     return q.new_empty((total, hq, d)), q.new_empty((hq, total), dtype=torch.float32)
 
 
-def _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tile_list, total_q: int, total_k: int) -> None:
+def _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tile_list: int, total_q: int, total_k: int) -> None:
+    """tile_list: the key-tile list's device address."""
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    p.tile_list = tile_list.data_ptr()
+    p.tile_list = tile_list
     p.total_q, p.total_k = total_q, total_k
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward.
+
+
+def _fwd_tile_list(q: torch.Tensor, dims: Dims, tile_m: int) -> torch.Tensor:
+    """The forward's query-tile list (written by the kernel): two ints per (tile, head) of the
+    ABI's bound (FA3GEN_VARLEN_TILES)."""
+    return q.new_empty(2 * varlen_tiles(q.shape[0], dims.batch, tile_m) * dims.heads_q,
+                       dtype=torch.int32)
 
 
 def _fwd_plan(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, out, lse,
@@ -209,10 +217,9 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
         return
     p = ops._fwd_call_params(plan, q, k, v, out, lse)
     d = plan.dims
-    tiles = q.new_empty(2 * varlen_tiles(q.shape[0], d.batch, plan.info.tile_m) * d.heads_q,
-                        dtype=torch.int32)
+    tiles = _fwd_tile_list(q, d, plan.info.tile_m)
     total_k = k.shape[0] if block_table is None else d.batch * d.seqlen_k
-    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles, q.shape[0], total_k)
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, tiles.data_ptr(), q.shape[0], total_k)
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
     if block_table is not None:
         p.block_table = block_table.data_ptr()
@@ -360,21 +367,19 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
 # Backward.
 
 
-def _bwd_workspace(q: torch.Tensor, dims: Dims, total_k: int, tile_m: int, tile_n: int,
-                   deterministic: bool) -> dict:
+def _bwd_layout(q: torch.Tensor, dims: Dims, total_k: int, tile_m: int, tile_n: int,
+                deterministic: bool) -> ops.WorkspaceLayout:
     """The ABI's varlen workspace: stats and dq_accum over (heads_q, rows), each sequence's
     rows starting at a multiple of tile_m, rows = (total_q + batch * tile_m) rounded up to
     tile_m; and the key-tile list."""
     rows = -(-(q.shape[0] + dims.batch * tile_m) // tile_m) * tile_m
-    f32 = dict(dtype=torch.float32, device=q.device)
-    i32 = dict(dtype=torch.int32, device=q.device)
-    return dict(
-        dq_accum=torch.empty((dims.heads_q, rows, dims.head_dim), **f32),
-        lse_log2=torch.empty((dims.heads_q, rows), **f32),
-        dsum=torch.empty((dims.heads_q, rows), **f32),
-        dq_semaphore=torch.empty((dims.heads_q, rows // tile_m) if deterministic else (1,), **i32),
-        tile_list=torch.empty(2 * varlen_tiles(total_k, dims.batch, tile_n) * dims.heads_kv,
-                              **i32),
+    return ops.WorkspaceLayout.of(
+        dq_accum=((dims.heads_q, rows, dims.head_dim), torch.float32),
+        lse_log2=((dims.heads_q, rows), torch.float32),
+        dsum=((dims.heads_q, rows), torch.float32),
+        dq_semaphore=((dims.heads_q, rows // tile_m) if deterministic else (1,), torch.int32),
+        tile_list=((2 * varlen_tiles(total_k, dims.batch, tile_n) * dims.heads_kv,),
+                   torch.int32),
     )
 
 
@@ -397,12 +402,13 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     _check_tiles_per_seq("max_seqlen_k", max_seqlen_k, info.tile_n, info.name)
     ops.check_layout(q=q, k=k, v=v, out=out, dout=dout, dq=dq, dk=dk, dv=dv)
     views = _views(q, k, v, out, dout, dq, dk, dv)
-    params = None
+    params = layout = None
     if q.shape[0] and k.shape[0] and dims.heads_q:
-        placeholders = {name: lse for name in ops._WORKSPACE}
+        layout = _bwd_layout(q, dims, k.shape[0], info.tile_m, info.tile_n, bool(deterministic))
+        placeholders = dict.fromkeys(ops._WORKSPACE, 0)  # _bwd_run allocates the workspace
         params = ops._make_bwd_params(*views[:4], views[4], lse, *views[5:], placeholders, dims,
                                       scale, deterministic, mask)
-    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic))
+    return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic), layout)
 
 
 def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dq, dk, dv,
@@ -415,8 +421,8 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
     if seqused_k is not None:  # the kernels write no dk, dv row past seqused_k: those are 0
         dk.zero_()
         dv.zero_()
-    work = _bwd_workspace(q, plan.dims, k.shape[0], plan.info.tile_m, plan.info.tile_n,
-                          plan.deterministic)
+    workspace = ops._bwd_workspace(plan.workspace, q.device)
+    work = plan.workspace.pointers(workspace)
     p = ops._bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, work["tile_list"], q.shape[0], k.shape[0])
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None

@@ -1058,6 +1058,10 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch, page
     varlen_args = []
     real_set = varlen._set_varlen
     monkeypatch.setattr(varlen, "_set_varlen", lambda p, *a: varlen_args.append(a) or real_set(p, *a))
+    tile_lists = []
+    real_tiles = varlen._fwd_tile_list
+    monkeypatch.setattr(varlen, "_fwd_tile_list",
+                        lambda *a: tile_lists.append(real_tiles(*a)) or tile_lists[-1])
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: pytest.fail("a host sync"))
     q = torch.zeros(2, 200, 4, 128, dtype=BF)
     kc, vc = torch.zeros(10, 64, 2, 128, dtype=BF), torch.ones(10, 64, 2, 128, dtype=BF)
@@ -1077,7 +1081,9 @@ def test_paged_prefill_reads_the_pages_in_place(fake_launches, monkeypatch, page
     assert (total_q, total_k) == (400, 384)
     assert torch.equal(cu_q, torch.tensor([0, 200, 400], dtype=torch.int32))
     assert torch.equal(cu_k, torch.tensor([0, 192, 384], dtype=torch.int32))
-    assert tiles.dtype == torch.int32 and tiles.numel() == 2 * 5 * 4  # FA3GEN_VARLEN_TILES(400, 2, 128) = 5, 4 heads
+    (tile_list,) = tile_lists
+    assert tiles == tile_list.data_ptr() == p.tile_list
+    assert tile_list.dtype == torch.int32 and tile_list.numel() == 2 * 5 * 4  # FA3GEN_VARLEN_TILES(400, 2, 128) = 5, 4 heads
 
 
 def test_paged_prefill_int_length(fake_launches, paged_forward_calls):

@@ -715,7 +715,7 @@ def build_fake_lib(tmp_path, abi=runtime.ABI_VERSION, source=FAKE_LIB_C, name="f
 
 def test_fake_library_table_and_launch(tmp_path):
     from fa3gen import ops
-    from fa3gen.ops import Dims, _bwd_workspace, _make_bwd_params, _make_params
+    from fa3gen.ops import Dims, _bwd_layout, _bwd_workspace, _make_bwd_params, _make_params
 
     lib = runtime.Library(build_fake_lib(tmp_path))
     assert lib.spec_name == "fake" and lib.build_info["fingerprint"] == "x"
@@ -777,16 +777,18 @@ def test_fake_library_table_and_launch(tmp_path):
         lib.launch(lib.variants[2], params, 0)
 
     # Backward marshalling: workspace sized by the variant's tile_m, gradients' strides.
-    work = _bwd_workspace(q, dims, 64, deterministic=True)
-    assert work["dq_accum"].shape == (2, 4, 64, 128) and work["dq_semaphore"].shape == (2, 4, 1)
-    assert work["dq_accum"].dtype == torch.float32 and work["dq_semaphore"].dtype == torch.int32
+    layout = _bwd_layout(dims, 64, deterministic=True)
+    workspace = _bwd_workspace(layout, q.device)
+    accum, semaphore = layout.view(workspace, "dq_accum"), layout.view(workspace, "dq_semaphore")
+    assert accum.shape == (2, 4, 64, 128) and semaphore.shape == (2, 4, 1)
+    assert accum.dtype == torch.float32 and semaphore.dtype == torch.int32
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    bp = _make_bwd_params(q, k, v, out, out, lse, dq, dk, dv, work, dims, 0.125, True,
-                          ops.Masking(causal=True, softcap=2.5))
+    bp = _make_bwd_params(q, k, v, out, out, lse, dq, dk, dv, layout.pointers(workspace), dims,
+                          0.125, True, ops.Masking(causal=True, softcap=2.5))
     lib.launch(lib.variants[2], bp, 0)
     got = runtime.BwdParams.in_dll(lib._dll, "fake_last_bwd_params")
     assert (got.dout, got.dq_accum, got.dq_semaphore) == (
-        out.data_ptr(), work["dq_accum"].data_ptr(), work["dq_semaphore"].data_ptr())
+        out.data_ptr(), accum.data_ptr(), semaphore.data_ptr())
     assert (got.q_batch_stride, got.q_row_stride, got.dq_row_stride) == (
         5 * 3 * 4 * 128, 3 * 4 * 128, 4 * 128)
     assert (got.dk_head_stride, got.deterministic, got.softmax_scale) == (128, 1, 0.125)

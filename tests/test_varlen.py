@@ -134,22 +134,26 @@ def test_params_reach_the_abi(fake_launches):
 
 
 def test_backward_params_and_padded_workspace(fake_launches, monkeypatch):
+    from fa3gen import ops
+
     q, k, v = qkv(grad=True)
-    sizes = []
-    real = varlen._bwd_workspace
-    monkeypatch.setattr(varlen, "_bwd_workspace", lambda *a: sizes.append(real(*a)) or sizes[-1])
+    made = []
+    real = ops._bwd_workspace
+    monkeypatch.setattr(ops, "_bwd_workspace",
+                        lambda layout, device: made.append((layout, real(layout, device))) or made[-1][1])
     out = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, deterministic=True)
     out.float().sum().backward()
     assert [n for n, _ in fake_launches] == ["fwd_bf16_d128_causal_varlen_m128n128_s2_ws1_pp1_ov1",
                                     "bwd_bf16_d128_causal_varlen_m64n128_s2_ws1_pp0_ov0"]
     p = fake_launches[1][1]
     assert (p.batch, p.total_q, p.total_k, p.deterministic) == (3, 10, 12, 1)
-    work = sizes[0]
+    (layout, workspace), = made
+    view = lambda name: layout.view(workspace, name)
     # (total_q + batch * tile_m) rounded up to tile_m = 64: 202 -> 256 rows per head
-    assert work["dq_accum"].shape == (4, 256, 128) and work["lse_log2"].shape == (4, 256)
-    assert work["dq_semaphore"].shape == (4, 4)
-    assert work["tile_list"].numel() == 2 * contract.varlen_tiles(12, 3, 128) * 2
-    assert p.dq_accum == work["dq_accum"].data_ptr() and p.tile_list == work["tile_list"].data_ptr()
+    assert view("dq_accum").shape == (4, 256, 128) and view("lse_log2").shape == (4, 256)
+    assert view("dq_semaphore").shape == (4, 4)
+    assert view("tile_list").numel() == 2 * contract.varlen_tiles(12, 3, 128) * 2
+    assert p.dq_accum == view("dq_accum").data_ptr() and p.tile_list == view("tile_list").data_ptr()
     assert q.grad is not None and k.grad is not None
 
 
@@ -236,9 +240,9 @@ def test_a_plan_per_v_signature_and_the_tile_list_size(fake_launches, monkeypatc
     """The plan cache keys on v too; the tile list holds two ints per (tile, head) of the
     ABI's bound (FA3GEN_VARLEN_TILES)."""
     sizes = []
-    real = varlen._set_varlen
-    monkeypatch.setattr(varlen, "_set_varlen", lambda p, cq, ck, tiles, tq, tk: (
-        sizes.append(tiles.numel()), real(p, cq, ck, tiles, tq, tk)))
+    real = varlen._fwd_tile_list
+    monkeypatch.setattr(varlen, "_fwd_tile_list", lambda *a: (
+        sizes.append(real(*a).numel()) or real(*a)))
     q, k, v = qkv()
     flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True)
     wide = torch.zeros(12, 4, 128, dtype=torch.bfloat16)[:, :2]

@@ -97,21 +97,23 @@ def poisoned_outputs(monkeypatch):
 
 @pytest.fixture
 def poison_bwd_workspace(monkeypatch):
-    """poison(module): module's _bwd_workspace (ops' dense one, varlen's) hands the backward NaN
-    and nonzero semaphores instead of what torch.empty gives. The preprocess writes all of it
-    itself (ABI 3), so a row it misses shows: NaN gradients, or a deterministic writer that
-    waits on a semaphore that never matches."""
-    def poison(module):
-        real = module._bwd_workspace
+    """poison(): the backward's workspace (ops._bwd_workspace, which the dense and the varlen
+    backward take it from) holds NaN and nonzero semaphores instead of what torch.empty gives.
+    The preprocess writes all of it itself (ABI 3), so a row it misses shows: NaN gradients,
+    or a deterministic writer that waits on a semaphore that never matches."""
+    from fa3gen import ops
 
-        def poisoned_ws(*args, **kwargs):
-            work = real(*args, **kwargs)
+    def poison():
+        real = ops._bwd_workspace
+
+        def poisoned_ws(layout, device):
+            buffer = real(layout, device)
             for name in ("dq_accum", "lse_log2", "dsum"):
-                work[name].fill_(float("nan"))
-            work["dq_semaphore"].fill_(3)
-            return work
+                layout.view(buffer, name).fill_(float("nan"))
+            layout.view(buffer, "dq_semaphore").fill_(3)
+            return buffer
 
-        monkeypatch.setattr(module, "_bwd_workspace", poisoned_ws)
+        monkeypatch.setattr(ops, "_bwd_workspace", poisoned_ws)
     return poison
 
 

@@ -36,7 +36,7 @@ SHAPES = [
 @pytest.fixture(autouse=True)
 def poisoned_workspace(poison_bwd_workspace):
     """Every test here hands the backward a poisoned workspace (conftest.py)."""
-    poison_bwd_workspace(ops)
+    poison_bwd_workspace()
 
 
 def _sid(s):
@@ -102,9 +102,10 @@ def test_bwd_unaligned_tensors_through_c_abi(lib, bwd_variant, deterministic):
     bufs, grads = zip(*(poisoned(tuple(t.shape), dtype, offset=2) for t in (q, k, v)))
     assert all(t.data_ptr() % 16 == 4 for t in (out, *grads))
     dims = ops.check_inputs(q, k, v)
-    work = ops._bwd_workspace(q, dims, info.tile_m, deterministic)
-    params = ops._make_bwd_params(q, k, v, out, dout, lse, *grads, work, dims, scale, deterministic,
-                                  ops.masking(info.causal, **extra))
+    layout = ops._bwd_layout(dims, info.tile_m, deterministic)
+    workspace = ops._bwd_workspace(layout, q.device)
+    params = ops._make_bwd_params(q, k, v, out, dout, lse, *grads, layout.pointers(workspace), dims,
+                                  scale, deterministic, ops.masking(info.causal, **extra))
     lib.launch(info, params, torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     for what, buf in zip(("dq", "dk", "dv"), bufs):

@@ -57,7 +57,7 @@ def used_keys(cu_k, caps=(150, 40, 5, 7, 1000, 64)):
 def poisoned_workspace(poison_bwd_workspace):
     """Every test here hands the varlen backward a poisoned workspace (conftest.py); its
     preprocess writes every padded row, as the dense one does."""
-    poison_bwd_workspace(varlen)
+    poison_bwd_workspace()
 
 
 def assert_grads_match(key, grads, q, k, v, dout, cu_q, cu_k, causal):
