@@ -520,7 +520,7 @@ class _Plan:
     device: torch.device
     params: object  # FwdParams / BwdParams with this call's pointers; None: a zero size
     deterministic: bool = False
-    workspace: "WorkspaceLayout | None" = None  # the backward's scratch buffers
+    workspace_layout: "WorkspaceLayout | None" = None  # the backward's scratch buffers
 
 
 def _fwd_plan(q, k, v, out, lse, mask: Masking, scale: float, variant: str, lib,
@@ -718,10 +718,10 @@ _WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # the ABI's scrat
 class WorkspaceLayout:
     """Where the backward's scratch buffers of the C ABI (fa3gen_bwd_params: dq_accum,
     lse_log2, dsum, dq_semaphore; varlen also tile_list) lie in the one allocation a call
-    makes for all of them: on an H100 host each caching-allocator call costs several us, and
-    four (five) of them were a quarter of the eager backward's Python-side time. Fixed per
-    plan; every buffer starts on a 256-byte boundary. Left uninitialised: the backward's
-    preprocess zeroes dq_accum and dq_semaphore (since ABI 3)."""
+    makes for all of them (four or five torch.empty calls before: 6.7 -> 3.4 us on the CPU
+    host, docs/BENCHMARKS.md). Fixed per plan; every buffer starts on a 256-byte boundary (the
+    kernels need 16 bytes). Left uninitialised: the backward's preprocess zeroes dq_accum and
+    dq_semaphore (since ABI 3), and varlen's tile-list kernel writes every tile_list entry."""
     parts: tuple  # ((name, shape, dtype, byte offset), ...)
     nbytes: int
 
@@ -752,7 +752,7 @@ class WorkspaceLayout:
 
 
 def _bwd_layout(dims: Dims, tile_m: int, deterministic: bool) -> WorkspaceLayout:
-    """The dense backward's workspace, padded to whole query blocks."""
+    """The layout of the dense backward's workspace, its rows padded to whole query blocks."""
     rows = -(-dims.seqlen_q // tile_m) * tile_m
     stats = (dims.batch, dims.heads_q, rows)
     return WorkspaceLayout.of(
@@ -807,9 +807,9 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv) -> None:
         dk.zero_()
         dv.zero_()
         return
-    workspace = _bwd_workspace(plan.workspace, q.device)
+    workspace = _bwd_workspace(plan.workspace_layout, q.device)
     p = _bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv,
-                         plan.workspace.pointers(workspace))
+                         plan.workspace_layout.pointers(workspace))
     _launch(plan.lib, plan.info, plan.device, lambda: p)
 
 
@@ -820,8 +820,8 @@ def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dic
     p.q, p.k, p.v, p.o, p.dout, p.dq, p.dk, p.dv = _aligned_pointers(
         _BWD_POINTERS, q, k, v, out, dout, dq, dk, dv)
     p.lse = lse.data_ptr()
-    p.dq_accum, p.lse_log2, p.dsum, p.dq_semaphore = (
-        work["dq_accum"], work["lse_log2"], work["dsum"], work["dq_semaphore"])
+    for name in _WORKSPACE:
+        setattr(p, name, work[name])
     return p
 
 

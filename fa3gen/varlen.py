@@ -369,9 +369,10 @@ def paged_forward(q, k_cache, v_cache, block_table, seqused_k, mask: Masking, sc
 
 def _bwd_layout(q: torch.Tensor, dims: Dims, total_k: int, tile_m: int, tile_n: int,
                 deterministic: bool) -> ops.WorkspaceLayout:
-    """The ABI's varlen workspace: stats and dq_accum over (heads_q, rows), each sequence's
-    rows starting at a multiple of tile_m, rows = (total_q + batch * tile_m) rounded up to
-    tile_m; and the key-tile list."""
+    """The layout of the ABI's varlen workspace: stats and dq_accum over (heads_q, rows), each
+    sequence's rows starting at a multiple of tile_m, rows = (total_q + batch * tile_m) rounded
+    up to tile_m; the dQ semaphores (deterministic: one per query tile and head); and the
+    key-tile list."""
     rows = -(-(q.shape[0] + dims.batch * tile_m) // tile_m) * tile_m
     return ops.WorkspaceLayout.of(
         dq_accum=((dims.heads_q, rows, dims.head_dim), torch.float32),
@@ -421,8 +422,8 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
     if seqused_k is not None:  # the kernels write no dk, dv row past seqused_k: those are 0
         dk.zero_()
         dv.zero_()
-    workspace = ops._bwd_workspace(plan.workspace, q.device)
-    work = plan.workspace.pointers(workspace)
+    workspace = ops._bwd_workspace(plan.workspace_layout, q.device)
+    work = plan.workspace_layout.pointers(workspace)
     p = ops._bwd_call_params(plan, dout, q, k, v, out, lse, dq, dk, dv, work)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, work["tile_list"], q.shape[0], k.shape[0])
     p.seqused_k = seqused_k.data_ptr() if seqused_k is not None else None
