@@ -91,11 +91,11 @@ class StdoutWithoutReader:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
-    if written_through(path):
-        _write_through(Path(path), data)
-        return
+    path = Path(path)
     with replacing(path) as tmp:
-        if isinstance(data, bytes):
+        if tmp == path:  # written through: replacing hands the path itself out
+            _write_through(path, data)
+        elif isinstance(data, bytes):
             tmp.write_bytes(data)
         else:
             tmp.write_text(data)

@@ -686,13 +686,14 @@ def _check_bwd_inputs(dout, out, lse, dq, dk, dv, q, k, v, dims: Dims) -> None:
     check_layout(dout=dout, dq=dq, dk=dk, dv=dv)
 
 
-def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work: dict, dims: Dims, scale: float,
-                     deterministic: bool, mask: Masking = Masking()):
-    """BwdParams of one call; work: the workspace's pointers (WorkspaceLayout.pointers)."""
+def _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work: dict | None, dims: Dims,
+                     scale: float, deterministic: bool, mask: Masking = Masking()):
+    """BwdParams of one call; work: the workspace's pointers (WorkspaceLayout.pointers), or
+    None for a plan's params (0 until _bwd_call_params sets a call's)."""
     p = runtime.BwdParams()
     _set_pointers(p, dict(q=q, k=k, v=v, o=out, dout=dout, lse=lse, dq=dq, dk=dk, dv=dv))
-    for name in _WORKSPACE:
-        setattr(p, name, work[name])
+    if work is not None:
+        _set_workspace(p, work)
     for name, t in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", dq),
                     ("dk", dk), ("dv", dv)):
         strides = _strides(t)
@@ -712,6 +713,11 @@ def _set_pointers(p, tensors: dict) -> None:
 
 
 _WORKSPACE = ("dq_accum", "lse_log2", "dsum", "dq_semaphore")  # the ABI's scratch buffers
+
+
+def _set_workspace(p, work: dict) -> None:
+    for name in _WORKSPACE:
+        setattr(p, name, work[name])
 
 
 @dataclass(frozen=True)
@@ -794,9 +800,8 @@ def _bwd_plan(dout, q, k, v, out, lse, dq, dk, dv, mask: Masking, scale: float, 
     params = layout = None
     if launches:
         layout = _bwd_layout(dims, info.tile_m, bool(deterministic))
-        work = dict.fromkeys(_WORKSPACE, 0)  # placeholders: _bwd_run allocates the workspace
-        params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, work, dims, scale,
-                                  deterministic, mask)
+        params = _make_bwd_params(q, k, v, out, dout, lse, dq, dk, dv, None, dims, scale,
+                                  deterministic, mask)  # _bwd_run allocates the workspace
     return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic), layout)
 
 
@@ -820,8 +825,7 @@ def _bwd_call_params(plan: _Plan, dout, q, k, v, out, lse, dq, dk, dv, work: dic
     p.q, p.k, p.v, p.o, p.dout, p.dq, p.dk, p.dv = _aligned_pointers(
         _BWD_POINTERS, q, k, v, out, dout, dq, dk, dv)
     p.lse = lse.data_ptr()
-    for name in _WORKSPACE:
-        setattr(p, name, work[name])
+    _set_workspace(p, work)
     return p
 
 

@@ -406,9 +406,8 @@ def _bwd_plan(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     params = layout = None
     if q.shape[0] and k.shape[0] and dims.heads_q:
         layout = _bwd_layout(q, dims, k.shape[0], info.tile_m, info.tile_n, bool(deterministic))
-        placeholders = dict.fromkeys(ops._WORKSPACE, 0)  # _bwd_run allocates the workspace
-        params = ops._make_bwd_params(*views[:4], views[4], lse, *views[5:], placeholders, dims,
-                                      scale, deterministic, mask)
+        params = ops._make_bwd_params(*views[:4], views[4], lse, *views[5:], None, dims,
+                                      scale, deterministic, mask)  # workspace: _bwd_run's
     return _Plan(lib, info, dims, mask, scale, q.device, params, bool(deterministic), layout)
 
 

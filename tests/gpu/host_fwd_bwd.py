@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from host_time import PEER, interleaved_us  # noqa: E402
+from host_time import PEER, PEER_CONTEXTS, interleaved_us, sdpa  # noqa: E402
 
 
 def main() -> int:
@@ -34,18 +34,13 @@ def main() -> int:
                for _ in range(3)]
     dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
 
-    def sdpa(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-
-    contexts = {PEER: lambda: torch.nn.attention.sdpa_kernel(
-        torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
-    backends = {"fa3gen": lambda: flash_attn_func(q, k, v), PEER: lambda: sdpa(q, k, v)}
+    backends = {"fa3gen": lambda: flash_attn_func(q, k, v),
+                PEER: lambda: sdpa(q, k, v).transpose(1, 2)}  # dout's layout
     rows = {
         "dout": interleaved_us({n: (lambda f=f: f().backward(dout)) for n, f in backends.items()},
-                               contexts, args.calls, args.rounds),
+                               PEER_CONTEXTS, args.calls, args.rounds),
         "sum": interleaved_us({n: (lambda f=f: f().sum().backward()) for n, f in backends.items()},
-                              contexts, args.calls, args.rounds),
+                              PEER_CONTEXTS, args.calls, args.rounds),
     }
     print(json.dumps({"package": os.path.dirname(fa3gen.__file__), "per_call_us": rows}))
     return 0

@@ -91,6 +91,20 @@ def profile_backward(q, k, v, args) -> float:
 PEER = "cudnn (sdpa)"  # the backend the host-time targets compare against
 
 
+def sdpa(q, k, v):
+    """cuDNN's attention through SDPA on flash-attn's (b, s, h, d) layout, output (b, h, s, d):
+    called inside PEER_CONTEXTS' sdpa_kernel(CUDNN_ATTENTION), entered per batch of calls."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+# The backend choice is entered around each timed batch of calls, outside its timing, not per
+# call: the context manager alone costs ~10 us a call, which is the harness's, not cuDNN's
+# (before 2026-12-07 (forty-first) it was inside every timed call).
+PEER_CONTEXTS = {PEER: lambda: torch.nn.attention.sdpa_kernel(
+    torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
+
+
 def summarize(runs: list[dict]) -> dict:
     """{backend: {row: {"us": median, "ratio_to_cudnn": median}}} over runs (each a --json
     output's per_call_us); a ratio only where the run has cuDNN's row."""
@@ -170,16 +184,6 @@ def main() -> int:
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - t0) * 1e3
 
-    def sdpa(q, k, v):  # called inside sdpa_kernel(CUDNN_ATTENTION), entered per batch (below)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-
-    # The backend choice is entered around each timed batch of calls, outside its timing, not
-    # per call: the context manager alone costs ~10 us a call, which is the harness's, not
-    # cuDNN's (before 2026-12-07 (forty-first) it was inside every timed call).
-    contexts = {PEER: lambda: torch.nn.attention.sdpa_kernel(
-        torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
-
     fns = {"fa3gen": lambda q, k, v: flash_attn_func(q, k, v),
            # the custom-op path (fa3gen::fwd / fa3gen::bwd) plus torch's guards and dispatch
            "fa3gen compiled": torch.compile(lambda q, k, v: flash_attn_func(q, k, v),
@@ -214,11 +218,12 @@ def main() -> int:
              "fwd requires_grad": (lambda f: lambda: f(qg, kg, vg), args.calls),
              "fwd+bwd": (lambda f: lambda: first(f(qg, kg, vg)).sum().backward(), args.calls // 4)}
     for row, (call, n) in calls.items():
-        timed = interleaved_us({name: call(f) for name, f in fns.items()}, contexts, n, args.rounds)
+        timed = interleaved_us({name: call(f) for name, f in fns.items()}, PEER_CONTEXTS, n,
+                               args.rounds)
         for name, us in timed.items():
             rows[name][row] = us
     for name, f in fns.items():
-        with contexts.get(name, contextlib.nullcontext)():
+        with PEER_CONTEXTS.get(name, contextlib.nullcontext)():
             try:
                 rows[name]["fwd, CUDA-graph replay"] = graph_replay_us(f)
             except Exception as e:  # a backend that cannot be captured: say so, keep the rest
