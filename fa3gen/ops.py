@@ -15,6 +15,7 @@ Edge cases (decided here, documented in the docstring of flash_attn_func):
   seqlen_k == 0 -> every query sees no key: out = 0, lse = -inf (as for fully masked rows).
 """
 
+import collections.abc
 import decimal
 import math
 import numbers
@@ -217,9 +218,14 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
             and (type(softcap) is float or type(softcap) is int) and softcap == 0:
         return _CAUSAL if causal else _UNMASKED
     causal = flag("causal", causal)
+    # Indexed as flash-attn does: a set, a dict or an iterator would unpack in an order of its
+    # own ({-1, 0} as (0, -1)), a silently different mask.
     try:
-        left, right = window_size
-    except (TypeError, ValueError):
+        if isinstance(window_size, (str, bytes, collections.abc.Set, collections.abc.Mapping)) \
+                or len(window_size) != 2:
+            raise TypeError
+        left, right = window_size[0], window_size[1]
+    except (TypeError, KeyError, IndexError):
         raise InvalidInputError(f"window_size must be a pair (left, right), got "
                                 f"{shown(window_size)}")
     for side, w in (("left", left), ("right", right)):  # numpy integers too, as flash-attn
@@ -255,6 +261,14 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
 
 QKV = ("q", "k", "v")
 _STRIDED = torch.strided  # a global lookup, not torch's attribute, on every call
+
+
+def check_variant(variant) -> None:
+    """variant= names one variant (a str) or none; anything else (a list of names, say) would
+    fail a plan-cache lookup as an unhashable key."""
+    if variant is not None and type(variant) is not str:
+        raise InvalidInputError(f"variant must be a variant name (str) or None, "
+                                f"got {shown(variant)}")
 
 
 def _check_tensors(q, k, v, names: tuple = QKV) -> None:
@@ -1476,6 +1490,7 @@ def _attention(q, k, v, softmax_scale, causal, window_size, softcap, determinist
     softmax_scale = _check_fa3_arguments(softmax_scale)  # a tensor's value, read once
     mask = masking(causal, window_size, softcap)
     deterministic = deterministic_backward(deterministic)
+    check_variant(variant)
     _check_tensors(q, k, v)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     if q_descale is not None or k_descale is not None or v_descale is not None or \

@@ -684,6 +684,7 @@ def _attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
     softmax_scale = ops._check_fa3_arguments(softmax_scale, positional=False)  # keyword-only
     mask = ops.masking(causal, window_size, softcap)
     deterministic = ops.deterministic_backward(deterministic)
+    ops.check_variant(variant)
     ops._check_tensors(q, k, v)
     if seqused_k is not None:
         _check_seqused_k(seqused_k, cu_seqlens_k)

@@ -130,6 +130,9 @@ def test_numpy_integer_windows_are_taken_as_flash_attn_takes_them():
     assert ops.masking(False, (np.int64(3), np.int32(0)), 0.0) == ops.Masking(False, 3, 0)
     assert type(ops.masking(False, (np.int64(3), 0)).window_left) is int
     assert ops.masking(np.bool_(True)) == ops.Masking(causal=True)
+    # a list or an array is a pair as flash-attn indexes it ([0], [1])
+    assert ops.masking(False, np.array([3, 0])) == ops.Masking(False, 3, 0)
+    assert ops.masking(False, [-1, 0]) == ops.Masking(causal=True)
     assert ops.masking(np.bool_(False), (np.int64(3), 0)) == ops.Masking(False, 3, 0)
     for bad in (np.float64(1.0), np.int64(2)):
         with pytest.raises(InvalidInputError, match="causal must be True or False"):
@@ -165,6 +168,11 @@ def test_softcap_takes_a_0d_tensor_as_softmax_scale_does():
     ({"window_size": (5, True)}, "window_size right must be an int >= -1 .*got True"),
     ({"window_size": 5}, r"window_size must be a pair \(left, right\), got 5"),
     ({"window_size": (1, 2, 3)}, r"window_size must be a pair"),
+    # unordered or one-pass pairs would unpack in an order of their own ({-1, 0} as (0, -1))
+    ({"window_size": {-1, 0}}, r"window_size must be a pair \(left, right\), got \{"),
+    ({"window_size": {128: 1, 0: 2}}, r"window_size must be a pair"),
+    ({"window_size": iter([4, 4])}, r"window_size must be a pair"),
+    ({"window_size": "ab"}, r"window_size must be a pair"),
     ({"softcap": -1.0}, r"softcap must be a finite number >= 0 \(0: none\), got -1.0"),
     ({"softcap": float("inf")}, "softcap must be a finite number >= 0"),
     ({"softcap": float("nan")}, "softcap must be a finite number >= 0"),
@@ -183,6 +191,22 @@ def test_softcap_takes_a_0d_tensor_as_softmax_scale_does():
 def test_bad_window_or_softcap_is_an_error(kwargs, message):
     with pytest.raises(InvalidInputError, match=message):
         ops.flash_attn_func(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize("variant", [["fwd_bf16_d64_nocausal"], {}, 7])
+def test_a_variant_that_is_not_a_name_is_an_error(variant):
+    """Was a bare TypeError (unhashable type) from the plan caches for a list or a dict."""
+    import fa3gen
+
+    cu = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+    calls = [lambda: ops.flash_attn_func(q, q, q, variant=variant),
+             lambda: fa3gen.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, q.shape[1],
+                                                   q.shape[1], variant=variant),
+             lambda: fa3gen.flash_attn_qkvpacked_func(torch.stack([q] * 3, 2), variant=variant)]
+    for call in calls:
+        with pytest.raises(InvalidInputError, match=r"variant must be a variant name \(str\) "
+                                                    r"or None, got"):
+            call()
 
 
 M = ops.Masking
