@@ -180,7 +180,7 @@ def cmd_package(args: argparse.Namespace) -> int:
             raise GeneratorError(f"spec {name!r} is being built ({holder}); package it when "
                                  "that build ends")
         _check_built_from(args.spec, name)  # under the lock: a build may be writing the manifest
-        wheel = package(name, args.out, args.name, args.allow_switches)
+        wheel = package(name, args.out, args.name, args.allow_switches, spec_file=args.spec)
     print(f"fa3gen: wrote {wheel} ({wheel.stat().st_size / 1e6:.1f} MB); install it with: "
           f"pip install {wheel}")
     return 0

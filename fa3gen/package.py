@@ -20,7 +20,7 @@ import zipfile
 from pathlib import Path
 
 from fa3gen import __version__, contract
-from fa3gen.errors import Fa3genError
+from fa3gen.errors import Fa3genError, build_command
 from fa3gen.files import replacing
 
 # The runtime modules a packaged library needs, in dependency order.
@@ -213,29 +213,31 @@ def _content_label(files: dict[str, bytes]) -> str:
 
 
 def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = None,
-            allow_switches: bool = False) -> Path:
+            allow_switches: bool = False, spec_file: str | None = None) -> Path:
     """Write the wheel of spec_name's built library into out_dir; returns its path.
-    allow_switches: package a build made with --define or --debug (labelled `.switches`)."""
+    allow_switches: package a build made with --define or --debug (labelled `.switches`).
+    spec_file: the --spec the caller gave (a file outside specs/ too), named by the hints."""
     library, manifest = contract.library_path(spec_name), contract.manifest_path(spec_name)
+    build = build_command(spec_name, spec_file or spec_name)
     out_dir = Path(out_dir)
     if not library.is_file() or not manifest.is_file():
         raise Fa3genError(f"no built library of spec {spec_name!r} at {library} (with its "
-                          f"{contract.MANIFEST_NAME}); build it first: fa3gen build --spec {spec_name}")
+                          f"{contract.MANIFEST_NAME}); build it first: {build}")
     try:
         info = json.loads(manifest.read_text())
     except (ValueError, OSError) as e:  # JSON errors and non-UTF-8 bytes are ValueErrors
-        raise Fa3genError(f"{manifest}: unreadable ({e}); rebuild: fa3gen build --spec {spec_name}") from e
+        raise Fa3genError(f"{manifest}: unreadable ({e}); rebuild: {build}") from e
     if not isinstance(info, dict) or not isinstance(info.get("variants", []), list):
-        raise Fa3genError(f"{manifest}: not a manifest; rebuild: fa3gen build --spec {spec_name}")
+        raise Fa3genError(f"{manifest}: not a manifest; rebuild: {build}")
     if info.get("abi_version") != contract.ABI_VERSION:
         raise Fa3genError(f"{manifest}: built for C ABI {info.get('abi_version')!r}, this fa3gen "
-                          f"speaks {contract.ABI_VERSION}; rebuild: fa3gen build --spec {spec_name}")
+                          f"speaks {contract.ABI_VERSION}; rebuild: {build}")
     switches = _build_switches(info)
     if switches and not allow_switches:
         raise Fa3genError(f"the library of spec {spec_name!r} was built with {', '.join(switches)}: "
                           "a measurement or debug build, not one to ship (some switches give wrong "
-                          f"results on purpose); rebuild without them (fa3gen build --spec "
-                          f"{spec_name}), or pass --allow-switches to package it anyway")
+                          f"results on purpose); rebuild without them ({build}), or pass --allow-switches "
+                          "to package it anyway")
     package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
     # importable, and a distribution name pip takes (letters or digits at both ends)
     if not (package_name.isidentifier() and package_name.isascii()) or keyword.iskeyword(package_name) \

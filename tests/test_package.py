@@ -224,6 +224,16 @@ def test_a_spec_name_that_is_no_identifier_gets_a_package_name(built, capsys):
     assert [w.name.split("-")[0] for w in (built / "dist").glob("*.whl")] == ["fa3gen_my_spec"]
 
 
+def test_the_hints_name_the_spec_file_given(built, capsys):
+    """A spec file outside specs/ was hinted by its name (fa3gen build --spec mine), a command
+    that finds no such spec."""
+    spec = built / "mine" / "other.yaml"
+    spec.parent.mkdir()
+    spec.write_text("name: other\n")
+    assert cli.main(["package", "--spec", str(spec), "--out", str(built / "dist")]) == 2
+    assert f"build it first: fa3gen build --spec {spec}\n" in capsys.readouterr().err
+
+
 def test_a_manifest_without_its_library_says_build_it(built, capsys):
     contract.library_path("fake").unlink()
     assert cli.main(["package", "--spec", "fake", "--out", str(built / "dist")]) == 2
