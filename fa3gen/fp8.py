@@ -91,8 +91,9 @@ def block_sizes(q, k, causal: bool = False, variant: str | None = None) -> tuple
     the tiles (tile_m, tile_n) of the variant that serves it."""
     dims = ops.Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3],
                     "e4m3")
-    info = runtime.get_library().find("fwd", "e4m3", dims.head_dim, bool(causal),
-                                      variant=ops.resolve_variant(dims, bool(causal), variant))
+    causal = ops.flag("causal", causal)
+    info = runtime.get_library().find("fwd", "e4m3", dims.head_dim, causal,
+                                      variant=ops.resolve_variant(dims, causal, variant))
     return info.tile_m, info.tile_n
 
 
@@ -319,10 +320,10 @@ def _cached_signs(d: int, seed: int, device: torch.device) -> torch.Tensor:
 def _check_rotary(rotary, q, k) -> None:
     if rotary is None:
         return
-    try:
-        cos, sin = rotary
-    except (TypeError, ValueError):
-        raise InvalidInputError("rotary must be a pair (cos, sin) of tensors") from None
+    # a tuple or list: a set of two tensors unpacks in an order of its own (cos and sin swapped)
+    if not isinstance(rotary, (tuple, list)) or len(rotary) != 2:
+        raise InvalidInputError("rotary must be a pair (cos, sin) of tensors")
+    cos, sin = rotary
     d = q.shape[-1]
     for name, t in (("cos", cos), ("sin", sin)):
         # q's and k's lengths compared one at a time: max() of symbolic sizes would guard on

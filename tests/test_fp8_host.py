@@ -121,6 +121,21 @@ def test_the_pytorch_path_applies_the_seeded_signs_and_the_interleaved_rotary():
     assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_rotary_is_a_tuple_or_list_and_block_sizes_takes_a_flag():
+    """A set {cos, sin} unpacked in its own (hash) order, cos and sin maybe swapped; causal=2
+    was taken as True by block_sizes."""
+    from fa3gen.errors import InvalidInputError
+
+    q, k, v = tensors(d=64)
+    theta = torch.rand(100, 8)
+    for rotary in ({theta.cos(), theta.sin()}, iter([theta.cos(), theta.sin()]), (theta.cos(),)):
+        with pytest.raises(InvalidInputError, match=r"rotary must be a pair \(cos, sin\)"):
+            fp8.quantize_fp8(q, k, v, block=False, rotary=rotary)
+    fp8.quantize_fp8(q, k, v, block=False, rotary=[theta.cos(), theta.sin()])
+    with pytest.raises(InvalidInputError, match="causal must be True or False, got 2"):
+        fp8.block_sizes(q, k, causal=2)
+
+
 def test_quantize_keeps_an_infinite_scope_infinite():
     """An inf input makes its scope's descale inf (the debug check then names it), and
     descales come contiguous (batch, heads, blocks)."""
