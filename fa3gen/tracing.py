@@ -36,6 +36,7 @@ BEGAN_ENV = "FA3GEN_TRACE_BEGAN"  # when the traced run began: child processes i
 PROCESS_ENV = "FA3GEN_TRACE_PROCESS"  # _process_id's token where /proc is missing
 SIZES = ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")
 FORMAT = "fa3gen-trace-1"
+LINES_KEY = "lines"  # the file's line count, written second (older traces have none)
 
 
 @dataclass
@@ -148,10 +149,18 @@ class Trace:
     def _write(self, data: dict) -> None:
         import yaml  # kept out of import time: ops imports this module
 
-        write_atomically(self.path, "# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
-                         f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
-                         "-o specs/NAME.yaml\n"
-                         + yaml.safe_dump(data, sort_keys=False, default_flow_style=None))
+        rest = {k: v for k, v in data.items() if k not in ("format", LINES_KEY)}
+
+        def text(lines: int) -> str:
+            return ("# fa3gen trace: the dispatch keys and variants that calls resolved to;\n"
+                    f"# turn it into a spec with: fa3gen spec --from-trace {self.path.name} "
+                    "-o specs/NAME.yaml\n"
+                    + yaml.safe_dump({"format": data["format"], LINES_KEY: lines, **rest},
+                                     sort_keys=False, default_flow_style=None))
+
+        # The file's own line count near its top: a copy cut short at a line boundary still
+        # parses (whole call entries or decode pairs missing), and _read then says so.
+        write_atomically(self.path, text(len(text(0).splitlines())))
 
 
 def _copy_token() -> str:
@@ -336,7 +345,8 @@ def _read(path: Path) -> tuple[list[dict], list]:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
+        data = yaml.safe_load(text)
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from e
     except UnicodeDecodeError as e:
@@ -348,6 +358,11 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"{path}: not a trace (nested too deeply to read)") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
         raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
+    lines = data.get(LINES_KEY)
+    if lines is not None and (type(lines) is not int or lines != len(text.splitlines())):
+        raise TraceError(f"{path}: {len(text.splitlines())} lines where the trace wrote "
+                         f"{LINES_KEY}: {lines!r} (cut short? copy the whole file again; a trace "
+                         f"edited by hand: delete its {LINES_KEY}: line)")
     decode = data.get("decode", [])
     if not isinstance(decode, list) or not all(isinstance(p, list) and len(p) == 2 for p in decode):
         raise TraceError(f"{path}: decode must be a list of [dtype, head_dim] pairs, got {decode!r}")

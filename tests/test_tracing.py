@@ -77,6 +77,31 @@ def test_spec_from_trace_round_trip(tmp_path):
                                                           parse_name(BWD).key: BWD}
 
 
+def test_a_trace_cut_short_at_any_line_is_an_error(tmp_path):
+    """A copy cut at a line boundary still parses, without some call entries or decode pairs:
+    it had made a spec without their variants, and no word (the trace's line count says)."""
+    path = tmp_path / "t.yaml"
+    t = tracing.Trace(path)
+    for name in (D128, BWD_FWD, BWD):
+        t.add(name, True, dict(batch=1, seqlen_q=8, seqlen_k=8, heads_q=1, heads_kv=1))
+    t.decode |= {("bf16", 128), ("fp16", 64)}
+    t.write()
+    lines = path.read_text().splitlines(keepends=True)
+    assert yaml.safe_load("".join(lines))["lines"] == len(lines)
+    tracing.spec_from_trace(path, "x")  # whole: reads
+    cut = tmp_path / "cut.yaml"
+    for n in range(1, len(lines)):
+        cut.write_text("".join(lines[:n]))
+        with pytest.raises(fa3gen.TraceError):
+            tracing.spec_from_trace(cut, "x")
+    cut.write_text("".join(lines[:-1]))
+    with pytest.raises(fa3gen.TraceError, match=rf"{len(lines) - 1} lines where the trace wrote "
+                                                 rf"lines: {len(lines)} \(cut short\?"):
+        tracing.spec_from_trace(cut, "x")
+    cut.write_text("".join(lines).rstrip("\n"))  # a last newline lost in a copy: whole
+    tracing.spec_from_trace(cut, "x")
+
+
 def test_spec_from_several_traces_builds_what_each_used(tmp_path, capsys):
     """Ranks (or nodes) traced to files of their own: `--from-trace a b` makes one spec with
     the variants of both, their decode pairs once; a file with no call is fine beside one
