@@ -93,14 +93,13 @@ def _spec_name(spec: str) -> str:
 def _check_built_from(spec: str, name: str) -> None:
     """--spec FILE must be the file whose build generated/<name> holds: another spec file with
     the same `name:` builds into the same folder (a bare name means that folder's build)."""
-    from fa3gen.contract import manifest_path
-    from generator.build import _other_spec_file, read_manifest, spec_sha256
+    from fa3gen.contract import manifest_path, other_spec_file, read_manifest, spec_sha256
 
     path = Path(spec)
     if resolve_spec_path(spec) != path or not path.is_file():
         return
     manifest = read_manifest(manifest_path(name)) or {}
-    other = _other_spec_file(manifest, path)
+    other = other_spec_file(manifest, path)
     if other:
         raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from {other}, "
                              f"another spec file with that name, not from {path.resolve()}; build "

@@ -280,6 +280,20 @@ def read_manifest(path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def spec_sha256(path) -> str:
+    """The bytes of a spec file, as a build's manifest records them (`spec_sha256`)."""
+    import hashlib
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def other_spec_file(manifest: dict | None, spec_path) -> str | None:
+    """The spec file a build's manifest records, where it is not spec_path (another spec file
+    with the same `name:` builds into the same folder)."""
+    recorded = (manifest or {}).get("spec_path")  # no manifest: no finished build
+    here = str(Path(spec_path).resolve())
+    return recorded if isinstance(recorded, str) and recorded != here else None
+
+
 def library_manifest(lib_path) -> dict | None:
     """The build manifest of a library: the first of library_manifest_paths that reads."""
     return next(filter(None, map(read_manifest, library_manifest_paths(lib_path))), None)

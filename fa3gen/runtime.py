@@ -20,6 +20,7 @@ import ctypes
 import functools
 import json
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -587,6 +588,8 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     path, spec_name = resolve_library(asked)
     key = path.resolve() if path.exists() else path
     spec_file = asked if asked is not None and asked.endswith(contract.SPEC_SUFFIXES) else None  # for the hint
+    if spec_file is not None and spec_name is not None:
+        check_built_from(spec_file, spec_name)
     with _lock:
         lib = _libraries.get(key)
         if lib is None:
@@ -595,6 +598,31 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
             _libraries[key] = lib
         _requests[request] = lib
     return lib
+
+
+def check_built_from(spec_file: str, spec_name: str) -> None:
+    """A spec asked for by its file is served by generated/<name>/'s build only if that build
+    was made from this file's bytes: another spec file with the same `name:` builds into the
+    same folder (refused, unless the two files are the same bytes), and a file edited since
+    its build (by hand, or rewritten by fa3gen tune) runs the build as it was (a warning)."""
+    manifest = contract.read_manifest(contract.manifest_path(spec_name))
+    if manifest is None:  # no build yet: loading says how to make one
+        return
+    try:
+        same_bytes = manifest.get("spec_sha256") == contract.spec_sha256(spec_file)
+    except OSError:
+        return
+    if same_bytes:
+        return
+    build = build_command(spec_name, spec_file)
+    other = contract.other_spec_file(manifest, spec_file)
+    if other:
+        raise Fa3genError(f"{spec_file}: the build of spec {spec_name!r} was made from {other}, "
+                          f"another spec file with that name; build this one first: {build}")
+    if isinstance(manifest.get("spec_sha256"), str):  # older builds record none
+        print(f"fa3gen: warning: {spec_file} changed since the build of spec {spec_name!r} "
+              f"(edited, or rewritten by fa3gen tune): its library runs the spec as it was "
+              f"built; rebuild: {build}", file=sys.stderr)
 
 
 def use_spec(name_or_path: str | os.PathLike | None) -> Library | None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str,
-                             library_name, read_manifest, spec_out_dir)
+                             library_name, other_spec_file, read_manifest, spec_out_dir,
+                             spec_sha256)
 
 from fa3gen.files import write_atomically
 
@@ -139,18 +140,6 @@ class BuildResult:
     planned: list[str] = field(default_factory=list)   # dry run: edges ninja would run
 
 
-def spec_sha256(path) -> str:
-    import hashlib
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def _other_spec_file(manifest: dict | None, spec_path) -> str | None:
-    """The spec file a build's manifest records, where it is not spec_path."""
-    recorded = (manifest or {}).get("spec_path")  # no manifest: no finished build
-    here = str(Path(spec_path).resolve())
-    return recorded if isinstance(recorded, str) and recorded != here else None
-
-
 def filter_notes(p) -> list[str]:
     """What an --only/--exclude filter took from the dispatch of plan p's keys: a default, or a
     seqlen_k range's choice (the key keeps variants, so a call runs something else or fails)."""
@@ -237,7 +226,7 @@ def build(spec_path, only: Iterable[str] = (), exclude: Iterable[str] = (),
                                                     _strict(allow_spills)))
 
     with build_lock(out, f"spec {p.spec.name}", log):
-        other = _other_spec_file(read_manifest(out / MANIFEST_NAME), p.spec.path)
+        other = other_spec_file(read_manifest(out / MANIFEST_NAME), p.spec.path)
         if other:  # one output folder a spec name: this build replaces that file's library
             log(f"fa3gen: warning: {out} held the build of {other}, another spec file named "
                 f"{p.spec.name!r}; this build of {p.spec.path} replaces it (give one of them "

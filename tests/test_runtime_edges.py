@@ -179,6 +179,35 @@ class FakeLibrary:
         self.path = path
 
 
+def test_a_spec_file_is_served_only_by_a_build_of_its_bytes(clean_runtime, tmp_path, monkeypatch,
+                                                           capsys):
+    """get_library(FILE) loaded generated/<name>/'s library whatever file had built it: another
+    spec file with the same name (other variants), or this one before an edit (fa3gen tune)."""
+    import json
+
+    monkeypatch.setattr(runtime, "Library", FakeLibrary)
+    built, other = tmp_path / "a" / "s.yaml", tmp_path / "b" / "s.yaml"
+    for f, text in ((built, "name: same\n# a\n"), (other, "name: same\n# b\n")):
+        f.parent.mkdir()
+        f.write_text(text)
+    manifest = contract.manifest_path("same")
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"spec_path": str(built.resolve()),
+                                    "spec_sha256": contract.spec_sha256(built)}))
+    assert runtime.get_library(str(built)).path == contract.library_path("same")
+    assert capsys.readouterr().err == ""
+    with pytest.raises(Fa3genError, match=rf"the build of spec 'same' was made from {built}, "
+                                          rf"another spec file .*fa3gen build --spec {other}"):
+        runtime.get_library(str(other))
+    other.write_text(built.read_text())  # the same bytes elsewhere: the same spec
+    runtime.get_library(str(other))
+    built.write_text("name: same\n# tuned\n")
+    runtime._requests.clear()  # as a new process (one answers a request once)
+    runtime.get_library(str(built))
+    assert f"{built} changed since the build of spec 'same'" in capsys.readouterr().err
+    assert runtime.get_library("same").path == contract.library_path("same")  # by name: as built
+
+
 def test_use_spec_and_its_reset_change_what_get_library_answers(clean_runtime, monkeypatch):
     monkeypatch.setattr(runtime, "Library", FakeLibrary)
     a, b = clean_runtime / "libfa3gen_a.so", clean_runtime / "libfa3gen_b.so"
