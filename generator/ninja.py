@@ -118,16 +118,16 @@ def render_build_ninja(spec_name: str, variants: list[Variant], tc: Toolchain,
         cflags=_cmd(tc.flags), cflags_plain=_cmd(_without_ptxas_v(tc.flags)),
         ldflags=_cmd(tc.link_flags),
         implicit=implicit, abi_header=_path(Path(kernels_dir) / "fa3gen_abi.h"),
-        plain_units={unit: _headers(kernels_dir, PLAIN_UNIT_HEADERS[unit])
+        plain_units={unit: " ".join(_path(Path(kernels_dir) / h) for h in plain_unit_headers(unit))
                      for unit in plain_units(variants, decode)},
         library=library_name(spec_name))
 
 
-def _headers(kernels_dir, kernels: tuple) -> str:
-    """What a CuTe-free kernel TU includes (its rule has no depfile, so edges name them)."""
-    return " ".join(_path(Path(kernels_dir) / h)
-                    for h in (*kernels, "launch_common.cuh", "simt_common.cuh",
-                              "rescale_threshold.cuh", "fa3gen_abi.h"))
+def plain_unit_headers(unit: str) -> tuple[str, ...]:
+    """The headers in templates/kernels a CuTe-free unit includes, directly or not (its rule
+    has no depfile, so its edges name them; a test follows the includes to hold this true)."""
+    return (*PLAIN_UNIT_HEADERS[unit], "launch_common.cuh", "simt_common.cuh",
+            "rescale_threshold.cuh", "fa3gen_abi.h")
 
 
 def write_build_ninja(out_dir: Path, text: str) -> bool:

@@ -274,3 +274,21 @@ texts = [files[k] for k in sorted(files)] + [render_build_ninja(
 print(len(texts), hashlib.sha256("".join(texts).encode()).hexdigest())
 """)
     assert a == b
+
+
+@pytest.mark.parametrize("unit", ["quantize", "decode"])
+def test_a_plain_units_header_edges_name_every_header_it_includes(unit):
+    """The CuTe-free units compile without a depfile: a header they include that their edges
+    do not name would not rebuild them when edited (a stale kernel in the library)."""
+    import re
+    from generator.ninja import plain_unit_headers
+    from generator.paths import KERNELS_DIR, TEMPLATES_DIR
+
+    included, todo = set(), [TEMPLATES_DIR / f"{unit}.cu.j2"]
+    while todo:
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', todo.pop().read_text(), re.M):
+            if name not in included and (KERNELS_DIR / name).is_file():
+                included.add(name)
+                todo.append(KERNELS_DIR / name)
+    assert included and included <= set(plain_unit_headers(unit)), \
+        sorted(included - set(plain_unit_headers(unit)))
