@@ -295,8 +295,15 @@ def other_spec_file(manifest: dict | None, spec_path) -> str | None:
 
 
 def library_manifest(lib_path) -> dict | None:
-    """The build manifest of a library: the first of library_manifest_paths that reads."""
-    return next(filter(None, map(read_manifest, library_manifest_paths(lib_path))), None)
+    """The build manifest of a library: the first of library_manifest_paths that reads and
+    names a library of this file name (a manifest.json beside a copied .so may be another
+    build's: its commit and resources would then be reported as this one's)."""
+    name = Path(lib_path).name
+    for data in map(read_manifest, library_manifest_paths(lib_path)):
+        recorded = (data or {}).get("library")
+        if data is not None and (not isinstance(recorded, str) or Path(recorded).name == name):
+            return data
+    return None
 
 _LIBRARY_RE = re.compile(r"libfa3gen_(.+)\.so")
 

@@ -452,6 +452,13 @@ def test_library_commit_reads_the_manifest_beside_or_above_the_library(tmp_path)
     assert bench.library_commit(lib) is None
     (lib.parent / "manifest.json").write_text("{not json")
     assert bench.library_commit(lib) == "up1234"
+    # one that names another library (a copy beside another build's manifest) is passed over
+    (lib.parent / "manifest.json").write_text('{"library": "lib/libfa3gen_y.so", '
+                                              '"source_commit": "other9"}')
+    assert bench.library_commit(lib) == "up1234"
+    (lib.parent / "manifest.json").write_text('{"library": "lib/libfa3gen_x.so", '
+                                              '"source_commit": "mine77"}')
+    assert bench.library_commit(lib) == "mine77"
 
 
 def _fake_batches(monkeypatch):
