@@ -173,7 +173,10 @@ def render_markdown(report: dict) -> str:
                 f"{_fmt(joules.get(peer) if peer else None)} | {r.get('variant') or '—'} |"
                 + (f" {r.get('run')} |" if several else "")
             )
-    lines += _candidates_markdown(report["rows"])
+    # The candidates of the latest run only, as its picked_defaults: a merged report's older
+    # rows may come from another library or GPU, and a geomean across them picks nothing.
+    latest = len(report.get("runs") or [None]) - 1
+    lines += _candidates_markdown([r for r in report["rows"] if r.get("run", latest) == latest])
     lines.append(END)
     return "\n".join(lines) + "\n"
 
@@ -324,10 +327,13 @@ def earlier_report(path: Path) -> dict | None:
 
 
 def unmeasured_points(old: dict, new: dict) -> list[tuple]:
-    """The points `new` has no fa3gen time for (the library lacked the variant) where `old` has
-    one: --merge keeps `old`'s row there rather than blank a measurement."""
+    """The points `new` has no fa3gen time for because its library lacked the variant (the
+    row names none) where `old` has one: --merge keeps `old`'s row there rather than blank a
+    measurement. A call that failed on a variant the library has is this run's result: its
+    row replaces the old one (an old number must not stand for a regression)."""
     timed = {point_of(r) for r in old["rows"] if r["tflops"].get("fa3gen") is not None}
-    return [point_of(r) for r in new["rows"] if r["tflops"].get("fa3gen") is None and point_of(r) in timed]
+    return [point_of(r) for r in new["rows"] if r["tflops"].get("fa3gen") is None
+            and r.get("variant") is None and point_of(r) in timed]
 
 
 def merge_reports(old: dict, new: dict) -> dict:

@@ -247,7 +247,19 @@ def reason_counts(reason_lists) -> str:
     return ", ".join(f"{name} in {n}" for name, n in sorted(counts.items(), key=lambda c: -c[1])) or "none"
 
 
-def reasons_field(command: str = "nvidia-smi", device_index: int = 0) -> str | None:
+def smi_id(cuda_index: int) -> str:
+    """nvidia-smi's --id of CUDA device cuda_index: the board's UUID. nvidia-smi numbers boards
+    in PCI order and ignores CUDA_VISIBLE_DEVICES, so CUDA's index may name another board (its
+    power and clocks then reported as this one's). The index itself where torch gives no UUID."""
+    try:
+        import torch
+        uuid = str(torch.cuda.get_device_properties(cuda_index).uuid)
+    except Exception:  # noqa: BLE001 - no CUDA, an older torch: the index, as before
+        return str(cuda_index)
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
+def reasons_field(command: str = "nvidia-smi", device_index: int | str = 0) -> str | None:
     """The name under which this nvidia-smi reports the clock-event reasons (older drivers:
     clocks_throttle_reasons), or None when neither answers."""
     import subprocess
@@ -275,9 +287,10 @@ class PowerSampler:
     PROBE_REASONS = True  # add the reasons field to QUERY when this nvidia-smi has it
 
     def __init__(self, device_index: int = 0, period_ms: int = 20, command: str = "nvidia-smi"):
-        self.command, self.device_index = command, device_index
+        """device_index: CUDA's index of the GPU (torch.cuda.current_device())."""
+        self.command, self.device_index = command, smi_id(device_index)
         self.argv = [command, self.QUERY, "--format=csv,noheader,nounits", f"-lms={period_ms}",
-                     f"--id={device_index}"]
+                     f"--id={self.device_index}"]
         self.current = None
         self.samples: dict = {}
         self.proc = None

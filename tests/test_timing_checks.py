@@ -337,6 +337,20 @@ def wait_for_sample(sampler, tag, timeout_s=30.0, count=1):
         time.sleep(0.01)
 
 
+def test_power_sampler_names_the_board_by_its_uuid(monkeypatch):
+    """nvidia-smi --id=<CUDA index> named another board where CUDA_VISIBLE_DEVICES or CUDA's
+    fastest-first order renumber them: its power and clocks were reported as this GPU's."""
+    import torch
+
+    uuid = "ffc79498-8ff3-c2dc-3b0d-fafd804516ae"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(uuid=uuid if i == 3 else None))
+    assert timing.PowerSampler(3).argv[-1] == f"--id=GPU-{uuid}"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: (_ for _ in ()).throw(RuntimeError("no CUDA")))
+    assert timing.PowerSampler(2).argv[-1] == "--id=2"  # no UUID to read: the index
+
+
 def test_power_sampler_tags_samples_from_nvidia_smi(monkeypatch):
     import sys
     from pathlib import Path
