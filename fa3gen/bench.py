@@ -439,7 +439,7 @@ def _dtype_list(s: str) -> list[str]:
         raise argparse.ArgumentTypeError(
             f"expected a comma-separated list of dtypes from {', '.join(DTYPES)} "
             f"(e.g. bf16,fp16), got {s!r}")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def positive_ms(text: str) -> float:
@@ -525,7 +525,7 @@ def int_list(example: str):
         if not values or min(values) < 1:
             raise argparse.ArgumentTypeError(
                 f"expected a comma-separated list of positive integers (e.g. {example}), got {s!r}")
-        return values
+        return list(dict.fromkeys(values))  # each once: a repeat measured a point twice
     return parse
 
 

@@ -171,7 +171,8 @@ def seqlen_ranges(seqlens: list[int], times: dict[str, list], fallback: str) -> 
     best = []
     for i in order:
         ok = {n: ts[i] for n, ts in times.items() if ts[i]}
-        best.append(min(ok, key=ok.get) if ok else fallback)
+        # an exact tie goes to the fallback: no range for a candidate that is not faster
+        best.append(min(ok, key=lambda n: (ok[n], n != fallback)) if ok else fallback)
     out, start = [], 0
     for j, i in enumerate(order):
         last = j + 1 == len(order)

@@ -988,7 +988,8 @@ def test_merge_keeps_a_timed_row_where_the_new_run_has_no_fa3gen_time():
     old["rows"][1] = dict(old["rows"][1], tflops=dict(old["rows"][1]["tflops"], fa3gen=None))
     new = fabricated_report()
     new["header"] = dict(new["header"], commit="def456")
-    new["rows"] = [dict(r, tflops=dict(r["tflops"], fa3gen=None, cudnn=1.0)) for r in new["rows"][:2]]
+    new["rows"] = [dict(r, variant=None, tflops=dict(r["tflops"], fa3gen=None, cudnn=1.0))
+                   for r in new["rows"][:2]]
     assert bench.unmeasured_points(old, new) == [bench.point_of(old["rows"][0])]
     merged = bench.merge_reports(old, new)
     by_point = {bench.point_of(r): r for r in merged["rows"]}
@@ -996,6 +997,30 @@ def test_merge_keeps_a_timed_row_where_the_new_run_has_no_fa3gen_time():
     assert by_point[bench.point_of(old["rows"][0])] == dict(old["rows"][0], run=0)  # kept
     assert by_point[bench.point_of(old["rows"][1])]["run"] == 1  # untimed both times: the new row
     assert by_point[bench.point_of(old["rows"][1])]["tflops"]["cudnn"] == 1.0
+    # the library had the variant and the call failed: this run's result, not the old number
+    new["rows"][0] = dict(new["rows"][0], variant="fwd_bf16_d64_nocausal_m192n128_s2_ws1_pp1_ov1")
+    assert bench.unmeasured_points(old, new) == []
+    failed = {bench.point_of(r): r for r in bench.merge_reports(old, new)["rows"]}
+    assert failed[bench.point_of(old["rows"][0])]["tflops"]["fa3gen"] is None
+    assert failed[bench.point_of(old["rows"][0])]["run"] == 1
+
+
+def test_a_merged_reports_candidate_table_is_the_latest_runs():
+    """The markdown's candidates took a geomean over every merged row (older runs: another
+    library, another GPU) and could mark another pick than the run's picked_defaults."""
+    old = fabricated_report()
+    old["rows"] = [dict(r, candidates={"A": 900.0, "B": 100.0}) for r in old["rows"]]
+    new = fabricated_report()
+    new["header"] = dict(new["header"], commit="def456")
+    new["rows"] = [dict(r, candidates={"A": 300.0, "B": 400.0})
+                   for r in new["rows"] if r["head_dim"] == 64]
+    merged = bench.merge_reports(old, new)
+    want = bench.pick_defaults(new["rows"])
+    assert {p["variant"] for p in want.values()} == {"B"}
+    table = bench.render_markdown(merged).split("### Candidates")[1]
+    picked = [ln.split("|")[2].strip() for ln in table.splitlines() if ln.endswith("| * |")]
+    assert picked and set(picked) == {"B"}
+    assert "_d128_" not in table  # a key only the older run timed: not this run's pick
 
 
 def test_merge_refuses_what_is_not_a_report(tmp_path):

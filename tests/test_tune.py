@@ -146,6 +146,17 @@ def test_seqlen_ranges_where_another_candidate_wins():
     assert tune.seqlen_ranges([1024, 2048, 8192, 16384], times, "b") == [(0, 4096, "a")]
     assert tune.seqlen_ranges([1024, 2048, 8192, 16384], times, "a") == [(4097, 2**31 - 1, "b")]
     assert tune.seqlen_ranges([1024, 4096], {"a": [1.0, 1.0], "b": [2.0, 2.0]}, "a") == []
+    # an exact tie is the fallback's (it went to whichever candidate came first: a range
+    # for a tile that is not faster)
+    assert tune.seqlen_ranges([1024, 4096], {"a": [1.0, 2.0], "b": [1.0, 2.0]}, "b") == []
+
+
+def test_list_options_measure_each_value_once():
+    """--seqlens 1024,1024 measured the point twice (two rows; tune's ranges then overlapped)."""
+    from fa3gen import bench
+
+    assert bench.int_list("1,2")("1024,512,1024") == [1024, 512]
+    assert bench._dtype_list("bf16,fp16,bf16") == ["bf16", "fp16"]
 
 
 def test_tune_writes_ranges_that_resolve(spec_file, tmp_path, monkeypatch, capsys):
