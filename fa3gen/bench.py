@@ -326,6 +326,15 @@ def earlier_report(path: Path) -> dict | None:
     return report
 
 
+def check_same_gpu(old: dict, gpu: str, path) -> None:
+    """--merge adds to a report of one GPU model: a row of another would stand beside (or
+    replace) its rows in one table, its ceiling and plot drawn for one board."""
+    theirs = {h.get("gpu") for h in (old.get("runs") or [old["header"]])} - {None}
+    if theirs and theirs != {gpu}:
+        raise Fa3genError(f"--merge: {path} holds rows measured on {', '.join(sorted(theirs))}, "
+                          f"this run is on {gpu}; write this GPU's rows to another --out")
+
+
 def unmeasured_points(old: dict, new: dict) -> list[tuple]:
     """The points `new` has no fa3gen time for because its library lacked the variant (the
     row names none) where `old` has one: --merge keeps `old`'s row there rather than blank a
@@ -733,6 +742,8 @@ def run(args) -> int:
                           "what the library has (fa3gen list --spec SPEC)")
 
     header = provenance(lib)
+    if earlier is not None:
+        check_same_gpu(earlier, header["gpu"], args.out)
     header["gemm_tflops"] = gemm_ceiling(args)
     header["gemm_timing"] = "rows"  # timed as the rows are (reports before it: a burst)
     header["timing"] = _timing_description(args)

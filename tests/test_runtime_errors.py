@@ -1023,6 +1023,14 @@ def test_a_merged_reports_candidate_table_is_the_latest_runs():
     assert "_d128_" not in table  # a key only the older run timed: not this run's pick
 
 
+def test_merge_refuses_a_report_of_another_gpu():
+    old = fabricated_report()  # NVIDIA H200
+    bench.check_same_gpu(old, "NVIDIA H200", "bench.json")
+    with pytest.raises(Fa3genError, match=r"--merge: bench.json holds rows measured on NVIDIA "
+                                          r"H200, this run is on NVIDIA H100 80GB HBM3"):
+        bench.check_same_gpu(old, "NVIDIA H100 80GB HBM3", "bench.json")
+
+
 def test_merge_refuses_what_is_not_a_report(tmp_path):
     assert bench.earlier_report(tmp_path / "none.json") is None
     bad = tmp_path / "bad.json"
