@@ -1225,7 +1225,9 @@ class _NoSecondDerivative(torch.autograd.Function):
 
     @staticmethod
     def forward(anchors, *tensors):
-        return tuple(g.view_as(g) if g is not None else None for g in tensors[anchors:])
+        # copies, not views: a view made inside a Function cannot be modified in place, and
+        # a gradient of create_graph=True is a tensor the caller may scale or clip in place
+        return tuple(g.clone() if g is not None else None for g in tensors[anchors:])
 
     @staticmethod
     def setup_context(ctx, inputs, output):
