@@ -461,7 +461,10 @@ def test_second_derivatives_are_an_error_not_zeros(eager):
     q = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16, requires_grad=True)
     (g,) = torch.autograd.grad(ops.flash_attn_func(q, q, q).float().sum(), q, create_graph=True)
     assert g.shape == q.shape and g.requires_grad
-    g.mul_(2)  # a first-order gradient is a tensor like any (it was a view: in place refused)
+    k = torch.zeros_like(q, requires_grad=True)
+    (gq, gk) = torch.autograd.grad(ops.flash_attn_func(q, k, k).float().sum(), (q, k),
+                                   create_graph=True)
+    gq.mul_(2)  # a first-order gradient is a tensor like any (it was a view: in place refused)
     with pytest.raises(Fa3genError, match="no second derivative"):
         g.float().sum().backward()
     (g,) = torch.autograd.grad(ops.flash_attn_func(q, q, q).float().sum(), q)  # the usual call
