@@ -91,22 +91,21 @@ def _spec_name(spec: str) -> str:
 
 
 def _check_built_from(spec: str, name: str) -> None:
-    """--spec FILE must be the file whose build generated/<name> holds: another spec file with
-    the same `name:` builds into the same folder (a bare name means that folder's build)."""
-    from fa3gen.contract import manifest_path, other_spec_file, read_manifest, spec_sha256
+    """--spec FILE must be the file whose build generated/<name> holds, as it is now
+    (contract.spec_file_mismatch; a bare name means that folder's build): a wheel ships what
+    its spec file says."""
+    from fa3gen.contract import manifest_path, read_manifest, spec_file_mismatch
 
     path = Path(spec)
     if resolve_spec_path(spec) != path or not path.is_file():
         return
-    manifest = read_manifest(manifest_path(name)) or {}
-    other = other_spec_file(manifest, path)
-    if other:
-        raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from {other}, "
-                             f"another spec file with that name, not from {path.resolve()}; build "
-                             f"it first (fa3gen build --spec {spec}), or package that build with "
-                             f"--spec {other}")
-    recorded = manifest.get("spec_sha256")
-    if isinstance(recorded, str) and recorded != spec_sha256(path):  # older builds: no field
+    mismatch = spec_file_mismatch(read_manifest(manifest_path(name)), path)
+    if mismatch and mismatch[0] == "other":
+        raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from "
+                             f"{mismatch[1]}, another spec file with that name, not from "
+                             f"{path.resolve()}; build it first (fa3gen build --spec {spec}), "
+                             f"or package that build with --spec {mismatch[1]}")
+    if mismatch:
         raise GeneratorError(f"--spec {spec} changed since the build of spec {name!r} (edited, "
                              f"or rewritten by fa3gen tune); build it again first: fa3gen build "
                              f"--spec {spec}")

@@ -294,6 +294,22 @@ def other_spec_file(manifest: dict | None, spec_path) -> str | None:
     return recorded if isinstance(recorded, str) and recorded != here else None
 
 
+def spec_file_mismatch(manifest: dict | None, spec_file) -> tuple[str, str | None] | None:
+    """How a spec file differs from the build a manifest records: None where the build was
+    made from these bytes (at any path: a moved checkout, a copy) or nothing is recorded;
+    ("other", that file) where it was made from another spec file with the same name;
+    ("edited", None) where from this file before an edit (by hand, or fa3gen tune)."""
+    if manifest is None:
+        return None
+    recorded = manifest.get("spec_sha256")
+    if isinstance(recorded, str) and recorded == spec_sha256(spec_file):
+        return None
+    other = other_spec_file(manifest, spec_file)
+    if other:
+        return "other", other
+    return ("edited", None) if isinstance(recorded, str) else None  # older builds: no sha
+
+
 def library_manifest(lib_path) -> dict | None:
     """The build manifest of a library: the first of library_manifest_paths that reads and
     names a library of this file name (a manifest.json beside a copied .so may be another

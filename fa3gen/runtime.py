@@ -602,27 +602,24 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
 
 def check_built_from(spec_file: str, spec_name: str) -> None:
     """A spec asked for by its file is served by generated/<name>/'s build only if that build
-    was made from this file's bytes: another spec file with the same `name:` builds into the
-    same folder (refused, unless the two files are the same bytes), and a file edited since
-    its build (by hand, or rewritten by fa3gen tune) runs the build as it was (a warning)."""
-    manifest = contract.read_manifest(contract.manifest_path(spec_name))
-    if manifest is None:  # no build yet: loading says how to make one
-        return
+    was made from this file's bytes (contract.spec_file_mismatch): the build of another spec
+    file with the same `name:` is refused; a file edited since its build (by hand, or
+    rewritten by fa3gen tune) runs the build as it was, with a warning."""
     try:
-        same_bytes = manifest.get("spec_sha256") == contract.spec_sha256(spec_file)
-    except OSError:
+        mismatch = contract.spec_file_mismatch(
+            contract.read_manifest(contract.manifest_path(spec_name)), spec_file)
+    except OSError:  # an unreadable file: loading says what is missing
         return
-    if same_bytes:
+    if mismatch is None:
         return
     build = build_command(spec_name, spec_file)
-    other = contract.other_spec_file(manifest, spec_file)
-    if other:
+    kind, other = mismatch
+    if kind == "other":
         raise Fa3genError(f"{spec_file}: the build of spec {spec_name!r} was made from {other}, "
                           f"another spec file with that name; build this one first: {build}")
-    if isinstance(manifest.get("spec_sha256"), str):  # older builds record none
-        print(f"fa3gen: warning: {spec_file} changed since the build of spec {spec_name!r} "
-              f"(edited, or rewritten by fa3gen tune): its library runs the spec as it was "
-              f"built; rebuild: {build}", file=sys.stderr)
+    print(f"fa3gen: warning: {spec_file} changed since the build of spec {spec_name!r} "
+          f"(edited, or rewritten by fa3gen tune): its library runs the spec as it was "
+          f"built; rebuild: {build}", file=sys.stderr)
 
 
 def use_spec(name_or_path: str | os.PathLike | None) -> Library | None:

@@ -397,6 +397,25 @@ def test_a_spec_file_is_packaged_only_from_its_own_build(built, capsys):
         assert cli.main(["package", "--spec", spec, "--out", str(built / "dist")]) == 0, capsys.readouterr().err
 
 
+def test_a_moved_checkout_packages_its_build(built, capsys):
+    """The manifest records the spec file's path and bytes: the same bytes at another path (a
+    checkout moved, a tree copied to another machine) are that build, as the runtime takes
+    them; bytes that differ there are another file's build."""
+    import hashlib
+    recorded, moved = built / "old" / "fake.yaml", built / "new" / "fake.yaml"
+    for spec in (recorded, moved):
+        spec.parent.mkdir()
+        spec.write_text("name: fake\n")
+    manifest = contract.manifest_path("fake")
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "spec_path": str(recorded),
+                                    "spec_sha256": hashlib.sha256(recorded.read_bytes()).hexdigest()}))
+    assert cli.main(["package", "--spec", str(moved), "--out", str(built / "dist")]) == 0, \
+        capsys.readouterr().err
+    moved.write_text("name: fake\n# tuned\n")
+    assert cli.main(["package", "--spec", str(moved), "--out", str(built / "dist2")]) == 2
+    assert f"was made from {recorded}, another spec file" in capsys.readouterr().err
+
+
 def test_a_spec_file_edited_since_its_build_is_not_packaged(built, capsys):
     """The manifest records the spec file's bytes: a file edited (or rewritten by fa3gen tune)
     after the build had been packaged as that build without a word."""
