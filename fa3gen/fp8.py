@@ -127,6 +127,9 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     (shape (1,)), or one per (batch, head, block of block_rows rows) (shape (batch, heads,
     blocks)), the layout flash_attn_func takes (block_rows from block_sizes). PyTorch
     operations, not a fused kernel."""
+    if block_rows is not None and (type(block_rows) is not int or block_rows < 1):
+        raise InvalidInputError(f"quantize: block_rows must be a positive int or None, got "
+                                f"{ops.shown(block_rows)}")
     b, s, h, d = x.shape
     xf = x.float()
     # The amax skips NaN, as the fused kernel's fmaxf does: one NaN must not turn a whole
@@ -135,13 +138,15 @@ def quantize(x: torch.Tensor, block_rows: int | None = None):
     if block_rows is None:
         amax = mag.amax().reshape(1) if mag.numel() else mag.new_zeros(1)  # empty: scale 1
         scale = _descale(amax)
-        return (xf / scale).to(FP8_DTYPE), scale
+        # contiguous: x's layout (a dense x with head_dim strided) may be one flash_attn_func
+        # does not read
+        return (xf / scale).to(FP8_DTYPE).contiguous(), scale
     blocks = -(-s // block_rows)
     padded = torch.nn.functional.pad(mag, (0, 0, 0, 0, 0, blocks * block_rows - s))
     amax = padded.reshape(b, blocks, block_rows, h, d).amax(dim=(2, 4))  # (b, blocks, h)
     scale = _descale(amax)
     rows = scale.repeat_interleave(block_rows, dim=1)[:, :s, :, None]           # (b, s, h, 1)
-    return (xf / rows).to(FP8_DTYPE), _tag_blocks(scale.permute(0, 2, 1).contiguous(), block_rows)
+    return (xf / rows).to(FP8_DTYPE).contiguous(), _tag_blocks(scale.permute(0, 2, 1).contiguous(), block_rows)
 
 
 @torch.no_grad()  # quantization is not differentiable; fp8 inputs must not need grad
@@ -172,9 +177,11 @@ def quantize_fp8(q, k, v, *, block: bool = True, hadamard: bool = False, seed: i
     if ops._captured(q, k, v):  # torch.compile: the checks here, the work in the custom op
         _check_rotary(rotary, q, k)
         cos, sin = rotary if rotary is not None else (None, None)
+        # the op's int is signed 64-bit: a seed from 2**63 as its two's complement, which
+        # seeds a torch generator alike
         q8, k8, v8, qd, kd, vd = torch.ops.fa3gen.quantize_fp8(
-            q, k, v, bool(block), bool(hadamard), seed, bool(causal), variant or "", cos, sin,
-            bool(rotary_interleaved))
+            q, k, v, bool(block), bool(hadamard), seed - 2**64 if seed >= 2**63 else seed,
+            bool(causal), variant or "", cos, sin, bool(rotary_interleaved))
         return q8, k8, v8, {"q_descale": qd, "k_descale": kd, "v_descale": vd}
     lib = _quantizer_library(q)
     key = _quantize_key((q, k, v), rotary,
@@ -384,8 +391,10 @@ def _quantize_kernel(lib, x, block_rows: int | None, signs, rotary=None, interle
 def _quantize_params(x, block_rows: int | None, rotary=None, interleaved: bool = False):
     """(x, params template): x made contiguous when the kernel cannot read it as it is (16-byte
     vectors), and every field but the pointers."""
-    if x.stride(-1) != 1 or any(x.stride(i) % 8 for i in range(3)) or x.data_ptr() % 16:
+    if x.stride(-1) != 1 or any(x.stride(i) % 8 for i in range(3)):
         x = x.contiguous()  # the kernel reads 16-byte vectors
+    if x.data_ptr() % 16:  # contiguous() returns a contiguous view as it is: a copy
+        x = x.clone(memory_format=torch.contiguous_format)
     b, s, h, d = x.shape
     p = runtime.QuantizeParams()
     p.x_batch_stride, p.x_row_stride, p.x_head_stride = x.stride(0), x.stride(1), x.stride(2)

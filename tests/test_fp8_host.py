@@ -121,6 +121,47 @@ def test_the_pytorch_path_applies_the_seeded_signs_and_the_interleaved_rotary():
     assert torch.equal(q8.view(torch.uint8), want.view(torch.uint8))
 
 
+def test_a_contiguous_misaligned_input_reaches_the_quantizer_aligned(quantizer, monkeypatch):
+    """contiguous() returns a contiguous view as it is: a view 2 bytes into its storage went
+    to the kernel's 16-byte loads at that address (a misaligned-address fault on the GPU)."""
+    monkeypatch.setattr(fp8, "block_sizes", lambda *a: (64, 64))
+    buf = torch.randn(100 * 2 * 128 + 1).to(torch.bfloat16)
+    q = buf[1:].view(1, 100, 2, 128)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    k, v = (torch.randn(1, 100, 2, 128).to(torch.bfloat16) for _ in range(2))
+    fp8.quantize_fp8(q, k, v)
+    assert quantizer and all(p["x"] % 16 == 0 for p in quantizer)
+
+
+def test_quantize_gives_values_flash_attn_func_reads_and_refuses_a_bad_block():
+    """A dense x with head_dim strided gave values of that layout, which flash_attn_func
+    refuses; block_rows=0 was a ZeroDivisionError."""
+    from fa3gen.errors import InvalidInputError
+
+    x = torch.randn(1, 128, 4, 64).permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2)
+    assert x.stride(-1) != 1
+    for block in (None, 64):
+        values, _ = fp8.quantize(x, block)
+        assert values.is_contiguous()
+    for bad in (0, -64, 2.5):
+        with pytest.raises(InvalidInputError, match="block_rows must be a positive int"):
+            fp8.quantize(x, bad)
+
+
+@pytest.mark.parametrize("seed", [5, 2**63 + 5])
+def test_a_seed_past_2_63_compiles_as_it_runs_eagerly(fake_launches, seed):
+    """The custom op's int is signed 64-bit: a seed in [2**63, 2**64), taken eagerly, failed
+    under torch.compile."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=g).bfloat16() for _ in range(3))
+    eager = fp8.quantize_fp8(q, k, v, block=False, hadamard=True, seed=seed)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: fp8.quantize_fp8(q, k, v, block=False,
+                                                              hadamard=True, seed=seed),
+                             backend="aot_eager", fullgraph=True)(q, k, v)
+    assert torch.equal(eager[0].view(torch.uint8), compiled[0].view(torch.uint8))
+
+
 def test_rotary_is_a_tuple_or_list_and_block_sizes_takes_a_flag():
     """A set {cos, sin} unpacked in its own (hash) order, cos and sin maybe swapped; causal=2
     was taken as True by block_sizes."""
