@@ -205,6 +205,22 @@ def _check_tiles_per_seq(name: str, max_seqlen: int, tile: int, variant: str) ->
                                 f"split longer sequences")
 
 
+def _check_longest(name: str, cu_seqlens, rows: int, tile: int, variant: str) -> None:
+    """The tile list's bound on the longest sequence itself, where `rows` alone could hold a
+    sequence past it: max_seqlen is the caller's word (a bound read without a sync), and an
+    understated one let the kernel that lists the tiles pack a block index past its 16 bits
+    into the head field (a tile done twice, one never, writes past lse). Reading the lengths
+    syncs, on problems of millions of rows only; skipped under CUDA graph capture."""
+    if rows <= VARLEN_LIMITS["tiles_per_seq"] * tile or cu_seqlens.numel() < 2 or \
+            (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    longest, limit = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), VARLEN_LIMITS["tiles_per_seq"]
+    if -(-longest // tile) > limit:
+        raise InvalidInputError(f"a sequence of {longest} rows makes more than {limit} tiles of "
+                                f"{tile} rows for {variant} (at most {limit * tile}; {name} "
+                                f"understates it); split longer sequences")
+
+
 def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused_k=None,
              block_table=None) -> None:
     """Launch plan on tensors of its signature. block_table: a paged plan's (paged_forward; k
@@ -215,6 +231,7 @@ def _fwd_run(plan: _Plan, q, k, v, cu_seqlens_q, cu_seqlens_k, out, lse, seqused
         out.zero_()
         lse.fill_(float("-inf"))
         return
+    _check_longest("max_seqlen_q", cu_seqlens_q, q.shape[0], plan.info.tile_m, plan.info.name)
     p = ops._fwd_call_params(plan, q, k, v, out, lse)
     d = plan.dims
     tiles = _fwd_tile_list(q, d, plan.info.tile_m)
@@ -418,6 +435,7 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
         dk.zero_()
         dv.zero_()
         return
+    _check_longest("max_seqlen_k", cu_seqlens_k, k.shape[0], plan.info.tile_n, plan.info.name)
     if seqused_k is not None:  # the kernels write no dk, dv row past seqused_k: those are 0
         dk.zero_()
         dv.zero_()

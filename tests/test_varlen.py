@@ -119,6 +119,26 @@ def test_debug_checks_take_padding_after_the_last_sequence(fake_launches, monkey
     assert len(fake_launches) == 1
 
 
+def test_a_sequence_past_the_tile_lists_bound_is_refused_whatever_max_seqlen_says(fake_launches):
+    """An understated max_seqlen_q passed the bound's check, and the kernel that lists the
+    tiles packed block 65536 into the head field (a tile twice, one never, lse written past its
+    end): where the rows alone could hold such a sequence, its length is read."""
+    n = 65536 * 128 + 1  # 65537 query tiles of 128 rows
+    q = torch.zeros(1, 1, 128, dtype=torch.bfloat16).expand(n, 1, 128)  # no 2 GB input
+    k = torch.zeros(64, 1, 128, dtype=torch.bfloat16)
+    cu_q, cu_k = (torch.tensor([0, m], dtype=torch.int32) for m in (n, 64))
+    with pytest.raises(InvalidInputError, match=r"a sequence of 8388609 rows makes more than "
+                                                r"65535 tiles of 128 rows .*max_seqlen_q "
+                                                r"understates it"):
+        flash_attn_varlen_func(q, k, k, cu_q, cu_k, 1024, 64, causal=True)
+    assert fake_launches == []
+    # the backward's key tiles alike; no read where the rows cannot hold such a sequence
+    long = torch.tensor([0, 5, 70005], dtype=torch.int32)
+    with pytest.raises(InvalidInputError, match=r"a sequence of 70000 rows makes more"):
+        varlen._check_longest("max_seqlen_k", long, 70005, 1, "v")
+    varlen._check_longest("max_seqlen_k", long, 65535, 1, "v")
+
+
 def test_params_reach_the_abi(fake_launches):
     q, k, v = qkv()
     out, lse = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, return_lse=True)
