@@ -280,6 +280,11 @@ def read_manifest(path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def package_name_of(spec_name: str) -> str:
+    """The import package `fa3gen package` names a spec's wheel by default (--name: another)."""
+    return "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
+
+
 def spec_sha256(path) -> str:
     """The bytes of a spec file, as a build's manifest records them (`spec_sha256`)."""
     import hashlib

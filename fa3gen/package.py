@@ -238,7 +238,7 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
                           "a measurement or debug build, not one to ship (some switches give wrong "
                           f"results on purpose); rebuild without them ({build}), or pass --allow-switches "
                           "to package it anyway")
-    package_name = name or "fa3gen_" + re.sub(r"[^0-9A-Za-z_]", "_", spec_name)
+    package_name = name or contract.package_name_of(spec_name)
     # importable, and a distribution name pip takes (letters or digits at both ends)
     if not (package_name.isidentifier() and package_name.isascii()) or keyword.iskeyword(package_name) \
             or not re.fullmatch(r"[A-Za-z0-9](\w*[A-Za-z0-9])?", package_name):
@@ -261,9 +261,13 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     files[f"{package_name}/lib/{library.name}"] = library.read_bytes()
     files[f"{package_name}/lib/{contract.MANIFEST_NAME}"] = manifest.read_bytes()
     # Local version (pip installs it; PyPI would not): the fa3gen commit and C ABI that built
-    # it, and what it holds.
+    # it, and what it holds: the modules and library, and what this packager writes around
+    # them (the package's __init__ and requirements), so that a wheel that differs is a new
+    # version pip replaces (the commit is the library's build's, not the packager's).
+    written = {f"{package_name}/__init__.py": _init_source(package_name, spec_name, "").encode(),
+               "requires": "\n".join(REQUIRES).encode()}
     version = (f"{__version__}+abi{contract.ABI_VERSION}.{_commit(info.get('source_commit'))}."
-               f"{_content_label(files)}" + (".switches" if switches else ""))
+               f"{_content_label({**files, **written})}" + (".switches" if switches else ""))
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     dist_info = f"{package_name}-{version}.dist-info"
     files[f"{package_name}/__init__.py"] = _init_source(package_name, spec_name, version).encode()

@@ -392,7 +392,9 @@ class Library:
         spec_file = recorded if isinstance(recorded, str) and recorded else spec_file_of(self.spec_name)
         build = f"fa3gen build --spec {spec_file}"
         if BUNDLED_LIBRARY is not None and self.path.absolute() == BUNDLED_LIBRARY.absolute():
-            build += f", then fa3gen package --spec {spec_file} and install the new wheel"
+            name = "" if PACKAGE == contract.package_name_of(self.spec_name or "") else \
+                f" --name {PACKAGE}"  # a wheel packaged with --name is rebuilt with it
+            build += f", then fa3gen package --spec {spec_file}{name} and install the new wheel"
         return spec_file, build
 
     def last_error(self) -> str:
@@ -519,6 +521,7 @@ _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the 
 # library is then the default, whatever FA3GEN_LIB says (a variable meant for the tool).
 _BUNDLED = sorted((Path(__file__).parent / "lib").glob("libfa3gen_*.so"))
 BUNDLED_LIBRARY: Path | None = _BUNDLED[0] if len(_BUNDLED) == 1 else None
+PACKAGE = __name__.rpartition(".")[0]  # this copy's import package (a wheel's: fa3gen_<spec>)
 
 
 def resolve_library(spec: str | os.PathLike | None = None) -> tuple[Path, str | None]:

@@ -184,6 +184,18 @@ def test_the_version_label_says_a_dirty_tree(monkeypatch, commit, label):
     assert package._commit("fedcba9876543210") == "gfedcba9876"
 
 
+def test_a_wheel_that_differs_only_in_what_the_packager_writes_is_a_new_version(built, monkeypatch):
+    """The label hashed the modules and the library, not the __init__ and requirements the
+    packager writes: a packager change gave other bytes under the same version, which pip
+    keeps as installed."""
+    from fa3gen import package
+
+    first = package.package("fake", built / "a")
+    assert package.package("fake", built / "b").name == first.name  # the same build: same name
+    monkeypatch.setattr(package, "REQUIRES", ("torch>=2.5", "pyyaml"))
+    assert package.package("fake", built / "c").name != first.name
+
+
 def test_wheel_metadata_tags_and_contents_agree_with_its_name(built, capsys):
     """The file name, METADATA, WHEEL and the dist-info folder say one name, version and
     platform tag; the dependencies are declared; every runtime module is in, none of them still

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fa3gen
-from fa3gen import bench, runtime
+from fa3gen import bench, contract, runtime
 from fa3gen.errors import (
     Fa3genError,
     InvalidInputError,
@@ -924,9 +924,16 @@ def test_a_miss_names_the_spec_file_the_library_was_built_from(tmp_path, monkeyp
     with pytest.raises(VariantNotBuiltError, match=rf"to a group of {spec} and run: fa3gen build --spec {spec}"):
         lib.find("fwd", "fp16", 96, False)
     monkeypatch.setattr(runtime, "BUNDLED_LIBRARY", lib.path)
+    monkeypatch.setattr(runtime, "PACKAGE", contract.package_name_of(lib.spec_name))
     lib = runtime.Library(lib.path)
     assert lib.rebuild_hint[1] == (f"fa3gen build --spec {spec}, then fa3gen package --spec {spec} "
                                    "and install the new wheel")
+    # a wheel packaged with --name: the hint packages it under that name again (without it,
+    # fa3gen_<spec> is another package and the installed one keeps its old library)
+    monkeypatch.setattr(runtime, "PACKAGE", "fa3gen_x")
+    lib = runtime.Library(lib.path)
+    assert lib.rebuild_hint[1].endswith(f"fa3gen package --spec {spec} --name fa3gen_x and "
+                                        "install the new wheel")
 
 
 def test_bench_e4m3_backward_alone_is_an_error(capsys):
