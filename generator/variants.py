@@ -86,7 +86,8 @@ def smem_bytes(v: Variant) -> int:
         return core if split and core + dq_tile > SMEM_LIMIT else core + dq_tile
     # fp8 also lands V in FP8_V_RAW_SLOTS raw tiles, which the producers transpose; p_in_smem
     # adds P's tile, o_tma_store O's (the size of Q's).
-    raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim if v.dtype == "e4m3" else 0
+    # (VRawStorage's slot barriers follow the slots and pad the 1 KiB-aligned struct by 1 KiB)
+    raw_v = FP8_V_RAW_SLOTS * v.tile_n * v.head_dim + 1024 if v.dtype == "e4m3" else 0
     p_tile = v.tile_m * v.tile_n if v.p_in_smem else 0
     o_tile = v.tile_m * v.head_dim if v.o_tma_store else 0
     return elem * (v.tile_m * v.head_dim + 2 * v.stages * v.tile_n * v.head_dim + raw_v + p_tile
@@ -132,6 +133,11 @@ def consumer_registers(v: Variant) -> tuple[int, int]:
         need, cap = need + (v.tile_n // 8 if v.intra_wg_overlap else 0), min(cap, 232)
     elif fwd_clustered(v):  # the multicasting producers keep 40 too
         cap = min(cap, 232)
+    if v.dtype != "e4m3" and v.intra_wg_overlap and not v.p_in_smem:
+        # P(i-1) in 16 bits stays live beside S(i) while P(i-1) V(i-1) runs (measured: d64
+        # 128x256 spills 144 bytes with the overlap, none without; d96 192x128 / 192x144 144
+        # and 288)
+        need += v.tile_n // 4
     return need, cap
 
 

@@ -288,6 +288,28 @@ def test_reasons(narrow_knobs):
         "warp_specialized=false is not realized by the templates yet"
 
 
+def test_the_16_bit_overlap_keeps_p_beside_s():
+    """With the intra-warpgroup overlap, P(i-1) (16-bit: tile_n / 4 registers a thread) lives
+    beside S(i): kept without it, d64 128x256 spilled 144 bytes and d96 192x128 144; the same
+    tiles without the overlap (or with P in shared memory) keep their count."""
+    for tile_m, tile_n, head_dim in ((128, 256, 64), (192, 128, 96)):
+        v = dataclasses.replace(BASE, head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
+                                intra_wg_overlap=True)
+        without = dataclasses.replace(v, intra_wg_overlap=False)
+        assert V.consumer_registers(v)[0] == V.consumer_registers(without)[0] + tile_n // 4
+        assert V.register_budget(v) is not None and V.register_budget(without) is None
+        in_smem = dataclasses.replace(v, p_in_smem=True)
+        assert V.consumer_registers(in_smem)[0] == V.consumer_registers(without)[0]
+
+
+def test_the_e4m3_estimate_counts_the_raw_v_barriers():
+    """VRawStorage's slot barriers pad its 1 KiB-aligned struct by 1 KiB: the estimate was that
+    much below sizeof(SharedStorage) for every e4m3 forward (88064 here, the traits compiled
+    on the host)."""
+    v = dataclasses.replace(BASE, dtype="e4m3", head_dim=96, pingpong=True, intra_wg_overlap=True)
+    assert V.smem_bytes(v) == 88064
+
+
 def test_budgets_at_the_edges():
     # d256 128x80 s2: 230400 bytes <= 232448; registers 40 + 128 + 24 = 192 <= 240
     assert check(dataclasses.replace(BASE, head_dim=256, tile_n=80)) is None
