@@ -174,7 +174,7 @@ def render_markdown(report: dict) -> str:
                 + (f" {r.get('run')} |" if several else "")
             )
     # The candidates of the latest run only, as its picked_defaults: a merged report's older
-    # rows may come from another library or GPU, and a geomean across them picks nothing.
+    # rows may come from another library, and a geomean across libraries picks for none.
     latest = len(report.get("runs") or [None]) - 1
     lines += _candidates_markdown([r for r in report["rows"] if r.get("run", latest) == latest])
     lines.append(END)
@@ -1052,7 +1052,10 @@ def bench_bwd_shape(lib, shape: dict, causal: bool, dtype, args, sampler=None) -
             args)
     q = k = v = dout = None  # frees the inputs: the timed lambdas share these cells
     torch.cuda.empty_cache()
-    row = make_row("bwd", dt_name, shape, causal, variant, ms, power, clock, reasons)
+    # the variant fa3gen ran, none where it could not run (a backward without its forward):
+    # --merge then keeps an earlier row, as for a variant the library lacks
+    row = make_row("bwd", dt_name, shape, causal, variant if fwd_variant is not None else None,
+                   ms, power, clock, reasons)
     if candidates:
         row["candidates"] = candidates
     return row

@@ -307,12 +307,15 @@ def spec_file_mismatch(manifest: dict | None, spec_file) -> tuple[str, str | Non
     if manifest is None:
         return None
     recorded = manifest.get("spec_sha256")
-    if isinstance(recorded, str) and recorded == spec_sha256(spec_file):
+    known = isinstance(recorded, str)  # older builds record no sha
+    if known and recorded == spec_sha256(spec_file):
         return None
     other = other_spec_file(manifest, spec_file)
-    if other:
+    # another file only where it is there and still the build's bytes: a checkout moved and
+    # then edited (its recorded path gone, or holding other bytes) is this file edited
+    if other and Path(other).is_file() and (not known or spec_sha256(other) == recorded):
         return "other", other
-    return ("edited", None) if isinstance(recorded, str) else None  # older builds: no sha
+    return ("edited", None) if known else None
 
 
 def library_manifest(lib_path) -> dict | None:

@@ -221,8 +221,10 @@ def masking(causal=False, window_size=(-1, -1), softcap=0.0) -> Masking:
     # Indexed as flash-attn does: a set, a dict or an iterator would unpack in an order of its
     # own ({-1, 0} as (0, -1)), a silently different mask.
     try:
-        if isinstance(window_size, (str, bytes, collections.abc.Set, collections.abc.Mapping)) \
-                or len(window_size) != 2:
+        if type(window_size) is not tuple and isinstance(
+                window_size, (str, bytes, collections.abc.Set, collections.abc.Mapping)):
+            raise TypeError  # (a tuple skips the ABC checks: 0.2 us a call)
+        if len(window_size) != 2:
             raise TypeError
         left, right = window_size[0], window_size[1]
     except (TypeError, KeyError, IndexError):
@@ -266,7 +268,7 @@ _STRIDED = torch.strided  # a global lookup, not torch's attribute, on every cal
 def check_variant(variant) -> None:
     """variant= names one variant (a str) or none; anything else (a list of names, say) would
     fail a plan-cache lookup as an unhashable key."""
-    if variant is not None and type(variant) is not str:
+    if variant is not None and not isinstance(variant, str):
         raise InvalidInputError(f"variant must be a variant name (str) or None, "
                                 f"got {shown(variant)}")
 

@@ -218,7 +218,7 @@ def package(spec_name: str, out_dir: Path = Path("dist"), name: str | None = Non
     allow_switches: package a build made with --define or --debug (labelled `.switches`).
     spec_file: the --spec the caller gave (a file outside specs/ too), named by the hints."""
     library, manifest = contract.library_path(spec_name), contract.manifest_path(spec_name)
-    build = build_command(spec_name, spec_file or spec_name)
+    build = build_command(spec_name, spec_file)
     out_dir = Path(out_dir)
     if not library.is_file() or not manifest.is_file():
         raise Fa3genError(f"no built library of spec {spec_name!r} at {library} (with its "

@@ -603,23 +603,31 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     return lib
 
 
+_checked_spec_files: set = set()  # check_built_from's (resolved file, spec name) pairs
+
+
 def check_built_from(spec_file: str, spec_name: str) -> None:
     """A spec asked for by its file is served by generated/<name>/'s build only if that build
     was made from this file's bytes (contract.spec_file_mismatch): the build of another spec
     file with the same `name:` is refused; a file edited since its build (by hand, or
     rewritten by fa3gen tune) runs the build as it was, with a warning."""
+    checked = (str(Path(spec_file).resolve()), spec_name)
+    if checked in _checked_spec_files:  # once a process (use_spec, then each call's lookup)
+        return
     try:
         mismatch = contract.spec_file_mismatch(
             contract.read_manifest(contract.manifest_path(spec_name)), spec_file)
     except OSError:  # an unreadable file: loading says what is missing
         return
     if mismatch is None:
+        _checked_spec_files.add(checked)
         return
     build = build_command(spec_name, spec_file)
     kind, other = mismatch
-    if kind == "other":
+    if kind == "other":  # refused on every request
         raise Fa3genError(f"{spec_file}: the build of spec {spec_name!r} was made from {other}, "
                           f"another spec file with that name; build this one first: {build}")
+    _checked_spec_files.add(checked)  # warned once
     print(f"fa3gen: warning: {spec_file} changed since the build of spec {spec_name!r} "
           f"(edited, or rewritten by fa3gen tune): its library runs the spec as it was "
           f"built; rebuild: {build}", file=sys.stderr)

@@ -199,12 +199,26 @@ def test_a_spec_file_is_served_only_by_a_build_of_its_bytes(clean_runtime, tmp_p
     with pytest.raises(Fa3genError, match=rf"the build of spec 'same' was made from {built}, "
                                           rf"another spec file .*fa3gen build --spec {other}"):
         runtime.get_library(str(other))
+    with pytest.raises(Fa3genError, match="another spec file"):  # refused on every request
+        runtime.get_library(str(other))
     other.write_text(built.read_text())  # the same bytes elsewhere: the same spec
     runtime.get_library(str(other))
     built.write_text("name: same\n# tuned\n")
     runtime._requests.clear()  # as a new process (one answers a request once)
+    runtime._checked_spec_files.clear()
     runtime.get_library(str(built))
     assert f"{built} changed since the build of spec 'same'" in capsys.readouterr().err
+    runtime.use_spec(str(built))  # use_spec, then a call's lookup: warned once a process
+    runtime.get_library()
+    assert capsys.readouterr().err == ""
+    runtime.use_spec(None)
+    # a checkout moved, then edited: the recorded file is gone, so this is the file edited
+    moved = tmp_path / "moved" / "s.yaml"
+    moved.parent.mkdir()
+    moved.write_text("name: same\n# moved and tuned\n")
+    built.unlink()
+    runtime.get_library(str(moved))
+    assert f"{moved} changed since the build" in capsys.readouterr().err
     assert runtime.get_library("same").path == contract.library_path("same")  # by name: as built
 
 

@@ -134,6 +134,7 @@ def clean_runtime(monkeypatch, tmp_path):
     monkeypatch.setattr(runtime, "_selected", None)
     monkeypatch.setattr(runtime, "_libraries", {})
     monkeypatch.setattr(runtime, "_requests", {})
+    monkeypatch.setattr(runtime, "_checked_spec_files", set())
     return tmp_path
 
 
@@ -1036,6 +1037,26 @@ def test_merge_refuses_a_report_of_another_gpu():
     with pytest.raises(Fa3genError, match=r"--merge: bench.json holds rows measured on NVIDIA "
                                           r"H200, this run is on NVIDIA H100 80GB HBM3"):
         bench.check_same_gpu(old, "NVIDIA H100 80GB HBM3", "bench.json")
+
+
+def test_bench_merge_checks_the_gpu_before_the_grid(tmp_path, monkeypatch, capsys):
+    """bench.run calls check_same_gpu with the run's GPU before any timing."""
+    import types
+
+    import torch
+
+    out = tmp_path / "bench.json"
+    bench.write_json(fabricated_report(), out)  # NVIDIA H200
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lib = types.SimpleNamespace(find=lambda *a, **k: types.SimpleNamespace(name="v"), path="lib")
+    monkeypatch.setattr(runtime, "get_library", lambda *a: lib)
+    monkeypatch.setattr(bench, "provenance", lambda lib: {"gpu": "NVIDIA H100 80GB HBM3"})
+    monkeypatch.setattr(bench, "gemm_ceiling", lambda args: pytest.fail("timed before the check"))
+    from fa3gen import cli
+    assert cli.main(["bench", "--merge", "--out", str(out), "--seqlens", "512",
+                     "--head-dims", "64"]) == 2
+    assert "holds rows measured on NVIDIA H200, this run is on NVIDIA H100" in \
+        capsys.readouterr().err
 
 
 def test_merge_refuses_what_is_not_a_report(tmp_path):

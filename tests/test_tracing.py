@@ -100,6 +100,8 @@ def test_a_trace_cut_short_at_any_line_is_an_error(tmp_path):
         tracing.spec_from_trace(cut, "x")
     cut.write_text("".join(lines).rstrip("\n"))  # a last newline lost in a copy: whole
     tracing.spec_from_trace(cut, "x")
+    cut.write_text("".join(lines) + "\n\n")  # blank lines added (an editor, echo >>): whole
+    tracing.spec_from_trace(cut, "x")
 
 
 def test_spec_from_several_traces_builds_what_each_used(tmp_path, capsys):

@@ -139,6 +139,18 @@ def test_a_sequence_past_the_tile_lists_bound_is_refused_whatever_max_seqlen_say
     varlen._check_longest("max_seqlen_k", long, 65535, 1, "v")
 
 
+def test_both_directions_check_the_longest_sequence(fake_launches, monkeypatch):
+    """The forward on the query rows and tiles, the backward on the key rows and tiles."""
+    seen = []
+    monkeypatch.setattr(varlen, "_check_longest", lambda *a: seen.append(a))
+    q, k, v = qkv(grad=True)
+    flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True).float().sum().backward()
+    assert len(fake_launches) == 2
+    assert [(a[0], a[2], a[3]) for a in seen] == [("max_seqlen_q", q.shape[0], 128),
+                                                  ("max_seqlen_k", k.shape[0], 128)]
+    assert seen[0][1] is CU_Q and seen[1][1] is CU_K
+
+
 def test_params_reach_the_abi(fake_launches):
     q, k, v = qkv()
     out, lse = flash_attn_varlen_func(q, k, v, CU_Q, CU_K, 7, 5, causal=True, return_lse=True)
