@@ -380,7 +380,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "spec": p.spec.name,
         "spec_path": str(Path(p.spec.path).resolve()),
         # what the file held (fa3gen package refuses a file edited since, e.g. by fa3gen tune)
-        "spec_sha256": spec_sha256(p.spec.path),
+        "spec_sha256": p.spec.sha256 or spec_sha256(p.spec.path),
         "fingerprint": fp,
         "generator_version": __version__,
         "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -142,6 +142,9 @@ class Spec:
     # What validation accepted but a reader should hear of (a value repeated in one list),
     # each "<file>: <key path>: <message>".
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    # sha256 of the file's bytes as load_spec read them ("" for a text parsed alone): what a
+    # build records, not the file as it is when the build ends (it may be edited meanwhile)
+    sha256: str = field(default="", compare=False)
 
     def error(self, message: str) -> SpecError:
         return SpecError(f"{self.path}: {message}")
@@ -219,16 +222,20 @@ def spec_file_error(path: Path) -> SpecError:
 
 
 def load_spec(path: str | Path) -> Spec:
+    import hashlib
+
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
+        text = data.decode()
     except (FileNotFoundError, IsADirectoryError):
         raise spec_file_error(path) from None
     except OSError as e:
         raise SpecError(f"cannot read spec {path}: {e.strerror}")
     except UnicodeDecodeError as e:
         raise SpecError(f"cannot read spec {path}: not UTF-8 text ({e.reason} at byte {e.start})")
-    return parse_spec(text, str(path), default_name=path.stem)
+    spec = parse_spec(text, str(path), default_name=path.stem)
+    return replace(spec, sha256=hashlib.sha256(data).hexdigest())
 
 
 def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") -> Spec:

@@ -561,6 +561,25 @@ def test_manifest_records_what_the_spec_file_held(fake):
     assert json.loads(res.manifest.read_text())["spec_sha256"] == want
 
 
+def test_manifest_records_the_bytes_the_build_read(fake, monkeypatch):
+    """The file was hashed when the manifest was written, at the build's end: an edit during a
+    long build (fa3gen tune beside it) was recorded as built, and the runtime then took the
+    edited file for its build."""
+    import hashlib
+    spec, tc, calls = fake
+    read = hashlib.sha256(Path(spec).read_bytes()).hexdigest()
+    real_plan = B.plan
+
+    def plan_then_edit(*a, **k):
+        p = real_plan(*a, **k)
+        Path(spec).write_text(Path(spec).read_text() + "# edited during the build\n")
+        return p
+
+    monkeypatch.setattr(B, "plan", plan_then_edit)
+    res = B.build(spec, toolchain=tc, log=quiet)
+    assert json.loads(res.manifest.read_text())["spec_sha256"] == read
+
+
 def test_a_filtered_out_default_is_noted(fake):
     spec, tc, calls = fake
     spec.write_text(TWO_CAUSAL)
