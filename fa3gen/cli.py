@@ -150,8 +150,24 @@ def cmd_clean(args: argparse.Namespace) -> int:
     if not _is_build(target):
         raise GeneratorError(f"refusing to remove {target}: not an fa3gen build (no {MANIFEST_NAME}, "
                              "nor build.ninja with fingerprint.txt)")
+    _check_not_another_files(args.spec, name, target)
     _remove_build(target, skip_busy=False)
     return 0
+
+
+def _check_not_another_files(spec: str, name: str, target: Path) -> None:
+    """clean --spec FILE removes FILE's build, not the build of another spec file with the same
+    `name:` that holds the folder (its name says which folder is meant)."""
+    from fa3gen.contract import read_manifest, spec_file_mismatch
+
+    path = Path(spec)
+    if resolve_spec_path(spec) != path or not path.is_file():
+        return
+    mismatch = spec_file_mismatch(read_manifest(target / MANIFEST_NAME), path)
+    if mismatch and mismatch[0] == "other":
+        raise GeneratorError(f"refusing to remove {target}: it holds the build of {mismatch[1]}, "
+                             f"another spec file named {name!r}; remove it by name: fa3gen clean "
+                             f"--spec {name}")
 
 
 def _remove_build(folder: Path, skip_busy: bool) -> None:

@@ -129,6 +129,25 @@ def test_clean(tmp_path, monkeypatch, capsys):
     assert "left 2 entries" in out and "not builds" in out
 
 
+def test_clean_of_a_spec_file_leaves_another_files_build(tmp_path, monkeypatch, capsys):
+    """clean --spec FILE removed generated/<name>/ whatever file had built it (package and the
+    runtime refuse another file's build); by name it goes."""
+    import json
+    monkeypatch.setenv("FA3GEN_GENERATED", str(tmp_path / "gen"))
+    built, mine = tmp_path / "a" / "s.yaml", tmp_path / "b" / "s.yaml"
+    for f, text in ((built, "name: same\n# a\n"), (mine, "name: same\n# b\n")):
+        f.parent.mkdir()
+        f.write_text(text)
+    folder = tmp_path / "gen" / "same"
+    _fake_build(folder)
+    (folder / "manifest.json").write_text(json.dumps({"spec_path": str(built.resolve())}))
+    rc, _, err = run(["clean", "--spec", str(mine)], capsys)
+    assert rc == 2 and folder.exists() and f"it holds the build of {built.resolve()}" in err
+    assert "fa3gen clean --spec same" in err
+    rc, _, _ = run(["clean", "--spec", str(built)], capsys)  # its own file: removed
+    assert rc == 0 and not folder.exists()
+
+
 def test_clean_removes_nothing_but_builds(tmp_path, monkeypatch, capsys):
     """FA3GEN_GENERATED pointed at a folder of other things (".", /tmp): `clean` once removed
     it whole, and `clean --spec NAME` any folder of that name; a .yaml typo picked a build by
