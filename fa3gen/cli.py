@@ -90,21 +90,28 @@ def _spec_name(spec: str) -> str:
     return Path(spec).name  # a bare name as given: spec names may hold dots (h100.v2)
 
 
-def _check_built_from(spec: str, name: str) -> None:
-    """--spec FILE must be the file whose build generated/<name> holds, as it is now
-    (contract.spec_file_mismatch; a bare name means that folder's build): a wheel ships what
-    its spec file says."""
-    from fa3gen.contract import manifest_path, read_manifest, spec_file_mismatch
+def _spec_file_mismatch(spec: str, manifest: Path) -> tuple[str, str | None] | None:
+    """contract.spec_file_mismatch of --spec against the build `manifest` records, where --spec
+    is a spec file (a bare name means that folder's build: None)."""
+    from fa3gen.contract import read_manifest, spec_file_mismatch
 
     path = Path(spec)
     if resolve_spec_path(spec) != path or not path.is_file():
-        return
-    mismatch = spec_file_mismatch(read_manifest(manifest_path(name)), path)
+        return None
+    return spec_file_mismatch(read_manifest(manifest), path)
+
+
+def _check_built_from(spec: str, name: str) -> None:
+    """--spec FILE must be the file whose build generated/<name> holds, as it is now: a wheel
+    ships what its spec file says."""
+    from fa3gen.contract import manifest_path
+
+    mismatch = _spec_file_mismatch(spec, manifest_path(name))
     if mismatch and mismatch[0] == "other":
         raise GeneratorError(f"--spec {spec}: the build of spec {name!r} was made from "
                              f"{mismatch[1]}, another spec file with that name, not from "
-                             f"{path.resolve()}; build it first (fa3gen build --spec {spec}), "
-                             f"or package that build with --spec {mismatch[1]}")
+                             f"{Path(spec).resolve()}; build it first (fa3gen build --spec "
+                             f"{spec}), or package that build with --spec {mismatch[1]}")
     if mismatch:
         raise GeneratorError(f"--spec {spec} changed since the build of spec {name!r} (edited, "
                              f"or rewritten by fa3gen tune); build it again first: fa3gen build "
@@ -158,12 +165,7 @@ def cmd_clean(args: argparse.Namespace) -> int:
 def _check_not_another_files(spec: str, name: str, target: Path) -> None:
     """clean --spec FILE removes FILE's build, not the build of another spec file with the same
     `name:` that holds the folder (its name says which folder is meant)."""
-    from fa3gen.contract import read_manifest, spec_file_mismatch
-
-    path = Path(spec)
-    if resolve_spec_path(spec) != path or not path.is_file():
-        return
-    mismatch = spec_file_mismatch(read_manifest(target / MANIFEST_NAME), path)
+    mismatch = _spec_file_mismatch(spec, target / MANIFEST_NAME)
     if mismatch and mismatch[0] == "other":
         raise GeneratorError(f"refusing to remove {target}: it holds the build of {mismatch[1]}, "
                              f"another spec file named {name!r}; remove it by name: fa3gen clean "

@@ -358,10 +358,10 @@ def _read(path: Path) -> tuple[list[dict], list]:
         raise TraceError(f"{path}: not a trace (nested too deeply to read)") from e
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("calls"), list):
         raise TraceError(f"{path}: not an fa3gen trace (expected format: {FORMAT} and a calls list)")
-    lines = data.get(LINES_KEY)
+    lines, found = data.get(LINES_KEY), len(text.splitlines())
     # fewer lines than written: cut short (a line or a blank line added after is harmless)
-    if lines is not None and (type(lines) is not int or len(text.splitlines()) < lines):
-        raise TraceError(f"{path}: {len(text.splitlines())} lines where the trace wrote "
+    if lines is not None and (type(lines) is not int or found < lines):
+        raise TraceError(f"{path}: {found} lines where the trace wrote "
                          f"{LINES_KEY}: {lines!r} (cut short? copy the whole file again; a trace "
                          f"edited by hand: delete its {LINES_KEY}: line)")
     decode = data.get("decode", [])

@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 from fa3gen.contract import (ABI_VERSION, GENERATED_ENV, MANIFEST_NAME, Variant, key_str,
-                             library_name, other_spec_file, read_manifest, spec_out_dir,
-                             spec_sha256)
+                             library_name, other_spec_file, read_manifest, spec_out_dir)
 
 from fa3gen.files import write_atomically
 
@@ -380,7 +379,7 @@ def write_manifest(p: Plan, tc: Toolchain, fp: str, lib: Path,
         "spec": p.spec.name,
         "spec_path": str(Path(p.spec.path).resolve()),
         # what the file held (fa3gen package refuses a file edited since, e.g. by fa3gen tune)
-        "spec_sha256": p.spec.sha256 or spec_sha256(p.spec.path),
+        "spec_sha256": p.spec.sha256,
         "fingerprint": fp,
         "generator_version": __version__,
         "abi_version": ABI_VERSION,  # tests/test_contract.py pins it to fa3gen_abi.h
