@@ -12,8 +12,8 @@ bound, a per-row output rule, the fp8 rule) could demand. Sections (--only to pi
 One JSON line per point (lse_max: max |lse - ref|; lse_rel_max: that over |ref|; lse_ratio_tight:
 max |lse - ref| / (1e-4 + 1e-5 |ref|); out_max: max |out - ref|; low_max: plain PyTorch in the input
 dtype against ref; row_ratio_max: the largest ratio, row by row, of the kernel's error to
-PyTorch's; row_excess_max: the largest row error beyond twice PyTorch's), then each section's
-maxima.
+PyTorch's; row_floor_F: the floor a per-row rule "row error <= F x PyTorch's + floor" would need,
+for F = 2, 3, 5), then each section's maxima.
 
     python3 tests/gpu/reference_margins.py [--only dense,window,...] [--json out.json]
 """
@@ -36,7 +36,7 @@ def _stats(out, lse, ref_out, ref_lse, low) -> dict:
                 lse_ratio_tight=(err / (1e-4 + 1e-5 * ref_abs)).max().item(),
                 out_max=row_err.max().item(), low_max=row_low.max().item(),
                 row_ratio_max=(row_err / row_low.clamp_min(1e-6)).max().item(),
-                row_excess_max=(row_err - 2 * row_low).max().item())
+                **{f"row_floor_{f}": (row_err - f * row_low).max().item() for f in (2, 3, 5)})
 
 
 def _dense_points(torch):
