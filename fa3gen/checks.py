@@ -15,12 +15,30 @@ from typing import NamedTuple
 from fa3gen.errors import Fa3genError
 
 
+# The checks' softmax scale, as a factor of the default 1 / sqrt(head_dim): not the default,
+# so that a kernel or plan that ignores the scale argument fails.
+CHECK_SCALE_FACTOR = 0.8
+
+
 class Problem(NamedTuple):
     batch: int
     seqlen_q: int
     seqlen_k: int
     heads_q: int
     heads_kv: int
+    # softmax scale = scale_factor / sqrt(head_dim): the scores of randn inputs have this std
+    scale_factor: float = CHECK_SCALE_FACTOR
+
+    def scale(self, head_dim: int) -> float:
+        return self.scale_factor * head_dim**-0.5
+
+    def describe(self, sep: str = " ", join: str = ", ") -> str:
+        """'seqlen_q 200, seqlen_k 333' (sep '=' and join ' ': 'seqlen_q=200 seqlen_k=333'),
+        and the scale factor where it is not the checks' usual one."""
+        parts = [("seqlen_q", self.seqlen_q), ("seqlen_k", self.seqlen_k)]
+        if self.scale_factor != CHECK_SCALE_FACTOR:
+            parts.append(("scale_factor", f"{self.scale_factor:g}"))
+        return join.join(f"{name}{sep}{value}" for name, value in parts)
 
 
 # quick_check's problem: odd sizes (not tile multiples), GQA, seqlen_q != seqlen_k (exercises
@@ -32,17 +50,23 @@ QUICK_PROBLEM = Problem(batch=2, seqlen_q=200, seqlen_k=333, heads_q=8, heads_kv
 QUICK_EMPTY_ROWS = QUICK_PROBLEM._replace(seqlen_q=QUICK_PROBLEM.seqlen_k,
                                           seqlen_k=QUICK_PROBLEM.seqlen_q)
 
-# The checks' softmax scale, as a factor of the default 1 / sqrt(head_dim): not the default,
-# so that a kernel or plan that ignores the scale argument fails.
-CHECK_SCALE_FACTOR = 0.8
+# Large scores, so that the forward's rescale path runs: at scale factor 0.8 no row's maximum
+# ever grows by the rescale threshold (2^8 in P, rescale_threshold.cuh) from one key block to the
+# next, so a kernel that rescaled O or the row sum wrongly passed. At 6, a CPU simulation of
+# QUICK_PROBLEM's rows (visiting key blocks last to first) rescales 5% of them at tile_n 176,
+# 14% at 128, 44% at 64.
+LARGE_SCORE_FACTOR = 6.0
+QUICK_LARGE_SCORES = QUICK_PROBLEM._replace(scale_factor=LARGE_SCORE_FACTOR)
 
 # check_cell's problems, by causal: odd sizes; causal cells also get seqlen_q < seqlen_k.
 _SQUARE, _FEWER_Q = Problem(2, 333, 333, 4, 4), Problem(2, 200, 333, 4, 4)
-CELL_PROBLEMS = {False: (_SQUARE,), True: (_SQUARE, _FEWER_Q)}
+_LARGE = _SQUARE._replace(scale_factor=LARGE_SCORE_FACTOR)
+CELL_PROBLEMS = {False: (_SQUARE, _LARGE), True: (_SQUARE, _FEWER_Q, _LARGE)}
 # For ablate's report header: what every cell was checked on.
 CELL_CHECK_DESCRIPTION = (
     f"batch {_SQUARE.batch}, heads {_SQUARE.heads_q}, seqlen {_SQUARE.seqlen_q} (causal also "
-    f"seqlen_q {_FEWER_Q.seqlen_q} / seqlen_k {_FEWER_Q.seqlen_k}), seeded randn inputs")
+    f"seqlen_q {_FEWER_Q.seqlen_q} / seqlen_k {_FEWER_Q.seqlen_k}), seeded randn inputs at "
+    f"softmax scale {CHECK_SCALE_FACTOR:g} and {LARGE_SCORE_FACTOR:g} / sqrt(head_dim)")
 
 
 # The runtime arguments that exercise a local or softcap variant: a window narrower than the
@@ -99,7 +123,7 @@ def _inputs(problem: Problem, variant, gen, count: int, dtype: str | None = None
 
     from fa3gen.ops import TORCH_DTYPES
 
-    b, sq, sk, hq, hkv = problem
+    b, sq, sk, hq, hkv = problem[:5]
     dims = [(b, sq, hq), (b, sk, hkv), (b, sk, hkv), (b, sq, hq)][:count]
     return [torch.randn(*bsh, variant.head_dim, device="cuda", generator=gen,
                         dtype=TORCH_DTYPES[dtype or variant.dtype]) for bsh in dims]
@@ -136,7 +160,7 @@ def _check_varlen(lib, variant, problem: Problem, gen, backward: bool) -> dict:
 
     tensors, sizes = _varlen_inputs(problem, variant, gen, 4 if backward else 3)
     q, k, v = tensors[:3]
-    causal, scale = bool(variant.causal), CHECK_SCALE_FACTOR * variant.head_dim**-0.5
+    causal, scale = bool(variant.causal), problem.scale(variant.head_dim)
     mask = ops.masking(causal, **probe_masking(variant))
     extra = dict(window_size=(mask.window_left, mask.window_right), softcap=mask.softcap)
     fwd = variant if not backward else lib.find("fwd", variant.dtype, variant.head_dim, causal,
@@ -175,7 +199,7 @@ def _check_paged(lib, variant, problem: Problem, gen) -> dict:
     from fa3gen import ops, reference, varlen
 
     q, k, v = _inputs(problem, variant, gen, 3)
-    b, sq, sk, hq, hkv = problem
+    b, sq, sk, hq, hkv = problem[:5]
     page = PAGED_CHECK_PAGE
     cols = -(-sk // page)
     order = torch.randperm(b * cols + 1, device="cuda", generator=gen)
@@ -190,7 +214,7 @@ def _check_paged(lib, variant, problem: Problem, gen) -> dict:
         cache[table.long()] = padded.view(b, cols, page, hkv, -1)
         caches.append(cache)
     causal, extra = bool(variant.causal), probe_masking(variant)
-    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
+    scale = problem.scale(variant.head_dim)
     seqused = torch.full((b,), sk, dtype=torch.int32, device="cuda")
     untouched = _Untouched(q=q, k_cache=caches[0], v_cache=caches[1], page_table=table,
                            seqused_k=seqused)
@@ -217,7 +241,7 @@ def check_forward(lib, variant, problem: Problem, gen) -> dict:
         return _check_fp8(lib, variant, problem, gen)
     q, k, v = _inputs(problem, variant, gen, 3)
     causal, extra = bool(variant.causal), probe_masking(variant)
-    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
+    scale = problem.scale(variant.head_dim)
     untouched = _Untouched(q=q, k=k, v=v)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
@@ -242,7 +266,7 @@ def _check_fp8(lib, variant, problem: Problem, gen) -> dict:
     out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((problem.batch, problem.heads_q, problem.seqlen_q), float("nan"),
                      device="cuda", dtype=torch.float32)
-    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5  # not the default, as the others
+    scale = problem.scale(variant.head_dim)
     fp8.fp8_forward(q, k, v, ops.masking(bool(variant.causal)), scale, variant.name, descales,
                     torch.bfloat16, out, lse)
     torch.cuda.synchronize()
@@ -261,7 +285,7 @@ def check_backward(lib, variant, problem: Problem, gen) -> dict:
         return _check_varlen(lib, variant, problem, gen, backward=True)
     q, k, v, dout = _inputs(problem, variant, gen, 4)
     causal, extra = bool(variant.causal), probe_masking(variant)
-    scale = CHECK_SCALE_FACTOR * variant.head_dim**-0.5
+    scale = problem.scale(variant.head_dim)
     fwd = lib.find("fwd", variant.dtype, variant.head_dim, causal, local=variant.local,
                    softcap=variant.softcap)
     out, lse = ops._empty_outputs(q)
@@ -297,7 +321,7 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
         for problem in quick_problems(info):
             res = _checked(check, lib, info, problem, gen)
             results.append(res)
-            where = f"{info.name} (seqlen_q {problem.seqlen_q}, seqlen_k {problem.seqlen_k})"
+            where = f"{info.name} ({problem.describe()})"
             if verbose:
                 status = "ok  " if res["ok"] else "FAIL"
                 print(f"{status} {where}: {error_summary(res)} {'' if res['ok'] else res['why']}",
@@ -312,13 +336,14 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
 
 
 def quick_problems(info) -> tuple[Problem, ...]:
-    """quick_check's problems for a variant: QUICK_PROBLEM, and QUICK_EMPTY_ROWS too where a
-    causal or local mask hides every key from some query rows. Not for varlen variants, which
-    run VARLEN_LENGTHS (it has such sequences), but for the paged ones (varlen in the key),
-    which run the dense problems (_check_paged)."""
+    """quick_check's problems for a variant: QUICK_PROBLEM; QUICK_EMPTY_ROWS where a causal or
+    local mask hides every key from some query rows (not for varlen variants, which run
+    VARLEN_LENGTHS, with such sequences, but for the paged ones, varlen in the key, which run
+    the dense problems: _check_paged); and QUICK_LARGE_SCORES."""
     masked = info.causal or getattr(info, "local", False)
     dense_problem = not getattr(info, "varlen", False) or getattr(info, "paged", False)
-    return (QUICK_PROBLEM, QUICK_EMPTY_ROWS) if masked and dense_problem else (QUICK_PROBLEM,)
+    empty_rows = (QUICK_EMPTY_ROWS,) if masked and dense_problem else ()
+    return (QUICK_PROBLEM, *empty_rows, QUICK_LARGE_SCORES)
 
 
 def _checked(check, lib, info, problem: Problem, gen) -> dict:
@@ -363,7 +388,6 @@ def check_cell(lib, cell, seed: int = 0) -> dict:
         err = None if err != err else err  # NaN: not JSON; the detail says NaN
         if not res["ok"]:
             return {"status": "wrong", "max_err": err,
-                    "detail": f"seqlen_q={problem.seqlen_q} seqlen_k={problem.seqlen_k}: "
-                              f"{res['why']}"}
+                    "detail": f"{problem.describe('=', ' ')}: {res['why']}"}
         worst = max(worst, err)
     return {"status": "ok", "max_err": worst, "detail": None}

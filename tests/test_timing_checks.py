@@ -74,12 +74,13 @@ def test_error_summary_forward_and_backward():
 
 
 def test_cell_check_description_names_the_problems():
-    square, fewer_q = checks.CELL_PROBLEMS[True]
-    assert checks.CELL_PROBLEMS[False] == (square,)
+    square, fewer_q, large = checks.CELL_PROBLEMS[True]
+    assert checks.CELL_PROBLEMS[False] == (square, large)
     assert fewer_q.seqlen_q < fewer_q.seqlen_k
+    assert large == square._replace(scale_factor=checks.LARGE_SCORE_FACTOR)
     assert checks.CELL_CHECK_DESCRIPTION == (
         "batch 2, heads 4, seqlen 333 (causal also seqlen_q 200 / seqlen_k 333), "
-        "seeded randn inputs")
+        "seeded randn inputs at softmax scale 0.8 and 6 / sqrt(head_dim)")
 
 
 def test_check_cell_not_built_is_an_error_without_a_launch(monkeypatch):
@@ -127,18 +128,21 @@ def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
         "ok": True, "why": "", "out_err": 1e-3, "out_tol": 1e-2, "lse_err": 1e-6})
 
     def launch_fails(lib, v, problem, gen):
-        assert problem == checks.QUICK_PROBLEM
+        assert problem in (checks.QUICK_PROBLEM, checks.QUICK_LARGE_SCORES)
         raise RuntimeError("fa3gen launch failed: too many resources")
 
     monkeypatch.setattr(checks, "check_backward", launch_fails)
     with pytest.raises(Fa3genError) as e:
         checks.quick_check("x")
-    assert str(e.value) == ("quick_check failed:\n  bwd_a (seqlen_q 200, seqlen_k 333): "
-                            "RuntimeError: fa3gen launch failed: too many resources")
+    launch = "RuntimeError: fa3gen launch failed: too many resources"
+    assert str(e.value) == ("quick_check failed:\n"
+                            f"  bwd_a (seqlen_q 200, seqlen_k 333): {launch}\n"
+                            f"  bwd_a (seqlen_q 200, seqlen_k 333, scale_factor 6): {launch}")
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ok   fwd_a (seqlen_q 200, seqlen_k 333): max|out-ref| 1.00e-03")
-    assert out[1].startswith("FAIL bwd_a (seqlen_q 200, seqlen_k 333):")
-    assert "too many resources" in out[1]
+    assert out[1].startswith("ok   fwd_a (seqlen_q 200, seqlen_k 333, scale_factor 6): ")
+    assert out[2].startswith("FAIL bwd_a (seqlen_q 200, seqlen_k 333):")
+    assert "too many resources" in out[2]
 
 
 def test_quick_check_runs_each_variant_on_its_problems_in_order(monkeypatch, capsys, cpu_generator):
@@ -154,9 +158,11 @@ def test_quick_check_runs_each_variant_on_its_problems_in_order(monkeypatch, cap
         (v.name, problem)) or {"ok": True, "why": "", "out_err": 0.0, "out_tol": 1.0,
                                "lse_err": 0.0})
     results = checks.quick_check("x")
-    assert seen == [("fwd_plain", checks.QUICK_PROBLEM), ("fwd_causal", checks.QUICK_PROBLEM),
-                    ("fwd_causal", checks.QUICK_EMPTY_ROWS)]
-    assert len(results) == 3
+    large = checks.QUICK_LARGE_SCORES
+    assert seen == [("fwd_plain", checks.QUICK_PROBLEM), ("fwd_plain", large),
+                    ("fwd_causal", checks.QUICK_PROBLEM), ("fwd_causal", checks.QUICK_EMPTY_ROWS),
+                    ("fwd_causal", large)]
+    assert len(results) == 5
     assert "fwd_causal (seqlen_q 333, seqlen_k 200)" in capsys.readouterr().out
 
 
@@ -168,12 +174,13 @@ def test_quick_check_gives_masked_dense_variants_rows_that_see_no_key():
     def info(causal=False, local=False, varlen=False, paged=False):
         return types.SimpleNamespace(causal=causal, local=local, varlen=varlen, paged=paged)
 
-    assert checks.quick_problems(info()) == (checks.QUICK_PROBLEM,)
-    assert checks.quick_problems(info(varlen=True, causal=True)) == (checks.QUICK_PROBLEM,)
+    large = checks.QUICK_LARGE_SCORES
+    assert checks.quick_problems(info()) == (checks.QUICK_PROBLEM, large)
+    assert checks.quick_problems(info(varlen=True, causal=True)) == (checks.QUICK_PROBLEM, large)
     # paged variants are varlen in the key but run the dense problems (_check_paged)
     for masked in (info(causal=True), info(local=True), info(causal=True, varlen=True, paged=True)):
         problems = checks.quick_problems(masked)
-        assert problems == (checks.QUICK_PROBLEM, checks.QUICK_EMPTY_ROWS)
+        assert problems == (checks.QUICK_PROBLEM, checks.QUICK_EMPTY_ROWS, large)
         empty = problems[1]
         assert empty.seqlen_q > empty.seqlen_k  # bottom-right causal: rows 0.. see no key
         # and the probe window hides every key from some rows too
@@ -529,3 +536,39 @@ def test_sustained_settles_each_fn_before_its_batch_and_can_shuffle(monkeypatch)
     assert tags[1::2] == [None] * 20 and sorted(tags[0::2]) == sorted(list(range(5)) * 4)
     with pytest.raises(ValueError, match="rotate"):
         timing.sustained_ms(fns, 1, 1.0, order="random")
+
+
+def _rows_rescaling(problem, tile_n: int, head_dim: int = 128) -> float:
+    """The fraction of the problem's query rows whose running maximum grows by more than the
+    forward's rescale threshold when a later key block is visited (last block first, as the
+    kernels do), for seeded randn inputs at the problem's softmax scale."""
+    import math
+    import re
+
+    import torch
+
+    from generator.paths import KERNELS_DIR
+
+    header = (KERNELS_DIR / "rescale_threshold.cuh").read_text()
+    threshold = float(re.search(r"#define FA3GEN_RESCALE_THRESHOLD ([0-9.]+)f", header).group(1))
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(problem.batch, problem.heads_q, problem.seqlen_q, head_dim, generator=g)
+    k = torch.randn(problem.batch, problem.heads_q, problem.seqlen_k, head_dim, generator=g)
+    scores_log2 = q @ k.transpose(-1, -2) * problem.scale(head_dim) * math.log2(math.e)
+    blocks = scores_log2.split(tile_n, dim=-1)
+    running = blocks[-1].amax(-1)
+    rescaled = torch.zeros_like(running, dtype=torch.bool)
+    for block in reversed(blocks[:-1]):
+        block_max = block.amax(-1)
+        rescaled |= block_max - running > threshold
+        running = torch.maximum(running, block_max)
+    return rescaled.float().mean().item()
+
+
+def test_the_large_score_problem_makes_rows_rescale():
+    """At the checks' usual scale no row ever takes the 16-bit forward's rescale path; the
+    large-score problem makes a share of rows take it at every tile width the specs use."""
+    pytest.importorskip("torch")
+    for tile_n in (64, 128, 176):
+        assert _rows_rescaling(checks.QUICK_PROBLEM, tile_n) == 0.0
+        assert _rows_rescaling(checks.QUICK_LARGE_SCORES, tile_n) > 0.02
