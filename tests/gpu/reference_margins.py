@@ -13,7 +13,8 @@ One JSON line per point (lse_max: max |lse - ref|; lse_rel_max: that over |ref|;
 max |lse - ref| / (1e-4 + 1e-5 |ref|); out_max: max |out - ref|; low_max: plain PyTorch in the input
 dtype against ref; row_ratio_max: the largest ratio, row by row, of the kernel's error to
 PyTorch's; row_floor_F: the floor a per-row rule "row error <= F x PyTorch's + floor" would need,
-for F = 2, 3, 5), then each section's maxima.
+for F = 2, 3, 5; row_ulps_beyond_2x: the largest row error beyond twice PyTorch's, in ulps of the
+output dtype at the row's largest reference value), then each section's maxima.
 
     python3 tests/gpu/reference_margins.py [--only dense,window,...] [--json out.json]
 """
@@ -26,17 +27,21 @@ SECTIONS = ("dense", "window", "softcap", "varlen", "fp8")
 
 def _stats(out, lse, ref_out, ref_lse, low) -> dict:
     """out, ref_out, low (..., s, h, d); lse, ref_lse (..., h, s)."""
+    import torch
+
     finite = ref_lse.isfinite()
     err = (lse.float() - ref_lse)[finite].abs()
     ref_abs = ref_lse[finite].abs()
     row_err = (out.float() - ref_out).abs().amax(-1)
     row_low = (low.float() - ref_out).abs().amax(-1)
+    row_ulp = torch.finfo(out.dtype).eps * ref_out.abs().amax(-1)  # one ulp of the row's largest
     return dict(lse_max=err.max().item(),
                 lse_rel_max=(err / ref_abs.clamp_min(1e-6)).max().item(),
                 lse_ratio_tight=(err / (1e-4 + 1e-5 * ref_abs)).max().item(),
                 out_max=row_err.max().item(), low_max=row_low.max().item(),
                 row_ratio_max=(row_err / row_low.clamp_min(1e-6)).max().item(),
-                **{f"row_floor_{f}": (row_err - f * row_low).max().item() for f in (2, 3, 5)})
+                **{f"row_floor_{f}": (row_err - f * row_low).max().item() for f in (2, 3, 5)},
+                row_ulps_beyond_2x=((row_err - 2 * row_low) / row_ulp.clamp_min(1e-12)).max().item())
 
 
 def _dense_points(torch):
