@@ -221,3 +221,68 @@ def test_the_gradient_rule_passes_kernel_like_arithmetic(case):
                                                window_size=window)
     assert res["ok"], res["why"]
 
+
+
+def _blockwise_forward(q, k, v, causal, scale, window=(-1, -1), softcap=0.0, tile_n=128):
+    """(out, lse) computed as the 16-bit forward kernels compute them: fp32 scores of the 16-bit
+    inputs, the online softmax over key blocks from the last down with the rescale threshold of
+    rescale_threshold.cuh (8), P rounded to the inputs' dtype for the P V product, fp32 sums,
+    the output rounded to the inputs' dtype."""
+    dt, group = q.dtype, q.shape[2] // k.shape[2]
+    qt = q.transpose(1, 2).float()
+    kt, vt = (t.transpose(1, 2).float().repeat_interleave(group, 1) for t in (k, v))
+    s = qt @ kt.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if causal or window != (-1, -1):
+        mask = reference.window_mask(q.shape[1], k.shape[1], (window[0], 0) if causal else window)
+        s = s.masked_fill(~mask, float("-inf"))
+    out, lse = reference.blockwise_softmax_pv(s, vt, tile_n, 8.0, lambda p: p.to(dt).float())
+    return out.transpose(1, 2).contiguous().to(dt), lse
+
+
+FORWARD_CASES = [  # (b, sq, sk, hq, hkv, d, dtype, causal, window, softcap, scale factor)
+    (1, 1000, 1000, 4, 4, 128, torch.bfloat16, True, (-1, -1), 0.0, 0.8),
+    (2, 300, 700, 8, 2, 64, torch.bfloat16, True, (-1, -1), 0.0, 6.0),
+    (1, 257, 257, 4, 1, 256, torch.float16, False, (-1, -1), 0.0, 6.0),
+    (2, 600, 600, 4, 2, 128, torch.bfloat16, False, (97, 23), 0.0, 0.8),
+    (1, 513, 400, 2, 2, 128, torch.float16, True, (64, -1), 2.5, 6.0),
+    (1, 700, 700, 4, 4, 64, torch.bfloat16, True, (-1, -1), 30.0, 6.0),
+]
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=str)
+def test_the_forward_rule_passes_kernel_like_arithmetic(case):
+    """The forward rule (global, per row, LSE) does not refuse outputs computed in the kernels'
+    arithmetic, at the checks' scale and at large scores where rows rescale."""
+    b, sq, sk, hq, hkv, d, dt, causal, window, softcap, factor = case
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, sq, hq, d, generator=g).to(dt)
+    k, v = (torch.randn(b, sk, hkv, d, generator=g).to(dt) for _ in range(2))
+    scale = factor * d**-0.5
+    out, lse = _blockwise_forward(q, k, v, causal, scale, window, softcap)
+    res = reference.compare_to_reference(out, lse, q, k, v, causal, scale, window_size=window,
+                                         softcap=softcap)
+    assert res["ok"], res["why"]
+
+
+def test_the_forward_rule_catches_one_wrong_row_and_one_dropped_key():
+    """Bugs the tensor-wide bound let pass (2026-12-07 hunt): one row's output 5% off (here the
+    row with the smallest values, far below the tensor's largest error), and a causal kernel
+    that drops the last key column (which only the last query row sees: its LSE moves by
+    log(1 - p), well under the old 1e-3 + 1e-3 |lse|)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 333, 4, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    scale = 0.8 * 64**-0.5
+    out, lse = _blockwise_forward(q, k, v, True, scale)
+    assert reference.compare_to_reference(out, lse, q, k, v, True, scale)["ok"]
+    row = out.float().abs().amax(-1).flatten().argmin()
+    wrong = out.clone()
+    wrong.view(-1, 64)[row] *= 1.05
+    res = reference.compare_to_reference(wrong, lse, q, k, v, True, scale)
+    assert not res["ok"] and "rows beyond the per-row tolerance" in res["why"]
+    dropped = _blockwise_forward(q, k[:, :-1], v[:, :-1], True, scale)[1]
+    last = lse.clone()
+    last[..., -1] = dropped[..., -1]
+    res = reference.compare_to_reference(out, last, q, k, v, True, scale)
+    assert not res["ok"] and "lse" in res["why"]
