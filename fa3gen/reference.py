@@ -101,12 +101,16 @@ def attention_reference(
 OUT_ATOL = 1e-3
 # Per row too, so that one wrong row cannot hide under the tensor's largest error: a row's max
 # error within twice plain PyTorch's on that row, plus one ulp of the output dtype at the row's
-# largest reference value (the final rounding either side may take), plus OUT_ATOL.
+# largest reference value (the final rounding either side may take), plus OUT_ATOL. Correct
+# kernels measured at most 0.43 ulp beyond twice PyTorch's (same runs as below).
 ROW_ULPS = 1.0
-# LSE: correct kernels' errors measured up to 5.3e-5 (relative 2.7e-5) at large scores, 1.9e-6
-# at the default scale (tests/gpu/reference_margins.py, H100, 2026-12-07).
+# LSE: correct kernels' errors measured (tests/gpu/reference_margins.py, H100, 2026-12-07,
+# docs/results/reference_margins_h100_1207_46th.json) at most 1.9e-6 at the default scale, 5.3e-5
+# at scale 0.5, and 2.1e-4 with softcap 30 at scale 0.5 (capped scores near 30: relative 1.1e-5,
+# the hardware tanh's); these bounds keep at least 2x over each. The old 1e-3 + 1e-3|lse| let a
+# causal kernel dropping the last key column pass.
 LSE_ATOL = 1e-4
-LSE_RTOL = 1e-5
+LSE_RTOL = 3e-5
 
 
 def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None, *,
