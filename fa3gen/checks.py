@@ -335,6 +335,23 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
     return results
 
 
+def check_variant(lib, info, seed: int = 0) -> dict:
+    """check_forward or check_backward (by the variant's direction) on each of its
+    quick_problems, seeded with `seed`: the first failing result, else the last one. A launch
+    or library error is a failed check with the reason (fa3gen tune's check of candidates)."""
+    import torch
+
+    check = check_backward if info.direction == "bwd" else check_forward
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    res = {"ok": True, "why": ""}
+    for problem in quick_problems(info):
+        res = _checked(check, lib, info, problem, gen)
+        if not res["ok"]:
+            res["why"] = f"{problem.describe()}: {res['why']}"
+            break
+    return res
+
+
 def quick_problems(info) -> tuple[Problem, ...]:
     """quick_check's problems for a variant: QUICK_PROBLEM; QUICK_EMPTY_ROWS where a causal or
     local mask hides every key from some query rows (not for varlen variants, which run

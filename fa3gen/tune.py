@@ -5,7 +5,9 @@ For each key of the spec with several candidates (a key with one needs no choice
 candidate runs the same shapes (batch = --tokens // seqlen, heads = --hidden // head_dim, one
 per --seqlens entry) under sustained timing (fa3gen.timing.sustained_ms: the candidates of a
 shape alternate, order rotated per round, each settled before its timed batch, median). The
-winner has the highest geometric-mean speed over the shapes. The spec's `dispatch:` block is
+winner has the highest geometric-mean speed over the shapes. Each candidate is first checked
+against the fp32 reference (fa3gen.checks.check_variant: build.py --check's problems); one that
+fails is reported and not timed, so it cannot win. The spec's `dispatch:` block is
 then replaced by one exact entry per multi-candidate key (the winner; keys not timed keep
 their current default), each commented with its measurement; the new spec is validated (it
 must resolve to those defaults) before it is written. The measurement is kept as JSON (--out).
@@ -415,6 +417,19 @@ def run(args) -> int:
         return _tune_keys(args, lib, spec_path, multi, current, report, out, sampler)
 
 
+def check_candidates(lib, variants) -> dict[str, str]:
+    """{name: why} of the candidates that fail checks.check_variant, each reported."""
+    from fa3gen import checks
+
+    wrong = {}
+    for v in variants:
+        res = checks.check_variant(lib, v)
+        if not res["ok"]:
+            wrong[v.name] = res["why"]
+            print(f"{v.name}: wrong, not timed: {res['why']}", flush=True)
+    return wrong
+
+
 def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: dict, out: Path,
                sampler) -> int:
     """Measure every key, write the report after each, then the spec's dispatch section."""
@@ -422,7 +437,11 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
     for key, variants in sorted(multi.items(), key=lambda kv: kv[1][0].name):
         shapes = [{"seqlen": s, "batch": max(1, TOKENS // s), "heads": max(1, HIDDEN // key[2])}
                   for s in args.seqlens]
-        names = [v.name for v in variants]
+        wrong = check_candidates(lib, variants)
+        names = [v.name for v in variants if v.name not in wrong]
+        if not names:
+            raise Fa3genError(f"{key_str(key)}: every candidate failed its check against the "
+                              "reference: " + "; ".join(f"{n}: {w}" for n, w in wrong.items()))
         power, reasons, per_round = {}, {}, {}  # power and reasons filled only with a sampler
         times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power,
                         args.window, reasons=reasons, per_round=per_round)
@@ -444,6 +463,7 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
             if found:
                 ranges[key] = [(lo, hi, by_name[n]) for lo, hi, n in found]
         report["keys"].append({"key": list(key), "shapes": shapes, "ms": times,
+                               "failed_check": wrong,
                                "relative_speed": relative, "winner": best,
                                "previous_default": old.name if old else None,
                                "seqlen_ranges": [[lo, hi, v.name] for lo, hi, v

@@ -5,10 +5,10 @@ import types
 
 import pytest
 
-from fa3gen import cli, tune
+from fa3gen import checks, cli, tune
 from fa3gen.contract import key_str, parse_name
 from fa3gen.errors import Fa3genError
-from tests.test_timing_checks import wait_for_sample
+from tests.test_timing_checks import cpu_generator, wait_for_sample  # noqa: F401 (fixture)
 
 SPEC = """\
 # a comment that must survive
@@ -38,6 +38,19 @@ dispatch:
 NC_128 = "fwd_bf16_d128_nocausal_m128n128_s2_ws1_pp1_ov1"
 NC_176 = "fwd_bf16_d128_nocausal_m128n176_s2_ws1_pp1_ov1"
 NC_KEY = parse_name(NC_128).key
+
+
+CHECK_VARIANT = checks.check_variant  # the real one, which the fixture below stands in for
+
+
+@pytest.fixture(autouse=True)
+def candidates_pass(monkeypatch):
+    """The candidates' check against the reference needs a GPU: every candidate passes here
+    unless a test says otherwise."""
+    checked = []
+    monkeypatch.setattr(checks, "check_variant",
+                        lambda lib, v, seed=0: checked.append(v.name) or {"ok": True, "why": ""})
+    return checked
 
 
 @pytest.fixture
@@ -122,6 +135,72 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     report = json.loads(out.read_text())
     assert report["keys"][0]["winner"] == NC_128 and report["keys"][0]["previous_default"] == NC_176
     assert tune.candidates(spec_file)[1][NC_KEY].name == NC_128
+
+
+def test_a_candidate_that_fails_its_check_is_not_timed(spec_file, tmp_path, monkeypatch, capsys):
+    """A wrong candidate could be the fastest: it is checked against the reference first,
+    reported, and left out of the timing; when every candidate of a key fails, the run stops
+    before writing the spec."""
+    import torch
+
+    from fa3gen import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_lib = types.SimpleNamespace(variants=[parse_name(NC_128), parse_name(NC_176)],
+                                     path=tmp_path / "libfa3gen_tunetest.so")
+    monkeypatch.setattr(runtime, "use_spec", lambda spec: fake_lib)
+    monkeypatch.setattr(tune, "provenance", lambda lib: {})
+    why = "seqlen_q 200, seqlen_k 333, scale_factor 6: max |out - ref| = 0.5 > tolerance 0.01"
+    monkeypatch.setattr(checks, "check_variant", lambda lib, v, seed=0: (
+        {"ok": False, "why": why} if v.name == NC_128 else {"ok": True, "why": ""}))
+    timed = []
+
+    def measure(lib, key, names, shapes, rounds, min_ms, sampler=None, power=None,
+                window=tune.LOCAL_WINDOW, reasons=None, per_round=None):
+        timed.append(names)
+        return {n: [1.0] for n in names}
+
+    monkeypatch.setattr(tune, "measure", measure)
+    out = tmp_path / "tune.json"
+    args = ["tune", "--spec", str(spec_file), "--seqlens", "1024", "--out", str(out),
+            "--no-power"]
+    assert cli.main(args) == 0
+    assert timed == [[NC_176]]
+    assert f"{NC_128}: wrong, not timed: {why}" in capsys.readouterr().out
+    report = json.loads(out.read_text())["keys"][0]
+    assert report["winner"] == NC_176 and report["failed_check"] == {NC_128: why}
+
+    monkeypatch.setattr(checks, "check_variant", lambda lib, v, seed=0: {"ok": False, "why": why})
+    before = spec_file.read_text()
+    assert cli.main(args) == 2
+    assert "every candidate failed its check against the reference" in capsys.readouterr().err
+    assert spec_file.read_text() == before
+
+
+def test_check_variant_runs_the_directions_check_on_each_problem(monkeypatch, cpu_generator):
+    """check_variant: the backward check for backward variants, each of quick_problems, the
+    first failure named with its problem; a launch error is a failure, not an exception."""
+    seen = []
+
+    def fwd(lib, v, problem, gen):
+        seen.append(("fwd", problem))
+        return {"ok": problem != checks.QUICK_LARGE_SCORES, "why": "max |out - ref| = 1"}
+
+    def bwd(lib, v, problem, gen):
+        seen.append(("bwd", problem))
+        raise RuntimeError("fa3gen launch failed")
+
+    monkeypatch.setattr(checks, "check_forward", fwd)
+    monkeypatch.setattr(checks, "check_backward", bwd)
+    plain = types.SimpleNamespace(name="f", direction="fwd", causal=False, local=False,
+                                  varlen=False, paged=False)
+    res = CHECK_VARIANT(None, plain)
+    assert seen == [("fwd", checks.QUICK_PROBLEM), ("fwd", checks.QUICK_LARGE_SCORES)]
+    assert not res["ok"] and res["why"] == "seqlen_q 200, seqlen_k 333, scale_factor 6: max |out - ref| = 1"
+    seen.clear()
+    res = CHECK_VARIANT(None, types.SimpleNamespace(**{**vars(plain), "direction": "bwd"}))
+    assert seen == [("bwd", checks.QUICK_PROBLEM)]
+    assert res["why"] == "seqlen_q 200, seqlen_k 333: RuntimeError: fa3gen launch failed"
 
 
 def test_tune_without_candidates_or_gpu(spec_file, tmp_path, capsys, monkeypatch):
