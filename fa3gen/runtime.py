@@ -512,8 +512,11 @@ def _spec_from_build_info(info: dict[str, Any]) -> str | None:
 _lock = threading.Lock()
 _libraries: dict[Path, Library] = {}  # loaded libraries by resolved path
 # get_library's answers by request (spec, use_spec's choice, FA3GEN_LIB, FA3GEN_GENERATED): the
-# per-call fast path, without resolving the path again.
+# per-call fast path, without resolving the path again. A request with a relative path in it
+# names another file after a chdir: those answers are kept apart with the directory they hold
+# for (a getcwd per call for them only).
 _requests: dict[tuple, Library] = {}
+_relative_requests: dict[tuple, tuple[str, Library]] = {}
 _selected: str | None = None  # set by use_spec(); None = env FA3GEN_LIB or the default spec
 
 
@@ -587,6 +590,9 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
     lib = _requests.get(request)
     if lib is not None:
         return lib
+    relative = _relative_requests.get(request)
+    if relative is not None and relative[0] == os.getcwd():
+        return relative[1]
     asked = os.fspath(spec) if spec is not None else _selected  # what resolve_library starts from
     path, spec_name = resolve_library(asked)
     key = path.resolve() if path.exists() else path
@@ -599,8 +605,26 @@ def get_library(spec: str | os.PathLike | None = None) -> Library:
             # failures are not cached: a later build is picked up
             lib = Library(path, spec_name, spec_file=spec_file)
             _libraries[key] = lib
-        _requests[request] = lib
+        if _names_relative_path(request):
+            _relative_requests[request] = (os.getcwd(), lib)
+        else:
+            _requests[request] = lib
     return lib
+
+
+def _names_relative_path(request: tuple) -> bool:
+    """Whether a get_library request's answer depends on the working directory: a relative
+    spec file or library path (asked for, or chosen by use_spec), or a relative FA3GEN_LIB or
+    FA3GEN_GENERATED (bytes as env_reader gives them). A bare spec name is looked up under
+    FA3GEN_GENERATED or the package's generated/, whose relativity the last part covers."""
+    spec, selected, lib_env, generated_env = request
+
+    def relative_file(s):
+        return (s is not None and (s.endswith((".so", *contract.SPEC_SUFFIXES)) or os.sep in s)
+                and not os.path.isabs(s))
+
+    return (relative_file(spec) or relative_file(selected)
+            or any(v is not None and not os.path.isabs(v) for v in (lib_env, generated_env)))
 
 
 _checked_spec_files: set = set()  # check_built_from's (resolved file, spec name) pairs

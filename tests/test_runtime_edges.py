@@ -205,6 +205,7 @@ def test_a_spec_file_is_served_only_by_a_build_of_its_bytes(clean_runtime, tmp_p
     runtime.get_library(str(other))
     built.write_text("name: same\n# tuned\n")
     runtime._requests.clear()  # as a new process (one answers a request once)
+    runtime._relative_requests.clear()
     runtime._checked_spec_files.clear()
     runtime.get_library(str(built))
     assert f"{built} changed since the build of spec 'same'" in capsys.readouterr().err

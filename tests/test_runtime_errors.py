@@ -5,6 +5,7 @@ import ctypes
 import dataclasses
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -134,8 +135,38 @@ def clean_runtime(monkeypatch, tmp_path):
     monkeypatch.setattr(runtime, "_selected", None)
     monkeypatch.setattr(runtime, "_libraries", {})
     monkeypatch.setattr(runtime, "_requests", {})
+    monkeypatch.setattr(runtime, "_relative_requests", {})
     monkeypatch.setattr(runtime, "_checked_spec_files", set())
     return tmp_path
+
+
+def test_a_relative_path_is_looked_up_again_after_a_chdir(clean_runtime, monkeypatch):
+    """get_library's per-request cache: a relative library path, spec file or FA3GEN_LIB
+    names another file after os.chdir, and the answer follows it; absolute requests and bare
+    spec names stay on the fast path (no getcwd)."""
+    one, two = clean_runtime / "one", clean_runtime / "two"
+    for d in (one, two):
+        d.mkdir()
+        build_fake_lib(d)
+    name = build_fake_lib(one).name  # the same file name in both
+    monkeypatch.chdir(one)
+    assert runtime.get_library(name).path.resolve() == (one / name).resolve()
+    monkeypatch.chdir(two)
+    assert runtime.get_library(name).path.resolve() == (two / name).resolve()
+    monkeypatch.setenv("FA3GEN_LIB", name)
+    assert runtime.get_library().path.resolve() == (two / name).resolve()
+    monkeypatch.chdir(one)
+    assert runtime.get_library().path.resolve() == (one / name).resolve()
+    monkeypatch.setenv("FA3GEN_LIB", str(two / name))
+    lib = runtime.get_library()
+    calls, real = [], os.getcwd
+    with monkeypatch.context() as m:
+        m.setattr(runtime.os, "getcwd", lambda: calls.append(1) or real())
+        again = runtime.get_library()
+    assert again is lib and calls == []  # no getcwd on the fast path
+    assert runtime._names_relative_path(("h100", None, None, b"generated"))
+    assert not runtime._names_relative_path(("h100", None, None, str(clean_runtime).encode()))
+    assert runtime._names_relative_path(("specs/x.yaml", None, None, None))
 
 
 def test_grid_mode_from_environment(monkeypatch):
