@@ -211,13 +211,33 @@ def select_variant(
     else:
         features = "".join(f", {axis}: true" for axis, on in (
             ("local", local), ("softcap", softcap), ("varlen", varlen), ("paged", paged)) if on)
-        hint = (
-            f"add head_dim: {head_dim} (direction {direction}, dtype {dtype}, causal: "
-            f"{str(causal).lower()}{features}) "
-            f"to a group of {spec_file} and run: {build}"
-        )
+        wanted = (f"direction {direction}, dtype {dtype}, causal: {str(causal).lower()}"
+                  f"{features}")
+        if _groups_give_every_axis(spec_file):
+            # a spec without top-level axes (fa3gen spec --from-trace writes them): adding
+            # head_dim to a group would not build this key
+            hint = (f"add a group to {spec_file} with head_dim: {head_dim} ({wanted}) and every "
+                    "other axis (tile, stages, ...: its groups give them all), or, for a spec "
+                    "trimmed from a trace, trace a run that makes this call and run `fa3gen spec "
+                    f"--from-trace` again; then run: {build}")
+        else:
+            hint = f"add head_dim: {head_dim} ({wanted}) to a group of {spec_file} and run: {build}"
     raise VariantNotBuiltError(describe_key(key), _listing(variants), hint, library, lead,
                                no_default=bool(same_key), left_out_by=filters)
+
+
+def _groups_give_every_axis(spec_file: str) -> bool:
+    """Whether the spec file (read only here, for an error's hint) has groups but no top-level
+    axes; False where it cannot be read."""
+    try:
+        import yaml  # a packaged runtime may lack it
+    except ImportError:
+        return False
+    try:
+        data = yaml.safe_load(Path(spec_file).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+        return False
+    return isinstance(data, dict) and "groups" in data and "axes" not in data
 
 
 def _filters_that_dropped(key: tuple, build_info: dict[str, Any] | None) -> str:

@@ -266,6 +266,22 @@ def test_variant_not_built_lists_variants_and_build_hint():
     assert e.value.available and e.value.requested
 
 
+def test_the_build_hint_of_a_spec_whose_groups_give_every_axis(tmp_path):
+    """A spec without top-level axes (as fa3gen spec --from-trace writes): adding head_dim to
+    one of its groups would not build the key, so the hint says to add a whole group or to
+    trace again."""
+    trimmed = tmp_path / "trimmed.yaml"
+    trimmed.write_text("name: trimmed\ngroups:\n  - name: g\n    axes: {direction: fwd}\n")
+    with pytest.raises(VariantNotBuiltError) as e:
+        select_variant(TABLE, "fwd", "bf16", 96, True, spec_name="trimmed",
+                       rebuild=(str(trimmed), f"fa3gen build --spec {trimmed}"))
+    msg = str(e.value)
+    assert (f"add a group to {trimmed} with head_dim: 96 (direction fwd, dtype bf16, causal: "
+            "true) and every other axis") in msg
+    assert "`fa3gen spec --from-trace` again; then run: fa3gen build --spec" in msg
+    assert "to a group of" not in msg
+
+
 def test_unsupported_head_dim_is_not_a_build_hint():
     with pytest.raises(VariantNotBuiltError) as e:
         select_variant(TABLE, "fwd", "bf16", 80, False, spec_name="h100")
