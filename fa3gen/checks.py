@@ -32,10 +32,12 @@ class Problem(NamedTuple):
     def scale(self, head_dim: int) -> float:
         return self.scale_factor * head_dim**-0.5
 
-    def describe(self, sep: str = " ", join: str = ", ") -> str:
+    def describe(self, sep: str = " ", join: str = ", ", packed: bool = False) -> str:
         """'seqlen_q 200, seqlen_k 333' (sep '=' and join ' ': 'seqlen_q=200 seqlen_k=333'),
-        and the scale factor where it is not the checks' usual one."""
-        parts = [("seqlen_q", self.seqlen_q), ("seqlen_k", self.seqlen_k)]
+        and the scale factor where it is not the checks' usual one. packed: the problem of a
+        varlen variant, which runs VARLEN_LENGTHS whatever the seqlens say."""
+        parts = ([("lengths", "VARLEN_LENGTHS")] if packed else
+                 [("seqlen_q", self.seqlen_q), ("seqlen_k", self.seqlen_k)])
         if self.scale_factor != CHECK_SCALE_FACTOR:
             parts.append(("scale_factor", f"{self.scale_factor:g}"))
         return join.join(f"{name}{sep}{value}" for name, value in parts)
@@ -321,7 +323,7 @@ def quick_check(spec=None, verbose: bool = True) -> list[dict]:
         for problem in quick_problems(info):
             res = _checked(check, lib, info, problem, gen)
             results.append(res)
-            where = f"{info.name} ({problem.describe()})"
+            where = f"{info.name} ({problem.describe(packed=_packed(info))})"
             if verbose:
                 status = "ok  " if res["ok"] else "FAIL"
                 print(f"{status} {where}: {error_summary(res)} {'' if res['ok'] else res['why']}",
@@ -347,9 +349,14 @@ def check_variant(lib, info, seed: int = 0) -> dict:
     for problem in quick_problems(info):
         res = _checked(check, lib, info, problem, gen)
         if not res["ok"]:
-            res["why"] = f"{problem.describe()}: {res['why']}"
+            res["why"] = f"{problem.describe(packed=_packed(info))}: {res['why']}"
             break
     return res
+
+
+def _packed(info) -> bool:
+    """Whether the variant's checks run the packed VARLEN_LENGTHS (varlen, not paged)."""
+    return bool(getattr(info, "varlen", False)) and not getattr(info, "paged", False)
 
 
 def quick_problems(info) -> tuple[Problem, ...]:
@@ -358,8 +365,7 @@ def quick_problems(info) -> tuple[Problem, ...]:
     VARLEN_LENGTHS, with such sequences, but for the paged ones, varlen in the key, which run
     the dense problems: _check_paged); and QUICK_LARGE_SCORES."""
     masked = info.causal or getattr(info, "local", False)
-    dense_problem = not getattr(info, "varlen", False) or getattr(info, "paged", False)
-    empty_rows = (QUICK_EMPTY_ROWS,) if masked and dense_problem else ()
+    empty_rows = (QUICK_EMPTY_ROWS,) if masked and not _packed(info) else ()
     return (QUICK_PROBLEM, *empty_rows, QUICK_LARGE_SCORES)
 
 

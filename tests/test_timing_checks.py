@@ -115,6 +115,15 @@ def test_check_cell_worst_error_and_the_failing_problem(monkeypatch, cpu_generat
     assert res == {"status": "wrong", "max_err": None,  # NaN is not JSON
                    "detail": "seqlen_q=200 seqlen_k=333: NaN in out (7)"}
 
+    def wrong_at_large_scores(lib, v, problem, gen):
+        ok = problem.scale_factor == checks.CHECK_SCALE_FACTOR
+        return {"ok": ok, "why": "" if ok else "max |out - ref| = 2", "out_err": 2.0}
+
+    monkeypatch.setattr(checks, "check_forward", wrong_at_large_scores)
+    res = checks.check_cell(FakeLib(cell), cell)
+    assert res == {"status": "wrong", "max_err": 2.0,
+                   "detail": "seqlen_q=333 seqlen_k=333 scale_factor=6: max |out - ref| = 2"}
+
 
 def test_quick_check_lists_every_failure(monkeypatch, capsys, cpu_generator):
     import torch

@@ -104,7 +104,8 @@ def test_feature_keys_name_their_flags_and_a_missing_block_is_appended():
     assert tune.replace_dispatch(text, block) == "name: x\n" + block + "dispatch_required: false\n"
 
 
-def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypatch, capsys):
+def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypatch, capsys,
+                                                  candidates_pass):
     """The command as on the GPU, with torch's CUDA check, the library and the timing faked:
     it writes the JSON and the new default."""
     import torch
@@ -129,6 +130,7 @@ def test_tune_command_flow_with_the_timing_stubbed(spec_file, tmp_path, monkeypa
     assert cli.main(["tune", "--spec", str(spec_file), "--seqlens", "1024,4096", "--rounds", "2",
                      "--min-ms", "5", "--out", str(out), "--no-power", "--window", "4096,0"]) == 0
     assert timed == [(NC_KEY, [NC_128, NC_176], [1024, 4096], 2, 5.0, (4096, 0))]
+    assert candidates_pass == [NC_128, NC_176]  # each candidate checked before the timing
     printed = capsys.readouterr().out
     assert f"{key_str(NC_KEY)}: {NC_128} (was {NC_176})" in printed
     assert f"{NC_176}: 0.930 (rounds 0.800-1.000)" in printed  # the runner-up's spread
@@ -175,6 +177,11 @@ def test_a_candidate_that_fails_its_check_is_not_timed(spec_file, tmp_path, monk
     assert cli.main(args) == 2
     assert "every candidate failed its check against the reference" in capsys.readouterr().err
     assert spec_file.read_text() == before
+    report = json.loads(out.read_text())
+    assert not report["header"]["complete"]
+    assert report["keys"] == [{"key": list(NC_KEY), "failed_check": {NC_128: why, NC_176: why}}]
+    timed.clear()  # --no-check: every candidate is timed, none checked
+    assert cli.main(args + ["--no-check"]) == 0 and timed == [[NC_128, NC_176]]
 
 
 def test_check_variant_runs_the_directions_check_on_each_problem(monkeypatch, cpu_generator):
@@ -201,6 +208,8 @@ def test_check_variant_runs_the_directions_check_on_each_problem(monkeypatch, cp
     res = CHECK_VARIANT(None, types.SimpleNamespace(**{**vars(plain), "direction": "bwd"}))
     assert seen == [("bwd", checks.QUICK_PROBLEM)]
     assert res["why"] == "seqlen_q 200, seqlen_k 333: RuntimeError: fa3gen launch failed"
+    res = CHECK_VARIANT(None, types.SimpleNamespace(**{**vars(plain), "varlen": True}))
+    assert res["why"].startswith("lengths VARLEN_LENGTHS, scale_factor 6: ")  # not the seqlens
 
 
 def test_tune_without_candidates_or_gpu(spec_file, tmp_path, capsys, monkeypatch):
