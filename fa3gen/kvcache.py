@@ -610,6 +610,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_tabl
         raise InvalidInputError(f"a cache of {capacity} keys a sequence{layout} and {sq} queries: "
                                 "at most 2^30 - 1 together")
     scale_strides = _check_scales(k_scale, v_scale, kv_fp8, b, hkv, q.device)
+    _check_score_scale(k_scale, ops._softmax_scale(softmax_scale, q.shape[-1]))
     append = _check_new_kv(k, v, k_cache, b, cache_seqlens, q.dtype)
     if append > capacity:  # from the shapes alone, whatever cache_seqlens holds
         raise InvalidInputError(f"k and v append {append} rows a sequence, more than the cache "
@@ -1074,7 +1075,7 @@ def _run(plan: _DecodePlan, q, k_cache, v_cache, k, v, cache_seqlens, cache_batc
         lengths = seqlens if seqlens is not None else torch.full(
             (b,), p.seqlen_k - plan.append, dtype=torch.int32, device=q.device)
         _debug_checks(lengths, batch_idx, block_table, *plan.geometry, appended=plan.append)
-        _debug_check_scales(k_scale, v_scale)
+        _debug_check_scales(k_scale, v_scale, p.softmax_scale)
     if plan.prefill and not no_query:  # a missing forward: an error before the cache changes
         _require_prefill_forward(q, k_cache, plan.geometry[2], plan.kv_fp8, plan.prefill[0],
                                  seqlens, batch_idx, block_table,
@@ -1340,13 +1341,29 @@ def _launch_decode(device, params, lib=None) -> None:
     ops.on_current_stream(device, lambda stream: lib.decode(params, stream))
 
 
-def _debug_check_scales(k_scale, v_scale) -> None:
+def _check_score_scale(k_scale, softmax_scale: float) -> None:
+    """The decode kernel scales scores by softmax_scale x k_scale (x a power of two >= 1) in
+    fp32, flushed to zero below the normal range: every score 0 then, and the rows' output 0
+    with lse -inf (found by an emulation of decode.cuh). A float k_scale is checked here; a
+    tensor's entries under FA3GEN_DEBUG_CHECKS (_debug_check_scales)."""
+    if k_scale is not None and not isinstance(k_scale, torch.Tensor) and \
+            float(k_scale) * softmax_scale < FP32_TINY:
+        raise InvalidInputError(f"k_scale {ops.shown(k_scale)} x softmax_scale {softmax_scale:g} "
+                                "is below fp32's normal range: the scores' scale would be 0")
+
+
+def _debug_check_scales(k_scale, v_scale, softmax_scale: float) -> None:
     """FA3GEN_DEBUG_CHECKS=1: factor tensors of an e4m3 cache positive and finite (as a float
-    factor must be; appended rows are divided by them)."""
+    factor must be; appended rows are divided by them), and k_scale's entries times
+    softmax_scale within fp32's normal range (_check_score_scale)."""
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if isinstance(s, torch.Tensor):
             ops.check_entries(name, s, ~(torch.isfinite(s) & (s > 0)),
                               "factors must be positive and finite")
+    if isinstance(k_scale, torch.Tensor):
+        ops.check_entries("k_scale", k_scale, k_scale.double() * softmax_scale < FP32_TINY,
+                          f"factors times softmax_scale {softmax_scale:g} must be within fp32's "
+                          "normal range")
 
 
 def _debug_checks(cache_seqlens, cache_batch_idx, block_table, pages_or_b, rows_per, capacity,

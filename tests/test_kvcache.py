@@ -419,6 +419,13 @@ def test_fp8_cache_errors(launched):
             kvcache.flash_attn_with_kvcache(q, kc, kc, v_scale=bad)
     with pytest.raises(InvalidInputError, match="one shape and strides"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(2), v_scale=torch.ones(2, 2))
+    # a k_scale of fp32's normal range whose product with softmax_scale is not: the kernel's
+    # score scale would flush to 0 (every row's output 0, lse -inf)
+    with pytest.raises(InvalidInputError, match=r"k_scale 1e-37 x softmax_scale 0.0883883 is below "
+                                                "fp32's normal range"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, k_scale=1e-37)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, k_scale=1e-37, softmax_scale=1.0)
+    assert launched[-1].k_scale_value == pytest.approx(1e-37)
 
 
 def test_fp8_cache_factor_values_under_debug_checks(launched, monkeypatch):
@@ -435,6 +442,10 @@ def test_fp8_cache_factor_values_under_debug_checks(launched, monkeypatch):
         bad[1, 0] = value
         with pytest.raises(InvalidInputError, match=r"v_scale\[1, 0\] is .*positive and finite"):
             kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, v_scale=bad)
+    bad[1, 0] = 1e-37  # normal, but not times softmax_scale
+    with pytest.raises(InvalidInputError, match=r"k_scale\[1, 0\] is .*times softmax_scale"):
+        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, k_scale=bad)
+    kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=500, v_scale=bad)  # v's is fine
     with pytest.raises(InvalidInputError, match="float8_e4m3fn or torch.bfloat16"):  # k, v of another dtype
         new = torch.zeros(2, 1, 2, 128, dtype=torch.float16)
         kvcache.flash_attn_with_kvcache(q, kc, kc, k=new, v=new, cache_seqlens=5)
@@ -1821,7 +1832,8 @@ def test_fp8_cache_float_factors_below_fp32_normals_are_refused(launched, scale)
     with pytest.raises(InvalidInputError, match="k_scale must be a positive float within fp32's normal"):
         kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=scale)
     assert not launched
-    kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=1.2e-38)  # the smallest normal is legal
+    # the smallest normal is legal where its product with softmax_scale stays normal too
+    kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=1.2e-38, softmax_scale=1.0)
     assert launched[0].k_scale_value > 0
 
 
