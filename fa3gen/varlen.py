@@ -436,6 +436,13 @@ def _bwd_run(plan: _Plan, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, d
         dv.zero_()
         return
     _check_longest("max_seqlen_k", cu_seqlens_k, k.shape[0], plan.info.tile_n, plan.info.name)
+    if plan.deterministic:
+        # Offsets that decrease (bad input, read only under FA3GEN_DEBUG_CHECKS) give wrong
+        # numbers elsewhere, but here two sequences could share a query tile's dQ semaphore
+        # and wait for each other forever: their running maximum (the offsets themselves when
+        # valid; on the device, no sync) keeps the tiles apart.
+        cu_seqlens_q = torch.cummax(cu_seqlens_q, 0).values
+        cu_seqlens_k = torch.cummax(cu_seqlens_k, 0).values
     if seqused_k is not None:  # the kernels write no dk, dv row past seqused_k: those are 0
         dk.zero_()
         dv.zero_()

@@ -692,3 +692,37 @@ def test_torch_deterministic_algorithms_make_the_varlen_backward_deterministic(f
     finally:
         torch.use_deterministic_algorithms(False)
     assert fake_launches[1][1].deterministic == 1
+
+
+def test_the_deterministic_backward_takes_offsets_that_never_decrease(fake_launches, monkeypatch):
+    """cu_seqlens are read on the host only under FA3GEN_DEBUG_CHECKS: decreasing offsets give
+    wrong numbers, but in the deterministic backward two sequences would share a query tile's
+    dQ semaphore and wait for each other forever (a hang). That backward launches with the
+    offsets' running maximum (the offsets themselves when valid); the other launches take the
+    caller's tensors as they are."""
+    import ctypes
+
+    seen = []
+    real = ops._launch
+
+    def launch(lib, info, device, make):
+        p = make()
+        read = lambda ptr: list(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_int32))[:4])
+        seen.append((info.name, p.cu_seqlens_q, read(p.cu_seqlens_q), read(p.cu_seqlens_k)))
+        return real(lib, info, device, lambda: p)
+
+    monkeypatch.setattr(ops, "_launch", launch)
+    cu_q = torch.tensor([0, 7, 3, 10], dtype=torch.int32)  # decreasing: bad input
+    cu_k = torch.tensor([0, 9, 5, 12], dtype=torch.int32)
+    for deterministic in (False, True):
+        q, k, v = qkv(grad=True)
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 9, causal=True,
+                                     deterministic=deterministic)
+        out.float().sum().backward()
+        (fwd, fwd_ptr, fwd_q, _), (bwd, bwd_ptr, bwd_q, bwd_k) = seen[-2:]
+        assert fwd.startswith("fwd_") and bwd.startswith("bwd_")
+        assert fwd_ptr == cu_q.data_ptr() and fwd_q == [0, 7, 3, 10]
+        if deterministic:
+            assert bwd_q == [0, 7, 7, 10] and bwd_k == [0, 9, 9, 12]
+        else:
+            assert bwd_ptr == cu_q.data_ptr() and bwd_q == [0, 7, 3, 10]
