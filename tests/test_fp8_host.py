@@ -91,6 +91,14 @@ def test_what_the_kernel_serves_and_rotates():
     bf16 = torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)
     assert fp8._kernel_serves(bf16) and not fp8._kernel_serves(bf16.float())
     assert not fp8._kernel_serves(bf16[:, :0]) and not fp8._kernel_serves(bf16[..., :96])
+    # the kernel refuses batch or heads past 65535 (its grid): PyTorch serves those, not an error
+    from generator.paths import KERNELS_DIR
+    header = (KERNELS_DIR / "quantize_fp8.cuh").read_text()
+    limit = fp8.MAX_QUANTIZER_GRID
+    assert f"p.batch > {limit} || p.heads > {limit}" in header
+    for shape in ((limit + 1, 1, 1, 128), (1, 1, limit + 1, 128)):
+        assert not fp8._kernel_serves(torch.zeros(1, dtype=torch.bfloat16).expand(*shape))
+    assert fp8._kernel_serves(torch.zeros(1, dtype=torch.bfloat16).expand(limit, 1, limit, 128))
     table = lambda half: (torch.ones(8, half), torch.ones(8, half))  # noqa: E731
     assert fp8._kernel_rotates(bf16, 256, table(64), False)          # 256 x 128: the largest block
     assert not fp8._kernel_rotates(bf16, 257, table(64), False)
