@@ -1344,12 +1344,13 @@ def _launch_decode(device, params, lib=None) -> None:
 def _check_score_scale(k_scale, softmax_scale: float) -> None:
     """The decode kernel scales scores by softmax_scale x k_scale (x a power of two >= 1) in
     fp32, flushed to zero below the normal range: every score 0 then, and the rows' output 0
-    with lse -inf (found by an emulation of decode.cuh). A float k_scale is checked here; a
+    with lse -inf (found by an emulation of decode.cuh); past FP32_MAX, inf and NaN. A float k_scale is checked here; a
     tensor's entries under FA3GEN_DEBUG_CHECKS (_debug_check_scales)."""
     if k_scale is not None and not isinstance(k_scale, torch.Tensor) and \
-            float(k_scale) * softmax_scale < FP32_TINY:
+            not FP32_TINY <= float(k_scale) * softmax_scale <= FP32_MAX:
         raise InvalidInputError(f"k_scale {ops.shown(k_scale)} x softmax_scale {softmax_scale:g} "
-                                "is below fp32's normal range: the scores' scale would be 0")
+                                "is outside fp32's normal range (the scores' scale would be 0 or "
+                                "inf): store the cache with a k_scale nearer 1")
 
 
 def _debug_check_scales(k_scale, v_scale, softmax_scale: float) -> None:
@@ -1361,7 +1362,8 @@ def _debug_check_scales(k_scale, v_scale, softmax_scale: float) -> None:
             ops.check_entries(name, s, ~(torch.isfinite(s) & (s > 0)),
                               "factors must be positive and finite")
     if isinstance(k_scale, torch.Tensor):
-        ops.check_entries("k_scale", k_scale, k_scale.double() * softmax_scale < FP32_TINY,
+        product = k_scale.double() * softmax_scale
+        ops.check_entries("k_scale", k_scale, (product < FP32_TINY) | (product > FP32_MAX),
                           f"factors times softmax_scale {softmax_scale:g} must be within fp32's "
                           "normal range")
 

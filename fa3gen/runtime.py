@@ -643,8 +643,10 @@ def _names_relative_path(request: tuple) -> bool:
         return (s is not None and (s.endswith((".so", *contract.SPEC_SUFFIXES)) or os.sep in s)
                 and not os.path.isabs(s))
 
+    # FA3GEN_LIB counts only where it is read (nothing asked for); an empty variable is unset
     return (relative_file(spec) or relative_file(selected)
-            or any(v is not None and not os.path.isabs(v) for v in (lib_env, generated_env)))
+            or bool(spec is None and selected is None and lib_env and not os.path.isabs(lib_env))
+            or bool(generated_env and not os.path.isabs(generated_env)))
 
 
 _checked_spec_files: set = set()  # check_built_from's (resolved file, spec name) pairs

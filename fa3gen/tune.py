@@ -447,7 +447,8 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
             out.write_text(json.dumps(report, indent=1) + "\n")
             raise Fa3genError(f"{key_str(key)}: every candidate failed its check against the "
                               "reference: " + "; ".join(f"{n}: {w}" for n, w in wrong.items())
-                              + f"; the report: {out}")
+                              + f"; the report: {out} (leave the key out with --keys, or time "
+                              "it unchecked with --no-check)")
         power, reasons, per_round = {}, {}, {}  # power and reasons filled only with a sampler
         times = measure(lib, key, names, shapes, args.rounds, args.min_ms, sampler, power,
                         args.window, reasons=reasons, per_round=per_round)

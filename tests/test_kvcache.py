@@ -1,6 +1,8 @@
 """flash_attn_with_kvcache on CPU: argument checks, what a call writes into the decode params
 (the launch stubbed), the split heuristic and the reference. The kernels:
 tests/gpu/test_kvcache_kernels.py."""
+import re
+
 import pytest
 import torch
 
@@ -421,9 +423,11 @@ def test_fp8_cache_errors(launched):
         kvcache.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.ones(2), v_scale=torch.ones(2, 2))
     # a k_scale of fp32's normal range whose product with softmax_scale is not: the kernel's
     # score scale would flush to 0 (every row's output 0, lse -inf)
-    with pytest.raises(InvalidInputError, match=r"k_scale 1e-37 x softmax_scale 0.0883883 is below "
-                                                "fp32's normal range"):
-        kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, k_scale=1e-37)
+    for tiny_or_huge, scale in ((1e-37, None), (3e38, 2.0)):
+        with pytest.raises(InvalidInputError, match=re.escape(f"k_scale {tiny_or_huge:g} x ")
+                           + r"softmax_scale .* is outside fp32's normal range"):
+            kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, k_scale=tiny_or_huge,
+                                            softmax_scale=scale)
     kvcache.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=5, k_scale=1e-37, softmax_scale=1.0)
     assert launched[-1].k_scale_value == pytest.approx(1e-37)
 

@@ -149,14 +149,18 @@ def test_a_relative_path_is_looked_up_again_after_a_chdir(clean_runtime, monkeyp
         d.mkdir()
         build_fake_lib(d)
     name = build_fake_lib(one).name  # the same file name in both
+    # (a Library keeps the relative path it was given: compare the objects, each loaded once
+    # per resolved file)
     monkeypatch.chdir(one)
-    assert runtime.get_library(name).path.resolve() == (one / name).resolve()
+    first = runtime.get_library(name)
+    assert runtime._libraries[(one / name).resolve()] is first
     monkeypatch.chdir(two)
-    assert runtime.get_library(name).path.resolve() == (two / name).resolve()
+    second = runtime.get_library(name)
+    assert second is not first and runtime._libraries[(two / name).resolve()] is second
     monkeypatch.setenv("FA3GEN_LIB", name)
-    assert runtime.get_library().path.resolve() == (two / name).resolve()
+    assert runtime.get_library() is second
     monkeypatch.chdir(one)
-    assert runtime.get_library().path.resolve() == (one / name).resolve()
+    assert runtime.get_library() is first
     monkeypatch.setenv("FA3GEN_LIB", str(two / name))
     lib = runtime.get_library()
     calls, real = [], os.getcwd
@@ -165,6 +169,9 @@ def test_a_relative_path_is_looked_up_again_after_a_chdir(clean_runtime, monkeyp
         again = runtime.get_library()
     assert again is lib and calls == []  # no getcwd on the fast path
     assert runtime._names_relative_path(("h100", None, None, b"generated"))
+    assert not runtime._names_relative_path(("h100", None, b"", b""))  # empty: unset
+    assert not runtime._names_relative_path(("h100", None, b"lib.so", None))  # not read
+    assert runtime._names_relative_path((None, None, b"lib.so", None))
     assert not runtime._names_relative_path(("h100", None, None, str(clean_runtime).encode()))
     assert runtime._names_relative_path(("specs/x.yaml", None, None, None))
 
