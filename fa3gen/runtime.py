@@ -271,7 +271,7 @@ class Library:
 
     def __init__(self, path: str | os.PathLike, spec_name: str | None = None,
                  spec_file: str | None = None):
-        self.path = Path(path)
+        self.path = Path(path).absolute()  # a relative one would name another file after a chdir
         if self.path.is_dir():
             raise Fa3genError(f"{self.path} is a folder, not an fa3gen library (libfa3gen_<spec>.so)")
         if not self.path.is_file():

@@ -149,12 +149,12 @@ def test_a_relative_path_is_looked_up_again_after_a_chdir(clean_runtime, monkeyp
         d.mkdir()
         build_fake_lib(d)
     name = build_fake_lib(one).name  # the same file name in both
-    # (a Library keeps the relative path it was given: compare the objects, each loaded once
-    # per resolved file)
+    # (compare the objects, each loaded once per resolved file)
     monkeypatch.chdir(one)
     first = runtime.get_library(name)
     assert runtime._libraries[(one / name).resolve()] is first
     monkeypatch.chdir(two)
+    assert first.path == one.absolute() / name  # made absolute when loaded: not two's file now
     second = runtime.get_library(name)
     assert second is not first and runtime._libraries[(two / name).resolve()] is second
     monkeypatch.setenv("FA3GEN_LIB", name)
