@@ -287,8 +287,13 @@ def package_name_of(spec_name: str) -> str:
 
 def spec_sha256(path) -> str:
     """The bytes of a spec file, as a build's manifest records them (`spec_sha256`)."""
+    return spec_bytes_sha256(Path(path).read_bytes())
+
+
+def spec_bytes_sha256(data: bytes) -> str:
+    """spec_sha256 of bytes already read (load_spec's, which the build records)."""
     import hashlib
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return hashlib.sha256(data).hexdigest()
 
 
 def other_spec_file(manifest: dict | None, spec_path) -> str | None:

@@ -360,15 +360,15 @@ def _quantizer_library(x):
     return lib if lib.has_quantizer else None
 
 
+MAX_QUANTIZER_GRID = 65535  # quantize_fp8.cuh's limit on batch and heads (a test reads it)
+
+
 def _kernel_serves(x) -> bool:
     """Whether the fused kernel takes x; else PyTorch operations quantize it. Its launches put
-    batch and heads on grid dimensions of at most 65535 (launch_quantize_fp8 refuses more)."""
+    batch and heads on grid dimensions of at most MAX_QUANTIZER_GRID (the kernel refuses more)."""
     b, s, h, d = x.shape
     return (x.dtype in (torch.bfloat16, torch.float16) and d in (64, 128, 256)
             and min(b, s, h) >= 1 and max(b, h) <= MAX_QUANTIZER_GRID)
-
-
-MAX_QUANTIZER_GRID = 65535  # quantize_fp8.cuh's limit on batch and heads (a test reads it)
 
 
 # The fused kernel's limits (quantize_fp8.cuh, kStagedBlockValues): block scales come from the

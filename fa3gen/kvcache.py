@@ -701,7 +701,7 @@ def _check_scales(k_scale, v_scale, kv_fp8, batch, heads_kv, device) -> tuple:
                                         f"{heads_kv}) on {device}, got {s.dtype} "
                                         f"{tuple(s.shape)} on {s.device}")
             tensors.append(s)
-        elif (value := ops.real_number(s)) is None or not FP32_TINY <= value <= FP32_MAX:
+        elif (value := ops.real_number(s)) is None or not _normal_fp32(value):
             raise InvalidInputError(f"{name} must be a positive float within fp32's normal range "
                                     f"or an fp32 tensor, got {ops.shown(s)}")
     if not tensors:
@@ -1341,13 +1341,18 @@ def _launch_decode(device, params, lib=None) -> None:
     ops.on_current_stream(device, lambda stream: lib.decode(params, stream))
 
 
+def _normal_fp32(x):
+    """Whether x (a float, or a tensor's entries) lies within fp32's positive normal range."""
+    return (FP32_TINY <= x) & (x <= FP32_MAX)
+
+
 def _check_score_scale(k_scale, softmax_scale: float) -> None:
     """The decode kernel scales scores by softmax_scale x k_scale (x a power of two >= 1) in
     fp32, flushed to zero below the normal range: every score 0 then, and the rows' output 0
     with lse -inf (found by an emulation of decode.cuh); past FP32_MAX, inf and NaN. A float k_scale is checked here; a
     tensor's entries under FA3GEN_DEBUG_CHECKS (_debug_check_scales)."""
     if k_scale is not None and not isinstance(k_scale, torch.Tensor) and \
-            not FP32_TINY <= float(k_scale) * softmax_scale <= FP32_MAX:
+            not _normal_fp32(float(k_scale) * softmax_scale):
         raise InvalidInputError(f"k_scale {ops.shown(k_scale)} x softmax_scale {softmax_scale:g} "
                                 "is outside fp32's normal range (the scores' scale would be 0 or "
                                 "inf): store the cache with a k_scale nearer 1")
@@ -1362,8 +1367,7 @@ def _debug_check_scales(k_scale, v_scale, softmax_scale: float) -> None:
             ops.check_entries(name, s, ~(torch.isfinite(s) & (s > 0)),
                               "factors must be positive and finite")
     if isinstance(k_scale, torch.Tensor):
-        product = k_scale.double() * softmax_scale
-        ops.check_entries("k_scale", k_scale, (product < FP32_TINY) | (product > FP32_MAX),
+        ops.check_entries("k_scale", k_scale, ~_normal_fp32(k_scale.double() * softmax_scale),
                           f"factors times softmax_scale {softmax_scale:g} must be within fp32's "
                           "normal range")
 

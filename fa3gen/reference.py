@@ -131,14 +131,15 @@ def compare_to_reference(out, lse, q, k, v, causal=False, softmax_scale=None, *,
     n_nan_o, n_nan_l = int(torch.isnan(out_f).sum()), int(torch.isnan(lse_f).sum())
     if n_nan_o or n_nan_l:
         fail(f"NaN in out ({n_nan_o}) / lse ({n_nan_l}): elements not written or NaN math")
-    res["out_err"] = _max_abs(out_f - ref_out)
-    res["lowprec_err"] = _max_abs(low_out.float() - ref_out)
+    out_diff, low_diff = (out_f - ref_out).abs(), (low_out.float() - ref_out).abs()
+    res["out_err"] = _max_abs(out_diff)
+    res["lowprec_err"] = _max_abs(low_diff)
     res["out_tol"] = 2 * res["lowprec_err"] + OUT_ATOL
     if not res["out_err"] <= res["out_tol"]:
         fail(f"max |out - ref| = {res['out_err']:.3g} > tolerance {res['out_tol']:.3g}")
     # per row (batch, query, head): max over head_dim
-    row_err = (out_f - ref_out).abs().amax(-1)
-    row_tol = (2 * (low_out.float() - ref_out).abs().amax(-1) + OUT_ATOL
+    row_err = out_diff.amax(-1)
+    row_tol = (2 * low_diff.amax(-1) + OUT_ATOL
                + ROW_ULPS * _eps(out.dtype) * ref_out.abs().amax(-1))
     over = ~(row_err <= row_tol) & ~torch.isnan(row_err)  # NaN is reported above
     if bool(over.any()):

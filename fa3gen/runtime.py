@@ -411,7 +411,7 @@ class Library:
         recorded = (contract.library_manifest(self.path) or {}).get("spec_path")
         spec_file = recorded if isinstance(recorded, str) and recorded else spec_file_of(self.spec_name)
         build = f"fa3gen build --spec {spec_file}"
-        if BUNDLED_LIBRARY is not None and self.path.absolute() == BUNDLED_LIBRARY.absolute():
+        if BUNDLED_LIBRARY is not None and self.path == BUNDLED_LIBRARY.absolute():
             name = "" if PACKAGE == contract.package_name_of(self.spec_name or "") else \
                 f" --name {PACKAGE}"  # a wheel packaged with --name is rebuilt with it
             build += f", then fa3gen package --spec {spec_file}{name} and install the new wheel"

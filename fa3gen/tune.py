@@ -433,6 +433,10 @@ def check_candidates(lib, variants) -> dict[str, str]:
     return wrong
 
 
+def _save(report: dict, out: Path) -> None:
+    out.write_text(json.dumps(report, indent=1) + "\n")
+
+
 def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: dict, out: Path,
                sampler) -> int:
     """Measure every key, write the report after each, then the spec's dispatch section."""
@@ -444,7 +448,7 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
         names = [v.name for v in variants if v.name not in wrong]
         if not names:  # recorded first, so the report says why the run stopped
             report["keys"].append({"key": list(key), "failed_check": wrong})
-            out.write_text(json.dumps(report, indent=1) + "\n")
+            _save(report, out)
             raise Fa3genError(f"{key_str(key)}: every candidate failed its check against the "
                               "reference: " + "; ".join(f"{n}: {w}" for n, w in wrong.items())
                               + f"; the report: {out} (leave the key out with --keys, or time "
@@ -483,9 +487,9 @@ def _tune_keys(args, lib, spec_path: Path, multi: dict, current: dict, report: d
             f"{n}: {r:.3f}{'' if n == best else _spread_text(spread.get(n))}"
             for n, r in relative.items()), flush=True)
         # after every key, so that a run that dies keeps what it measured (complete: false)
-        out.write_text(json.dumps(report, indent=1) + "\n")
+        _save(report, out)
     report["header"]["complete"] = True
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    _save(report, out)
     if args.dry_run:
         print(f"wrote {out}; --dry-run: {spec_path} unchanged")
         return 0

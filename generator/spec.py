@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from fa3gen.contract import (AXES, AXIS_BY_NAME, DECODE_DTYPES, DECODE_HEAD_DIMS, DECODE_PAIRS,
-                             INT32_MAX, KEY_AXES, KNOB_AXES)
+                             INT32_MAX, KEY_AXES, KNOB_AXES, spec_bytes_sha256)
 from fa3gen.errors import yaml_error_place
 
 from .errors import SpecError
@@ -222,8 +222,6 @@ def spec_file_error(path: Path) -> SpecError:
 
 
 def load_spec(path: str | Path) -> Spec:
-    import hashlib
-
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -235,7 +233,7 @@ def load_spec(path: str | Path) -> Spec:
     except UnicodeDecodeError as e:
         raise SpecError(f"cannot read spec {path}: not UTF-8 text ({e.reason} at byte {e.start})")
     spec = parse_spec(text, str(path), default_name=path.stem)
-    return replace(spec, sha256=hashlib.sha256(data).hexdigest())
+    return replace(spec, sha256=spec_bytes_sha256(data))
 
 
 def parse_spec(text: str, source: str = "<spec>", default_name: str = "spec") -> Spec:
